@@ -1,0 +1,422 @@
+"""Drive a real llama.cpp (through llama-cpp-python's low-level ctypes API) and record
+every call, its arguments and its return value.
+
+This module is the only place in conformance/ that talks to llama.cpp.  A ``Run`` owns
+one model and one context; each method performs one llama.cpp call and appends one
+operation to ``run.trace`` in the case.json format (see case.schema.json).  Save
+operations also write the artefact into the case directory and describe which memory
+layout it holds, so a reader can be told what to expect without guessing.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import re
+from pathlib import Path
+
+import llama_cpp as L
+
+# ggml type ids (ggml.h enum ggml_type) for the cache types the cases use
+GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
+
+# llama_context::state_seq_get_data prefixes every raw sequence blob with this u32
+# and the source seq id (i32); llama_state_seq_save_file does not
+SEQ_DATA_IO_MAGIC = 0xAF143CD8
+
+SESSION_MAGIC = 0x6767736E  # 'ggsn'
+SEQ_MAGIC = 0x67677371      # 'ggsq'
+SESSION_VERSION = 10
+SEQ_VERSION = 3
+
+FLAGS_PARTIAL_ONLY = 1
+
+# ------------------------------------------------------------------ logging
+
+_log_lines: list[tuple[int, str]] = []
+_log_buf = [""]
+_log_level = [0]
+
+
+@L.llama_log_callback
+def _log_cb(level, text, _user):
+    s = text.decode("utf-8", errors="replace") if text else ""
+    if level != 5:  # GGML_LOG_LEVEL_CONT continues the previous message
+        _log_level[0] = level
+    _log_buf[0] += s
+    while "\n" in _log_buf[0]:
+        line, _log_buf[0] = _log_buf[0].split("\n", 1)
+        _log_lines.append((_log_level[0], line))
+
+
+def _take_log() -> list[tuple[int, str]]:
+    out = list(_log_lines)
+    _log_lines.clear()
+    return out
+
+
+def _errors(lines) -> list[str]:
+    # GGML_LOG_LEVEL_ERROR = 4; strip the function-name prefix, which is not stable API
+    return [l for lvl, l in lines if lvl == 4]
+
+
+_backend_ready = [False]
+
+
+def init_backend() -> None:
+    if not _backend_ready[0]:
+        L.llama_log_set(_log_cb, None)
+        L.llama_backend_init()
+        _backend_ready[0] = True
+
+
+def sha256(path: Path) -> str:
+    return hashlib.sha256(path.read_bytes()).hexdigest()
+
+
+# ------------------------------------------------------------------ memory description
+
+def memory_kind(hp: dict) -> str:
+    if any(hp["recurrent_layers"]):
+        return "hybrid" if not all(hp["recurrent_layers"]) else "recurrent"
+    if hp["n_swa"] > 0 and any(hp["swa_layers"]):
+        return "iswa"
+    return "kv"
+
+
+def sections_for(kind: str, flags: int) -> list[str]:
+    """Which memory sections an artefact holds, in file order.
+
+    llama_kv_cache_iswa::state_write writes the base cache then the SWA cache, and skips
+    the base cache under LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY; llama_memory_hybrid writes
+    attention then recurrent and skips attention under the same flag; the plain KV cache
+    and the recurrent memory ignore the flags."""
+    partial = bool(flags & FLAGS_PARTIAL_ONLY)
+    if kind == "kv":
+        return ["kv"]
+    if kind == "recurrent":
+        return ["recurrent"]
+    if kind == "iswa":
+        return ["kv_swa"] if partial else ["kv_base", "kv_swa"]
+    if kind == "hybrid":
+        return ["recurrent"] if partial else ["kv_attn", "recurrent"]
+    raise ValueError(kind)
+
+
+_KV_SIZE_RE = re.compile(r"^(\w+): size = .*?\(\s*(\d+) cells,\s*(\d+) layers,\s*(\d+)(?:/(\d+))? seqs")
+_ISWA_RE = re.compile(r"creating\s+(non-SWA|SWA) KV cache, size = (\d+) cells")
+
+
+def _parse_memory_log(lines) -> dict:
+    """Cache sizes as llama.cpp reports them while building the memory."""
+    out: dict = {"caches": []}
+    for _lvl, l in lines:
+        m = _KV_SIZE_RE.search(l)
+        if m:
+            ent = {"module": m.group(1), "cells": int(m.group(2)), "layers": int(m.group(3)),
+                   "n_seq_max": int(m.group(4))}
+            if m.group(5) is not None:
+                ent["n_stream"] = int(m.group(5))
+            out["caches"].append(ent)
+        m = _ISWA_RE.search(l)
+        if m:
+            out["kv_size_swa" if m.group(1) == "SWA" else "kv_size_base"] = int(m.group(2))
+    return out
+
+
+# ------------------------------------------------------------------ the run
+
+class Run:
+    def __init__(self, case_dir: Path, model_path: Path, hp: dict, cparams: dict):
+        init_backend()
+        self.dir = case_dir
+        self.hp = hp
+        self.kind = memory_kind(hp)
+        self.trace: list[dict] = []
+        self.n_saves = 0
+        self.cp = dict(cparams)
+        self.ctx = None
+        self.model = None
+
+        mp = L.llama_model_default_params()
+        mp.n_gpu_layers = 0
+        mp.use_mmap = True
+        _take_log()
+        self.model = L.llama_model_load_from_file(str(model_path).encode(), mp)
+        if not self.model:
+            raise RuntimeError(f"llama.cpp failed to load {model_path}: {_errors(_take_log())}")
+        _take_log()
+
+        p = L.llama_context_default_params()
+        p.n_ctx = cparams["n_ctx"]
+        p.n_batch = cparams["n_batch"]
+        p.n_ubatch = cparams["n_ubatch"]
+        p.n_seq_max = cparams["n_seq_max"]
+        p.n_threads = cparams["n_threads"]
+        p.n_threads_batch = cparams["n_threads"]
+        p.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if cparams["flash_attn"] else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        p.type_k = GGML_TYPES[cparams["type_k"]]
+        p.type_v = GGML_TYPES[cparams["type_v"]]
+        p.swa_full = cparams["swa_full"]
+        p.kv_unified = cparams["kv_unified"]
+        p.offload_kqv = False
+        p.op_offload = False
+        p.no_perf = True
+        p.embeddings = False
+        self.ctx = L.llama_init_from_model(self.model, p)
+        lines = _take_log()
+        op = {"op": "init", "ret": bool(self.ctx)}
+        if not self.ctx:
+            op["errors"] = _errors(lines)
+            self.trace.append(op)
+            self.mem = None
+            self.observed_ctx = None
+            return
+        self.mem = L.llama_get_memory(self.ctx)
+        self.n_seq_max = L.llama_n_seq_max(self.ctx)
+        self.observed_ctx = {
+            "n_ctx": L.llama_n_ctx(self.ctx),
+            "n_ctx_seq": L.llama_n_ctx_seq(self.ctx),
+            "n_batch": L.llama_n_batch(self.ctx),
+            "n_ubatch": L.llama_n_ubatch(self.ctx),
+            "n_seq_max": self.n_seq_max,
+            "memory_can_shift": bool(L.llama_memory_can_shift(self.mem)),
+            "memory_log": _parse_memory_log(lines),
+        }
+        op["observed"] = self._observe()
+        self.trace.append(op)
+
+    # -------------------------------------------------------------- helpers
+
+    def close(self):
+        if self.ctx:
+            L.llama_free(self.ctx)
+            self.ctx = None
+        if self.model:
+            L.llama_model_free(self.model)
+            self.model = None
+
+    def pos_min(self, s: int) -> int:
+        return int(L.llama_memory_seq_pos_min(self.mem, s))
+
+    def pos_max(self, s: int) -> int:
+        return int(L.llama_memory_seq_pos_max(self.mem, s))
+
+    def _observe(self) -> dict:
+        return {
+            "seq_pos_min": [self.pos_min(s) for s in range(self.n_seq_max)],
+            "seq_pos_max": [self.pos_max(s) for s in range(self.n_seq_max)],
+        }
+
+    def _push(self, op: dict, lines=None) -> dict:
+        if lines:
+            errs = _errors(lines)
+            if errs:
+                op["errors"] = errs
+        op["observed"] = self._observe()
+        self.trace.append(op)
+        return op
+
+    # -------------------------------------------------------------- decode
+
+    def decode(self, tokens, pos, seq_ids, logits=None) -> int:
+        n = len(tokens)
+        assert len(pos) == n and len(seq_ids) == n
+        if logits is None:
+            logits = [0] * (n - 1) + [1]
+        n_seq = max(len(s) for s in seq_ids)
+        b = L.llama_batch_init(n, 0, max(n_seq, 1))
+        b.n_tokens = n
+        for i in range(n):
+            b.token[i] = int(tokens[i])
+            b.pos[i] = int(pos[i])
+            b.n_seq_id[i] = len(seq_ids[i])
+            for j, s in enumerate(seq_ids[i]):
+                b.seq_id[i][j] = int(s)
+            b.logits[i] = int(bool(logits[i]))
+        _take_log()
+        ret = int(L.llama_decode(self.ctx, b))
+        lines = _take_log()
+        L.llama_batch_free(b)
+        self._push({"op": "decode", "tokens": [int(t) for t in tokens], "pos": [int(p) for p in pos],
+                    "seq_ids": [[int(s) for s in ss] for ss in seq_ids],
+                    "logits": [int(bool(x)) for x in logits], "ret": ret}, lines)
+        return ret
+
+    def decode_seq(self, seq_id: int, tokens, start: int | None = None, also=()) -> int:
+        """Decode ``tokens`` for one sequence (optionally shared with ``also``), positions
+        continuing after the sequence's current maximum unless ``start`` is given."""
+        if start is None:
+            start = self.pos_max(seq_id) + 1
+        ids = [[seq_id, *also]] * len(tokens)
+        return self.decode(tokens, list(range(start, start + len(tokens))), ids)
+
+    # -------------------------------------------------------------- sequence ops
+
+    def seq_rm(self, seq_id, p0, p1) -> bool:
+        _take_log()
+        ret = bool(L.llama_memory_seq_rm(self.mem, seq_id, p0, p1))
+        self._push({"op": "seq_rm", "seq_id": seq_id, "p0": p0, "p1": p1, "ret": ret}, _take_log())
+        return ret
+
+    def seq_cp(self, src, dst, p0, p1):
+        _take_log()
+        L.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+        self._push({"op": "seq_cp", "seq_id_src": src, "seq_id_dst": dst, "p0": p0, "p1": p1}, _take_log())
+
+    def seq_keep(self, seq_id):
+        _take_log()
+        L.llama_memory_seq_keep(self.mem, seq_id)
+        self._push({"op": "seq_keep", "seq_id": seq_id}, _take_log())
+
+    def seq_add(self, seq_id, p0, p1, delta):
+        _take_log()
+        L.llama_memory_seq_add(self.mem, seq_id, p0, p1, delta)
+        self._push({"op": "seq_add", "seq_id": seq_id, "p0": p0, "p1": p1, "delta": delta}, _take_log())
+
+    def seq_div(self, seq_id, p0, p1, d):
+        _take_log()
+        L.llama_memory_seq_div(self.mem, seq_id, p0, p1, d)
+        self._push({"op": "seq_div", "seq_id": seq_id, "p0": p0, "p1": p1, "d": d}, _take_log())
+
+    def clear(self, data=True):
+        L.llama_memory_clear(self.mem, data)
+        self._push({"op": "clear", "data": data})
+
+    # -------------------------------------------------------------- saves
+
+    def _artefact(self, kind: str, seq_id, flags: int, ext: str) -> tuple[str, Path]:
+        self.n_saves += 1
+        tag = kind if seq_id is None else f"{kind}-seq{seq_id}"
+        if flags:
+            tag += f"-flags{flags}"
+        name = f"{self.n_saves:02d}-{tag}.{ext}"
+        return name, self.dir / name
+
+    def _describe(self, op: dict, path: Path, seq_id, flags: int, whole: bool):
+        op["layout"] = self.kind
+        op["sections"] = sections_for(self.kind, flags)
+        op["cell_ext"] = bool(self.hp["has_cell_ext"])
+        op["v_trans"] = (not self.cp["flash_attn"]) if self.kind != "recurrent" else None
+        op["n_stream"] = 1 if self.cp["kv_unified"] else self.n_seq_max
+        op["scope"] = "context" if whole else "sequence"
+        op["size"] = path.stat().st_size
+        op["sha256"] = sha256(path)
+
+    def _obs_sizes(self, op: dict, seq_id):
+        op.setdefault("observed_sizes", {})["state_size"] = int(L.llama_state_get_size(self.ctx))
+        if seq_id is not None:
+            op["observed_sizes"]["seq_state_size"] = int(L.llama_state_seq_get_size(self.ctx, seq_id))
+
+    def save_session(self, tokens) -> bool:
+        name, path = self._artefact("session", None, 0, "ggsn")
+        arr = (L.llama_token * max(len(tokens), 1))(*tokens)
+        _take_log()
+        ret = bool(L.llama_state_save_file(self.ctx, str(path).encode(), arr, len(tokens)))
+        lines = _take_log()
+        op = {"op": "save", "kind": "session", "file": name, "tokens": list(tokens), "ret": ret,
+              "header": {"magic": SESSION_MAGIC, "version": SESSION_VERSION, "n_token_count": len(tokens)},
+              "arch": self.hp["arch"]}
+        self._describe(op, path, None, 0, True)
+        self._obs_sizes(op, None)
+        self._push(op, lines)
+        return ret
+
+    def save_seq(self, seq_id: int, tokens) -> int:
+        name, path = self._artefact("seq", seq_id, 0, "ggsq")
+        arr = (L.llama_token * max(len(tokens), 1))(*tokens)
+        _take_log()
+        ret = int(L.llama_state_seq_save_file(self.ctx, str(path).encode(), seq_id, arr, len(tokens)))
+        lines = _take_log()
+        op = {"op": "save", "kind": "seq", "file": name, "seq_id": seq_id, "tokens": list(tokens),
+              "ret": ret, "flags": 0,
+              "header": {"magic": SEQ_MAGIC, "version": SEQ_VERSION, "n_token_count": len(tokens)}}
+        self._describe(op, path, seq_id, 0, False)
+        self._obs_sizes(op, seq_id)
+        self._push(op, lines)
+        return ret
+
+    def save_state_data(self) -> int:
+        name, path = self._artefact("state", None, 0, "bin")
+        size = int(L.llama_state_get_size(self.ctx))
+        buf = (ctypes.c_uint8 * size)()
+        _take_log()
+        ret = int(L.llama_state_get_data(self.ctx, buf, size))
+        lines = _take_log()
+        path.write_bytes(bytes(buf)[:ret])
+        op = {"op": "save", "kind": "state_data", "file": name, "ret": ret, "get_size": size,
+              "arch": self.hp["arch"], "header": None}
+        self._describe(op, path, None, 0, True)
+        self._obs_sizes(op, None)
+        self._push(op, lines)
+        return ret
+
+    def save_seq_data(self, seq_id: int, flags: int = 0) -> int:
+        name, path = self._artefact("seqdata", seq_id, flags, "bin")
+        size = int(L.llama_state_seq_get_size_ext(self.ctx, seq_id, flags))
+        buf = (ctypes.c_uint8 * max(size, 1))()
+        _take_log()
+        ret = int(L.llama_state_seq_get_data_ext(self.ctx, buf, size, seq_id, flags))
+        lines = _take_log()
+        path.write_bytes(bytes(buf)[:ret])
+        op = {"op": "save", "kind": "seq_data", "file": name, "seq_id": seq_id, "flags": flags,
+              "ret": ret, "get_size": size,
+              "header": {"io_magic": SEQ_DATA_IO_MAGIC, "seq_id": seq_id}}
+        self._describe(op, path, seq_id, flags, False)
+        self._obs_sizes(op, seq_id)
+        self._push(op, lines)
+        return ret
+
+    def save_all(self, tokens_by_seq: dict[int, list[int]], session_tokens=None, seq_data_flags=(0,)):
+        """Session file, raw state, and per sequence a .ggsq file and raw seq blobs."""
+        if session_tokens is None:
+            session_tokens = tokens_by_seq.get(0, [])
+        self.save_session(session_tokens)
+        self.save_state_data()
+        for s, toks in tokens_by_seq.items():
+            self.save_seq(s, toks)
+            for f in seq_data_flags:
+                self.save_seq_data(s, f)
+
+    # -------------------------------------------------------------- restores
+
+    def load_session(self, file: str, capacity: int = 4096) -> bool:
+        arr = (L.llama_token * capacity)()
+        n = ctypes.c_size_t(0)
+        _take_log()
+        ret = bool(L.llama_state_load_file(self.ctx, str(self.dir / file).encode(), arr, capacity, ctypes.byref(n)))
+        lines = _take_log()
+        self._push({"op": "state_load", "kind": "session", "file": file, "n_token_capacity": capacity,
+                    "ret": ret, "tokens": [int(arr[i]) for i in range(n.value)] if ret else None}, lines)
+        return ret
+
+    def load_seq(self, file: str, dest_seq_id: int, capacity: int = 4096) -> int:
+        arr = (L.llama_token * max(capacity, 1))()
+        n = ctypes.c_size_t(0)
+        _take_log()
+        ret = int(L.llama_state_seq_load_file(self.ctx, str(self.dir / file).encode(), dest_seq_id, arr,
+                                              capacity, ctypes.byref(n)))
+        lines = _take_log()
+        self._push({"op": "seq_restore", "kind": "seq", "file": file, "dest_seq_id": dest_seq_id,
+                    "n_token_capacity": capacity, "ret": ret,
+                    "tokens": [int(arr[i]) for i in range(n.value)] if ret else None}, lines)
+        return ret
+
+    def set_state_data(self, file: str) -> int:
+        data = (self.dir / file).read_bytes()
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        _take_log()
+        ret = int(L.llama_state_set_data(self.ctx, buf, len(data)))
+        lines = _take_log()
+        self._push({"op": "state_load", "kind": "state_data", "file": file, "ret": ret}, lines)
+        return ret
+
+    def set_seq_data(self, file: str, dest_seq_id: int, flags: int = 0) -> int:
+        data = (self.dir / file).read_bytes()
+        buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+        _take_log()
+        ret = int(L.llama_state_seq_set_data_ext(self.ctx, buf, len(data), dest_seq_id, flags))
+        lines = _take_log()
+        self._push({"op": "seq_restore", "kind": "seq_data", "file": file, "dest_seq_id": dest_seq_id,
+                    "flags": flags, "ret": ret}, lines)
+        return ret

@@ -1,0 +1,64 @@
+"""kvref: llama.cpp's memory modules and state files, in Python with Cython hot paths.
+
+Public names are imported lazily so that ``import kvref`` stays cheap and a missing optional piece
+(say, ``gguf`` for ``HParams.from_gguf``) only matters to the caller who uses it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from . import errors
+from .errors import BatchError, CellError, FormatError, KVRefError, NoSlotError, SequenceError
+
+__version__ = "0.1.0"
+
+LLAMA_MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence ids are 0 .. 255
+
+# public name -> module that defines it
+_LAZY = {
+    "KVCells": "kvref.cells",
+    "GGMLType": "kvref.ggml",
+    "HParams": "kvref.hparams",
+    "SWAType": "kvref.hparams",
+    "RopeType": "kvref.hparams",
+    "Batch": "kvref.batch",
+    "UBatch": "kvref.batch",
+    "KVCache": "kvref.kv_cache",
+    "SlotInfo": "kvref.kv_cache",
+    "RecurrentMemory": "kvref.recurrent",
+    "KVCacheISWA": "kvref.kv_cache_iswa",
+    "HybridMemory": "kvref.hybrid",
+    "create_memory": "kvref.memory",
+}
+_SUBMODULES = ("cells", "mask", "ggml", "state", "batch", "hparams", "kv_cache")
+
+
+def backend() -> str:
+    """``"cython"`` or ``"python"``: the twin the selector modules picked (see ``KVREF_BACKEND``)."""
+    from .cells import BACKEND
+
+    return BACKEND
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"kvref.{name}")
+    raise AttributeError(f"module 'kvref' has no attribute {name!r}")
+
+
+__all__ = [
+    "LLAMA_MAX_SEQ",
+    "BatchError",
+    "CellError",
+    "FormatError",
+    "KVRefError",
+    "NoSlotError",
+    "SequenceError",
+    "backend",
+    "errors",
+    *_LAZY,
+]

@@ -1,0 +1,489 @@
+"""Pure-Python twin of the KV cell bookkeeping (llama.cpp's ``llama_kv_cells``, src/llama-kv-cells.h).
+
+This module is the readable statement of the semantics; ``_cells_c.pyx`` implements the same API at C
+speed. Both keep their arrays in NumPy:
+
+- ``pos``   int32[n]      position of each cell, -1 when empty;
+- ``shift`` int32[n]      position delta accumulated since the last ``reset_shift`` (pending K-shift);
+- ``ext``   int32[n, 3]   per-cell extension (x, y, tok): M-RoPE 2-D position and the cell's token;
+- ``seq``   uint64[n, 4]  bitset of the sequences that see the cell (LLAMA_MAX_SEQ = 256 bits).
+
+Beside them: the number of used cells (pos != -1, with or without sequences) and, per sequence, the
+ordered set of (pos, cell) pairs, which gives min/max positions and ``seq_pos_tok_le`` in O(log n).
+
+Where llama.cpp only asserts (an index out of range, ``seq_add`` on an empty cell, ``pos_set`` on a used
+cell, ...), both twins raise ``CellError`` / ``SequenceError`` and leave the cells unchanged. Bulk methods
+validate every element before changing anything.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+
+from .errors import CellError, SequenceError
+
+LLAMA_MAX_SEQ = 256
+N_SEQ_WORDS = LLAMA_MAX_SEQ // 64
+TOKEN_NULL = -1  # LLAMA_TOKEN_NULL: the ext token of a cell made from an embedding
+POS_MAX = 2**31 - 1  # what llama.cpp substitutes for an open upper bound (p1 < 0)
+
+IntArray = npt.NDArray[np.int32]
+
+
+def _check_seq(seq_id: int) -> int:
+    seq_id = int(seq_id)
+    if not 0 <= seq_id < LLAMA_MAX_SEQ:
+        raise SequenceError(f"seq_id {seq_id} is outside [0, {LLAMA_MAX_SEQ})")
+    return seq_id
+
+
+def _ro(a: np.ndarray) -> np.ndarray:
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+class KVCells:
+    """The cells of one KV stream: positions, shifts, ext and sequence sets, with llama.cpp's rules."""
+
+    def __init__(self, size: int = 0) -> None:
+        self.resize(size)
+
+    # ------------------------------------------------------------------ whole-array state
+    def resize(self, n: int) -> None:
+        """Give the cells ``n`` slots, all empty (llama.cpp's resize() ends with reset())."""
+        n = int(n)
+        if n < 0:
+            raise CellError(f"cannot resize cells to {n}")
+        self._pos = np.empty(n, dtype=np.int32)
+        self._shift = np.empty(n, dtype=np.int32)
+        self._ext = np.empty((n, 3), dtype=np.int32)
+        self._seq = np.empty((n, N_SEQ_WORDS), dtype=np.uint64)
+        self.reset()
+
+    def reset(self) -> None:
+        self._pos.fill(-1)
+        self._shift.fill(0)
+        self._ext[:, :2] = 0
+        self._ext[:, 2] = TOKEN_NULL
+        self._seq.fill(0)
+        self._has_shift = False
+        self._n_used = 0
+        self._seq_pos: list[list[tuple[int, int]]] = [[] for _ in range(LLAMA_MAX_SEQ)]
+
+    def reset_shift(self) -> None:
+        self._has_shift = False
+        self._shift.fill(0)
+
+    def size(self) -> int:
+        return int(self._pos.shape[0])
+
+    def __len__(self) -> int:
+        return self.size()
+
+    def get_used(self) -> int:
+        return self._n_used
+
+    def used_min(self) -> int:
+        """Index of the first used cell, 0 when none is used."""
+        idx = np.flatnonzero(self._pos != -1)
+        return int(idx[0]) if idx.size else 0
+
+    def used_max_p1(self) -> int:
+        """Index of the last used cell + 1, 0 when none is used."""
+        idx = np.flatnonzero(self._pos != -1)
+        return int(idx[-1]) + 1 if idx.size else 0
+
+    def used_cells(self) -> IntArray:
+        """Indices of the used cells, ascending (llama.cpp's ``used`` set)."""
+        return np.flatnonzero(self._pos != -1).astype(np.int32)
+
+    def get_has_shift(self) -> bool:
+        return self._has_shift
+
+    # read-only NumPy views of the arrays
+    @property
+    def pos(self) -> np.ndarray:
+        return _ro(self._pos)
+
+    @property
+    def shift(self) -> np.ndarray:
+        return _ro(self._shift)
+
+    @property
+    def ext(self) -> np.ndarray:
+        return _ro(self._ext)
+
+    @property
+    def seq(self) -> np.ndarray:
+        return _ro(self._seq)
+
+    # ------------------------------------------------------------------ helpers
+    def _check_index(self, i: int) -> int:
+        i = int(i)
+        if not 0 <= i < self._pos.shape[0]:
+            raise CellError(f"cell index {i} is outside [0, {self._pos.shape[0]})")
+        return i
+
+    def _check_used(self, i: int, what: str) -> int:
+        i = self._check_index(i)
+        if self._pos[i] == -1:
+            raise CellError(f"{what}: cell {i} is empty")
+        return i
+
+    def _has(self, i: int, s: int) -> bool:
+        return bool((int(self._seq[i, s >> 6]) >> (s & 63)) & 1)
+
+    def _seqs_of(self, i: int) -> list[int]:
+        out = []
+        for w in range(N_SEQ_WORDS):
+            word = int(self._seq[i, w])
+            while word:
+                low = word & -word
+                out.append(w * 64 + low.bit_length() - 1)
+                word ^= low
+        return out
+
+    def _seq_pos_insert(self, s: int, i: int) -> None:
+        bisect.insort(self._seq_pos[s], (int(self._pos[i]), i))
+
+    def _seq_pos_erase(self, s: int, i: int) -> None:
+        lst = self._seq_pos[s]
+        key = (int(self._pos[i]), i)
+        k = bisect.bisect_left(lst, key)
+        assert k < len(lst) and lst[k] == key, "per-sequence index out of step with the cells"
+        del lst[k]
+
+    def _seq_pos_rm_cell(self, i: int) -> None:
+        for s in self._seqs_of(i):
+            self._seq_pos_erase(s, i)
+
+    def _seq_pos_add_cell(self, i: int) -> None:
+        for s in self._seqs_of(i):
+            self._seq_pos_insert(s, i)
+
+    def _free(self, i: int, reset_ext: bool) -> None:
+        """Make cell i empty; its per-sequence entries must already be gone."""
+        self._seq[i] = 0
+        self._pos[i] = -1
+        self._shift[i] = 0
+        if reset_ext:
+            self._ext[i] = (0, 0, TOKEN_NULL)
+        self._n_used -= 1
+
+    # ------------------------------------------------------------------ copies (prepare() rollback)
+    def cp(self, i: int | Sequence[int] | np.ndarray, n: int | None = None) -> KVCells:
+        """Copy cells ``[i, i + n)``, or the cells listed in ``i`` when ``n`` is None, into new cells.
+
+        Shifts are not copied: llama.cpp only copies cells with no pending shift (asserted there).
+        """
+        idxs = self._cp_indices(i, n)
+        if np.any(self._shift[idxs] != 0):
+            raise CellError("cp: a copied cell has a pending shift (apply the K-shift first)")
+        res = type(self)(len(idxs))
+        res._pos[:] = self._pos[idxs]
+        res._ext[:] = self._ext[idxs]
+        res._seq[:] = self._seq[idxs]
+        res._n_used = int(np.count_nonzero(res._pos != -1))
+        for j in np.flatnonzero(res._pos != -1):
+            res._seq_pos_add_cell(int(j))
+        return res
+
+    def _cp_indices(self, i: Any, n: int | None) -> np.ndarray:
+        size = self._pos.shape[0]
+        if n is None:
+            idxs = np.asarray(i, dtype=np.int64).reshape(-1)
+            if idxs.size and (idxs.min() < 0 or idxs.max() >= size):
+                raise CellError(f"cell index outside [0, {size})")
+            return idxs
+        i, n = int(i), int(n)
+        if i < 0 or n < 0 or i + n > size:
+            raise CellError(f"cell range [{i}, {i + n}) is outside [0, {size})")
+        return np.arange(i, i + n, dtype=np.int64)
+
+    def set(self, i: int | Sequence[int] | np.ndarray, other: Any) -> None:
+        """Overwrite cells ``[i, i + len(other))`` (or the cells listed in ``i``) with ``other``'s cells."""
+        other_pos = np.asarray(other.pos)
+        n = other_pos.shape[0]
+        if isinstance(i, (int, np.integer)):
+            idxs = self._cp_indices(i, n)
+        else:
+            idxs = self._cp_indices(i, None)
+            if idxs.shape[0] != n:
+                raise CellError(f"set: {idxs.shape[0]} indices for {n} cells")
+        if np.any(self._shift[idxs] != 0):
+            raise CellError("set: a target cell has a pending shift (apply the K-shift first)")
+        other_ext, other_seq = np.asarray(other.ext), np.asarray(other.seq)
+        for j in range(n):
+            idx = int(idxs[j])
+            was_used = self._pos[idx] != -1
+            if was_used:
+                self._seq_pos_rm_cell(idx)
+            self._pos[idx] = other_pos[j]
+            self._ext[idx] = other_ext[j]
+            self._seq[idx] = other_seq[j]
+            now_used = self._pos[idx] != -1
+            if now_used:
+                self._seq_pos_add_cell(idx)
+            self._n_used += int(now_used) - int(was_used)
+
+    # ------------------------------------------------------------------ per-cell operations
+    def is_empty(self, i: int) -> bool:
+        return bool(self._pos[self._check_index(i)] == -1)
+
+    def rm(self, i: int) -> None:
+        """Clear a used cell."""
+        i = self._check_used(i, "rm")
+        self._seq_pos_rm_cell(i)
+        self._free(i, reset_ext=True)
+
+    def seq_rm(self, i: int, seq_id: int) -> bool:
+        """Remove ``seq_id`` from a cell that has it; True when the cell became empty."""
+        s = _check_seq(seq_id)
+        i = self._check_used(i, "seq_rm")
+        if not self._has(i, s):
+            raise CellError(f"seq_rm: cell {i} does not hold sequence {s}")
+        self._seq_pos_erase(s, i)
+        self._seq[i, s >> 6] &= ~np.uint64(1 << (s & 63))
+        if not self._seq[i].any():
+            self._free(i, reset_ext=True)
+            return True
+        return False
+
+    def seq_keep(self, i: int, seq_id: int) -> bool:
+        """Keep only ``seq_id`` in the cell; True when the cell became empty (it did not hold it)."""
+        s = _check_seq(seq_id)
+        i = self._check_index(i)
+        if self._has(i, s):
+            self._seq_pos_rm_cell(i)
+            self._seq[i] = 0
+            self._seq[i, s >> 6] = np.uint64(1 << (s & 63))
+            self._seq_pos_insert(s, i)
+            return False
+        if self._seq[i].any():
+            self._seq_pos_rm_cell(i)
+            self._free(i, reset_ext=True)
+            return True
+        return False
+
+    def seq_count(self, i: int) -> int:
+        i = self._check_used(i, "seq_count")
+        return sum(int(w).bit_count() for w in self._seq[i])
+
+    def seq_get_all(self, i: int) -> list[int]:
+        """The sequence ids that see cell i, ascending."""
+        return self._seqs_of(self._check_index(i))
+
+    def seq_has(self, i: int, seq_id: int) -> bool:
+        return self._has(self._check_index(i), _check_seq(seq_id))
+
+    def seq_add(self, i: int, seq_id: int) -> None:
+        """Add ``seq_id`` to a used cell that does not hold it yet."""
+        s = _check_seq(seq_id)
+        i = self._check_used(i, "seq_add")
+        if self._has(i, s):
+            raise CellError(f"seq_add: cell {i} already holds sequence {s}")
+        self._seq[i, s >> 6] |= np.uint64(1 << (s & 63))
+        self._seq_pos_insert(s, i)
+
+    def seq_get(self, i: int) -> int:
+        """The only sequence of a cell that has exactly one."""
+        seqs = self._seqs_of(self._check_index(i))
+        if len(seqs) != 1:
+            raise CellError(f"seq_get: cell {i} holds {len(seqs)} sequences, not exactly one")
+        return seqs[0]
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        lst = self._seq_pos[_check_seq(seq_id)]
+        return lst[0][0] if lst else -1
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        lst = self._seq_pos[_check_seq(seq_id)]
+        return lst[-1][0] if lst else -1
+
+    def seq_pos_get(self, seq_id: int) -> list[tuple[int, int]]:
+        """The (pos, cell) pairs of the sequence, ordered by position then cell."""
+        return list(self._seq_pos[_check_seq(seq_id)])
+
+    def seq_pos_tok_le(self, seq_id: int, p: int) -> int:
+        """Token of the sequence's cell at the largest position <= p (highest cell on ties), else -1."""
+        lst = self._seq_pos[_check_seq(seq_id)]
+        k = bisect.bisect_right(lst, (int(p), 2**32))
+        if k == 0:
+            return TOKEN_NULL
+        return int(self._ext[lst[k - 1][1], 2])
+
+    def pos_get(self, i: int) -> int:
+        return int(self._pos[self._check_used(i, "pos_get")])
+
+    def ext_get(self, i: int) -> tuple[int, int, int]:
+        """(x, y, tok) of a used cell."""
+        x, y, tok = self._ext[self._check_used(i, "ext_get")]
+        return int(x), int(y), int(tok)
+
+    def ext_set(self, i: int, x: int = 0, y: int = 0, tok: int = TOKEN_NULL) -> None:
+        self._ext[self._check_index(i)] = (x, y, tok)
+
+    def get_shift(self, i: int) -> int:
+        return int(self._shift[self._check_used(i, "get_shift")])
+
+    def pos_in(self, i: int, p0: int, p1: int) -> bool:
+        """True when the cell is used and p0 <= pos < p1."""
+        p = self._pos[self._check_index(i)]
+        return bool(p >= p0 and p < p1 and p != -1)
+
+    def pos_set(self, i: int, p: int) -> None:
+        """Place position p in an empty cell (has_shift is not touched)."""
+        i = self._check_index(i)
+        if self._pos[i] != -1 or self._seq[i].any():
+            raise CellError(f"pos_set: cell {i} is not empty")
+        if p < 0:
+            raise CellError(f"pos_set: position {p} is negative")
+        self._pos[i] = p
+        self._n_used += 1
+
+    def pos_add(self, i: int, d: int) -> bool:
+        """pos += d and shift += d; True when the position went negative and the cell was freed.
+
+        As in llama.cpp, a cell freed here keeps its ext (only rm/seq_rm/seq_keep reset it).
+        """
+        i = self._check_used(i, "pos_add")
+        self._seq_pos_rm_cell(i)
+        new_pos = int(self._pos[i]) + int(d)
+        self._has_shift = True
+        if new_pos < 0:
+            self._free(i, reset_ext=False)
+            return True
+        self._pos[i] = new_pos
+        self._shift[i] += d
+        self._seq_pos_add_cell(i)
+        return False
+
+    def pos_div(self, i: int, d: int) -> None:
+        """pos //= d; the change goes into shift."""
+        i = self._check_used(i, "pos_div")
+        if d <= 0:
+            raise CellError(f"pos_div: divisor {d} is not positive")
+        self._seq_pos_rm_cell(i)
+        old = int(self._pos[i])
+        self._pos[i] = old // d
+        self._shift[i] += old - old // d
+        self._seq_pos_add_cell(i)
+        self._has_shift = True
+
+    # ------------------------------------------------------------------ bulk forms
+    def pos_set_many(self, idxs: Iterable[int], positions: Iterable[int]) -> None:
+        """``pos_set(idxs[k], positions[k])`` for every k; all-or-nothing."""
+        ia = np.asarray(idxs, dtype=np.int64).reshape(-1)
+        pa = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if ia.shape != pa.shape:
+            raise CellError(f"pos_set_many: {ia.size} indices for {pa.size} positions")
+        for k in range(ia.size):
+            self._check_index(int(ia[k]))
+        if np.unique(ia).size != ia.size:
+            raise CellError("pos_set_many: a cell index appears twice")
+        if ia.size and (np.any(self._pos[ia] != -1) or np.any(self._seq[ia] != 0)):
+            raise CellError("pos_set_many: a target cell is not empty")
+        if ia.size and (pa.min() < 0 or pa.max() > POS_MAX):
+            raise CellError("pos_set_many: a position is outside [0, 2^31)")
+        for k in range(ia.size):
+            self.pos_set(int(ia[k]), int(pa[k]))
+
+    def seq_add_many(self, idxs: Iterable[int], seq_ids: int | Iterable[int]) -> None:
+        """``seq_add(idxs[k], seq_ids[k])`` (or one seq id for all); all-or-nothing."""
+        ia = np.asarray(idxs, dtype=np.int64).reshape(-1)
+        sa = np.broadcast_to(np.asarray(seq_ids, dtype=np.int64), ia.shape)
+        for k in range(ia.size):
+            i, s = self._check_used(int(ia[k]), "seq_add_many"), _check_seq(int(sa[k]))
+            if self._has(i, s):
+                raise CellError(f"seq_add_many: cell {i} already holds sequence {s}")
+        if len(set(zip(ia.tolist(), sa.tolist()))) != ia.size:
+            raise CellError("seq_add_many: a (cell, sequence) pair appears twice")
+        for k in range(ia.size):
+            self.seq_add(int(ia[k]), int(sa[k]))
+
+    def pos_add_many(self, idxs: Iterable[int], d: int) -> np.ndarray:
+        """``pos_add(i, d)`` for every listed used cell; returns which cells were freed (bool array)."""
+        ia = np.asarray(idxs, dtype=np.int64).reshape(-1)
+        for k in range(ia.size):
+            self._check_used(int(ia[k]), "pos_add_many")
+        if np.unique(ia).size != ia.size:
+            raise CellError("pos_add_many: a cell index appears twice")
+        return np.array([self.pos_add(int(i), d) for i in ia], dtype=bool)
+
+    def seq_pos_min_many(self, seq_ids: Iterable[int]) -> IntArray:
+        return np.array([self.seq_pos_min(int(s)) for s in np.asarray(seq_ids).reshape(-1)], dtype=np.int32)
+
+    def seq_pos_max_many(self, seq_ids: Iterable[int]) -> IntArray:
+        return np.array([self.seq_pos_max(int(s)) for s in np.asarray(seq_ids).reshape(-1)], dtype=np.int32)
+
+    # ------------------------------------------------------------------ range operations
+    # The loops of llama_kv_cache's sequence operations over one stream. Positions are a half-open
+    # range [p0, p1) already normalised by the caller (llama.cpp maps p0 < 0 to 0 and p1 < 0 to
+    # POS_MAX). Each returns the index of the first cell it freed, or size() when it freed none,
+    # which is what the cache needs to move its head.
+    def seq_rm_range(self, seq_id: int, p0: int, p1: int) -> int:
+        """Remove ``seq_id`` (every sequence when -1) from the used cells with p0 <= pos < p1."""
+        size = self.size()
+        first = size
+        if seq_id == -1:
+            for i in range(size):
+                if self.pos_in(i, p0, p1):
+                    self.rm(i)
+                    first = min(first, i)
+            return first
+        s = _check_seq(seq_id)
+        for i in range(size):
+            if self.pos_in(i, p0, p1) and self._has(i, s) and self.seq_rm(i, s):
+                first = min(first, i)
+        return first
+
+    def seq_cp_range(self, seq_src: int, seq_dst: int, p0: int, p1: int) -> None:
+        """Add ``seq_dst`` to every cell of ``seq_src`` with p0 <= pos < p1.
+
+        A cell that already holds ``seq_dst`` is left as it is (what a release build of llama.cpp does).
+        """
+        src, dst = _check_seq(seq_src), _check_seq(seq_dst)
+        if src == dst:
+            return
+        for i in range(self.size()):
+            if self.pos_in(i, p0, p1) and self._has(i, src) and not self._has(i, dst):
+                self.seq_add(i, dst)
+
+    def seq_keep_all(self, seq_id: int) -> int:
+        """``seq_keep(i, seq_id)`` on every cell."""
+        s = _check_seq(seq_id)
+        first = self.size()
+        for i in range(self.size()):
+            if self.seq_keep(i, s):
+                first = min(first, i)
+        return first
+
+    def seq_add_range(self, seq_id: int, p0: int, p1: int, delta: int) -> int:
+        """``pos_add(i, delta)`` on every cell of ``seq_id`` with p0 <= pos < p1."""
+        s = _check_seq(seq_id)
+        first = self.size()
+        for i in range(self.size()):
+            if self.pos_in(i, p0, p1) and self._has(i, s) and self.pos_add(i, delta):
+                first = min(first, i)
+        return first
+
+    def seq_div_range(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        """``pos_div(i, d)`` on every cell of ``seq_id`` with p0 <= pos < p1."""
+        s = _check_seq(seq_id)
+        if d <= 0:
+            raise CellError(f"seq_div_range: divisor {d} is not positive")
+        for i in range(self.size()):
+            if self.pos_in(i, p0, p1) and self._has(i, s):
+                self.pos_div(i, d)
+
+    def __repr__(self) -> str:
+        return f"KVCells(size={self.size()}, used={self._n_used}, has_shift={self._has_shift})"
+
+
+__all__ = ["LLAMA_MAX_SEQ", "N_SEQ_WORDS", "POS_MAX", "TOKEN_NULL", "KVCells"]

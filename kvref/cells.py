@@ -1,0 +1,20 @@
+"""KV cell bookkeeping: the public selector between the Cython and the Python twin.
+
+Callers import from here only (``from kvref.cells import KVCells``); ``KVREF_BACKEND`` decides which twin
+(see ``kvref._backend``). The semantics are documented in ``kvref/_cells_py.py``.
+"""
+
+from __future__ import annotations
+
+from ._backend import select
+
+_impl = select("cells")
+
+KVCells = _impl.KVCells
+LLAMA_MAX_SEQ: int = _impl.LLAMA_MAX_SEQ
+N_SEQ_WORDS: int = _impl.N_SEQ_WORDS
+POS_MAX: int = _impl.POS_MAX
+TOKEN_NULL: int = _impl.TOKEN_NULL
+BACKEND = "cython" if _impl.__name__.endswith("_c") else "python"
+
+__all__ = ["BACKEND", "LLAMA_MAX_SEQ", "N_SEQ_WORDS", "POS_MAX", "TOKEN_NULL", "KVCells"]

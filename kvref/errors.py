@@ -1,0 +1,50 @@
+"""Exceptions shared by every kvref module and by both twins of each Cython module.
+
+Both twins raise exactly these classes, so a caller can never tell the backends apart by what they raise.
+"""
+
+from __future__ import annotations
+
+
+class KVRefError(Exception):
+    """Base class of every error kvref raises on purpose."""
+
+
+class FormatError(KVRefError, ValueError):
+    """A state file or blob that does not follow llama.cpp's layout.
+
+    ``field`` names the field being read and ``offset`` the byte offset where it starts (or ``None``
+    when the error is not tied to one place); both also appear in the message.
+    """
+
+    def __init__(self, message: str, *, field: str | None = None, offset: int | None = None) -> None:
+        where = []
+        if field is not None:
+            where.append(f"field {field!r}")
+        if offset is not None:
+            where.append(f"offset {offset}")
+        super().__init__(f"{message} ({', '.join(where)})" if where else message)
+        self.field = field
+        self.offset = offset
+
+
+class BatchError(KVRefError, ValueError):
+    """A batch that llama_batch_allocr::init would reject; the message carries llama.cpp's reason."""
+
+
+class NoSlotError(KVRefError):
+    """A batch (or ubatch) that does not fit in the memory; the memory is left unchanged."""
+
+
+class CellError(KVRefError, ValueError):
+    """Misuse of the cell bookkeeping that llama.cpp only guards with an assert.
+
+    kvref raises instead of corrupting state: the cells are unchanged when this is raised.
+    """
+
+
+class SequenceError(KVRefError, ValueError):
+    """A sequence id outside the range the memory accepts, or an operation not allowed on it."""
+
+
+__all__ = ["KVRefError", "FormatError", "BatchError", "NoSlotError", "CellError", "SequenceError"]

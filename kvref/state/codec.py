@@ -1,0 +1,130 @@
+"""The two byte primitives every layout goes through: `Reader` and `Writer`.
+
+All integers are little-endian (llama.cpp writes host order; every platform it ships on is little-endian),
+and this is the only module that says so. The reader works over a memoryview (of bytes or of an mmap) and
+never copies: arrays come back as NumPy views. Every check happens *before* anything is allocated, so a lying
+count in a small input costs nothing, and every error names the field and the absolute byte offset.
+"""
+
+from __future__ import annotations
+
+import struct
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from ..errors import FormatError
+
+_U32 = struct.Struct("<I")
+_I32 = struct.Struct("<i")
+_U64 = struct.Struct("<Q")
+
+
+class Reader:
+    """A cursor over a byte buffer; ``pos`` is the absolute offset of the next byte."""
+
+    __slots__ = ("buf", "end", "pos")
+
+    def __init__(self, buf: Any, pos: int = 0, end: int | None = None) -> None:
+        mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+        self.buf = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+        self.pos = pos
+        self.end = len(self.buf) if end is None else end
+
+    def remaining(self) -> int:
+        return self.end - self.pos
+
+    def need(self, n: int, field: str) -> None:
+        """Raise unless ``n`` more bytes are available for ``field``."""
+        if n > self.end - self.pos:
+            raise FormatError(
+                f"truncated: {field} needs {n} bytes, {self.end - self.pos} remain", field=field, offset=self.pos
+            )
+
+    def _scalar(self, s: struct.Struct, field: str) -> int:
+        if s.size > self.end - self.pos:
+            self.need(s.size, field)
+        (v,) = s.unpack_from(self.buf, self.pos)
+        self.pos += s.size
+        return v
+
+    def u32(self, field: str) -> int:
+        return self._scalar(_U32, field)
+
+    def i32(self, field: str) -> int:
+        return self._scalar(_I32, field)
+
+    def u64(self, field: str) -> int:
+        return self._scalar(_U64, field)
+
+    def peek_u32(self, at: int | None = None) -> int | None:
+        at = self.pos if at is None else at
+        if at + 4 > self.end:
+            return None
+        return _U32.unpack_from(self.buf, at)[0]
+
+    def take(self, n: int, field: str) -> memoryview:
+        """The next ``n`` bytes as a zero-copy memoryview."""
+        self.need(n, field)
+        mv = self.buf[self.pos : self.pos + n]
+        self.pos += n
+        return mv
+
+    def array(self, dtype: np.dtype, count: int, field: str, count_field: str | None = None) -> np.ndarray:
+        """``count`` elements as a NumPy view; a count larger than the input is blamed on ``count_field``."""
+        nbytes = count * dtype.itemsize
+        if nbytes > self.end - self.pos:
+            blame = count_field or field
+            raise FormatError(
+                f"count {count} of {field} needs {nbytes} bytes, only {self.end - self.pos} remain",
+                field=blame,
+                offset=self.pos,
+            )
+        arr = np.frombuffer(self.buf, dtype=dtype, count=count, offset=self.pos)
+        self.pos += nbytes
+        return arr
+
+
+class Writer:
+    """Streams encoded fields to a binary file object; ``n`` counts the bytes written."""
+
+    __slots__ = ("f", "n")
+
+    def __init__(self, f: BinaryIO) -> None:
+        self.f = f
+        self.n = 0
+
+    def raw(self, b: Any) -> None:
+        self.f.write(b)
+        self.n += memoryview(b).nbytes
+
+    def _scalar(self, s: struct.Struct, v: int, field: str) -> None:
+        try:
+            b = s.pack(int(v))
+        except (struct.error, TypeError, ValueError, OverflowError) as e:
+            raise FormatError(f"cannot encode {v!r} as {s.format}: {e}", field=field, offset=self.n) from None
+        self.f.write(b)
+        self.n += s.size
+
+    def u32(self, v: int, field: str) -> None:
+        self._scalar(_U32, v, field)
+
+    def i32(self, v: int, field: str) -> None:
+        self._scalar(_I32, v, field)
+
+    def u64(self, v: int, field: str) -> None:
+        self._scalar(_U64, v, field)
+
+    def array(self, arr: np.ndarray, field: str) -> None:
+        """Write the array's bytes as they are laid out (views of an mmap stream straight from the page cache)."""
+        a = np.asarray(arr)
+        if not a.flags.c_contiguous:
+            a = np.ascontiguousarray(a)
+        if a.dtype.byteorder == ">":
+            raise FormatError("big-endian arrays cannot be written", field=field, offset=self.n)
+        if a.nbytes:
+            self.f.write(memoryview(a).cast("B"))
+            self.n += a.nbytes
+
+
+__all__ = ["Reader", "Writer"]
