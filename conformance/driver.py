@@ -134,6 +134,7 @@ class Run:
         self.kind = memory_kind(hp)
         self.trace: list[dict] = []
         self.n_saves = 0
+        self.latest_files: dict = {}
         self.cp = dict(cparams)
         self.ctx = None
         self.model = None
@@ -146,12 +147,26 @@ class Run:
         if not self.model:
             raise RuntimeError(f"llama.cpp failed to load {model_path}: {_errors(_take_log())}")
         _take_log()
+        m = self.model
+        self.observed_model = {
+            "n_layer": L.llama_model_n_layer(m),
+            "n_embd": L.llama_model_n_embd(m),
+            "n_head": L.llama_model_n_head(m),
+            "n_head_kv": L.llama_model_n_head_kv(m),
+            "n_swa": L.llama_model_n_swa(m),
+            "rope_type": L.llama_model_rope_type(m),
+            "n_ctx_train": L.llama_model_n_ctx_train(m),
+            "n_vocab": L.llama_vocab_n_tokens(L.llama_model_get_vocab(m)),
+            "is_recurrent": bool(L.llama_model_is_recurrent(m)),
+            "is_hybrid": bool(L.llama_model_is_hybrid(m)),
+        }
 
         p = L.llama_context_default_params()
         p.n_ctx = cparams["n_ctx"]
         p.n_batch = cparams["n_batch"]
         p.n_ubatch = cparams["n_ubatch"]
         p.n_seq_max = cparams["n_seq_max"]
+        p.n_rs_seq = cparams["n_rs_seq"]
         p.n_threads = cparams["n_threads"]
         p.n_threads_batch = cparams["n_threads"]
         p.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if cparams["flash_attn"] else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
@@ -291,7 +306,12 @@ class Run:
         if flags:
             tag += f"-flags{flags}"
         name = f"{self.n_saves:02d}-{tag}.{ext}"
+        self.latest_files[(kind, seq_id, flags)] = name
         return name, self.dir / name
+
+    def latest(self, kind: str, seq_id=None, flags: int = 0) -> str:
+        """File name of the most recent artefact of this kind (for later restores)."""
+        return self.latest_files[(kind, seq_id, flags)]
 
     def _describe(self, op: dict, path: Path, seq_id, flags: int, whole: bool):
         op["layout"] = self.kind

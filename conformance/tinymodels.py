@@ -56,6 +56,7 @@ class TinyModel:
     sha256: str | None = None
     size: int = 0
     tensors: list = field(default_factory=list)
+    committed: bool = False
 
 
 class _Builder:

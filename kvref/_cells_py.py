@@ -31,6 +31,7 @@ LLAMA_MAX_SEQ = 256
 N_SEQ_WORDS = LLAMA_MAX_SEQ // 64
 TOKEN_NULL = -1  # LLAMA_TOKEN_NULL: the ext token of a cell made from an embedding
 POS_MAX = 2**31 - 1  # what llama.cpp substitutes for an open upper bound (p1 < 0)
+INT32_MIN = -(2**31)
 
 IntArray = npt.NDArray[np.int32]
 
@@ -40,6 +41,11 @@ def _check_seq(seq_id: int) -> int:
     if not 0 <= seq_id < LLAMA_MAX_SEQ:
         raise SequenceError(f"seq_id {seq_id} is outside [0, {LLAMA_MAX_SEQ})")
     return seq_id
+
+
+def _wrap32(v: int) -> int:
+    """``v`` as an int32 wraps it: the accumulated shift is an int32 in llama.cpp too."""
+    return (v - INT32_MIN) % 2**32 + INT32_MIN
 
 
 def _ro(a: np.ndarray) -> np.ndarray:
@@ -136,6 +142,15 @@ class KVCells:
             raise CellError(f"{what}: cell {i} is empty")
         return i
 
+    def _check_delta(self, what: str, d: int, positions: np.ndarray) -> int:
+        """Validate a position delta (a llama_pos: int32) for cells at ``positions``: no position may pass POS_MAX."""
+        d = int(d)
+        if not INT32_MIN <= d <= POS_MAX:
+            raise CellError(f"{what}: delta {d} is outside the int32 range")
+        if positions.size and int(positions.max()) + d > POS_MAX:
+            raise CellError(f"{what}: a position would exceed {POS_MAX}")
+        return d
+
     def _has(self, i: int, s: int) -> bool:
         return bool((int(self._seq[i, s >> 6]) >> (s & 63)) & 1)
 
@@ -219,6 +234,12 @@ class KVCells:
         if np.any(self._shift[idxs] != 0):
             raise CellError("set: a target cell has a pending shift (apply the K-shift first)")
         other_ext, other_seq = np.asarray(other.ext), np.asarray(other.seq)
+        if other_pos.ndim != 1 or other_ext.shape != (n, 3) or other_seq.shape != (n, N_SEQ_WORDS):
+            raise CellError("set: the other cells' pos/ext/seq arrays do not have the cells' shapes")
+        if n and (other_pos.min() < -1 or other_pos.max() > POS_MAX):
+            raise CellError("set: the other cells hold a position outside [-1, 2^31)")
+        if np.any(other_seq[other_pos == -1] != 0):
+            raise CellError("set: the other cells hold an empty cell with sequences")
         for j in range(n):
             idx = int(idxs[j])
             was_used = self._pos[idx] != -1
@@ -327,7 +348,12 @@ class KVCells:
         return int(x), int(y), int(tok)
 
     def ext_set(self, i: int, x: int = 0, y: int = 0, tok: int = TOKEN_NULL) -> None:
-        self._ext[self._check_index(i)] = (x, y, tok)
+        """Set (x, y, tok) of cell i (empty or not, as llama.cpp allows); each value must be an int32."""
+        i = self._check_index(i)
+        vals = (int(x), int(y), int(tok))
+        if not all(INT32_MIN <= v <= POS_MAX for v in vals):
+            raise CellError(f"ext_set: {vals} has a value outside the int32 range")
+        self._ext[i] = vals
 
     def get_shift(self, i: int) -> int:
         return int(self._shift[self._check_used(i, "get_shift")])
@@ -342,37 +368,44 @@ class KVCells:
         i = self._check_index(i)
         if self._pos[i] != -1 or self._seq[i].any():
             raise CellError(f"pos_set: cell {i} is not empty")
+        p = int(p)
         if p < 0:
             raise CellError(f"pos_set: position {p} is negative")
+        if p > POS_MAX:
+            raise CellError(f"pos_set: position {p} is above {POS_MAX}")
         self._pos[i] = p
         self._n_used += 1
 
     def pos_add(self, i: int, d: int) -> bool:
         """pos += d and shift += d; True when the position went negative and the cell was freed.
 
-        As in llama.cpp, a cell freed here keeps its ext (only rm/seq_rm/seq_keep reset it).
+        As in llama.cpp, a cell freed here keeps its ext (only rm/seq_rm/seq_keep reset it). ``d`` must be
+        an int32 and the new position must not pass POS_MAX (CellError, cell unchanged); the shift wraps
+        as an int32, like llama.cpp's.
         """
         i = self._check_used(i, "pos_add")
+        d = self._check_delta("pos_add", d, self._pos[i : i + 1])
         self._seq_pos_rm_cell(i)
-        new_pos = int(self._pos[i]) + int(d)
+        new_pos = int(self._pos[i]) + d
         self._has_shift = True
         if new_pos < 0:
             self._free(i, reset_ext=False)
             return True
         self._pos[i] = new_pos
-        self._shift[i] += d
+        self._shift[i] = _wrap32(int(self._shift[i]) + d)
         self._seq_pos_add_cell(i)
         return False
 
     def pos_div(self, i: int, d: int) -> None:
         """pos //= d; the change goes into shift."""
         i = self._check_used(i, "pos_div")
+        d = int(d)
         if d <= 0:
             raise CellError(f"pos_div: divisor {d} is not positive")
         self._seq_pos_rm_cell(i)
         old = int(self._pos[i])
         self._pos[i] = old // d
-        self._shift[i] += old - old // d
+        self._shift[i] = _wrap32(int(self._shift[i]) + old - old // d)
         self._seq_pos_add_cell(i)
         self._has_shift = True
 
@@ -414,6 +447,7 @@ class KVCells:
             self._check_used(int(ia[k]), "pos_add_many")
         if np.unique(ia).size != ia.size:
             raise CellError("pos_add_many: a cell index appears twice")
+        d = self._check_delta("pos_add_many", d, self._pos[ia])
         return np.array([self.pos_add(int(i), d) for i in ia], dtype=bool)
 
     def seq_pos_min_many(self, seq_ids: Iterable[int]) -> IntArray:
@@ -465,11 +499,13 @@ class KVCells:
         return first
 
     def seq_add_range(self, seq_id: int, p0: int, p1: int, delta: int) -> int:
-        """``pos_add(i, delta)`` on every cell of ``seq_id`` with p0 <= pos < p1."""
+        """``pos_add(i, delta)`` on every cell of ``seq_id`` with p0 <= pos < p1; all-or-nothing."""
         s = _check_seq(seq_id)
+        cells = [i for i in range(self.size()) if self.pos_in(i, p0, p1) and self._has(i, s)]
+        delta = self._check_delta("seq_add_range", delta, self._pos[np.asarray(cells, dtype=np.int64)])
         first = self.size()
-        for i in range(self.size()):
-            if self.pos_in(i, p0, p1) and self._has(i, s) and self.pos_add(i, delta):
+        for i in cells:
+            if self.pos_add(i, delta):
                 first = min(first, i)
         return first
 
@@ -486,4 +522,4 @@ class KVCells:
         return f"KVCells(size={self.size()}, used={self._n_used}, has_shift={self._has_shift})"
 
 
-__all__ = ["LLAMA_MAX_SEQ", "N_SEQ_WORDS", "POS_MAX", "TOKEN_NULL", "KVCells"]
+__all__ = ["INT32_MIN", "LLAMA_MAX_SEQ", "N_SEQ_WORDS", "POS_MAX", "TOKEN_NULL", "KVCells"]

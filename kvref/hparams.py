@@ -2,13 +2,31 @@
 
 CONTRACT (lead): the attribute and method names below are what KVCache, the mask and the recurrent
 memory use. Extend freely (``from_gguf``, per-arch defaults, validation), keep these names.
+
+Where llama.cpp has a field and a per-layer getter of the same name (``n_head`` / ``n_head(il)``),
+the field keeps the name and the getter gets an ``_l`` suffix (``n_head_l(il)``, ``n_head_kv_l(il)``,
+``n_embd_head_k_l(il)``, ``n_rot_l(il)``). ``n_layer`` is llama.cpp's ``n_layer_all`` (every block in
+the file, including ``n_layer_nextn`` trailing MTP blocks).
+
+``HParams.from_gguf(path)`` follows llama.cpp's ``llama_model_base::load_hparams`` (October 2026) and
+the per-arch ``load_arch_hparams`` of the architectures listed in ``SUPPORTED_ARCHS``.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
+from typing import Any
+
+from .errors import KVRefError
+
+LLAMA_MAX_LAYERS = 512
+
+
+class HParamsError(KVRefError, ValueError):
+    """Inconsistent hyper-parameters, or a GGUF file llama.cpp would refuse to load (names the key)."""
 
 
 class SWAType(IntEnum):
@@ -44,14 +62,78 @@ def is_masked_swa(n_swa: int, swa_type: SWAType | int, p0: int, p1: int) -> bool
     return False
 
 
+def swa_pattern(n_layer: int, n_pattern: int, dense_first: bool = False) -> tuple[bool, ...]:
+    """llama_hparams::set_swa_pattern as a value: which of ``n_layer`` layers are SWA.
+
+    Every ``n_pattern``-th layer is dense: the last of each group, or the first with ``dense_first``.
+    ``n_pattern == 0``: all layers SWA; ``n_pattern == 1``: none.
+    """
+    if dense_first:
+        return tuple(n_pattern == 0 or il % n_pattern != 0 for il in range(n_layer))
+    return tuple(n_pattern == 0 or il % n_pattern < n_pattern - 1 for il in range(n_layer))
+
+
+# llm_arch_is_recurrent / llm_arch_is_hybrid (src/llama-arch.cpp)
+RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
+HYBRID_ARCHS = frozenset({
+    "jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h", "nemotron_h_moe",
+    "qwen3next", "kimi-linear", "bailingmoe3", "kimi-k3", "glm5-next", "qwen35", "qwen35moe", "qwen4exp",
+    "deepseek4", "minimax-01",
+})  # fmt: skip
+
+# llama_model_rope_type (src/llama-model.cpp): the archs with a fixed rope type
+_ROPE_NONE = (
+    "arwkv7 bloom clip glm5-next gpt2 gptj jais jamba jina-bert-v2 kimi-k3 kimi-linear mamba mamba2 mpt "
+    "nemotron_h nemotron_h_moe refact rwkv6 rwkv6qwen2 rwkv7 t5 t5encoder wavtokenizer-dec"
+)
+_ROPE_NORM = (
+    "arcee arctic baichuan bailingmoe chameleon chatglm cohere2 cohere2moe command-r deci deepseek deepseek2 "
+    "deepseek2-ocr deepseek32 deepseek4 dots3note eagle3 ernie4_5 ernie4_5-moe glm-dsa granite granite_swa "
+    "granitehybrid granitemoe graniteswitch hy_v4 internlm2 llada llama llama-embed llama4 maincoder minicpm "
+    "mistral3 mistral4 muse-glimmer nanbeige neo-bert olmo plm pockettts smollm3 starcoder xverse"
+)
+_ROPE_NEOX = (
+    "afmoe apertus bailingmoe2 bert bitnet codeshell cogvlm dbrx dots1 dream eurobert exaone exaone-moe "
+    "exaone4 falcon falcon-h1 gemma gemma-embedding gemma2 gemma3 gemma3n gemma4 gemma4-assistant gpt-oss "
+    "gptneox grok grovemoe hrm_text hunyuan-dense hunyuan-moe hy_v3 jais2 jina-bert-v3 laguna lfm2 lfm2moe "
+    "llada-moe maple mellum mimo2 minicpm3 minimax-01 minimax-m2 minimax-m3 modern-bert nemotron nomic-bert "
+    "nomic-bert-moe olmo2 olmoe openelm orion pangu-embedded phi2 phi3 phimoe plamo plamo2 plamo3 qwen qwen2 "
+    "qwen2moe qwen3 qwen3moe qwen3next rnd1 seed_oss smallthinker spark2_5 stablelm starcoder2 step35 talkie"
+)
+ARCH_ROPE_TYPE: dict[str, RopeType] = {
+    **{a: RopeType.NONE for a in _ROPE_NONE.split()},
+    **{a: RopeType.NORM for a in _ROPE_NORM.split()},
+    **{a: RopeType.NEOX for a in _ROPE_NEOX.split()},
+    **{a: RopeType.MROPE for a in ("qwen2vl", "paddleocr")},
+    **{a: RopeType.IMROPE for a in ("qwen35", "qwen35moe", "qwen3tts", "qwen3vl", "qwen3vlmoe", "qwen4exp")},
+}
+# rope type depends on whether the file carries M-RoPE sections (use_mrope: sections 0 and 1 > 0)
+_ARCH_ROPE_IF_MROPE = {
+    "glm4": RopeType.NORM, "glm4moe": RopeType.NEOX, "hunyuan_vl": RopeType.NEOX, "bailingmoe3": RopeType.NORM,
+}  # fmt: skip
+
+
+def _per_layer(name: str, value: Any, n_layer: int, conv: type) -> Any:
+    """Scalar stays scalar; a sequence must have one entry per layer and becomes a tuple."""
+    if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        return conv(value)
+    if len(value) != n_layer:
+        raise HParamsError(f"{name} has {len(value)} per-layer values, expected n_layer = {n_layer}")
+    return tuple(conv(v) for v in value)
+
+
+def _at(value: Any, il: int) -> Any:
+    return value[il] if isinstance(value, tuple) else value
+
+
 @dataclass
 class HParams:
     arch: str = "llama"
-    n_layer: int = 1
+    n_layer: int = 1  # llama.cpp's n_layer_all
     n_embd: int = 0
     n_head: int | Sequence[int] = 1
-    n_head_kv: int | Sequence[int] = 1
-    n_embd_head_k: int = 0
+    n_head_kv: int | Sequence[int] | None = None  # default: n_head (like llama.cpp)
+    n_embd_head_k: int = 0  # 0: n_embd // n_head_l(0) (like llama.cpp)
     n_embd_head_v: int = 0
     # per layer: does it attend with a sliding window / does it have recurrent state
     swa_layers: bool | Sequence[bool] = False
@@ -60,7 +142,7 @@ class HParams:
     swa_type: SWAType = SWAType.NONE
     n_layer_kv_from_start: int = -1
     rope_type: RopeType = RopeType.NORM
-    n_rot: int = 0
+    n_rot: int = 0  # n_rot_full; 0: n_embd_head_k
     rope_freq_base: float = 10000.0
     rope_freq_scale: float = 1.0
     rope_freq_base_swa: float | None = None
@@ -74,13 +156,531 @@ class HParams:
     ssm_d_state: int = 0
     ssm_n_group: int = 0
     extra: dict = field(default_factory=dict)
+    # --- beyond the contract ---
+    n_embd_head_k_swa: int = 0  # head sizes of SWA layers; 0: same as the full-attention layers
+    n_embd_head_v_swa: int = 0
+    n_rot_swa: int = 0  # 0: n_rot
+    n_layer_nextn: int = 0  # trailing MTP blocks (counted in n_layer)
+    n_embd_head_k_mla: int = 0  # MLA (deepseek2): both non-zero, the cache then stores no V
+    n_embd_head_v_mla: int = 0
+    rope_sections: tuple[int, int, int, int] = (0, 0, 0, 0)
+    rope_layers: bool | Sequence[bool] = True  # llama.cpp's rope_pattern: layers that use RoPE
+    n_ctx_train: int = 0
+    n_ff: int | Sequence[int] = 0
+    ssm_dt_rank: int = 0
+    wkv_head_size: int = 0  # RWKV
+    token_shift_count: int = 2  # RWKV
+    n_shortconv_l_cache: int = 0  # LFM2
+    n_embd_head_kda: int = 0  # Kimi linear (KDA)
+    n_embd_head_la: int = 0  # MiniMax-01 linear attention
+    f_max_alibi_bias: float = 0.0
 
-    def n_head_kv_l(self, il: int) -> int: ...
-    def n_embd_k_gqa(self, il: int = 0) -> int: ...
-    def n_embd_v_gqa(self, il: int = 0) -> int: ...
-    def is_swa(self, il: int) -> bool: ...
-    def is_recurrent(self, il: int) -> bool: ...
-    def has_kv(self, il: int) -> bool: ...
-    def n_pos_per_embd(self) -> int: ...
-    def n_embd_r(self) -> int: ...
-    def n_embd_s(self) -> int: ...
+    def __post_init__(self) -> None:
+        n = int(self.n_layer)
+        if not 0 < n <= LLAMA_MAX_LAYERS:
+            raise HParamsError(f"n_layer = {n} must be in [1, {LLAMA_MAX_LAYERS}]")
+        self.n_layer = n
+        if not 0 <= self.n_layer_nextn <= n:
+            raise HParamsError(f"n_layer_nextn = {self.n_layer_nextn} must be in [0, n_layer = {n}]")
+        self.n_head = _per_layer("n_head", self.n_head, n, int)
+        if self.n_head_kv is None:
+            self.n_head_kv = self.n_head
+        self.n_head_kv = _per_layer("n_head_kv", self.n_head_kv, n, int)
+        self.n_ff = _per_layer("n_ff", self.n_ff, n, int)
+        self.swa_layers = _per_layer("swa_layers", self.swa_layers, n, bool)
+        self.recurrent_layers = _per_layer("recurrent_layers", self.recurrent_layers, n, bool)
+        self.rope_layers = _per_layer("rope_layers", self.rope_layers, n, bool)
+        for il in range(n):
+            if self.n_head_l(il) < 0 or self.n_head_kv_l(il) < 0:
+                raise HParamsError(f"layer {il}: negative head count")
+        self.swa_type = SWAType(self.swa_type)
+        self.rope_type = RopeType(self.rope_type)
+        if self.swa_type == SWAType.NONE and self.is_swa_any():
+            raise HParamsError("swa_layers marks SWA layers but swa_type is NONE (set swa_type and n_swa)")
+        if self.swa_type != SWAType.NONE and self.n_swa <= 0:
+            raise HParamsError(f"swa_type {self.swa_type.name} needs n_swa > 0, got n_swa = {self.n_swa}")
+        if self.n_layer_kv_from_start > n:
+            raise HParamsError(f"n_layer_kv_from_start = {self.n_layer_kv_from_start} > n_layer = {n}")
+        if (self.n_embd_head_k_mla == 0) != (self.n_embd_head_v_mla == 0):
+            raise HParamsError("n_embd_head_k_mla and n_embd_head_v_mla must be both zero or both non-zero")
+        if len(self.rope_sections) != 4:
+            raise HParamsError(f"rope_sections needs 4 values, got {len(self.rope_sections)}")
+        self.rope_sections = tuple(int(x) for x in self.rope_sections)  # type: ignore[assignment]
+
+        # llama.cpp's defaults: head sizes from n_embd / n_head(0) (0 for non-transformers), n_rot
+        # from the key head size, SWA variants from the full-attention values
+        h0 = self.n_head_l(0)
+        if self.n_embd_head_k == 0 and h0 > 0:
+            self.n_embd_head_k = self.n_embd // h0
+        if self.n_embd_head_v == 0 and h0 > 0:
+            self.n_embd_head_v = self.n_embd // h0
+        if self.n_rot == 0:
+            self.n_rot = self.n_embd_head_k
+        if self.n_embd_head_k_swa == 0:
+            self.n_embd_head_k_swa = self.n_embd_head_k
+        if self.n_embd_head_v_swa == 0:
+            self.n_embd_head_v_swa = self.n_embd_head_v
+        if self.n_rot_swa == 0:
+            self.n_rot_swa = self.n_rot
+        if self.f_max_alibi_bias > 0.0:
+            self.use_alibi = True
+
+    # ------------------------------------------------------------ per layer
+
+    def _check_il(self, il: int) -> None:
+        if not 0 <= il < self.n_layer:
+            raise HParamsError(f"layer index {il} out of range [0, {self.n_layer})")
+
+    def n_layer_trunk(self) -> int:
+        """llama_hparams::n_layer(): the layers before the trailing MTP blocks."""
+        return self.n_layer - self.n_layer_nextn
+
+    def n_head_l(self, il: int = 0) -> int:
+        self._check_il(il)
+        return _at(self.n_head, il)
+
+    def n_head_kv_l(self, il: int = 0) -> int:
+        self._check_il(il)
+        return _at(self.n_head_kv, il)
+
+    def n_ff_l(self, il: int = 0) -> int:
+        self._check_il(il)
+        return _at(self.n_ff, il)
+
+    def n_gqa(self, il: int = 0) -> int:
+        kv = self.n_head_kv_l(il)
+        return 0 if kv == 0 else self.n_head_l(il) // kv
+
+    def n_embd_head_k_l(self, il: int = 0) -> int:
+        """Key head size of layer il (SWA layers may have their own)."""
+        return self.n_embd_head_k_swa if self.is_swa(il) else self.n_embd_head_k
+
+    def n_embd_head_v_l(self, il: int = 0) -> int:
+        return self.n_embd_head_v_swa if self.is_swa(il) else self.n_embd_head_v
+
+    def n_rot_l(self, il: int = 0) -> int:
+        return self.n_rot_swa if self.is_swa(il) else self.n_rot
+
+    def n_embd_k_gqa(self, il: int = 0) -> int:
+        """Key width of one cell in layer il: head size x KV heads."""
+        return self.n_embd_head_k_l(il) * self.n_head_kv_l(il)
+
+    def n_embd_v_gqa(self, il: int = 0) -> int:
+        return self.n_embd_head_v_l(il) * self.n_head_kv_l(il)
+
+    def is_n_embd_k_gqa_variable(self) -> bool:
+        return len({self.n_embd_k_gqa(il) for il in range(self.n_layer)}) > 1
+
+    def is_n_embd_v_gqa_variable(self) -> bool:
+        return len({self.n_embd_v_gqa(il) for il in range(self.n_layer)}) > 1
+
+    def n_embd_k_gqa_max(self) -> int:
+        return max(self.n_embd_k_gqa(il) for il in range(self.n_layer))
+
+    def n_embd_v_gqa_max(self) -> int:
+        """The V width a transposed V cache pads every layer to (llama.cpp's TAG_V_CACHE_VARIABLE)."""
+        return max(self.n_embd_v_gqa(il) for il in range(self.n_layer))
+
+    def is_swa(self, il: int) -> bool:
+        self._check_il(il)
+        return _at(self.swa_layers, il)
+
+    def is_swa_any(self) -> bool:
+        return any(_at(self.swa_layers, il) for il in range(self.n_layer))
+
+    def is_recurrent(self, il: int) -> bool:
+        """llama_hparams::is_recr: layer il keeps recurrent state (hybrids; every layer of Mamba/RWKV)."""
+        self._check_il(il)
+        return _at(self.recurrent_layers, il)
+
+    is_recr = is_recurrent
+
+    def has_kv(self, il: int) -> bool:
+        """llama_hparams::has_kv: only ``n_layer_kv_from_start`` matters here.
+
+        Recurrent layers are kept out of the attention cache by the memory's layer filter, not by
+        this rule (falcon-h1 layers are both); see ``attn_layer_filter``.
+        """
+        self._check_il(il)
+        if self.n_layer_kv_from_start >= 0:
+            return il < self.n_layer_kv_from_start
+        return True
+
+    def has_rope(self, il: int) -> bool:
+        self._check_il(il)
+        return _at(self.rope_layers, il)
+
+    def set_swa_pattern(self, n_pattern: int, dense_first: bool = False) -> None:
+        """llama_hparams::set_swa_pattern over the trunk layers; MTP blocks are dense."""
+        trunk = swa_pattern(self.n_layer_trunk(), n_pattern, dense_first)
+        self.swa_layers = trunk + (False,) * self.n_layer_nextn
+
+    def set_recr_pattern(self, n_pattern: int, dense_first: bool = False) -> None:
+        trunk = swa_pattern(self.n_layer_trunk(), n_pattern, dense_first)
+        self.recurrent_layers = trunk + (False,) * self.n_layer_nextn
+
+    # ------------------------------------------------------------ model-wide
+
+    def n_pos_per_embd(self) -> int:
+        """Positions per token: 4 (GGML_MROPE_SECTIONS) for MROPE / IMROPE, else 1."""
+        return 4 if self.rope_type in (RopeType.MROPE, RopeType.IMROPE) else 1
+
+    def use_mrope(self) -> bool:
+        return self.rope_sections[0] > 0 and self.rope_sections[1] > 0
+
+    def is_mla(self) -> bool:
+        return self.n_embd_head_k_mla != 0 and self.n_embd_head_v_mla != 0
+
+    def n_embd_r(self) -> int:
+        """Width of the rolling (conv / token-shift) state row, as llama_hparams::n_embd_r."""
+        if self.wkv_head_size != 0:  # RWKV token shift
+            return self.token_shift_count * self.n_embd
+        if self.n_shortconv_l_cache != 0:  # LFM2 short conv
+            return self.n_embd * (self.n_shortconv_l_cache - 1)
+        if self.n_embd_head_kda != 0:  # Kimi KDA: conv state for Q, K and V
+            d_inner = self.n_head_l(0) * self.n_embd_head_kda
+            return 3 * (self.ssm_d_conv - 1 if self.ssm_d_conv > 0 else 3) * d_inner
+        # Mamba conv state: the first column is shifted out, hence d_conv - 1
+        d_conv = self.ssm_d_conv - 1 if self.ssm_d_conv > 0 else 0
+        return d_conv * (self.ssm_d_inner + 2 * self.ssm_n_group * self.ssm_d_state)
+
+    def n_embd_s(self) -> int:
+        """Width of the recurrent (SSM / wkv) state row, as llama_hparams::n_embd_s."""
+        if self.wkv_head_size != 0:
+            return self.n_embd * self.wkv_head_size
+        if self.n_embd_head_kda != 0:
+            return self.n_embd_head_kda * self.n_embd_head_kda * self.n_head_l(0)
+        if self.n_embd_head_la != 0:
+            return self.n_embd_head_la * self.n_embd_head_la * self.n_head_l(0)
+        return self.ssm_d_state * self.ssm_d_inner
+
+    def is_recurrent_arch(self) -> bool:
+        return self.arch in RECURRENT_ARCHS
+
+    def is_hybrid_arch(self) -> bool:
+        return self.arch in HYBRID_ARCHS
+
+    def memory_kind(self) -> str:
+        """Which memory llama_model::create_memory builds for the plain archs kvref models.
+
+        ``"recurrent"``, ``"hybrid"``, ``"hybrid_iswa"`` (hybrid with SWA), ``"iswa"`` or ``"kv"``.
+        """
+        if self.is_recurrent_arch():
+            return "recurrent"
+        if self.is_hybrid_arch():
+            return "hybrid_iswa" if self.swa_type != SWAType.NONE else "hybrid"
+        return "iswa" if self.swa_type != SWAType.NONE else "kv"
+
+    def attn_layer_filter(self, il: int) -> bool:
+        """Does the attention cache of the hybrid memory keep layer il (create_memory's filter_attn)."""
+        if self.arch == "falcon-h1":
+            return True
+        if self.arch in ("nemotron_h", "nemotron_h_moe"):
+            return not self.is_recurrent(il) and self.n_ff_l(il) == 0
+        if self.arch in ("qwen3next", "qwen35", "qwen35moe", "qwen4exp", "minimax-01"):
+            return il < self.n_layer_trunk() and not self.is_recurrent(il)
+        return not self.is_recurrent(il)
+
+    def recr_layer_filter(self, il: int) -> bool:
+        """Does the recurrent memory of the hybrid memory keep layer il (filter_recr)."""
+        if self.arch == "falcon-h1":
+            return True
+        if self.arch in ("nemotron_h", "nemotron_h_moe"):
+            return self.is_recurrent(il) and self.n_ff_l(il) == 0
+        if self.arch in ("qwen3next", "qwen35", "qwen35moe", "qwen4exp", "minimax-01"):
+            return il < self.n_layer_trunk() and self.is_recurrent(il)
+        return self.is_recurrent(il)
+
+    # ------------------------------------------------------------ from GGUF
+
+    @classmethod
+    def from_gguf(cls, path: str | os.PathLike[str]) -> HParams:
+        """Read the hyper-parameters from a GGUF model file's metadata, as llama.cpp loads them."""
+        return _load_gguf(cls, path)
+
+
+# ---------------------------------------------------------------------------------------------------
+# GGUF loading (llama_model_base::load_hparams + the per-arch load_arch_hparams)
+
+_REQUIRED = object()
+
+# plain transformer archs whose load_arch_hparams touches nothing the memory uses: the common keys
+# are all there is to read (checked against src/models/*.cpp, October 2026)
+_GENERIC = """
+    apertus arcee arctic baichuan bailingmoe bailingmoe2 bert bitnet chameleon chatglm codeshell cogvlm
+    command-r dbrx deci deepseek deepseek2-ocr dots1 eagle3 eurobert exaone falcon gemma gpt2 gptneox
+    granitemoe grok grovemoe hrm_text hunyuan-moe hy_v3 internlm2 jais2 jina-bert-v3 llama llama-embed
+    maincoder minicpm minicpm3 minimax-m2 minimax-m3 mistral3 nemotron neo-bert nomic-bert nomic-bert-moe
+    olmo olmoe openelm orion pangu-embedded phi2 phimoe plamo plm pockettts qwen qwen2 qwen2moe qwen3
+    qwen3moe seed_oss smollm3 stablelm starcoder starcoder2 t5 t5encoder talkie xverse
+"""
+GENERIC_ARCHS = frozenset(_GENERIC.split())
+# archs with their own rules below
+SPECIAL_ARCHS = frozenset({
+    "gemma2", "gemma3", "mamba", "mamba2", "jamba", "falcon-h1", "granitehybrid", "lfm2", "nemotron_h",
+    "qwen2vl", "qwen3vl", "qwen3vlmoe", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7", "bloom", "refact", "mpt",
+    "jais", "jina-bert-v2",
+})  # fmt: skip
+SUPPORTED_ARCHS = GENERIC_ARCHS | SPECIAL_ARCHS
+
+# keys llama.cpp requires per arch beyond the common ones (values the memory does not use included,
+# so that a file llama.cpp refuses is refused here too)
+_RMS_EPS = "attention.layer_norm_rms_epsilon"
+_ARCH_REQUIRED = {
+    "llama": (_RMS_EPS,), "qwen2": (_RMS_EPS,), "gemma2": (_RMS_EPS,), "gemma3": (_RMS_EPS,),
+    "mamba": ("ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", _RMS_EPS),
+    "mamba2": ("ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank",
+               "ssm.group_count", _RMS_EPS),
+    "jamba": ("ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", _RMS_EPS),
+    "falcon-h1": (_RMS_EPS, "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank",
+                  "ssm.group_count"),
+    "granitehybrid": (_RMS_EPS, "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size",
+                      "ssm.time_step_rank", "ssm.group_count"),
+    "nemotron_h": ("ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank",
+                   "ssm.group_count", "attention.layer_norm_epsilon"),
+    "lfm2": ("shortconv.l_cache", _RMS_EPS),
+    "qwen2vl": ("rope.dimension_sections",),
+    "qwen3vl": ("rope.dimension_sections", _RMS_EPS),
+    "qwen3vlmoe": ("rope.dimension_sections", _RMS_EPS),
+    "rwkv6": ("wkv.head_size",), "rwkv6qwen2": ("wkv.head_size",), "rwkv7": ("wkv.head_size",),
+    "arwkv7": ("wkv.head_size",),
+}  # fmt: skip
+
+
+class _GGUFMeta:
+    """The metadata of a GGUF file with llama_model_loader's get_key / get_arr / get_key_or_arr rules."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        try:
+            from gguf import GGUFReader, GGUFValueType
+        except ImportError as e:  # pragma: no cover - gguf is a declared dependency
+            raise HParamsError("HParams.from_gguf needs the 'gguf' package") from e
+        self._array = GGUFValueType.ARRAY
+        try:
+            self.fields = GGUFReader(os.fspath(path), "r").fields
+        except (ValueError, IndexError, OSError, KeyError) as e:
+            if isinstance(e, FileNotFoundError):
+                raise
+            raise HParamsError(f"cannot read GGUF metadata from {os.fspath(path)!r}: {e}") from e
+        self.arch = ""
+
+    def key(self, suffix: str) -> str:
+        return f"{self.arch}.{suffix}"
+
+    def has(self, suffix: str) -> bool:
+        return self.key(suffix) in self.fields
+
+    def is_array(self, suffix: str) -> bool:
+        f = self.fields.get(self.key(suffix))
+        return f is not None and bool(f.types) and f.types[0] == self._array
+
+    def get(self, suffix: str, default: Any = _REQUIRED, *, full_key: bool = False) -> Any:
+        """A scalar value; ``default`` when absent (absent and no default: llama.cpp's error)."""
+        key = suffix if full_key else self.key(suffix)
+        f = self.fields.get(key)
+        if f is None:
+            if default is _REQUIRED:
+                raise HParamsError(f"key not found in model: {key}")
+            return default
+        if f.types and f.types[0] == self._array:
+            raise HParamsError(f"key {key} has wrong type array but expected a scalar")
+        return f.contents()
+
+    def get_arr(self, suffix: str) -> list | None:
+        """An array value, or ``None`` when absent or not an array (llama.cpp's optional get_arr)."""
+        if not self.is_array(suffix):
+            return None
+        return list(self.fields[self.key(suffix)].contents())
+
+    def get_key_or_arr(self, suffix: str, n: int, default: Any = None, required: bool = False) -> Any:
+        """A scalar (applies to all n) or an array of exactly n values; ``default`` when absent."""
+        key = self.key(suffix)
+        if key not in self.fields:
+            if required:
+                raise HParamsError(f"key not found in model: {key}")
+            return default
+        if self.is_array(suffix):
+            vals = self.get_arr(suffix)
+            assert vals is not None
+            if len(vals) != n:
+                raise HParamsError(f"key {key} has wrong array length; expected {n}, got {len(vals)}")
+            return tuple(vals)
+        return self.get(suffix)
+
+
+def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
+    m = _GGUFMeta(path)
+    arch = m.get("general.architecture", "", full_key=True)
+    if not arch:
+        raise HParamsError("unknown model architecture: key general.architecture is missing or empty")
+    arch = str(arch)
+    if arch not in SUPPORTED_ARCHS:
+        known = arch in ARCH_ROPE_TYPE or arch in _ARCH_ROPE_IF_MROPE or arch in HYBRID_ARCHS
+        raise HParamsError(
+            f"architecture {arch!r} (key general.architecture) is "
+            + ("not supported by kvref.HParams.from_gguf" if known else "unknown to llama.cpp")
+        )
+    m.arch = arch
+
+    kw: dict[str, Any] = {"arch": arch}
+    # common part of load_hparams
+    kw["n_ctx_train"] = int(m.get("context_length"))
+    n_embd = int(m.get("embedding_length"))
+    kw["n_embd"] = n_embd
+    kw["causal_attn"] = bool(m.get("attention.causal", True))
+    n_layer = int(m.get("block_count"))
+    if not 0 < n_layer <= LLAMA_MAX_LAYERS:
+        raise HParamsError(f"key {m.key('block_count')} = {n_layer} must be in [1, {LLAMA_MAX_LAYERS}]")
+    kw["n_layer"] = n_layer
+    n_nextn = int(m.get("nextn_predict_layers", 0))
+    if n_nextn > n_layer:
+        raise HParamsError(f"key {m.key('nextn_predict_layers')} = {n_nextn} > block_count = {n_layer}")
+    kw["n_layer_nextn"] = n_nextn
+    n_trunk = n_layer - n_nextn
+
+    n_ff = m.get_key_or_arr("feed_forward_length", n_layer, 0)
+    kw["n_ff"] = n_ff
+    n_head = m.get_key_or_arr("attention.head_count", n_layer, 0)
+    n_head_kv = m.get_key_or_arr("attention.head_count_kv", n_layer, n_head)  # default: n_head
+    kw["n_head"], kw["n_head_kv"] = n_head, n_head_kv
+    head0 = int(n_head[0] if isinstance(n_head, tuple) else n_head)
+
+    kw["rope_freq_base"] = float(m.get("rope.freq_base", 10000.0))
+    ropescale = float(m.get("rope.scaling.factor", 0.0))
+    if ropescale == 0.0:
+        ropescale = float(m.get("rope.scale_linear", 0.0))  # the old key name
+    kw["rope_freq_scale"] = 1.0 if ropescale == 0.0 else 1.0 / ropescale
+
+    if head0 > 0:
+        hk = int(m.get("attention.key_length", n_embd // head0))
+        hv = int(m.get("attention.value_length", n_embd // head0))
+        n_rot = int(m.get("rope.dimension_count", hk))
+        if arch in ("llama", "deci", "falcon", "llama-embed") and n_rot != hk:
+            raise HParamsError(f"invalid n_rot: {n_rot}, expected {hk} (key {m.key('rope.dimension_count')})")
+    else:  # non-transformer: no heads
+        hk = hv = n_rot = 0
+    kw["n_embd_head_k"], kw["n_embd_head_v"], kw["n_rot"] = hk, hv, n_rot
+    kw["n_embd_head_k_swa"] = int(m.get("attention.key_length_swa", hk))
+    kw["n_embd_head_v_swa"] = int(m.get("attention.value_length_swa", hv))
+    kw["n_rot_swa"] = int(m.get("rope.dimension_count_swa", n_rot))
+    kw["n_embd_head_k_mla"] = int(m.get("attention.key_length_mla", 0))
+    kw["n_embd_head_v_mla"] = int(m.get("attention.value_length_mla", 0))
+    if m.has("vocab_size"):
+        kw["n_vocab"] = int(m.get("vocab_size"))
+    elif "tokenizer.ggml.tokens" in m.fields:
+        kw["n_vocab"] = len(m.fields["tokenizer.ggml.tokens"].data)
+
+    for suffix in _ARCH_REQUIRED.get(arch, ()):
+        if not m.has(suffix):
+            raise HParamsError(f"key not found in model: {m.key(suffix)}")
+
+    recurrent = arch in RECURRENT_ARCHS  # is_recr defaults to the arch being recurrent
+    swa_layers: Any = False
+    recr: Any = recurrent
+    rope_sections: tuple[int, ...] = (0, 0, 0, 0)
+    f_max_alibi_bias = 0.0
+    base_swa = scale_swa = None
+
+    def load_swa_pattern(n_pattern: int, dense_first: bool = False) -> Any:
+        # an explicit per-layer array wins; else every n-th layer is dense (key may override n)
+        arr = m.get_arr("attention.sliding_window_pattern")
+        if arr is not None:
+            if len(arr) > LLAMA_MAX_LAYERS:
+                raise HParamsError(
+                    f"array length {len(arr)} for key "
+                    f"{m.key('attention.sliding_window_pattern')} exceeds max {LLAMA_MAX_LAYERS}"
+                )
+            # llama.cpp copies the array over an all-dense default
+            flags = [bool(x) for x in arr[:n_layer]] + [False] * max(0, n_layer - len(arr))
+            return tuple(flags)
+        n_pattern = int(m.get("attention.sliding_window_pattern", n_pattern))
+        return swa_pattern(n_trunk, n_pattern, dense_first) + (False,) * n_nextn
+
+    def per_layer(v: Any, il: int) -> int:
+        return int(v[il] if isinstance(v, tuple) else v)
+
+    if arch == "gemma2":
+        kw["swa_type"] = SWAType.STANDARD
+        kw["n_swa"] = 4096  # gemma 2's default window
+        swa_layers = load_swa_pattern(2)
+        base_swa, scale_swa = kw["rope_freq_base"], kw["rope_freq_scale"]
+        base_swa = float(m.get("rope.freq_base_swa", base_swa))
+        kw["n_swa"] = int(m.get("attention.sliding_window", kw["n_swa"]))
+    elif arch == "gemma3":
+        n_swa = int(m.get("attention.sliding_window", 0))
+        if m.has("attention.sliding_window") and n_swa > 0:
+            kw["swa_type"], kw["n_swa"] = SWAType.STANDARD, n_swa
+            swa_layers = load_swa_pattern(6)
+            base_swa = float(m.get("rope.freq_base_swa", 10000.0))  # llama_hparams' own defaults
+            scale_swa = 1.0
+        else:
+            kw["swa_type"] = SWAType.NONE
+    elif arch in ("mamba", "mamba2", "jamba", "falcon-h1", "granitehybrid", "nemotron_h"):
+        kw["ssm_d_conv"] = int(m.get("ssm.conv_kernel"))
+        kw["ssm_d_inner"] = int(m.get("ssm.inner_size"))
+        kw["ssm_d_state"] = int(m.get("ssm.state_size"))
+        kw["ssm_dt_rank"] = int(m.get("ssm.time_step_rank"))
+        if arch != "mamba" and arch != "jamba":
+            kw["ssm_n_group"] = int(m.get("ssm.group_count"))
+        if arch in ("jamba", "granitehybrid"):
+            # a layer is recurrent exactly when it has no KV heads
+            recr = tuple(il < n_trunk and per_layer(n_head_kv, il) == 0 for il in range(n_layer))
+        elif arch == "falcon-h1":
+            recr = True  # every layer has both attention and an SSM
+        elif arch == "nemotron_h":
+            # recurrent: no KV heads and no FFN; appended MTP blocks are dense
+            recr = tuple(
+                il < n_trunk and per_layer(n_head_kv, il) == 0 and per_layer(n_ff, il) == 0 for il in range(n_layer)
+            )
+        if arch == "granitehybrid":
+            # granite uses rope_finetuned as the rope switch for every layer, default on
+            kw["rope_layers"] = bool(m.get("rope.scaling.finetuned", True))
+    elif arch == "lfm2":
+        kw["n_shortconv_l_cache"] = int(m.get("shortconv.l_cache"))
+        recr = tuple(il < n_trunk and per_layer(n_head_kv, il) == 0 for il in range(n_layer))
+        n_swa = int(m.get("attention.sliding_window", 0))
+        if m.has("attention.sliding_window") and n_swa > 0:
+            kw["swa_type"], kw["n_swa"] = SWAType.STANDARD, n_swa
+            swa_layers = tuple(il < n_trunk and not recr[il] for il in range(n_layer))
+    elif arch in ("qwen2vl", "qwen3vl", "qwen3vlmoe"):
+        sec = m.get_key_or_arr("rope.dimension_sections", 4, required=True)
+        rope_sections = tuple(int(x) for x in (sec if isinstance(sec, tuple) else (sec,) * 4))
+    elif arch in ("rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"):
+        kw["wkv_head_size"] = int(m.get("wkv.head_size"))
+        kw["token_shift_count"] = int(m.get("token_shift_count", 2))
+    elif arch in ("bloom", "refact", "jina-bert-v2"):
+        f_max_alibi_bias = 8.0  # hard-coded in llama.cpp for these archs
+    elif arch in ("mpt", "jais"):
+        f_max_alibi_bias = float(m.get("attention.max_alibi_bias", 0.0))
+    elif arch == "baichuan" and n_trunk == 40:
+        f_max_alibi_bias = 8.0  # only the 13B variant uses ALiBi
+
+    kw["swa_layers"] = swa_layers
+    kw["recurrent_layers"] = recr
+    kw["rope_sections"] = rope_sections
+    kw["f_max_alibi_bias"] = f_max_alibi_bias
+    kw["use_alibi"] = f_max_alibi_bias > 0.0
+    kw["rope_freq_base_swa"] = base_swa
+    kw["rope_freq_scale_swa"] = scale_swa
+    if arch in _ARCH_ROPE_IF_MROPE:
+        use_mrope = rope_sections[0] > 0 and rope_sections[1] > 0
+        kw["rope_type"] = RopeType.MROPE if use_mrope else _ARCH_ROPE_IF_MROPE[arch]
+    else:
+        kw["rope_type"] = ARCH_ROPE_TYPE[arch]
+    return cls(**kw)
+
+
+__all__ = [
+    "ARCH_ROPE_TYPE",
+    "GENERIC_ARCHS",
+    "HYBRID_ARCHS",
+    "LLAMA_MAX_LAYERS",
+    "RECURRENT_ARCHS",
+    "SUPPORTED_ARCHS",
+    "HParams",
+    "HParamsError",
+    "RopeType",
+    "SWAType",
+    "is_masked_swa",
+    "swa_pattern",
+]

@@ -43,6 +43,7 @@ FIELDS = (
     "version",
     "n_token_count",
     "tokens",
+    "arch_length",
     "arch",
     "n_outputs",
     "output_pos",
@@ -78,7 +79,32 @@ FIELDS = (
     "n_embd_s",
     "s_data",
     "io_magic",
-    "state_seq_id",
+    "io_seq_id",
     "layout",
     "trailing",
+)
+
+# Which memory family an architecture uses (llm_arch_is_recurrent / llm_arch_is_hybrid, October 2026). Only a
+# tie-breaker for load(layout="auto"): a pre-#14363 KV section and a recurrent section have the same shape.
+RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
+HYBRID_ARCHS = frozenset(
+    {
+        "jamba",
+        "falcon-h1",
+        "plamo2",
+        "granitehybrid",
+        "lfm2",
+        "lfm2moe",
+        "nemotron_h",
+        "nemotron_h_moe",
+        "qwen3next",
+        "kimi-linear",
+        "qwen35",
+        "qwen35moe",
+        "qwen4exp",
+        "minimax-01",
+        "bailingmoe3",
+        "glm5-next",
+        "kimi-k3",
+    }
 )

@@ -1,0 +1,639 @@
+#!/usr/bin/env python3
+"""Regenerate every conformance golden from scratch (a maintainer's step, not CI).
+
+    python conformance/generate.py                 # all cases
+    python conformance/generate.py -k llama-f16    # cases whose id contains the text
+    python conformance/generate.py --list          # ids and descriptions
+
+Needs llama-cpp-python 0.3.36 (the llama.cpp it vendors writes the goldens) and gguf.
+Tiny random-weight models are written into a cache directory (default
+$XDG_CACHE_HOME/kvref-conformance, override with --model-dir); those under 200 KB are also
+copied to conformance/models/ (COMMITTED_MODELS) so kvref can test HParams.from_gguf on them.  Every random
+choice comes from a fixed seed, so a rerun on the same machine writes the same files.
+
+Each case gets conformance/golden/<case-id>/ with case.json (see case.schema.json) and
+the artefacts its save operations wrote.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import tinymodels  # noqa: E402
+import driver  # noqa: E402
+from driver import FLAGS_PARTIAL_ONLY  # noqa: E402
+
+LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
+LLAMA_CPP_COMMIT_DATE = "2026-10-01"
+SCHEMA_VERSION = 1
+COMMIT_MODEL_MAX = 200 * 1024
+# committed under conformance/models/ (each < COMMIT_MODEL_MAX) for HParams.from_gguf tests;
+# the others are only written to the model cache
+COMMITTED_MODELS = ("llama", "mamba", "qwen2vl")
+
+
+# ------------------------------------------------------------------ case table
+
+@dataclass
+class Case:
+    id: str
+    model: str
+    description: str
+    covers: list[str]
+    script: Callable
+    n_ctx: int = 256
+    n_batch: int = 512
+    n_ubatch: int = 512
+    n_seq_max: int = 1
+    kv_unified: bool = True
+    flash_attn: bool = False
+    type_k: str = "f16"
+    type_v: str = "f16"
+    swa_full: bool = False
+    n_rs_seq: int = 0
+    n_threads: int = 1
+
+    def cparams(self) -> dict:
+        return {k: getattr(self, k) for k in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max", "kv_unified",
+                                              "flash_attn", "type_k", "type_v", "swa_full", "n_rs_seq",
+                                              "n_threads")}
+
+
+class Tokens:
+    """Deterministic token ids for a case (never the special ids 0..3)."""
+
+    def __init__(self, case_id: str):
+        self.rng = np.random.default_rng(zlib.crc32(case_id.encode()))
+
+    def __call__(self, n: int) -> list[int]:
+        return [int(t) for t in self.rng.integers(4, tinymodels.N_VOCAB, size=n)]
+
+
+# Every script receives (run, tok) and performs the case's operations in order.
+# `hist` dicts keep the token list of each sequence so session/seq files carry the
+# tokens a real program would store with them.
+
+def s_single_seq(r, tok):
+    hist = {0: tok(12)}
+    r.decode_seq(0, hist[0])
+    for _ in range(3):
+        t = tok(1)
+        hist[0] += t
+        r.decode_seq(0, t)
+    r.save_all(hist)
+    # restore the whole context from the session file and from the raw blob
+    r.clear()
+    r.load_session(r.latest("session"))
+    r.clear()
+    r.set_state_data(r.latest("state"))
+    # restore the sequence file into seq 0 after removing it
+    r.seq_rm(0, -1, -1)
+    r.load_seq(r.latest("seq", 0), 0)
+    t = tok(1)
+    hist[0] += t
+    r.decode_seq(0, t)
+    r.save_session(hist[0])
+
+
+def s_multi_seq(r, tok):
+    # three sequences decoded in one interleaved batch, the first token shared by 0 and 1
+    n = 6
+    hist = {0: tok(n), 1: None, 2: tok(n)}
+    shared = hist[0][0]
+    hist[1] = [shared] + tok(n - 1)
+    toks, pos, ids = [shared, hist[2][0]], [0, 0], [[0, 1], [2]]
+    for i in range(1, n):
+        for s in (0, 1, 2):
+            toks.append(hist[s][i])
+            pos.append(i)
+            ids.append([s])
+    logits = [0] * len(toks)
+    logits[-1] = 1
+    r.decode(toks, pos, ids, logits)
+    for s in (0, 1, 2):
+        t = tok(1)
+        hist[s] += t
+        r.decode_seq(s, t)
+    r.save_all(hist)
+    r.clear()
+    r.load_session(r.latest("session"))
+    r.seq_rm(1, -1, -1)
+    r.load_seq(r.latest("seq", 1), 3)
+    r.save_all({3: hist[1]}, session_tokens=hist[0])
+
+
+def s_multistream(r, tok):
+    # kv_unified = false: one stream per sequence
+    hist = {0: tok(10), 1: tok(7), 2: tok(4)}
+    for s in (0, 1, 2):
+        r.decode_seq(s, hist[s])
+    # one batch touching two streams
+    t0, t1 = tok(1), tok(1)
+    hist[0] += t0
+    hist[1] += t1
+    r.decode(t0 + t1, [r.pos_max(0) + 1, r.pos_max(1) + 1], [[0], [1]], [1, 1])
+    r.save_all(hist)
+    # copy a whole sequence across streams (queued, applied on the next update)
+    r.seq_cp(0, 2, -1, -1)
+    t = tok(1)
+    hist[0] += t
+    r.decode_seq(0, t)
+    hist[2] = hist[0][:-1]
+    r.save_session(hist[0])
+    # restore seq 1's file into seq 2, which lives in another stream
+    r.load_seq(r.latest("seq", 1), 2)
+    r.seq_keep(2)
+    r.save_all({2: hist[1]}, session_tokens=hist[1])
+
+
+def s_shared_prefix(r, tok):
+    prefix = tok(8)
+    r.decode_seq(0, prefix)
+    r.seq_cp(0, 1, -1, -1)
+    r.seq_cp(0, 2, 0, 4)           # only positions [0, 4)
+    hist = {0: prefix + tok(3), 1: prefix + tok(2), 2: prefix[:4] + tok(2)}
+    r.decode_seq(0, hist[0][8:])
+    r.decode_seq(1, hist[1][8:])
+    r.decode_seq(2, hist[2][4:])
+    r.save_all(hist)
+    r.seq_rm(1, 5, -1)
+    r.seq_rm(0, 2, 6)
+    r.save_all({0: hist[0], 1: hist[1][:5]})
+
+
+def s_seq_rm_ranges(r, tok):
+    hist = {0: tok(16), 1: tok(9)}
+    r.decode_seq(0, hist[0])
+    r.decode_seq(1, hist[1])
+    r.seq_rm(0, 3, 7)              # a hole in the middle
+    r.seq_rm(0, 14, -1)            # the tail
+    r.seq_rm(1, -1, 2)             # p0 < 0 means from the start
+    r.seq_rm(-1, 8, 9)             # every sequence
+    r.seq_rm(0, 20, 30)            # nothing there: still true
+    r.save_all(hist)
+    r.seq_rm(-1, -1, -1)           # all sequences, all positions
+    r.save_session([])
+    r.save_state_data()
+
+
+def s_context_shift(r, tok):
+    hist = {0: tok(24)}
+    r.decode_seq(0, hist[0][:16])
+    r.decode_seq(0, hist[0][16:])
+    # discard positions [4, 12) and shift the rest back by 8 (a context shift)
+    r.seq_rm(0, 4, 12)
+    r.seq_add(0, 12, -1, -8)
+    r.save_all(hist)               # shift pending, positions already moved
+    t = tok(1)
+    r.decode_seq(0, t)             # applies the K-shift before placing the token
+    hist[0] = hist[0][:4] + hist[0][12:] + t
+    r.save_all(hist)
+    # a shift that pushes positions below zero removes those cells
+    r.seq_add(0, 0, 6, -3)
+    r.decode_seq(0, tok(1))
+    r.save_session([])
+
+
+def s_seq_div(r, tok):
+    hist = {0: tok(20), 1: tok(6)}
+    r.decode_seq(0, hist[0])
+    r.decode_seq(1, hist[1])
+    r.seq_div(0, 8, -1, 2)         # positions >= 8 halved (self-extend style)
+    r.seq_div(1, 0, 4, 3)
+    r.save_all(hist)
+    r.decode_seq(0, tok(1))
+    r.save_all({0: []})
+
+
+def s_seq_keep(r, tok):
+    hist = {0: tok(5), 1: tok(6), 2: tok(7)}
+    shared = tok(3)
+    r.decode(shared, [0, 1, 2], [[0, 1, 2]] * 3)
+    for s in (0, 1, 2):
+        r.decode_seq(s, hist[s])
+        hist[s] = shared + hist[s]
+    r.save_all(hist)
+    r.seq_keep(1)
+    r.save_all({1: hist[1]}, session_tokens=hist[1])
+
+
+def s_cache_full(r, tok):
+    # n_ctx 256 rounds to a 256-cell cache; fill 250, then a 10-token batch cannot fit
+    hist = {0: tok(250)}
+    r.decode_seq(0, hist[0][:128])
+    r.decode_seq(0, hist[0][128:])
+    ret = r.decode_seq(0, tok(10))
+    assert ret == 1, ret
+    r.decode_seq(0, tok(6))        # exactly the 6 free cells
+    r.decode_seq(0, tok(1))        # full again
+    # invalid batches are refused before touching the memory
+    r.decode([tinymodels.N_VOCAB + 5], [r.pos_max(0) + 1], [[0]])   # token id out of range
+    r.decode(tok(1), [r.pos_max(0) + 1], [[1]])                     # seq id >= n_seq_max
+    r.decode(tok(2), [0, 2], [[0], [0]])                            # positions not continuous
+    p = r.pos_max(0) + 1
+    r.decode(tok(2), [p + 1, p], [[0], [0]])                        # positions decreasing
+    r.save_session([])
+
+
+def s_clear(r, tok):
+    r.decode_seq(0, tok(9))
+    r.clear(True)
+    hist = {0: tok(5)}
+    r.decode_seq(0, hist[0])
+    r.clear(False)                 # metadata only
+    r.decode_seq(0, hist[0])
+    r.save_all(hist)
+
+
+def s_restore_failures(r, tok):
+    hist = {0: tok(6), 1: tok(4)}
+    r.decode_seq(0, hist[0])
+    r.decode_seq(1, hist[1])
+    r.save_all(hist)
+    # token capacity too small: the file is refused before the memory is touched
+    r.load_session(r.latest("session"), capacity=2)
+    r.load_seq(r.latest("seq", 0), 1, capacity=2)
+    # a sequence blob restored into another sequence id
+    r.set_seq_data(r.latest("seqdata", 0), 1)
+    r.save_all({1: hist[0]}, session_tokens=hist[0])
+
+
+def s_swa_overflow(r, tok):
+    hist = {0: tok(13)}
+    r.decode_seq(0, hist[0][:10])
+    r.decode_seq(0, hist[0][10:])
+    r.save_all(hist, seq_data_flags=(0, FLAGS_PARTIAL_ONLY))
+    r.seq_rm(0, -1, -1)
+    r.load_seq(r.latest("seq", 0), 0)
+    t = tok(2)
+    hist[0] += t
+    r.decode_seq(0, t)
+    r.save_all(hist)
+
+
+def s_swa_multiseq(r, tok):
+    hist = {0: tok(9)}
+    r.decode_seq(0, hist[0])
+    r.seq_cp(0, 1, -1, -1)
+    hist[1] = hist[0] + tok(5)
+    r.decode_seq(1, hist[1][9:])
+    t = tok(3)
+    hist[0] += t
+    r.decode_seq(0, t)
+    r.save_all(hist, seq_data_flags=(0, FLAGS_PARTIAL_ONLY))
+    r.seq_rm(1, 10, -1)
+    r.seq_rm(0, 0, 3)
+    r.save_all({0: hist[0], 1: hist[1][:10]}, seq_data_flags=(0, FLAGS_PARTIAL_ONLY))
+
+
+def s_swa_wraparound(r, tok):
+    # 300 tokens through a 256-cell SWA cache: SWA cells are reused once masked
+    hist = {0: tok(300)}
+    for i in range(0, 300, 32):
+        r.decode_seq(0, hist[0][i:i + 32])
+    r.save_session(hist[0])
+    r.save_seq(0, hist[0])
+    r.save_seq_data(0, FLAGS_PARTIAL_ONLY)
+
+
+def s_recurrent(r, tok):
+    hist = {0: tok(7)}
+    r.decode_seq(0, hist[0])
+    r.seq_cp(0, 1, -1, -1)
+    hist[1] = hist[0] + tok(3)
+    r.decode_seq(1, hist[1][7:])
+    hist[2] = tok(4)
+    r.decode_seq(2, hist[2])
+    r.save_all(hist)
+    r.seq_rm(0, 3, -1)             # drops the tail including the last position: refused
+    r.seq_rm(1, 5, 8)              # a range before the last position: nothing removed, accepted
+    r.seq_rm(1, 10, -1)            # past the last position: nothing removed, accepted
+    r.seq_rm(2, -1, -1)            # whole sequence: accepted
+    r.load_seq(r.latest("seq", 1), 3)
+    r.save_all({3: hist[1]}, session_tokens=hist[1])
+    r.seq_keep(3)
+    r.save_session(hist[1])
+    r.clear()
+    r.set_state_data(r.latest("state"))
+    r.save_state_data()
+
+
+def s_recurrent_multi_batch(r, tok):
+    # a batch whose token belongs to several sequences is refused by the recurrent memory's
+    # equal split (llama_decode returns 1); the same prefix is then decoded once and copied
+    shared = tok(2)
+    r.decode(shared + tok(1), [0, 1, 2], [[0, 1, 2], [0, 1, 2], [0]])
+    r.decode_seq(0, shared)
+    r.seq_cp(0, 1, -1, -1)
+    r.seq_cp(0, 2, -1, -1)
+    hist = {0: list(shared), 1: list(shared), 2: list(shared)}
+    # then three sequences advanced together in one batch (split_equal, one token each per ubatch)
+    toks, pos, ids = [], [], []
+    for i in range(2, 5):
+        for s in (0, 1, 2):
+            t = tok(1)
+            hist[s] += t
+            toks += t
+            pos.append(i)
+            ids.append([s])
+    r.decode(toks, pos, ids, [1] * len(toks))
+    r.save_all(hist)
+    r.seq_keep(1)
+    r.seq_div(1, 0, -1, 2)
+    r.seq_add(1, 0, -1, 5)
+    r.save_all({1: hist[1]}, session_tokens=hist[1])
+
+
+def s_hybrid(r, tok):
+    hist = {0: tok(8)}
+    r.decode_seq(0, hist[0])
+    r.seq_cp(0, 1, -1, -1)
+    hist[1] = hist[0] + tok(3)
+    r.decode_seq(1, hist[1][8:])
+    r.save_all(hist, seq_data_flags=(0, FLAGS_PARTIAL_ONLY))
+    r.seq_rm(0, 4, -1)             # refused: the recurrent half cannot drop a tail
+    r.seq_rm(0, -1, -1)
+    r.load_seq(r.latest("seq", 1), 0)
+    r.seq_rm(1, -1, -1)
+    r.set_seq_data(r.latest("seqdata", 1), 2)
+    r.save_all({0: hist[1], 2: hist[1]}, session_tokens=hist[1])
+
+
+def s_mrope(r, tok):
+    hist = {0: tok(10), 1: tok(5)}
+    r.decode_seq(0, hist[0])
+    r.decode_seq(1, hist[1])
+    r.save_all(hist)
+    r.seq_rm(1, -1, -1)
+    r.load_seq(r.latest("seq", 0), 1)
+    r.seq_rm(0, 6, -1)
+    r.save_all({0: hist[0][:6], 1: hist[0]})
+
+
+def s_init_refused(r, tok):
+    # nothing to do: the context was refused
+    pass
+
+
+CASES: list[Case] = [
+    # ---- llama: plain attention KV cache
+    Case("llama-f16-single-seq", "llama",
+         "One sequence, f16 K/V, flash attention off (V transposed); all four artefact kinds, "
+         "then restored from the session file, the raw state and the sequence file.",
+         ["single-seq", "v_trans", "session", "seq-file", "state-data", "seq-data", "state-load",
+          "seq-restore"], s_single_seq),
+    Case("llama-f16-fa-single-seq", "llama",
+         "The llama-f16-single-seq operations with flash attention on (V stored row-wise).",
+         ["single-seq", "flash-attn", "session", "seq-file", "state-data", "seq-data", "state-load",
+          "seq-restore"], s_single_seq, flash_attn=True),
+    Case("llama-f32-multi-seq", "llama",
+         "f32 K/V, unified cache, three sequences in one interleaved batch sharing the first token; "
+         "seq 1 restored into seq 3.",
+         ["multi-seq", "unified", "f32", "shared-cells", "seq-restore"], s_multi_seq,
+         n_seq_max=4, type_k="f32", type_v="f32"),
+    Case("llama-f16-multistream", "llama",
+         "kv_unified false with 3 sequences (3 streams); a cross-stream seq_cp and a sequence file "
+         "restored into another stream.",
+         ["multi-seq", "multi-stream", "seq-cp", "seq-restore", "seq-keep"], s_multistream,
+         n_seq_max=3, kv_unified=False),
+    Case("llama-q8_0-fa-multistream", "llama",
+         "q8_0 K and V with flash attention, kv_unified false with 3 streams.",
+         ["multi-seq", "multi-stream", "q8_0", "flash-attn", "seq-cp", "seq-restore"], s_multistream,
+         n_seq_max=3, kv_unified=False, flash_attn=True, type_k="q8_0", type_v="q8_0"),
+    Case("llama-q4_0-fa-single-seq", "llama",
+         "q4_0 K and V with flash attention, one sequence.",
+         ["single-seq", "q4_0", "flash-attn", "state-load", "seq-restore"], s_single_seq,
+         flash_attn=True, type_k="q4_0", type_v="q4_0"),
+    Case("llama-q8_0-k-f16-v", "llama",
+         "q8_0 K with f16 V and flash attention off (a quantized K needs no flash attention; "
+         "V transposed).",
+         ["single-seq", "q8_0", "v_trans", "mixed-types"], s_single_seq, type_k="q8_0", type_v="f16"),
+    Case("llama-q8_0-v-nofa-refused", "llama",
+         "A q8_0 V cache with flash attention off: llama_init_from_model refuses the context.",
+         ["init-refused"], s_init_refused, type_k="q8_0", type_v="q8_0"),
+    Case("llama-shared-prefix", "llama",
+         "A prefix decoded once and shared by seq_cp (whole and partial range), three continuations, "
+         "then partial removals.",
+         ["multi-seq", "seq-cp", "shared-cells", "seq-rm"], s_shared_prefix, n_seq_max=3),
+    Case("llama-seq-rm-ranges", "llama",
+         "seq_rm with a middle hole, a tail, an open start, every sequence (-1), an empty range "
+         "and everything.",
+         ["seq-rm", "multi-seq"], s_seq_rm_ranges, n_seq_max=2),
+    Case("llama-context-shift", "llama",
+         "Context shift: seq_rm of a middle range and seq_add -8 on the tail, saved while the "
+         "K-shift is pending and after the decode that applies it; then a shift below zero.",
+         ["seq-add", "k-shift", "seq-rm"], s_context_shift),
+    Case("llama-seq-div", "llama",
+         "seq_div on a tail (d=2) and on a head range of another sequence (d=3), then a decode.",
+         ["seq-div", "k-shift", "multi-seq"], s_seq_div, n_seq_max=2),
+    Case("llama-seq-keep", "llama",
+         "Three sequences sharing a 3-token prefix; seq_keep(1) drops the others.",
+         ["seq-keep", "shared-cells", "multi-seq"], s_seq_keep, n_seq_max=3),
+    Case("llama-cache-full", "llama",
+         "A 256-cell cache filled to 250: a 10-token batch is refused (llama_decode returns 1), "
+         "6 tokens fit; invalid batches (bad token, bad seq id, gap or decrease in positions) "
+         "return -1.",
+         ["cache-full", "decode-refused", "invalid-batch"], s_cache_full, n_ubatch=256),
+    Case("llama-clear", "llama",
+         "llama_memory_clear with data and without, then a fresh decode.",
+         ["clear"], s_clear),
+    Case("llama-restore-failures", "llama",
+         "Session and sequence files refused for too small a token capacity; a raw sequence blob "
+         "restored into another sequence id.",
+         ["restore-refused", "seq-restore", "seq-data"], s_restore_failures, n_seq_max=2),
+    # ---- gemma2: interleaved SWA (layer 0 SWA with n_swa 4, layer 1 full)
+    Case("gemma2-swa-overflow", "gemma2",
+         "iSWA cache, window 4 overflowed by 13 tokens; sequence artefacts keep only the unmasked "
+         "SWA cells; PARTIAL_ONLY blob holds the SWA cache alone.",
+         ["iswa", "swa-masked", "partial-only", "seq-restore"], s_swa_overflow),
+    Case("gemma2-swa-full", "gemma2",
+         "The gemma2-swa-overflow operations with swa_full (SWA cache as large as the base cache).",
+         ["iswa", "swa-full", "partial-only", "seq-restore"], s_swa_overflow, swa_full=True),
+    Case("gemma2-swa-multiseq-fa", "gemma2",
+         "iSWA with flash attention and two sequences sharing a prefix by seq_cp, then removals.",
+         ["iswa", "flash-attn", "multi-seq", "seq-cp", "seq-rm", "partial-only"], s_swa_multiseq,
+         n_seq_max=2, flash_attn=True),
+    Case("gemma2-swa-wraparound", "gemma2",
+         "300 tokens in 32-token ubatches through a 256-cell SWA cache (base cache 512): masked SWA "
+         "cells are reused.",
+         ["iswa", "swa-masked", "cell-reuse"], s_swa_wraparound, n_ctx=512, n_batch=32, n_ubatch=32),
+    # ---- mamba: recurrent memory
+    Case("mamba-seq-cp-rm", "mamba",
+         "Recurrent memory with 4 sequence slots: seq_cp, partial seq_rm refused (returns false), "
+         "whole removal, a sequence file restored into another slot, seq_keep, raw restore.",
+         ["recurrent", "seq-cp", "seq-rm-refused", "seq-restore", "seq-keep", "state-load"],
+         s_recurrent, n_seq_max=4),
+    Case("mamba-multi-seq-batch", "mamba",
+         "A batch coupling sequences (tokens in several sequences) is refused with 1; a copied "
+         "prefix then three sequences advanced in one batch; seq_keep, seq_div, seq_add on "
+         "recurrent cells.",
+         ["recurrent", "multi-seq", "decode-refused", "seq-cp", "seq-keep", "seq-div", "seq-add"],
+         s_recurrent_multi_batch, n_seq_max=3),
+    # ---- jamba: hybrid (attention + recurrent)
+    Case("jamba-hybrid", "jamba",
+         "Hybrid memory (1 attention layer, 2 Mamba layers): seq_cp, refused tail removal, "
+         "sequence file and blob restored into other sequences; PARTIAL_ONLY blob holds the "
+         "recurrent part alone.",
+         ["hybrid", "seq-cp", "seq-rm-refused", "seq-restore", "partial-only"], s_hybrid, n_seq_max=3),
+    # ---- qwen2vl: M-RoPE, cells carry ext (x, y, tok)
+    Case("qwen2vl-mrope", "qwen2vl",
+         "M-RoPE KV cache (n_pos_per_embd 4): every cell carries the ext record; a sequence file "
+         "restored into another sequence.",
+         ["mrope", "cell-ext", "multi-seq", "seq-restore"], s_mrope, n_seq_max=2),
+]
+
+
+# ------------------------------------------------------------------ running
+
+def versions() -> dict:
+    import llama_cpp
+    import gguf
+    from importlib.metadata import version
+    return {
+        "llama_cpp_python": llama_cpp.__version__,
+        "llama_cpp_commit": LLAMA_CPP_COMMIT,
+        "llama_cpp_commit_date": LLAMA_CPP_COMMIT_DATE,
+        "gguf": version("gguf"),
+        "session_version": driver.SESSION_VERSION,
+        "seq_version": driver.SEQ_VERSION,
+        "cell_ext_size": 12,
+    }
+
+
+def build_models(model_dir: Path) -> dict[str, tinymodels.TinyModel]:
+    model_dir.mkdir(parents=True, exist_ok=True)
+    committed = HERE / "models"
+    committed.mkdir(exist_ok=True)
+    models = {}
+    for name, build in tinymodels.BUILDERS.items():
+        m = build(model_dir)
+        m.committed = name in COMMITTED_MODELS
+        if m.committed:
+            assert m.size <= COMMIT_MODEL_MAX, (name, m.size)
+            shutil.copyfile(m.path, committed / m.path.name)
+        elif (committed / m.path.name).exists():
+            (committed / m.path.name).unlink()
+        models[name] = m
+    return models
+
+
+def _pad(x: int, n: int) -> int:
+    return (x + n - 1) // n * n
+
+
+def memory_block(case: Case, hp: dict, octx: dict | None) -> dict:
+    """The memory llama.cpp builds for this case, with the cache sizes it reported."""
+    kind = driver.memory_kind(hp)
+    mem = {
+        "type": kind,
+        "v_trans": (not case.flash_attn) if kind != "recurrent" else None,
+        "n_stream": 1 if case.kv_unified else case.n_seq_max,
+        "cell_ext": bool(hp["has_cell_ext"]),
+        "kv_size": None, "kv_size_swa": None, "rs_size": None,
+    }
+    if octx is None:
+        return mem
+    n_ctx_seq = octx["n_ctx_seq"]
+    if kind in ("kv", "iswa", "hybrid"):
+        mem["kv_size"] = n_ctx_seq
+    if kind == "iswa":
+        # llama_kv_cache_iswa: the SWA cache holds n_swa tokens per sequence (all of them when
+        # unified) plus a ubatch, padded to 256, never more than the base cache; swa_full = base size
+        swa = n_ctx_seq if case.swa_full else min(
+            n_ctx_seq, _pad(hp["n_swa"] * (case.n_seq_max if case.kv_unified else 1) + octx["n_ubatch"], 256))
+        mem["kv_size_swa"] = swa
+        assert octx["memory_log"].get("kv_size_swa") == swa, (case.id, octx["memory_log"], swa)
+    if kind in ("recurrent", "hybrid"):
+        mem["rs_size"] = max(1, case.n_seq_max)
+    sizes = [c["cells"] for c in octx["memory_log"]["caches"]]
+    expect = [x for x in (mem["kv_size"], mem["kv_size_swa"], mem["rs_size"]) if x is not None]
+    if kind == "iswa":
+        expect = [mem["kv_size"], mem["kv_size_swa"]]
+    assert sorted(sizes) == sorted(expect), (case.id, sizes, expect)
+    return mem
+
+
+def run_case(case: Case, m: tinymodels.TinyModel, vers: dict) -> dict:
+    cdir = HERE / "golden" / case.id
+    if cdir.exists():
+        shutil.rmtree(cdir)
+    cdir.mkdir(parents=True)
+    r = driver.Run(cdir, m.path, m.hparams, case.cparams())
+    try:
+        if r.ctx is not None:
+            case.script(r, Tokens(case.id))
+        else:
+            assert case.script is s_init_refused, f"{case.id}: context refused"
+    finally:
+        r.close()
+    doc = {
+        "schema_version": SCHEMA_VERSION,
+        "id": case.id,
+        "description": case.description,
+        "covers": case.covers,
+        "producer": vers,
+        "model": {
+            "file": m.path.name,
+            "committed": m.committed,
+            "path": f"models/{m.path.name}" if m.committed else None,
+            "sha256": m.sha256,
+            "size": m.size,
+            "builder": f"tinymodels.{tinymodels.BUILDERS[case.model].__name__}",
+            "hparams": m.hparams,
+        },
+        "context": case.cparams(),
+        "observed_context": r.observed_ctx,
+        "observed_model": r.observed_model,
+        "memory": memory_block(case, m.hparams, r.observed_ctx),
+        "trace": r.trace,
+    }
+    (cdir / "case.json").write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-k", default="", help="only cases whose id contains this text")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--model-dir", type=Path,
+                    default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvref-conformance")
+    a = ap.parse_args(argv)
+    cases = [c for c in CASES if a.k in c.id]
+    if a.list:
+        for c in cases:
+            print(f"{c.id:32s} {c.description}")
+        return 0
+    ids = [c.id for c in CASES]
+    assert len(ids) == len(set(ids)), "duplicate case id"
+    vers = versions()
+    models = build_models(a.model_dir)
+    for c in cases:
+        doc = run_case(c, models[c.model], vers)
+        n_art = sum(1 for op in doc["trace"] if op["op"] == "save")
+        print(f"{c.id:32s} {len(doc['trace']):3d} ops {n_art:3d} artefacts")
+    if not a.k:
+        # the invalid files are derived from the goldens, so they follow every full run
+        import make_invalid
+        print(f"walked {make_invalid.check_goldens()} golden artefacts")
+        entries = make_invalid.build()
+        make_invalid.llama_check(entries, a.model_dir)
+        make_invalid.write_manifest(entries)
+        print(f"wrote {len(entries)} invalid files (conformance/invalid/)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,986 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, initializedcheck=False
+# distutils: language = c++
+"""Cython twin of the KV cell bookkeeping (llama.cpp's ``llama_kv_cells``, src/llama-kv-cells.h).
+
+Same API, semantics, errors and NumPy views as ``kvref/_cells_py.py`` (read that module for the rules).
+What differs is only how the work is done:
+
+- the arrays are the same NumPy arrays, reached through raw pointers in ``nogil`` loops;
+- the per-sequence index is one ``std::set<pair<pos, cell>>`` per sequence; entries whose position
+  changes are re-keyed in place (node extract/insert, no allocation), and new entries are inserted
+  with an end hint, which is O(1) when positions arrive in ascending order (the usual case);
+- the used set is a count plus bounds [lo, hi) that contain every used cell, tightened lazily when
+  used_min()/used_max_p1() are asked (exact, and O(1) amortised);
+- bulk and range methods validate everything first, then run in C without touching Python objects.
+
+Every index reaching a C loop has been range-checked before, which is why bounds checks are off.
+"""
+
+from libc.stdint cimport INT64_MAX, INT64_MIN, int32_t, int64_t, uint8_t, uint32_t, uint64_t
+from libc.string cimport memcpy
+from libcpp.set cimport set as cset
+from libcpp.utility cimport pair
+from libcpp.vector cimport vector
+from cython.operator cimport dereference as deref, predecrement as dec, preincrement as inc
+
+cimport numpy as cnp
+
+import numpy as np
+
+from .errors import CellError, SequenceError
+
+cnp.import_array()
+
+cdef enum:
+    N_WORDS = 4  # 256 sequence bits per cell, as 4 uint64 words
+
+LLAMA_MAX_SEQ = 256
+N_SEQ_WORDS = N_WORDS
+TOKEN_NULL = -1
+POS_MAX = 2**31 - 1
+INT32_MIN = -(2**31)
+
+cdef int32_t C_POS_MAX = 2147483647
+cdef int64_t C_INT32_MIN = -2147483648
+cdef int64_t C_INT64_MAX = INT64_MAX
+cdef int64_t C_INT64_MIN = INT64_MIN
+
+ctypedef pair[int32_t, uint32_t] PosCell
+ctypedef cset[PosCell] PosSet
+
+cdef extern from *:
+    """
+    #include <cstdint>
+    #include <iterator>
+    #include <set>
+    #include <utility>
+
+    typedef std::set<std::pair<int32_t, uint32_t> > kvref_pos_set;
+
+    /* Insert (p, i) with an end hint: constant time when it belongs at the end. */
+    static inline void kvref_ps_insert(kvref_pos_set &s, int32_t p, uint32_t i) {
+        s.emplace_hint(s.end(), p, i);
+    }
+
+    /* Insert (p, i) right before a known neighbour (constant time when the hint is right). */
+    static inline kvref_pos_set::iterator kvref_ps_insert_at(kvref_pos_set &s, kvref_pos_set::iterator hint,
+                                                             int32_t p, uint32_t i) {
+        return s.emplace_hint(hint, p, i);
+    }
+
+    static inline void kvref_ps_erase_range(kvref_pos_set &s, kvref_pos_set::iterator first,
+                                            kvref_pos_set::iterator last) {
+        s.erase(first, last);
+    }
+
+    static inline void kvref_ps_erase(kvref_pos_set &s, int32_t p, uint32_t i) {
+        s.erase(std::make_pair(p, i));
+    }
+
+    /* Change the position of entry (p_old, i) to p_new, reusing its node; the old successor is the hint,
+       which is exact whenever the entry keeps its rank (uniform shifts, small moves). */
+    static inline void kvref_ps_move(kvref_pos_set &s, int32_t p_old, int32_t p_new, uint32_t i) {
+        auto it = s.find(std::make_pair(p_old, i));
+        auto hint = std::next(it);
+        auto node = s.extract(it);
+        node.value().first = p_new;
+        s.insert(hint, std::move(node));
+    }
+
+    static inline int kvref_popcount(uint64_t w) { return __builtin_popcountll(w); }
+    static inline int kvref_ctz(uint64_t w) { return __builtin_ctzll(w); }
+    """
+    void ps_insert "kvref_ps_insert"(PosSet& s, int32_t p, uint32_t i) noexcept nogil
+    PosSet.iterator ps_insert_at "kvref_ps_insert_at"(PosSet& s, PosSet.iterator hint, int32_t p,
+                                                      uint32_t i) noexcept nogil
+    void ps_erase "kvref_ps_erase"(PosSet& s, int32_t p, uint32_t i) noexcept nogil
+    void ps_erase_range "kvref_ps_erase_range"(PosSet& s, PosSet.iterator first, PosSet.iterator last) noexcept nogil
+    void ps_move "kvref_ps_move"(PosSet& s, int32_t p_old, int32_t p_new, uint32_t i) noexcept nogil
+    int popcount "kvref_popcount"(uint64_t w) noexcept nogil
+    int ctz "kvref_ctz"(uint64_t w) noexcept nogil
+
+cdef extern from "Python.h":
+    long long PyLong_AsLongLongAndOverflow(object o, int* overflow) except? -1
+
+
+cdef inline object _as_int(object o):
+    """int(o), as the Python twin converts its arguments."""
+    return o if type(o) is int else int(o)
+
+
+cdef inline int64_t _clamp64(object o) except? -1:
+    """int(o) saturated to int64: exact for every range comparison the methods make."""
+    cdef int overflow = 0
+    cdef long long v = PyLong_AsLongLongAndOverflow(_as_int(o), &overflow)
+    if overflow > 0:
+        return C_INT64_MAX
+    if overflow < 0:
+        return C_INT64_MIN
+    return v
+
+
+
+
+cdef inline int _seq_id(object seq_id) except -1:
+    cdef int64_t s = _clamp64(seq_id)
+    if s < 0 or s >= 256:
+        raise SequenceError(f"seq_id {_as_int(seq_id)} is outside [0, 256)")
+    return <int>s
+
+
+cdef inline int32_t _wrap32(int64_t v) noexcept nogil:
+    # two's complement wrap, as the int32 shift in llama.cpp
+    return <int32_t><uint32_t><uint64_t>v
+
+
+cdef inline int32_t _clamp_key(int64_t p) noexcept nogil:
+    """A position bound as a set key (callers handle bounds beyond int32 separately)."""
+    if p < C_INT32_MIN:
+        return <int32_t>C_INT32_MIN
+    if p > C_POS_MAX:
+        return C_POS_MAX
+    return <int32_t>p
+
+
+cdef inline cnp.ndarray _ro(cnp.ndarray a):
+    v = a.view()
+    v.flags.writeable = False
+    return v
+
+
+cdef class KVCells:
+    """The cells of one KV stream: positions, shifts, ext and sequence sets, with llama.cpp's rules."""
+
+    cdef cnp.ndarray _pos_arr
+    cdef cnp.ndarray _shift_arr
+    cdef cnp.ndarray _ext_arr
+    cdef cnp.ndarray _seq_arr
+    cdef int32_t* _pos
+    cdef int32_t* _shift
+    cdef int32_t* _ext      # [n][3]
+    cdef uint64_t* _seq     # [n][4]
+    cdef Py_ssize_t _n
+    cdef Py_ssize_t _n_used
+    cdef Py_ssize_t _lo     # every used cell lies in [_lo, _hi) (tightened lazily)
+    cdef Py_ssize_t _hi
+    cdef bint _has_shift
+    cdef vector[PosSet] _seq_pos
+    cdef vector[uint8_t] _mark  # scratch for duplicate detection, all zero between calls
+
+    def __cinit__(self, *args, **kwargs):
+        self._seq_pos.resize(256)
+        self._n = 0
+
+    def __init__(self, size=0):
+        self.resize(size)
+
+    # ------------------------------------------------------------------ whole-array state
+    def resize(self, n):
+        """Give the cells ``n`` slots, all empty (llama.cpp's resize() ends with reset())."""
+        n = _as_int(n)
+        if n < 0:
+            raise CellError(f"cannot resize cells to {n}")
+        if n > 0xFFFFFFFF:
+            raise CellError(f"cannot resize cells to {n} (cell indices are uint32)")
+        self._pos_arr = np.empty(n, dtype=np.int32)
+        self._shift_arr = np.empty(n, dtype=np.int32)
+        self._ext_arr = np.empty((n, 3), dtype=np.int32)
+        self._seq_arr = np.empty((n, N_WORDS), dtype=np.uint64)
+        self._pos = <int32_t*>cnp.PyArray_DATA(self._pos_arr)
+        self._shift = <int32_t*>cnp.PyArray_DATA(self._shift_arr)
+        self._ext = <int32_t*>cnp.PyArray_DATA(self._ext_arr)
+        self._seq = <uint64_t*>cnp.PyArray_DATA(self._seq_arr)
+        self._n = n
+        self._mark.assign(n, 0)
+        self.reset()
+
+    def reset(self):
+        cdef Py_ssize_t i
+        cdef int w, s
+        with nogil:
+            for i in range(self._n):
+                self._pos[i] = -1
+                self._shift[i] = 0
+                self._ext[3 * i] = 0
+                self._ext[3 * i + 1] = 0
+                self._ext[3 * i + 2] = -1
+                for w in range(N_WORDS):
+                    self._seq[N_WORDS * i + w] = 0
+            for s in range(256):
+                self._seq_pos[s].clear()
+        self._has_shift = False
+        self._n_used = 0
+        self._lo = 0
+        self._hi = 0
+
+    def reset_shift(self):
+        cdef Py_ssize_t i
+        self._has_shift = False
+        with nogil:
+            for i in range(self._n):
+                self._shift[i] = 0
+
+    def size(self):
+        return self._n
+
+    def __len__(self):
+        return self._n
+
+    def get_used(self):
+        return self._n_used
+
+    cdef void _tighten(self) noexcept nogil:
+        if self._n_used == 0:
+            self._lo = 0
+            self._hi = 0
+            return
+        while self._pos[self._lo] == -1:
+            self._lo += 1
+        while self._pos[self._hi - 1] == -1:
+            self._hi -= 1
+
+    def used_min(self):
+        """Index of the first used cell, 0 when none is used."""
+        self._tighten()
+        return self._lo
+
+    def used_max_p1(self):
+        """Index of the last used cell + 1, 0 when none is used."""
+        self._tighten()
+        return self._hi
+
+    def used_cells(self):
+        """Indices of the used cells, ascending (llama.cpp's ``used`` set)."""
+        cdef cnp.ndarray out = np.empty(self._n_used, dtype=np.int32)
+        cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
+        cdef Py_ssize_t i, k = 0
+        self._tighten()
+        with nogil:
+            for i in range(self._lo, self._hi):
+                if self._pos[i] != -1:
+                    o[k] = <int32_t>i
+                    k += 1
+        return out
+
+    def get_has_shift(self):
+        return bool(self._has_shift)
+
+    # read-only NumPy views of the arrays
+    @property
+    def pos(self):
+        return _ro(self._pos_arr)
+
+    @property
+    def shift(self):
+        return _ro(self._shift_arr)
+
+    @property
+    def ext(self):
+        return _ro(self._ext_arr)
+
+    @property
+    def seq(self):
+        return _ro(self._seq_arr)
+
+    # ------------------------------------------------------------------ C helpers (indices already valid)
+    cdef inline bint _has(self, Py_ssize_t i, int s) noexcept nogil:
+        return (self._seq[N_WORDS * i + (s >> 6)] >> (s & 63)) & 1
+
+    cdef inline bint _any(self, Py_ssize_t i) noexcept nogil:
+        cdef uint64_t* w = self._seq + N_WORDS * i
+        return (w[0] | w[1] | w[2] | w[3]) != 0
+
+    cdef inline void _on_used(self, Py_ssize_t i) noexcept nogil:
+        """Cell i just became used."""
+        if self._n_used == 0:
+            self._lo = i
+            self._hi = i + 1
+        else:
+            if i < self._lo:
+                self._lo = i
+            if i >= self._hi:
+                self._hi = i + 1
+        self._n_used += 1
+
+    cdef void _sp_rm_cell(self, Py_ssize_t i) noexcept nogil:
+        """Drop cell i from the index of every sequence it holds."""
+        cdef int w
+        cdef uint64_t word
+        cdef int32_t p = self._pos[i]
+        for w in range(N_WORDS):
+            word = self._seq[N_WORDS * i + w]
+            while word:
+                ps_erase(self._seq_pos[w * 64 + ctz(word)], p, <uint32_t>i)
+                word &= word - 1
+
+    cdef void _sp_add_cell(self, Py_ssize_t i) noexcept nogil:
+        """Enter cell i into the index of every sequence it holds."""
+        cdef int w
+        cdef uint64_t word
+        cdef int32_t p = self._pos[i]
+        for w in range(N_WORDS):
+            word = self._seq[N_WORDS * i + w]
+            while word:
+                ps_insert(self._seq_pos[w * 64 + ctz(word)], p, <uint32_t>i)
+                word &= word - 1
+
+    cdef void _sp_move_cell(self, Py_ssize_t i, int32_t p_new) noexcept nogil:
+        """Re-key cell i from its current position to p_new in every sequence it holds (pos not written)."""
+        cdef int w
+        cdef uint64_t word
+        cdef int32_t p = self._pos[i]
+        if p == p_new:
+            return
+        for w in range(N_WORDS):
+            word = self._seq[N_WORDS * i + w]
+            while word:
+                ps_move(self._seq_pos[w * 64 + ctz(word)], p, p_new, <uint32_t>i)
+                word &= word - 1
+
+    cdef inline void _free(self, Py_ssize_t i, bint reset_ext) noexcept nogil:
+        """Make cell i empty; its index entries must already be gone."""
+        cdef int w
+        for w in range(N_WORDS):
+            self._seq[N_WORDS * i + w] = 0
+        self._pos[i] = -1
+        self._shift[i] = 0
+        if reset_ext:
+            self._ext[3 * i] = 0
+            self._ext[3 * i + 1] = 0
+            self._ext[3 * i + 2] = -1
+        self._n_used -= 1
+
+    cdef bint _pos_add_c(self, Py_ssize_t i, int64_t d) noexcept nogil:
+        """pos_add on a used cell with a validated delta."""
+        cdef int64_t new_pos = <int64_t>self._pos[i] + d
+        self._has_shift = True
+        if new_pos < 0:
+            self._sp_rm_cell(i)
+            self._free(i, False)
+            return True
+        self._sp_move_cell(i, <int32_t>new_pos)
+        self._pos[i] = <int32_t>new_pos
+        self._shift[i] = _wrap32(<int64_t>self._shift[i] + d)
+        return False
+
+    cdef void _pos_div_c(self, Py_ssize_t i, int64_t d) noexcept nogil:
+        """pos_div on a used cell (pos >= 0) with a validated divisor d > 0."""
+        cdef int64_t old = self._pos[i]
+        cdef int64_t new_pos = old // d
+        self._sp_move_cell(i, <int32_t>new_pos)
+        self._pos[i] = <int32_t>new_pos
+        self._shift[i] = _wrap32(<int64_t>self._shift[i] + old - new_pos)
+        self._has_shift = True
+
+    # ------------------------------------------------------------------ argument checks
+    cdef Py_ssize_t _index(self, object i) except -1:
+        cdef int64_t v = _clamp64(i)
+        if v < 0 or v >= self._n:
+            raise CellError(f"cell index {_as_int(i)} is outside [0, {self._n})")
+        return <Py_ssize_t>v
+
+    cdef Py_ssize_t _used(self, object i, str what) except -1:
+        cdef Py_ssize_t v = self._index(i)
+        if self._pos[v] == -1:
+            raise CellError(f"{what}: cell {v} is empty")
+        return v
+
+    cdef int64_t _delta(self, str what, object d, int64_t max_pos) except? -1:
+        """Validate a position delta (int32) for cells whose largest position is max_pos (-1: no cells)."""
+        cdef int64_t v = _clamp64(d)
+        if v < C_INT32_MIN or v > C_POS_MAX:
+            raise CellError(f"{what}: delta {_as_int(d)} is outside the int32 range")
+        if max_pos >= 0 and max_pos + v > C_POS_MAX:
+            raise CellError(f"{what}: a position would exceed {POS_MAX}")
+        return v
+
+    cdef cnp.ndarray _cp_indices(self, object i, object n):
+        cdef Py_ssize_t size = self._n
+        cdef cnp.ndarray idxs
+        if n is None:
+            idxs = np.ascontiguousarray(np.asarray(i, dtype=np.int64).reshape(-1))
+            if idxs.size and (idxs.min() < 0 or idxs.max() >= size):
+                raise CellError(f"cell index outside [0, {size})")
+            return idxs
+        i, n = int(i), int(n)
+        if i < 0 or n < 0 or i + n > size:
+            raise CellError(f"cell range [{i}, {i + n}) is outside [0, {size})")
+        return np.arange(i, i + n, dtype=np.int64)
+
+    # ------------------------------------------------------------------ copies (prepare() rollback)
+    def cp(self, i, n=None):
+        """Copy cells ``[i, i + n)``, or the cells listed in ``i`` when ``n`` is None, into new cells.
+
+        Shifts are not copied: llama.cpp only copies cells with no pending shift (asserted there).
+        """
+        cdef cnp.ndarray idxs = self._cp_indices(i, n)
+        cdef const int64_t[::1] iv = idxs
+        cdef Py_ssize_t k = idxs.shape[0]
+        cdef Py_ssize_t j, idx
+        cdef int w
+        for j in range(k):
+            if self._shift[iv[j]] != 0:
+                raise CellError("cp: a copied cell has a pending shift (apply the K-shift first)")
+        res = type(self)(k)
+        cdef KVCells r = <KVCells?>res
+        with nogil:
+            for j in range(k):
+                idx = iv[j]
+                r._pos[j] = self._pos[idx]
+                memcpy(&r._ext[3 * j], &self._ext[3 * idx], 3 * sizeof(int32_t))
+                for w in range(N_WORDS):
+                    r._seq[N_WORDS * j + w] = self._seq[N_WORDS * idx + w]
+                if r._pos[j] != -1:
+                    r._on_used(j)
+                    r._sp_add_cell(j)
+        return res
+
+    def set(self, i, other):
+        """Overwrite cells ``[i, i + len(other))`` (or the cells listed in ``i``) with ``other``'s cells."""
+        raw_pos = np.asarray(other.pos)
+        cdef Py_ssize_t n = raw_pos.shape[0]
+        cdef cnp.ndarray idxs
+        if isinstance(i, (int, np.integer)):
+            idxs = self._cp_indices(i, n)
+        else:
+            idxs = self._cp_indices(i, None)
+            if idxs.shape[0] != n:
+                raise CellError(f"set: {idxs.shape[0]} indices for {n} cells")
+        cdef const int64_t[::1] iv = idxs
+        cdef Py_ssize_t j, idx
+        for j in range(n):
+            if self._shift[iv[j]] != 0:
+                raise CellError("set: a target cell has a pending shift (apply the K-shift first)")
+        raw_ext, raw_seq = np.asarray(other.ext), np.asarray(other.seq)
+        if raw_pos.ndim != 1 or raw_ext.shape != (n, 3) or raw_seq.shape != (n, N_WORDS):
+            raise CellError("set: the other cells' pos/ext/seq arrays do not have the cells' shapes")
+        if n and (raw_pos.min() < -1 or raw_pos.max() > POS_MAX):
+            raise CellError("set: the other cells hold a position outside [-1, 2^31)")
+        cdef const int32_t[::1] opos = np.ascontiguousarray(raw_pos, dtype=np.int32)
+        cdef const int32_t[:, ::1] oext = np.ascontiguousarray(raw_ext, dtype=np.int32)
+        cdef const uint64_t[:, ::1] oseq = np.ascontiguousarray(raw_seq, dtype=np.uint64)
+        cdef int w
+        cdef bint was, now, same
+        for j in range(n):
+            if opos[j] == -1 and (oseq[j, 0] | oseq[j, 1] | oseq[j, 2] | oseq[j, 3]) != 0:
+                raise CellError("set: the other cells hold an empty cell with sequences")
+        with nogil:
+            for j in range(n):
+                idx = iv[j]
+                was = self._pos[idx] != -1
+                now = opos[j] != -1
+                self._ext[3 * idx] = oext[j, 0]
+                self._ext[3 * idx + 1] = oext[j, 1]
+                self._ext[3 * idx + 2] = oext[j, 2]
+                if was and now and self._pos[idx] == opos[j]:
+                    same = True
+                    for w in range(N_WORDS):
+                        if self._seq[N_WORDS * idx + w] != oseq[j, w]:
+                            same = False
+                    if same:
+                        continue  # removing then re-adding the same index entries changes nothing
+                if was:
+                    self._sp_rm_cell(idx)
+                self._pos[idx] = opos[j]
+                for w in range(N_WORDS):
+                    self._seq[N_WORDS * idx + w] = oseq[j, w]
+                if now:
+                    self._sp_add_cell(idx)
+                    if not was:
+                        self._on_used(idx)
+                elif was:
+                    self._n_used -= 1
+
+    # ------------------------------------------------------------------ per-cell operations
+    def is_empty(self, i):
+        return self._pos[self._index(i)] == -1
+
+    def rm(self, i):
+        """Clear a used cell."""
+        cdef Py_ssize_t v = self._used(i, "rm")
+        self._sp_rm_cell(v)
+        self._free(v, True)
+
+    def seq_rm(self, i, seq_id):
+        """Remove ``seq_id`` from a cell that has it; True when the cell became empty."""
+        cdef int s = _seq_id(seq_id)
+        cdef Py_ssize_t v = self._used(i, "seq_rm")
+        if not self._has(v, s):
+            raise CellError(f"seq_rm: cell {v} does not hold sequence {s}")
+        ps_erase(self._seq_pos[s], self._pos[v], <uint32_t>v)
+        self._seq[N_WORDS * v + (s >> 6)] &= ~((<uint64_t>1) << (s & 63))
+        if not self._any(v):
+            self._free(v, True)
+            return True
+        return False
+
+    def seq_keep(self, i, seq_id):
+        """Keep only ``seq_id`` in the cell; True when the cell became empty (it did not hold it)."""
+        cdef int s = _seq_id(seq_id)
+        cdef Py_ssize_t v = self._index(i)
+        cdef int w
+        if self._has(v, s):
+            # drop the other sequences' entries; the entry of s stays as it is
+            self._seq[N_WORDS * v + (s >> 6)] &= ~((<uint64_t>1) << (s & 63))
+            self._sp_rm_cell(v)
+            for w in range(N_WORDS):
+                self._seq[N_WORDS * v + w] = 0
+            self._seq[N_WORDS * v + (s >> 6)] = (<uint64_t>1) << (s & 63)
+            return False
+        if self._any(v):
+            self._sp_rm_cell(v)
+            self._free(v, True)
+            return True
+        return False
+
+    def seq_count(self, i):
+        cdef Py_ssize_t v = self._used(i, "seq_count")
+        cdef int w, c = 0
+        for w in range(N_WORDS):
+            c += popcount(self._seq[N_WORDS * v + w])
+        return c
+
+    cdef list _seqs_of(self, Py_ssize_t v):
+        cdef list out = []
+        cdef int w
+        cdef uint64_t word
+        for w in range(N_WORDS):
+            word = self._seq[N_WORDS * v + w]
+            while word:
+                out.append(w * 64 + ctz(word))
+                word &= word - 1
+        return out
+
+    def seq_get_all(self, i):
+        """The sequence ids that see cell i, ascending."""
+        return self._seqs_of(self._index(i))
+
+    def seq_has(self, i, seq_id):
+        cdef Py_ssize_t v = self._index(i)
+        return self._has(v, _seq_id(seq_id))
+
+    def seq_add(self, i, seq_id):
+        """Add ``seq_id`` to a used cell that does not hold it yet."""
+        cdef int s = _seq_id(seq_id)
+        cdef Py_ssize_t v = self._used(i, "seq_add")
+        if self._has(v, s):
+            raise CellError(f"seq_add: cell {v} already holds sequence {s}")
+        self._seq[N_WORDS * v + (s >> 6)] |= (<uint64_t>1) << (s & 63)
+        ps_insert(self._seq_pos[s], self._pos[v], <uint32_t>v)
+
+    def seq_get(self, i):
+        """The only sequence of a cell that has exactly one."""
+        seqs = self._seqs_of(self._index(i))
+        if len(seqs) != 1:
+            raise CellError(f"seq_get: cell {_as_int(i)} holds {len(seqs)} sequences, not exactly one")
+        return seqs[0]
+
+    def seq_pos_min(self, seq_id):
+        cdef int s = _seq_id(seq_id)
+        if self._seq_pos[s].empty():
+            return -1
+        return deref(self._seq_pos[s].begin()).first
+
+    def seq_pos_max(self, seq_id):
+        cdef int s = _seq_id(seq_id)
+        if self._seq_pos[s].empty():
+            return -1
+        return deref(self._seq_pos[s].rbegin()).first
+
+    def seq_pos_get(self, seq_id):
+        """The (pos, cell) pairs of the sequence, ordered by position then cell."""
+        cdef int s = _seq_id(seq_id)
+        cdef list out = []
+        cdef PosSet.iterator it = self._seq_pos[s].begin()
+        while it != self._seq_pos[s].end():
+            out.append((deref(it).first, deref(it).second))
+            inc(it)
+        return out
+
+    def seq_pos_tok_le(self, seq_id, p):
+        """Token of the sequence's cell at the largest position <= p (highest cell on ties), else -1."""
+        cdef int s = _seq_id(seq_id)
+        cdef int64_t pv = _clamp64(p)
+        cdef PosSet.iterator it
+        if pv < C_INT32_MIN:
+            return -1
+        it = self._seq_pos[s].upper_bound(PosCell(_clamp_key(pv), 0xFFFFFFFF))
+        if it == self._seq_pos[s].begin():
+            return -1
+        dec(it)
+        return self._ext[3 * deref(it).second + 2]
+
+    def pos_get(self, i):
+        return self._pos[self._used(i, "pos_get")]
+
+    def ext_get(self, i):
+        """(x, y, tok) of a used cell."""
+        cdef Py_ssize_t v = self._used(i, "ext_get")
+        return (self._ext[3 * v], self._ext[3 * v + 1], self._ext[3 * v + 2])
+
+    def ext_set(self, i, x=0, y=0, tok=TOKEN_NULL):
+        """Set (x, y, tok) of cell i (empty or not, as llama.cpp allows); each value must be an int32."""
+        cdef Py_ssize_t v = self._index(i)
+        vals = (_as_int(x), _as_int(y), _as_int(tok))
+        cdef int64_t xv = _clamp64(vals[0]), yv = _clamp64(vals[1]), tv = _clamp64(vals[2])
+        if not (C_INT32_MIN <= xv <= C_POS_MAX and C_INT32_MIN <= yv <= C_POS_MAX and C_INT32_MIN <= tv <= C_POS_MAX):
+            raise CellError(f"ext_set: {vals} has a value outside the int32 range")
+        self._ext[3 * v] = <int32_t>xv
+        self._ext[3 * v + 1] = <int32_t>yv
+        self._ext[3 * v + 2] = <int32_t>tv
+
+    def get_shift(self, i):
+        return self._shift[self._used(i, "get_shift")]
+
+    def pos_in(self, i, p0, p1):
+        """True when the cell is used and p0 <= pos < p1."""
+        cdef int32_t p = self._pos[self._index(i)]
+        return p >= _clamp64(p0) and p < _clamp64(p1) and p != -1
+
+    def pos_set(self, i, p):
+        """Place position p in an empty cell (has_shift is not touched)."""
+        cdef Py_ssize_t v = self._index(i)
+        if self._pos[v] != -1 or self._any(v):
+            raise CellError(f"pos_set: cell {v} is not empty")
+        cdef int64_t pv = _clamp64(p)
+        if pv < 0:
+            raise CellError(f"pos_set: position {_as_int(p)} is negative")
+        if pv > C_POS_MAX:
+            raise CellError(f"pos_set: position {_as_int(p)} is above {POS_MAX}")
+        self._pos[v] = <int32_t>pv
+        self._on_used(v)
+
+    def pos_add(self, i, d):
+        """pos += d and shift += d; True when the position went negative and the cell was freed.
+
+        As in llama.cpp, a cell freed here keeps its ext (only rm/seq_rm/seq_keep reset it). ``d`` must be
+        an int32 and the new position must not pass POS_MAX (CellError, cell unchanged); the shift wraps
+        as an int32, like llama.cpp's.
+        """
+        cdef Py_ssize_t v = self._used(i, "pos_add")
+        cdef int64_t dv = self._delta("pos_add", d, self._pos[v])
+        return self._pos_add_c(v, dv)
+
+    def pos_div(self, i, d):
+        """pos //= d; the change goes into shift."""
+        cdef Py_ssize_t v = self._used(i, "pos_div")
+        cdef int64_t dv = _clamp64(d)
+        if dv <= 0:
+            raise CellError(f"pos_div: divisor {_as_int(d)} is not positive")
+        self._pos_div_c(v, dv)
+
+    # ------------------------------------------------------------------ bulk forms
+    def pos_set_many(self, idxs, positions):
+        """``pos_set(idxs[k], positions[k])`` for every k; all-or-nothing."""
+        ia = np.ascontiguousarray(np.asarray(idxs, dtype=np.int64).reshape(-1))
+        pa = np.ascontiguousarray(np.asarray(positions, dtype=np.int64).reshape(-1))
+        if ia.shape != pa.shape:
+            raise CellError(f"pos_set_many: {ia.size} indices for {pa.size} positions")
+        cdef const int64_t[::1] iv = ia
+        cdef const int64_t[::1] pv = pa
+        cdef Py_ssize_t k = 0, m = iv.shape[0], n = self._n
+        cdef int64_t idx
+        cdef int err = 0
+        with nogil:
+            for k in range(m):
+                idx = iv[k]
+                if idx < 0 or idx >= n:
+                    err = 1
+                    break
+            if not err:
+                err = self._mark_dups(iv)
+            if not err:
+                for k in range(m):
+                    idx = iv[k]
+                    if self._pos[idx] != -1 or self._any(idx):
+                        err = 3
+                        break
+                    if pv[k] < 0 or pv[k] > C_POS_MAX:
+                        err = 4
+                        break
+            if not err:
+                for k in range(m):
+                    idx = iv[k]
+                    self._pos[idx] = <int32_t>pv[k]
+                    self._on_used(idx)
+        if err == 1:
+            raise CellError(f"cell index {iv[k]} is outside [0, {n})")
+        if err == 2:
+            raise CellError("pos_set_many: a cell index appears twice")
+        if err == 3:
+            raise CellError("pos_set_many: a target cell is not empty")
+        if err == 4:
+            raise CellError("pos_set_many: a position is outside [0, 2^31)")
+
+    cdef int _mark_dups(self, const int64_t[::1] iv) noexcept nogil:
+        """2 when an (already range-checked) index appears twice in iv, else 0; leaves _mark all zero."""
+        cdef Py_ssize_t k, m = iv.shape[0]
+        cdef int err = 0
+        cdef uint8_t* mark = self._mark.data()
+        for k in range(m):
+            if mark[iv[k]]:
+                err = 2
+                break
+            mark[iv[k]] = 1
+        for k in range(m):
+            mark[iv[k]] = 0
+        return err
+
+    def seq_add_many(self, idxs, seq_ids):
+        """``seq_add(idxs[k], seq_ids[k])`` (or one seq id for all); all-or-nothing."""
+        ia = np.ascontiguousarray(np.asarray(idxs, dtype=np.int64).reshape(-1))
+        sa = np.broadcast_to(np.asarray(seq_ids, dtype=np.int64), ia.shape)
+        cdef const int64_t[::1] iv = ia
+        cdef const int64_t[:] sv = sa
+        cdef Py_ssize_t k = 0, j, m = iv.shape[0], n = self._n
+        cdef int64_t idx, s
+        cdef int err = 0
+        cdef uint64_t bit
+        with nogil:
+            # 1. every element, in order: index, used, sequence id, not held yet
+            for k in range(m):
+                idx = iv[k]
+                s = sv[k]
+                if idx < 0 or idx >= n:
+                    err = 1
+                elif self._pos[idx] == -1:
+                    err = 2
+                elif s < 0 or s >= 256:
+                    err = 3
+                elif self._has(idx, <int>s):
+                    err = 4
+                if err:
+                    break
+            # 2. a (cell, sequence) pair twice: set the bits, undo them on a repeat
+            if not err:
+                for k in range(m):
+                    idx = iv[k]
+                    s = sv[k]
+                    bit = (<uint64_t>1) << (s & 63)
+                    if self._seq[N_WORDS * idx + (s >> 6)] & bit:
+                        err = 5
+                        for j in range(k):
+                            self._seq[N_WORDS * iv[j] + (sv[j] >> 6)] &= ~((<uint64_t>1) << (sv[j] & 63))
+                        break
+                    self._seq[N_WORDS * idx + (s >> 6)] |= bit
+            if not err:
+                for k in range(m):
+                    ps_insert(self._seq_pos[sv[k]], self._pos[iv[k]], <uint32_t>iv[k])
+        if err == 1:
+            raise CellError(f"cell index {iv[k]} is outside [0, {n})")
+        if err == 2:
+            raise CellError(f"seq_add_many: cell {iv[k]} is empty")
+        if err == 3:
+            raise SequenceError(f"seq_id {sv[k]} is outside [0, 256)")
+        if err == 4:
+            raise CellError(f"seq_add_many: cell {iv[k]} already holds sequence {sv[k]}")
+        if err == 5:
+            raise CellError("seq_add_many: a (cell, sequence) pair appears twice")
+
+    def pos_add_many(self, idxs, d):
+        """``pos_add(i, d)`` for every listed used cell; returns which cells were freed (bool array)."""
+        ia = np.ascontiguousarray(np.asarray(idxs, dtype=np.int64).reshape(-1))
+        cdef const int64_t[::1] iv = ia
+        cdef Py_ssize_t k = 0, m = iv.shape[0], n = self._n
+        cdef int64_t idx, max_pos = -1
+        cdef int err = 0
+        with nogil:
+            for k in range(m):
+                idx = iv[k]
+                if idx < 0 or idx >= n:
+                    err = 1
+                    break
+                if self._pos[idx] == -1:
+                    err = 3
+                    break
+                if self._pos[idx] > max_pos:
+                    max_pos = self._pos[idx]
+            if not err:
+                err = self._mark_dups(iv)
+        if err == 1:
+            raise CellError(f"cell index {iv[k]} is outside [0, {n})")
+        if err == 2:
+            raise CellError("pos_add_many: a cell index appears twice")
+        if err == 3:
+            raise CellError(f"pos_add_many: cell {iv[k]} is empty")
+        cdef int64_t dv = self._delta("pos_add_many", d, max_pos)
+        cdef cnp.ndarray out = np.empty(m, dtype=np.bool_)
+        cdef uint8_t* o = <uint8_t*>cnp.PyArray_DATA(out)
+        with nogil:
+            for k in range(m):
+                o[k] = self._pos_add_c(iv[k], dv)
+        return out
+
+    cdef cnp.ndarray _seq_ids_array(self, object seq_ids):
+        """The validated sequence ids as a contiguous int64 array."""
+        arr = np.asarray(seq_ids).reshape(-1)
+        if arr.dtype.kind not in "biu":
+            return np.array([_seq_id(s) for s in arr], dtype=np.int64)
+        cdef cnp.ndarray a64 = np.ascontiguousarray(arr.astype(np.int64))  # uint64 >= 2^63 turns negative
+        cdef const int64_t[::1] sv = a64
+        cdef Py_ssize_t k
+        for k in range(sv.shape[0]):
+            if sv[k] < 0 or sv[k] >= 256:
+                _seq_id(arr[k])  # raises, naming the caller's value
+        return a64
+
+    def seq_pos_min_many(self, seq_ids):
+        cdef cnp.ndarray sa = self._seq_ids_array(seq_ids)
+        cdef const int64_t[::1] sv = sa
+        cdef Py_ssize_t k, m = sv.shape[0]
+        cdef cnp.ndarray out = np.empty(m, dtype=np.int32)
+        cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
+        with nogil:
+            for k in range(m):
+                o[k] = -1 if self._seq_pos[sv[k]].empty() else deref(self._seq_pos[sv[k]].begin()).first
+        return out
+
+    def seq_pos_max_many(self, seq_ids):
+        cdef cnp.ndarray sa = self._seq_ids_array(seq_ids)
+        cdef const int64_t[::1] sv = sa
+        cdef Py_ssize_t k, m = sv.shape[0]
+        cdef cnp.ndarray out = np.empty(m, dtype=np.int32)
+        cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
+        with nogil:
+            for k in range(m):
+                o[k] = -1 if self._seq_pos[sv[k]].empty() else deref(self._seq_pos[sv[k]].rbegin()).first
+        return out
+
+    # ------------------------------------------------------------------ range operations
+    # See the Python twin: [p0, p1) is already normalised by the caller; each op returns the index of
+    # the first cell it freed, or size() when it freed none. The ops that act on one sequence walk that
+    # sequence's index over [p0, p1) instead of scanning every cell: the same cells, found in O(log n).
+
+    cdef void _range(self, int s, int64_t p0, int64_t p1, PosSet.iterator* first,
+                     PosSet.iterator* last) noexcept nogil:
+        """[first, last): the entries of sequence s with p0 <= pos < p1."""
+        cdef PosSet* sp = &self._seq_pos[s]
+        if p0 >= p1 or p0 > C_POS_MAX or p1 <= C_INT32_MIN:
+            first[0] = sp.end()
+            last[0] = sp.end()
+            return
+        first[0] = sp.lower_bound(PosCell(_clamp_key(p0), 0))
+        if p1 > C_POS_MAX:
+            last[0] = sp.end()
+        else:
+            last[0] = sp.lower_bound(PosCell(<int32_t>p1, 0))
+
+    cdef void _collect(self, int s, int64_t p0, int64_t p1, vector[uint32_t]& cells) noexcept nogil:
+        cdef PosSet.iterator it, last
+        self._range(s, p0, p1, &it, &last)
+        while it != last:
+            cells.push_back(deref(it).second)
+            inc(it)
+
+    def seq_rm_range(self, seq_id, p0, p1):
+        """Remove ``seq_id`` (every sequence when -1) from the used cells with p0 <= pos < p1."""
+        cdef Py_ssize_t i, first = self._n
+        cdef int64_t a = _clamp64(p0), b = _clamp64(p1)
+        cdef int32_t p
+        cdef int s
+        cdef uint32_t c
+        cdef PosSet.iterator it, last, first_it
+        if seq_id == -1:
+            with nogil:
+                for i in range(self._n):
+                    p = self._pos[i]
+                    if p != -1 and p >= a and p < b:
+                        self._sp_rm_cell(i)
+                        self._free(i, True)
+                        if i < first:
+                            first = i
+            return first
+        s = _seq_id(seq_id)
+        with nogil:
+            self._range(s, a, b, &it, &last)
+            first_it = it
+            while it != last:
+                c = deref(it).second
+                self._seq[N_WORDS * c + (s >> 6)] &= ~((<uint64_t>1) << (s & 63))
+                if not self._any(c):
+                    self._free(c, True)  # s was its only sequence: no other index entry to drop
+                    if c < first:
+                        first = c
+                inc(it)
+            ps_erase_range(self._seq_pos[s], first_it, last)
+        return first
+
+    def seq_cp_range(self, seq_src, seq_dst, p0, p1):
+        """Add ``seq_dst`` to every cell of ``seq_src`` with p0 <= pos < p1.
+
+        A cell that already holds ``seq_dst`` is left as it is (what a release build of llama.cpp does).
+        """
+        cdef int src = _seq_id(seq_src)
+        cdef int dst = _seq_id(seq_dst)
+        cdef int64_t a = _clamp64(p0), b = _clamp64(p1)
+        cdef PosSet.iterator it, last
+        cdef uint32_t c
+        if src == dst:
+            return
+        with nogil:
+            self._range(src, a, b, &it, &last)
+            while it != last:
+                c = deref(it).second
+                if not self._has(c, dst):
+                    self._seq[N_WORDS * c + (dst >> 6)] |= (<uint64_t>1) << (dst & 63)
+                    ps_insert(self._seq_pos[dst], deref(it).first, c)
+                inc(it)
+
+    def seq_keep_all(self, seq_id):
+        """``seq_keep(i, seq_id)`` on every cell."""
+        cdef int s = _seq_id(seq_id)
+        cdef Py_ssize_t i, first = self._n
+        cdef int t, w
+        cdef uint64_t keep = (<uint64_t>1) << (s & 63)
+        with nogil:
+            # afterwards no cell holds any other sequence, so their indexes end up empty
+            for t in range(256):
+                if t != s:
+                    self._seq_pos[t].clear()
+            for i in range(self._n):
+                if self._has(i, s):
+                    for w in range(N_WORDS):
+                        self._seq[N_WORDS * i + w] = 0
+                    self._seq[N_WORDS * i + (s >> 6)] = keep
+                elif self._any(i):
+                    self._free(i, True)
+                    if i < first:
+                        first = i
+        return first
+
+    def seq_add_range(self, seq_id, p0, p1, delta):
+        """``pos_add(i, delta)`` on every cell of ``seq_id`` with p0 <= pos < p1; all-or-nothing."""
+        cdef int s = _seq_id(seq_id)
+        cdef int64_t a = _clamp64(p0), b = _clamp64(p1)
+        cdef vector[uint32_t] cells
+        cdef int64_t max_pos = -1, dv
+        cdef Py_ssize_t k, first = self._n
+        self._collect(s, a, b, cells)
+        if cells.size():
+            max_pos = self._pos[cells.back()]  # entries come in position order
+        dv = self._delta("seq_add_range", delta, max_pos)
+        with nogil:
+            for k in range(<Py_ssize_t>cells.size()):
+                if self._pos_add_c(cells[k], dv) and cells[k] < first:
+                    first = cells[k]
+        return first
+
+    def seq_div_range(self, seq_id, p0, p1, d):
+        """``pos_div(i, d)`` on every cell of ``seq_id`` with p0 <= pos < p1."""
+        cdef int s = _seq_id(seq_id)
+        cdef int64_t dv = _clamp64(d)
+        if dv <= 0:
+            raise CellError(f"seq_div_range: divisor {_as_int(d)} is not positive")
+        cdef int64_t a = _clamp64(p0), b = _clamp64(p1)
+        cdef vector[uint32_t] cells
+        cdef Py_ssize_t k
+        self._collect(s, a, b, cells)
+        with nogil:
+            for k in range(<Py_ssize_t>cells.size()):
+                self._pos_div_c(cells[k], dv)
+
+    def __repr__(self):
+        return f"KVCells(size={self._n}, used={self._n_used}, has_shift={bool(self._has_shift)})"
+
+
+__all__ = ["INT32_MIN", "LLAMA_MAX_SEQ", "N_SEQ_WORDS", "POS_MAX", "TOKEN_NULL", "KVCells"]

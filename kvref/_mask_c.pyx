@@ -1,0 +1,529 @@
+# distutils: language = c++
+"""Cython twin of the graph inputs a KV cache fills; same API and results as ``kvref/_mask_py.py``.
+
+The rules are stated in ``_mask_py.py``. This twin gets its speed from the shape of the problem rather
+than from a faster per-cell test:
+
+- for each sequence of the ubatch, one pass over the cells lists its member cells as (pos, cell) keys,
+  sorted by position (usually already sorted: then no sort);
+- every rule (causal, the three windows, the SWA_FULL span) attends an *interval* of positions, so a
+  token's attended cells are a contiguous range of that sorted list, found by binary search; only the
+  M-RoPE 2-D rule cuts holes, and only among the cells at exactly the token's position;
+- a token's row is the previous row of the same sequence (memcpy, it is still in cache) patched where
+  the two ranges differ, so a row costs about one write of itself; a first row is a typed fill of
+  ``-inf`` plus the attended cells; ALiBi rows differ everywhere and are always built afresh.
+
+The kernels hold no Python objects and run without the GIL; values are written as bit patterns
+(float32 -inf = 0xFF800000, float16 -inf = 0xFC00) so the fills are plain integer loops GCC vectorises.
+Argument checking is shared with the Python twin (``_check_kq_args``), so both raise the same errors.
+"""
+
+from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t
+from libc.string cimport memcpy
+from libc.math cimport logf, floorf, log
+from libcpp.algorithm cimport sort
+
+import numpy as np
+cimport numpy as cnp
+
+from kvref._mask_py import (
+    LLAMA_MAX_SEQ,
+    N_SWA_MAX,
+    NonCausalType,
+    _as_i32_1d,
+    _check_kq_args,
+    is_masked_swa,
+)
+
+cnp.import_array()
+
+cdef extern from *:
+    """
+    #include <string.h>
+    static inline int kvref_ctz64(unsigned long long x) { return __builtin_ctzll(x); }
+    static inline int kvref_clz64(unsigned long long x) { return __builtin_clzll(x); }
+    static inline unsigned int kvref_f32_bits(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
+    """
+    int kvref_ctz64(unsigned long long x) nogil
+    int kvref_clz64(unsigned long long x) nogil
+    uint32_t kvref_f32_bits(float f) nogil
+
+ctypedef fused elem_t:
+    uint16_t
+    uint32_t
+
+cdef enum:
+    MAX_SEQ = 256
+    N_WORDS = 4
+    MAX_STREAMS = 64
+
+cdef int64_t POS_INF = 2147483648  # one past the largest int32 position
+
+cdef struct KQArgs:
+    int64_t n_tokens
+    int64_t n_kv
+    const int32_t* tok_pos
+    const int32_t* tok_seq
+    const int32_t* tok_x
+    const int32_t* tok_y
+    int causal
+    int swa_type
+    int64_t n_swa
+    int span
+    int alibi
+    int is_2d
+
+
+# ------------------------------------------------------------------------------------------ helpers
+
+cdef inline uint16_t _half_of_int(uint64_t v) noexcept nogil:
+    # float16 bits of the non-negative integer v, rounded to nearest even (as the fp32->fp16 conversion
+    # llama.cpp uses does for integer-valued floats); overflow gives +inf
+    cdef int e, shift
+    cdef uint64_t q, r, halfway
+    if v == 0:
+        return 0
+    e = 63 - kvref_clz64(v)
+    if e <= 10:
+        return <uint16_t>(((e + 15) << 10) | ((v << (10 - e)) & 0x3FF))
+    shift = e - 10
+    q = v >> shift
+    r = v & ((<uint64_t>1 << shift) - 1)
+    halfway = <uint64_t>1 << (shift - 1)
+    if r > halfway or (r == halfway and (q & 1)):
+        q += 1
+        if q == 2048:
+            q = 1024
+            e += 1
+    if e + 15 >= 31:
+        return 0x7C00
+    return <uint16_t>(((e + 15) << 10) | (q & 0x3FF))
+
+
+cdef inline elem_t _alibi_value(elem_t dummy, int64_t d) noexcept nogil:
+    # llama.cpp stores float(-|p0 - p1|): the int distance becomes a float first, then maybe a half
+    cdef float f = <float>(-d if d >= 0 else d)
+    if elem_t is uint32_t:
+        return kvref_f32_bits(f)
+    else:
+        if f == 0:
+            return 0
+        return <uint16_t>(0x8000 | _half_of_int(<uint64_t>(-f)))
+
+
+cdef inline void _fill(elem_t* row, int64_t n, elem_t v) noexcept nogil:
+    cdef int64_t j
+    for j in range(n):
+        row[j] = v
+
+
+cdef inline int64_t _lower_bound(const uint64_t* keys, int64_t n, uint64_t key) noexcept nogil:
+    # first index whose key is >= key
+    cdef int64_t lo = 0, hi = n, mid
+    while lo < hi:
+        mid = (lo + hi) >> 1
+        if keys[mid] < key:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo
+
+
+cdef inline int64_t _cell(uint64_t key) noexcept nogil:
+    # keys are pos << 32 | cell
+    return <int64_t>((key << 32) >> 32)
+
+
+cdef inline int _is_2d_later(const int32_t* ext, int64_t cell, int32_t x, int32_t y) noexcept nogil:
+    # the cell's (x, y) comes after the token's in raster order
+    cdef int32_t cx = ext[cell * 3], cy = ext[cell * 3 + 1]
+    return cy > y or (cy == y and cx > x)
+
+
+# ------------------------------------------------------------------------------------------ members
+
+cdef void _count_members(const int32_t* pos, const uint64_t* seq, int64_t n_kv, const uint64_t* want,
+                         int64_t* counts) noexcept nogil:
+    cdef int64_t j
+    cdef int w
+    cdef uint64_t bits
+    for j in range(n_kv):
+        if pos[j] == -1:
+            continue
+        for w in range(N_WORDS):
+            bits = seq[j * N_WORDS + w] & want[w]
+            while bits:
+                counts[w * 64 + kvref_ctz64(bits)] += 1
+                bits &= bits - 1
+
+
+cdef void _list_members(const int32_t* pos, const uint64_t* seq, int64_t n_kv, const uint64_t* want,
+                        uint64_t* keys, int64_t* fill, int* unsorted) noexcept nogil:
+    # keys = pos << 32 | cell, appended in cell order; note the sequences whose positions go down
+    cdef int64_t j
+    cdef int w, s
+    cdef uint64_t bits, key
+    for j in range(n_kv):
+        if pos[j] == -1:
+            continue
+        for w in range(N_WORDS):
+            bits = seq[j * N_WORDS + w] & want[w]
+            while bits:
+                s = w * 64 + kvref_ctz64(bits)
+                key = (<uint64_t>pos[j] << 32) | <uint64_t>j
+                if fill[s] > 0 and keys[fill[s] - 1] > key:
+                    unsorted[s] = 1
+                keys[fill[s]] = key
+                fill[s] += 1
+                bits &= bits - 1
+
+
+# ------------------------------------------------------------------------------------------ rows
+
+cdef void _kq_rows(elem_t* out, const KQArgs* a, const uint64_t* keys, const int64_t* offs,
+                   const int32_t** cext, const int32_t* seq_stream, const int64_t* pos_min) noexcept nogil:
+    cdef elem_t KEEP = 0
+    cdef elem_t DROP
+    if elem_t is uint32_t:
+        DROP = <uint32_t>0xFF800000u
+    else:
+        DROP = 0xFC00
+    cdef int64_t n_kv = a.n_kv
+    cdef int64_t last_row[MAX_SEQ]
+    cdef int64_t prev_a[MAX_SEQ]
+    cdef int64_t prev_b[MAX_SEQ]
+    cdef int64_t prev_e[MAX_SEQ]  # start of the previous token's 2-D exception range
+    cdef int64_t i, k, m, lo, hi, wlo, whi, ra, rb, e0, half, p1
+    cdef int s, st
+    cdef int check_2d = a.is_2d and a.causal
+    cdef const uint64_t* ks
+    cdef const int32_t* ext = NULL
+    cdef elem_t* row
+    cdef int32_t x = 0, y = 0
+    cdef size_t row_bytes = <size_t>n_kv * sizeof(elem_t)
+    for s in range(MAX_SEQ):
+        last_row[s] = -1
+
+    for i in range(a.n_tokens):
+        s = a.tok_seq[i]
+        p1 = a.tok_pos[i]
+        ks = keys + offs[s]
+        m = offs[s + 1] - offs[s]
+        row = out + i * n_kv
+        if check_2d:
+            ext = cext[seq_stream[s]]
+            x = a.tok_x[i]
+            y = a.tok_y[i]
+
+        # the interval [lo, hi] of attended positions
+        lo = 0
+        hi = POS_INF - 1
+        if a.causal:
+            hi = p1
+        if a.swa_type != 0:
+            whi = POS_INF - 1
+            if a.swa_type == 1:
+                wlo = p1 - a.n_swa + 1
+            elif a.swa_type == 2:
+                wlo = (p1 // a.n_swa) * a.n_swa
+            else:
+                half = a.n_swa // 2
+                wlo = p1 - half
+                whi = p1 + half
+            if a.span:
+                # non-causal SWA_FULL: the window cannot hide the ubatch's own positions, and
+                # p1 + half >= pos_min, so the union is still one interval
+                if pos_min[s] < wlo:
+                    wlo = pos_min[s]
+                whi = POS_INF - 1
+            if wlo > lo:
+                lo = wlo
+            if whi < hi:
+                hi = whi
+        if hi < lo:
+            ra = rb = 0
+        else:
+            ra = _lower_bound(ks, m, <uint64_t>lo << 32)
+            rb = _lower_bound(ks, m, <uint64_t>(hi + 1) << 32)
+        # with the 2-D rule the cells at exactly p1 (the top of the range) are tested one by one
+        e0 = rb
+        if check_2d and rb > ra:
+            e0 = _lower_bound(ks + ra, rb - ra, <uint64_t>p1 << 32) + ra
+
+        if a.alibi or last_row[s] < 0:
+            _fill(row, n_kv, DROP)
+            if a.alibi:
+                for k in range(ra, rb):
+                    row[_cell(ks[k])] = _alibi_value(KEEP, <int64_t>(ks[k] >> 32) - p1)
+            else:
+                for k in range(ra, rb):
+                    row[_cell(ks[k])] = KEEP
+        else:
+            memcpy(row, out + last_row[s] * n_kv, row_bytes)
+            # only the cells between the old and the new range ends change
+            for k in range(min(ra, prev_a[s]), max(ra, prev_a[s])):
+                row[_cell(ks[k])] = KEEP if (k >= ra and k < rb) else DROP
+            for k in range(min(rb, prev_b[s]), max(rb, prev_b[s])):
+                row[_cell(ks[k])] = KEEP if (k >= ra and k < rb) else DROP
+            if check_2d:
+                # undo the previous token's 2-D holes
+                for k in range(prev_e[s], prev_b[s]):
+                    row[_cell(ks[k])] = KEEP if (k >= ra and k < rb) else DROP
+        if check_2d:
+            for k in range(e0, rb):
+                if _is_2d_later(ext, _cell(ks[k]), x, y):
+                    row[_cell(ks[k])] = DROP
+        last_row[s] = i
+        prev_a[s] = ra
+        prev_b[s] = rb
+        prev_e[s] = e0
+
+
+cdef inline const int32_t* _i32_ptr(cnp.ndarray arr):
+    return <const int32_t*>cnp.PyArray_DATA(arr)
+
+
+def fill_kq_mask_raw(
+    out,
+    cell_pos,
+    cell_seq,
+    cell_ext,
+    seq_to_stream,
+    tok_pos,
+    tok_seq,
+    *,
+    tok_x=None,
+    tok_y=None,
+    n_swa=0,
+    swa_type=0,
+    causal=True,
+    non_causal_type=0,
+    alibi=False,
+):
+    """Fill ``out`` (float32 or float16, ``(n_stream, n_tps, n_kv)``) with the KQ mask; return ``out``.
+
+    Same arguments and result as ``kvref._mask_py.fill_kq_mask_raw``.
+    """
+    (tok_pos, tok_seq, tok_stream, tok_x, tok_y, n_kv, pos, seq, ext, n_swa, swa_type) = _check_kq_args(
+        out, cell_pos, cell_seq, cell_ext, seq_to_stream, tok_pos, tok_seq, tok_x, tok_y, n_swa, swa_type,
+        non_causal_type,
+    )
+    cdef KQArgs a
+    cdef int64_t n_tokens = tok_pos.shape[0]
+    if not causal and non_causal_type == NonCausalType.SWA_ONLY:
+        causal = swa_type == 0
+    a.n_tokens = n_tokens
+    a.n_kv = n_kv
+    a.causal = 1 if causal else 0
+    a.swa_type = swa_type
+    a.n_swa = n_swa
+    a.span = 1 if (swa_type != 0 and not causal and non_causal_type == NonCausalType.SWA_FULL) else 0
+    a.alibi = 1 if alibi else 0
+    a.is_2d = 1 if tok_x is not None else 0
+    if n_tokens == 0 or n_kv == 0:
+        return out
+
+    cdef cnp.ndarray tp = tok_pos, tsq = tok_seq, tst = tok_stream, tx, ty
+    a.tok_pos = _i32_ptr(tp)
+    a.tok_seq = _i32_ptr(tsq)
+    a.tok_x = NULL
+    a.tok_y = NULL
+    if a.is_2d:
+        tx = tok_x
+        ty = tok_y
+        a.tok_x = _i32_ptr(tx)
+        a.tok_y = _i32_ptr(ty)
+
+    cdef int64_t pos_min[MAX_SEQ]
+    cdef int32_t seq_stream[MAX_SEQ]
+    cdef uint64_t want[MAX_STREAMS * N_WORDS]  # per stream: the ubatch's sequences it holds
+    cdef int64_t counts[MAX_SEQ + 1]
+    cdef int64_t offs[MAX_SEQ + 1]
+    cdef int64_t fillp[MAX_SEQ]
+    cdef int unsorted[MAX_SEQ]
+    cdef int64_t i
+    cdef int s, st, w
+    cdef int n_cstream = len(pos)
+    if n_cstream > MAX_STREAMS:
+        raise ValueError(f"cell_pos: at most {MAX_STREAMS} streams")
+    cdef const int32_t* tposp = a.tok_pos
+    cdef const int32_t* tseqp = a.tok_seq
+    cdef const int32_t* tstp = _i32_ptr(tst)
+    for s in range(MAX_SEQ):
+        pos_min[s] = POS_INF
+        seq_stream[s] = 0
+        counts[s] = 0
+        unsorted[s] = 0
+    for w in range(MAX_STREAMS * N_WORDS):
+        want[w] = 0
+    for i in range(n_tokens):
+        s = tseqp[i]
+        if tposp[i] < pos_min[s]:
+            pos_min[s] = tposp[i]
+        seq_stream[s] = tstp[i]
+        want[tstp[i] * N_WORDS + (s >> 6)] |= (<uint64_t>1) << (s & 63)
+
+    # pointers to each stream's cells (the arrays stay referenced by pos / seq / ext)
+    cdef const int32_t* cpos[MAX_STREAMS]
+    cdef const uint64_t* cseq[MAX_STREAMS]
+    cdef const int32_t* cext[MAX_STREAMS]
+    cdef cnp.ndarray arr
+    for st in range(n_cstream):
+        arr = pos[st]
+        cpos[st] = <const int32_t*>cnp.PyArray_DATA(arr)
+        arr = seq[st]
+        cseq[st] = <const uint64_t*>cnp.PyArray_DATA(arr)
+        cext[st] = NULL
+        if ext is not None:
+            arr = ext[st]
+            cext[st] = <const int32_t*>cnp.PyArray_DATA(arr)
+
+    with nogil:
+        for st in range(n_cstream):
+            if want[st * N_WORDS] | want[st * N_WORDS + 1] | want[st * N_WORDS + 2] | want[st * N_WORDS + 3]:
+                _count_members(cpos[st], cseq[st], a.n_kv, &want[st * N_WORDS], counts)
+    offs[0] = 0
+    for s in range(MAX_SEQ):
+        offs[s + 1] = offs[s] + counts[s]
+        fillp[s] = offs[s]
+    cdef cnp.ndarray keys_arr = np.empty(max(offs[MAX_SEQ], 1), dtype=np.uint64)
+    cdef uint64_t* keys = <uint64_t*>cnp.PyArray_DATA(keys_arr)
+    cdef cnp.ndarray out_arr = out
+    cdef void* outp = cnp.PyArray_DATA(out_arr)
+    cdef int f16 = out.dtype == np.float16
+    with nogil:
+        for st in range(n_cstream):
+            if want[st * N_WORDS] | want[st * N_WORDS + 1] | want[st * N_WORDS + 2] | want[st * N_WORDS + 3]:
+                _list_members(cpos[st], cseq[st], a.n_kv, &want[st * N_WORDS], keys, fillp, unsorted)
+        for s in range(MAX_SEQ):
+            if unsorted[s]:
+                sort(keys + offs[s], keys + offs[s + 1])
+        if f16:
+            _kq_rows(<uint16_t*>outp, &a, keys, offs, cext, seq_stream, pos_min)
+        else:
+            _kq_rows(<uint32_t*>outp, &a, keys, offs, cext, seq_stream, pos_min)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ T5 buckets
+
+cdef inline int32_t _bucket(int32_t x, int32_t y, uint64_t n_buckets, int bidirectional) noexcept nogil:
+    cdef int64_t max_distance = 128
+    if bidirectional:
+        n_buckets >>= 1
+    cdef int64_t max_exact = <int64_t>(n_buckets >> 1)
+    cdef int32_t rel = <int32_t>(<uint32_t>x - <uint32_t>y)  # int32 subtraction, wrapping
+    cdef int32_t bucket = 0
+    cdef int32_t large
+    cdef float t
+    cdef double u
+    if bidirectional:
+        bucket = <int32_t>(<uint64_t>bucket + <uint64_t>(rel > 0) * n_buckets)
+        if rel < 0:
+            rel = <int32_t>(0 - <uint32_t>rel)
+    else:
+        if rel > 0:
+            rel = 0
+        rel = <int32_t>(0 - <uint32_t>rel)
+    if rel < max_exact:
+        return <int32_t>(<uint32_t>bucket + <uint32_t>rel)
+    # the mix of float and double steps is llama.cpp's
+    t = logf(<float>((1.0 * rel) / max_exact)) * <float>(n_buckets - <uint64_t>max_exact)
+    u = max_exact + t / log((1.0 * max_distance) / max_exact)
+    large = <int32_t>floorf(<float>u)
+    if large > <int64_t>n_buckets - 1:
+        large = <int32_t>(<int64_t>n_buckets - 1)
+    return <int32_t>(<uint32_t>bucket + <uint32_t>large)
+
+
+def relative_position_bucket(x, y, n_buckets, bidirectional):
+    """llama_relative_position_bucket, elementwise; same result as the Python twin."""
+    xb, yb = np.broadcast_arrays(np.asarray(x, dtype=np.int32), np.asarray(y, dtype=np.int32))
+    n_buckets = int(n_buckets)
+    if n_buckets < 0 or n_buckets >= 2**32:
+        raise ValueError(f"n_buckets: {n_buckets} is outside [0, 2**32)")
+    if ((n_buckets >> 1) if bidirectional else n_buckets) >> 1 == 0:
+        raise ValueError("n_buckets: needs at least 2 buckets (4 when bidirectional)")
+    cdef cnp.ndarray xa = np.ascontiguousarray(xb), ya = np.ascontiguousarray(yb)
+    cdef cnp.ndarray res = np.empty(xb.shape, dtype=np.int32)
+    cdef const int32_t* xp = _i32_ptr(xa)
+    cdef const int32_t* yp = _i32_ptr(ya)
+    cdef int32_t* rp = <int32_t*>cnp.PyArray_DATA(res)
+    cdef int64_t i, n = xa.size
+    cdef uint64_t nb = n_buckets
+    cdef int bi = 1 if bidirectional else 0
+    with nogil:
+        for i in range(n):
+            rp[i] = _bucket(xp[i], yp[i], nb, bi)
+    return res
+
+
+def fill_pos_bucket_raw(out, key_pos, tok_pos, n_buckets, bidirectional=False):
+    """``out[i, j] = relative_position_bucket(key_pos[j], tok_pos[i], n_buckets, bidirectional)``."""
+    key_pos = _as_i32_1d("key_pos", key_pos)
+    tok_pos = _as_i32_1d("tok_pos", tok_pos)
+    if not isinstance(out, np.ndarray) or out.dtype != np.int32:
+        raise TypeError("out: expected an int32 NumPy array")
+    if out.shape != (tok_pos.shape[0], key_pos.shape[0]) or not out.flags.c_contiguous or not out.flags.writeable:
+        raise ValueError(f"out: expected a writeable C-contiguous array of shape ({tok_pos.shape[0]}, {key_pos.shape[0]})")
+    n_buckets = int(n_buckets)
+    if n_buckets < 0 or n_buckets >= 2**32:
+        raise ValueError(f"n_buckets: {n_buckets} is outside [0, 2**32)")
+    if ((n_buckets >> 1) if bidirectional else n_buckets) >> 1 == 0:
+        raise ValueError("n_buckets: needs at least 2 buckets (4 when bidirectional)")
+    cdef cnp.ndarray ka = key_pos, ta = tok_pos, oa = out
+    cdef const int32_t* kp = _i32_ptr(ka)
+    cdef const int32_t* tp = _i32_ptr(ta)
+    cdef int32_t* op = <int32_t*>cnp.PyArray_DATA(oa)
+    cdef int64_t i, j, n_t = ta.shape[0], n_k = ka.shape[0]
+    cdef uint64_t nb = n_buckets
+    cdef int bi = 1 if bidirectional else 0
+    with nogil:
+        for i in range(n_t):
+            for j in range(n_k):
+                op[i * n_k + j] = _bucket(kp[j], tp[i], nb, bi)
+    return out
+
+
+# ------------------------------------------------------------------------------------------ K-shift
+
+def fill_k_shift_raw(out, cell_pos, cell_shift):
+    """set_input_k_shift: ``out[st, j]`` = the pending shift of cell j of stream st, 0 for an empty cell."""
+    if not isinstance(out, np.ndarray) or out.dtype != np.int32:
+        raise TypeError("out: expected an int32 NumPy array")
+    if len(cell_pos) != len(cell_shift) or out.ndim != 2 or out.shape[0] != len(cell_pos):
+        raise ValueError("out: expected shape (n_stream, size) with one cell_pos and cell_shift per stream")
+    cdef int64_t j, n = out.shape[1]
+    cdef const int32_t* pp
+    cdef const int32_t* sp
+    cdef int32_t* op
+    cdef cnp.ndarray pa, sa, oa
+    for st in range(len(cell_pos)):
+        p = np.asarray(cell_pos[st])
+        sh = np.asarray(cell_shift[st])
+        if p.dtype != np.int32 or sh.dtype != np.int32 or p.shape != (n,) or sh.shape != p.shape:
+            raise TypeError(f"cell_pos[{st}], cell_shift[{st}]: expected int32 arrays of {n} cells")
+        pa = np.ascontiguousarray(p)
+        sa = np.ascontiguousarray(sh)
+        oa = out[st]
+        if not oa.flags.c_contiguous or not oa.flags.writeable:
+            raise ValueError("out: expected a writeable C-contiguous array")
+        pp = _i32_ptr(pa)
+        sp = _i32_ptr(sa)
+        op = <int32_t*>cnp.PyArray_DATA(oa)
+        with nogil:
+            for j in range(n):
+                op[j] = 0 if pp[j] == -1 else sp[j]
+    return out
+
+
+__all__ = [
+    "LLAMA_MAX_SEQ",
+    "N_SWA_MAX",
+    "NonCausalType",
+    "fill_k_shift_raw",
+    "fill_kq_mask_raw",
+    "fill_pos_bucket_raw",
+    "is_masked_swa",
+    "relative_position_bucket",
+]

@@ -1,0 +1,221 @@
+"""Hybrid attention + recurrent memory: llama.cpp's ``llama_memory_hybrid`` (and ``llama_memory_hybrid_iswa``).
+
+An attention cache over the attention layers and a RecurrentMemory over the recurrent layers, driven by one
+splitter (the recurrent pattern: equal splits) and prepared recurrent-first. With ``swa=True`` the attention
+part is a KVCacheISWA, which is llama_memory_hybrid_iswa (llama.cpp uses it for hybrid models with SWA).
+The state is the attention section(s) followed by the recurrent section.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .errors import NoSlotError
+from .hparams import SWAType
+from .kv_cache import KVCache
+from .memory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, read_all, sections_of, stage_parts
+from .recurrent import RecurrentMemory, RecurrentSlot
+
+
+class HybridSlot(NamedTuple):
+    attn: Any  # the KVCache slot (an ISWASlot for hybrid_iswa)
+    recr: RecurrentSlot
+
+
+class HybridMemory:
+    """llama_memory_hybrid (``swa=False``) / llama_memory_hybrid_iswa (``swa=True``).
+
+    Constructor arguments follow llama.cpp's: attention (types, v_trans, kv_size, n_pad, n_swa, swa_type),
+    recurrent (types, rs_size), common (n_seq_max, unified) and the layer filters; a ``None`` filter means
+    llama.cpp's default (attention: not recurrent; recurrent: recurrent).
+    """
+
+    def __init__(
+        self,
+        hparams: Any,
+        type_k: Any = "f16",
+        type_v: Any = "f16",
+        v_trans: bool = True,
+        kv_size: int = 256,
+        n_pad: int = 1,
+        n_swa: int = 0,
+        swa_type: SWAType | int = SWAType.NONE,
+        type_r: Any = "f32",
+        type_s: Any = "f32",
+        rs_size: int = 1,
+        n_seq_max: int = 1,
+        unified: bool = True,
+        *,
+        filter_attn: Callable[[int], bool] | None = None,
+        filter_recr: Callable[[int], bool] | None = None,
+        n_rs_seq: int = 0,
+        swa: bool = False,
+        swa_full: bool = False,
+        n_ubatch: int = 512,
+    ) -> None:
+        self.hparams = hparams
+        self.unified = bool(unified)
+        if filter_attn is None:
+            filter_attn = lambda il: not hparams.is_recurrent(il)  # noqa: E731
+        if filter_recr is None:
+            filter_recr = hparams.is_recurrent
+        self.kind = "hybrid_iswa" if swa else "hybrid"
+        self.attn: Any
+        if swa:
+            from .kv_cache_iswa import KVCacheISWA
+
+            self.attn = KVCacheISWA(
+                hparams, type_k, type_v, v_trans, swa_full, unified, kv_size, n_seq_max, n_ubatch, n_pad,
+                layer_filter=filter_attn,
+            )
+        else:
+            self.attn = KVCache(
+                hparams, type_k, type_v, v_trans, unified, kv_size, n_seq_max, n_pad, n_swa, swa_type, filter_attn, None
+            )
+        self.recr = RecurrentMemory(hparams, type_r, type_s, rs_size, n_seq_max, filter_recr, n_rs_seq=n_rs_seq)
+
+    def get_mem_attn(self) -> Any:
+        return self.attn
+
+    def get_mem_recr(self) -> RecurrentMemory:
+        return self.recr
+
+    def total_size(self) -> int:
+        return self.attn.total_size() + self.recr.total_size()
+
+    def get_n_stream(self) -> int:
+        return self.attn.get_n_stream()
+
+    def get_can_shift(self) -> bool:
+        return self.attn.get_can_shift()  # a recurrent state shifts trivially
+
+    # --- sequence operations -------------------------------------------------------------------------------
+
+    def clear(self, data: bool = True) -> None:
+        self.attn.clear(data)
+        self.recr.clear(data)
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        # the recurrent part goes first because it may refuse, and then nothing has changed
+        if not self.recr.seq_rm(seq_id, p0, p1):
+            return False
+        return bool(self.attn.seq_rm(seq_id, p0, p1))
+
+    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
+        self.attn.seq_cp(seq_id_src, seq_id_dst, p0, p1)
+        self.recr.seq_cp(seq_id_src, seq_id_dst, p0, p1)
+
+    def seq_keep(self, seq_id: int) -> None:
+        self.attn.seq_keep(seq_id)
+        self.recr.seq_keep(seq_id)
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
+        self.attn.seq_add(seq_id, p0, p1, shift)
+        self.recr.seq_add(seq_id, p0, p1, shift)
+
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        self.attn.seq_div(seq_id, p0, p1, d)
+        self.recr.seq_div(seq_id, p0, p1, d)
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        # the positions both parts hold: the larger of the minima, the smaller of the maxima
+        return max(self.attn.seq_pos_min(seq_id), self.recr.seq_pos_min(seq_id))
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return min(self.attn.seq_pos_max(seq_id), self.recr.seq_pos_max(seq_id))
+
+    # --- batches -------------------------------------------------------------------------------------------
+
+    def update(self, **kw: Any) -> Any:
+        res = self.attn.update(**kw)
+        self.recr.update()
+        return res
+
+    def init_batch(self, balloc: Any, n_ubatch: int, embd_all: bool = False) -> list[tuple[Any, HybridSlot]]:
+        """llama_memory_hybrid::init_batch: by sequence when every token is an output, else equal splits
+        (sequential only with several streams, keeping ``1 + n_rs_seq`` trailing tokens together); the
+        recurrent part is prepared first, then the attention part."""
+        from .batch import split_for_memory
+
+        ubatches = split_for_memory(
+            balloc, n_ubatch, self.kind, n_stream=self.get_n_stream(), embd_all=embd_all, n_rs_seq=self.recr.n_rs_seq
+        )
+        if ubatches is None:
+            raise NoSlotError("the batch cannot be split for the hybrid memory (failed to prepare)")
+        if not self.recr.prepare(ubatches):
+            raise NoSlotError("failed to prepare recurrent ubatches")
+        slots = self.attn.prepare(ubatches)
+        if not slots:
+            raise NoSlotError("failed to prepare attention ubatches")
+        return list(zip(ubatches, slots))
+
+    def decode(
+        self,
+        batch: Any,
+        n_ubatch: int = 512,
+        *,
+        k: Mapping[int, np.ndarray] | None = None,
+        v: Mapping[int, np.ndarray] | None = None,
+        balloc: Any = None,
+        embd_all: bool = False,
+    ) -> list[tuple[Any, HybridSlot]]:
+        """What llama_decode does to the memory (attention rows ``k`` / ``v`` optional, per layer)."""
+        from .batch import LLAMA_MAX_SEQ, BatchAllocr
+
+        if balloc is None:
+            balloc = BatchAllocr(self.hparams.n_pos_per_embd())
+        n_seq_max = LLAMA_MAX_SEQ if self.unified else self.recr.n_seq_max
+        balloc.init(batch, memory=self, n_seq_max=n_seq_max, output_all=embd_all)
+        self.update()
+        placed = self.init_batch(balloc, n_ubatch, embd_all)
+        out = []
+        for ub, aslot in placed:
+            # llama_memory_hybrid_context::apply: attention, then recurrent
+            self.attn.apply_ubatch(aslot, ub)
+            rslot = self.recr.apply_ubatch(ub)
+            rows = np.asarray(ub.batch_idxs)
+            for il, data in (k or {}).items():
+                self._attn_cache(il, aslot)[0].cpy_k(il, np.asarray(data)[rows], self._attn_cache(il, aslot)[1])
+            for il, data in (v or {}).items():
+                self._attn_cache(il, aslot)[0].cpy_v(il, np.asarray(data)[rows], self._attn_cache(il, aslot)[1])
+            out.append((ub, HybridSlot(aslot, rslot)))
+        return out
+
+    def _attn_cache(self, il: int, aslot: Any) -> tuple[KVCache, Any]:
+        if isinstance(self.attn, KVCache):
+            return self.attn, aslot
+        return self.attn._owner(il, aslot)
+
+    # --- state ---------------------------------------------------------------------------------------------
+
+    def _state_parts(self, flags: int) -> list[Any]:
+        if self.kind == "hybrid_iswa":
+            # llama_memory_hybrid_iswa hands the flags to the iSWA cache (which then skips its base)
+            return [self.attn, self.recr]
+        # PARTIAL_ONLY: the recurrent part alone
+        return [self.recr] if flags & LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY else [self.attn, self.recr]
+
+    def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Any]:
+        return sections_of(self._state_parts(flags), seq_id, flags)
+
+    def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes:
+        from .state import section_bytes
+
+        return section_bytes(*self.state_sections(seq_id, flags))
+
+    def stage_state(self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0) -> tuple[Callable[[], None], int]:
+        return stage_parts(self._state_parts(flags), data, seq_id, flags, offset)
+
+    def state_read(self, data: Any, seq_id: int = -1, flags: int = 0) -> int:
+        """Atomic: the recurrent section is checked before the attention part changes (llama.cpp restores
+        the attention part first and clears it again when the recurrent part fails)."""
+        return read_all(self.stage_state, data, seq_id, flags)
+
+    def __repr__(self) -> str:
+        return f"HybridMemory(kind={self.kind}, attn={self.attn!r}, recr={self.recr!r})"
+
+
+__all__ = ["HybridMemory", "HybridSlot"]

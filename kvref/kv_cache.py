@@ -1,0 +1,525 @@
+"""The attention KV cache: llama.cpp's ``llama_kv_cache`` (src/llama-kv-cache.cpp, October 2026).
+
+One ``KVCache`` holds, per stream (one stream when ``unified``, else one per sequence), the cell
+bookkeeping (``kvref.cells.KVCells``) and a head, and per layer the K and V tensors as raw NumPy bytes:
+K is ``(n_stream, size, row_size(type_k, n_embd_k_gqa))``; V the same when ``v_trans`` is False, and
+``(n_stream, n_embd_v_gqa_max, size * element size)`` when transposed (each embedding component is a row
+of ``size`` cells, which is how the transposed ggml view addresses the same bytes).
+
+Slot search and placement live in ``kvref.slots``, the K-shift math in ``kvref.kshift``, the float
+conversions in ``kvref.rows``. Where llama.cpp only asserts, kvref raises a ``kvref.errors`` exception
+before changing anything.
+
+State files: ``state_write`` / ``state_read`` are not implemented here yet. The hook points they need are
+``cells(stream)``, ``heads``, ``layers`` (``CacheLayer.k`` / ``.v`` raw bytes, ``il``), ``v_trans``,
+``type_k`` / ``type_v``, ``find_slot`` + ``apply_ubatch`` (state_read places cells through them) and
+``seq_rm`` (a failed read removes the sequence).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from . import slots as _slots
+from .cells import LLAMA_MAX_SEQ, POS_MAX, KVCells
+from .errors import KVRefError, NoSlotError, SequenceError
+from .ggml import GGMLType, ggml_type, row_size, traits
+from .hparams import RopeType, SWAType
+from .kshift import ROPE_NEOX, RopeParams, shift_k_rows
+from .rows import from_f32, typed
+from .slots import SlotInfo
+
+TENSOR_ALIGNMENT = 32  # ggml-cpu buffer alignment: each tensor's allocation is padded to it
+
+
+@dataclass
+class CacheLayer:
+    """The K and V tensors of one model layer (``llama_kv_cache::kv_layer``)."""
+
+    il: int
+    k: np.ndarray  # uint8 (n_stream, size, k row bytes)
+    v: np.ndarray | None  # uint8, layout per v_trans; None for MLA (no V cache)
+
+
+def _norm_range(p0: int, p1: int) -> tuple[int, int]:
+    """llama.cpp's open ends: p0 < 0 means 0, p1 < 0 means "no upper bound"."""
+    return (0 if p0 < 0 else int(p0)), (POS_MAX if p1 < 0 else int(p1))
+
+
+class KVCache:
+    """llama_kv_cache: cells, heads and K/V storage for the attention layers of a model."""
+
+    def __init__(
+        self,
+        hparams: Any,
+        type_k: GGMLType | int | str = "f16",
+        type_v: GGMLType | int | str = "f16",
+        v_trans: bool = True,
+        unified: bool = True,
+        size: int = 256,
+        n_seq_max: int = 1,
+        n_pad: int = 1,
+        n_swa: int = 0,
+        swa_type: SWAType | int = SWAType.NONE,
+        layer_filter: Callable[[int], bool] | None = None,
+        layer_reuse: Callable[[int], int] | None = None,
+    ) -> None:
+        size, n_seq_max, n_pad = int(size), int(n_seq_max), int(n_pad)
+        if n_pad <= 0 or size % n_pad:
+            raise KVRefError(f"kv size {size} is not a multiple of n_pad {n_pad}")
+        if not 1 <= n_seq_max <= LLAMA_MAX_SEQ:
+            raise KVRefError(f"n_seq_max {n_seq_max} is outside [1, {LLAMA_MAX_SEQ}]")
+        self.hparams = hparams
+        self.type_k = ggml_type(type_k)
+        self.type_v = ggml_type(type_v)
+        self.v_trans = bool(v_trans)
+        self.n_seq_max = n_seq_max
+        self.n_stream = 1 if unified else n_seq_max
+        self.n_pad = n_pad
+        self.n_swa = int(n_swa)
+        self.swa_type = SWAType(int(swa_type))
+        if self.v_trans and traits(self.type_v).is_quantized:
+            # llama.cpp refuses a quantized V cache without flash attention (which is what v_trans means)
+            raise KVRefError("a quantized V cache needs v_trans=False (flash attention)")
+
+        self.heads: list[int] = [0] * self.n_stream
+        self._cells = [KVCells(size) for _ in range(self.n_stream)]
+        # unified: every sequence id maps to stream 0 (ids up to LLAMA_MAX_SEQ are accepted);
+        # otherwise sequence s owns stream s and only ids below n_seq_max are valid
+        self.seq_to_stream: list[int] = [0] * LLAMA_MAX_SEQ if self.n_stream == 1 else list(range(self.n_stream))
+        # queued cross-stream buffer copies (llama_kv_cache::stream_copy_info), applied by update()
+        self._sc_src: list[int] = []
+        self._sc_dst: list[int] = []
+
+        self.layers: list[CacheLayer] = []
+        self.map_layer_ids: dict[int, int] = {}
+        self._build_layers(size, layer_filter, layer_reuse)
+
+    # ------------------------------------------------------------------ construction and sizes
+    def _build_layers(self, size: int, layer_filter: Any, layer_reuse: Any) -> None:
+        hp = self.hparams
+        is_mla = hp.is_mla()  # MLA caches store no V
+        for il in range(hp.n_layer):
+            if not hp.has_kv(il) or (layer_filter is not None and not layer_filter(il)):
+                continue
+            n_embd_k = hp.n_embd_k_gqa(il)
+            n_embd_v = self.hparams.n_embd_v_gqa_max() if self.v_trans else hp.n_embd_v_gqa(il)
+            k = np.zeros((self.n_stream, size, row_size(self.type_k, n_embd_k)), dtype=np.uint8)
+            v = None
+            if not is_mla:
+                if self.v_trans:
+                    el = row_size(self.type_v, 1)
+                    v = np.zeros((self.n_stream, n_embd_v, size * el), dtype=np.uint8)
+                else:
+                    v = np.zeros((self.n_stream, size, row_size(self.type_v, n_embd_v)), dtype=np.uint8)
+            self.map_layer_ids[il] = len(self.layers)
+            self.layers.append(CacheLayer(il, k, v))
+        if layer_reuse is not None:
+            for il in range(hp.n_layer):
+                il_reuse = layer_reuse(il)
+                if il_reuse < 0 or (layer_filter is not None and not layer_filter(il)):
+                    continue
+                if il_reuse not in self.map_layer_ids:
+                    raise KVRefError(f"layer {il} reuses layer {il_reuse}, which has no KV buffers")
+                self.map_layer_ids[il] = self.map_layer_ids[il_reuse]
+
+    def size_k_bytes(self) -> int:
+        return sum(layer.k.nbytes for layer in self.layers)
+
+    def size_v_bytes(self) -> int:
+        return sum(layer.v.nbytes for layer in self.layers if layer.v is not None)
+
+    def total_size(self) -> int:
+        """Bytes of the backing buffer as a ggml CPU buffer allocates it (each tensor padded to 32 bytes)."""
+
+        def pad(n: int) -> int:
+            return (n + TENSOR_ALIGNMENT - 1) // TENSOR_ALIGNMENT * TENSOR_ALIGNMENT
+
+        return sum(pad(layer.k.nbytes) + (pad(layer.v.nbytes) if layer.v is not None else 0) for layer in self.layers)
+
+    def get_size(self) -> int:
+        return self._cells[self.seq_to_stream[0]].size()
+
+    def get_n_stream(self) -> int:
+        return self.n_stream
+
+    def get_n_seq_max(self) -> int:
+        return self.n_seq_max
+
+    def get_layer_ids(self) -> list[int]:
+        return [layer.il for layer in self.layers]
+
+    def cells(self, stream: int) -> KVCells:
+        """The cells of one stream (llama.cpp's ``v_cells[stream]``)."""
+        return self._cells[stream]
+
+    def get_cells(self, seq_id: int) -> KVCells:
+        return self._cells[self.seq_to_stream[self._check_seq(seq_id)]]
+
+    def get_stream(self, seq_id: int) -> int:
+        return self.seq_to_stream[self._check_seq(seq_id)]
+
+    def _check_seq(self, seq_id: int) -> int:
+        seq_id = int(seq_id)
+        if not 0 <= seq_id < len(self.seq_to_stream):
+            raise SequenceError(f"seq_id {seq_id} is outside [0, {len(self.seq_to_stream)})")
+        return seq_id
+
+    # ------------------------------------------------------------------ sequence operations
+    def clear(self, data: bool = True) -> None:
+        """Empty every stream and reset the heads; zero the buffers when ``data``.
+
+        As in llama.cpp, queued cross-stream copies stay queued.
+        """
+        for s in range(self.n_stream):
+            self._cells[s].reset()
+            self.heads[s] = 0
+        if data:
+            for layer in self.layers:
+                layer.k.fill(0)
+                if layer.v is not None:
+                    layer.v.fill(0)
+
+    def _lower_head(self, stream: int, new_head: int) -> None:
+        # a freed cell before the head becomes the next search start
+        if new_head != self._cells[stream].size() and new_head < self.heads[stream]:
+            self.heads[stream] = new_head
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """Remove ``seq_id`` (every sequence when -1) from the cells with p0 <= pos < p1. Always True."""
+        seq_id = int(seq_id)
+        if seq_id != -1:
+            self._check_seq(seq_id)
+        p0, p1 = _norm_range(p0, p1)
+        streams = range(self.n_stream) if seq_id == -1 else [self.seq_to_stream[seq_id]]
+        for s in streams:
+            self._lower_head(s, self._cells[s].seq_rm_range(seq_id, p0, p1))
+        return True
+
+    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Make ``seq_id_dst`` see the cells of ``seq_id_src`` with p0 <= pos < p1.
+
+        Within a stream only the metadata changes. Across streams llama.cpp only copies whole sequences:
+        the destination stream is emptied, given the source's cells of that sequence (with their pending
+        shifts) and its head, and the K/V buffers of the stream are copied at the next ``update()``.
+        """
+        src, dst = self._check_seq(seq_id_src), self._check_seq(seq_id_dst)
+        s0, s1 = self.seq_to_stream[src], self.seq_to_stream[dst]
+        if s0 == s1:
+            if src != dst:
+                self._cells[s0].seq_cp_range(src, dst, *_norm_range(p0, p1))
+            return
+        # llama.cpp's "full range" test, on the raw arguments: an open end, 0, or >= size - 1
+        n = self.get_size()
+        if (p0 > 0 and p0 + 1 < n) or (p1 > 0 and p1 + 1 < n):
+            raise SequenceError(f"seq_cp across streams ({s0} -> {s1}) only copies the full range, got [{p0}, {p1})")
+        self._sc_src.append(s0)
+        self._sc_dst.append(s1)
+        c_src, c_dst = self._cells[s0], self._cells[s1]
+        c_dst.reset()
+        for i in np.flatnonzero(np.asarray(c_src.pos) != -1).tolist():
+            if not c_src.seq_has(i, src):
+                continue
+            pos, shift = c_src.pos_get(i), c_src.get_shift(i)
+            # place the pre-shift position, then redo the shift so the pending K-shift carries over
+            c_dst.pos_set(i, pos - shift)
+            c_dst.seq_add(i, dst)
+            if shift != 0:
+                c_dst.pos_add(i, shift)
+            c_dst.ext_set(i, *c_src.ext_get(i))
+        self.heads[s1] = self.heads[s0]
+
+    def seq_keep(self, seq_id: int) -> None:
+        """Drop every other sequence from the stream of ``seq_id`` (cells of no sequence stay as they are)."""
+        s = self.seq_to_stream[self._check_seq(seq_id)]
+        self._lower_head(s, self._cells[s].seq_keep_all(seq_id))
+
+    def _check_pos_ops(self, what: str) -> None:
+        if self.hparams.n_pos_per_embd() != 1:
+            raise SequenceError(f"{what}() is only supported for n_pos_per_embd() == 1")
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
+        """Add ``shift`` to the positions of ``seq_id`` in [p0, p1); cells pushed below 0 are freed.
+
+        The head moves to the first freed cell, or to 0 when none was freed.
+        """
+        s = self.seq_to_stream[self._check_seq(seq_id)]
+        self._check_pos_ops("seq_add")
+        if shift == 0:
+            return
+        p0, p1 = _norm_range(p0, p1)
+        if p0 == p1:
+            return
+        cells = self._cells[s]
+        first = cells.seq_add_range(seq_id, p0, p1, int(shift))
+        self.heads[s] = first if first != cells.size() else 0
+
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        """Integer-divide the positions of ``seq_id`` in [p0, p1) by ``d``."""
+        s = self.seq_to_stream[self._check_seq(seq_id)]
+        self._check_pos_ops("seq_div")
+        if d == 1:
+            return
+        if d <= 0:
+            raise SequenceError(f"seq_div: divisor {d} is not positive")
+        p0, p1 = _norm_range(p0, p1)
+        if p0 == p1:
+            return
+        self._cells[s].seq_div_range(seq_id, p0, p1, int(d))
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        return self.get_cells(seq_id).seq_pos_min(seq_id)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return self.get_cells(seq_id).seq_pos_max(seq_id)
+
+    # ------------------------------------------------------------------ shifts and stream copies
+    def get_can_shift(self) -> bool:
+        if self.hparams.arch == "step35":  # per-layer rope dims: no single n_rot
+            return False
+        return self.hparams.n_pos_per_embd() <= 1
+
+    def get_has_shift(self) -> bool:
+        return any(c.get_has_shift() for c in self._cells)
+
+    def pending_stream_copies(self) -> list[tuple[int, int]]:
+        return list(zip(self._sc_src, self._sc_dst))
+
+    def update(self, *, ext_factor: float = 0.0, attn_factor: float = 1.0, beta_fast: float = 32.0,
+               beta_slow: float = 1.0, n_ctx_orig: int = 0) -> bool:
+        """Apply what is pending (llama_context::memory_update): stream copies, then the K-shift.
+
+        Returns True when something was pending. The keyword arguments are the context's YaRN parameters
+        (cparams.yarn_*); the defaults are those of a model without YaRN scaling.
+        """
+        do_shift = self.get_has_shift()
+        if not do_shift and not self._sc_src:
+            return False
+        if do_shift and not self.get_can_shift():
+            # llama.cpp aborts here; kvref raises before applying anything
+            raise KVRefError("the KV cache / model configuration does not support K-shift")
+        if do_shift and self.hparams.rope_type != RopeType.NONE and traits(self.type_k).is_quantized:
+            name = self.type_k.name.lower()
+            raise KVRefError(f"K-shift of a {name} K cache is not implemented (f32, f16, bf16 only)")
+        copies = list(zip(self._sc_src, self._sc_dst))
+        self._sc_src, self._sc_dst = [], []
+        for ssrc, sdst in copies:
+            for layer in self.layers:
+                layer.k[sdst] = layer.k[ssrc]
+                if layer.v is not None:
+                    layer.v[sdst] = layer.v[ssrc]
+        if do_shift:
+            if self.hparams.rope_type != RopeType.NONE:
+                self._k_shift(dict(ext_factor=ext_factor, attn_factor=attn_factor, beta_fast=beta_fast,
+                                   beta_slow=beta_slow, n_ctx_orig=n_ctx_orig))
+            for c in self._cells:
+                c.reset_shift()
+        return True
+
+    def k_shift_input(self) -> np.ndarray:
+        """set_input_k_shift: int32 [n_stream * size], each cell's pending shift, 0 for empty cells."""
+        out = []
+        for c in self._cells:
+            out.append(np.where(np.asarray(c.pos) == -1, 0, np.asarray(c.shift)).astype(np.int32))
+        return np.concatenate(out)
+
+    def _rope_params(self, il: int, **yarn: Any) -> RopeParams:
+        hp = self.hparams
+        swa = hp.is_swa(il)
+        base = hp.rope_freq_base_swa if swa and hp.rope_freq_base_swa is not None else hp.rope_freq_base
+        scale = hp.rope_freq_scale_swa if swa and hp.rope_freq_scale_swa is not None else hp.rope_freq_scale
+        # M-RoPE models are shifted as NEOX over the whole rotated vector (llama.cpp's workaround)
+        mode = ROPE_NEOX if hp.rope_type in (RopeType.MROPE, RopeType.IMROPE) else int(hp.rope_type)
+        return RopeParams(n_dims=hp.n_rot_l(il), mode=mode, freq_base=base, freq_scale=scale, **yarn)
+
+    def _k_shift(self, yarn: dict[str, Any]) -> None:
+        """build_graph_shift: rope every layer's K (all streams, all cells) by the cells' shifts."""
+        hp = self.hparams
+        shift = self.k_shift_input()
+        for layer in self.layers:
+            il = layer.il
+            if not hp.has_rope(il):
+                continue
+            p = self._rope_params(il, **yarn)
+            n_embd_head_k = hp.n_embd_head_k_l(il)
+            # DeepSeek-style heads keep the rotated dims after the "nope" part (llama.cpp: n_lora_kv > 0);
+            # HParams has no n_lora_kv yet, so kvref reads it from hparams.extra
+            n_embd_nope = n_embd_head_k - p.n_dims if hp.extra.get("n_lora_kv", 0) > 0 else 0
+            flat = layer.k.reshape(-1, layer.k.shape[-1])  # all streams, as the ggml view spans them
+            shift_k_rows(flat, self.type_k, hp.n_head_kv_l(il), n_embd_head_k, shift, p, n_embd_nope)
+
+    # ------------------------------------------------------------------ slots
+    def find_slot(self, ubatch: Any, cont: bool = False) -> SlotInfo | None:
+        """Cells for the ubatch (None when it does not fit); nothing is changed."""
+        return _slots.find_slot(self, ubatch, cont)
+
+    def apply_ubatch(self, sinfo: SlotInfo, ubatch: Any) -> None:
+        _slots.apply_ubatch(self, sinfo, ubatch)
+
+    def prepare(self, ubatches: Sequence[Any]) -> list[SlotInfo]:
+        """Slots for all ubatches, or [] when one does not fit (as llama.cpp); cells/heads restored."""
+        return _slots.prepare(self, list(ubatches))
+
+    def init_batch(self, balloc: Any, n_ubatch: int, embd_all: bool = False) -> list[tuple[Any, SlotInfo]]:
+        """Split the allocator's batch and prepare it: ``[(ubatch, slot), ...]``; NoSlotError when it fails.
+
+        llama.cpp returns a context with status FAILED_PREPARE; kvref raises instead.
+        """
+        del embd_all  # unused by llama_kv_cache too
+        balloc.split_reset()
+        ubatches = []
+        while True:
+            ub = balloc.split_simple(n_ubatch) if self.n_stream == 1 else balloc.split_equal(n_ubatch, True, 0)
+            if ub is None or ub.n_tokens == 0:
+                break
+            ubatches.append(ub)
+        if balloc.get_n_used() < balloc.get_n_tokens():
+            raise NoSlotError("the batch could not be split into ubatches for this cache")
+        sinfos = self.prepare(ubatches)
+        if not sinfos:
+            raise NoSlotError(f"no KV slot for a batch of {balloc.get_n_tokens()} tokens")
+        return list(zip(ubatches, sinfos))
+
+    def decode(self, batch: Any, n_ubatch: int = 512, *, k: Mapping[int, np.ndarray] | None = None,
+               v: Mapping[int, np.ndarray] | None = None, balloc: Any = None) -> list[tuple[Any, SlotInfo]]:
+        """What llama_decode does to the memory: validate, apply pending updates, place every ubatch.
+
+        ``k`` / ``v`` optionally map a layer id to its rows for the whole batch (n_tokens, n_embd_gqa),
+        in batch order; they are stored at the placed cells. Raises NoSlotError when the batch does not
+        fit; the cells and heads are then as prepare() leaves them after a failure: the pending update
+        applied and, with SWA, any purge done while trying earlier ubatches kept (as in llama.cpp).
+        """
+        if balloc is None:
+            from .batch import BatchAllocr  # the splitter lives with the batch
+
+            balloc = BatchAllocr(n_pos_per_embd=self.hparams.n_pos_per_embd())
+        # llama_context::decode: batch validation (positions from seq_pos_max + 1) comes first,
+        # then memory_update() applies pending shifts/copies, then init_batch places the ubatches
+        balloc.init(batch, memory=self, n_seq_max=self.n_seq_max if self.n_stream > 1 else LLAMA_MAX_SEQ)
+        self.update()
+        placed = self.init_batch(balloc, n_ubatch)
+        for ub, sinfo in placed:
+            self.apply_ubatch(sinfo, ub)
+            rows = np.asarray(ub.batch_idxs)
+            for il, data in (k or {}).items():
+                self.cpy_k(il, np.asarray(data)[rows], sinfo)
+            for il, data in (v or {}).items():
+                self.cpy_v(il, np.asarray(data)[rows], sinfo)
+        return placed
+
+    # ------------------------------------------------------------------ graph inputs and K/V rows
+    def get_n_kv(self, sinfo: SlotInfo) -> int:
+        """Cells the attention looks at: used_max_p1 padded to max(n_pad, 256), at most size; max over streams."""
+        n_pad_cur = max(self.n_pad, 256)
+        result = 0
+        for s in sinfo.strm:
+            c = self._cells[s]
+            padded = -(-c.used_max_p1() // n_pad_cur) * n_pad_cur
+            result = max(min(c.size(), max(n_pad_cur, padded)), result)
+        return result
+
+    def k_idxs(self, ubatch: Any, sinfo: SlotInfo) -> np.ndarray:
+        """set_input_k_idxs: int64 row index of each token in the stream-merged K tensor."""
+        self._check_slot_tokens(ubatch, sinfo)
+        return self._flat_idxs(sinfo)
+
+    def v_idxs(self, ubatch: Any, sinfo: SlotInfo) -> np.ndarray:
+        """set_input_v_idxs: rows like K, or with a transposed V one element index per (token, component)."""
+        if not self.v_trans:
+            return self.k_idxs(ubatch, sinfo)
+        self._check_slot_tokens(ubatch, sinfo)
+        size = self.get_size()
+        n_embd = self.hparams.n_embd_v_gqa_max()
+        out = []
+        for s, strm in enumerate(sinfo.strm):
+            idx = np.asarray(sinfo.idxs[s], dtype=np.int64)
+            out.append((strm * size * n_embd + np.arange(n_embd)[None, :] * size + idx[:, None]).reshape(-1))
+        return np.concatenate(out)
+
+    def _check_slot_tokens(self, ubatch: Any, sinfo: SlotInfo) -> None:
+        if int(ubatch.n_tokens) != sinfo.size() * sinfo.n_stream():
+            raise KVRefError(f"slot holds {sinfo.size() * sinfo.n_stream()} cells for {ubatch.n_tokens} tokens")
+
+    def _layer(self, il: int) -> CacheLayer:
+        try:
+            return self.layers[self.map_layer_ids[il]]
+        except KeyError:
+            raise KVRefError(f"layer {il} has no KV cache") from None
+
+    def _rows_as_type(self, rows: np.ndarray, t: GGMLType, n_embd: int) -> np.ndarray:
+        """Rows given as floats (converted) or as raw bytes of the cache type (taken as they are)."""
+        rows = np.asarray(rows)
+        if rows.dtype == np.uint8:
+            if rows.shape[-1] != row_size(t, n_embd):
+                raise KVRefError(f"raw rows of {rows.shape[-1]} bytes, expected {row_size(t, n_embd)}")
+            return rows
+        if rows.shape[-1] != n_embd:
+            raise KVRefError(f"rows of {rows.shape[-1]} values, expected {n_embd}")
+        return from_f32(rows, t)
+
+    def cpy_k(self, il: int, k_cur: np.ndarray, sinfo: SlotInfo) -> None:
+        """Store a ubatch's K rows (n_tokens, n_embd_k_gqa) at the slot's cells (ggml_set_rows)."""
+        layer = self._layer(il)
+        rows = self._rows_as_type(k_cur, self.type_k, self.hparams.n_embd_k_gqa(il))
+        flat = layer.k.reshape(-1, layer.k.shape[-1])
+        flat[self._flat_idxs(sinfo)] = rows
+
+    def cpy_v(self, il: int, v_cur: np.ndarray, sinfo: SlotInfo) -> None:
+        """Store a ubatch's V rows; transposed V gets one element per (component, cell), zero-padded."""
+        layer = self._layer(il)
+        if layer.v is None:
+            raise KVRefError(f"layer {il} has no V cache (MLA)")
+        n_embd = self.hparams.n_embd_v_gqa(il)
+        if not self.v_trans:
+            rows = self._rows_as_type(v_cur, self.type_v, n_embd)
+            layer.v.reshape(-1, layer.v.shape[-1])[self._flat_idxs(sinfo)] = rows
+            return
+        rows = np.asarray(v_cur)
+        if rows.dtype != np.uint8:
+            n_max = layer.v.shape[1]
+            if rows.shape[-1] != n_embd:
+                raise KVRefError(f"rows of {rows.shape[-1]} values, expected {n_embd}")
+            # [TAG_V_CACHE_VARIABLE]: narrower layers are padded with zeros up to n_embd_v_gqa_max
+            rows = from_f32(np.pad(rows.astype(np.float32), ((0, 0), (0, n_max - n_embd))), self.type_v)
+        elements = typed(rows, self.type_v)  # (n_tokens, n_max)
+        view = typed(layer.v, self.type_v)  # (n_stream, n_max, size)
+        n = sinfo.size()
+        for s, strm in enumerate(sinfo.strm):
+            view[strm][:, sinfo.idxs[s]] = elements[s * n : (s + 1) * n].T
+
+    def _flat_idxs(self, sinfo: SlotInfo) -> np.ndarray:
+        size = self.get_size()
+        parts = [strm * size + np.asarray(idxs, dtype=np.int64) for strm, idxs in zip(sinfo.strm, sinfo.idxs)]
+        return np.concatenate(parts)
+
+    def _streams(self, sinfo: SlotInfo | None) -> slice:
+        return slice(0, self.n_stream) if sinfo is None else slice(sinfo.s0, sinfo.s1 + 1)
+
+    def get_k(self, il: int, n_kv: int, sinfo: SlotInfo | None = None) -> np.ndarray:
+        """View of the first n_kv cells' K rows, (streams, n_kv, row): float32/float16 (bf16 as uint16 bits),
+        raw bytes for quantized types. Streams s0..s1 of the slot, or all."""
+        k = self._layer(il).k[self._streams(sinfo), :n_kv]
+        return k if traits(self.type_k).is_quantized else typed(k, self.type_k)
+
+    def get_v(self, il: int, n_kv: int, sinfo: SlotInfo | None = None) -> np.ndarray:
+        """Like get_k; a transposed V gives (streams, n_embd_v_gqa_max, n_kv)."""
+        layer = self._layer(il)
+        if layer.v is None:
+            raise KVRefError(f"layer {il} has no V cache (MLA)")
+        if self.v_trans:
+            return typed(layer.v[self._streams(sinfo)], self.type_v)[:, :, :n_kv]
+        v = layer.v[self._streams(sinfo), :n_kv]
+        return v if traits(self.type_v).is_quantized else typed(v, self.type_v)
+
+    def __repr__(self) -> str:
+        used = [c.get_used() for c in self._cells]
+        return (f"KVCache(size={self.get_size()}, n_stream={self.n_stream}, layers={len(self.layers)}, "
+                f"type_k={self.type_k.name.lower()}, type_v={self.type_v.name.lower()}, used={used}, "
+                f"heads={self.heads})")
+
+
+__all__ = ["CacheLayer", "KVCache", "SlotInfo"]

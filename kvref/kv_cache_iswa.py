@@ -1,0 +1,239 @@
+"""Interleaved sliding-window attention: llama.cpp's ``llama_kv_cache_iswa``.
+
+Two KVCache objects driven together: ``base`` holds the full-attention layers (no window), ``swa`` the
+sliding-window layers (the model's ``n_swa`` / ``swa_type``). Every ubatch is placed in both; sequence
+operations go to both; the state is the base section followed by the SWA section.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .errors import NoSlotError
+from .hparams import SWAType
+from .kv_cache import KVCache
+from .memory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, read_all, sections_of, stage_parts
+
+SWA_PAD = 256  # the SWA cache size is always padded to 256 (llama.cpp issue #17037)
+
+
+class ISWASlot(NamedTuple):
+    """Where one ubatch landed in each cache."""
+
+    base: Any
+    swa: Any
+
+
+def swa_cache_size(size_base: int, n_swa: int, n_seq_max: int, n_ubatch: int, unified: bool, swa_full: bool) -> int:
+    """llama_kv_cache_iswa's SWA cache size: the window of every sequence that can share the buffer plus a
+    ubatch, at most the base size, padded to 256; with ``swa_full`` the base size."""
+    if swa_full:
+        return size_base
+    want = min(size_base, n_swa * (n_seq_max if unified else 1) + n_ubatch)
+    return (want + SWA_PAD - 1) // SWA_PAD * SWA_PAD
+
+
+class KVCacheISWA:
+    """llama_kv_cache_iswa. ``kv_size`` is the base size (llama.cpp passes ``n_ctx_seq``)."""
+
+    kind = "iswa"
+
+    def __init__(
+        self,
+        hparams: Any,
+        type_k: Any = "f16",
+        type_v: Any = "f16",
+        v_trans: bool = True,
+        swa_full: bool = False,
+        unified: bool = True,
+        kv_size: int = 256,
+        n_seq_max: int = 1,
+        n_ubatch: int = 512,
+        n_pad: int = 1,
+        *,
+        layer_filter: Callable[[int], bool] | None = None,
+        layer_reuse: Callable[[int], int] | None = None,
+    ) -> None:
+        self.hparams = hparams
+        self.unified = bool(unified)
+        self.swa_full = bool(swa_full)
+
+        # chained filters: the caller's filter first, then full-attention vs sliding layers
+        def filter_base(il: int) -> bool:
+            return (layer_filter is None or layer_filter(il)) and not hparams.is_swa(il)
+
+        def filter_swa(il: int) -> bool:
+            return (layer_filter is None or layer_filter(il)) and hparams.is_swa(il)
+
+        size_base = int(kv_size)
+        size_swa = swa_cache_size(size_base, hparams.n_swa, n_seq_max, n_ubatch, self.unified, self.swa_full)
+        self.base = KVCache(
+            hparams, type_k, type_v, v_trans, unified, size_base, n_seq_max, n_pad, 0, SWAType.NONE,
+            filter_base, layer_reuse,
+        )
+        self.swa = KVCache(
+            hparams, type_k, type_v, v_trans, unified, size_swa, n_seq_max, n_pad, hparams.n_swa, hparams.swa_type,
+            filter_swa, layer_reuse,
+        )
+
+    @property
+    def parts(self) -> list[KVCache]:
+        return [self.base, self.swa]
+
+    # --- sizes ---------------------------------------------------------------------------------------------
+
+    def get_base(self) -> KVCache:
+        return self.base
+
+    def get_swa(self) -> KVCache:
+        return self.swa
+
+    def total_size(self) -> int:
+        return self.base.total_size() + self.swa.total_size()
+
+    def size_k_bytes(self) -> int:
+        return self.base.size_k_bytes() + self.swa.size_k_bytes()
+
+    def size_v_bytes(self) -> int:
+        return self.base.size_v_bytes() + self.swa.size_v_bytes()
+
+    def get_n_stream(self) -> int:
+        return self.base.get_n_stream()
+
+    def get_can_shift(self) -> bool:
+        # a shift needs both caches to allow it and the same size (the shift graph is shared)
+        return self.base.get_can_shift() and self.swa.get_can_shift() and self.base.get_size() == self.swa.get_size()
+
+    # --- sequence operations -------------------------------------------------------------------------------
+
+    def clear(self, data: bool = True) -> None:
+        self.base.clear(data)
+        self.swa.clear(data)
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        res_base = self.base.seq_rm(seq_id, p0, p1)  # both are always called (bitwise and in llama.cpp)
+        res_swa = self.swa.seq_rm(seq_id, p0, p1)
+        return bool(res_base and res_swa)
+
+    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
+        self.base.seq_cp(seq_id_src, seq_id_dst, p0, p1)
+        self.swa.seq_cp(seq_id_src, seq_id_dst, p0, p1)
+
+    def seq_keep(self, seq_id: int) -> None:
+        self.base.seq_keep(seq_id)
+        self.swa.seq_keep(seq_id)
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
+        self.base.seq_add(seq_id, p0, p1, shift)
+        self.swa.seq_add(seq_id, p0, p1, shift)
+
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        self.base.seq_div(seq_id, p0, p1, d)
+        self.swa.seq_div(seq_id, p0, p1, d)
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        # the SWA cache holds a suffix of what the base holds: its range is the memory's
+        return self.swa.seq_pos_min(seq_id)
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return self.swa.seq_pos_max(seq_id)
+
+    # --- batches -------------------------------------------------------------------------------------------
+
+    def update(self, **kw: Any) -> Any:
+        """init_update on both caches (K-shift, stream copies)."""
+        res_base = self.base.update(**kw)
+        res_swa = self.swa.update(**kw)
+        return res_base or res_swa
+
+    def prepare(self, ubatches: list[Any]) -> list[ISWASlot]:
+        """Slots in both caches, or [] when either cannot place the ubatches (cells restored)."""
+        sb = self.base.prepare(ubatches)
+        if not sb:
+            return []
+        ss = self.swa.prepare(ubatches)
+        if not ss:
+            return []
+        return [ISWASlot(b, s) for b, s in zip(sb, ss)]
+
+    def init_batch(self, balloc: Any, n_ubatch: int, embd_all: bool = False) -> list[tuple[Any, ISWASlot]]:
+        """llama_kv_cache_iswa::init_batch: a simple split first (one stream only), then an equal split
+        (sequential with several streams); each tried split must fit in both caches."""
+        from .batch import split_for_memory
+
+        for attempt in ("simple", "equal"):
+            ubatches = split_for_memory(balloc, n_ubatch, "iswa", n_stream=self.get_n_stream(), attempt=attempt)
+            if ubatches is None:
+                continue
+            slots = self.prepare(ubatches)
+            if slots:
+                return list(zip(ubatches, slots))
+        raise NoSlotError("the batch does not fit in the iSWA caches (failed to prepare)")
+
+    def apply_ubatch(self, slot: ISWASlot, ubatch: Any) -> None:
+        self.base.apply_ubatch(slot.base, ubatch)
+        self.swa.apply_ubatch(slot.swa, ubatch)
+
+    def decode(
+        self,
+        batch: Any,
+        n_ubatch: int = 512,
+        *,
+        k: Mapping[int, np.ndarray] | None = None,
+        v: Mapping[int, np.ndarray] | None = None,
+        balloc: Any = None,
+        embd_all: bool = False,
+    ) -> list[tuple[Any, ISWASlot]]:
+        """What llama_decode does to the memory; ``k`` / ``v`` rows go to the cache owning each layer."""
+        from .batch import LLAMA_MAX_SEQ, BatchAllocr
+
+        if balloc is None:
+            balloc = BatchAllocr(self.hparams.n_pos_per_embd())
+        n_seq_max = LLAMA_MAX_SEQ if self.unified else self.base.get_n_seq_max()
+        balloc.init(batch, memory=self, n_seq_max=n_seq_max, output_all=embd_all)
+        self.update()
+        placed = self.init_batch(balloc, n_ubatch, embd_all)
+        for ub, slot in placed:
+            self.apply_ubatch(slot, ub)
+            rows = np.asarray(ub.batch_idxs)
+            for il, data in (k or {}).items():
+                cache, sinfo = self._owner(il, slot)
+                cache.cpy_k(il, np.asarray(data)[rows], sinfo)
+            for il, data in (v or {}).items():
+                cache, sinfo = self._owner(il, slot)
+                cache.cpy_v(il, np.asarray(data)[rows], sinfo)
+        return placed
+
+    def _owner(self, il: int, slot: ISWASlot) -> tuple[KVCache, Any]:
+        return (self.swa, slot.swa) if self.hparams.is_swa(il) else (self.base, slot.base)
+
+    # --- state ---------------------------------------------------------------------------------------------
+
+    def _state_parts(self, flags: int) -> list[KVCache]:
+        # PARTIAL_ONLY (formerly SWA_ONLY): only the SWA cache is written / read
+        return [self.swa] if flags & LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY else [self.base, self.swa]
+
+    def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Any]:
+        return sections_of(self._state_parts(flags), seq_id, flags)
+
+    def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes:
+        from .state import section_bytes
+
+        return section_bytes(*self.state_sections(seq_id, flags))
+
+    def stage_state(self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0) -> tuple[Callable[[], None], int]:
+        return stage_parts(self._state_parts(flags), data, seq_id, flags, offset)
+
+    def state_read(self, data: Any, seq_id: int = -1, flags: int = 0) -> int:
+        """Atomic: both sections are checked before either cache changes (llama.cpp restores the base
+        before it reads the SWA section, and clears what failed)."""
+        return read_all(self.stage_state, data, seq_id, flags)
+
+    def __repr__(self) -> str:
+        return f"KVCacheISWA(base={self.base.get_size()} cells, swa={self.swa.get_size()} cells)"
+
+
+__all__ = ["SWA_PAD", "ISWASlot", "KVCacheISWA", "swa_cache_size"]

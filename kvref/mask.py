@@ -1,0 +1,170 @@
+"""Graph inputs a KV cache fills: the KQ mask, T5 position buckets, the K-shift, K/V row indices.
+
+Callers use this module only; ``KVREF_BACKEND`` picks the twin that does the work (``_mask_c`` or
+``_mask_py``, see ``kvref._backend``). The twins take raw arrays (``fill_kq_mask_raw`` and friends, also
+exported here); the functions below gather those arrays from a ``KVCache`` and a ``UBatch``:
+
+    placed = cache.decode(batch)                    # [(ubatch, slot_info), ...]
+    ub, sinfo = placed[-1]
+    mask = fill_kq_mask(cache, ub, sinfo=sinfo)     # (n_stream, n_tps, n_kv) float32, 0 / -inf
+
+The semantics (which cells a token attends) are documented in ``kvref/_mask_py.py``.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import numpy as np
+
+from ._backend import select
+from .errors import KVRefError
+
+_impl = select("mask")
+
+fill_kq_mask_raw = _impl.fill_kq_mask_raw
+fill_pos_bucket_raw = _impl.fill_pos_bucket_raw
+fill_k_shift_raw = _impl.fill_k_shift_raw
+relative_position_bucket = _impl.relative_position_bucket
+NonCausalType = _impl.NonCausalType
+BACKEND = "cython" if _impl.__name__.endswith("_c") else "python"
+
+
+def _mask_streams(cache: Any, ubatch: Any, sinfo: Any) -> list[int]:
+    """The cache streams the ubatch touches (``sinfo.strm``; derived from the ubatch without a slot)."""
+    if sinfo is not None:
+        return [int(s) for s in sinfo.strm]
+    return sorted({int(cache.seq_to_stream[s]) for s in ubatch.seq_id_unq})
+
+
+def mask_n_kv(cache: Any, ubatch: Any, sinfo: Any = None) -> int:
+    """get_n_kv for the streams of ``sinfo`` (or of the ubatch's sequences): the mask's column count."""
+    return int(cache.get_n_kv(SimpleNamespace(strm=_mask_streams(cache, ubatch, sinfo))))
+
+
+def fill_kq_mask(
+    cache: Any,
+    ubatch: Any,
+    out: np.ndarray | None = None,
+    *,
+    dtype: Any = np.float32,
+    causal: bool | None = None,
+    sinfo: Any = None,
+    n_kv: int | None = None,
+    n_swa: int | None = None,
+    swa_type: int | None = None,
+    non_causal_type: int | None = None,
+    alibi: bool | None = None,
+) -> np.ndarray:
+    """llama_kv_cache::set_input_kq_mask for ``ubatch`` over ``cache``: ``(n_stream, n_tps, n_kv)``.
+
+    ``n_stream`` is 1 for a unified cache, else the ubatch's number of distinct sequences;
+    ``n_kv`` defaults to ``get_n_kv`` over the slot's streams; ``dtype`` is float32 (or float16, the
+    flash-attention mask). ``causal`` defaults to ``hparams.causal_attn``; ``n_swa`` / ``swa_type`` to the
+    cache's own window (the SWA half of an iSWA cache has one, the base half none); ``non_causal_type``
+    and ``alibi`` to the hparams. ``out`` is reused when given (shape and dtype must match).
+    """
+    hp = cache.hparams
+    n_tokens = int(ubatch.n_tokens)
+    n_stream = 1 if cache.n_stream == 1 else int(ubatch.n_seqs_unq)
+    if n_stream == 0 or n_tokens % n_stream:
+        raise KVRefError(f"{n_tokens} tokens do not split over {n_stream} streams")
+    if n_kv is None:
+        n_kv = mask_n_kv(cache, ubatch, sinfo)
+    shape = (n_stream, n_tokens // n_stream, int(n_kv))
+    if out is None:
+        out = np.empty(shape, dtype=dtype)
+    elif out.shape != shape:
+        raise ValueError(f"out: shape {out.shape}, expected {shape}")
+    pos = np.asarray(ubatch.pos, dtype=np.int32)
+    tok_x = tok_y = None
+    if ubatch.is_pos_2d():
+        # llama_ubatch keeps the M-RoPE position blocks as (t, y, x, ...), n_tokens each
+        tok_y = pos[n_tokens : 2 * n_tokens]
+        tok_x = pos[2 * n_tokens : 3 * n_tokens]
+    cells = [cache.cells(s) for s in range(cache.n_stream)]
+    return _impl.fill_kq_mask_raw(
+        out,
+        [c.pos for c in cells],
+        [c.seq for c in cells],
+        [c.ext for c in cells] if tok_x is not None else None,
+        np.asarray(cache.seq_to_stream, dtype=np.int32),
+        pos[:n_tokens],
+        np.fromiter((ids[0] for ids in ubatch.seq_id[:n_tokens]), dtype=np.int32, count=n_tokens),
+        tok_x=tok_x,
+        tok_y=tok_y,
+        n_swa=cache.n_swa if n_swa is None else n_swa,
+        swa_type=int(cache.swa_type if swa_type is None else swa_type),
+        causal=bool(hp.causal_attn if causal is None else causal),
+        non_causal_type=int(getattr(hp, "non_causal_type", 0) if non_causal_type is None else non_causal_type),
+        alibi=bool(hp.use_alibi if alibi is None else alibi),
+    )
+
+
+def fill_pos_bucket(
+    cache: Any, ubatch: Any, n_buckets: int | None = None, out: np.ndarray | None = None, *, n_kv: int | None = None
+) -> np.ndarray:
+    """T5 relative-position buckets, int32 ``(n_tokens, n_kv)``.
+
+    With a cache: llama_kv_cache::set_input_pos_bucket (key = cell position, -1 when empty; one-directional;
+    one stream only, and not for equal-split ubatches, as in llama.cpp). With ``cache=None``: the
+    cache-less encoder input (llm_graph_input_pos_bucket: token against token, bidirectional).
+    ``n_buckets`` defaults to ``hparams.n_rel_attn_bkts``.
+    """
+    n_tokens = int(ubatch.n_tokens)
+    tok_pos = np.asarray(ubatch.pos, dtype=np.int32)[:n_tokens]
+    if ubatch.equal_seqs:
+        raise KVRefError("position buckets need a ubatch from split_simple (llama.cpp asserts !equal_seqs)")
+    if cache is None:
+        if n_buckets is None:
+            raise ValueError("n_buckets is required without a cache")
+        key_pos, bidirectional = tok_pos, True
+    else:
+        if cache.n_stream != 1:
+            raise KVRefError("position buckets support one stream only (as in llama.cpp)")
+        if n_buckets is None:
+            n_buckets = cache.hparams.n_rel_attn_bkts
+        if n_kv is None:
+            n_kv = mask_n_kv(cache, ubatch)
+        key_pos, bidirectional = np.asarray(cache.cells(0).pos)[:n_kv], False
+    if out is None:
+        out = np.empty((n_tokens, key_pos.shape[0]), dtype=np.int32)
+    return _impl.fill_pos_bucket_raw(out, key_pos, tok_pos, n_buckets, bidirectional)
+
+
+def k_shift_input(cache: Any, out: np.ndarray | None = None) -> np.ndarray:
+    """llama_kv_cache::set_input_k_shift: int32 ``(n_stream, size)``, each cell's pending shift, 0 when empty.
+
+    ``.reshape(-1)`` gives llama.cpp's flat ``[n_stream * size]`` tensor.
+    """
+    cells = [cache.cells(s) for s in range(cache.n_stream)]
+    if out is None:
+        out = np.empty((len(cells), cache.get_size()), dtype=np.int32)
+    return _impl.fill_k_shift_raw(out, [c.pos for c in cells], [c.shift for c in cells])
+
+
+def k_idxs(cache: Any, ubatch: Any, sinfo: Any) -> np.ndarray:
+    """set_input_k_idxs: int64 row of each token in the stream-merged K tensor (the cache's own method)."""
+    return cache.k_idxs(ubatch, sinfo)
+
+
+def v_idxs(cache: Any, ubatch: Any, sinfo: Any) -> np.ndarray:
+    """set_input_v_idxs: V rows, or one element index per (token, component) for a transposed V."""
+    return cache.v_idxs(ubatch, sinfo)
+
+
+__all__ = [
+    "BACKEND",
+    "NonCausalType",
+    "fill_k_shift_raw",
+    "fill_kq_mask",
+    "fill_kq_mask_raw",
+    "fill_pos_bucket",
+    "fill_pos_bucket_raw",
+    "k_idxs",
+    "k_shift_input",
+    "mask_n_kv",
+    "relative_position_bucket",
+    "v_idxs",
+]

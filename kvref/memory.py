@@ -1,0 +1,299 @@
+"""The memory interface every kvref memory implements, and llama.cpp's memory factory.
+
+`Memory` documents the method set shared by KVCache, RecurrentMemory, KVCacheISWA and HybridMemory
+(llama_memory_i), so callers never branch on the kind. `create_memory` builds the memory object llama.cpp
+builds for a model and a set of context parameters: `context_params` mirrors the relevant part of the
+llama_context constructor (src/llama-context.cpp) and `create_memory` mirrors llama_model::create_memory
+(src/llama-model.cpp).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol, runtime_checkable
+
+from .errors import KVRefError
+
+LLAMA_MAX_SEQ = 256
+
+# llama_state_seq_flags (include/llama.h)
+LLAMA_STATE_SEQ_FLAGS_NONE = 0
+LLAMA_STATE_SEQ_FLAGS_SWA_ONLY = 1  # the old name of PARTIAL_ONLY: same bit
+LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY = 1  # iSWA: only the SWA cache; hybrid: only the recurrent part
+LLAMA_STATE_SEQ_FLAGS_ON_DEVICE = 2
+
+
+@runtime_checkable
+class Memory(Protocol):
+    """What every kvref memory offers (llama_memory_i plus kvref's state entry points).
+
+    Sequence ops follow llama.cpp: ``p0 < 0`` means 0, ``p1 < 0`` means "to the end". ``decode`` splits
+    and places a batch, raising NoSlotError (memory unchanged) when llama_decode would return 1, and
+    returns ``[(ubatch, slot), ...]`` where the slot's type depends on the memory. ``state_write`` returns
+    the memory section(s) llama.cpp writes; ``state_read`` restores them atomically and returns the bytes
+    read. ``stage_state`` is the two-phase form composites use: it parses and checks a section at
+    ``offset`` without changing anything and returns ``(commit, end)``.
+    """
+
+    kind: str
+
+    def clear(self, data: bool = True) -> None: ...
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool: ...
+    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None: ...
+    def seq_keep(self, seq_id: int) -> None: ...
+    def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None: ...
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None: ...
+    def seq_pos_min(self, seq_id: int) -> int: ...
+    def seq_pos_max(self, seq_id: int) -> int: ...
+    def get_can_shift(self) -> bool: ...
+    def decode(self, batch: Any, n_ubatch: int = 512) -> list[tuple[Any, Any]]: ...
+    def update(self) -> Any: ...
+    def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Any]: ...
+    def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes: ...
+    def state_read(self, data: Any, seq_id: int = -1, flags: int = 0) -> int: ...
+    def stage_state(self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0) -> tuple[Callable[[], None], int]: ...
+
+
+def stage_parts(
+    parts: list[Any], data: Any, seq_id: int, flags: int, offset: int = 0
+) -> tuple[Callable[[], None], int]:
+    """Stage consecutive sections, one per part; nothing changes unless every one of them checks out."""
+    commits = []
+    for part in parts:
+        stage = getattr(part, "stage_state", None)
+        if stage is None:
+            raise KVRefError(f"{type(part).__name__} has no stage_state(): it cannot take part in an atomic restore")
+        commit, offset = stage(data, seq_id, flags, offset)
+        commits.append(commit)
+
+    def commit_all() -> None:
+        for c in commits:
+            c()
+
+    return commit_all, offset
+
+
+def read_all(stage: Callable[..., tuple[Callable[[], None], int]], data: Any, seq_id: int, flags: int) -> int:
+    """state_read from stage_state: the sections must end exactly at the end of ``data``."""
+    from .errors import FormatError
+
+    commit, end = stage(data, seq_id, flags, 0)
+    total = memoryview(data).nbytes
+    if end != total:
+        raise FormatError(f"{total - end} trailing bytes after the memory sections", field="trailing", offset=end)
+    commit()
+    return end
+
+
+def sections_of(parts: list[Any], seq_id: int, flags: int) -> list[Any]:
+    out: list[Any] = []
+    for part in parts:
+        out.extend(part.state_sections(seq_id, flags))
+    return out
+
+
+# --- the factory --------------------------------------------------------------------------------------------
+
+
+def _pad(x: int, n: int) -> int:
+    return (x + n - 1) // n * n
+
+
+# llama_model::create_memory: architectures without a memory (encoders, diffusion models)
+NO_MEMORY_ARCHS = frozenset({
+    "bert", "jina-bert-v2", "jina-bert-v3", "nomic-bert", "nomic-bert-moe", "neo-bert", "eurobert",
+    "wavtokenizer-dec", "modern-bert", "gemma-embedding", "dream", "llada", "llada-moe", "rnd1",
+})  # fmt: skip
+
+# archs with a memory kvref does not model (MSA/DSA indexer caches, DeepSeek-V4 compressed caches, ...)
+UNSUPPORTED_ARCHS = frozenset({
+    "minimax-m3", "glm-dsa", "deepseek32", "glm5-next", "hy_v4", "dots3note", "deepseek4", "dflash",
+    "gemma4-assistant",
+})  # fmt: skip
+
+# llm_arch_supports_rs_rollback: other archs get n_rs_seq clamped to 0
+RS_ROLLBACK_ARCHS = frozenset({
+    "kimi-k3", "qwen35", "qwen35moe", "qwen4exp", "deepseek4", "glm5-next", "nemotron_h", "nemotron_h_moe",
+    "lfm2", "lfm2moe", "bailingmoe3",
+})  # fmt: skip
+
+
+@dataclass(frozen=True)
+class ContextParams:
+    """The resolved context parameters the memory is built from (llama_cparams, the relevant part)."""
+
+    n_ctx: int
+    n_ctx_seq: int
+    n_batch: int
+    n_ubatch: int
+    n_seq_max: int
+    n_rs_seq: int
+    kv_unified: bool
+    flash_attn: bool
+    swa_full: bool
+
+
+def context_params(
+    hparams: Any,
+    n_ctx: int = 0,
+    n_seq_max: int = 1,
+    *,
+    kv_unified: bool = True,
+    flash_attn: bool | str = False,
+    swa_full: bool = False,
+    n_batch: int = 2048,
+    n_ubatch: int = 512,
+    n_rs_seq: int = 0,
+    causal_attn: bool | None = None,
+) -> ContextParams:
+    """llama_context::llama_context, the parameters the memory depends on, in llama.cpp's order.
+
+    - ``n_seq_max = max(1, n_seq_max)``, at most LLAMA_MAX_SEQ;
+    - ``n_rs_seq`` is clamped to 0 for archs without recurrent rollback (llm_arch_supports_rs_rollback);
+    - ``n_ctx = 0`` takes ``hparams.n_ctx_train``;
+    - flash attention "auto" counts as enabled when the memory is created (cparams.flash_attn is
+      ``type != DISABLED``; the auto resolution comes after the memory exists), so V is not transposed;
+    - with causal attention ``n_batch = min(n_ctx, n_batch)`` (the unpadded n_ctx), and
+      ``n_ubatch = min(n_batch, n_ubatch or n_batch)``;
+    - ``n_ctx`` is padded to 256; unified: ``n_ctx_seq = n_ctx``, else ``n_ctx_seq = pad(n_ctx / n_seq_max, 256)``
+      and ``n_ctx = n_ctx_seq * n_seq_max``.
+    """
+    n_seq_max = max(1, int(n_seq_max))
+    if n_seq_max > LLAMA_MAX_SEQ:
+        raise KVRefError(f"n_seq_max must be <= {LLAMA_MAX_SEQ}")
+    if n_rs_seq > 0 and hparams.arch not in RS_ROLLBACK_ARCHS:
+        n_rs_seq = 0
+    if n_ctx == 0:
+        n_ctx = int(getattr(hparams, "n_ctx_train", 0) or 0)
+        if n_ctx == 0:
+            raise KVRefError("n_ctx and hparams.n_ctx_train cannot both be zero")
+    if isinstance(flash_attn, str):
+        if flash_attn not in ("auto", "enabled", "disabled", "on", "off"):
+            raise ValueError(f"flash_attn must be a bool or 'auto'/'enabled'/'disabled', got {flash_attn!r}")
+        flash_attn = flash_attn not in ("disabled", "off")
+    causal = hparams.causal_attn if causal_attn is None else causal_attn
+    n_batch = min(n_ctx, n_batch) if causal else n_batch
+    n_ubatch = min(n_batch, n_ubatch if n_ubatch else n_batch)
+    n_ctx = _pad(n_ctx, 256)
+    if kv_unified:
+        n_ctx_seq = n_ctx
+    else:
+        n_ctx_seq = _pad(n_ctx // n_seq_max, 256)
+        if n_ctx_seq == 0:
+            raise KVRefError("n_ctx_seq == 0")
+        n_ctx = n_ctx_seq * n_seq_max
+    return ContextParams(n_ctx, n_ctx_seq, n_batch, n_ubatch, n_seq_max, n_rs_seq, bool(kv_unified), bool(flash_attn), bool(swa_full))
+
+
+def create_memory(
+    hparams: Any,
+    n_ctx: int = 0,
+    n_seq_max: int = 1,
+    kv_unified: bool = True,
+    flash_attn: bool | str = False,
+    type_k: Any = "f16",
+    type_v: Any = "f16",
+    swa_full: bool = False,
+    n_ubatch: int = 512,
+    *,
+    n_batch: int = 2048,
+    n_rs_seq: int = 0,
+    causal_attn: bool | None = None,
+) -> Any:
+    """The memory llama.cpp creates for this model and these context parameters (None: no memory).
+
+    Mirrors llama_model::create_memory after llama_context's parameter resolution (`context_params`):
+
+    - encoder-only and diffusion archs (NO_MEMORY_ARCHS) get no memory;
+    - recurrent archs: RecurrentMemory, f32 R and S, ``max(1, n_seq_max)`` cells;
+    - hybrid archs: HybridMemory (attention KVCache over ``hparams.attn_layer_filter``, recurrent over
+      ``hparams.recr_layer_filter``, attention ``n_pad = 1``); with SWA the attention part is a KVCacheISWA
+      (llama_memory_hybrid_iswa);
+    - otherwise a KVCache of ``n_ctx_seq`` cells, or a KVCacheISWA when the model has a sliding window;
+      ``n_pad = 1`` (the context already padded n_ctx to 256), ``v_trans = not flash_attn``;
+      gemma3n / gemma4 reuse the KV of earlier layers from ``n_layer_kv_from_start`` on (layer_reuse);
+      models with MTP blocks (``n_layer_nextn``) keep only the trunk layers.
+    Parameter defaults are kvref's (unified, no flash attention, no full-size SWA cache); note that
+    llama_context_default_params() has kv_unified=false, flash attention auto and swa_full=true.
+    The resolved parameters are on the result as ``memory.cparams``.
+    """
+    from .hparams import SWAType
+
+    cp = context_params(
+        hparams, n_ctx, n_seq_max, kv_unified=kv_unified, flash_attn=flash_attn, swa_full=swa_full,
+        n_batch=n_batch, n_ubatch=n_ubatch, n_rs_seq=n_rs_seq, causal_attn=causal_attn,
+    )
+    arch = hparams.arch
+    if arch in NO_MEMORY_ARCHS:
+        return None
+    if arch in UNSUPPORTED_ARCHS:
+        raise KVRefError(f"llama.cpp builds a dedicated memory for {arch!r}, which kvref does not model")
+    v_trans = not cp.flash_attn
+
+    mem: Any
+    if hparams.is_recurrent_arch():
+        from .recurrent import RecurrentMemory
+
+        mem = RecurrentMemory(hparams, "f32", "f32", max(1, cp.n_seq_max), cp.n_seq_max, n_rs_seq=cp.n_rs_seq)
+    elif hparams.is_hybrid_arch():
+        if arch == "qwen4exp" and getattr(hparams, "indexer_head_size", 0):
+            raise KVRefError("qwen4exp with an indexer uses llama_memory_hybrid_idx, which kvref does not model")
+        from .hybrid import HybridMemory
+
+        mem = HybridMemory(
+            hparams, type_k, type_v, v_trans, cp.n_ctx_seq, 1, hparams.n_swa, hparams.swa_type,
+            "f32", "f32", max(1, cp.n_seq_max), cp.n_seq_max, cp.kv_unified,
+            filter_attn=hparams.attn_layer_filter, filter_recr=hparams.recr_layer_filter,
+            n_rs_seq=cp.n_rs_seq, swa=hparams.swa_type != SWAType.NONE, swa_full=cp.swa_full, n_ubatch=cp.n_ubatch,
+        )
+    else:
+        layer_filter = None
+        layer_reuse = None
+        if arch in ("gemma3n", "gemma4"):
+            kv_from = hparams.n_layer_kv_from_start
+            if kv_from < 2:
+                raise KVRefError(f"{arch} needs n_layer_kv_from_start >= 2, got {kv_from}")
+
+            def layer_reuse(il: int) -> int:
+                # layers past the KV-owning ones read the last SWA / full layer that owns KV
+                if il >= kv_from:
+                    return kv_from - (2 if hparams.is_swa(il) else 1)
+                return -1
+
+        n_trunk = hparams.n_layer_trunk()
+        if getattr(hparams, "n_layer_nextn", 0) > 0 and n_trunk > 0 and getattr(hparams, "router_layer", -1) < 0:
+
+            def layer_filter(il: int) -> bool:
+                return il < n_trunk  # the trunk context never attends the MTP blocks
+
+        if hparams.swa_type != SWAType.NONE:
+            from .kv_cache_iswa import KVCacheISWA
+
+            mem = KVCacheISWA(
+                hparams, type_k, type_v, v_trans, cp.swa_full, cp.kv_unified, cp.n_ctx_seq, cp.n_seq_max,
+                cp.n_ubatch, 1, layer_filter=layer_filter, layer_reuse=layer_reuse,
+            )
+        else:
+            from .kv_cache import KVCache
+
+            mem = KVCache(
+                hparams, type_k, type_v, v_trans, cp.kv_unified, cp.n_ctx_seq, cp.n_seq_max, 1,
+                hparams.n_swa, hparams.swa_type, layer_filter, layer_reuse,
+            )
+    mem.cparams = cp
+    return mem
+
+
+__all__ = [
+    "LLAMA_STATE_SEQ_FLAGS_NONE",
+    "LLAMA_STATE_SEQ_FLAGS_ON_DEVICE",
+    "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY",
+    "LLAMA_STATE_SEQ_FLAGS_SWA_ONLY",
+    "NO_MEMORY_ARCHS",
+    "UNSUPPORTED_ARCHS",
+    "ContextParams",
+    "Memory",
+    "context_params",
+    "create_memory",
+]

@@ -1,0 +1,780 @@
+"""The recurrent-state memory of Mamba / RWKV style models (llama.cpp's ``llama_memory_recurrent``).
+
+A recurrent model keeps one state per sequence, not one entry per token, so a "cell" here holds the
+whole state of the sequence(s) that own it: ``pos`` is the position of the last token folded into it.
+Per cell llama.cpp keeps:
+
+- ``pos``   last position folded into the state (-1: empty cell);
+- ``seq``   the sequences sharing the state (a ``seq_cp`` shares a cell until one of them moves on);
+- ``src``   where the cell's state must be read from at the next graph evaluation (the graph copies
+            states, it never moves them in place), -1 for "start from zeros";
+- ``src0``  ``src`` as staged by the last ``find_slot``, what the graph's ``s_copy`` input holds;
+- ``tail``  indexed by *sequence id* (cell i's ``tail`` is sequence i's cell): the cell holding the
+            sequence's latest state, -1 when it has none.
+
+The memory has ``mem_size`` cells (``max(1, n_seq_max)`` as ``llama_model::create_memory`` sizes it), so
+sequence ids must be below ``mem_size``. Per layer with recurrent state there is an R tensor (conv /
+token-shift state, ``n_embd_r()`` elements per row) and an S tensor (SSM / WKV state, ``n_embd_s()``),
+``mem_size * (1 + n_rs_seq)`` rows each: the extra ``n_rs_seq`` row groups are rollback snapshots
+(October 2026, ``n_rs_seq`` > 0 only for architectures that support partial rollback).
+
+Two rule sets are supported, and they differ where llama.cpp changed:
+
+- ``rules="current"`` (default, llama.cpp as vendored by llama-cpp-python 0.3.36, October 2026):
+  ``seq_rm`` refuses any seq id that is not in ``[0, n_seq_max)`` -- including every negative id, so
+  ``seq_rm(-1, ...)`` is always refused -- and refuses only a removal that cuts into the tail
+  (``0 < p0 <= pos < p1``) unless it can be served by a rollback snapshot; state files skip layers
+  without recurrent state and take each cell's rows from its ``src`` (and rollback plane).
+- ``rules="mid-2025"`` (seed 002, ``llama_kv_cache_recurrent``): ``seq_rm`` accepts negative ids
+  (whole-range only) and refuses any range with an end strictly inside ``(0, pos]``; state files take
+  each cell's rows from the cell itself; a whole restore bounds seq ids by the cell count only. That
+  cache had a state for *every* layer and no rollback, so layer filters and ``n_rs_seq`` are refused
+  with it -- and then both rule sets write the same section layout.
+"""
+
+from __future__ import annotations
+
+import io
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from .errors import CellError, FormatError, KVRefError, NoSlotError, SequenceError
+from .ggml import GGMLType, ggml_type, row_size
+
+log = logging.getLogger("kvref.recurrent")
+
+POS_MAX = 2**31 - 1  # std::numeric_limits<llama_pos>::max()
+TENSOR_ALIGNMENT = 32  # ggml's CPU buffer alignment: every tensor is padded to it in the backend buffer
+
+RULES = ("current", "mid-2025")
+
+
+@dataclass
+class RecurrentSlot:
+    """What the graph of one placed ubatch reads (llama_memory_recurrent_context after ``apply``).
+
+    ``s_copy[i]`` is the row the state of cell ``head + i`` is gathered from (``llm_graph_input_rs``);
+    the first ``n_seqs`` entries are the graph's ``s_copy_main`` (states the model advances), the rest
+    ``s_copy_extra`` (states only carried along). ``rs_z`` is the row zeroed before the gather (-1: none).
+    """
+
+    head: int
+    n: int
+    rs_z: int
+    n_seqs: int
+    s_copy: np.ndarray
+
+    @property
+    def s_copy_main(self) -> np.ndarray:
+        return self.s_copy[: self.n_seqs]
+
+    @property
+    def s_copy_extra(self) -> np.ndarray:
+        return self.s_copy[self.n_seqs :]
+
+
+def _pad(x: int, n: int) -> int:
+    return (x + n - 1) // n * n
+
+
+class RecurrentMemory:
+    """llama_memory_recurrent. See the module docstring for the cell model.
+
+    ``layer_filter(il)`` selects the layers that get R/S tensors (a hybrid passes its recurrent layers);
+    ``None`` means every layer, as in llama.cpp.
+    """
+
+    kind = "recurrent"
+
+    def __init__(
+        self,
+        hparams: Any,
+        type_r: GGMLType | int | str = "f32",
+        type_s: GGMLType | int | str = "f32",
+        mem_size: int = 1,
+        n_seq_max: int = 1,
+        layer_filter: Callable[[int], bool] | None = None,
+        *,
+        n_rs_seq: int = 0,
+        rules: str = "current",
+    ) -> None:
+        if rules not in RULES:
+            raise ValueError(f"rules must be one of {RULES}, got {rules!r}")
+        if mem_size < 1:
+            raise ValueError(f"mem_size must be >= 1, got {mem_size}")
+        if rules == "mid-2025" and (layer_filter is not None or n_rs_seq):
+            # the 2025 cache had neither layer filters (every layer had state) nor rollback snapshots
+            raise ValueError("rules='mid-2025' supports neither layer_filter nor n_rs_seq")
+        self.hparams = hparams
+        self.type_r = ggml_type(type_r)
+        self.type_s = ggml_type(type_s)
+        self.size = int(mem_size)
+        self.n_seq_max = int(n_seq_max)
+        self.n_rs_seq = int(n_rs_seq)
+        self.rules = rules
+        self.head = 0
+        self.used = 0
+        self.n = 0  # cells head .. head+n are the ones the last find_slot touched
+        self.rs_z = -1  # first cell without src references: the row the graph zeroes
+        self.rs_idx = [0] * self.n_seq_max  # per sequence: pending rollback plane
+
+        size = self.size
+        self.pos = [-1] * size
+        self.src = [-1] * size
+        self.src0 = [-1] * size
+        self.tail = [-1] * size
+        self.seq: list[set[int]] = [set() for _ in range(size)]
+
+        n_layer = hparams.n_layer
+        self.n_embd_r = int(hparams.n_embd_r())
+        self.n_embd_s = int(hparams.n_embd_s())
+        ple = _ple_conv_state(hparams)
+        self.n_embd_p = ple
+        self.r_row = row_size(self.type_r, self.n_embd_r)
+        self.s_row = row_size(self.type_s, self.n_embd_s)
+        self.p_row = row_size(self.type_r, ple) if ple else 0
+        n_rows = size * (1 + self.n_rs_seq)
+        # per layer: a (n_rows, row bytes) uint8 buffer, or None for a layer without recurrent state
+        self.r_l: list[np.ndarray | None] = [None] * n_layer
+        self.s_l: list[np.ndarray | None] = [None] * n_layer
+        self.p_l: list[np.ndarray | None] = [None] * n_layer
+        for il in range(n_layer):
+            if layer_filter is not None and not layer_filter(il):
+                continue
+            self.r_l[il] = np.zeros((n_rows, self.r_row), np.uint8)
+            self.s_l[il] = np.zeros((n_rows, self.s_row), np.uint8)
+            if ple and hparams.is_ple(il):
+                self.p_l[il] = np.zeros((n_rows, self.p_row), np.uint8)
+
+    # --- sizes (llama_memory_recurrent::total_size / size_r_bytes / size_s_bytes / size_p_bytes) ----------
+
+    @property
+    def layers(self) -> list[int]:
+        """The layers with recurrent state."""
+        return [il for il, r in enumerate(self.r_l) if r is not None]
+
+    def size_r_bytes(self) -> int:
+        return sum(r.nbytes for r in self.r_l if r is not None)
+
+    def size_s_bytes(self) -> int:
+        return sum(s.nbytes for s in self.s_l if s is not None)
+
+    def size_p_bytes(self) -> int:
+        return sum(p.nbytes for p in self.p_l if p is not None)
+
+    def total_size(self, alignment: int = TENSOR_ALIGNMENT) -> int:
+        """The backend buffer size: every tensor padded to the buffer alignment (CPU: 32 bytes)."""
+        tensors = [t for trio in zip(self.r_l, self.s_l, self.p_l) for t in trio if t is not None]
+        return sum(_pad(t.nbytes, alignment) for t in tensors)
+
+    def get_size(self) -> int:
+        return self.size
+
+    def get_can_shift(self) -> bool:
+        return True  # shifting a recurrent state is only moving its pos
+
+    # --- bookkeeping snapshots (prepare and atomic restores put the cells back exactly) ------------------
+
+    def _snapshot(self) -> tuple:
+        return (
+            list(self.pos),
+            list(self.src),
+            list(self.src0),
+            list(self.tail),
+            [set(s) for s in self.seq],
+            self.head,
+            self.used,
+            self.n,
+            self.rs_z,
+            list(self.rs_idx),
+        )
+
+    def _restore(self, snap: tuple) -> None:
+        (self.pos, self.src, self.src0, self.tail, self.seq, self.head, self.used, self.n, self.rs_z, self.rs_idx) = (
+            list(snap[0]),
+            list(snap[1]),
+            list(snap[2]),
+            list(snap[3]),
+            [set(s) for s in snap[4]],
+            *snap[5:9],
+            list(snap[9]),
+        )
+
+    def _free(self, c: int) -> None:
+        """A cell whose last sequence left: forget its state (it counted as used)."""
+        self.pos[c] = -1
+        self.src[c] = -1
+        self.used -= 1
+
+    # --- sequence operations ---------------------------------------------------------------------------
+
+    def clear(self, data: bool = True) -> None:
+        """llama_memory_recurrent::clear. ``src0`` is not reset (llama.cpp leaves it)."""
+        for i in range(self.size):
+            self.pos[i] = -1
+            self.seq[i].clear()
+            self.src[i] = -1
+            self.tail[i] = -1
+        self.head = 0
+        self.used = 0
+        if data:
+            for bufs in (self.r_l, self.s_l, self.p_l):
+                for b in bufs:
+                    if b is not None:
+                        b.fill(0)
+        self.rs_idx = [0] * self.n_seq_max
+
+    def _set_rs_idx(self, seq_id: int, idx: int) -> None:
+        if seq_id < 0:
+            self.rs_idx = [0] * self.n_seq_max
+            return
+        self.rs_idx[seq_id] = idx
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """Remove positions [p0, p1) of a sequence; False where llama.cpp refuses (nothing changes then).
+
+        A recurrent state cannot forget its last tokens, so a range that cuts into the tail is refused
+        (unless a rollback snapshot covers it); a range that misses the tail, or covers it whole, succeeds.
+        """
+        new_head = self.size
+        p0 = 0 if p0 < 0 else p0
+        p1 = POS_MAX if p1 < 0 else p1
+        current = self.rules == "current"
+
+        if current:
+            # the id is compared as unsigned: every negative id is refused too
+            if (seq_id & 0xFFFFFFFF) >= self.n_seq_max:
+                log.error("seq_rm: invalid seq_id (%d) - larger than n_seq_max (%d)", seq_id, self.n_seq_max)
+                return False
+            if p0 == 0 and p1 == POS_MAX:
+                self._set_rs_idx(seq_id, 0)
+
+        if seq_id >= self.size:
+            return False
+        if seq_id >= 0:
+            t = self.tail[seq_id]
+            if t >= 0:
+                cpos = self.pos[t]
+                if current:
+                    if 0 < p0 <= cpos < p1:
+                        # cuts into the tail: only a pending-free rollback within n_rs_seq can serve it
+                        rollback = cpos - (p0 - 1)
+                        if self.rs_idx[seq_id] == 0 and 1 <= rollback <= self.n_rs_seq:
+                            self._set_rs_idx(seq_id, rollback)
+                            self.pos[t] = p0 - 1
+                            return True
+                        return False
+                elif (0 < p0 <= cpos) or (0 < p1 <= cpos):
+                    return False  # mid-2025: any partial intersection is refused
+                if p0 <= cpos < p1:
+                    self.tail[seq_id] = -1
+        elif p0 != p1 and (p0 != 0 or p1 != POS_MAX):
+            return False  # negative id: all or nothing (reachable only under the mid-2025 rules)
+
+        for i in range(self.size):
+            if not p0 <= self.pos[i] < p1:
+                continue
+            if seq_id < 0:
+                self.seq[i].clear()
+            elif seq_id in self.seq[i]:
+                self.seq[i].discard(seq_id)
+            else:
+                continue
+            if not self.seq[i]:
+                if self.pos[i] >= 0:
+                    self.used -= 1
+                self.pos[i] = -1
+                self.src[i] = -1
+                if new_head == self.size:
+                    new_head = i
+        # start the next search at the first freed cell when that is earlier
+        if new_head != self.size and new_head < self.head:
+            self.head = new_head
+        return True
+
+    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Make ``dst`` share ``src``'s tail cell (the range is ignored: a state is all or nothing)."""
+        if seq_id_src == seq_id_dst:
+            return
+        size = self.size
+        if not (0 <= seq_id_dst < size and 0 <= seq_id_src < size):
+            return  # llama.cpp compares as unsigned: out-of-range and negative ids do nothing
+        td = self.tail[seq_id_dst]
+        if td >= 0:
+            # dst lets go of its own state first
+            self.seq[td].discard(seq_id_dst)
+            self.tail[seq_id_dst] = -1
+            if not self.seq[td]:
+                self._free(td)
+        ts = self.tail[seq_id_src]
+        if ts >= 0:
+            self.seq[ts].add(seq_id_dst)
+            self.tail[seq_id_dst] = ts
+
+    def seq_keep(self, seq_id: int) -> None:
+        new_head = self.size
+        for i in range(self.size):
+            if i != seq_id:
+                self.tail[i] = -1
+            if seq_id not in self.seq[i]:
+                if self.pos[i] >= 0:
+                    self.used -= 1
+                self.pos[i] = -1
+                self.src[i] = -1
+                self.seq[i].clear()
+                if new_head == self.size:
+                    new_head = i
+            else:
+                self.seq[i] = {seq_id}
+        if new_head != self.size and new_head < self.head:
+            self.head = new_head
+
+    def _tail_cell_in_range(self, seq_id: int, p0: int, p1: int) -> int:
+        """The sequence's tail cell when it holds a position in [p0, p1), else -1 (seq_add / seq_div)."""
+        if 0 <= seq_id < self.size:
+            t = self.tail[seq_id]
+            if t >= 0 and seq_id in self.seq[t] and p0 <= self.pos[t] < p1:
+                return t
+        return -1
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
+        """Shift the tail's pos only (a recurrent state has no per-token positions to rotate)."""
+        if shift == 0:
+            return
+        p0 = 0 if p0 < 0 else p0
+        p1 = POS_MAX if p1 < 0 else p1
+        if p0 == p1:
+            return
+        t = self._tail_cell_in_range(seq_id, p0, p1)
+        if t >= 0:
+            self.pos[t] += shift
+
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        if d == 1:
+            return
+        if d == 0:
+            raise SequenceError("seq_div by 0")
+        p0 = 0 if p0 < 0 else p0
+        p1 = POS_MAX if p1 < 0 else p1
+        if p0 == p1:
+            return
+        t = self._tail_cell_in_range(seq_id, p0, p1)
+        if t >= 0:
+            self.pos[t] = int(self.pos[t] / d)  # C integer division truncates toward zero
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        ps = [self.pos[i] for i in range(self.size) if seq_id in self.seq[i]]
+        return min(ps) if ps else -1
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        ps = [self.pos[i] for i in range(self.size) if seq_id in self.seq[i]]
+        return max(ps, default=-1)
+
+    # --- slots -----------------------------------------------------------------------------------------
+
+    def find_slot(self, ub: Any) -> bool:
+        """Give every sequence of the ubatch its own cell, contiguous from ``head``; llama.cpp's algorithm.
+
+        A sequence keeps its tail cell when it owns it alone; a sequence whose tail is shared (after a
+        ``seq_cp``) moves to the next empty cell, taking the shared state along as its ``src``; then the
+        cells are swapped so that sequence s of the ubatch sits in cell ``min + s``. Cells in the touched
+        range stage their copy source in ``src0`` (a cell without a source reads the zeroed row ``rs_z``).
+        """
+        n_seq_tokens = ub.n_seq_tokens
+        n_seqs = ub.n_seqs
+        size = self.size
+        pos, src, seq, tail = self.pos, self.src, self.seq, self.tail
+
+        # many unused cells before head: search from the start to fill the front
+        if self.head > self.used + 2 * n_seqs:
+            self.head = 0
+
+        if not ub.equal_seqs:
+            raise CellError("the recurrent memory needs equal-length sequence splits (split_equal / split_seq)")
+
+        lo = size - 1
+        hi = 0
+
+        for s in range(n_seqs):
+            ids = ub.seq_id[s * n_seq_tokens]
+            for j, sid in enumerate(ids):
+                if sid < 0 or sid >= size:
+                    log.error("find_slot: seq_id=%d >= n_seq_max=%d", sid, self.n_seq_max)
+                    return False
+                if j > 0:
+                    # a sequence that becomes shared by this ubatch drops its own state
+                    t = tail[sid]
+                    if t >= 0:
+                        seq[t].discard(sid)
+                        tail[sid] = -1
+                        if not seq[t]:
+                            self._free(t)
+
+        # next empty cell, searching from head with wrap-around
+        nec = self.head
+        for _ in range(size):
+            if nec >= size:
+                nec -= size
+            if not seq[nec]:
+                break
+            nec += 1
+
+        for s in range(n_seqs):
+            sid = ub.seq_id[s * n_seq_tokens][0]
+            t = tail[sid]
+            has_cell = False
+            if t >= 0:
+                if sid not in seq[t]:
+                    raise CellError(f"tail of sequence {sid} is cell {t}, which does not hold it")
+                has_cell = len(seq[t]) == 1  # owns its state alone
+            if not has_cell:
+                if nec >= size or seq[nec]:
+                    raise CellError("no empty recurrent cell left (llama.cpp asserts here)")
+                if t >= 0:
+                    # the shared state moves with the sequence: the new cell starts from it
+                    pos[nec] = pos[t]
+                    src[nec] = src[t]
+                    seq[t].discard(sid)
+                    seq[nec].add(sid)
+                    if not seq[t]:
+                        raise CellError(f"cell {t} lost its last sequence while being copied")
+                tail[sid] = nec
+                if s + 1 < n_seqs:
+                    for _ in range(size):
+                        nec += 1
+                        if nec >= size:
+                            nec -= size
+                        if not seq[nec]:
+                            break
+            lo = min(lo, tail[sid])
+            hi = max(hi, tail[sid])
+
+        # gather: sequence s of the ubatch goes to cell lo + s
+        for s in range(n_seqs):
+            dst = s + lo
+            src_id = tail[ub.seq_id[s * n_seq_tokens][0]]
+            if dst != src_id:
+                pos[dst], pos[src_id] = pos[src_id], pos[dst]
+                src[dst], src[src_id] = src[src_id], src[dst]
+                seq[dst], seq[src_id] = seq[src_id], seq[dst]
+                for j in range(size):
+                    if tail[j] == src_id:
+                        tail[j] = dst
+                    elif tail[j] == dst:
+                        tail[j] = src_id
+
+        ub_pos = ub.pos
+        for s in range(n_seqs):
+            i = s * n_seq_tokens
+            last_pos = int(ub_pos[i + n_seq_tokens - 1])
+            c = s + lo
+            if pos[c] >= 0 and last_pos != pos[c] + n_seq_tokens:
+                # llama.cpp only warns: the state is advanced regardless
+                log.warning(
+                    "find_slot: non-consecutive token position %d after %d for sequence %d with %d new tokens",
+                    last_pos, pos[c], ub.seq_id[i][0], n_seq_tokens,
+                )
+            pos[c] = last_pos
+            seq[c] = set(ub.seq_id[i])
+            for sid in ub.seq_id[i]:
+                tail[sid] = c
+
+        # the first cell of the range nobody copies from becomes the zeroed state
+        refcounts = [0] * size
+        for i in range(size):
+            if src[i] >= 0:
+                refcounts[src[i]] += 1
+        self.rs_z = -1
+        for i in range(lo, hi + 1):
+            if refcounts[i] == 0:
+                self.rs_z = i
+                break
+        for i in range(lo, hi + 1):
+            if src[i] < 0:
+                if self.rs_z < 0:
+                    raise CellError("no zeroed state available (llama.cpp asserts here)")
+                self.src0[i] = self.rs_z
+            else:
+                self.src0[i] = src[i]  # staged for the graph input, so seq ops can keep using src
+            src[i] = i  # copied once: the state now lives in its own cell
+
+        self.head = lo
+        self.n = hi - lo + 1
+        self.used = sum(1 for c in seq if c)
+        return self.n >= n_seqs
+
+    def prepare(self, ubatches: Sequence[Any]) -> bool:
+        """Try placing every ubatch, then put the cells back (llama.cpp restores cells, used and head only)."""
+        snap = (list(self.pos), list(self.src), list(self.src0), list(self.tail), [set(s) for s in self.seq], self.used, self.head)
+        ok = True
+        try:
+            for ub in ubatches:
+                if not self.find_slot(ub):
+                    ok = False
+                    break
+        finally:
+            self.pos, self.src, self.src0, self.tail, self.seq, self.used, self.head = snap
+        return ok
+
+    def s_copy(self, i: int) -> int:
+        """The graph's ``s_copy[i]`` for cell ``head + i``; reading it consumes a pending rollback index."""
+        c = i + self.head
+        src0 = self.src0[c]
+        if self.n_rs_seq == 0:
+            return src0
+        idx = 0
+        if self.seq[c]:
+            s = min(self.seq[c])
+            if 0 <= s < len(self.rs_idx):
+                idx = self.rs_idx[s]
+                self.rs_idx[s] = 0
+        return idx * self.size + src0
+
+    def apply_ubatch(self, ub: Any) -> RecurrentSlot:
+        """llama_memory_recurrent_context::apply + the graph's state gather for one ubatch.
+
+        The rows of cells ``head .. head+n`` are filled from their ``s_copy`` rows after zeroing ``rs_z``
+        (what ``build_rs`` does before the model runs). The model's own update of the advanced states is
+        not reproduced: those rows hold the state the model starts from.
+        """
+        self.find_slot(ub)  # llama.cpp ignores the result here: prepare() already proved it fits
+        s_copy = np.array([self.s_copy(i) for i in range(self.n)], dtype=np.int32)
+        slot = RecurrentSlot(self.head, self.n, self.rs_z, ub.n_seqs, s_copy)
+        self._gather_states(slot)
+        return slot
+
+    def _gather_states(self, slot: RecurrentSlot) -> None:
+        for bufs in (self.r_l, self.s_l, self.p_l):
+            for b in bufs:
+                if b is None:
+                    continue
+                if slot.rs_z >= 0:
+                    b[slot.rs_z] = 0
+                rows = b[slot.s_copy].copy()
+                b[slot.head : slot.head + slot.n] = rows
+
+    def init_batch(self, balloc: Any, n_ubatch: int, embd_all: bool = False) -> list[Any]:
+        """llama_memory_recurrent::init_batch: split, then prepare; NoSlotError when either fails.
+
+        Split by sequence when every token is an output (``embd_all``), else equal sequential splits
+        that keep the last ``1 + n_rs_seq`` tokens of a sequence together (rollback snapshots).
+        """
+        from .batch import split_for_memory
+
+        ubatches = split_for_memory(balloc, n_ubatch, "recurrent", embd_all=embd_all, n_rs_seq=self.n_rs_seq)
+        if ubatches is None:
+            raise NoSlotError("the batch cannot be split for the recurrent memory (failed to prepare)")
+        if not self.prepare(ubatches):
+            raise NoSlotError("the batch does not fit in the recurrent memory (failed to prepare)")
+        return ubatches
+
+    def decode(
+        self, batch: Any, n_ubatch: int = 512, *, embd_all: bool = False, balloc: Any = None, kv_unified: bool = True
+    ) -> list[tuple[Any, RecurrentSlot]]:
+        """What llama_decode does to this memory: validate the batch, prepare all ubatches (all or nothing:
+        NoSlotError leaves the memory unchanged), then place them one by one."""
+        from .batch import LLAMA_MAX_SEQ, BatchAllocr
+
+        if balloc is None:
+            balloc = BatchAllocr(self.hparams.n_pos_per_embd())
+        # llama_context::decode bounds seq ids by LLAMA_MAX_SEQ with a unified cache, else by n_seq_max
+        balloc.init(batch, memory=self, n_seq_max=LLAMA_MAX_SEQ if kv_unified else self.n_seq_max, output_all=embd_all)
+        ubatches = self.init_batch(balloc, n_ubatch, embd_all)
+        return [(ub, self.apply_ubatch(ub)) for ub in ubatches]
+
+    def update(self) -> bool:
+        """The recurrent memory never has pending updates (init_update returns NO_UPDATE)."""
+        return False
+
+    # --- state files -----------------------------------------------------------------------------------
+
+    def state_section(self, seq_id: int = -1, flags: int = 0) -> Any:
+        """The recurrent section llama_memory_recurrent::state_write would write, as kvref.state objects."""
+        from .state.cells import Cells
+        from .state.sections import LayerRows, RecurrentLayer, RecurrentSection
+
+        legacy = self.rules == "mid-2025"
+        size = self.size
+        cells_idx: list[int] = []
+        data_rows: list[int] = []
+        for i in range(size):
+            c = self.seq[i]
+            if not ((seq_id == -1 and c) or seq_id in c):
+                continue
+            cells_idx.append(i)
+            if legacy:
+                data_rows.append(i)
+                continue
+            plane = 0
+            if self.n_rs_seq:
+                if seq_id != -1:
+                    plane = self.rs_idx[seq_id]
+                else:
+                    planes = {self.rs_idx[s] for s in c}
+                    if len(planes) > 1:
+                        raise KVRefError("cannot write a shared recurrent state with different rollback indices")
+                    plane = planes.pop()
+            data_rows.append(plane * size + (self.src[i] if self.src[i] >= 0 else i))
+
+        cells = Cells.from_lists(
+            [self.pos[i] for i in cells_idx],
+            [sorted(self.seq[i]) if seq_id == -1 else () for i in cells_idx],
+        )
+        rows = np.asarray(data_rows, dtype=np.intp)
+        r_layers, s_layers = [], []
+        for il in self.layers:
+            r, s, p = self.r_l[il], self.s_l[il], self.p_l[il]
+            r_layers.append(
+                RecurrentLayer(
+                    int(self.type_r),
+                    self.r_row,
+                    r[rows],
+                    self.p_row if p is not None else None,
+                    p[rows] if p is not None else None,
+                )
+            )
+            s_layers.append(LayerRows(int(self.type_s), self.s_row, s[rows]))
+        return RecurrentSection(cells, 0, self.hparams.n_layer, r_layers, s_layers)
+
+    def spec(self) -> Any:
+        """This memory as kvref.state sees it: what a section must match to be restored here."""
+        from .state import RecurrentLayerSpec, RecurrentSpec
+
+        layers = tuple(
+            RecurrentLayerSpec(
+                int(self.type_r), self.r_row, int(self.type_s), self.s_row, self.n_embd_s,
+                self.p_row if self.p_l[il] is not None else None,
+            )
+            for il in self.layers
+        )
+        # mid-2025: no notion of n_seq_max in the restore, only the cell count bounds the ids
+        n_seq_max = self.size if self.rules == "mid-2025" else self.n_seq_max
+        return RecurrentSpec(self.size, n_seq_max, self.hparams.n_layer, layers)
+
+    def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Any]:
+        """The sections ``state_write`` serializes, in order (one for this memory)."""
+        return [self.state_section(seq_id, flags)]
+
+    def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes:
+        """The bytes of llama_memory_recurrent::state_write (``flags`` do not change them)."""
+        from .state import section_bytes
+
+        return section_bytes(self.state_section(seq_id, flags))
+
+    def parse_section(self, data: Any, seq_id: int = -1, offset: int = 0) -> tuple[Any, int]:
+        """Parse and format-check the recurrent section at ``offset``; returns it and its end offset."""
+        from .state import read_recurrent_section
+
+        return read_recurrent_section(data, self.spec(), seq_id=seq_id, offset=offset)
+
+    def check_section(self, sec: Any, seq_id: int = -1) -> tuple:
+        """Replay state_read_meta on a copy of the bookkeeping; returns the bookkeeping after the restore.
+
+        Nothing changes here: a refusal raises FormatError, success hands ``apply_section`` the result.
+        """
+        n = sec.cell_count
+        if n > self.size:
+            raise FormatError(f"not enough cells in the recurrent memory ({n} > {self.size})", field="cell_count")
+        snap = self._snapshot()
+        try:
+            if seq_id != -1:
+                self.seq_rm(seq_id, -1, -1)
+                if n:
+                    if (sec.cells.n_seq_id != 0).any():
+                        raise FormatError("invalid seq_id-agnostic cell in a sequence state", field="n_seq_id")
+                    ub = _reserve_ubatch(sec.cells.pos, seq_id)
+                    if not self.find_slot(ub):
+                        raise FormatError(f"failed to find a recurrent cell for sequence {seq_id}", field="state_seq_id")
+                    # llama.cpp asserts the restored cells are head .. head+n: one cell per sequence state
+                    last = self.head + n - 1
+                    if last >= self.size or self.pos[self.head] != sec.cells.pos[0] or self.pos[last] != sec.cells.pos[-1]:
+                        raise FormatError(f"a sequence state holds {n} recurrent cells, llama.cpp restores one", field="cell_count")
+            else:
+                self.clear(False)
+                limit = self.spec().n_seq_max
+                for i in range(n):
+                    self.pos[i] = int(sec.cells.pos[i])
+                    for s in sec.cells.seq_ids(i):
+                        if s < 0 or s >= limit:
+                            raise FormatError(f"invalid seq_id {s}: out of range [0, {limit})", field="seq_id")
+                        self.seq[i].add(s)
+                        if self.tail[s] != -1:
+                            raise FormatError(f"duplicate tail for seq_id {s} in cells {i} and {self.tail[s]}", field="seq_id")
+                        self.tail[s] = i
+                self.head = 0
+                self.used = n
+            for i in range(n):
+                self.src[self.head + i] = self.head + i  # restored states stay where they are put
+            if self.n_rs_seq:
+                self._set_rs_idx(seq_id, 0)
+            return self._snapshot()
+        finally:
+            self._restore(snap)
+
+    def apply_section(self, sec: Any, after: tuple, seq_id: int = -1) -> None:
+        """Commit a section checked by ``check_section`` (``after`` is what it returned)."""
+        if seq_id == -1:
+            self.clear(True)  # a whole restore starts from zeroed buffers (clear(true) in state_read_meta)
+        self._restore(after)
+        n = sec.cell_count
+        head = self.head
+        if n == 0:
+            return
+        for k, il in enumerate(self.layers):
+            self.r_l[il][head : head + n] = sec.r[k].data
+            if self.p_l[il] is not None:
+                self.p_l[il][head : head + n] = sec.r[k].p_data
+            self.s_l[il][head : head + n] = sec.s[k].data
+
+    def stage_state(self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0) -> tuple[Callable[[], None], int]:
+        """Parse and check the section at ``offset`` without changing anything; returns (commit, end)."""
+        sec, end = self.parse_section(data, seq_id, offset)
+        after = self.check_section(sec, seq_id)
+        return (lambda: self.apply_section(sec, after, seq_id)), end
+
+    def state_read(self, data: Any, seq_id: int = -1, flags: int = 0) -> int:
+        """Restore what ``state_write`` wrote; returns the bytes read (trailing bytes are an error).
+
+        Atomic: everything is checked before anything changes, and on error the memory is exactly as
+        before. (llama.cpp instead leaves the sequence removed, or the whole memory cleared.)
+        """
+        from .memory import read_all
+
+        return read_all(self.stage_state, data, seq_id, flags)
+
+    # --- introspection ---------------------------------------------------------------------------------
+
+    def cell(self, i: int) -> dict:
+        return {"pos": self.pos[i], "seq": sorted(self.seq[i]), "src": self.src[i], "src0": self.src0[i], "tail": self.tail[i]}
+
+    def __repr__(self) -> str:
+        return f"RecurrentMemory(size={self.size}, used={self.used}, head={self.head}, layers={len(self.layers)})"
+
+
+def _ple_conv_state(hparams: Any) -> int:
+    f = getattr(hparams, "ple_conv_state", None)
+    v = f() if callable(f) else f
+    return int(v or 0)
+
+
+@dataclass
+class _ReservedUBatch:
+    """llama_batch_allocr::ubatch_reserve(n, 1) as state_read_meta fills it: one sequence, n positions."""
+
+    n_seq_tokens: int
+    pos: np.ndarray
+    seq_id: list[list[int]]
+    n_seqs: int = 1
+    equal_seqs: bool = True
+
+
+def _reserve_ubatch(pos: np.ndarray, seq_id: int) -> _ReservedUBatch:
+    n = len(pos)
+    return _ReservedUBatch(n, np.asarray(pos, np.int32), [[seq_id]] * n)
+
+
+__all__ = ["POS_MAX", "RULES", "RecurrentMemory", "RecurrentSlot"]

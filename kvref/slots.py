@@ -1,0 +1,288 @@
+"""Where a ubatch's tokens land in the KV cache: llama_kv_cache's find_slot, apply_ubatch and prepare.
+
+The functions take the cache and work through its public surface (``cells(stream)``, ``heads``,
+``seq_to_stream``, ``n_swa``/``swa_type``, ``seq_rm``); ``KVCache`` exposes them as methods.
+
+Rules (llama-kv-cache.cpp, October 2026; April 2026 differs only where noted):
+
+- find_slot, per stream of the ubatch's sequences: start at the stream's head, or at 0 when
+  ``head > used + 2*n_tokens``; a cell can be used when it is empty, or when it holds exactly one sequence
+  and its position is SWA-masked for a query at that sequence's ``seq_pos_max + 1``. Non-contiguous search
+  takes the first ``n_tokens`` usable cells scanning forward with wrap-around over at most ``size`` cells;
+  contiguous search (``cont``) needs ``n_tokens`` usable cells in a row, restarting after the first
+  unusable one and skipping the tail that is too short.
+- apply_ubatch: every used target cell is cleared (remembering, per overwritten sequence, the highest
+  position removed), the token's position, ext and sequences are written; then each overwritten sequence
+  loses all its positions up to that highest one (``seq_rm``), so every sequence keeps a gap-free range;
+  finally each stream's head moves past its last placed cell.
+- prepare: places each ubatch with find_slot + apply_ubatch, then restores the saved target cells and
+  heads in reverse order. Only the target cells are saved, so cells purged by apply_ubatch outside the
+  slot stay purged, and each head is restored from ``v_heads_old[s]`` indexed by the slot's stream
+  *index* (not the stream id) — both as in llama.cpp.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .cells import LLAMA_MAX_SEQ, TOKEN_NULL
+from .errors import BatchError, CellError, KVRefError
+from .hparams import SWAType
+
+if TYPE_CHECKING:
+    from .batch import UBatch
+    from .kv_cache import KVCache
+
+
+@dataclass
+class SlotInfo:
+    """llama_kv_cache::slot_info: the cells a ubatch occupies, per stream.
+
+    ``strm[s]`` is the stream of the ubatch's s-th sequence group and ``idxs[s]`` its cell indices (one per
+    token of that group, in token order); ``s0``/``s1`` the lowest and highest stream used.
+    """
+
+    s0: int = LLAMA_MAX_SEQ
+    s1: int = 0
+    strm: list[int] = field(default_factory=list)
+    idxs: list[list[int]] = field(default_factory=list)
+
+    def size(self) -> int:
+        """Tokens per stream."""
+        if not self.idxs or len(self.idxs) != len(self.strm):
+            raise KVRefError("SlotInfo.size() of an empty slot")
+        return len(self.idxs[0])
+
+    def n_stream(self) -> int:
+        return len(self.strm)
+
+    def empty(self) -> bool:
+        return not self.idxs
+
+    def head(self) -> int:
+        if len(self.idxs) != 1 or not self.idxs[0]:
+            raise KVRefError("SlotInfo.head() needs exactly one non-empty stream")
+        return self.idxs[0][0]
+
+    def is_contiguous(self) -> bool:
+        if not self.idxs or not self.idxs[0]:
+            return True
+        if len(self.idxs) > 1:
+            return False
+        h = self.idxs[0][0]
+        return self.idxs[0] == list(range(h, h + len(self.idxs[0])))
+
+
+# ---------------------------------------------------------------------------------------------- helpers
+def _masked_swa(n_swa: int, swa_type: int, p0: np.ndarray, p1: np.ndarray) -> np.ndarray:
+    """llama_hparams::is_masked_swa over arrays of key positions p0 and query positions p1."""
+    if swa_type == SWAType.STANDARD:
+        return p1 - p0 >= n_swa
+    if swa_type == SWAType.CHUNKED:
+        return p0 < (p1 // n_swa) * n_swa
+    if swa_type == SWAType.SYMMETRIC:
+        d = p1 - p0
+        half = n_swa // 2
+        return (d < -half) | (d > half)
+    return np.zeros(p0.shape, dtype=bool)
+
+
+def usable_cells(cache: KVCache, stream: int) -> np.ndarray:
+    """find_slot's "can use" test for every cell of a stream (bool array).
+
+    The test only reads the cells, which find_slot does not modify, so it is computed once per stream.
+    """
+    cells = cache.cells(stream)
+    pos = np.asarray(cells.pos, dtype=np.int64)
+    usable = pos == -1
+    if cache.swa_type == SWAType.NONE:
+        return usable
+    seq = np.ascontiguousarray(cells.seq)
+    n_seqs = np.unpackbits(seq.view(np.uint8), axis=1).sum(axis=1)  # popcount (numpy 1.x has no bitwise_count)
+    single = (n_seqs == 1) & ~usable
+    idx = np.flatnonzero(single)
+    if idx.size == 0:
+        return usable
+    words = seq[idx]
+    w = np.argmax(words != 0, axis=1)
+    bit = np.log2(words[np.arange(idx.size), w].astype(np.float64)).astype(np.int64)  # exact for 2**k
+    seq_ids = w.astype(np.int64) * 64 + bit
+    uniq, inv = np.unique(seq_ids, return_inverse=True)
+    pos_max = cells.seq_pos_max_many(uniq).astype(np.int64)
+    usable[idx] = _masked_swa(cache.n_swa, cache.swa_type, pos[idx], pos_max[inv] + 1)
+    return usable
+
+
+def _scan(usable: np.ndarray, head: int, n_tokens: int, cont: bool) -> list[int] | None:
+    """The search loop of find_slot over one stream; None when the tokens do not fit."""
+    size = usable.shape[0]
+    if not cont:
+        # one cell per step from head, wrapping once: at most `size` cells are tested
+        order = np.concatenate([np.arange(head, size), np.arange(0, head)])
+        found = order[usable[order]]
+        return found[:n_tokens].tolist() if found.size >= n_tokens else None
+    n_tested = 0
+    while True:
+        if head + n_tokens > size:
+            # the tail is too short for the whole ubatch: count it as tested and wrap
+            n_tested += size - head
+            head = 0
+            continue
+        bad = np.flatnonzero(~usable[head : head + n_tokens])
+        if bad.size == 0:
+            return list(range(head, head + n_tokens))
+        head += int(bad[0]) + 1
+        n_tested += int(bad[0]) + 1
+        if n_tested >= size:
+            return None
+
+
+# ---------------------------------------------------------------------------------------------- find_slot
+def find_slot(cache: KVCache, ubatch: UBatch, cont: bool = False) -> SlotInfo | None:
+    """Find cells for every token of the ubatch without changing anything; None when it does not fit."""
+    n_tokens = int(ubatch.n_tokens)
+    n_seqs = 1
+    if cache.get_n_stream() > 1:
+        if n_tokens % ubatch.n_seqs_unq:
+            raise BatchError(f"ubatch of {n_tokens} tokens is not split evenly over {ubatch.n_seqs_unq} sequences")
+        n_seqs = int(ubatch.n_seqs_unq)
+        n_tokens //= n_seqs
+
+    res = SlotInfo()
+    for s in range(n_seqs):
+        seq_id = int(ubatch.seq_id_unq[s])
+        cache._check_seq(seq_id)
+        if cache.get_n_stream() > 1:
+            # a multi-stream ubatch comes from split_equal: groups of n_tokens tokens, one sequence each
+            if ubatch.n_seq_id[s * n_tokens] != 1 or ubatch.seq_id[s * n_tokens][0] != seq_id:
+                raise BatchError("multi-stream ubatch is not grouped by sequence (use split_equal)")
+        strm = cache.seq_to_stream[seq_id]
+        res.s0 = min(res.s0, strm)
+        res.s1 = max(res.s1, strm)
+        res.strm.append(strm)
+
+        cells = cache.cells(strm)
+        head = cache.heads[strm]
+        # plenty of free cells before the head: search from the start to fill the cache from the front
+        if head > cells.get_used() + 2 * n_tokens:
+            head = 0
+        if n_tokens > cells.size():
+            return None
+        idxs = _scan(usable_cells(cache, strm), head, n_tokens, cont)
+        if idxs is None:
+            return None
+        res.idxs.append(idxs)
+    return res
+
+
+# ---------------------------------------------------------------------------------------------- apply
+def _ubatch_rows(ubatch: UBatch, i0: int, n: int) -> tuple[np.ndarray, list[list[int]]]:
+    pos = np.asarray(ubatch.pos, dtype=np.int64)[i0 : i0 + n]
+    return pos, [list(ubatch.seq_id[i]) for i in range(i0, i0 + n)]
+
+
+def apply_ubatch(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch) -> None:
+    """Write the ubatch's tokens into the cells of ``sinfo`` (llama_kv_cache::apply_ubatch)."""
+    size = sinfo.size()
+    if int(ubatch.n_tokens) != sinfo.n_stream() * size:
+        raise BatchError(f"slot holds {sinfo.n_stream() * size} cells for a ubatch of {ubatch.n_tokens} tokens")
+    # validate before touching anything: llama.cpp asserts a used target holds exactly one sequence
+    for s in range(sinfo.n_stream()):
+        cells = cache.cells(sinfo.strm[s])
+        if len(set(sinfo.idxs[s])) != size:
+            raise CellError("apply_ubatch: a cell index appears twice in the slot")
+        for idx in sinfo.idxs[s]:
+            if not cells.is_empty(idx) and cells.seq_count(idx) != 1:
+                raise CellError(f"apply_ubatch: cell {idx} is shared by several sequences")
+        for i in range(s * size, (s + 1) * size):
+            for sid in ubatch.seq_id[i]:
+                cache._check_seq(int(sid))
+
+    hp = cache.hparams
+    n_tok = int(ubatch.n_tokens)
+    pos_all = np.asarray(ubatch.pos, dtype=np.int64)
+    # October 2026 writes ext when the batch has 2-D positions, token ids, or the model has per-layer
+    # embeddings (PLE); April 2026 wrote it for 2-D positions only. Otherwise the cell's ext is left as is.
+    ple_n_heads = int(getattr(hp, "ple_n_heads", 0) or 0)
+    write_ext = ubatch.is_pos_2d() or ubatch.token is not None or ple_n_heads > 0
+
+    seq_pos_max_rm: dict[int, int] = {}  # overwritten sequence -> highest position removed
+    for s in range(sinfo.n_stream()):
+        cells = cache.cells(sinfo.strm[s])
+        idxs = sinfo.idxs[s]
+        for idx in idxs:
+            if not cells.is_empty(idx):
+                sid, p = cells.seq_get(idx), cells.pos_get(idx)
+                seq_pos_max_rm[sid] = max(seq_pos_max_rm.get(sid, -1), p)
+                cells.rm(idx)
+        rows = slice(s * size, (s + 1) * size)
+        cells.pos_set_many(idxs, pos_all[rows])
+        if write_ext:
+            for ii, idx in enumerate(idxs):
+                i = s * size + ii
+                x = y = 0
+                tok = TOKEN_NULL
+                if ubatch.is_pos_2d():
+                    x, y = int(pos_all[i + 2 * n_tok]), int(pos_all[i + n_tok])
+                if ubatch.token is not None:
+                    tok = int(ubatch.token[i])
+                elif ple_n_heads > 0:
+                    # an embedding batch gets the model's image (or EOS) token for the PLE layers
+                    tok = int(getattr(hp, "ple_image_token_id", 0) or getattr(hp, "ple_eos_token_id", TOKEN_NULL))
+                cells.ext_set(idx, x, y, tok)
+        cell_of = [idx for ii, idx in enumerate(idxs) for _ in ubatch.seq_id[s * size + ii]]
+        seq_of = [int(sid) for i in range(rows.start, rows.stop) for sid in ubatch.seq_id[i]]
+        cells.seq_add_many(cell_of, seq_of)
+
+    # keep every sequence's positions gap-free: drop what lies below a position we overwrote
+    for sid in sorted(seq_pos_max_rm):
+        cells = cache.cells(cache.seq_to_stream[sid])
+        p_min = cells.seq_pos_min(sid)
+        if p_min <= seq_pos_max_rm[sid]:
+            cache.seq_rm(sid, p_min, seq_pos_max_rm[sid] + 1)
+
+    for s in range(sinfo.n_stream()):
+        cache.heads[sinfo.strm[s]] = sinfo.idxs[s][-1] + 1
+
+
+# ---------------------------------------------------------------------------------------------- prepare
+def prepare(cache: KVCache, ubatches: list[Any]) -> list[SlotInfo]:
+    """Check that all ubatches fit, one after the other; returns their slots, or [] when one does not fit.
+
+    The cells and heads are restored afterwards (see the module docstring for what is not restored).
+    """
+    if not ubatches:
+        raise KVRefError("prepare: no ubatches")  # llama.cpp asserts on an empty list
+    res: list[SlotInfo] = []
+    states: list[tuple[SlotInfo, list[int], list[Any]]] = []
+    pending_shift: str | None = None
+    for ub in ubatches:
+        sinfo = find_slot(cache, ub, False)
+        if sinfo is None:
+            break
+        shifted = [st for st, ix in zip(sinfo.strm, sinfo.idxs) if np.any(np.asarray(cache.cells(st).shift)[ix])]
+        if shifted:
+            # llama.cpp asserts this never happens (decode applies pending shifts before preparing)
+            pending_shift = f"stream {shifted[0]} has a pending K-shift in a target cell: call update() first"
+            break
+        res.append(sinfo)
+        saved = [cache.cells(sinfo.strm[s]).cp(sinfo.idxs[s]) for s in range(sinfo.n_stream())]
+        states.append((sinfo, list(cache.heads), saved))
+        apply_ubatch(cache, sinfo, ub)
+
+    for sinfo, heads_old, saved in reversed(states):
+        for s in range(sinfo.n_stream()):
+            cache.cells(sinfo.strm[s]).set(sinfo.idxs[s], saved[s])
+            cache.heads[sinfo.strm[s]] = heads_old[s]  # sic: indexed by the slot's stream index
+
+    if pending_shift is not None:
+        raise KVRefError(pending_shift)
+    if len(res) != len(ubatches):
+        return []
+    return res
+
+
+__all__ = ["SlotInfo", "apply_ubatch", "find_slot", "prepare", "usable_cells"]

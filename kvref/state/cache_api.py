@@ -1,0 +1,227 @@
+"""What the memory classes call: serialize a section from their cells and buffers, and parse-then-validate one.
+
+A cache describes itself with a *spec* (`KVSpec`, `RecurrentSpec`): stream count, cells per stream, sequence
+limit, V transposition, cell ext size and, per layer, the types and row sizes its buffers have. `read_kv_section`
+/ `read_recurrent_section` parse the bytes *and* check them against the spec completely before returning, so a
+cache that applies the result only after a successful return restores atomically. The checks are the ones
+llama.cpp makes in llama_kv_cache::state_read_meta / state_read_data and llama_memory_recurrent's twins, in the
+same order, each reported as a FormatError naming the field and the byte offset.
+"""
+
+from __future__ import annotations
+
+from collections import ChainMap
+from dataclasses import dataclass
+from io import BytesIO
+from typing import Any, BinaryIO
+
+from ..errors import FormatError
+from ..ggml import type_name
+from .codec import Reader, Writer
+from .sections import (
+    KV_SECTION,
+    RECURRENT_SECTION,
+    KVSection,
+    LayerRows,
+    RecurrentSection,
+    TransposedRows,
+)
+
+
+@dataclass(frozen=True)
+class KVLayerSpec:
+    """One cache layer: K type and row size; V type, row size and width, or None for a cache without V (MLA)."""
+
+    k_type: int
+    k_row_size: int
+    v_type: int | None = None
+    v_row_size: int | None = None
+    n_embd_v_gqa: int | None = None
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    n_stream: int
+    kv_size: int  # cells per stream
+    n_seq_max: int
+    v_trans: bool
+    layers: tuple[KVLayerSpec, ...]
+    ext_size: int = 0  # 0 (no ext), 8 (x, y: April 2026), 12 (x, y, tok: October 2026)
+    has_n_stream: bool = True  # False to read sections written before llama.cpp PR #14363
+
+    @property
+    def has_v(self) -> bool:
+        return bool(self.layers) and self.layers[0].v_type is not None
+
+
+@dataclass(frozen=True)
+class RecurrentLayerSpec:
+    r_type: int
+    r_row_size: int
+    s_type: int
+    s_row_size: int  # row-wise S; for s_trans the element size and width come from s_type and n_embd_s
+    n_embd_s: int = 0
+    p_row_size: int | None = None  # PLE conv-history rows, when the model has them
+
+
+@dataclass(frozen=True)
+class RecurrentSpec:
+    size: int  # cells
+    n_seq_max: int
+    n_layer: int  # every model layer
+    layers: tuple[RecurrentLayerSpec, ...]  # only the layers with state, in order
+    s_trans: bool = False
+
+
+def _fail(msg: str, field: str, offset: int | None) -> FormatError:
+    return FormatError(msg, field=field, offset=offset)
+
+
+def _check_cells(cells: Any, at: int, seq_id: int, n_seq_max: int, kv_size: int, seq_ids_expected: int | None) -> None:
+    if cells.n > kv_size:
+        raise _fail(f"cell_count {cells.n} exceeds the cache size {kv_size}", "cell_count", at - 4)
+    counts = cells.n_seq_id
+    if seq_id != -1 and seq_ids_expected is not None:
+        bad = (counts != seq_ids_expected).nonzero()[0]
+        if len(bad):
+            i = int(bad[0])
+            raise _fail(f"cell {i} has n_seq_id {int(counts[i])}, a sequence state needs {seq_ids_expected}", "n_seq_id", at)
+    if seq_id == -1 and len(cells.seq_id):
+        bad = ((cells.seq_id < 0) | (cells.seq_id >= n_seq_max)).nonzero()[0]
+        if len(bad):
+            s = int(cells.seq_id[bad[0]])
+            raise _fail(f"seq_id {s} is out of range [0, {n_seq_max})", "seq_id", at)
+
+
+def _check_rows(x: LayerRows | TransposedRows, prefix: str, want_type: int, want_row: int | None, il: int) -> None:
+    o = x.offsets
+    if x.type != want_type:
+        raise _fail(
+            f"layer {il}: {prefix} type {type_name(x.type)} ({x.type}), the cache has {type_name(want_type)} ({want_type})",
+            f"{prefix}_type",
+            o.get(f"{prefix}_type"),
+        )
+    if isinstance(x, LayerRows) and want_row is not None and x.row_size != want_row:
+        raise _fail(f"layer {il}: {prefix} row size {x.row_size}, the cache has {want_row}", f"{prefix}_row_size", o.get(f"{prefix}_row_size"))
+
+
+def validate_kv_section(sec: KVSection, spec: KVSpec, seq_id: int = -1) -> None:
+    """Check a parsed KV section against a cache; raises the first violation in file order."""
+    if sec.n_stream != spec.n_stream:
+        raise _fail(f"n_stream {sec.n_stream}, the cache has {spec.n_stream}", "n_stream", sec.offsets.get("n_stream"))
+    for st in sec.streams:
+        if st.cells is None:
+            continue
+        _check_cells(st.cells, st.offsets["cells"], seq_id, spec.n_seq_max, spec.kv_size, 1)
+        d = st.data
+        assert d is not None
+        if d.n_layer != len(spec.layers):
+            raise _fail(f"n_layer {d.n_layer}, the cache has {len(spec.layers)}", "n_layer", d.offsets.get("n_layer"))
+        # llama.cpp checks v_trans right after n_layer, before any row
+        if bool(d.v_trans) != spec.v_trans:
+            raise _fail(f"v_trans {d.v_trans}, the cache has {int(spec.v_trans)}", "v_trans", d.offsets.get("v_trans"))
+        for il, (k, ls) in enumerate(zip(d.k, spec.layers, strict=True)):
+            _check_rows(k, "k", ls.k_type, ls.k_row_size, il)
+        if len(d.v) != (len(spec.layers) if spec.has_v else 0):
+            raise _fail(f"{len(d.v)} V layers, the cache has {len(spec.layers) if spec.has_v else 0}", "v_type", d.offsets.get("v"))
+        for il, (v, ls) in enumerate(zip(d.v, spec.layers, strict=False)):
+            assert ls.v_type is not None
+            _check_rows(v, "v", ls.v_type, ls.v_row_size, il)
+            if isinstance(v, TransposedRows) and ls.n_embd_v_gqa is not None and v.n_embd != ls.n_embd_v_gqa:
+                raise _fail(f"layer {il}: n_embd_v_gqa {v.n_embd}, the cache has {ls.n_embd_v_gqa}", "n_embd_v_gqa", v.offsets.get("n_embd_v_gqa"))
+
+
+def validate_recurrent_section(sec: RecurrentSection, spec: RecurrentSpec, seq_id: int = -1) -> None:
+    at = sec.offsets.get("cells", 4)
+    # a sequence save writes n_seq_id = 0 for every cell; llama.cpp rejects anything else
+    _check_cells(sec.cells, at, seq_id, spec.n_seq_max, spec.size, 0)
+    if sec.n_layer != spec.n_layer:
+        raise _fail(f"n_layer {sec.n_layer}, the model has {spec.n_layer}", "n_layer", sec.offsets.get("n_layer"))
+    if bool(sec.s_trans) != spec.s_trans:
+        raise _fail(f"s_trans {sec.s_trans}, the cache has {int(spec.s_trans)}", "s_trans", sec.offsets.get("s_trans"))
+    if len(sec.r) != len(spec.layers):
+        raise _fail(f"{len(sec.r)} layers with state, the cache has {len(spec.layers)}", "r_type", sec.offsets.get("r"))
+    for il, (r, ls) in enumerate(zip(sec.r, spec.layers, strict=True)):
+        if r.type != ls.r_type:
+            raise _fail(f"state layer {il}: r type {r.type}, the cache has {ls.r_type}", "r_type", r.offsets.get("r_type"))
+        if r.row_size != ls.r_row_size:
+            raise _fail(f"state layer {il}: r row size {r.row_size}, the cache has {ls.r_row_size}", "r_row_size", r.offsets.get("r_row_size"))
+        if r.p_row_size != ls.p_row_size:
+            raise _fail(f"state layer {il}: p row size {r.p_row_size}, the cache has {ls.p_row_size}", "p_row_size", r.offsets.get("p_row_size"))
+    for il, (s, ls) in enumerate(zip(sec.s, spec.layers, strict=True)):
+        _check_rows(s, "s", ls.s_type, ls.s_row_size, il)
+        if isinstance(s, TransposedRows) and s.n_embd != ls.n_embd_s:
+            raise _fail(f"state layer {il}: n_embd_s {s.n_embd}, the cache has {ls.n_embd_s}", "n_embd_s", s.offsets.get("n_embd_s"))
+
+
+def _read(struct: Any, buf: Any, offset: int, options: dict[str, Any]) -> tuple[Any, int]:
+    r = Reader(buf, offset)
+    env = ChainMap({"_reader": r, **options})
+    return struct.read(r, env), r.pos
+
+
+def read_kv_section(buf: Any, spec: KVSpec, *, seq_id: int = -1, offset: int = 0) -> tuple[KVSection, int]:
+    """Parse the KV section at ``offset`` with the cache's layout, validate it, return it and its end offset."""
+    sec, end = _read(
+        KV_SECTION, buf, offset, {"n_stream_field": spec.has_n_stream, "ext_size": spec.ext_size, "has_v": spec.has_v}
+    )
+    validate_kv_section(sec, spec, seq_id)
+    return sec, end
+
+
+def read_recurrent_section(buf: Any, spec: RecurrentSpec, *, seq_id: int = -1, offset: int = 0) -> tuple[RecurrentSection, int]:
+    ple = bool(spec.layers) and spec.layers[0].p_row_size is not None
+    sec, end = _read(RECURRENT_SECTION, buf, offset, {"ple": ple, "n_state_layers": len(spec.layers)})
+    validate_recurrent_section(sec, spec, seq_id)
+    return sec, end
+
+
+def read_sections(
+    buf: Any, specs: list[KVSpec | RecurrentSpec], *, seq_id: int = -1, offset: int = 0, exact: bool = True
+) -> tuple[list[KVSection | RecurrentSection], int]:
+    """Parse and validate consecutive sections (iSWA: base then SWA; hybrid: attention then recurrent).
+
+    With ``exact`` the input must end with the last section (llama.cpp's "did not read all of the data").
+    Nothing is returned unless every section is valid, so a caller that applies afterwards is atomic.
+    """
+    out: list[KVSection | RecurrentSection] = []
+    for spec in specs:
+        if isinstance(spec, KVSpec):
+            sec, offset = read_kv_section(buf, spec, seq_id=seq_id, offset=offset)
+        else:
+            sec, offset = read_recurrent_section(buf, spec, seq_id=seq_id, offset=offset)
+        out.append(sec)
+    n = len(memoryview(buf).cast("B")) if not isinstance(buf, memoryview) else buf.nbytes
+    if exact and offset != n:
+        raise FormatError(f"{n - offset} trailing bytes after the last section", field="trailing", offset=offset)
+    return out, offset
+
+
+def write_section(sec: KVSection | RecurrentSection, f: BinaryIO) -> int:
+    """Stream a section (what the memory's state_write produces) to ``f``; returns the byte count."""
+    w = Writer(f)
+    struct = KV_SECTION if isinstance(sec, KVSection) else RECURRENT_SECTION
+    struct.write(w, sec, ChainMap({"ext_size": 0}))
+    return w.n
+
+
+def section_bytes(*sections: KVSection | RecurrentSection) -> bytes:
+    buf = BytesIO()
+    for s in sections:
+        write_section(s, buf)
+    return buf.getvalue()
+
+
+__all__ = [
+    "KVLayerSpec",
+    "KVSpec",
+    "RecurrentLayerSpec",
+    "RecurrentSpec",
+    "read_kv_section",
+    "read_recurrent_section",
+    "read_sections",
+    "section_bytes",
+    "validate_kv_section",
+    "validate_recurrent_section",
+    "write_section",
+]

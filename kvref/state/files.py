@@ -1,0 +1,206 @@
+"""The four containers llama.cpp writes around a memory section, declared once.
+
+    session file   (llama_state_save_file)    u32 magic 'ggsn', u32 version, u32 n_token_count, i32 tokens[],
+                                              context state
+    sequence file  (llama_state_seq_save_file) u32 magic 'ggsq', u32 version, u32 n_token_count, i32 tokens[],
+                                              memory (of one sequence)
+    state blob     (llama_state_get_data)     context state
+    seq state blob (llama_state_seq_get_data) [u32 io_magic 0xaf143cd8, i32 seq_id], memory (of one sequence)
+
+    context state  = string arch, [v9 output block], memory
+    v9 outputs     = u32 n_outputs, i32 output_pos[n_outputs], u64 logits_size, f32 logits[logits_size],
+                     u64 embd_size, f32 embeddings[embd_size]
+
+The output block was removed by PR #18862 (2026) without a version bump, so a version-9 session may or may
+not carry it; version 10 never does. The io_magic + seq_id prefix of sequence blobs appeared with
+LLAMA_STATE_SEQ_FLAGS_ON_DEVICE (2026); sequence *files* never carry it.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from dataclasses import dataclass
+from io import BytesIO
+from pathlib import Path
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from .codec import Writer
+from .constants import SEQ_VERSIONS, SESSION_VERSIONS, Magic
+from .dsl import I32, U32, U64, Array, Param, Record, Str, Struct, When, write_root
+from .sections import MEMORY, Memory
+
+
+def _check_magic(want: Magic) -> Any:
+    tag = want.to_bytes(4, "big").decode("latin-1")
+
+    def check(v: int, env: Any) -> str | None:
+        return None if v == want else f"bad magic: expected 0x{int(want):08x} ({tag!r}), found 0x{v:08x}"
+
+    return check
+
+
+def _check_version(known: tuple[int, ...]) -> Any:
+    def check(v: int, env: Any) -> str | None:
+        return None if v in known else f"unknown version {v}, expected one of {known}"
+
+    return check
+
+
+class StateObject(Record):
+    """What every container offers: bytes, streaming save, and a summary (see `kvref.state.summary`)."""
+
+    kind: str
+    memory: Memory
+
+    def to_bytes(self) -> bytes:
+        buf = BytesIO()
+        self.write_to(buf)
+        return buf.getvalue()
+
+    def write_to(self, f: BinaryIO) -> int:
+        """Stream the encoding to ``f``; tensor rows are written straight from their (memory-mapped) views."""
+        w = Writer(f)
+        write_root(STRUCTS[self.kind], self, w)
+        return w.n
+
+    def save(self, path: str | os.PathLike[str]) -> int:
+        return save(self, path)
+
+    def summary(self) -> dict[str, Any]:
+        from .summary import summarize
+
+        return summarize(self)
+
+
+@dataclass(eq=False)
+class Outputs(Record):
+    """The v9 output block: which batch positions had outputs, and their logits and embeddings."""
+
+    output_pos: np.ndarray
+    logits: np.ndarray
+    embeddings: np.ndarray
+
+
+@dataclass(eq=False)
+class SessionFile(StateObject):
+    version: int
+    tokens: np.ndarray
+    arch: str
+    outputs: Outputs | None
+    memory: Memory
+    magic: int = Magic.SESSION
+
+    kind = "session"
+
+
+@dataclass(eq=False)
+class SeqFile(StateObject):
+    version: int
+    tokens: np.ndarray
+    memory: Memory
+    magic: int = Magic.STATE_SEQ
+
+    kind = "seq"
+
+
+@dataclass(eq=False)
+class StateBlob(StateObject):
+    arch: str
+    outputs: Outputs | None
+    memory: Memory
+
+    kind = "state"
+
+
+@dataclass(eq=False)
+class SeqStateBlob(StateObject):
+    """``seq_id`` is the id the blob was saved from (None for blobs without the io_magic prefix)."""
+
+    memory: Memory
+    seq_id: int | None = None
+    has_header: bool = True
+
+    kind = "seq_state"
+
+
+OUTPUTS = Struct(
+    Outputs,
+    Array("output_pos", "<i4", U32("n_outputs")),
+    Array("logits", "<f4", U64("logits_size")),
+    Array("embeddings", "<f4", U64("embd_size")),
+)
+
+
+def _context_fields() -> tuple[Any, ...]:
+    return (
+        Str("arch", max_len=1 << 16),
+        Param("has_outputs", derive=lambda o, env: o.outputs is not None),
+        When(lambda env: env["has_outputs"], OUTPUTS.named("outputs")),
+        MEMORY,
+    )
+
+
+SESSION = Struct(
+    SessionFile,
+    U32("magic", check=_check_magic(Magic.SESSION)),
+    U32("version", check=_check_version(SESSION_VERSIONS)),
+    Array("tokens", "<i4", U32("n_token_count")),
+    *_context_fields(),
+)
+
+SEQ = Struct(
+    SeqFile,
+    U32("magic", check=_check_magic(Magic.STATE_SEQ)),
+    U32("version", check=_check_version(SEQ_VERSIONS)),
+    Array("tokens", "<i4", U32("n_token_count")),
+    MEMORY,
+)
+
+STATE = Struct(StateBlob, *_context_fields())
+
+SEQ_STATE = Struct(
+    SeqStateBlob,
+    Param("seq_header", attr="has_header"),
+    When(lambda env: env["seq_header"], U32("io_magic", derive=lambda o, env: Magic.SEQ_BLOB, check=_check_magic(Magic.SEQ_BLOB))),
+    When(lambda env: env["seq_header"], I32("io_seq_id", attr="seq_id")),
+    MEMORY,
+)
+
+STRUCTS: dict[str, Struct] = {"session": SESSION, "seq": SEQ, "state": STATE, "seq_state": SEQ_STATE}
+
+
+def save(obj: StateObject, path: str | os.PathLike[str]) -> int:
+    """Write ``obj`` to ``path`` without assembling it in memory; returns the byte count.
+
+    The bytes go to a temporary file beside ``path`` that replaces it at the end, so saving over the file the
+    object was loaded from (and is still memory-mapped from) is safe.
+    """
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent or ".")
+    try:
+        with os.fdopen(fd, "wb", buffering=1 << 20) as f:
+            n = obj.write_to(f)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+    return n
+
+
+__all__ = [
+    "SEQ",
+    "SEQ_STATE",
+    "SESSION",
+    "STATE",
+    "STRUCTS",
+    "Outputs",
+    "SeqFile",
+    "SeqStateBlob",
+    "SessionFile",
+    "StateBlob",
+    "StateObject",
+    "save",
+]

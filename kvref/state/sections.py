@@ -1,0 +1,436 @@
+"""The memory sections, declared once: attention KV (llama_kv_cache) and recurrent (llama_memory_recurrent).
+
+Wire layout (see docs/state-format.md for the history of each field):
+
+    kv section     = [u32 n_stream]            -- absent before llama.cpp PR #14363 (July 2025)
+                     stream * n_stream (or one stream when n_stream is absent)
+    stream         = u32 cell_count; if cell_count > 0: cells, kv data
+    cells          = per cell: i32 pos, u32 n_seq_id, [ext: 2 or 3 x i32], i32 seq_id[n_seq_id]
+    kv data        = u32 v_trans, u32 n_layer,
+                     per layer: i32 k_type, u64 k_row_size, k rows (cell_count x k_row_size)
+                     per layer with V (none for MLA caches):
+                       v_trans == 0: i32 v_type, u64 v_row_size, v rows (cell_count x v_row_size)
+                       v_trans == 1: i32 v_type, u32 v_el_size, u32 n_embd_v_gqa,
+                                     n_embd_v_gqa rows of (cell_count x v_el_size)
+    recurrent      = u32 cell_count, cells (no ext; seq-only saves write n_seq_id = 0),
+                     u32 s_trans, u32 n_layer,
+                     per layer with state: i32 r_type, u64 r_row_size, r rows, [u64 p_row_size, p rows]
+                     per layer with state: S like V above (s_type, s_row_size | s_el_size, n_embd_s)
+
+The recurrent section is written even when it has no cells (its layer headers then carry no rows); a KV
+stream with no cells is just its zero ``cell_count``. The 2025 recurrent cache (``llama_kv_cache_recurrent``,
+seed 002) wrote the same bytes under the names K/V and ``v_trans`` with every layer present; it reads as a
+recurrent section with ``n_state_layers = n_layer``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from ..errors import FormatError
+from ..ggml import TYPE_TRAITS, GGMLType, type_name
+from .cells import Cells, CellTable
+from .codec import Reader, Writer
+from .constants import LAYOUTS, LLAMA_MAX_SEQ
+from .dsl import I32, U32, U64, Env, Field, List, Param, Record, Rows, Struct, Switch, When
+
+_KNOWN_TYPES = {int(t) for t in TYPE_TRAITS}
+
+
+def _type_size(t: int) -> int:
+    return TYPE_TRAITS[GGMLType(t)].type_size
+
+
+# --- object model --------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class LayerRows(Record):
+    """One tensor's rows for one layer, one row per cell (K, row-wise V, row-wise S)."""
+
+    type: int
+    row_size: int
+    data: np.ndarray  # (n_cells, row_size) uint8, a view into the file when loaded
+
+    @property
+    def type_name(self) -> str:
+        return type_name(self.type)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
+@dataclass(eq=False)
+class TransposedRows(Record):
+    """V (or S) stored transposed: ``n_embd`` rows, each holding every cell's element of that row."""
+
+    type: int
+    el_size: int
+    n_embd: int
+    data: np.ndarray  # (n_embd, n_cells * el_size) uint8
+
+    @property
+    def type_name(self) -> str:
+        return type_name(self.type)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+    @property
+    def row_size(self) -> int:
+        """Bytes of one cell's V row once un-transposed."""
+        return self.el_size * self.n_embd
+
+
+@dataclass(eq=False)
+class RecurrentLayer(Record):
+    """R rows of one layer, plus the PLE conv-history rows (``p``) that travel with them when the model has them."""
+
+    type: int
+    row_size: int
+    data: np.ndarray
+    p_row_size: int | None = None
+    p_data: np.ndarray | None = None
+
+    @property
+    def type_name(self) -> str:
+        return type_name(self.type)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes) + (int(self.p_data.nbytes) if self.p_data is not None else 0)
+
+
+@dataclass(eq=False)
+class KVData(Record):
+    v_trans: int
+    k: list[LayerRows]
+    v: list[LayerRows | TransposedRows]
+
+    @property
+    def n_layer(self) -> int:
+        return len(self.k)
+
+
+@dataclass(eq=False)
+class KVStream(Record):
+    """One stream of an attention cache: its cells and, when it has any, their K/V rows."""
+
+    cells: Cells | None
+    data: KVData | None
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.cells is not None and self.cells.n == 0:
+            self.cells = None  # llama.cpp writes only the zero cell_count for an empty stream
+            self.data = None
+
+    @property
+    def cell_count(self) -> int:
+        return 0 if self.cells is None else self.cells.n
+
+
+@dataclass(eq=False)
+class KVSection(Record):
+    """What llama_kv_cache::state_write writes. ``has_n_stream`` is False for files older than PR #14363."""
+
+    streams: list[KVStream]
+    has_n_stream: bool = True
+
+    kind = "kv"
+
+    @property
+    def n_stream(self) -> int:
+        return len(self.streams)
+
+
+@dataclass(eq=False)
+class RecurrentSection(Record):
+    """What llama_memory_recurrent::state_write writes. ``n_layer`` counts every model layer, ``r``/``s`` only
+    the layers that carry state (hybrid models skip their attention layers)."""
+
+    cells: Cells
+    s_trans: int
+    n_layer: int
+    r: list[RecurrentLayer]
+    s: list[LayerRows | TransposedRows]
+
+    kind = "recurrent"
+
+    @property
+    def cell_count(self) -> int:
+        return self.cells.n
+
+
+@dataclass(eq=False)
+class Memory:
+    """The memory part of a state: ``layout`` names the composition, ``sections`` are in write order."""
+
+    layout: str
+    sections: list[KVSection | RecurrentSection]
+
+    @property
+    def kv_sections(self) -> list[KVSection]:
+        return [s for s in self.sections if isinstance(s, KVSection)]
+
+    @property
+    def recurrent_sections(self) -> list[RecurrentSection]:
+        return [s for s in self.sections if isinstance(s, RecurrentSection)]
+
+
+# --- field checks --------------------------------------------------------------------------------------------
+
+
+def _check_type(v: int, env: Env) -> str | None:
+    return None if v in _KNOWN_TYPES else f"unknown ggml type id {v}"
+
+
+def _check_row_size(prefix: str) -> Any:
+    def check(v: int, env: Env) -> str | None:
+        ts = _type_size(env[f"{prefix}_type"])
+        if v % ts:
+            return f"row size {v} is not a whole number of {type_name(env[f'{prefix}_type'])} blocks ({ts} bytes)"
+        return None
+
+    return check
+
+
+def _check_el_size(prefix: str) -> Any:
+    def check(v: int, env: Env) -> str | None:
+        ts = _type_size(env[f"{prefix}_type"])
+        return None if v == ts else f"element size {v} != {ts} (ggml_type_size of {type_name(env[f'{prefix}_type'])})"
+
+    return check
+
+
+def _check_flag(v: int, env: Env) -> str | None:
+    return None if v in (0, 1) else f"expected 0 or 1, found {v}"
+
+
+def _check_n_stream(v: int, env: Env) -> str | None:
+    return None if 1 <= v <= LLAMA_MAX_SEQ else f"n_stream {v} outside [1, {LLAMA_MAX_SEQ}]"
+
+
+def _cells_rows(env: Env, name: str) -> tuple[int, int]:
+    return env["cell_count"], env[name]
+
+
+def _row_struct(prefix: str) -> Struct:
+    """``i32 type, u64 row_size, rows``: K, row-wise V and row-wise S share it under their own field names."""
+    return Struct(
+        LayerRows,
+        I32(f"{prefix}_type", attr="type", check=_check_type),
+        U64(f"{prefix}_row_size", attr="row_size", check=_check_row_size(prefix)),
+        Rows(f"{prefix}_data", lambda env: _cells_rows(env, f"{prefix}_row_size"), attr="data"),
+    )
+
+
+def _transposed_struct(prefix: str, n_embd_name: str) -> Struct:
+    return Struct(
+        TransposedRows,
+        I32(f"{prefix}_type", attr="type", check=_check_type),
+        U32(f"{prefix}_el_size", attr="el_size", check=_check_el_size(prefix)),
+        U32(n_embd_name, attr="n_embd"),
+        Rows(f"{prefix}_data", lambda env: (env[n_embd_name], env["cell_count"] * env[f"{prefix}_el_size"]), attr="data"),
+    )
+
+
+# --- attention KV ---------------------------------------------------------------------------------------------
+
+
+def _n_v_layers(env: Env) -> int:
+    return env["n_layer"] if env["has_v"] else 0
+
+
+KV_DATA = Struct(
+    KVData,
+    U32("v_trans", check=_check_flag),
+    U32("n_layer", derive=lambda o, env: len(o.k)),
+    List("k", _row_struct("k"), lambda env: env["n_layer"], blame="n_layer"),
+    Param("has_v", derive=lambda o, env: bool(o.v)),
+    Switch(
+        "v",
+        lambda env: bool(env["v_trans"]),
+        {
+            False: List("v", _row_struct("v"), _n_v_layers, blame="n_layer"),
+            True: List("v", _transposed_struct("v", "n_embd_v_gqa"), _n_v_layers, blame="n_layer"),
+        },
+    ),
+)
+
+KV_STREAM = Struct(
+    KVStream,
+    U32("cell_count", derive=lambda o, env: o.cell_count),
+    Param("ext_size", derive=lambda o, env: o.cells.ext_size if o.cells is not None else 0),
+    When(
+        lambda env: env["cell_count"] > 0,
+        # a sequence save writes exactly one id per KV cell (llama.cpp rejects anything else on restore)
+        CellTable(
+            "cells",
+            lambda env: env["cell_count"],
+            lambda env: env["ext_size"],
+            lambda env: 1 if env.get("seq_scope") else None,
+        ),
+    ),
+    When(lambda env: env["cell_count"] > 0, KV_DATA.named("data")),
+)
+
+KV_SECTION = Struct(
+    KVSection,
+    Param("n_stream_field", attr="has_n_stream"),
+    When(lambda env: env["n_stream_field"], U32("n_stream", derive=lambda o, env: len(o.streams), check=_check_n_stream)),
+    List("streams", KV_STREAM, lambda env: env["n_stream"] if env["n_stream_field"] else 1, blame="n_stream"),
+)
+
+
+# --- recurrent ------------------------------------------------------------------------------------------------
+
+
+def _walk_records(r: Reader, pos: int, cell_count: int, with_p: bool, limit: int) -> tuple[int, int]:
+    """Count consecutive ``i32 type, u64 row_size, rows [, u64 p_row_size, p rows]`` records that fit."""
+    count = 0
+    while count < limit and pos + 12 <= r.end:
+        t = r.peek_u32(pos)
+        t = t - (1 << 32) if t is not None and t >= 1 << 31 else t
+        if t not in _KNOWN_TYPES:
+            break
+        row = int(np.frombuffer(r.buf, "<u8", 1, pos + 4)[0])
+        nxt = pos + 12 + row * cell_count
+        if row % _type_size(t) or nxt > r.end:
+            break
+        if with_p:
+            if nxt + 8 > r.end:
+                break
+            prow = int(np.frombuffer(r.buf, "<u8", 1, nxt)[0])
+            nxt += 8 + prow * cell_count
+            if nxt > r.end:
+                break
+        pos, count = nxt, count + 1
+    return count, pos
+
+
+def _scan_state_layers(env: Env) -> int:
+    """Count the layers with state by walking the R and S records (only for ``load(..., layout="auto")``).
+
+    A hybrid model's recurrent section holds fewer R/S records than ``n_layer`` and nothing in the bytes says
+    how many. The records are self-sizing, though: walk them as far as they fit. Without PLE rows R and S
+    records look alike, so the walk must find an even number (2 x the count), ending at the end of the input
+    when the section is the last one. Falls back to ``n_layer`` when the walk is inconclusive; the parse that
+    follows checks the answer either way.
+    """
+    r: Reader = env["_reader"]
+    n_layer, cell_count = env["n_layer"], env["cell_count"]
+    if env["s_trans"]:
+        return n_layer
+    if env["ple"]:
+        # R records (with their p rows) differ in shape from S records: try every R count, prefer the one
+        # whose k S records end exactly at the end of the input
+        fits = []
+        for k in range(n_layer, -1, -1):
+            k_r, pos = _walk_records(r, r.pos, cell_count, True, k)
+            if k_r != k:
+                continue
+            k_s, end = _walk_records(r, pos, cell_count, False, k)
+            if k_s == k:
+                fits.append((end != r.end, k))
+        exact = [k for at_end, k in fits if not at_end]
+        if env["section_last"]:
+            return exact[0] if exact else n_layer
+        return max(k for _, k in fits) if fits else n_layer
+    count, pos = _walk_records(r, r.pos, cell_count, False, 2 * n_layer)
+    if count % 2 or (env["section_last"] and pos != r.end) or (not env["section_last"] and count == 0):
+        return n_layer
+    return count // 2
+
+
+def _n_state_layers(env: Env) -> int:
+    v = env["n_state_layers"]
+    if v is None:
+        return env["n_layer"]
+    if v == "scan":
+        return _scan_state_layers(env)
+    if v > env["n_layer"]:
+        raise FormatError(f"{v} layers with state, but n_layer is {env['n_layer']}", field="n_layer", offset=env["_reader"].pos)
+    return v
+
+
+R_LAYER = Struct(
+    RecurrentLayer,
+    I32("r_type", attr="type", check=_check_type),
+    U64("r_row_size", attr="row_size", check=_check_row_size("r")),
+    Rows("r_data", lambda env: _cells_rows(env, "r_row_size"), attr="data"),
+    When(lambda env: env["ple"], U64("p_row_size")),
+    When(lambda env: env["ple"], Rows("p_data", lambda env: _cells_rows(env, "p_row_size"))),
+)
+
+RECURRENT_SECTION = Struct(
+    RecurrentSection,
+    U32("cell_count", derive=lambda o, env: o.cells.n),
+    # a sequence save writes n_seq_id = 0 for every recurrent cell
+    CellTable("cells", lambda env: env["cell_count"], lambda env: 0, lambda env: 0 if env.get("seq_scope") else None),
+    U32("s_trans", check=_check_flag),
+    U32("n_layer"),
+    Param("ple", derive=lambda o, env: any(layer.p_data is not None for layer in o.r)),
+    Param("n_state_layers", derive=lambda o, env: len(o.r)),
+    List("r", R_LAYER, _n_state_layers, blame="n_layer"),
+    Switch(
+        "s",
+        lambda env: bool(env["s_trans"]),
+        {
+            False: List("s", _row_struct("s"), lambda env: len(env["r"]), blame="n_layer"),
+            True: List("s", _transposed_struct("s", "n_embd_s"), lambda env: len(env["r"]), blame="n_layer"),
+        },
+    ),
+)
+
+
+# --- the memory as a whole ------------------------------------------------------------------------------------
+
+_SECTION_STRUCTS = {"kv": KV_SECTION, "recurrent": RECURRENT_SECTION}
+
+
+class MemoryField(Field):
+    """The sections of ``env["layout"]`` one after the other (iSWA: base then SWA; hybrid: attention then recurrent)."""
+
+    def __init__(self) -> None:
+        self.name = self.attr = "memory"
+
+    def read(self, r: Reader, env: Env) -> Memory:
+        layout = env["layout"]
+        kinds = LAYOUTS[layout]
+        sections = []
+        for i, k in enumerate(kinds):
+            env["section_last"] = i == len(kinds) - 1  # lets the recurrent layer scan know where it must end
+            sections.append(_SECTION_STRUCTS[k].read(r, env))
+        return Memory(layout, sections)
+
+    def write(self, w: Writer, mem: Memory, env: Env) -> None:
+        kinds = tuple(s.kind for s in mem.sections)
+        if LAYOUTS.get(mem.layout) != kinds:
+            raise FormatError(f"layout {mem.layout!r} does not match sections {kinds}", field="layout", offset=w.n)
+        for s in mem.sections:
+            _SECTION_STRUCTS[s.kind].write(w, s, env)
+
+
+MEMORY = MemoryField()
+
+__all__ = [
+    "KV_DATA",
+    "KV_SECTION",
+    "KV_STREAM",
+    "MEMORY",
+    "RECURRENT_SECTION",
+    "KVData",
+    "KVSection",
+    "KVStream",
+    "LayerRows",
+    "Memory",
+    "RecurrentLayer",
+    "RecurrentSection",
+    "TransposedRows",
+]

@@ -1,0 +1,88 @@
+"""A JSON-ready description of a loaded state: what `kvref inspect` prints and the conformance runner compares.
+
+Only metadata is touched (cell tables, layer headers); tensor rows are reported by size, never read.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from .cells import Cells
+from .constants import Magic
+from .sections import KVSection, LayerRows, RecurrentSection, TransposedRows
+
+_N_FIRST_TOKENS = 16
+
+
+def _cells(cells: Cells | None) -> dict[str, Any]:
+    if cells is None:
+        return {"cell_count": 0, "sequences": {}}
+    seqs = cells.sequences()
+    return {
+        "cell_count": cells.n,
+        "ext_size": cells.ext_size,
+        "pos_min": int(cells.pos.min()) if cells.n else None,
+        "pos_max": int(cells.pos.max()) if cells.n else None,
+        "sequences": {str(s): {"pos_min": r.pos_min, "pos_max": r.pos_max, "n_cells": r.n_cells} for s, r in seqs.items()},
+    }
+
+
+def _rows(x: LayerRows | TransposedRows) -> dict[str, Any]:
+    d: dict[str, Any] = {"type": x.type_name, "row_size": x.row_size, "bytes": x.nbytes}
+    if isinstance(x, TransposedRows):
+        d.update(transposed=True, el_size=x.el_size, n_embd=x.n_embd)
+    return d
+
+
+def _kv(sec: KVSection) -> dict[str, Any]:
+    streams = []
+    for i, st in enumerate(sec.streams):
+        d = {"stream": i, **_cells(st.cells)}
+        if st.data is not None:
+            d["v_trans"] = st.data.v_trans
+            d["n_layer"] = st.data.n_layer
+            d["layers"] = [
+                {"layer": il, "k": _rows(k), **({"v": _rows(st.data.v[il])} if st.data.v else {})}
+                for il, k in enumerate(st.data.k)
+            ]
+        streams.append(d)
+    return {"kind": "kv", "n_stream": sec.n_stream if sec.has_n_stream else None, "streams": streams}
+
+
+def _recurrent(sec: RecurrentSection) -> dict[str, Any]:
+    layers = []
+    for i, (r, s) in enumerate(zip(sec.r, sec.s, strict=False)):
+        d = {"index": i, "r": {"type": r.type_name, "row_size": r.row_size, "bytes": int(r.data.nbytes)}, "s": _rows(s)}
+        if r.p_data is not None:
+            d["p"] = {"row_size": r.p_row_size, "bytes": int(r.p_data.nbytes)}
+        layers.append(d)
+    return {
+        "kind": "recurrent",
+        **_cells(sec.cells),
+        "s_trans": sec.s_trans,
+        "n_layer": sec.n_layer,
+        "n_state_layers": len(sec.r),
+        "layers": layers,
+    }
+
+
+def summarize(obj: Any) -> dict[str, Any]:
+    out: dict[str, Any] = {"format": obj.kind}
+    if obj.kind in ("session", "seq"):
+        out["magic"] = Magic(obj.magic).to_bytes(4, "big").decode("latin-1")
+        out["version"] = obj.version
+        out["n_tokens"] = len(obj.tokens)
+        out["first_tokens"] = [int(t) for t in obj.tokens[:_N_FIRST_TOKENS]]
+    if obj.kind == "seq_state":
+        out["seq_id"] = obj.seq_id
+    if hasattr(obj, "arch"):
+        out["arch"] = obj.arch
+    if getattr(obj, "outputs", None) is not None:
+        o = obj.outputs
+        out["outputs"] = {"n_outputs": len(o.output_pos), "logits": len(o.logits), "embeddings": len(o.embeddings)}
+    out["layout"] = obj.memory.layout
+    out["sections"] = [_kv(s) if isinstance(s, KVSection) else _recurrent(s) for s in obj.memory.sections]
+    return out
+
+
+__all__ = ["summarize"]

@@ -1,0 +1,135 @@
+"""The mask glue (``kvref.mask``) on a real KVCache: scenarios placed by ``KVCache.decode``.
+
+Each test runs the glue over both twins (``kvref.mask._impl`` swapped per parameter); the masks of the
+placed ubatches are checked by hand where small, and against the per-cell oracle otherwise.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import kvref.mask as mask
+from kvref.batch import Batch
+from kvref.hparams import HParams, SWAType
+from kvref.kv_cache import KVCache
+from mask_helpers import need, oracle, same_bits, twin_params
+
+X = float("-inf")
+
+
+@pytest.fixture(params=twin_params())
+def glue(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
+    """``kvref.mask`` driving the twin under test."""
+    monkeypatch.setattr(mask, "_impl", need(request.param))
+    return mask
+
+
+def hp(**kw) -> HParams:
+    return HParams(n_layer=1, n_head_kv=1, n_embd_head_k=4, n_embd_head_v=4, **kw)
+
+
+def check_against_oracle(cache: KVCache, ub, sinfo, out: np.ndarray, **kw) -> None:
+    n = ub.n_tokens
+    cells = [cache.cells(s) for s in range(cache.n_stream)]
+    ref = oracle(
+        out.shape, out.dtype,
+        [np.asarray(c.pos) for c in cells], [np.asarray(c.seq) for c in cells], [np.asarray(c.ext) for c in cells],
+        cache.seq_to_stream, np.asarray(ub.pos)[:n], [ids[0] for ids in ub.seq_id],
+        n_swa=cache.n_swa, swa_type=int(cache.swa_type), causal=cache.hparams.causal_attn, **kw,
+    )
+    assert same_bits(out, ref)
+
+
+def test_two_prompts_in_a_unified_cache(glue):
+    cache = KVCache(hp(), size=512, n_seq_max=2, unified=True)
+    cache.decode(Batch(tokens=[1, 2, 3, 4], seq_ids=[[0]] * 4))
+    (ub, sinfo), = cache.decode(Batch(tokens=[5, 6, 7], seq_ids=[[1]] * 3))
+    m = glue.fill_kq_mask(cache, ub, sinfo=sinfo)
+    # n_kv: 7 used cells padded to 256
+    assert m.shape == (1, 3, 256) and m.dtype == np.float32
+    assert same_bits(m[:, :, :8], np.array([[[X, X, X, X, 0, X, X, X], [X, X, X, X, 0, 0, X, X], [X, X, X, X, 0, 0, 0, X]]], np.float32))
+    assert np.all(np.isneginf(m[:, :, 8:]))
+    # without the slot the glue derives the streams from the ubatch: same n_kv
+    assert same_bits(glue.fill_kq_mask(cache, ub), m)
+
+
+def test_shared_prefix_and_reused_out_buffer(glue):
+    cache = KVCache(hp(), size=256, n_seq_max=2, unified=True)
+    cache.decode(Batch(tokens=[1, 2, 3], seq_ids=[[0, 1]] * 3))  # a prompt both sequences see
+    (ub, sinfo), = cache.decode(Batch(tokens=[4, 5], seq_ids=[[0], [1]], logits=[1, 1]))
+    out = np.empty((1, 2, 256), np.float16)
+    m = glue.fill_kq_mask(cache, ub, out, dtype=np.float16, sinfo=sinfo)
+    assert m is out
+    assert same_bits(m[:, :, :6], np.array([[[0, 0, 0, 0, X, X], [0, 0, 0, X, 0, X]]], np.float16))
+
+
+def test_multi_stream_ubatch_layout(glue):
+    cache = KVCache(hp(), size=256, n_seq_max=2, unified=False)
+    placed = cache.decode(Batch(tokens=[1, 2, 3, 4, 5, 6], seq_ids=[[0], [0], [0], [1], [1], [1]]))
+    (ub, sinfo), = placed
+    assert ub.n_seqs_unq == 2 and sinfo.strm == [0, 1]
+    m = glue.fill_kq_mask(cache, ub, sinfo=sinfo)
+    # one block per stream, each over its own stream's cells 0..2
+    assert m.shape == (2, 3, 256)
+    tri = np.array([[0, X, X], [0, 0, X], [0, 0, 0]], np.float32)
+    assert same_bits(m[0, :, :3], tri) and same_bits(m[1, :, :3], tri)
+    check_against_oracle(cache, ub, sinfo, m)
+
+
+def test_swa_cache_and_non_causal(glue):
+    cache = KVCache(hp(), size=256, n_seq_max=1, unified=True, n_swa=2, swa_type=SWAType.STANDARD)
+    (ub, sinfo), = cache.decode(Batch(tokens=[1, 2, 3, 4]))
+    m = glue.fill_kq_mask(cache, ub, sinfo=sinfo)
+    assert same_bits(m[0, :, :4], np.array([[0, X, X, X], [0, 0, X, X], [X, 0, 0, X], [X, X, 0, 0]], np.float32))
+    m = glue.fill_kq_mask(cache, ub, sinfo=sinfo, causal=False, non_causal_type=mask.NonCausalType.SWA_FULL)
+    assert same_bits(m[0, :, :4], np.zeros((4, 4), np.float32))  # the whole ubatch is the span
+    m = glue.fill_kq_mask(cache, ub, sinfo=sinfo, causal=False)
+    assert same_bits(m[0, :, :4], np.array([[0, 0, 0, 0], [0, 0, 0, 0], [X, 0, 0, 0], [X, X, 0, 0]], np.float32))
+
+
+def test_random_decode_scenario_matches_oracle(glue):
+    rng = np.random.default_rng(3)
+    for unified in (True, False):
+        cache = KVCache(hp(), size=512, n_seq_max=4, unified=unified)
+        for step in range(12):
+            seqs = rng.choice(4, rng.integers(1, 4), replace=False)
+            n_per = int(rng.integers(1, 9))
+            seq_ids = [[int(s)] for s in seqs for _ in range(n_per)]
+            placed = cache.decode(Batch(tokens=list(range(len(seq_ids))), seq_ids=seq_ids), n_ubatch=8)
+            # the mask of the last ubatch sees the cells as they are now
+            ub, sinfo = placed[-1]
+            for dtype in (np.float32, np.float16):
+                m = glue.fill_kq_mask(cache, ub, dtype=dtype, sinfo=sinfo)
+                check_against_oracle(cache, ub, sinfo, m)
+            if step % 4 == 3:
+                s = int(rng.integers(0, 4))
+                cache.seq_rm(s, int(rng.integers(0, 4)), -1)
+
+
+def test_k_shift_input_matches_the_cache(glue):
+    cache = KVCache(hp(), size=256, n_seq_max=2, unified=True)
+    cache.decode(Batch(tokens=[1, 2, 3, 4, 5], seq_ids=[[0]] * 5))
+    cache.seq_add(0, 2, -1, 3)
+    got = glue.k_shift_input(cache)
+    assert got.shape == (1, 256)
+    assert got[0, :6].tolist() == [0, 0, 3, 3, 3, 0]
+    assert np.array_equal(got.reshape(-1), cache.k_shift_input())
+
+
+def test_pos_bucket_with_and_without_cache(glue):
+    cache = KVCache(hp(), size=256, n_seq_max=1, unified=True)
+    (ub, _), = cache.decode(Batch(tokens=[1, 2, 3]))
+    b = glue.fill_pos_bucket(cache, ub, n_buckets=32)
+    assert b.shape == (3, 256)
+    assert b[:, :4].tolist() == [[0, 0, 0, 1], [1, 0, 0, 2], [2, 1, 0, 3]]  # empty cell 3 counts as pos -1
+    t = glue.fill_pos_bucket(None, ub, n_buckets=32)
+    assert t.tolist() == [[0, 16 + 1, 16 + 2], [1, 0, 17], [2, 1, 0]]
+
+
+def test_k_v_idxs_are_the_caches(glue):
+    cache = KVCache(hp(), size=256, n_seq_max=2, unified=False, v_trans=True)
+    (ub, sinfo), = cache.decode(Batch(tokens=[1, 2, 3, 4], seq_ids=[[0], [0], [1], [1]]))
+    assert glue.k_idxs(cache, ub, sinfo).tolist() == [0, 1, 256, 257]
+    v = glue.v_idxs(cache, ub, sinfo)
+    assert v.shape == (4 * 4,) and v[:4].tolist() == [0, 256, 512, 768]

@@ -1,0 +1,45 @@
+"""RecurrentMemory against llama.cpp's recorded traces and state files (conformance/golden/mamba-*)."""
+
+from __future__ import annotations
+
+import pytest
+from golden_replay import GOLDEN, load_case, replay
+
+import kvref
+from kvref.recurrent import RecurrentMemory
+
+CASES = sorted(p.parent.name for p in GOLDEN.glob("*/case.json") if load_case(p.parent.name)["memory"]["type"] == "recurrent")
+
+
+def hparams_of(case: dict) -> kvref.HParams:
+    h = case["model"]["hparams"]
+    ssm = h["ssm"]
+    return kvref.HParams(
+        arch=h["arch"],
+        n_layer=h["n_layer"],
+        n_embd=h["n_embd"],
+        n_head=h["n_head"],
+        n_head_kv=h["n_head_kv"],
+        recurrent_layers=h["recurrent_layers"],
+        rope_type=kvref.RopeType.NONE,
+        ssm_d_conv=ssm["d_conv"],
+        ssm_d_inner=ssm["d_inner"],
+        ssm_d_state=ssm["d_state"],
+        ssm_n_group=ssm["n_group"],
+        ssm_dt_rank=ssm["dt_rank"],
+    )
+
+
+@pytest.mark.skipif(not CASES, reason="no recurrent goldens generated")
+@pytest.mark.parametrize("case_id", CASES)
+def test_replay_matches_llama_cpp(case_id):
+    case = load_case(case_id)
+    hp = hparams_of(case)
+    assert (hp.n_embd_r(), hp.n_embd_s()) == (case["model"]["hparams"]["n_embd_r"], case["model"]["hparams"]["n_embd_s"])
+    n_seq_max = case["observed_context"]["n_seq_max"]
+    # llama_model::create_memory: f32 R and S, max(1, n_seq_max) cells
+    mem = RecurrentMemory(hp, "f32", "f32", max(1, n_seq_max), n_seq_max, n_rs_seq=case["context"].get("n_rs_seq", 0))
+    logged = case["observed_context"]["memory_log"]["caches"][0]
+    assert (mem.size, len(mem.layers)) == (logged["cells"], logged["layers"])
+    report = replay(case_id, mem)
+    assert report["saves"] > 0

@@ -1,0 +1,193 @@
+"""Malformed input: every error is a FormatError naming a field of the vocabulary and an offset, never a crash,
+never a hang, never an allocation the input cannot justify."""
+
+from __future__ import annotations
+
+import json
+import struct
+import tracemalloc
+from pathlib import Path
+
+import numpy as np
+import pytest
+from _state_factory import CASES, load_options, make
+
+import kvref.state as S
+from kvref.errors import FormatError
+from kvref.state.constants import FIELDS
+
+FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "state"
+MANIFEST = json.loads((FIXTURES / "manifest.json").read_text())
+
+# a few representative shapes; every prefix of each is tried
+TRUNCATION_CASES = [
+    ("session", "kv", {"outputs": True, "ext_size": 8}),
+    ("session", "kv", {"v_trans": 1, "ext_size": 12}),
+    ("seq", "iswa", {"n_stream_field": False, "version": 2}),
+    ("state", "hybrid", {"ple": True}),
+    ("seq_state", "recurrent", {"s_trans": 1}),
+]
+
+
+@pytest.mark.parametrize("case", TRUNCATION_CASES, ids=lambda c: f"{c[0]}-{c[1]}")
+def test_every_prefix_names_a_field(case: tuple) -> None:
+    kind, layout, kw = case
+    blob = make(kind, layout, 11, **kw).to_bytes()
+    opts = load_options(kind, layout, **kw)
+    for n in range(len(blob)):
+        with pytest.raises(FormatError) as ei:
+            S.load(blob[:n], **opts)
+        assert ei.value.field in FIELDS, (n, ei.value)
+        assert ei.value.offset is not None and 0 <= ei.value.offset <= n, (n, ei.value)
+
+
+@pytest.mark.parametrize("case", TRUNCATION_CASES[:3], ids=lambda c: f"{c[0]}-{c[1]}")
+def test_every_prefix_auto(case: tuple) -> None:
+    """Inferring the layout: a prefix either fails with a field of the vocabulary or is itself a complete state
+    of another layout (an iSWA file cut after its base section *is* a valid single-KV file), never garbage."""
+    kind, layout, kw = case
+    blob = make(kind, layout, 12, **kw).to_bytes()
+    for n in range(0, len(blob), 3):
+        try:
+            obj = S.load(blob[:n])
+        except FormatError as e:
+            assert e.field in FIELDS
+        else:
+            assert obj.to_bytes() == blob[:n]
+            assert obj.memory.layout != layout
+
+
+@pytest.mark.parametrize("name", sorted(MANIFEST))
+def test_fixture(name: str) -> None:
+    meta = MANIFEST[name]
+    path = FIXTURES / name
+    kw = {"kind": meta["kind"], "layout": meta["layout"], **meta["options"]}
+    if meta["expect"] == "ok":
+        obj = S.load(path, **kw)
+        assert obj.to_bytes() == path.read_bytes()
+        assert obj.kind == meta["kind"] and obj.memory.layout == meta["layout"]
+        # and the same without any hint
+        assert S.load(path).to_bytes() == path.read_bytes()
+    else:
+        with pytest.raises(FormatError) as ei:
+            S.load(path, **kw)
+        assert ei.value.field == meta["field"], ei.value
+        assert ei.value.offset is not None
+        assert f"offset {ei.value.offset}" in str(ei.value)
+
+
+def _session_prefix(n_tokens: int) -> bytes:
+    return struct.pack("<III", 0x6767736E, 10, n_tokens)
+
+
+@pytest.mark.parametrize(
+    "blob, field",
+    [
+        (_session_prefix(1 << 31) + bytes(88), "n_token_count"),
+        (_session_prefix(0) + struct.pack("<I", 0xFFFFFFF0) + b"ll", "arch_length"),
+        (_session_prefix(0) + struct.pack("<I", 5) + b"llama" + struct.pack("<II", 1, 0x7FFFFFFF), "cell_count"),
+        (
+            _session_prefix(0) + struct.pack("<I", 5) + b"llama" + struct.pack("<IIiIiII", 1, 1, 0, 1, 0, 0, 0xFFFFFF),
+            "n_layer",
+        ),
+        (
+            _session_prefix(0) + struct.pack("<I", 5) + b"llama" + struct.pack("<IIiIiIIiQ", 1, 1, 0, 1, 0, 0, 1, 0, 1 << 60),
+            "k_data",
+        ),
+    ],
+    ids=["tokens", "arch", "cells", "layers", "rows"],
+)
+def test_lying_counts_allocate_nothing(blob: bytes, field: str) -> None:
+    tracemalloc.start()
+    try:
+        with pytest.raises(FormatError) as ei:
+            S.load(blob, kind="session", layout="kv", ext_size=0, has_v=True)
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    assert ei.value.field == field, ei.value
+    assert peak < 1 << 20, peak
+
+
+def _kv_blob(**over: int) -> tuple[bytes, dict]:
+    """A session with one stream of one cell and one layer, with fields overridable by name."""
+    f = {"v_trans": 0, "k_type": 1, "k_row": 4, "v_type": 1, "v_el": 2, "n_embd": 2, "n_stream": 1, "seq": 0}
+    f.update(over)
+    body = struct.pack("<I", f["n_stream"]) + struct.pack("<IiIi", 1, 0, 1, f["seq"])
+    body += struct.pack("<II", f["v_trans"], 1) + struct.pack("<iQ", f["k_type"], f["k_row"]) + bytes(f["k_row"])
+    if f["v_trans"]:
+        body += struct.pack("<iII", f["v_type"], f["v_el"], f["n_embd"]) + bytes(f["n_embd"] * f["v_el"])
+    else:
+        body += struct.pack("<iQ", f["v_type"], 4) + bytes(4)
+    return _session_prefix(0) + struct.pack("<I", 5) + b"llama" + body, {"kind": "session", "layout": "kv", "ext_size": 0}
+
+
+@pytest.mark.parametrize(
+    "over, field",
+    [
+        ({"v_trans": 2}, "v_trans"),
+        ({"k_type": 99}, "k_type"),
+        ({"k_type": 8, "k_row": 4}, "k_row_size"),
+        ({"v_type": 77}, "v_type"),
+        ({"v_trans": 1, "v_el": 4}, "v_el_size"),
+        ({"n_stream": 0}, "n_stream"),
+        ({"n_stream": 1000}, "n_stream"),
+        ({"seq": -1}, "seq_id"),
+        ({"seq": 256}, "seq_id"),
+    ],
+)
+def test_field_checks(over: dict, field: str) -> None:
+    blob, kw = _kv_blob(**over)
+    with pytest.raises(FormatError) as ei:
+        S.load(blob, **kw)
+    assert ei.value.field == field, ei.value
+
+
+def test_field_checks_baseline_is_valid() -> None:
+    blob, kw = _kv_blob()
+    assert S.load(blob, **kw).to_bytes() == blob
+    blob, kw = _kv_blob(v_trans=1)
+    assert S.load(blob, **kw).to_bytes() == blob
+
+
+def test_arch_breaks_the_kv_recurrent_tie() -> None:
+    """A pre-#14363 KV section and a recurrent section have the same shape; the arch string decides."""
+    blob = (FIXTURES / "session_v9_outputs_no_n_stream.bin").read_bytes()
+    obj = S.load(blob, kind="session", layout="kv", outputs=True, n_stream_field=False)
+    as_llama = S.StateBlob("llama", obj.outputs, obj.memory).to_bytes()
+    assert S.load(as_llama).memory.layout == "kv"
+    as_mamba = S.StateBlob("mamba", obj.outputs, obj.memory).to_bytes()
+    back = S.load(as_mamba)
+    assert back.memory.layout == "recurrent" and back.to_bytes() == as_mamba
+    # a reading can always be forced
+    assert S.load(as_mamba, layout="kv").memory.layout == "kv"
+
+
+def test_writer_refuses_inconsistent_objects() -> None:
+    obj = make("session", "kv", 0)
+    obj.memory.sections[0].streams[0].data.k[0].data = np.zeros((1, 3), np.uint8)
+    with pytest.raises(FormatError) as ei:
+        obj.to_bytes()
+    assert ei.value.field == "k_data"
+    obj = make("session", "kv", 0)
+    obj.memory.layout = "iswa"
+    with pytest.raises(FormatError) as ei:
+        obj.to_bytes()
+    assert ei.value.field == "layout"
+
+
+def test_empty_and_tiny_inputs() -> None:
+    for blob in (b"", b"\x01", b"ggs", b"\xff" * 7):
+        with pytest.raises(FormatError) as ei:
+            S.load(blob)
+        assert ei.value.field in FIELDS
+
+
+def test_all_fixture_errors_use_the_vocabulary() -> None:
+    for meta in MANIFEST.values():
+        if meta["expect"] != "ok":
+            assert meta["field"] in FIELDS
+
+
+def test_every_case_has_a_fixture_free_round_trip() -> None:
+    assert len(CASES) > 30

@@ -1,0 +1,85 @@
+"""Every artefact a real llama.cpp wrote (conformance/golden/<case>/) reads and writes back byte for byte."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+import kvref.state as S
+
+GOLDEN = Path(__file__).resolve().parent.parent / "conformance" / "golden"
+_STATE_SUFFIXES = {".bin", ".session", ".ggsn", ".ggsq", ".state", ".seq"}
+
+
+def _artefacts() -> list[Path]:
+    if not GOLDEN.is_dir():
+        return []
+    return sorted(
+        p for p in GOLDEN.glob("*/*") if p.is_file() and (p.suffix in _STATE_SUFFIXES) and p.name != "case.json"
+    )
+
+
+def _hints(path: Path) -> dict:
+    """What the case's trace says about the artefact (kind, layout, cell ext), as load() options."""
+    case = path.parent / "case.json"
+    if not case.exists():
+        return {}
+    for op in json.loads(case.read_text()).get("trace", []):
+        if op.get("file") == path.name and op.get("op") == "save":
+            kind = {"session": "session", "seq": "seq", "state_data": "state", "seq_data": "seq_state"}.get(op["kind"])
+            # a save with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY holds only some sections: name the layout they form
+            sections = tuple("kv" if s.startswith("kv") else s for s in op.get("sections") or ())
+            layout = next((name for name, kinds in S.LAYOUTS.items() if kinds == sections), op.get("layout"))
+            hints = {"kind": kind, "layout": layout}
+            if op.get("cell_ext") is not None:
+                hints["ext_size"] = 12 if op["cell_ext"] else 0
+            return {k: v for k, v in hints.items() if v is not None}
+    return {}
+
+
+ARTEFACTS = _artefacts()
+
+
+@pytest.mark.skipif(not ARTEFACTS, reason="no golden state files under conformance/golden/ yet")
+@pytest.mark.parametrize("path", ARTEFACTS, ids=[f"{p.parent.name}/{p.name}" for p in ARTEFACTS])
+def test_golden_round_trip(path: Path) -> None:
+    hints = _hints(path)
+    obj = S.load(path, **hints)
+    assert obj.to_bytes() == path.read_bytes()
+    assert obj.summary()["layout"] == hints.get("layout", obj.memory.layout)
+
+
+@pytest.mark.skipif(not ARTEFACTS, reason="no golden state files under conformance/golden/ yet")
+@pytest.mark.parametrize("path", ARTEFACTS, ids=[f"{p.parent.name}/{p.name}" for p in ARTEFACTS])
+def test_golden_auto(path: Path) -> None:
+    """Without hints, inference finds the same reading (or says it cannot decide, never a wrong one)."""
+    hints = _hints(path)
+    obj = S.load(path)
+    assert obj.to_bytes() == path.read_bytes()
+    if "layout" in hints:
+        assert obj.memory.layout == hints["layout"]
+
+
+INVALID = Path(__file__).resolve().parent.parent / "conformance" / "invalid"
+_INVALID_FILES = json.loads((INVALID / "manifest.json").read_text())["files"] if (INVALID / "manifest.json").exists() else []
+
+
+@pytest.mark.skipif(not _INVALID_FILES, reason="no conformance/invalid/manifest.json yet")
+@pytest.mark.parametrize("entry", _INVALID_FILES, ids=[e["file"] for e in _INVALID_FILES])
+def test_invalid_manifest(entry: dict) -> None:
+    """Each corrupt file fails with the manifest's field, read with what the source case says about its layout."""
+    src = GOLDEN / entry["source"]["case"] / entry["source"]["file"]
+    hints = _hints(src)
+    path = INVALID / entry["file"]
+    if entry.get("needs_hparams"):
+        # only a reader that knows the model can see these; without it any FormatError (or success) is fine
+        try:
+            S.load(path, **hints)
+        except S.FormatError:
+            pass
+        return
+    with pytest.raises(S.FormatError) as ei:
+        S.load(path, **hints)
+    assert ei.value.field in [entry["field"], *entry.get("also_accept", [])], ei.value
