@@ -20,14 +20,30 @@ import llama_cpp as L
 # ggml type ids (ggml.h enum ggml_type) for the cache types the cases use
 GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 
-# llama_context::state_seq_get_data prefixes every raw sequence blob with this u32
-# and the source seq id (i32); llama_state_seq_save_file does not
-SEQ_DATA_IO_MAGIC = 0xAF143CD8
-
 SESSION_MAGIC = 0x6767736E  # 'ggsn'
 SEQ_MAGIC = 0x67677371      # 'ggsq'
-SESSION_VERSION = 10
-SEQ_VERSION = 3
+
+# llama_context::state_seq_get_data prefixes every raw sequence blob with this u32 and the
+# source seq id (i32) in the current producer; llama_state_seq_save_file never does
+SEQ_DATA_IO_MAGIC = 0xAF143CD8
+
+# What each llama-cpp-python release's vendored llama.cpp writes (checked in its sources):
+#   output_block   session/state_data carry n_outputs, output positions, logits, embeddings
+#                  between the arch string and the memory
+#   seq_data_prefix  raw sequence blobs start with io_magic + seq id
+#   cell_ext_size  bytes of llama_kv_cell_ext per cell for M-RoPE models (0: never written)
+#   swa_masked_in_seq  SWA-masked cells are still written into sequence artefacts
+PRODUCERS = {
+    "0.3.36": {"llama_cpp_commit": "0c1e57098bba43ac29e6e3b677cdceebdd22334f", "llama_cpp_commit_date": "2026-10-01",
+               "session_version": 10, "seq_version": 3, "output_block": False, "seq_data_prefix": True,
+               "cell_ext_size": 12, "swa_masked_in_seq": False},
+    "0.3.16": {"llama_cpp_commit": "4227c9be4268ac844921b90f31595f81236bd317", "llama_cpp_commit_date": None,
+               "session_version": 9, "seq_version": 2, "output_block": True, "seq_data_prefix": False,
+               "cell_ext_size": 0, "swa_masked_in_seq": True},
+}
+PRODUCER = PRODUCERS[L.__version__]
+SESSION_VERSION = PRODUCER["session_version"]
+SEQ_VERSION = PRODUCER["seq_version"]
 
 FLAGS_PARTIAL_ONLY = 1
 
@@ -153,12 +169,12 @@ class Run:
             "n_embd": L.llama_model_n_embd(m),
             "n_head": L.llama_model_n_head(m),
             "n_head_kv": L.llama_model_n_head_kv(m),
-            "n_swa": L.llama_model_n_swa(m),
+            "n_swa": L.llama_model_n_swa(m) if hasattr(L, "llama_model_n_swa") else None,
             "rope_type": L.llama_model_rope_type(m),
             "n_ctx_train": L.llama_model_n_ctx_train(m),
             "n_vocab": L.llama_vocab_n_tokens(L.llama_model_get_vocab(m)),
             "is_recurrent": bool(L.llama_model_is_recurrent(m)),
-            "is_hybrid": bool(L.llama_model_is_hybrid(m)),
+            "is_hybrid": bool(L.llama_model_is_hybrid(m)) if hasattr(L, "llama_model_is_hybrid") else None,
         }
 
         p = L.llama_context_default_params()
@@ -166,10 +182,14 @@ class Run:
         p.n_batch = cparams["n_batch"]
         p.n_ubatch = cparams["n_ubatch"]
         p.n_seq_max = cparams["n_seq_max"]
-        p.n_rs_seq = cparams["n_rs_seq"]
+        if hasattr(p, "n_rs_seq"):
+            p.n_rs_seq = cparams["n_rs_seq"]
         p.n_threads = cparams["n_threads"]
         p.n_threads_batch = cparams["n_threads"]
-        p.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if cparams["flash_attn"] else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        if hasattr(p, "flash_attn_type"):
+            p.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if cparams["flash_attn"] else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+        else:  # older bindings: a plain bool
+            p.flash_attn = bool(cparams["flash_attn"])
         p.type_k = GGML_TYPES[cparams["type_k"]]
         p.type_v = GGML_TYPES[cparams["type_v"]]
         p.swa_full = cparams["swa_full"]
@@ -191,7 +211,7 @@ class Run:
         self.n_seq_max = L.llama_n_seq_max(self.ctx)
         self.observed_ctx = {
             "n_ctx": L.llama_n_ctx(self.ctx),
-            "n_ctx_seq": L.llama_n_ctx_seq(self.ctx),
+            "n_ctx_seq": L.llama_n_ctx_seq(self.ctx) if hasattr(L, "llama_n_ctx_seq") else None,
             "n_batch": L.llama_n_batch(self.ctx),
             "n_ubatch": L.llama_n_ubatch(self.ctx),
             "n_seq_max": self.n_seq_max,
@@ -316,7 +336,9 @@ class Run:
     def _describe(self, op: dict, path: Path, seq_id, flags: int, whole: bool):
         op["layout"] = self.kind
         op["sections"] = sections_for(self.kind, flags)
-        op["cell_ext"] = bool(self.hp["has_cell_ext"])
+        op["cell_ext"] = bool(self.hp["has_cell_ext"]) and PRODUCER["cell_ext_size"] > 0
+        if whole:
+            op["output_block"] = PRODUCER["output_block"]
         op["v_trans"] = (not self.cp["flash_attn"]) if self.kind != "recurrent" else None
         op["n_stream"] = 1 if self.cp["kv_unified"] else self.n_seq_max
         op["scope"] = "context" if whole else "sequence"
@@ -373,15 +395,22 @@ class Run:
 
     def save_seq_data(self, seq_id: int, flags: int = 0) -> int:
         name, path = self._artefact("seqdata", seq_id, flags, "bin")
-        size = int(L.llama_state_seq_get_size_ext(self.ctx, seq_id, flags))
+        if hasattr(L, "llama_state_seq_get_size_ext"):
+            size = int(L.llama_state_seq_get_size_ext(self.ctx, seq_id, flags))
+        else:
+            assert flags == 0, "these bindings have no *_ext state functions"
+            size = int(L.llama_state_seq_get_size(self.ctx, seq_id))
         buf = (ctypes.c_uint8 * max(size, 1))()
         _take_log()
-        ret = int(L.llama_state_seq_get_data_ext(self.ctx, buf, size, seq_id, flags))
+        if hasattr(L, "llama_state_seq_get_data_ext"):
+            ret = int(L.llama_state_seq_get_data_ext(self.ctx, buf, size, seq_id, flags))
+        else:
+            ret = int(L.llama_state_seq_get_data(self.ctx, buf, size, seq_id))
         lines = _take_log()
         path.write_bytes(bytes(buf)[:ret])
         op = {"op": "save", "kind": "seq_data", "file": name, "seq_id": seq_id, "flags": flags,
               "ret": ret, "get_size": size,
-              "header": {"io_magic": SEQ_DATA_IO_MAGIC, "seq_id": seq_id}}
+              "header": {"io_magic": SEQ_DATA_IO_MAGIC, "seq_id": seq_id} if PRODUCER["seq_data_prefix"] else None}
         self._describe(op, path, seq_id, flags, False)
         self._obs_sizes(op, seq_id)
         self._push(op, lines)
@@ -435,7 +464,11 @@ class Run:
         data = (self.dir / file).read_bytes()
         buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
         _take_log()
-        ret = int(L.llama_state_seq_set_data_ext(self.ctx, buf, len(data), dest_seq_id, flags))
+        if hasattr(L, "llama_state_seq_set_data_ext"):
+            ret = int(L.llama_state_seq_set_data_ext(self.ctx, buf, len(data), dest_seq_id, flags))
+        else:
+            assert flags == 0, "these bindings have no *_ext state functions"
+            ret = int(L.llama_state_seq_set_data(self.ctx, buf, len(data), dest_seq_id))
         lines = _take_log()
         self._push({"op": "seq_restore", "kind": "seq_data", "file": file, "dest_seq_id": dest_seq_id,
                     "flags": flags, "ret": ret}, lines)

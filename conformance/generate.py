@@ -36,8 +36,11 @@ import tinymodels  # noqa: E402
 import driver  # noqa: E402
 from driver import FLAGS_PARTIAL_ONLY  # noqa: E402
 
-LLAMA_CPP_COMMIT = "0c1e57098bba43ac29e6e3b677cdceebdd22334f"
-LLAMA_CPP_COMMIT_DATE = "2026-10-01"
+CURRENT_PRODUCER = "0.3.36"
+# cases replayed with an older llama-cpp-python (installed in its own venv) for the legacy
+# layouts; their ids get the prefix "legacy-<version>-"
+LEGACY_CASES = ("llama-f16-single-seq", "llama-f16-multistream", "llama-f16-fa-single-seq",
+                "gemma2-swa-overflow", "mamba-seq-cp-rm", "qwen2vl-mrope")
 SCHEMA_VERSION = 1
 COMMIT_MODEL_MAX = 200 * 1024
 # committed under conformance/models/ (each < COMMIT_MODEL_MAX) for HParams.from_gguf tests;
@@ -502,14 +505,18 @@ def versions() -> dict:
     import llama_cpp
     import gguf
     from importlib.metadata import version
+    pr = driver.PRODUCER
     return {
         "llama_cpp_python": llama_cpp.__version__,
-        "llama_cpp_commit": LLAMA_CPP_COMMIT,
-        "llama_cpp_commit_date": LLAMA_CPP_COMMIT_DATE,
+        "llama_cpp_commit": pr["llama_cpp_commit"],
+        "llama_cpp_commit_date": pr["llama_cpp_commit_date"],
         "gguf": version("gguf"),
-        "session_version": driver.SESSION_VERSION,
-        "seq_version": driver.SEQ_VERSION,
-        "cell_ext_size": 12,
+        "session_version": pr["session_version"],
+        "seq_version": pr["seq_version"],
+        "cell_ext_size": pr["cell_ext_size"],
+        "output_block": pr["output_block"],
+        "seq_data_prefix": pr["seq_data_prefix"],
+        "swa_masked_in_seq": pr["swa_masked_in_seq"],
     }
 
 
@@ -541,10 +548,21 @@ def memory_block(case: Case, hp: dict, octx: dict | None) -> dict:
         "type": kind,
         "v_trans": (not case.flash_attn) if kind != "recurrent" else None,
         "n_stream": 1 if case.kv_unified else case.n_seq_max,
-        "cell_ext": bool(hp["has_cell_ext"]),
+        "cell_ext": bool(hp["has_cell_ext"]) and driver.PRODUCER["cell_ext_size"] > 0,
         "kv_size": None, "kv_size_swa": None, "rs_size": None,
     }
     if octx is None:
+        return mem
+    if octx["n_ctx_seq"] is None:
+        # older bindings cannot ask: take the sizes llama.cpp logged
+        caches = octx["memory_log"]["caches"]
+        if kind == "iswa":
+            mem["kv_size"] = octx["memory_log"].get("kv_size_base")
+            mem["kv_size_swa"] = octx["memory_log"].get("kv_size_swa")
+        elif kind in ("kv", "hybrid"):
+            mem["kv_size"] = next((c["cells"] for c in caches if "recurrent" not in c["module"]), None)
+        if kind in ("recurrent", "hybrid"):
+            mem["rs_size"] = next((c["cells"] for c in caches if "recurrent" in c["module"]), None)
         return mem
     n_ctx_seq = octx["n_ctx_seq"]
     if kind in ("kv", "iswa", "hybrid"):
@@ -567,7 +585,9 @@ def memory_block(case: Case, hp: dict, octx: dict | None) -> dict:
 
 
 def run_case(case: Case, m: tinymodels.TinyModel, vers: dict) -> dict:
-    cdir = HERE / "golden" / case.id
+    legacy = vers["llama_cpp_python"] != CURRENT_PRODUCER
+    cid = f"legacy-{vers['llama_cpp_python']}-{case.id}" if legacy else case.id
+    cdir = HERE / "golden" / cid
     if cdir.exists():
         shutil.rmtree(cdir)
     cdir.mkdir(parents=True)
@@ -581,8 +601,9 @@ def run_case(case: Case, m: tinymodels.TinyModel, vers: dict) -> dict:
         r.close()
     doc = {
         "schema_version": SCHEMA_VERSION,
-        "id": case.id,
-        "description": case.description,
+        "id": cid,
+        "description": (f"Written by llama-cpp-python {vers['llama_cpp_python']} (session v{vers['session_version']}, "
+                        f"sequence v{vers['seq_version']}): " if legacy else "") + case.description,
         "covers": case.covers,
         "producer": vers,
         "model": {
@@ -611,7 +632,9 @@ def main(argv=None) -> int:
     ap.add_argument("--model-dir", type=Path,
                     default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvref-conformance")
     a = ap.parse_args(argv)
-    cases = [c for c in CASES if a.k in c.id]
+    import llama_cpp
+    legacy = llama_cpp.__version__ != CURRENT_PRODUCER
+    cases = [c for c in CASES if a.k in c.id and (not legacy or c.id in LEGACY_CASES)]
     if a.list:
         for c in cases:
             print(f"{c.id:32s} {c.description}")
@@ -624,7 +647,7 @@ def main(argv=None) -> int:
         doc = run_case(c, models[c.model], vers)
         n_art = sum(1 for op in doc["trace"] if op["op"] == "save")
         print(f"{c.id:32s} {len(doc['trace']):3d} ops {n_art:3d} artefacts")
-    if not a.k:
+    if not a.k and not legacy:
         # the invalid files are derived from the goldens, so they follow every full run
         import make_invalid
         print(f"walked {make_invalid.check_goldens()} golden artefacts")

@@ -48,7 +48,7 @@ class Cursor:
         self.off += size
 
 
-def _kv_section(c: Cursor, section: str, cell_ext: bool):
+def _kv_section(c: Cursor, section: str, cell_ext: int):
     n_stream = c.take("n_stream", "I", section=section)
     for s in range(n_stream):
         cc = c.take("cell_count", "I", section=section, stream=s)
@@ -58,7 +58,7 @@ def _kv_section(c: Cursor, section: str, cell_ext: bool):
             c.take("pos", "i", section=section, stream=s, cell=i)
             n = c.take("n_seq_id", "I", section=section, stream=s, cell=i)
             if cell_ext:
-                c.blob("cell_ext", 12, section=section, stream=s, cell=i)
+                c.blob("cell_ext", cell_ext, section=section, stream=s, cell=i)
             for _ in range(n):
                 c.take("seq_id", "i", section=section, stream=s, cell=i)
         v_trans = c.take("v_trans", "I", section=section, stream=s)
@@ -98,7 +98,7 @@ def _recurrent_section(c: Cursor, hp: dict):
         c.blob("s_data", rs * cc, section="recurrent", layer=il)
 
 
-def walk(data: bytes, op: dict, hp: dict) -> list[dict]:
+def walk(data: bytes, op: dict, hp: dict, producer: dict) -> list[dict]:
     c = Cursor(data)
     kind = op["kind"]
     if kind in ("session", "seq"):
@@ -106,17 +106,24 @@ def walk(data: bytes, op: dict, hp: dict) -> list[dict]:
         c.take("version", "I")
         n = c.take("n_token_count", "I")
         c.blob("tokens", 4 * n)
-    if kind == "seq_data":
+    if kind == "seq_data" and op["header"]:
         c.take("io_magic", "I")
         c.take("io_seq_id", "i")
     if kind in ("session", "state_data"):
         n = c.take("arch_length", "I")
         c.blob("arch", n)
+        if op.get("output_block"):
+            n = c.take("n_outputs", "I")
+            c.blob("output_pos", 4 * n)
+            n = c.take("logits_size", "Q")
+            c.blob("logits", 4 * n)
+            n = c.take("embd_size", "Q")
+            c.blob("embd", 4 * n)
     for sec in op["sections"]:
         if sec == "recurrent":
             _recurrent_section(c, hp)
         else:
-            _kv_section(c, sec, op["cell_ext"])
+            _kv_section(c, sec, producer["cell_ext_size"] if op["cell_ext"] else 0)
     if c.off != len(data):
         raise AssertionError(f"{op['file']}: walked {c.off} of {len(data)} bytes")
     return c.fields
@@ -257,7 +264,7 @@ def build() -> list[dict]:
             doc = json.loads((GOLDEN / f["case"] / "case.json").read_text())
             op = next(o for o in doc["trace"] if o["op"] == "save" and o["file"] == f["file"])
             data = (GOLDEN / f["case"] / f["file"]).read_bytes()
-            cache[key] = (data, walk(data, op, doc["model"]["hparams"]))
+            cache[key] = (data, walk(data, op, doc["model"]["hparams"], doc["producer"]))
         data, fields = cache[key]
         field = f["field"]
         how = f["how"]
@@ -325,7 +332,7 @@ def check_goldens() -> int:
         doc = json.loads(cj.read_text())
         for op in doc["trace"]:
             if op["op"] == "save" and op["ret"]:
-                walk((cj.parent / op["file"]).read_bytes(), op, doc["model"]["hparams"])
+                walk((cj.parent / op["file"]).read_bytes(), op, doc["model"]["hparams"], doc["producer"])
                 n += 1
     return n
 

@@ -20,6 +20,7 @@ Argument checking is shared with the Python twin (``_check_kq_args``), so both r
 
 from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy
+from libc.stdlib cimport free, realloc
 from libc.math cimport logf, floorf, log
 from libcpp.algorithm cimport sort
 
@@ -42,10 +43,31 @@ cdef extern from *:
     #include <string.h>
     static inline int kvref_ctz64(unsigned long long x) { return __builtin_ctzll(x); }
     static inline int kvref_clz64(unsigned long long x) { return __builtin_clzll(x); }
+    static inline int popcount64(unsigned long long x) { return __builtin_popcountll(x); }
+    #include <wchar.h>
+    #include <stdint.h>
+    /* Fill n 32-bit / 16-bit slots with v. glibc's wmemset is dispatched at run time to the widest
+       vector stores the CPU has (the extension is built without -march), so on Linux, where wchar_t is
+       32 bits, it does the fills; elsewhere a plain loop does. */
+    static inline void kvref_fill32(uint32_t* p, uint32_t v, size_t n) {
+    #if WCHAR_MAX > 0xFFFF
+        wmemset((wchar_t*)p, (wchar_t)v, n);
+    #else
+        for (size_t i = 0; i < n; ++i) p[i] = v;
+    #endif
+    }
+    static inline void kvref_fill16(uint16_t* p, uint16_t v, size_t n) {
+        if (n && ((uintptr_t)p & 2)) { *p++ = v; --n; }
+        kvref_fill32((uint32_t*)p, ((uint32_t)v << 16) | v, n / 2);
+        if (n & 1) p[n - 1] = v;
+    }
     static inline unsigned int kvref_f32_bits(float f) { unsigned int u; memcpy(&u, &f, 4); return u; }
     """
     int kvref_ctz64(unsigned long long x) nogil
     int kvref_clz64(unsigned long long x) nogil
+    int popcount64(unsigned long long x) nogil
+    void kvref_fill32(uint32_t* p, uint32_t v, size_t n) nogil
+    void kvref_fill16(uint16_t* p, uint16_t v, size_t n) nogil
     uint32_t kvref_f32_bits(float f) nogil
 
 ctypedef fused elem_t:
@@ -112,9 +134,10 @@ cdef inline elem_t _alibi_value(elem_t dummy, int64_t d) noexcept nogil:
 
 
 cdef inline void _fill(elem_t* row, int64_t n, elem_t v) noexcept nogil:
-    cdef int64_t j
-    for j in range(n):
-        row[j] = v
+    if elem_t is uint32_t:
+        kvref_fill32(row, v, <size_t>n)
+    else:
+        kvref_fill16(row, v, <size_t>n)
 
 
 cdef inline int64_t _lower_bound(const uint64_t* keys, int64_t n, uint64_t key) noexcept nogil:
@@ -142,45 +165,97 @@ cdef inline int _is_2d_later(const int32_t* ext, int64_t cell, int32_t x, int32_
 
 # ------------------------------------------------------------------------------------------ members
 
-cdef void _count_members(const int32_t* pos, const uint64_t* seq, int64_t n_kv, const uint64_t* want,
-                         int64_t* counts) noexcept nogil:
+cdef struct Members:
+    # one sequence's member cells as keys pos << 32 | cell, sorted by key once listed
+    uint64_t* keys
+    int64_t n
+    int64_t cap
+    int unsorted
+
+
+cdef inline int _push(Members* m, uint64_t key) noexcept nogil:
+    # append a key; 0 when out of memory
+    cdef uint64_t* grown
+    cdef int64_t cap
+    if m.n == m.cap:
+        cap = m.cap * 2 if m.cap > 0 else 64
+        grown = <uint64_t*>realloc(m.keys, <size_t>cap * sizeof(uint64_t))
+        if grown == NULL:
+            return 0
+        m.keys = grown
+        m.cap = cap
+    if m.n > 0 and m.keys[m.n - 1] > key:
+        m.unsorted = 1
+    m.keys[m.n] = key
+    m.n += 1
+    return 1
+
+
+cdef int _list_members(const int32_t* pos, const uint64_t* seq, int64_t n_kv, const uint64_t* want,
+                       Members* mem) noexcept nogil:
+    """One pass over a stream's cells: each used cell goes to the lists of the wanted sequences it holds.
+
+    Keys are appended in cell order, so cells laid out by position need no sort. Returns 0 when out of
+    memory.
+    """
     cdef int64_t j
-    cdef int w
-    cdef uint64_t bits
+    cdef int w, s, n_words = 0, n_want = 0
+    cdef int words[N_WORDS]
+    cdef uint64_t bits, one
+    cdef int64_t cap
+    cdef Members* m
+    for w in range(N_WORDS):
+        if want[w]:
+            words[n_words] = w
+            n_words += 1
+            n_want += popcount64(want[w])
+    if n_want == 1:
+        # the usual case (one sequence per stream, or one sequence in the ubatch): one bit to test,
+        # and at most n_kv members, so one allocation
+        w = words[0]
+        s = w * 64 + kvref_ctz64(want[w])
+        m = &mem[s]
+        if m.cap < n_kv:
+            m.keys = <uint64_t*>realloc(m.keys, <size_t>max(n_kv, 1) * sizeof(uint64_t))
+            if m.keys == NULL:
+                return 0
+            m.cap = n_kv
+        one = want[w]
+        for j in range(n_kv):
+            if pos[j] != -1 and (seq[j * N_WORDS + w] & one):
+                if m.n > 0 and m.keys[m.n - 1] > ((<uint64_t>pos[j] << 32) | <uint64_t>j):
+                    m.unsorted = 1
+                m.keys[m.n] = (<uint64_t>pos[j] << 32) | <uint64_t>j
+                m.n += 1
+        return 1
+    # several sequences share the stream: start each list at its share of the cells
+    cap = n_kv // n_want + 64
+    for w in range(n_words):
+        bits = want[words[w]]
+        while bits:
+            m = &mem[words[w] * 64 + kvref_ctz64(bits)]
+            if m.cap < cap:
+                m.keys = <uint64_t*>realloc(m.keys, <size_t>cap * sizeof(uint64_t))
+                if m.keys == NULL:
+                    return 0
+                m.cap = cap
+            bits &= bits - 1
     for j in range(n_kv):
         if pos[j] == -1:
             continue
-        for w in range(N_WORDS):
-            bits = seq[j * N_WORDS + w] & want[w]
+        for w in range(n_words):
+            bits = seq[j * N_WORDS + words[w]] & want[words[w]]
             while bits:
-                counts[w * 64 + kvref_ctz64(bits)] += 1
+                s = words[w] * 64 + kvref_ctz64(bits)
+                if not _push(&mem[s], (<uint64_t>pos[j] << 32) | <uint64_t>j):
+                    return 0
                 bits &= bits - 1
-
-
-cdef void _list_members(const int32_t* pos, const uint64_t* seq, int64_t n_kv, const uint64_t* want,
-                        uint64_t* keys, int64_t* fill, int* unsorted) noexcept nogil:
-    # keys = pos << 32 | cell, appended in cell order; note the sequences whose positions go down
-    cdef int64_t j
-    cdef int w, s
-    cdef uint64_t bits, key
-    for j in range(n_kv):
-        if pos[j] == -1:
-            continue
-        for w in range(N_WORDS):
-            bits = seq[j * N_WORDS + w] & want[w]
-            while bits:
-                s = w * 64 + kvref_ctz64(bits)
-                key = (<uint64_t>pos[j] << 32) | <uint64_t>j
-                if fill[s] > 0 and keys[fill[s] - 1] > key:
-                    unsorted[s] = 1
-                keys[fill[s]] = key
-                fill[s] += 1
-                bits &= bits - 1
+    return 1
 
 
 # ------------------------------------------------------------------------------------------ rows
 
-cdef void _kq_rows(elem_t* out, const KQArgs* a, const uint64_t* keys, const int64_t* offs,
+cdef void _kq_rows(elem_t* out, const KQArgs* a, const Members* mem,
                    const int32_t** cext, const int32_t* seq_stream, const int64_t* pos_min) noexcept nogil:
     cdef elem_t KEEP = 0
     cdef elem_t DROP
@@ -207,8 +282,8 @@ cdef void _kq_rows(elem_t* out, const KQArgs* a, const uint64_t* keys, const int
     for i in range(a.n_tokens):
         s = a.tok_seq[i]
         p1 = a.tok_pos[i]
-        ks = keys + offs[s]
-        m = offs[s + 1] - offs[s]
+        ks = mem[s].keys
+        m = mem[s].n
         row = out + i * n_kv
         if check_2d:
             ext = cext[seq_stream[s]]
@@ -337,10 +412,7 @@ def fill_kq_mask_raw(
     cdef int64_t pos_min[MAX_SEQ]
     cdef int32_t seq_stream[MAX_SEQ]
     cdef uint64_t want[MAX_STREAMS * N_WORDS]  # per stream: the ubatch's sequences it holds
-    cdef int64_t counts[MAX_SEQ + 1]
-    cdef int64_t offs[MAX_SEQ + 1]
-    cdef int64_t fillp[MAX_SEQ]
-    cdef int unsorted[MAX_SEQ]
+    cdef Members mem[MAX_SEQ]
     cdef int64_t i
     cdef int s, st, w
     cdef int n_cstream = len(pos)
@@ -352,8 +424,10 @@ def fill_kq_mask_raw(
     for s in range(MAX_SEQ):
         pos_min[s] = POS_INF
         seq_stream[s] = 0
-        counts[s] = 0
-        unsorted[s] = 0
+        mem[s].keys = NULL
+        mem[s].n = 0
+        mem[s].cap = 0
+        mem[s].unsorted = 0
     for w in range(MAX_STREAMS * N_WORDS):
         want[w] = 0
     for i in range(n_tokens):
@@ -378,30 +452,30 @@ def fill_kq_mask_raw(
             arr = ext[st]
             cext[st] = <const int32_t*>cnp.PyArray_DATA(arr)
 
-    with nogil:
-        for st in range(n_cstream):
-            if want[st * N_WORDS] | want[st * N_WORDS + 1] | want[st * N_WORDS + 2] | want[st * N_WORDS + 3]:
-                _count_members(cpos[st], cseq[st], a.n_kv, &want[st * N_WORDS], counts)
-    offs[0] = 0
-    for s in range(MAX_SEQ):
-        offs[s + 1] = offs[s] + counts[s]
-        fillp[s] = offs[s]
-    cdef cnp.ndarray keys_arr = np.empty(max(offs[MAX_SEQ], 1), dtype=np.uint64)
-    cdef uint64_t* keys = <uint64_t*>cnp.PyArray_DATA(keys_arr)
     cdef cnp.ndarray out_arr = out
     cdef void* outp = cnp.PyArray_DATA(out_arr)
     cdef int f16 = out.dtype == np.float16
-    with nogil:
-        for st in range(n_cstream):
-            if want[st * N_WORDS] | want[st * N_WORDS + 1] | want[st * N_WORDS + 2] | want[st * N_WORDS + 3]:
-                _list_members(cpos[st], cseq[st], a.n_kv, &want[st * N_WORDS], keys, fillp, unsorted)
+    cdef int ok = 1
+    try:
+        with nogil:
+            for st in range(n_cstream):
+                if want[st * N_WORDS] | want[st * N_WORDS + 1] | want[st * N_WORDS + 2] | want[st * N_WORDS + 3]:
+                    if not _list_members(cpos[st], cseq[st], a.n_kv, &want[st * N_WORDS], mem):
+                        ok = 0
+                        break
+            if ok:
+                for s in range(MAX_SEQ):
+                    if mem[s].unsorted:
+                        sort(mem[s].keys, mem[s].keys + mem[s].n)
+                if f16:
+                    _kq_rows(<uint16_t*>outp, &a, mem, cext, seq_stream, pos_min)
+                else:
+                    _kq_rows(<uint32_t*>outp, &a, mem, cext, seq_stream, pos_min)
+    finally:
         for s in range(MAX_SEQ):
-            if unsorted[s]:
-                sort(keys + offs[s], keys + offs[s + 1])
-        if f16:
-            _kq_rows(<uint16_t*>outp, &a, keys, offs, cext, seq_stream, pos_min)
-        else:
-            _kq_rows(<uint32_t*>outp, &a, keys, offs, cext, seq_stream, pos_min)
+            free(mem[s].keys)
+    if not ok:
+        raise MemoryError("fill_kq_mask_raw: no memory for the per-sequence cell lists")
     return out
 
 

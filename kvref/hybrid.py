@@ -9,7 +9,7 @@ The state is the attention section(s) followed by the recurrent section.
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
-from typing import Any, NamedTuple
+from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
@@ -62,13 +62,22 @@ class HybridMemory:
             filter_attn = lambda il: not hparams.is_recurrent(il)  # noqa: E731
         if filter_recr is None:
             filter_recr = hparams.is_recurrent
-        self.kind = "hybrid_iswa" if swa else "hybrid"
+        self.kind: Literal["hybrid", "hybrid_iswa"] = "hybrid_iswa" if swa else "hybrid"
         self.attn: Any
         if swa:
             from .kv_cache_iswa import KVCacheISWA
 
             self.attn = KVCacheISWA(
-                hparams, type_k, type_v, v_trans, swa_full, unified, kv_size, n_seq_max, n_ubatch, n_pad,
+                hparams,
+                type_k,
+                type_v,
+                v_trans,
+                swa_full,
+                unified,
+                kv_size,
+                n_seq_max,
+                n_ubatch,
+                n_pad,
                 layer_filter=filter_attn,
             )
         else:
@@ -150,7 +159,7 @@ class HybridMemory:
         slots = self.attn.prepare(ubatches)
         if not slots:
             raise NoSlotError("failed to prepare attention ubatches")
-        return list(zip(ubatches, slots))
+        return list(zip(ubatches, slots, strict=True))
 
     def decode(
         self,
@@ -206,7 +215,9 @@ class HybridMemory:
 
         return section_bytes(*self.state_sections(seq_id, flags))
 
-    def stage_state(self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0) -> tuple[Callable[[], None], int]:
+    def stage_state(
+        self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
+    ) -> tuple[Callable[[], None], int]:
         return stage_parts(self._state_parts(flags), data, seq_id, flags, offset)
 
     def state_read(self, data: Any, seq_id: int = -1, flags: int = 0) -> int:

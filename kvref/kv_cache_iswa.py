@@ -71,12 +71,32 @@ class KVCacheISWA:
         size_base = int(kv_size)
         size_swa = swa_cache_size(size_base, hparams.n_swa, n_seq_max, n_ubatch, self.unified, self.swa_full)
         self.base = KVCache(
-            hparams, type_k, type_v, v_trans, unified, size_base, n_seq_max, n_pad, 0, SWAType.NONE,
-            filter_base, layer_reuse,
+            hparams,
+            type_k,
+            type_v,
+            v_trans,
+            unified,
+            size_base,
+            n_seq_max,
+            n_pad,
+            0,
+            SWAType.NONE,
+            filter_base,
+            layer_reuse,
         )
         self.swa = KVCache(
-            hparams, type_k, type_v, v_trans, unified, size_swa, n_seq_max, n_pad, hparams.n_swa, hparams.swa_type,
-            filter_swa, layer_reuse,
+            hparams,
+            type_k,
+            type_v,
+            v_trans,
+            unified,
+            size_swa,
+            n_seq_max,
+            n_pad,
+            hparams.n_swa,
+            hparams.swa_type,
+            filter_swa,
+            layer_reuse,
         )
 
     @property
@@ -157,7 +177,7 @@ class KVCacheISWA:
         ss = self.swa.prepare(ubatches)
         if not ss:
             return []
-        return [ISWASlot(b, s) for b, s in zip(sb, ss)]
+        return [ISWASlot(b, s) for b, s in zip(sb, ss, strict=True)]
 
     def init_batch(self, balloc: Any, n_ubatch: int, embd_all: bool = False) -> list[tuple[Any, ISWASlot]]:
         """llama_kv_cache_iswa::init_batch: a simple split first (one stream only), then an equal split
@@ -170,7 +190,7 @@ class KVCacheISWA:
                 continue
             slots = self.prepare(ubatches)
             if slots:
-                return list(zip(ubatches, slots))
+                return list(zip(ubatches, slots, strict=True))
         raise NoSlotError("the batch does not fit in the iSWA caches (failed to prepare)")
 
     def apply_ubatch(self, slot: ISWASlot, ubatch: Any) -> None:
@@ -224,7 +244,9 @@ class KVCacheISWA:
 
         return section_bytes(*self.state_sections(seq_id, flags))
 
-    def stage_state(self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0) -> tuple[Callable[[], None], int]:
+    def stage_state(
+        self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
+    ) -> tuple[Callable[[], None], int]:
         return stage_parts(self._state_parts(flags), data, seq_id, flags, offset)
 
     def state_read(self, data: Any, seq_id: int = -1, flags: int = 0) -> int:

@@ -52,7 +52,9 @@ class Memory(Protocol):
     def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Any]: ...
     def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes: ...
     def state_read(self, data: Any, seq_id: int = -1, flags: int = 0) -> int: ...
-    def stage_state(self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0) -> tuple[Callable[[], None], int]: ...
+    def stage_state(
+        self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
+    ) -> tuple[Callable[[], None], int]: ...
 
 
 def stage_parts(
@@ -183,7 +185,9 @@ def context_params(
         if n_ctx_seq == 0:
             raise KVRefError("n_ctx_seq == 0")
         n_ctx = n_ctx_seq * n_seq_max
-    return ContextParams(n_ctx, n_ctx_seq, n_batch, n_ubatch, n_seq_max, n_rs_seq, bool(kv_unified), bool(flash_attn), bool(swa_full))
+    return ContextParams(
+        n_ctx, n_ctx_seq, n_batch, n_ubatch, n_seq_max, n_rs_seq, bool(kv_unified), bool(flash_attn), bool(swa_full)
+    )
 
 
 def create_memory(
@@ -221,8 +225,16 @@ def create_memory(
     from .hparams import SWAType
 
     cp = context_params(
-        hparams, n_ctx, n_seq_max, kv_unified=kv_unified, flash_attn=flash_attn, swa_full=swa_full,
-        n_batch=n_batch, n_ubatch=n_ubatch, n_rs_seq=n_rs_seq, causal_attn=causal_attn,
+        hparams,
+        n_ctx,
+        n_seq_max,
+        kv_unified=kv_unified,
+        flash_attn=flash_attn,
+        swa_full=swa_full,
+        n_batch=n_batch,
+        n_ubatch=n_ubatch,
+        n_rs_seq=n_rs_seq,
+        causal_attn=causal_attn,
     )
     arch = hparams.arch
     if arch in NO_MEMORY_ARCHS:
@@ -236,16 +248,32 @@ def create_memory(
         from .recurrent import RecurrentMemory
 
         mem = RecurrentMemory(hparams, "f32", "f32", max(1, cp.n_seq_max), cp.n_seq_max, n_rs_seq=cp.n_rs_seq)
+        mem.kv_unified = cp.kv_unified
     elif hparams.is_hybrid_arch():
         if arch == "qwen4exp" and getattr(hparams, "indexer_head_size", 0):
             raise KVRefError("qwen4exp with an indexer uses llama_memory_hybrid_idx, which kvref does not model")
         from .hybrid import HybridMemory
 
         mem = HybridMemory(
-            hparams, type_k, type_v, v_trans, cp.n_ctx_seq, 1, hparams.n_swa, hparams.swa_type,
-            "f32", "f32", max(1, cp.n_seq_max), cp.n_seq_max, cp.kv_unified,
-            filter_attn=hparams.attn_layer_filter, filter_recr=hparams.recr_layer_filter,
-            n_rs_seq=cp.n_rs_seq, swa=hparams.swa_type != SWAType.NONE, swa_full=cp.swa_full, n_ubatch=cp.n_ubatch,
+            hparams,
+            type_k,
+            type_v,
+            v_trans,
+            cp.n_ctx_seq,
+            1,
+            hparams.n_swa,
+            hparams.swa_type,
+            "f32",
+            "f32",
+            max(1, cp.n_seq_max),
+            cp.n_seq_max,
+            cp.kv_unified,
+            filter_attn=hparams.attn_layer_filter,
+            filter_recr=hparams.recr_layer_filter,
+            n_rs_seq=cp.n_rs_seq,
+            swa=hparams.swa_type != SWAType.NONE,
+            swa_full=cp.swa_full,
+            n_ubatch=cp.n_ubatch,
         )
     else:
         layer_filter = None
@@ -271,15 +299,35 @@ def create_memory(
             from .kv_cache_iswa import KVCacheISWA
 
             mem = KVCacheISWA(
-                hparams, type_k, type_v, v_trans, cp.swa_full, cp.kv_unified, cp.n_ctx_seq, cp.n_seq_max,
-                cp.n_ubatch, 1, layer_filter=layer_filter, layer_reuse=layer_reuse,
+                hparams,
+                type_k,
+                type_v,
+                v_trans,
+                cp.swa_full,
+                cp.kv_unified,
+                cp.n_ctx_seq,
+                cp.n_seq_max,
+                cp.n_ubatch,
+                1,
+                layer_filter=layer_filter,
+                layer_reuse=layer_reuse,
             )
         else:
             from .kv_cache import KVCache
 
             mem = KVCache(
-                hparams, type_k, type_v, v_trans, cp.kv_unified, cp.n_ctx_seq, cp.n_seq_max, 1,
-                hparams.n_swa, hparams.swa_type, layer_filter, layer_reuse,
+                hparams,
+                type_k,
+                type_v,
+                v_trans,
+                cp.kv_unified,
+                cp.n_ctx_seq,
+                cp.n_seq_max,
+                1,
+                hparams.n_swa,
+                hparams.swa_type,
+                layer_filter,
+                layer_reuse,
             )
     mem.cparams = cp
     return mem

@@ -34,7 +34,6 @@ Two rule sets are supported, and they differ where llama.cpp changed:
 
 from __future__ import annotations
 
-import io
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -116,6 +115,8 @@ class RecurrentMemory:
         self.n_seq_max = int(n_seq_max)
         self.n_rs_seq = int(n_rs_seq)
         self.rules = rules
+        # the context's kv_unified: only bounds the seq ids llama_decode accepts (create_memory sets it)
+        self.kv_unified = True
         self.head = 0
         self.used = 0
         self.n = 0  # cells head .. head+n are the ones the last find_slot touched
@@ -157,6 +158,12 @@ class RecurrentMemory:
         """The layers with recurrent state."""
         return [il for il, r in enumerate(self.r_l) if r is not None]
 
+    def _rs(self, il: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """R, S (and PLE) buffers of a layer that has recurrent state."""
+        r, s = self.r_l[il], self.s_l[il]
+        assert r is not None and s is not None
+        return r, s, self.p_l[il]
+
     def size_r_bytes(self) -> int:
         return sum(r.nbytes for r in self.r_l if r is not None)
 
@@ -168,7 +175,7 @@ class RecurrentMemory:
 
     def total_size(self, alignment: int = TENSOR_ALIGNMENT) -> int:
         """The backend buffer size: every tensor padded to the buffer alignment (CPU: 32 bytes)."""
-        tensors = [t for trio in zip(self.r_l, self.s_l, self.p_l) for t in trio if t is not None]
+        tensors = [t for trio in zip(self.r_l, self.s_l, self.p_l, strict=True) for t in trio if t is not None]
         return sum(_pad(t.nbytes, alignment) for t in tensors)
 
     def get_size(self) -> int:
@@ -476,7 +483,10 @@ class RecurrentMemory:
                 # llama.cpp only warns: the state is advanced regardless
                 log.warning(
                     "find_slot: non-consecutive token position %d after %d for sequence %d with %d new tokens",
-                    last_pos, pos[c], ub.seq_id[i][0], n_seq_tokens,
+                    last_pos,
+                    pos[c],
+                    ub.seq_id[i][0],
+                    n_seq_tokens,
                 )
             pos[c] = last_pos
             seq[c] = set(ub.seq_id[i])
@@ -509,7 +519,15 @@ class RecurrentMemory:
 
     def prepare(self, ubatches: Sequence[Any]) -> bool:
         """Try placing every ubatch, then put the cells back (llama.cpp restores cells, used and head only)."""
-        snap = (list(self.pos), list(self.src), list(self.src0), list(self.tail), [set(s) for s in self.seq], self.used, self.head)
+        snap = (
+            list(self.pos),
+            list(self.src),
+            list(self.src0),
+            list(self.tail),
+            [set(s) for s in self.seq],
+            self.used,
+            self.head,
+        )
         ok = True
         try:
             for ub in ubatches:
@@ -573,7 +591,7 @@ class RecurrentMemory:
         return ubatches
 
     def decode(
-        self, batch: Any, n_ubatch: int = 512, *, embd_all: bool = False, balloc: Any = None, kv_unified: bool = True
+        self, batch: Any, n_ubatch: int = 512, *, embd_all: bool = False, balloc: Any = None
     ) -> list[tuple[Any, RecurrentSlot]]:
         """What llama_decode does to this memory: validate the batch, prepare all ubatches (all or nothing:
         NoSlotError leaves the memory unchanged), then place them one by one."""
@@ -581,8 +599,9 @@ class RecurrentMemory:
 
         if balloc is None:
             balloc = BatchAllocr(self.hparams.n_pos_per_embd())
-        # llama_context::decode bounds seq ids by LLAMA_MAX_SEQ with a unified cache, else by n_seq_max
-        balloc.init(batch, memory=self, n_seq_max=LLAMA_MAX_SEQ if kv_unified else self.n_seq_max, output_all=embd_all)
+        # llama_context::decode bounds seq ids by LLAMA_MAX_SEQ with kv_unified, else by n_seq_max
+        n_seq_max = LLAMA_MAX_SEQ if self.kv_unified else self.n_seq_max
+        balloc.init(batch, memory=self, n_seq_max=n_seq_max, output_all=embd_all)
         ubatches = self.init_batch(balloc, n_ubatch, embd_all)
         return [(ub, self.apply_ubatch(ub)) for ub in ubatches]
 
@@ -595,7 +614,7 @@ class RecurrentMemory:
     def state_section(self, seq_id: int = -1, flags: int = 0) -> Any:
         """The recurrent section llama_memory_recurrent::state_write would write, as kvref.state objects."""
         from .state.cells import Cells
-        from .state.sections import LayerRows, RecurrentLayer, RecurrentSection
+        from .state.sections import LayerRows, RecurrentLayer, RecurrentSection, TransposedRows
 
         legacy = self.rules == "mid-2025"
         size = self.size
@@ -625,9 +644,10 @@ class RecurrentMemory:
             [sorted(self.seq[i]) if seq_id == -1 else () for i in cells_idx],
         )
         rows = np.asarray(data_rows, dtype=np.intp)
-        r_layers, s_layers = [], []
+        r_layers: list[RecurrentLayer] = []
+        s_layers: list[LayerRows | TransposedRows] = []
         for il in self.layers:
-            r, s, p = self.r_l[il], self.s_l[il], self.p_l[il]
+            r, s, p = self._rs(il)
             r_layers.append(
                 RecurrentLayer(
                     int(self.type_r),
@@ -646,7 +666,11 @@ class RecurrentMemory:
 
         layers = tuple(
             RecurrentLayerSpec(
-                int(self.type_r), self.r_row, int(self.type_s), self.s_row, self.n_embd_s,
+                int(self.type_r),
+                self.r_row,
+                int(self.type_s),
+                self.s_row,
+                self.n_embd_s,
                 self.p_row if self.p_l[il] is not None else None,
             )
             for il in self.layers
@@ -688,11 +712,19 @@ class RecurrentMemory:
                         raise FormatError("invalid seq_id-agnostic cell in a sequence state", field="n_seq_id")
                     ub = _reserve_ubatch(sec.cells.pos, seq_id)
                     if not self.find_slot(ub):
-                        raise FormatError(f"failed to find a recurrent cell for sequence {seq_id}", field="state_seq_id")
+                        raise FormatError(
+                            f"failed to find a recurrent cell for sequence {seq_id}", field="state_seq_id"
+                        )
                     # llama.cpp asserts the restored cells are head .. head+n: one cell per sequence state
                     last = self.head + n - 1
-                    if last >= self.size or self.pos[self.head] != sec.cells.pos[0] or self.pos[last] != sec.cells.pos[-1]:
-                        raise FormatError(f"a sequence state holds {n} recurrent cells, llama.cpp restores one", field="cell_count")
+                    if (
+                        last >= self.size
+                        or self.pos[self.head] != sec.cells.pos[0]
+                        or self.pos[last] != sec.cells.pos[-1]
+                    ):
+                        raise FormatError(
+                            f"a sequence state holds {n} recurrent cells, llama.cpp restores one", field="cell_count"
+                        )
             else:
                 self.clear(False)
                 limit = self.spec().n_seq_max
@@ -703,7 +735,9 @@ class RecurrentMemory:
                             raise FormatError(f"invalid seq_id {s}: out of range [0, {limit})", field="seq_id")
                         self.seq[i].add(s)
                         if self.tail[s] != -1:
-                            raise FormatError(f"duplicate tail for seq_id {s} in cells {i} and {self.tail[s]}", field="seq_id")
+                            raise FormatError(
+                                f"duplicate tail for seq_id {s} in cells {i} and {self.tail[s]}", field="seq_id"
+                            )
                         self.tail[s] = i
                 self.head = 0
                 self.used = n
@@ -725,12 +759,15 @@ class RecurrentMemory:
         if n == 0:
             return
         for k, il in enumerate(self.layers):
-            self.r_l[il][head : head + n] = sec.r[k].data
-            if self.p_l[il] is not None:
-                self.p_l[il][head : head + n] = sec.r[k].p_data
-            self.s_l[il][head : head + n] = sec.s[k].data
+            r, s, p = self._rs(il)
+            r[head : head + n] = sec.r[k].data
+            if p is not None:
+                p[head : head + n] = sec.r[k].p_data
+            s[head : head + n] = sec.s[k].data
 
-    def stage_state(self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0) -> tuple[Callable[[], None], int]:
+    def stage_state(
+        self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
+    ) -> tuple[Callable[[], None], int]:
         """Parse and check the section at ``offset`` without changing anything; returns (commit, end)."""
         sec, end = self.parse_section(data, seq_id, offset)
         after = self.check_section(sec, seq_id)
@@ -749,7 +786,13 @@ class RecurrentMemory:
     # --- introspection ---------------------------------------------------------------------------------
 
     def cell(self, i: int) -> dict:
-        return {"pos": self.pos[i], "seq": sorted(self.seq[i]), "src": self.src[i], "src0": self.src0[i], "tail": self.tail[i]}
+        return {
+            "pos": self.pos[i],
+            "seq": sorted(self.seq[i]),
+            "src": self.src[i],
+            "src0": self.src0[i],
+            "tail": self.tail[i],
+        }
 
     def __repr__(self) -> str:
         return f"RecurrentMemory(size={self.size}, used={self.used}, head={self.head}, layers={len(self.layers)})"

@@ -76,7 +76,14 @@ def kv_section(
 
 
 def recurrent_section(
-    rng: np.random.Generator, *, n_layer: int = 4, n_state: int = 4, s_trans: int = 0, ple: bool = False, seq_mode: bool = False, n: int | None = None
+    rng: np.random.Generator,
+    *,
+    n_layer: int = 4,
+    n_state: int = 4,
+    s_trans: int = 0,
+    ple: bool = False,
+    seq_mode: bool = False,
+    n: int | None = None,
 ) -> RecurrentSection:
     n = int(rng.integers(0, 4)) if n is None else n
     r = []
@@ -114,10 +121,14 @@ def make(kind: str, layout: str, seed: int = 0, *, version: int | None = None, o
     if outputs:
         n_out = int(rng.integers(0, 4))
         outs = Outputs(
-            np.arange(n_out, dtype=np.int32), rng.random(n_out * 5).astype(np.float32), rng.random(n_out * 3).astype(np.float32)
+            np.arange(n_out, dtype=np.int32),
+            rng.random(n_out * 5).astype(np.float32),
+            rng.random(n_out * 3).astype(np.float32),
         )
     if kind == "session":
-        return SessionFile(version or (9 if outputs or not kw.get("n_stream_field", True) else 10), tokens, "llama", outs, mem)
+        return SessionFile(
+            version or (9 if outputs or not kw.get("n_stream_field", True) else 10), tokens, "llama", outs, mem
+        )
     if kind == "seq":
         return SeqFile(version or 3, tokens, mem)
     if kind == "state":

@@ -58,4 +58,3 @@ def mamba_hparams(n_layer: int = 2) -> kvref.HParams:
         ssm_d_inner=64,
         ssm_d_state=8,
     )
-

@@ -243,6 +243,8 @@ def test_decreasing_positions():
     # the example of llama-batch.cpp: pos 4 5 0 1 6 2 3, seq 0 0 1 1 0 1 0 -> fails at token 6
     with pytest.raises(BatchError, match="sequence 0 positions are decreasing"):
         init(Batch(tokens=[1] * 7, pos=[4, 5, 0, 1, 6, 2, 3], seq_ids=[[0], [0], [1], [1], [0], [1], [0]]))
+    with pytest.raises(BatchError, match="sequence 0 positions are decreasing"):
+        init(Batch(tokens=[1, 2], pos=[1, 0]))  # a set-wise continuous batch, one step back
 
 
 def test_partial_subset_rule_cannot_fire():

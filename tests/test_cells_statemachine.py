@@ -88,11 +88,24 @@ def _same(a: Any, b: Any) -> bool:
         return False
     if isinstance(a, (list, tuple)):
         return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    if isinstance(a, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
     return bool(a == b)
 
 
+QUERIES = frozenset(
+    "is_empty seq_count seq_get_all seq_has seq_get pos_get ext_get get_shift pos_in seq_pos_min seq_pos_max "
+    "seq_pos_get seq_pos_tok_le seq_pos_min_many seq_pos_max_many".split()
+)
+
+
 def full_state(c: Any) -> dict[str, Any]:
-    """Everything observable about a KVCells instance."""
+    """Everything observable about a KVCells instance.
+
+    seq_pos_get is listed for the sequences whose min is not -1; for the others min = max = -1 already
+    says the index is empty (and assert_consistent checks that against the arrays).
+    """
+    pos_min = c.seq_pos_min_many(np.arange(256))
     return {
         "size": c.size(),
         "pos": c.pos.copy(),
@@ -104,9 +117,9 @@ def full_state(c: Any) -> dict[str, Any]:
         "used_min": c.used_min(),
         "used_max_p1": c.used_max_p1(),
         "has_shift": c.get_has_shift(),
-        "pos_min": c.seq_pos_min_many(np.arange(256)),
+        "pos_min": pos_min,
         "pos_max": c.seq_pos_max_many(np.arange(256)),
-        "seq_pos": [c.seq_pos_get(s) for s in range(256)],
+        "seq_pos": {int(s): c.seq_pos_get(int(s)) for s in np.flatnonzero(pos_min != -1)},
     }
 
 
@@ -126,13 +139,18 @@ def assert_consistent(st_: dict[str, Any]) -> None:
     empty = pos == -1
     assert not seq[empty].any(), "an empty cell holds sequences"
     assert not st_["shift"][empty].any(), "an empty cell has a shift"
-    for s in range(256):
-        bit = (seq[:, s >> 6] >> np.uint64(s & 63)) & np.uint64(1)
-        cells = np.flatnonzero(bit.astype(bool) & ~empty)
-        expected = sorted((int(pos[i]), int(i)) for i in cells)
+    # bits[i, s]: cell i holds sequence s (the words are little-endian uint64, bit s & 63 of word s >> 6)
+    bits = np.unpackbits(seq.astype("<u8").view(np.uint8).reshape(-1, 32), axis=1, bitorder="little").astype(bool)
+    present = np.flatnonzero(bits.any(axis=0))
+    assert sorted(st_["seq_pos"]) == present.tolist(), "the sequences with an index are not those in the cells"
+    for s in present:
+        cells = np.flatnonzero(bits[:, s])
+        expected = sorted(zip(pos[cells].tolist(), cells.tolist()))
         assert st_["seq_pos"][s] == expected, f"sequence {s}: index out of step with the arrays"
-        assert st_["pos_min"][s] == (expected[0][0] if expected else -1)
-        assert st_["pos_max"][s] == (expected[-1][0] if expected else -1)
+        assert st_["pos_min"][s] == expected[0][0] and st_["pos_max"][s] == expected[-1][0]
+    absent = np.ones(256, dtype=bool)
+    absent[present] = False
+    assert (st_["pos_min"][absent] == -1).all() and (st_["pos_max"][absent] == -1).all()
 
 
 class CellsTwins(RuleBasedStateMachine):
@@ -150,7 +168,7 @@ class CellsTwins(RuleBasedStateMachine):
     def both(self, name: str, *args: Any, py_args: tuple | None = None, c_args: tuple | None = None) -> Any:
         """Call ``name`` on both twins; same result or same error class, and nothing changed on error."""
         STATS["ops"] += 1
-        before = full_state(self.py)
+        before = None if name in QUERIES else full_state(self.py)
         out = []
         for cells, a in ((self.py, py_args or args), (self.c, c_args or args)):
             try:
@@ -162,7 +180,8 @@ class CellsTwins(RuleBasedStateMachine):
         if kp == "err":
             STATS["errors"] += 1
             assert vp is vc, f"{name}{args}: py raised {vp.__name__}, c raised {vc.__name__}"
-            assert_same_state(before, full_state(self.py), f"py changed by failed {name}")
+            if before is not None:
+                assert_same_state(before, full_state(self.py), f"py changed by failed {name}")
             return None
         if name not in ("cp",):
             assert _same(vp, vc), f"{name}{args}: py returned {vp!r}, c returned {vc!r}"

@@ -33,7 +33,7 @@ def test_default_filters_follow_is_recurrent():
 def test_decode_places_in_both_parts():
     mem = hybrid()
     placed = mem.decode(Batch(tokens=list(range(8)), seq_ids=[[0]] * 8))
-    (ub, slot), = placed
+    ((ub, slot),) = placed
     assert ub.equal_seqs  # the recurrent pattern: equal splits, even for the attention part
     assert (slot.recr.head, slot.recr.n) == (0, 1)
     assert (mem.attn.seq_pos_max(0), mem.recr.seq_pos_max(0)) == (7, 7)
@@ -112,3 +112,26 @@ def test_state_round_trip_and_atomic_restore():
     with pytest.raises(FormatError, match="r type"):
         f16.state_read(seq, 1)
     assert f16.attn.seq_pos_max(1) == -1
+
+
+def test_stage_parts_is_all_or_nothing():
+    # the composites restore through stage_parts: a bad second section leaves the first part untouched
+    from recurrent_helpers import mamba_hparams, ubatch
+
+    from kvref.memory import read_all, stage_parts
+    from kvref.recurrent import RecurrentMemory
+
+    a, b = (RecurrentMemory(mamba_hparams(), mem_size=2, n_seq_max=2) for _ in range(2))
+    a.apply_ubatch(ubatch((0, [0, 1])))
+    b.apply_ubatch(ubatch((1, [0, 1, 2])))
+    blob = a.state_write() + b.state_write()
+    x, y = (RecurrentMemory(mamba_hparams(), mem_size=2, n_seq_max=2) for _ in range(2))
+    assert read_all(lambda d, s, f, o: stage_parts([x, y], d, s, f, o), blob, -1, 0) == len(blob)
+    assert (x.seq_pos_max(0), y.seq_pos_max(1)) == (1, 2)
+    x.clear()
+    y.clear()
+    bad = bytearray(blob)
+    bad[len(a.state_write()) + 8] = 7  # the second section's first cell claims seq 7
+    with pytest.raises(FormatError):
+        read_all(lambda d, s, f, o: stage_parts([x, y], d, s, f, o), bytes(bad), -1, 0)
+    assert (x.seq_pos_max(0), y.seq_pos_max(1), x.used) == (-1, -1, 0)

@@ -12,8 +12,12 @@ from kvref.kv_cache_iswa import KVCacheISWA
 from kvref.memory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, create_memory
 
 
-def iswa(n_ctx: int = 512, n_seq_max: int = 1, unified: bool = True, n_swa: int = 4, n_ubatch: int = 32, **kw) -> KVCacheISWA:
-    return create_memory(gemma2(n_swa, n_layer=2), n_ctx, n_seq_max, unified, False, "f16", "f16", n_ubatch=n_ubatch, **kw)
+def iswa(
+    n_ctx: int = 512, n_seq_max: int = 1, unified: bool = True, n_swa: int = 4, n_ubatch: int = 32, **kw
+) -> KVCacheISWA:
+    return create_memory(
+        gemma2(n_swa, n_layer=2), n_ctx, n_seq_max, unified, False, "f16", "f16", n_ubatch=n_ubatch, **kw
+    )
 
 
 def positions(cache, stream: int = 0) -> list[int]:

@@ -20,8 +20,16 @@ KIND = {"kv": KVCache, "iswa": KVCacheISWA, "recurrent": RecurrentMemory, "hybri
 def from_case(case: dict):
     ctx = case["context"]
     return create_memory(
-        hparams_from_case(case), ctx["n_ctx"], ctx["n_seq_max"], ctx["kv_unified"], ctx["flash_attn"],
-        ctx["type_k"], ctx["type_v"], ctx["swa_full"], ctx["n_ubatch"], n_batch=ctx["n_batch"],
+        hparams_from_case(case),
+        ctx["n_ctx"],
+        ctx["n_seq_max"],
+        ctx["kv_unified"],
+        ctx["flash_attn"],
+        ctx["type_k"],
+        ctx["type_v"],
+        ctx["swa_full"],
+        ctx["n_ubatch"],
+        n_batch=ctx["n_batch"],
         n_rs_seq=ctx.get("n_rs_seq", 0),
     )
 
@@ -48,12 +56,18 @@ def test_factory_builds_what_llama_cpp_built(case_id):
     assert isinstance(mem, KIND[want["type"]])
     cp = mem.cparams
     assert (cp.n_ctx, cp.n_ctx_seq, cp.n_batch, cp.n_ubatch, cp.n_seq_max) == (
-        obs["n_ctx"], obs["n_ctx_seq"], obs["n_batch"], obs["n_ubatch"], obs["n_seq_max"])
+        obs["n_ctx"],
+        obs["n_ctx_seq"],
+        obs["n_batch"],
+        obs["n_ubatch"],
+        obs["n_seq_max"],
+    )
     logged = obs["memory_log"]["caches"]
     got = caches(mem)
     assert [type(c).__name__ for c in got] == [
-        {"llama_kv_cache": "KVCache", "llama_memory_recurrent": "RecurrentMemory"}[c["module"]] for c in logged]
-    for c, log in zip(got, logged):
+        {"llama_kv_cache": "KVCache", "llama_memory_recurrent": "RecurrentMemory"}[c["module"]] for c in logged
+    ]
+    for c, log in zip(got, logged, strict=True):
         if isinstance(c, RecurrentMemory):
             # llama.cpp logs the model's layer count here, not the layers with state
             assert (c.size, c.n_seq_max, c.hparams.n_layer) == (log["cells"], log["n_seq_max"], log["layers"])
@@ -78,8 +92,16 @@ def llama(**kw) -> kvref.HParams:
 
 
 def gemma2(n_swa: int = 4096, n_layer: int = 4) -> kvref.HParams:
-    hp = kvref.HParams(arch="gemma2", n_layer=n_layer, n_embd=256, n_head=8, n_head_kv=4, n_swa=n_swa,
-                       swa_type=kvref.SWAType.STANDARD, n_ctx_train=8192)
+    hp = kvref.HParams(
+        arch="gemma2",
+        n_layer=n_layer,
+        n_embd=256,
+        n_head=8,
+        n_head_kv=4,
+        n_swa=n_swa,
+        swa_type=kvref.SWAType.STANDARD,
+        n_ctx_train=8192,
+    )
     hp.set_swa_pattern(2)  # gemma2: every other layer slides, the last of each pair is dense
     return hp
 
@@ -143,8 +165,19 @@ def test_swa_cache_size_rule():
 
 
 def test_recurrent_memory():
-    hp = kvref.HParams(arch="mamba", n_layer=3, n_embd=32, n_head=0, n_head_kv=0, recurrent_layers=True,
-                       rope_type=kvref.RopeType.NONE, ssm_d_conv=4, ssm_d_inner=64, ssm_d_state=16, n_ctx_train=2048)
+    hp = kvref.HParams(
+        arch="mamba",
+        n_layer=3,
+        n_embd=32,
+        n_head=0,
+        n_head_kv=0,
+        recurrent_layers=True,
+        rope_type=kvref.RopeType.NONE,
+        ssm_d_conv=4,
+        ssm_d_inner=64,
+        ssm_d_state=16,
+        n_ctx_train=2048,
+    )
     mem = create_memory(hp, 4096, 5, n_rs_seq=3)
     assert isinstance(mem, RecurrentMemory)
     assert (mem.size, mem.n_seq_max, mem.layers) == (5, 5, [0, 1, 2])
@@ -154,9 +187,21 @@ def test_recurrent_memory():
 
 
 def jamba(arch: str = "jamba") -> kvref.HParams:
-    return kvref.HParams(arch=arch, n_layer=4, n_embd=64, n_head=2, n_head_kv=[0, 1, 0, 1], n_embd_head_k=32,
-                         n_embd_head_v=32, recurrent_layers=[True, False, True, False], rope_type=kvref.RopeType.NONE,
-                         ssm_d_conv=4, ssm_d_inner=128, ssm_d_state=8, n_ctx_train=4096)
+    return kvref.HParams(
+        arch=arch,
+        n_layer=4,
+        n_embd=64,
+        n_head=2,
+        n_head_kv=[0, 1, 0, 1],
+        n_embd_head_k=32,
+        n_embd_head_v=32,
+        recurrent_layers=[True, False, True, False],
+        rope_type=kvref.RopeType.NONE,
+        ssm_d_conv=4,
+        ssm_d_inner=128,
+        ssm_d_state=8,
+        n_ctx_train=4096,
+    )
 
 
 def test_hybrid_memory():
@@ -200,8 +245,19 @@ def test_non_causal_models_keep_n_batch():
 
 
 def test_every_memory_has_the_same_method_set():
-    hp = kvref.HParams(arch="mamba", n_layer=1, n_embd=32, n_head=0, n_head_kv=0, recurrent_layers=True,
-                       rope_type=kvref.RopeType.NONE, ssm_d_conv=4, ssm_d_inner=64, ssm_d_state=16, n_ctx_train=256)
+    hp = kvref.HParams(
+        arch="mamba",
+        n_layer=1,
+        n_embd=32,
+        n_head=0,
+        n_head_kv=0,
+        recurrent_layers=True,
+        rope_type=kvref.RopeType.NONE,
+        ssm_d_conv=4,
+        ssm_d_inner=64,
+        ssm_d_state=16,
+        n_ctx_train=256,
+    )
     mems = [create_memory(m, 256) for m in (hp, gemma2(), jamba(), llama())]
     methods = [n for n in dir(Memory) if not n.startswith("_")]
     missing = {type(m).__name__: [n for n in methods if not hasattr(m, n)] for m in mems}

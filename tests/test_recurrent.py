@@ -293,7 +293,7 @@ def test_seq_pos_min_max_and_clear():
 def test_decode_raises_no_slot_and_leaves_the_memory_unchanged():
     m = three_sequences()
     before = (cells(m), list(m.tail), m.head, m.used)
-    bad = ubatch((7, [0]))
+
     with pytest.raises(NoSlotError):
         m.decode(Batch(tokens=[1, 2], pos=[0, 0], seq_ids=[[3], [7]]))  # seq 7 has no cell
     assert (cells(m), list(m.tail), m.head, m.used) == before
@@ -406,3 +406,48 @@ def test_state_of_an_empty_memory():
 
 def test_pos_max_constant():
     assert POS_MAX == 2**31 - 1
+
+
+def test_mid_2025_layout_is_the_same_bytes_for_a_model_with_state_in_every_layer():
+    old = mem(rules="mid-2025")
+    old.apply_ubatch(ubatch((0, range(3))))
+    old.seq_cp(0, 2)
+    fill_rows(old, 5)
+    old.src[0] = 3  # the 2025 cache wrote each cell's own rows, not its src's
+    sec = old.state_section()
+    np.testing.assert_array_equal(sec.s[1].data[0], old.s_l[1][0])
+    blob = old.state_write()
+    new = mem()
+    new.state_read(blob)
+    assert cells(new)[0] == (2, [0, 2], 0)
+    np.testing.assert_array_equal(new.s_l[1][0], old.s_l[1][0])
+
+
+def test_mid_2025_rules_refuse_what_the_2025_cache_did_not_have():
+    with pytest.raises(ValueError):
+        RecurrentMemory(mamba_hparams(), mem_size=2, n_seq_max=2, layer_filter=lambda il: True, rules="mid-2025")
+    with pytest.raises(ValueError):
+        RecurrentMemory(mamba_hparams(), mem_size=2, n_seq_max=2, n_rs_seq=1, rules="mid-2025")
+
+
+def test_whole_restore_bounds_seq_ids():
+    m = mem(4)
+    m.apply_ubatch(ubatch((3, [0])))
+    blob = m.state_write()
+    current = RecurrentMemory(mamba_hparams(), mem_size=4, n_seq_max=3)  # ids must be < n_seq_max
+    with pytest.raises(FormatError, match="seq_id"):
+        current.state_read(blob)
+    old = RecurrentMemory(mamba_hparams(), mem_size=4, n_seq_max=3, rules="mid-2025")  # < cell count only
+    old.state_read(blob)
+    assert old.tail[3] == 0
+
+
+def test_duplicate_tails_are_refused():
+    m = mem(4)
+    m.apply_ubatch(ubatch((0, [0]), (1, [0])))
+    blob = bytearray(m.state_write())
+    blob[24:28] = (0).to_bytes(4, "little")  # cell 1 (u32 count, 3 x i32 per cell) now also claims seq 0
+    target = mem(4)
+    with pytest.raises(FormatError, match="duplicate tail"):
+        target.state_read(bytes(blob))
+    assert target.used == 0

@@ -8,7 +8,9 @@ from golden_replay import GOLDEN, load_case, replay
 import kvref
 from kvref.recurrent import RecurrentMemory
 
-CASES = sorted(p.parent.name for p in GOLDEN.glob("*/case.json") if load_case(p.parent.name)["memory"]["type"] == "recurrent")
+CASES = sorted(
+    p.parent.name for p in GOLDEN.glob("*/case.json") if load_case(p.parent.name)["memory"]["type"] == "recurrent"
+)
 
 
 def hparams_of(case: dict) -> kvref.HParams:
@@ -35,7 +37,10 @@ def hparams_of(case: dict) -> kvref.HParams:
 def test_replay_matches_llama_cpp(case_id):
     case = load_case(case_id)
     hp = hparams_of(case)
-    assert (hp.n_embd_r(), hp.n_embd_s()) == (case["model"]["hparams"]["n_embd_r"], case["model"]["hparams"]["n_embd_s"])
+    assert (hp.n_embd_r(), hp.n_embd_s()) == (
+        case["model"]["hparams"]["n_embd_r"],
+        case["model"]["hparams"]["n_embd_s"],
+    )
     n_seq_max = case["observed_context"]["n_seq_max"]
     # llama_model::create_memory: f32 R and S, max(1, n_seq_max) cells
     mem = RecurrentMemory(hp, "f32", "f32", max(1, n_seq_max), n_seq_max, n_rs_seq=case["context"].get("n_rs_seq", 0))

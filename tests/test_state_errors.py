@@ -91,7 +91,10 @@ def _session_prefix(n_tokens: int) -> bytes:
             "n_layer",
         ),
         (
-            _session_prefix(0) + struct.pack("<I", 5) + b"llama" + struct.pack("<IIiIiIIiQ", 1, 1, 0, 1, 0, 0, 1, 0, 1 << 60),
+            _session_prefix(0)
+            + struct.pack("<I", 5)
+            + b"llama"
+            + struct.pack("<IIiIiIIiQ", 1, 1, 0, 1, 0, 0, 1, 0, 1 << 60),
             "k_data",
         ),
     ],
@@ -119,7 +122,11 @@ def _kv_blob(**over: int) -> tuple[bytes, dict]:
         body += struct.pack("<iII", f["v_type"], f["v_el"], f["n_embd"]) + bytes(f["n_embd"] * f["v_el"])
     else:
         body += struct.pack("<iQ", f["v_type"], 4) + bytes(4)
-    return _session_prefix(0) + struct.pack("<I", 5) + b"llama" + body, {"kind": "session", "layout": "kv", "ext_size": 0}
+    return _session_prefix(0) + struct.pack("<I", 5) + b"llama" + body, {
+        "kind": "session",
+        "layout": "kv",
+        "ext_size": 0,
+    }
 
 
 @pytest.mark.parametrize(

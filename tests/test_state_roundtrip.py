@@ -118,9 +118,11 @@ def test_mixed_seq_counts_use_the_walk() -> None:
         cells = S.Cells.from_lists(range(4), seqs)
         sec = S.KVSection([S.KVStream(cells, S.KVData(0, [S.LayerRows(0, 4, np.zeros((4, 4), np.uint8))], []))])
         blob = S.section_bytes(sec)
-        back, end = S.read_kv_section(
-            blob, S.KVSpec(1, 8, 8, False, (S.KVLayerSpec(0, 4),)), seq_id=-1
-        ) if all(seqs) else (None, None)
+        back, end = (
+            S.read_kv_section(blob, S.KVSpec(1, 8, 8, False, (S.KVLayerSpec(0, 4),)), seq_id=-1)
+            if all(seqs)
+            else (None, None)
+        )
         if back is not None:
             assert back.streams[0].cells == cells and end == len(blob)
         obj = S.StateBlob("llama", None, S.Memory("kv", [sec]))

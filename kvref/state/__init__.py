@@ -46,7 +46,9 @@ Cache integration (for KVCache, RecurrentMemory, KVCacheISWA, HybridMemory)::
     # state_write(seq_id): build the section from cells + buffers, then serialize
     sec = KVSection(streams=[KVStream(cells=Cells.from_lists(pos, seq_id_lists, ext=None),
                                       data=KVData(v_trans=0, k=[LayerRows(type, row_size, k_rows)],
-                                                  v=[LayerRows(...)] or [TransposedRows(type, el_size, n_embd, rows)]))])
+                                                  v=[LayerRows(...)]  # or [TransposedRows(type, el_size,
+                                                                      #     n_embd, rows)], [] without V
+                                                  ))])
     blob = section_bytes(sec)            # or write_section(sec, f); iSWA/hybrid: section_bytes(a, b)
     # state_read(blob, seq_id): parse AND validate everything first, then apply (atomic)
     spec = KVSpec(n_stream, kv_size, n_seq_max, v_trans, layers=(KVLayerSpec(k_type, k_row_size, v_type,
@@ -85,12 +87,12 @@ from .summary import summarize
 
 __all__ = [
     "FIELDS",
-    "FormatError",
     "KINDS",
     "LAYOUTS",
     "SEQ_VERSION",
     "SESSION_VERSION",
     "Cells",
+    "FormatError",
     "KVData",
     "KVLayerSpec",
     "KVSection",

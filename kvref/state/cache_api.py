@@ -85,7 +85,9 @@ def _check_cells(cells: Any, at: int, seq_id: int, n_seq_max: int, kv_size: int,
         bad = (counts != seq_ids_expected).nonzero()[0]
         if len(bad):
             i = int(bad[0])
-            raise _fail(f"cell {i} has n_seq_id {int(counts[i])}, a sequence state needs {seq_ids_expected}", "n_seq_id", at)
+            raise _fail(
+                f"cell {i} has n_seq_id {int(counts[i])}, a sequence state needs {seq_ids_expected}", "n_seq_id", at
+            )
     if seq_id == -1 and len(cells.seq_id):
         bad = ((cells.seq_id < 0) | (cells.seq_id >= n_seq_max)).nonzero()[0]
         if len(bad):
@@ -97,12 +99,17 @@ def _check_rows(x: LayerRows | TransposedRows, prefix: str, want_type: int, want
     o = x.offsets
     if x.type != want_type:
         raise _fail(
-            f"layer {il}: {prefix} type {type_name(x.type)} ({x.type}), the cache has {type_name(want_type)} ({want_type})",
+            f"layer {il}: {prefix} type {type_name(x.type)} ({x.type}), "
+            f"the cache has {type_name(want_type)} ({want_type})",
             f"{prefix}_type",
             o.get(f"{prefix}_type"),
         )
     if isinstance(x, LayerRows) and want_row is not None and x.row_size != want_row:
-        raise _fail(f"layer {il}: {prefix} row size {x.row_size}, the cache has {want_row}", f"{prefix}_row_size", o.get(f"{prefix}_row_size"))
+        raise _fail(
+            f"layer {il}: {prefix} row size {x.row_size}, the cache has {want_row}",
+            f"{prefix}_row_size",
+            o.get(f"{prefix}_row_size"),
+        )
 
 
 def validate_kv_section(sec: KVSection, spec: KVSpec, seq_id: int = -1) -> None:
@@ -123,12 +130,20 @@ def validate_kv_section(sec: KVSection, spec: KVSpec, seq_id: int = -1) -> None:
         for il, (k, ls) in enumerate(zip(d.k, spec.layers, strict=True)):
             _check_rows(k, "k", ls.k_type, ls.k_row_size, il)
         if len(d.v) != (len(spec.layers) if spec.has_v else 0):
-            raise _fail(f"{len(d.v)} V layers, the cache has {len(spec.layers) if spec.has_v else 0}", "v_type", d.offsets.get("v"))
+            raise _fail(
+                f"{len(d.v)} V layers, the cache has {len(spec.layers) if spec.has_v else 0}",
+                "v_type",
+                d.offsets.get("v"),
+            )
         for il, (v, ls) in enumerate(zip(d.v, spec.layers, strict=False)):
             assert ls.v_type is not None
             _check_rows(v, "v", ls.v_type, ls.v_row_size, il)
             if isinstance(v, TransposedRows) and ls.n_embd_v_gqa is not None and v.n_embd != ls.n_embd_v_gqa:
-                raise _fail(f"layer {il}: n_embd_v_gqa {v.n_embd}, the cache has {ls.n_embd_v_gqa}", "n_embd_v_gqa", v.offsets.get("n_embd_v_gqa"))
+                raise _fail(
+                    f"layer {il}: n_embd_v_gqa {v.n_embd}, the cache has {ls.n_embd_v_gqa}",
+                    "n_embd_v_gqa",
+                    v.offsets.get("n_embd_v_gqa"),
+                )
 
 
 def validate_recurrent_section(sec: RecurrentSection, spec: RecurrentSpec, seq_id: int = -1) -> None:
@@ -143,15 +158,29 @@ def validate_recurrent_section(sec: RecurrentSection, spec: RecurrentSpec, seq_i
         raise _fail(f"{len(sec.r)} layers with state, the cache has {len(spec.layers)}", "r_type", sec.offsets.get("r"))
     for il, (r, ls) in enumerate(zip(sec.r, spec.layers, strict=True)):
         if r.type != ls.r_type:
-            raise _fail(f"state layer {il}: r type {r.type}, the cache has {ls.r_type}", "r_type", r.offsets.get("r_type"))
+            raise _fail(
+                f"state layer {il}: r type {r.type}, the cache has {ls.r_type}", "r_type", r.offsets.get("r_type")
+            )
         if r.row_size != ls.r_row_size:
-            raise _fail(f"state layer {il}: r row size {r.row_size}, the cache has {ls.r_row_size}", "r_row_size", r.offsets.get("r_row_size"))
+            raise _fail(
+                f"state layer {il}: r row size {r.row_size}, the cache has {ls.r_row_size}",
+                "r_row_size",
+                r.offsets.get("r_row_size"),
+            )
         if r.p_row_size != ls.p_row_size:
-            raise _fail(f"state layer {il}: p row size {r.p_row_size}, the cache has {ls.p_row_size}", "p_row_size", r.offsets.get("p_row_size"))
+            raise _fail(
+                f"state layer {il}: p row size {r.p_row_size}, the cache has {ls.p_row_size}",
+                "p_row_size",
+                r.offsets.get("p_row_size"),
+            )
     for il, (s, ls) in enumerate(zip(sec.s, spec.layers, strict=True)):
         _check_rows(s, "s", ls.s_type, ls.s_row_size, il)
         if isinstance(s, TransposedRows) and s.n_embd != ls.n_embd_s:
-            raise _fail(f"state layer {il}: n_embd_s {s.n_embd}, the cache has {ls.n_embd_s}", "n_embd_s", s.offsets.get("n_embd_s"))
+            raise _fail(
+                f"state layer {il}: n_embd_s {s.n_embd}, the cache has {ls.n_embd_s}",
+                "n_embd_s",
+                s.offsets.get("n_embd_s"),
+            )
 
 
 def _read(struct: Any, buf: Any, offset: int, options: dict[str, Any]) -> tuple[Any, int]:
@@ -169,7 +198,9 @@ def read_kv_section(buf: Any, spec: KVSpec, *, seq_id: int = -1, offset: int = 0
     return sec, end
 
 
-def read_recurrent_section(buf: Any, spec: RecurrentSpec, *, seq_id: int = -1, offset: int = 0) -> tuple[RecurrentSection, int]:
+def read_recurrent_section(
+    buf: Any, spec: RecurrentSpec, *, seq_id: int = -1, offset: int = 0
+) -> tuple[RecurrentSection, int]:
     ple = bool(spec.layers) and spec.layers[0].p_row_size is not None
     sec, end = _read(RECURRENT_SECTION, buf, offset, {"ple": ple, "n_state_layers": len(spec.layers)})
     validate_recurrent_section(sec, spec, seq_id)

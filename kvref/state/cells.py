@@ -116,7 +116,6 @@ def _record_dtype(ext_k: int, n_seq: int) -> np.dtype:
     return np.dtype([("pos", "<i4"), ("n", "<u4"), ("ext", "<i4", (ext_k,)), ("seq", "<i4", (n_seq,))])
 
 
-
 class CellTable(Field):
     """The DSL field for a stream's cell metadata. ``count(env)`` and ``ext_size(env)`` come from the header."""
 
@@ -197,7 +196,9 @@ class CellTable(Field):
             r.need(8, "n_seq_id")
             p, m = _CELL_HEAD.unpack_from(buf, r.pos)
             if m > LLAMA_MAX_SEQ:
-                raise FormatError(f"n_seq_id {m} exceeds LLAMA_MAX_SEQ ({LLAMA_MAX_SEQ})", field="n_seq_id", offset=r.pos + 4)
+                raise FormatError(
+                    f"n_seq_id {m} exceeds LLAMA_MAX_SEQ ({LLAMA_MAX_SEQ})", field="n_seq_id", offset=r.pos + 4
+                )
             r.pos += 8
             pos[i] = p
             if k:
@@ -206,7 +207,9 @@ class CellTable(Field):
             cell_ids = r.array(np.dtype("<i4"), m, "seq_id", "n_seq_id")
             for j, s in enumerate(cell_ids.tolist()):
                 if not 0 <= s < LLAMA_MAX_SEQ:
-                    raise FormatError(f"seq_id {s} is out of range [0, {LLAMA_MAX_SEQ})", field="seq_id", offset=at + 4 * j)
+                    raise FormatError(
+                        f"seq_id {s} is out of range [0, {LLAMA_MAX_SEQ})", field="seq_id", offset=at + 4 * j
+                    )
             ids.extend(cell_ids.tolist())
             start[i + 1] = len(ids)
         return Cells(pos, np.array(ids, np.int32), start, ext)

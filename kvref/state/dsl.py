@@ -111,7 +111,9 @@ class Str(Field):
         if n > self.max_len:
             raise FormatError(f"string length {n} exceeds {self.max_len}", field=self.length, offset=at)
         if n > r.remaining():
-            raise FormatError(f"string length {n} exceeds the {r.remaining()} remaining bytes", field=self.length, offset=at)
+            raise FormatError(
+                f"string length {n} exceeds the {r.remaining()} remaining bytes", field=self.length, offset=at
+            )
         return bytes(r.take(n, self.name)).decode("utf-8", "surrogateescape")
 
     def write(self, w: Writer, value: str, env: Env) -> None:
@@ -336,11 +338,11 @@ def write_root(struct: Struct, obj: Any, w: Writer, options: dict[str, Any] | No
 
 
 __all__ = [
+    "I32",
     "U32",
     "U64",
     "Array",
     "Field",
-    "I32",
     "List",
     "Param",
     "Record",

@@ -164,7 +164,10 @@ STATE = Struct(StateBlob, *_context_fields())
 SEQ_STATE = Struct(
     SeqStateBlob,
     Param("seq_header", attr="has_header"),
-    When(lambda env: env["seq_header"], U32("io_magic", derive=lambda o, env: Magic.SEQ_BLOB, check=_check_magic(Magic.SEQ_BLOB))),
+    When(
+        lambda env: env["seq_header"],
+        U32("io_magic", derive=lambda o, env: Magic.SEQ_BLOB, check=_check_magic(Magic.SEQ_BLOB)),
+    ),
     When(lambda env: env["seq_header"], I32("io_seq_id", attr="seq_id")),
     MEMORY,
 )

@@ -236,7 +236,9 @@ def _transposed_struct(prefix: str, n_embd_name: str) -> Struct:
         I32(f"{prefix}_type", attr="type", check=_check_type),
         U32(f"{prefix}_el_size", attr="el_size", check=_check_el_size(prefix)),
         U32(n_embd_name, attr="n_embd"),
-        Rows(f"{prefix}_data", lambda env: (env[n_embd_name], env["cell_count"] * env[f"{prefix}_el_size"]), attr="data"),
+        Rows(
+            f"{prefix}_data", lambda env: (env[n_embd_name], env["cell_count"] * env[f"{prefix}_el_size"]), attr="data"
+        ),
     )
 
 
@@ -283,7 +285,9 @@ KV_STREAM = Struct(
 KV_SECTION = Struct(
     KVSection,
     Param("n_stream_field", attr="has_n_stream"),
-    When(lambda env: env["n_stream_field"], U32("n_stream", derive=lambda o, env: len(o.streams), check=_check_n_stream)),
+    When(
+        lambda env: env["n_stream_field"], U32("n_stream", derive=lambda o, env: len(o.streams), check=_check_n_stream)
+    ),
     List("streams", KV_STREAM, lambda env: env["n_stream"] if env["n_stream_field"] else 1, blame="n_stream"),
 )
 
@@ -355,7 +359,9 @@ def _n_state_layers(env: Env) -> int:
     if v == "scan":
         return _scan_state_layers(env)
     if v > env["n_layer"]:
-        raise FormatError(f"{v} layers with state, but n_layer is {env['n_layer']}", field="n_layer", offset=env["_reader"].pos)
+        raise FormatError(
+            f"{v} layers with state, but n_layer is {env['n_layer']}", field="n_layer", offset=env["_reader"].pos
+        )
     return v
 
 

@@ -23,7 +23,9 @@ def _cells(cells: Cells | None) -> dict[str, Any]:
         "ext_size": cells.ext_size,
         "pos_min": int(cells.pos.min()) if cells.n else None,
         "pos_max": int(cells.pos.max()) if cells.n else None,
-        "sequences": {str(s): {"pos_min": r.pos_min, "pos_max": r.pos_max, "n_cells": r.n_cells} for s, r in seqs.items()},
+        "sequences": {
+            str(s): {"pos_min": r.pos_min, "pos_max": r.pos_max, "n_cells": r.n_cells} for s, r in seqs.items()
+        },
     }
 
 

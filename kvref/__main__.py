@@ -1,0 +1,7 @@
+"""``python -m kvref``: the same command line as the ``kvref`` console script."""
+
+import sys
+
+from .cli import main
+
+sys.exit(main())

@@ -1,0 +1,140 @@
+"""The ``kvref`` command line: one function per subcommand, registered on argparse subparsers.
+
+``inspect`` lives here; ``conformance``, ``bench`` and ``convert`` register themselves in `SUBCOMMANDS` the same
+way (a ``(name, add_arguments, run)`` triple) so this module stays the only entry point.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from .errors import KVRefError
+
+Subcommand = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+
+
+def _inspect_args(p: argparse.ArgumentParser) -> None:
+    from .state.constants import LAYOUTS
+
+    p.add_argument("file", help="session (.ggsn), sequence (.ggsq) file, or raw state / sequence blob")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--kind", default="auto", choices=["auto", "session", "seq", "state", "seq_state"])
+    p.add_argument("--layout", default="auto", choices=["auto", *LAYOUTS])
+    p.add_argument("--ext-size", type=int, choices=[0, 8, 12], default=None, help="cell ext bytes (default: infer)")
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _rows_line(name: str, d: dict[str, Any]) -> str:
+    extra = f" (transposed, el {d['el_size']} x {d['n_embd']})" if d.get("transposed") else ""
+    return f"{name} {d['type']:>6} row {d['row_size']:>6} B  {_fmt_bytes(d['bytes']):>10}{extra}"
+
+
+def _print_cells(d: dict[str, Any], indent: str) -> None:
+    print(f"{indent}cells: {d['cell_count']}" + (f", ext {d['ext_size']} B" if d.get("ext_size") else ""))
+    for s, r in sorted(d["sequences"].items(), key=lambda kv: int(kv[0])):
+        print(f"{indent}  seq {s:>3}: pos {r['pos_min']}..{r['pos_max']}  ({r['n_cells']} cells)")
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    head = f"{s['format']}"
+    if "version" in s:
+        head += f" '{s['magic']}' version {s['version']}"
+    print(head)
+    if "n_tokens" in s:
+        more = " ..." if s["n_tokens"] > len(s["first_tokens"]) else ""
+        print(f"tokens: {s['n_tokens']}  [{', '.join(map(str, s['first_tokens']))}{more}]")
+    if "arch" in s:
+        print(f"arch: {s['arch']}")
+    if s.get("seq_id") is not None:
+        print(f"saved from seq_id: {s['seq_id']}")
+    if "outputs" in s:
+        o = s["outputs"]
+        print(f"v9 outputs: {o['n_outputs']} ids, {o['logits']} logits, {o['embeddings']} embeddings")
+    print(f"memory layout: {s['layout']}")
+    for i, sec in enumerate(s["sections"]):
+        if sec["kind"] == "kv":
+            n = "no n_stream field" if sec["n_stream"] is None else f"{sec['n_stream']} stream(s)"
+            print(f"section {i}: attention KV, {n}")
+            for st in sec["streams"]:
+                print(f"  stream {st['stream']}:")
+                _print_cells(st, "    ")
+                for layer in st.get("layers", []):
+                    line = _rows_line("K", layer["k"]) + ("   " + _rows_line("V", layer["v"]) if "v" in layer else "")
+                    print(f"    layer {layer['layer']:>3}: {line}")
+        else:
+            print(
+                f"section {i}: recurrent, s_trans {sec['s_trans']}, "
+                f"{sec['n_state_layers']} of {sec['n_layer']} layers with state"
+            )
+            _print_cells(sec, "  ")
+            for layer in sec["layers"]:
+                r = layer["r"]
+                line = f"R {r['type']:>6} row {r['row_size']:>6} B  {_fmt_bytes(r['bytes']):>10}   " + _rows_line(
+                    "S", layer["s"]
+                )
+                print(f"  state layer {layer['index']:>3}: {line}")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from . import state
+
+    obj = state.load(args.file, kind=args.kind, layout=args.layout, ext_size=args.ext_size)
+    summary = obj.summary()
+    if args.json:
+        json.dump(summary, sys.stdout, indent=2)
+        print()
+    else:
+        _print_summary(summary)
+    return 0
+
+
+SUBCOMMANDS: list[Subcommand] = [
+    ("inspect", "summarize a llama.cpp state file or blob", _inspect_args, cmd_inspect),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvref", description="llama.cpp memory modules and state files, in Python")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_, add_args, run in SUBCOMMANDS:
+        sp = sub.add_parser(name, help=help_, description=help_)
+        add_args(sp)
+        sp.set_defaults(run=run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "run", None):
+        from . import backend
+
+        try:
+            print(f"kvref backend: {backend()}")
+        except Exception as e:  # a broken build must still leave the usage readable
+            print(f"kvref backend: unavailable ({e})")
+        parser.print_help()
+        return 0
+    try:
+        return args.run(args)
+    except KVRefError as e:
+        print(f"kvref {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"kvref {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
