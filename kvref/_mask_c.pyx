@@ -18,7 +18,7 @@ The kernels hold no Python objects and run without the GIL; values are written a
 Argument checking is shared with the Python twin (``_check_kq_args``), so both raise the same errors.
 """
 
-from libc.stdint cimport int32_t, int64_t, uint16_t, uint32_t, uint64_t
+from libc.stdint cimport INT32_MIN, int32_t, int64_t, uint16_t, uint32_t, uint64_t
 from libc.string cimport memcpy
 from libc.stdlib cimport free, realloc
 from libc.math cimport logf, floorf, log
@@ -202,6 +202,7 @@ cdef int _list_members(const int32_t* pos, const uint64_t* seq, int64_t n_kv, co
     cdef int w, s, n_words = 0, n_want = 0
     cdef int words[N_WORDS]
     cdef uint64_t bits, one
+    cdef uint64_t* grown
     cdef int64_t cap
     cdef Members* m
     for w in range(N_WORDS):
@@ -216,9 +217,10 @@ cdef int _list_members(const int32_t* pos, const uint64_t* seq, int64_t n_kv, co
         s = w * 64 + kvref_ctz64(want[w])
         m = &mem[s]
         if m.cap < n_kv:
-            m.keys = <uint64_t*>realloc(m.keys, <size_t>max(n_kv, 1) * sizeof(uint64_t))
-            if m.keys == NULL:
+            grown = <uint64_t*>realloc(m.keys, <size_t>max(n_kv, 1) * sizeof(uint64_t))
+            if grown == NULL:
                 return 0
+            m.keys = grown
             m.cap = n_kv
         one = want[w]
         for j in range(n_kv):
@@ -235,9 +237,10 @@ cdef int _list_members(const int32_t* pos, const uint64_t* seq, int64_t n_kv, co
         while bits:
             m = &mem[words[w] * 64 + kvref_ctz64(bits)]
             if m.cap < cap:
-                m.keys = <uint64_t*>realloc(m.keys, <size_t>cap * sizeof(uint64_t))
-                if m.keys == NULL:
+                grown = <uint64_t*>realloc(m.keys, <size_t>cap * sizeof(uint64_t))
+                if grown == NULL:
                     return 0
+                m.keys = grown
                 m.cap = cap
             bits &= bits - 1
     for j in range(n_kv):
@@ -489,7 +492,7 @@ cdef inline int32_t _bucket(int32_t x, int32_t y, uint64_t n_buckets, int bidire
     cdef int32_t rel = <int32_t>(<uint32_t>x - <uint32_t>y)  # int32 subtraction, wrapping
     cdef int32_t bucket = 0
     cdef int32_t large
-    cdef float t
+    cdef float t, f
     cdef double u
     if bidirectional:
         bucket = <int32_t>(<uint64_t>bucket + <uint64_t>(rel > 0) * n_buckets)
@@ -504,7 +507,11 @@ cdef inline int32_t _bucket(int32_t x, int32_t y, uint64_t n_buckets, int bidire
     # the mix of float and double steps is llama.cpp's
     t = logf(<float>((1.0 * rel) / max_exact)) * <float>(n_buckets - <uint64_t>max_exact)
     u = max_exact + t / log((1.0 * max_distance) / max_exact)
-    large = <int32_t>floorf(<float>u)
+    f = floorf(<float>u)
+    if f >= -2147483648.0 and f < 2147483648.0:
+        large = <int32_t>f
+    else:
+        large = INT32_MIN  # NaN / out of range: what x86 gives for llama.cpp's undefined conversion
     if large > <int64_t>n_buckets - 1:
         large = <int32_t>(<int64_t>n_buckets - 1)
     return <int32_t>(<uint32_t>bucket + <uint32_t>large)

@@ -308,7 +308,11 @@ def relative_position_bucket(x: Any, y: Any, n_buckets: int, bidirectional: bool
         t = _logf(ratio) * np.float32(n_buckets - max_exact)
         u = max_exact + t.astype(np.float64) / math.log(max_distance / max_exact)
         large = np.floor(u.astype(np.float32))
-    large = np.where(np.isfinite(large), large, 0).astype(np.int64)
+    # float -> int32 of a NaN or out-of-range value is undefined in C; x86 gives INT32_MIN (hit when
+    # max_exact >= max_distance, where the formula divides by log(1) = 0): both twins do the same
+    with np.errstate(invalid="ignore"):
+        ok = np.isfinite(large) & (large >= -(2.0**31)) & (large < 2.0**31)
+    large = np.where(ok, large, -(2.0**31)).astype(np.int64)
     large = np.minimum(large, n_buckets - 1)
     bucket += np.where(rel < max_exact, rel, large)
     return ((bucket + 2**31) % 2**32 - 2**31).astype(np.int32)

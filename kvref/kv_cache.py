@@ -10,10 +10,8 @@ Slot search and placement live in ``kvref.slots``, the K-shift math in ``kvref.k
 conversions in ``kvref.rows``. Where llama.cpp only asserts, kvref raises a ``kvref.errors`` exception
 before changing anything.
 
-State files: ``state_write`` / ``state_read`` are not implemented here yet. The hook points they need are
-``cells(stream)``, ``heads``, ``layers`` (``CacheLayer.k`` / ``.v`` raw bytes, ``il``), ``v_trans``,
-``type_k`` / ``type_v``, ``find_slot`` + ``apply_ubatch`` (state_read places cells through them) and
-``seq_rm`` (a failed read removes the sequence).
+State files: ``state_write`` / ``state_read`` / ``stage_state`` / ``state_sections`` are thin methods over
+``kvref.kv_state`` (which documents the layout and where kvref's atomic restore differs from llama.cpp).
 """
 
 from __future__ import annotations
@@ -24,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from . import kv_state as _kv_state
 from . import slots as _slots
 from .cells import LLAMA_MAX_SEQ, POS_MAX, KVCells
 from .errors import KVRefError, NoSlotError, SequenceError
@@ -67,6 +66,7 @@ class KVCache:
         swa_type: SWAType | int = SWAType.NONE,
         layer_filter: Callable[[int], bool] | None = None,
         layer_reuse: Callable[[int], int] | None = None,
+        cells_cls: type | None = None,
     ) -> None:
         size, n_seq_max, n_pad = int(size), int(n_seq_max), int(n_pad)
         if n_pad <= 0 or size % n_pad:
@@ -87,7 +87,8 @@ class KVCache:
             raise KVRefError("a quantized V cache needs v_trans=False (flash attention)")
 
         self.heads: list[int] = [0] * self.n_stream
-        self._cells = [KVCells(size) for _ in range(self.n_stream)]
+        # cells_cls: a KVCells twin chosen explicitly (cross-backend tests); default: the selector's
+        self._cells = [(cells_cls or KVCells)(size) for _ in range(self.n_stream)]
         # unified: every sequence id maps to stream 0 (ids up to LLAMA_MAX_SEQ are accepted);
         # otherwise sequence s owns stream s and only ids below n_seq_max are valid
         self.seq_to_stream: list[int] = [0] * LLAMA_MAX_SEQ if self.n_stream == 1 else list(range(self.n_stream))
@@ -514,6 +515,21 @@ class KVCache:
             return typed(layer.v[self._streams(sinfo)], self.type_v)[:, :, :n_kv]
         v = layer.v[self._streams(sinfo), :n_kv]
         return v if traits(self.type_v).is_quantized else typed(v, self.type_v)
+
+    # ------------------------------------------------------------------ state (kvref.kv_state)
+    def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Any]:
+        return [_kv_state.state_section(self, seq_id, flags)]
+
+    def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes:
+        """The bytes of llama_kv_cache::state_write: every stream, or one sequence's unmasked cells."""
+        return _kv_state.state_write(self, seq_id, flags)
+
+    def stage_state(self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0) -> tuple[Callable[[], None], int]:
+        return _kv_state.stage_state(self, data, seq_id, flags, offset)
+
+    def state_read(self, data: Any, seq_id: int = -1, flags: int = 0) -> int:
+        """Restore a section atomically (see kvref.kv_state); returns the bytes read."""
+        return _kv_state.state_read(self, data, seq_id, flags)
 
     def __repr__(self) -> str:
         used = [c.get_used() for c in self._cells]

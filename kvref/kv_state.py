@@ -1,0 +1,348 @@
+"""The attention KV cache's state section: llama_kv_cache::state_write / state_read (October 2026).
+
+``KVCache.state_write`` / ``state_read`` (and the two-phase ``stage_state`` the iSWA and hybrid memories
+use) are thin methods over the functions here; the byte layout itself is declared once in
+``kvref.state.sections`` and this module only builds / consumes its object model.
+
+Writing (``state_section``), per stream, ``u32 n_stream`` first:
+
+- the cells written are the used cells, in index order; for a sequence (``seq_id >= 0``) only the cells
+  of that sequence that are *not* SWA-masked against the sequence's ``seq_pos_max`` in that stream
+  (llama.cpp calls ``is_masked_swa(n_swa, swa_type, pos, seq_pos_max)``: note no ``+ 1``);
+- each cell lists the sequence ids ``0 <= s < n_seq_max`` it holds (only ``seq_id`` for a sequence save:
+  ids a unified cache accepts above ``n_seq_max`` are never written, as in llama.cpp);
+- the cell ext (``i32 x, y, tok``) is written only when the cache has one (``has_cell_ext``): the model
+  uses M-RoPE (``n_pos_per_embd() > 1``) or per-layer-embedding n-grams (``ple_n_heads > 0``);
+- K rows, then V rows (or, with ``v_trans``, per V component the cells' elements); layers without V
+  (MLA) write no V block.
+
+Reading (``stage_state``) parses *and validates* the whole section with ``kvref.state.cache_api`` (stream
+count, cell count vs cache size, ``n_seq_id == 1`` for a sequence, seq id range for a whole restore,
+layer count, ``v_trans``, every type / row size / element size / V width), then replays the bookkeeping on a
+copy of the cache. Only when all of that succeeded does ``commit()`` touch the cache:
+
+- whole restore (``seq_id == -1``): ``clear(True)``, then stream ``s`` gets its cells at indices
+  ``0 .. cell_count-1`` (positions, ext, seq ids as written) and head 0;
+- sequence restore into ``seq_id`` (the destination; the ids in the file are ignored): the destination's
+  cells in its stream are removed (``seq_rm(seq_id)``), a ubatch of ``cell_count`` tokens is built as
+  llama_batch_allocr::ubatch_reserve(cell_count, 1) does (positions from the file, M-RoPE y/x and token
+  from the ext, token 0 when the cache has no ext), placed with ``find_slot(cont=False)`` +
+  ``apply_ubatch``, and the saved ext put back. Positions are not required to be consecutive (llama.cpp
+  does not check them either). The rows are then copied to the cells found.
+
+**Difference from llama.cpp on failure**: llama.cpp reads and applies as it goes; when a check fails
+half way it has already removed the destination sequence (or cleared the whole cache) and may have
+copied part of the K/V rows, then ``state_clear`` zeroes the rows of the cells it had placed. kvref
+checks everything first, so a failed ``state_read`` raises (FormatError for a malformed or mismatching
+section, NoSlotError when a sequence does not fit, SequenceError for a bad destination id) and leaves
+the cache exactly as it was: cells, heads and buffers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .batch import BatchAllocr
+from .cells import KVCells
+from .errors import CellError, FormatError, NoSlotError
+from .ggml import traits
+from .hparams import SWAType
+from .slots import SlotInfo, _masked_swa, apply_ubatch, find_slot
+
+if TYPE_CHECKING:
+    from .kv_cache import KVCache
+    from .state.sections import KVSection
+
+CELL_EXT_SIZE = 12  # llama_kv_cell_ext as written in October 2026: i32 x, y, tok
+
+
+# ---------------------------------------------------------------------------------------------- layout
+def has_cell_ext(cache: KVCache) -> bool:
+    """llama_kv_cache::has_cell_ext: M-RoPE needs the 2-D position, the PLE n-gram hash the token id."""
+    hp = cache.hparams
+    return hp.n_pos_per_embd() > 1 or int(getattr(hp, "ple_n_heads", 0) or 0) > 0
+
+
+def ext_size(cache: KVCache) -> int:
+    return CELL_EXT_SIZE if has_cell_ext(cache) else 0
+
+
+def _v_width(cache: KVCache, il: int) -> int:
+    return int(cache.hparams.n_embd_v_gqa(il))
+
+
+def spec(cache: KVCache) -> Any:
+    """The cache as ``kvref.state`` sees it: what a section must match to be restored here."""
+    from .state import KVLayerSpec, KVSpec
+
+    layers = []
+    for layer in cache.layers:
+        k_row = int(layer.k.shape[-1])
+        if layer.v is None:
+            layers.append(KVLayerSpec(int(cache.type_k), k_row))
+            continue
+        n_embd_v = _v_width(cache, layer.il)
+        v_row = int(layer.v.shape[-1]) if not cache.v_trans else n_embd_v * traits(cache.type_v).type_size
+        layers.append(KVLayerSpec(int(cache.type_k), k_row, int(cache.type_v), v_row, n_embd_v))
+    return KVSpec(
+        n_stream=cache.n_stream,
+        kv_size=cache.get_size(),
+        n_seq_max=cache.n_seq_max,
+        v_trans=cache.v_trans,
+        layers=tuple(layers),
+        ext_size=ext_size(cache),
+    )
+
+
+# ---------------------------------------------------------------------------------------------- write
+def _seq_bits(cells: KVCells, idx: np.ndarray) -> np.ndarray:
+    """(len(idx), N_SEQ_WORDS * 64) bool: bit s of a row is set when the cell holds sequence s."""
+    words = np.ascontiguousarray(np.asarray(cells.seq)[idx], dtype="<u8")
+    return np.unpackbits(words.view(np.uint8), axis=1, bitorder="little").astype(bool)
+
+
+def written_cells(cache: KVCache, stream: int, seq_id: int = -1) -> np.ndarray:
+    """Indices of the cells state_write writes for ``stream`` (ascending)."""
+    cells = cache.cells(stream)
+    pos = np.asarray(cells.pos, dtype=np.int64)
+    idx = np.flatnonzero(pos != -1)
+    if seq_id == -1 or idx.size == 0:
+        return idx
+    w, b = divmod(int(seq_id), 64)
+    seq = np.asarray(cells.seq)
+    has = ((seq[idx, w] >> np.uint64(b)) & np.uint64(1)).astype(bool)
+    idx = idx[has]
+    if idx.size and cache.swa_type != SWAType.NONE:
+        p_max = np.full(idx.size, cells.seq_pos_max(int(seq_id)), dtype=np.int64)
+        idx = idx[~_masked_swa(cache.n_swa, cache.swa_type, pos[idx], p_max)]
+    return idx
+
+
+def state_section(cache: KVCache, seq_id: int = -1, flags: int = 0) -> KVSection:
+    """The section llama_kv_cache::state_write writes, as ``kvref.state`` objects (``flags`` change nothing).
+
+    Rows are copies (fancy indexing), so the section stays valid when the cache changes afterwards.
+    """
+    from .state import Cells, KVData, KVSection, KVStream, LayerRows, TransposedRows
+
+    del flags
+    seq_id = int(seq_id)
+    if seq_id != -1:
+        cache._check_seq(seq_id)
+    n_ext = ext_size(cache) // 4
+    streams = []
+    for s in range(cache.n_stream):
+        idx = written_cells(cache, s, seq_id)
+        if idx.size == 0:
+            streams.append(KVStream(None, None))
+            continue
+        cells = cache.cells(s)
+        bits = _seq_bits(cells, idx)
+        if seq_id == -1:
+            bits = bits[:, : cache.n_seq_max]
+        else:
+            keep = np.zeros_like(bits)
+            if seq_id < cache.n_seq_max:
+                keep[:, seq_id] = bits[:, seq_id]
+            bits = keep
+        rows, ids = np.nonzero(bits)
+        start = np.zeros(idx.size + 1, np.int64)
+        np.cumsum(np.bincount(rows, minlength=idx.size), out=start[1:])
+        ext = np.asarray(cells.ext)[idx, :n_ext] if n_ext else None
+        table = Cells(np.asarray(cells.pos)[idx], ids.astype(np.int32), start, ext, n_ext * 4)
+
+        k_rows, v_rows = [], []
+        size = cells.size()
+        for layer in cache.layers:
+            k_rows.append(LayerRows(int(cache.type_k), int(layer.k.shape[-1]), layer.k[s][idx]))
+        for layer in cache.layers:
+            if layer.v is None:
+                continue
+            if not cache.v_trans:
+                v_rows.append(LayerRows(int(cache.type_v), int(layer.v.shape[-1]), layer.v[s][idx]))
+                continue
+            el = traits(cache.type_v).type_size
+            n_embd = _v_width(cache, layer.il)
+            comp = layer.v[s][:n_embd].reshape(n_embd, size, el)[:, idx, :]
+            v_rows.append(TransposedRows(int(cache.type_v), el, n_embd, comp.reshape(n_embd, idx.size * el)))
+        streams.append(KVStream(table, KVData(int(cache.v_trans), k_rows, v_rows)))
+    return KVSection(streams)
+
+
+def state_write(cache: KVCache, seq_id: int = -1, flags: int = 0) -> bytes:
+    from .state import section_bytes
+
+    return section_bytes(state_section(cache, seq_id, flags))
+
+
+# ---------------------------------------------------------------------------------------------- read
+def clone_cells(cells: KVCells) -> KVCells:
+    """A full copy of one stream's cells, pending shifts included (``cp`` refuses shifted cells)."""
+    size = cells.size()
+    shift = np.asarray(cells.shift)
+    if not shift.any():
+        out = type(cells)(size)
+        out.set(0, cells.cp(0, size))
+        return out
+    out = type(cells)(size)
+    pos, ext = np.asarray(cells.pos), np.asarray(cells.ext)
+    for i in np.flatnonzero(pos != -1).tolist():
+        out.pos_set(i, int(pos[i]) - int(shift[i]))  # the position before the shift, then the shift again
+        for s in cells.seq_get_all(i):
+            out.seq_add(i, s)
+        if shift[i]:
+            out.pos_add(i, int(shift[i]))
+        out.ext_set(i, *(int(x) for x in ext[i]))
+    return out
+
+
+def _trial(cache: KVCache, streams: list[int]) -> Any:
+    """A shallow copy of the cache whose cells of ``streams`` and heads are private copies."""
+    trial = object.__new__(type(cache))
+    trial.__dict__.update(cache.__dict__)
+    trial._cells = list(cache._cells)
+    for s in streams:
+        trial._cells[s] = clone_cells(cache._cells[s])
+    trial.heads = list(cache.heads)
+    return trial
+
+
+def _reserve_ubatch(cache: KVCache, cells: Any, dest: int, has_ext: bool) -> Any:
+    """ubatch_reserve(cell_count, 1) filled as state_read_meta fills it."""
+    n = cells.n
+    ub = BatchAllocr(cache.hparams.n_pos_per_embd()).ubatch_reserve(n, 1)
+    ub.pos[:n] = cells.pos
+    if has_ext:
+        if ub.n_pos > 1:
+            ub.pos[n : 2 * n] = cells.ext[:, 1]  # y
+            ub.pos[2 * n : 3 * n] = cells.ext[:, 0]  # x
+        ub.token[:] = cells.ext[:, 2]
+    ub.n_seq_id[:] = 1
+    ub.seq_id = [[dest] for _ in range(n)]
+    ub.seq_id_unq = [dest]
+    ub.seq_idx[:] = -1
+    ub.seq_idx[dest] = 0
+    return ub
+
+
+def _whole_cells(cache: KVCache, st: Any, at: int) -> KVCells:
+    """A stream's cells after a whole restore: cell i holds the i-th cell of the section."""
+    c = st.cells
+    out = KVCellsLike(cache, cache.get_size())
+    pos = c.pos
+    has_ext = c.ext_size > 0
+    for i in range(c.n):
+        field = "pos"
+        try:
+            out.pos_set(i, int(pos[i]))
+            field = "cell_ext"
+            if has_ext:
+                x, y, tok = (int(v) for v in c.ext[i, :3])
+                out.ext_set(i, x, y, tok)
+            field = "seq_id"
+            for s in c.seq_ids(i):
+                out.seq_add(i, s)
+        except CellError as exc:
+            raise FormatError(f"cell {i}: {exc}", field=field, offset=at) from exc
+    return out
+
+
+def KVCellsLike(cache: KVCache, size: int) -> KVCells:  # noqa: N802 - a factory named after the class it makes
+    """Empty cells of the same twin as the cache's (so a Python-twin cache stays pure Python)."""
+    return type(cache.cells(0))(size)
+
+
+def _copy_rows(cache: KVCache, strm: int, idxs: np.ndarray, data: Any) -> None:
+    size = cache.get_size()
+    for layer, k in zip(cache.layers, data.k, strict=True):
+        layer.k[strm][idxs] = k.data
+    v_layers = [layer for layer in cache.layers if layer.v is not None]
+    for layer, v in zip(v_layers, data.v, strict=True):
+        if not cache.v_trans:
+            layer.v[strm][idxs] = v.data
+            continue
+        el = v.el_size
+        n = len(idxs)
+        view = layer.v[strm][: v.n_embd].reshape(v.n_embd, size, el)
+        view[:, idxs, :] = np.asarray(v.data).reshape(v.n_embd, n, el)
+
+
+def stage_state(
+    cache: KVCache, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
+) -> tuple[Callable[[], None], int]:
+    """Parse, validate and dry-run the section at ``offset``; returns ``(commit, end)``. Changes nothing."""
+    from .state import read_kv_section
+
+    del flags
+    seq_id = int(seq_id)
+    if seq_id != -1:
+        cache._check_seq(seq_id)
+    sec, end = read_kv_section(data, spec(cache), seq_id=seq_id, offset=offset)
+    streams = [(s, st) for s, st in enumerate(sec.streams) if st.cells is not None]
+
+    if seq_id == -1:
+        new_cells = {s: _whole_cells(cache, st, st.offsets.get("cells", offset)) for s, st in streams}
+
+        def commit_whole() -> None:
+            cache.clear(True)
+            for s, st in streams:
+                n = st.cells.n
+                cache.cells(s).set(0, new_cells[s].cp(0, n))
+                cache.heads[s] = 0
+                _copy_rows(cache, s, np.arange(n), st.data)
+
+        return commit_whole, end
+
+    strm = cache.seq_to_stream[seq_id]
+    has_ext = has_cell_ext(cache)
+    trial = _trial(cache, [strm])
+    steps: list[tuple[SlotInfo, Any, Any]] = []
+    for _, st in streams:
+        trial.seq_rm(seq_id, -1, -1)
+        ub = _reserve_ubatch(cache, st.cells, seq_id, has_ext)
+        sinfo = find_slot(trial, ub, False)
+        if sinfo is None:
+            raise NoSlotError(f"failed to find {st.cells.n} available cells in stream {strm} for sequence {seq_id}")
+        apply_ubatch(trial, sinfo, ub)
+        steps.append((sinfo, ub, st))
+
+    def commit_seq() -> None:
+        for sinfo, ub, st in steps:
+            cache.seq_rm(seq_id, -1, -1)
+            apply_ubatch(cache, sinfo, ub)
+            cells = cache.cells(strm)
+            idxs = np.asarray(sinfo.idxs[0], dtype=np.int64)
+            if has_ext:
+                for i, idx in enumerate(idxs.tolist()):
+                    x, y, tok = (int(v) for v in st.cells.ext[i, :3])
+                    cells.ext_set(idx, x, y, tok)
+            _copy_rows(cache, strm, idxs, st.data)
+
+    if not streams:
+        # an empty section: llama.cpp reads only the zero cell counts and leaves the cache as it is
+        return (lambda: None), end
+    return commit_seq, end
+
+
+def state_read(cache: KVCache, data: Any, seq_id: int = -1, flags: int = 0) -> int:
+    """Restore what ``state_write`` wrote; returns the bytes read (trailing bytes are a FormatError)."""
+    from .memory import read_all
+
+    return read_all(lambda d, s, f, o: stage_state(cache, d, s, f, o), data, seq_id, flags)
+
+
+__all__ = [
+    "CELL_EXT_SIZE",
+    "clone_cells",
+    "ext_size",
+    "has_cell_ext",
+    "spec",
+    "stage_state",
+    "state_read",
+    "state_section",
+    "state_write",
+    "written_cells",
+]
