@@ -187,7 +187,8 @@ class Run:
         p.n_threads = cparams["n_threads"]
         p.n_threads_batch = cparams["n_threads"]
         if hasattr(p, "flash_attn_type"):
-            p.flash_attn_type = L.LLAMA_FLASH_ATTN_TYPE_ENABLED if cparams["flash_attn"] else L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            on, off = L.LLAMA_FLASH_ATTN_TYPE_ENABLED, L.LLAMA_FLASH_ATTN_TYPE_DISABLED
+            p.flash_attn_type = on if cparams["flash_attn"] else off
         else:  # older bindings: a plain bool
             p.flash_attn = bool(cparams["flash_attn"])
         p.type_k = GGML_TYPES[cparams["type_k"]]
@@ -425,6 +426,8 @@ class Run:
         for s, toks in tokens_by_seq.items():
             self.save_seq(s, toks)
             for f in seq_data_flags:
+                if f and not hasattr(L, "llama_state_seq_get_data_ext"):
+                    continue  # older bindings: no flags
                 self.save_seq_data(s, f)
 
     # -------------------------------------------------------------- restores

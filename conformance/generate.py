@@ -23,24 +23,24 @@ import os
 import shutil
 import sys
 import zlib
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-import tinymodels  # noqa: E402
 import driver  # noqa: E402
+import tinymodels  # noqa: E402
 from driver import FLAGS_PARTIAL_ONLY  # noqa: E402
 
 CURRENT_PRODUCER = "0.3.36"
 # cases replayed with an older llama-cpp-python (installed in its own venv) for the legacy
 # layouts; their ids get the prefix "legacy-<version>-"
-LEGACY_CASES = ("llama-f16-single-seq", "llama-f16-multistream", "llama-f16-fa-single-seq",
-                "gemma2-swa-overflow", "mamba-seq-cp-rm", "qwen2vl-mrope")
+LEGACY_CASES = ("llama-f16-single-seq", "llama-f16-multistream", "gemma2-swa-overflow",
+                "mamba-seq-cp-rm", "qwen2vl-mrope")
 SCHEMA_VERSION = 1
 COMMIT_MODEL_MAX = 200 * 1024
 # committed under conformance/models/ (each < COMMIT_MODEL_MAX) for HParams.from_gguf tests;
@@ -116,7 +116,7 @@ def s_multi_seq(r, tok):
     n = 6
     hist = {0: tok(n), 1: None, 2: tok(n)}
     shared = hist[0][0]
-    hist[1] = [shared] + tok(n - 1)
+    hist[1] = [shared, *tok(n - 1)]
     toks, pos, ids = [shared, hist[2][0]], [0, 0], [[0, 1], [2]]
     for i in range(1, n):
         for s in (0, 1, 2):
@@ -502,9 +502,9 @@ CASES: list[Case] = [
 # ------------------------------------------------------------------ running
 
 def versions() -> dict:
-    import llama_cpp
-    import gguf
     from importlib.metadata import version
+
+    import llama_cpp
     pr = driver.PRODUCER
     return {
         "llama_cpp_python": llama_cpp.__version__,
@@ -655,7 +655,7 @@ def main(argv=None) -> int:
         import make_invalid
         print(f"walked {make_invalid.check_goldens()} golden artefacts")
         entries = make_invalid.build()
-        make_invalid.llama_check(entries, a.model_dir)
+        make_invalid.llama_check(entries, a.model_dir, os.environ.get("KVREF_LEGACY_PYTHON"))
         make_invalid.write_manifest(entries)
         print(f"wrote {len(entries)} invalid files (conformance/invalid/)")
     return 0

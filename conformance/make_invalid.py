@@ -68,7 +68,7 @@ def _kv_section(c: Cursor, section: str, cell_ext: int):
             rs = c.take("k_row_size", "Q", section=section, stream=s, layer=il)
             c.blob("k_data", rs * cc, section=section, stream=s, layer=il)
         for il in range(n_layer):
-            t = c.take("v_type", "i", section=section, stream=s, layer=il)
+            c.take("v_type", "i", section=section, stream=s, layer=il)
             if not v_trans:
                 rs = c.take("v_row_size", "Q", section=section, stream=s, layer=il)
                 c.blob("v_data", rs * cc, section=section, stream=s, layer=il)
@@ -236,6 +236,12 @@ def faults() -> list[dict]:
     add("hybrid-partial-seqdata-kv-layer-count.bin", "jamba-hybrid", "05-seqdata-seq0-flags1.bin", "n_layer",
         "set", value=1, where={"section": "recurrent"}, needs_hparams=True,
         note="the recurrent section counts every model layer (3), not only the recurrent ones")
+    # legacy session v9 output block (llama-cpp-python 0.3.16)
+    leg = ("legacy-0.3.16-llama-f16-single-seq", "01-session.ggsn")
+    add("legacy-v9-n-outputs-lie.ggsn", *leg, "n_outputs", "set", value=0x20000000)
+    add("legacy-v9-logits-size-lie.ggsn", *leg, "logits_size", "set", value=1 << 40)
+    add("legacy-v9-truncated-in-logits.ggsn", *leg, "logits", "cut", blame="logits", also=["logits_size"])
+    add("legacy-v9-embd-size-lie.ggsn", *leg, "embd_size", "set", value=0x0FFFFFFF)
     # recurrent section
     add("recurrent-cell-count-lie.ggsq", *recq, "cell_count", "set", value=0x00FFFFFF,
         where={"section": "recurrent"})
@@ -311,15 +317,17 @@ def build() -> list[dict]:
 def write_manifest(entries: list[dict]) -> None:
     manifest = {
         "description": "Corrupt state files derived from the goldens by make_invalid.py; each has one fault. "
-                       "A reader must raise `error` naming `field` (or one of `also_accept`, where a truncation can be "
-                       "noticed either at a count or at the field being read). Entries with needs_hparams=true are only "
+                       "A reader must raise `error` naming `field` (or one of `also_accept`, where a truncation "
+                       "can be noticed either at a count or at the field being read). Entries with "
+                       "needs_hparams=true are only "
                        "detectable against the model and context of the source case (as llama.cpp checks "
                        "them against its own model); a reader given no hparams may accept them or blame a "
                        "later field. `llama_cpp` (present after a --llama-check run) records what the producing "
                        "llama.cpp did when the file was loaded into a fresh context like the source case's: "
                        "llama.cpp is lenient in places (it accepts any non-zero v_trans and trailing bytes after a "
                        "sequence file) and reads past the end of a truncated session file without noticing until "
-                       "its final size check.",
+                       "its final size check. Files derived from a legacy golden are checked with the llama.cpp "
+                       "that wrote that golden (the source case's producer).",
         "files": entries,
     }
     (INVALID / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
@@ -360,7 +368,7 @@ print(json.dumps({{"ret": op["ret"], "errors": op.get("errors", [])}}))
 """
 
 
-def llama_check(entries: list[dict], model_dir: Path) -> None:
+def llama_check(entries: list[dict], model_dir: Path, legacy_python: str | None = None) -> None:
     """Load every invalid file into a fresh llama.cpp context like the source case's and
     record what llama.cpp returned (each in its own process: some faults abort)."""
     import subprocess
@@ -370,9 +378,14 @@ def llama_check(entries: list[dict], model_dir: Path) -> None:
         doc = json.loads(case_json.read_text())
         op = next(o for o in doc["trace"] if o["op"] == "save" and o["file"] == src["file"])
         model = model_dir / doc["model"]["file"]
+        python = sys.executable
+        if doc["producer"]["llama_cpp_python"] != "0.3.36":
+            if not legacy_python:
+                continue
+            python = legacy_python  # the producer that wrote the source golden
         code = _PROBE.format(here=str(HERE), case_json=str(case_json), inv=str(INVALID), model=str(model),
                              kind=op["kind"], file=e["file"], flags=op.get("flags", 0))
-        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        p = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
         if p.returncode == 0:
             res = json.loads(p.stdout.strip().splitlines()[-1])
             ok = bool(res["ret"])
@@ -393,13 +406,15 @@ if __name__ == "__main__":
     ap = argparse.ArgumentParser()
     ap.add_argument("--llama-check", action="store_true",
                     help="also record what llama.cpp itself does with each invalid file")
+    ap.add_argument("--legacy-python", default=os.environ.get("KVREF_LEGACY_PYTHON"),
+                    help="python of the venv with the older llama-cpp-python, to check legacy-derived files")
     ap.add_argument("--model-dir", type=Path,
                     default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvref-conformance")
     a = ap.parse_args()
     print(f"walked {check_goldens()} golden artefacts")
     es = build()
     if a.llama_check:
-        llama_check(es, a.model_dir)
+        llama_check(es, a.model_dir, a.legacy_python)
         write_manifest(es)
     print(f"wrote {len(es)} invalid files")
     sys.exit(0)

@@ -20,8 +20,8 @@ import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import numpy as np
 import gguf
+import numpy as np
 
 # a small SentencePiece ("llama") vocabulary: <unk>, <s>, </s>, the newline byte token
 # (so llama.cpp finds its linefeed token) and word pieces; every id is a valid token.

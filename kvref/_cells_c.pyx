@@ -17,7 +17,7 @@ Every index reaching a C loop has been range-checked before, which is why bounds
 """
 
 from libc.stdint cimport INT64_MAX, INT64_MIN, int32_t, int64_t, uint8_t, uint32_t, uint64_t
-from libc.string cimport memcpy
+from libc.string cimport memcpy, memset
 from libcpp.set cimport set as cset
 from libcpp.utility cimport pair
 from libcpp.vector cimport vector
@@ -50,8 +50,10 @@ ctypedef cset[PosCell] PosSet
 
 cdef extern from *:
     """
+    #include <algorithm>
     #include <cstdint>
     #include <iterator>
+    #include <vector>
     #include <set>
     #include <utility>
 
@@ -87,6 +89,50 @@ cdef extern from *:
         s.insert(hint, std::move(node));
     }
 
+    /* Re-key, in one ordered walk, every entry of s whose cell is marked: its position becomes p / d
+       (div) or p + d, and it is dropped when that is negative. When the new keys keep the set's order
+       (checked first: the usual case of a uniform shift) they are written in place -- the key is only
+       const to protect the ordering, which is preserved here; otherwise the set is rebuilt sorted. */
+    static inline void kvref_ps_rekey(kvref_pos_set &s, const uint8_t *mark, int64_t d, int div) {
+        bool in_order = true, have_prev = false;
+        std::pair<int32_t, uint32_t> prev;
+        for (const auto &e : s) {
+            int64_t p = e.first;
+            if (mark[e.second]) {
+                p = div ? p / d : p + d;
+                if (p < 0) continue;
+            }
+            std::pair<int32_t, uint32_t> cur((int32_t) p, e.second);
+            if (have_prev && !(prev < cur)) { in_order = false; break; }
+            prev = cur;
+            have_prev = true;
+        }
+        if (in_order) {
+            for (auto it = s.begin(); it != s.end();) {
+                if (mark[it->second]) {
+                    int64_t p = div ? it->first / d : it->first + d;
+                    if (p < 0) { it = s.erase(it); continue; }
+                    const_cast<int32_t &>(it->first) = (int32_t) p;
+                }
+                ++it;
+            }
+            return;
+        }
+        std::vector<std::pair<int32_t, uint32_t> > v;
+        v.reserve(s.size());
+        for (const auto &e : s) {
+            int64_t p = e.first;
+            if (mark[e.second]) {
+                p = div ? p / d : p + d;
+                if (p < 0) continue;
+            }
+            v.emplace_back((int32_t) p, e.second);
+        }
+        std::sort(v.begin(), v.end());
+        s.clear();
+        for (const auto &e : v) s.emplace_hint(s.end(), e);
+    }
+
     static inline int kvref_popcount(uint64_t w) { return __builtin_popcountll(w); }
     static inline int kvref_ctz(uint64_t w) { return __builtin_ctzll(w); }
     """
@@ -96,6 +142,7 @@ cdef extern from *:
     void ps_erase "kvref_ps_erase"(PosSet& s, int32_t p, uint32_t i) noexcept nogil
     void ps_erase_range "kvref_ps_erase_range"(PosSet& s, PosSet.iterator first, PosSet.iterator last) noexcept nogil
     void ps_move "kvref_ps_move"(PosSet& s, int32_t p_old, int32_t p_new, uint32_t i) noexcept nogil
+    void ps_rekey "kvref_ps_rekey"(PosSet& s, const uint8_t* mark, int64_t d, int div) noexcept nogil
     int popcount "kvref_popcount"(uint64_t w) noexcept nogil
     int ctz "kvref_ctz"(uint64_t w) noexcept nogil
 
@@ -370,6 +417,68 @@ cdef class KVCells:
         self._sp_move_cell(i, <int32_t>new_pos)
         self._pos[i] = <int32_t>new_pos
         self._shift[i] = _wrap32(<int64_t>self._shift[i] + old - new_pos)
+        self._has_shift = True
+
+    cdef void _shift_cells(self, vector[uint32_t]& cells, int64_t d, bint div, uint8_t* freed) noexcept nogil:
+        """pos_add(i, d) (or pos_div(i, d) when div) on every listed cell: used, distinct, d validated.
+
+        freed[k] (when not NULL) tells whether cells[k] was freed. A sequence whose index has a large
+        share of its entries moving is re-keyed in one ordered walk (ps_rekey) instead of entry by entry.
+        """
+        cdef Py_ssize_t k, m = cells.size()
+        cdef uint32_t i
+        cdef int w, s
+        cdef uint64_t word
+        cdef uint32_t cnt[256]
+        cdef uint64_t bulk[N_WORDS]
+        cdef uint8_t* mark = self._mark.data()
+        cdef int64_t old, new_pos
+        cdef bint any_bulk = False
+        if m == 0:
+            return
+        memset(bulk, 0, sizeof(bulk))
+        if m >= 16:
+            memset(cnt, 0, sizeof(cnt))
+            for k in range(m):
+                i = cells[k]
+                for w in range(N_WORDS):
+                    word = self._seq[N_WORDS * i + w]
+                    while word:
+                        cnt[w * 64 + ctz(word)] += 1
+                        word &= word - 1
+            for s in range(256):
+                if cnt[s] >= 16 and <size_t>cnt[s] * 8 >= self._seq_pos[s].size():
+                    bulk[s >> 6] |= (<uint64_t>1) << (s & 63)
+                    any_bulk = True
+            if any_bulk:
+                for k in range(m):
+                    mark[cells[k]] = 1
+                for s in range(256):
+                    if (bulk[s >> 6] >> (s & 63)) & 1:
+                        ps_rekey(self._seq_pos[s], mark, d, div)
+                for k in range(m):
+                    mark[cells[k]] = 0
+        for k in range(m):
+            i = cells[k]
+            old = self._pos[i]
+            new_pos = old // d if div else old + d
+            if new_pos != old:
+                for w in range(N_WORDS):
+                    word = self._seq[N_WORDS * i + w] & ~bulk[w]
+                    while word:
+                        s = w * 64 + ctz(word)
+                        if new_pos < 0:
+                            ps_erase(self._seq_pos[s], <int32_t>old, i)
+                        else:
+                            ps_move(self._seq_pos[s], <int32_t>old, <int32_t>new_pos, i)
+                        word &= word - 1
+            if new_pos < 0:
+                self._free(i, False)  # pos_add keeps ext, as llama.cpp's does
+            else:
+                self._pos[i] = <int32_t>new_pos
+                self._shift[i] = _wrap32(<int64_t>self._shift[i] + (old - new_pos if div else d))
+            if freed != NULL:
+                freed[k] = new_pos < 0
         self._has_shift = True
 
     # ------------------------------------------------------------------ argument checks
@@ -806,45 +915,52 @@ cdef class KVCells:
         cdef int64_t dv = self._delta("pos_add_many", d, max_pos)
         cdef cnp.ndarray out = np.empty(m, dtype=np.bool_)
         cdef uint8_t* o = <uint8_t*>cnp.PyArray_DATA(out)
+        cdef vector[uint32_t] cells
         with nogil:
+            cells.resize(m)
             for k in range(m):
-                o[k] = self._pos_add_c(iv[k], dv)
+                cells[k] = <uint32_t>iv[k]
+            self._shift_cells(cells, dv, False, o)
         return out
 
-    cdef cnp.ndarray _seq_ids_array(self, object seq_ids):
-        """The validated sequence ids as a contiguous int64 array."""
+    cdef cnp.ndarray _seq_pos_ends_many(self, object seq_ids, bint last):
+        """seq_pos_min (or max when last) of every listed sequence: a 256-entry table, then a gather."""
+        cdef int32_t table[256]
+        cdef int s
+        cdef Py_ssize_t k, m
+        cdef int64_t v
+        cdef int bad = -1
         arr = np.asarray(seq_ids).reshape(-1)
         if arr.dtype.kind not in "biu":
-            return np.array([_seq_id(s) for s in arr], dtype=np.int64)
-        cdef cnp.ndarray a64 = np.ascontiguousarray(arr.astype(np.int64))  # uint64 >= 2^63 turns negative
-        cdef const int64_t[::1] sv = a64
-        cdef Py_ssize_t k
-        for k in range(sv.shape[0]):
-            if sv[k] < 0 or sv[k] >= 256:
-                _seq_id(arr[k])  # raises, naming the caller's value
-        return a64
+            arr = np.array([_seq_id(x) for x in arr], dtype=np.int64)
+        # int64 without a copy when it already is; uint64 >= 2^63 turns negative and is rejected below
+        cdef const int64_t[::1] sv = np.ascontiguousarray(arr, dtype=np.int64)
+        m = sv.shape[0]
+        cdef cnp.ndarray out = np.empty(m, dtype=np.int32)
+        cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
+        with nogil:
+            for s in range(256):
+                if self._seq_pos[s].empty():
+                    table[s] = -1
+                elif last:
+                    table[s] = deref(self._seq_pos[s].rbegin()).first
+                else:
+                    table[s] = deref(self._seq_pos[s].begin()).first
+            for k in range(m):
+                v = sv[k]
+                if v < 0 or v >= 256:
+                    bad = k
+                    break
+                o[k] = table[v]
+        if bad >= 0:
+            _seq_id(arr[bad])  # raises, naming the caller's value
+        return out
 
     def seq_pos_min_many(self, seq_ids):
-        cdef cnp.ndarray sa = self._seq_ids_array(seq_ids)
-        cdef const int64_t[::1] sv = sa
-        cdef Py_ssize_t k, m = sv.shape[0]
-        cdef cnp.ndarray out = np.empty(m, dtype=np.int32)
-        cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
-        with nogil:
-            for k in range(m):
-                o[k] = -1 if self._seq_pos[sv[k]].empty() else deref(self._seq_pos[sv[k]].begin()).first
-        return out
+        return self._seq_pos_ends_many(seq_ids, False)
 
     def seq_pos_max_many(self, seq_ids):
-        cdef cnp.ndarray sa = self._seq_ids_array(seq_ids)
-        cdef const int64_t[::1] sv = sa
-        cdef Py_ssize_t k, m = sv.shape[0]
-        cdef cnp.ndarray out = np.empty(m, dtype=np.int32)
-        cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
-        with nogil:
-            for k in range(m):
-                o[k] = -1 if self._seq_pos[sv[k]].empty() else deref(self._seq_pos[sv[k]].rbegin()).first
-        return out
+        return self._seq_pos_ends_many(seq_ids, True)
 
     # ------------------------------------------------------------------ range operations
     # See the Python twin: [p0, p1) is already normalised by the caller; each op returns the index of
@@ -959,9 +1075,12 @@ cdef class KVCells:
         if cells.size():
             max_pos = self._pos[cells.back()]  # entries come in position order
         dv = self._delta("seq_add_range", delta, max_pos)
+        cdef vector[uint8_t] freed
         with nogil:
+            freed.resize(cells.size())
+            self._shift_cells(cells, dv, False, freed.data())
             for k in range(<Py_ssize_t>cells.size()):
-                if self._pos_add_c(cells[k], dv) and cells[k] < first:
+                if freed[k] and cells[k] < first:
                     first = cells[k]
         return first
 
@@ -976,8 +1095,7 @@ cdef class KVCells:
         cdef Py_ssize_t k
         self._collect(s, a, b, cells)
         with nogil:
-            for k in range(<Py_ssize_t>cells.size()):
-                self._pos_div_c(cells[k], dv)
+            self._shift_cells(cells, dv, True, NULL)
 
     def __repr__(self):
         return f"KVCells(size={self._n}, used={self._n_used}, has_shift={bool(self._has_shift)})"

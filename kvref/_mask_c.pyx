@@ -9,12 +9,15 @@ than from a faster per-cell test:
 - every rule (causal, the three windows, the SWA_FULL span) attends an *interval* of positions, so a
   token's attended cells are a contiguous range of that sorted list, found by binary search; only the
   M-RoPE 2-D rule cuts holes, and only among the cells at exactly the token's position;
-- a token's row is the previous row of the same sequence (memcpy, it is still in cache) patched where
-  the two ranges differ, so a row costs about one write of itself; a first row is a typed fill of
-  ``-inf`` plus the attended cells; ALiBi rows differ everywhere and are always built afresh.
+- a sequence held in consecutive cells in position order (a prompt; one sequence per stream) has rows
+  made of three runs (-inf, 0, -inf): each row is three fills, as cheap as the floor;
+- otherwise a token's row is the previous row of the same sequence (memcpy, it is still in cache)
+  patched where the two ranges differ; a first row is a fill of -inf plus the attended cells; ALiBi
+  rows differ everywhere and are always built afresh.
 
 The kernels hold no Python objects and run without the GIL; values are written as bit patterns
-(float32 -inf = 0xFF800000, float16 -inf = 0xFC00) so the fills are plain integer loops GCC vectorises.
+(float32 -inf = 0xFF800000, float16 -inf = 0xFC00) so fills are wmemset calls (glibc picks the widest
+vector stores at run time; the extension is compiled without -march).
 Argument checking is shared with the Python twin (``_check_kq_args``), so both raise the same errors.
 """
 
@@ -43,7 +46,7 @@ cdef extern from *:
     #include <string.h>
     static inline int kvref_ctz64(unsigned long long x) { return __builtin_ctzll(x); }
     static inline int kvref_clz64(unsigned long long x) { return __builtin_clzll(x); }
-    static inline int popcount64(unsigned long long x) { return __builtin_popcountll(x); }
+    static inline int kvref_popcount64(unsigned long long x) { return __builtin_popcountll(x); }
     #include <wchar.h>
     #include <stdint.h>
     /* Fill n 32-bit / 16-bit slots with v. glibc's wmemset is dispatched at run time to the widest
@@ -65,7 +68,7 @@ cdef extern from *:
     """
     int kvref_ctz64(unsigned long long x) nogil
     int kvref_clz64(unsigned long long x) nogil
-    int popcount64(unsigned long long x) nogil
+    int kvref_popcount64(unsigned long long x) nogil
     void kvref_fill32(uint32_t* p, uint32_t v, size_t n) nogil
     void kvref_fill16(uint16_t* p, uint16_t v, size_t n) nogil
     uint32_t kvref_f32_bits(float f) nogil
@@ -184,8 +187,6 @@ cdef inline int _push(Members* m, uint64_t key) noexcept nogil:
             return 0
         m.keys = grown
         m.cap = cap
-    if m.n > 0 and m.keys[m.n - 1] > key:
-        m.unsorted = 1
     m.keys[m.n] = key
     m.n += 1
     return 1
@@ -209,7 +210,7 @@ cdef int _list_members(const int32_t* pos, const uint64_t* seq, int64_t n_kv, co
         if want[w]:
             words[n_words] = w
             n_words += 1
-            n_want += popcount64(want[w])
+            n_want += kvref_popcount64(want[w])
     if n_want == 1:
         # the usual case (one sequence per stream, or one sequence in the ubatch): one bit to test,
         # and at most n_kv members, so one allocation
@@ -243,16 +244,35 @@ cdef int _list_members(const int32_t* pos, const uint64_t* seq, int64_t n_kv, co
                 m.keys = grown
                 m.cap = cap
             bits &= bits - 1
+    cdef uint64_t key
     for j in range(n_kv):
         if pos[j] == -1:
             continue
+        key = (<uint64_t>pos[j] << 32) | <uint64_t>j
         for w in range(n_words):
             bits = seq[j * N_WORDS + words[w]] & want[words[w]]
+            if bits == 0:
+                continue
+            if (bits & (bits - 1)) == 0 and mem[words[w] * 64 + kvref_ctz64(bits)].n < cap:
+                # one wanted sequence in this word and room in its list (the usual case): plain append
+                m = &mem[words[w] * 64 + kvref_ctz64(bits)]
+                m.keys[m.n] = key
+                m.n += 1
+                continue
             while bits:
-                s = words[w] * 64 + kvref_ctz64(bits)
-                if not _push(&mem[s], (<uint64_t>pos[j] << 32) | <uint64_t>j):
+                if not _push(&mem[words[w] * 64 + kvref_ctz64(bits)], key):
                     return 0
                 bits &= bits - 1
+    # keys went in by cell; a list needs sorting only when its positions go down somewhere
+    for w in range(n_words):
+        bits = want[words[w]]
+        while bits:
+            m = &mem[words[w] * 64 + kvref_ctz64(bits)]
+            for j in range(1, m.n):
+                if m.keys[j - 1] > m.keys[j]:
+                    m.unsorted = 1
+                    break
+            bits &= bits - 1
     return 1
 
 
@@ -271,6 +291,7 @@ cdef void _kq_rows(elem_t* out, const KQArgs* a, const Members* mem,
     cdef int64_t prev_a[MAX_SEQ]
     cdef int64_t prev_b[MAX_SEQ]
     cdef int64_t prev_e[MAX_SEQ]  # start of the previous token's 2-D exception range
+    cdef int64_t first_cell[MAX_SEQ]  # when the sorted list is cells c, c+1, c+2, ...: c; else -1
     cdef int64_t i, k, m, lo, hi, wlo, whi, ra, rb, e0, half, p1
     cdef int s, st
     cdef int check_2d = a.is_2d and a.causal
@@ -281,6 +302,7 @@ cdef void _kq_rows(elem_t* out, const KQArgs* a, const Members* mem,
     cdef size_t row_bytes = <size_t>n_kv * sizeof(elem_t)
     for s in range(MAX_SEQ):
         last_row[s] = -1
+        first_cell[s] = -2  # not looked at yet
 
     for i in range(a.n_tokens):
         s = a.tok_seq[i]
@@ -328,7 +350,19 @@ cdef void _kq_rows(elem_t* out, const KQArgs* a, const Members* mem,
         if check_2d and rb > ra:
             e0 = _lower_bound(ks + ra, rb - ra, <uint64_t>p1 << 32) + ra
 
-        if a.alibi or last_row[s] < 0:
+        if first_cell[s] == -2:
+            # a sequence laid out in position order in consecutive cells (a prompt, one stream per
+            # sequence) has rows made of three runs: write them directly, no copy needed
+            first_cell[s] = _cell(ks[0]) if m > 0 else -1
+            for k in range(1, m):
+                if _cell(ks[k]) != first_cell[s] + k:
+                    first_cell[s] = -1
+                    break
+        if first_cell[s] >= 0 and not a.alibi:
+            _fill(row, first_cell[s] + ra, DROP)
+            _fill(row + first_cell[s] + ra, rb - ra, KEEP)
+            _fill(row + first_cell[s] + rb, n_kv - first_cell[s] - rb, DROP)
+        elif a.alibi or last_row[s] < 0:
             _fill(row, n_kv, DROP)
             if a.alibi:
                 for k in range(ra, rb):

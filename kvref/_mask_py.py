@@ -48,6 +48,9 @@ class NonCausalType(IntEnum):
 
 
 # --------------------------------------------------------------------------------------------- checks
+
+_ZERO_STREAMS = np.zeros(4096, dtype=np.int32)  # every token in stream 0 (no seq_to_stream given)
+_ZERO_STREAMS.flags.writeable = False
 # Both twins run the same checks with the same messages (the Cython twin imports nothing from here, so
 # they are written out twice; tests compare the raised types and messages).
 
@@ -124,22 +127,27 @@ def _check_kq_args(
             raise ValueError("tok_x, tok_y: expected one entry per token")
         if ext is None:
             raise ValueError("cell_ext: required with 2-D token positions")
-    if n_tokens and (tok_pos.min() < 0):
-        raise ValueError("tok_pos: positions must be >= 0")
-    if n_tokens and (tok_seq.min() < 0 or tok_seq.max() >= LLAMA_MAX_SEQ):
-        raise ValueError(f"tok_seq: sequence ids must be in [0, {LLAMA_MAX_SEQ})")
-    if seq_to_stream is None:
-        s2s = np.zeros(LLAMA_MAX_SEQ, dtype=np.int32)
-    else:
-        s2s = _as_i32_1d("seq_to_stream", seq_to_stream)
-        if n_tokens and s2s.shape[0] <= tok_seq.max():
-            raise ValueError(f"seq_to_stream: no entry for sequence {int(tok_seq.max())}")
-    tok_stream = s2s[tok_seq] if n_tokens else np.zeros(0, dtype=np.int32)
-    if n_tokens and (tok_stream.min() < 0 or tok_stream.max() >= len(pos)):
-        raise ValueError(f"seq_to_stream: stream ids must be in [0, {len(pos)})")
-    for st in np.unique(tok_stream):
-        if n_kv > pos[st].shape[0]:
-            raise ValueError(f"out: n_kv = {n_kv} exceeds the {pos[st].shape[0]} cells of stream {st}")
+    tok_stream = _ZERO_STREAMS[:n_tokens]
+    if n_tokens:
+        if tok_pos.min() < 0:
+            raise ValueError("tok_pos: positions must be >= 0")
+        seq_lo, seq_hi = int(tok_seq.min()), int(tok_seq.max())
+        if seq_lo < 0 or seq_hi >= LLAMA_MAX_SEQ:
+            raise ValueError(f"tok_seq: sequence ids must be in [0, {LLAMA_MAX_SEQ})")
+        if seq_to_stream is not None:
+            s2s = _as_i32_1d("seq_to_stream", seq_to_stream)
+            if s2s.shape[0] <= seq_hi:
+                raise ValueError(f"seq_to_stream: no entry for sequence {seq_hi}")
+            tok_stream = s2s[tok_seq]
+            if tok_stream.min() < 0 or tok_stream.max() >= len(pos):
+                raise ValueError(f"seq_to_stream: stream ids must be in [0, {len(pos)})")
+        elif n_tokens > _ZERO_STREAMS.shape[0]:
+            tok_stream = np.zeros(n_tokens, dtype=np.int32)
+    # n_kv must fit in every stream a token reads (all streams of a KVCache have the same size)
+    if n_tokens and n_kv > min(p.shape[0] for p in pos):
+        for st in np.unique(tok_stream):
+            if n_kv > pos[st].shape[0]:
+                raise ValueError(f"out: n_kv = {n_kv} exceeds the {pos[st].shape[0]} cells of stream {st}")
     swa_type = int(swa_type)
     n_swa = int(n_swa)
     if swa_type not in (0, 1, 2, 3):

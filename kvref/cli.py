@@ -99,8 +99,21 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _conformance_args(p: argparse.ArgumentParser) -> None:
+    from .conformance import add_arguments
+
+    add_arguments(p)
+
+
+def cmd_conformance(args: argparse.Namespace) -> int:
+    from .conformance import main as run_conformance
+
+    return run_conformance(args)
+
+
 SUBCOMMANDS: list[Subcommand] = [
     ("inspect", "summarize a llama.cpp state file or blob", _inspect_args, cmd_inspect),
+    ("conformance", "check kvref against the goldens written by llama.cpp", _conformance_args, cmd_conformance),
 ]
 
 

@@ -524,7 +524,9 @@ class KVCache:
         """The bytes of llama_kv_cache::state_write: every stream, or one sequence's unmasked cells."""
         return _kv_state.state_write(self, seq_id, flags)
 
-    def stage_state(self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0) -> tuple[Callable[[], None], int]:
+    def stage_state(
+        self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
+    ) -> tuple[Callable[[], None], int]:
         return _kv_state.stage_state(self, data, seq_id, flags, offset)
 
     def state_read(self, data: Any, seq_id: int = -1, flags: int = 0) -> int:

@@ -154,7 +154,8 @@ def state_section(cache: KVCache, seq_id: int = -1, flags: int = 0) -> KVSection
         ext = np.asarray(cells.ext)[idx, :n_ext] if n_ext else None
         table = Cells(np.asarray(cells.pos)[idx], ids.astype(np.int32), start, ext, n_ext * 4)
 
-        k_rows, v_rows = [], []
+        k_rows: list[LayerRows] = []
+        v_rows: list[LayerRows | TransposedRows] = []
         size = cells.size()
         for layer in cache.layers:
             k_rows.append(LayerRows(int(cache.type_k), int(layer.k.shape[-1]), layer.k[s][idx]))
@@ -213,7 +214,7 @@ def _trial(cache: KVCache, streams: list[int]) -> Any:
 def _reserve_ubatch(cache: KVCache, cells: Any, dest: int, has_ext: bool) -> Any:
     """ubatch_reserve(cell_count, 1) filled as state_read_meta fills it."""
     n = cells.n
-    ub = BatchAllocr(cache.hparams.n_pos_per_embd()).ubatch_reserve(n, 1)
+    ub: Any = BatchAllocr(cache.hparams.n_pos_per_embd()).ubatch_reserve(n, 1)
     ub.pos[:n] = cells.pos
     if has_ext:
         if ub.n_pos > 1:
@@ -231,7 +232,7 @@ def _reserve_ubatch(cache: KVCache, cells: Any, dest: int, has_ext: bool) -> Any
 def _whole_cells(cache: KVCache, st: Any, at: int) -> KVCells:
     """A stream's cells after a whole restore: cell i holds the i-th cell of the section."""
     c = st.cells
-    out = KVCellsLike(cache, cache.get_size())
+    out = _empty_cells_like(cache, cache.get_size())
     pos = c.pos
     has_ext = c.ext_size > 0
     for i in range(c.n):
@@ -250,7 +251,7 @@ def _whole_cells(cache: KVCache, st: Any, at: int) -> KVCells:
     return out
 
 
-def KVCellsLike(cache: KVCache, size: int) -> KVCells:  # noqa: N802 - a factory named after the class it makes
+def _empty_cells_like(cache: KVCache, size: int) -> KVCells:
     """Empty cells of the same twin as the cache's (so a Python-twin cache stays pure Python)."""
     return type(cache.cells(0))(size)
 
@@ -259,14 +260,14 @@ def _copy_rows(cache: KVCache, strm: int, idxs: np.ndarray, data: Any) -> None:
     size = cache.get_size()
     for layer, k in zip(cache.layers, data.k, strict=True):
         layer.k[strm][idxs] = k.data
-    v_layers = [layer for layer in cache.layers if layer.v is not None]
-    for layer, v in zip(v_layers, data.v, strict=True):
+    v_bufs = [layer.v for layer in cache.layers if layer.v is not None]
+    for vbuf, v in zip(v_bufs, data.v, strict=True):
         if not cache.v_trans:
-            layer.v[strm][idxs] = v.data
+            vbuf[strm][idxs] = v.data
             continue
         el = v.el_size
         n = len(idxs)
-        view = layer.v[strm][: v.n_embd].reshape(v.n_embd, size, el)
+        view = vbuf[strm][: v.n_embd].reshape(v.n_embd, size, el)
         view[:, idxs, :] = np.asarray(v.data).reshape(v.n_embd, n, el)
 
 
@@ -280,8 +281,14 @@ def stage_state(
     seq_id = int(seq_id)
     if seq_id != -1:
         cache._check_seq(seq_id)
+    buf = memoryview(data).cast("B")
+    if len(buf) >= offset + 4:
+        # llama.cpp compares n_stream before it reads anything else: blame it even when the rest is garbage
+        n_stream = int.from_bytes(buf[offset : offset + 4], "little")
+        if n_stream != cache.n_stream:
+            raise FormatError(f"n_stream {n_stream}, the cache has {cache.n_stream}", field="n_stream", offset=offset)
     sec, end = read_kv_section(data, spec(cache), seq_id=seq_id, offset=offset)
-    streams = [(s, st) for s, st in enumerate(sec.streams) if st.cells is not None]
+    streams: list[tuple[int, Any]] = [(s, st) for s, st in enumerate(sec.streams) if st.cells is not None]
 
     if seq_id == -1:
         new_cells = {s: _whole_cells(cache, st, st.offsets.get("cells", offset)) for s, st in streams}

@@ -118,7 +118,8 @@ def oracle(
                 if not in_span and is_masked_swa(n_swa, swa_type, p0, p1):
                     continue
             res[i, j] = np.float32(-abs(p0 - p1)) if alibi else 0.0
-    return res.astype(dtype).reshape(shape)
+    with np.errstate(over="ignore"):  # ALiBi distances beyond float16 become -inf, as in llama.cpp
+        return res.astype(dtype).reshape(shape)
 
 
 def same_bits(a: np.ndarray, b: np.ndarray) -> bool:

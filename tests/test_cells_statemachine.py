@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -30,17 +30,15 @@ from hypothesis.stateful import (
 from kvref import _cells_py
 from kvref.errors import KVRefError
 
-try:
-    from kvref import _cells_c
-except ModuleNotFoundError as exc:
-    if exc.name != "kvref._cells_c":
-        raise
-    if os.environ.get("KVREF_BACKEND", "").strip().lower() == "cython":
-        raise ImportError("KVREF_BACKEND=cython but kvref._cells_c is not built") from exc
-    pytest.skip("kvref._cells_c is not built: no twin to cross-check", allow_module_level=True)
+from conftest import CELLS_C, NOT_BUILT, cython_requested
+
+if CELLS_C is None:
+    if cython_requested():
+        raise ImportError("KVREF_BACKEND=cython but kvref._cells_c is not built")
+    pytest.skip(NOT_BUILT, allow_module_level=True)
 
 PyCells = _cells_py.KVCells
-CCells = _cells_c.KVCells
+CCells = CELLS_C.KVCells
 
 POS_MAX = 2**31 - 1
 # what the runs covered (printed by the campaign): steps, operations, operations that raised, sequences
@@ -441,3 +439,61 @@ def test_cells_twins_campaign() -> None:
         f"({STATS['errors']} raised the same error on both), {len(STATS['seqs'])} distinct sequences used"
     )
     assert len(STATS["seqs"]) >= 200
+
+
+# ------------------------------------------------------------------ large shifts, cross-checked
+# The state machine's cells are small; shifts over many cells of one sequence take another path in the
+# Cython twin (one ordered walk of the sequence's index, in place or rebuilt when the order changes),
+# so drive that with hundreds of cells: uniform shifts, shifts that cross unmoved cells, divisions that
+# reorder ties, cells freed by going negative, cells in several sequences.
+shift_ops = st.lists(
+    st.one_of(
+        st.tuples(st.just("add_range"), st.integers(0, 3), bounds, bounds, st.integers(-70, 70)),
+        st.tuples(st.just("div_range"), st.integers(0, 3), bounds, bounds, st.integers(1, 5)),
+        st.tuples(st.just("add_many"), st.integers(0, 3), st.floats(0, 1), st.just(0), st.integers(-70, 70)),
+        st.tuples(st.just("rm_range"), st.integers(-1, 3), bounds, bounds, st.just(0)),
+        st.tuples(st.just("reset_shift"), st.just(0), st.just(0), st.just(0), st.just(0)),
+    ),
+    min_size=1,
+    max_size=8,
+)
+
+
+@settings(max_examples=_EXAMPLES, deadline=None, suppress_health_check=list(HealthCheck))
+@given(
+    n=st.integers(16, 400),
+    seed=st.integers(0, 2**32 - 1),
+    ops=shift_ops,
+)
+def test_large_shifts_match(n: int, seed: int, ops: list[tuple]) -> None:
+    rng = np.random.default_rng(seed)
+    used = np.flatnonzero(rng.random(n) < rng.uniform(0.3, 1.0))
+    pos = rng.integers(0, rng.integers(1, 80), used.size)
+    cells = [PyCells(n), CCells(n)]
+    for c in cells:
+        c.pos_set_many(used, pos)
+    for s in range(4):
+        holders = used[rng.random(used.size) < rng.uniform(0.2, 1.0)]
+        for c in cells:
+            c.seq_add_many(holders, s)
+    extra = used[rng.random(used.size) < 0.1]
+    for c in cells:
+        c.seq_add_many(extra, 200)
+    for kind, s, a, b, d in ops:
+        if kind == "add_many":
+            members = np.flatnonzero(cells[0].seq[:, 0] & np.uint64(1 << s))
+            idxs = members[rng.random(members.size) < max(a, 0.5)]
+            rng.shuffle(idxs)
+            results = [c.pos_add_many(idxs, d) for c in cells]
+        elif kind == "add_range":
+            results = [c.seq_add_range(s, a, b, d) for c in cells]
+        elif kind == "div_range":
+            results = [c.seq_div_range(s, a, b, d) for c in cells]
+        elif kind == "rm_range":
+            results = [c.seq_rm_range(s, a, b) for c in cells]
+        else:
+            results = [c.reset_shift() for c in cells]
+        assert _same(results[0], results[1]), (kind, s, a, b, d)
+        st_py = full_state(cells[0])
+        assert_same_state(st_py, full_state(cells[1]), f"after {kind}")
+        assert_consistent(st_py)

@@ -24,9 +24,25 @@ def mask_case(draw):
     n_cstream = draw(st.integers(1, 3))
     size = draw(st.integers(0, 40))
     max_pos = draw(st.integers(0, 30))
+    scale = draw(st.sampled_from([1, 1, 1, 97, 3001]))  # large distances: f16 ALiBi rounding, wide windows
     pos, seq, ext = [], [], []
     for _ in range(n_cstream):
-        layout = draw(st.sampled_from(["random", "sorted", "runs"]))
+        layout = draw(st.sampled_from(["random", "sorted", "runs", "blocks"]))
+        if layout == "blocks":  # prompts: each sequence in consecutive cells, positions going up
+            cuts = sorted(draw(st.lists(st.integers(0, size), max_size=3)))
+            bounds = [0, *cuts, size]
+            p = np.zeros(size, dtype=np.int32)
+            sets = []
+            for b in range(len(bounds) - 1):
+                n_b = bounds[b + 1] - bounds[b]
+                start = draw(st.integers(0, max_pos))
+                p[bounds[b] : bounds[b + 1]] = np.arange(start, start + n_b) * draw(st.sampled_from([1, 1, 2]))
+                sets += [{b % N_SEQ}] * n_b
+            pos.append(p * scale)
+            seq.append(seq_bits(sets))
+            e = np.array(draw(st.lists(st.integers(0, 3), min_size=3 * size, max_size=3 * size)), dtype=np.int32)
+            ext.append(e.reshape(size, 3))
+            continue
         if layout == "runs":  # sequences laid out one after the other with consecutive positions
             p = np.arange(size, dtype=np.int32) % max(1, max_pos + 1)
         else:
@@ -40,7 +56,7 @@ def mask_case(draw):
             for j in range(size)
         ]
         e = np.array(draw(st.lists(st.integers(0, 3), min_size=3 * size, max_size=3 * size)), dtype=np.int32)
-        pos.append(p)
+        pos.append(np.where(p == -1, -1, p * scale).astype(np.int32))
         seq.append(seq_bits(sets))
         ext.append(e.reshape(size, 3))
     s2s = np.array(draw(st.lists(st.integers(0, n_cstream - 1), min_size=N_SEQ, max_size=N_SEQ)), dtype=np.int32)
@@ -51,7 +67,7 @@ def mask_case(draw):
         start = draw(st.integers(0, max_pos + 4))
         run = draw(st.integers(1, 6))
         step = draw(st.sampled_from([1, 1, 0, -1, 3]))
-        toks += [(s, max(0, start + k * step)) for k in range(run)]
+        toks += [(s, max(0, start + k * step) * scale) for k in range(run)]
     if draw(st.booleans()):
         toks = draw(st.permutations(toks))
     n = len(toks)
@@ -59,7 +75,7 @@ def mask_case(draw):
     n_stream = draw(st.sampled_from(divisors))
     n_kv = draw(st.integers(0, size))
     kw = dict(
-        n_swa=draw(st.integers(1, 12)),
+        n_swa=draw(st.integers(1, 12)) * draw(st.sampled_from([1, scale])),
         swa_type=draw(st.integers(0, 3)),
         causal=draw(st.booleans()),
         non_causal_type=draw(st.integers(0, 2)),

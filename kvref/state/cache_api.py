@@ -192,7 +192,17 @@ def _read(struct: Any, buf: Any, offset: int, options: dict[str, Any]) -> tuple[
 def read_kv_section(buf: Any, spec: KVSpec, *, seq_id: int = -1, offset: int = 0) -> tuple[KVSection, int]:
     """Parse the KV section at ``offset`` with the cache's layout, validate it, return it and its end offset."""
     sec, end = _read(
-        KV_SECTION, buf, offset, {"n_stream_field": spec.has_n_stream, "ext_size": spec.ext_size, "has_v": spec.has_v}
+        KV_SECTION,
+        buf,
+        offset,
+        {
+            "n_stream_field": spec.has_n_stream,
+            "ext_size": spec.ext_size,
+            "has_v": spec.has_v,
+            # lets the parse check n_layer / v_trans / types / row sizes against the cache as llama.cpp does
+            "cache_spec": spec,
+            "_cache_il": {"k": -1, "v": -1},
+        },
     )
     validate_kv_section(sec, spec, seq_id)
     return sec, end

@@ -216,6 +216,76 @@ def _check_n_stream(v: int, env: Env) -> str | None:
     return None if 1 <= v <= LLAMA_MAX_SEQ else f"n_stream {v} outside [1, {LLAMA_MAX_SEQ}]"
 
 
+# --- checks against a cache (only when a cache reads: kvref.state.cache_api passes ``cache_spec``) --------------
+# llama.cpp's state_read_data compares n_layer, v_trans and each layer's type / row size / V width with its cache
+# as it reads them, before the rows; checking them here (instead of after the parse) blames the field llama.cpp
+# blames even when the mismatch makes the rest of the section unparseable.
+
+
+def _cache_layer(env: Env, prefix: str) -> Any:
+    spec = env.get("cache_spec")
+    if spec is None or prefix not in ("k", "v"):
+        return None
+    cursor = env["_cache_il"]
+    return spec.layers[cursor[prefix]] if 0 <= cursor[prefix] < len(spec.layers) else None
+
+
+def _check_cache_n_layer(v: int, env: Env) -> str | None:
+    spec = env.get("cache_spec")
+    if spec is None:
+        return None
+    env["_cache_il"].update(k=-1, v=-1)  # a new stream's data: layer cursors start again
+    return None if v == len(spec.layers) else f"n_layer {v}, the cache has {len(spec.layers)}"
+
+
+def _check_cache_v_trans(v: int, env: Env) -> str | None:
+    msg = _check_flag(v, env)
+    spec = env.get("cache_spec")
+    if msg or spec is None:
+        return msg
+    return None if bool(v) == spec.v_trans else f"v_trans {v}, the cache has {int(spec.v_trans)}"
+
+
+def _check_layer_type(prefix: str) -> Any:
+    def check(v: int, env: Env) -> str | None:
+        msg = _check_type(v, env)
+        if msg or env.get("cache_spec") is None or prefix not in ("k", "v"):
+            return msg
+        env["_cache_il"][prefix] += 1
+        ls = _cache_layer(env, prefix)
+        want = None if ls is None else getattr(ls, f"{prefix}_type")
+        if want is not None and v != want:
+            return f"layer {env['_cache_il'][prefix]}: {prefix} type {type_name(v)}, the cache has {type_name(want)}"
+        return None
+
+    return check
+
+
+def _check_layer_row_size(prefix: str) -> Any:
+    base = _check_row_size(prefix)
+
+    def check(v: int, env: Env) -> str | None:
+        msg = base(v, env)
+        ls = _cache_layer(env, prefix)
+        want = None if ls is None else getattr(ls, f"{prefix}_row_size")
+        if msg or want is None or v == want:
+            return msg
+        return f"layer {env['_cache_il'][prefix]}: {prefix} row size {v}, the cache has {want}"
+
+    return check
+
+
+def _check_layer_n_embd(prefix: str) -> Any:
+    def check(v: int, env: Env) -> str | None:
+        ls = _cache_layer(env, prefix)
+        want = None if ls is None else ls.n_embd_v_gqa
+        if want is None or v == want:
+            return None
+        return f"layer {env['_cache_il'][prefix]}: n_embd_v_gqa {v}, the cache has {want}"
+
+    return check
+
+
 def _cells_rows(env: Env, name: str) -> tuple[int, int]:
     return env["cell_count"], env[name]
 
@@ -224,8 +294,8 @@ def _row_struct(prefix: str) -> Struct:
     """``i32 type, u64 row_size, rows``: K, row-wise V and row-wise S share it under their own field names."""
     return Struct(
         LayerRows,
-        I32(f"{prefix}_type", attr="type", check=_check_type),
-        U64(f"{prefix}_row_size", attr="row_size", check=_check_row_size(prefix)),
+        I32(f"{prefix}_type", attr="type", check=_check_layer_type(prefix)),
+        U64(f"{prefix}_row_size", attr="row_size", check=_check_layer_row_size(prefix)),
         Rows(f"{prefix}_data", lambda env: _cells_rows(env, f"{prefix}_row_size"), attr="data"),
     )
 
@@ -233,9 +303,9 @@ def _row_struct(prefix: str) -> Struct:
 def _transposed_struct(prefix: str, n_embd_name: str) -> Struct:
     return Struct(
         TransposedRows,
-        I32(f"{prefix}_type", attr="type", check=_check_type),
+        I32(f"{prefix}_type", attr="type", check=_check_layer_type(prefix)),
         U32(f"{prefix}_el_size", attr="el_size", check=_check_el_size(prefix)),
-        U32(n_embd_name, attr="n_embd"),
+        U32(n_embd_name, attr="n_embd", check=_check_layer_n_embd(prefix)),
         Rows(
             f"{prefix}_data", lambda env: (env[n_embd_name], env["cell_count"] * env[f"{prefix}_el_size"]), attr="data"
         ),
@@ -251,8 +321,8 @@ def _n_v_layers(env: Env) -> int:
 
 KV_DATA = Struct(
     KVData,
-    U32("v_trans", check=_check_flag),
-    U32("n_layer", derive=lambda o, env: len(o.k)),
+    U32("v_trans", check=_check_cache_v_trans),
+    U32("n_layer", derive=lambda o, env: len(o.k), check=_check_cache_n_layer),
     List("k", _row_struct("k"), lambda env: env["n_layer"], blame="n_layer"),
     Param("has_v", derive=lambda o, env: bool(o.v)),
     Switch(

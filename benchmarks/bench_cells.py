@@ -1,0 +1,138 @@
+"""Cell bookkeeping workloads over 32768 cells, for each twin (``python -m pytest benchmarks/bench_cells.py
+--benchmark-only``). Each workload is one benchmark group, so ``py`` and ``c`` appear side by side; the
+session ends with a Cython/Python ratio table (benchmarks/conftest.py).
+
+The workloads, with llama.cpp's C++ llama_kv_cells times for the same loops on this machine kind:
+  e  fill: pos_set(i, i // 16) + seq_add(i, i % 16) on every cell (16 sequences), bulk forms   6.7-8.7 ms
+  f  seq_rm of every cell of sequence 3 (the range op)                                          0.8-1.2 ms
+  g  pos_add(i, -100) on every used cell (the first 1600 cells are freed)                        19-30 ms
+  h  10^5 seq_pos_max queries (bulk)                                                             0.4-0.5 ms
+  i  cp(idxs) + set(idxs, copy) of all cells                                                     20-25 ms
+  i2 as (i), but restoring a copy of different cells (every position + 1): set() really re-indexes
+     every cell; (i) restores what is already there, which set() recognises and skips cell by cell
+Benchmarks never assert times.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+N_CELLS = 32768
+N_SEQ = 16
+N_QUERIES = 100_000
+POS_MAX = 2**31 - 1
+
+# group -> llama.cpp's C++ time range (ms) for the same workload; read by the summary in conftest.py
+REFERENCE_MS = {
+    "cells-e-fill": (6.7, 8.7),
+    "cells-f-seq_rm_range": (0.8, 1.2),
+    "cells-g-pos_add_all": (19.0, 30.0),
+    "cells-h-seq_pos_max_1e5": (0.4, 0.5),
+    "cells-i-cp_set_all": (20.0, 25.0),
+}
+
+IDXS = np.arange(N_CELLS, dtype=np.int64)
+POSITIONS = IDXS // N_SEQ
+SEQS = IDXS % N_SEQ
+QUERIES = np.random.default_rng(0).integers(0, N_SEQ, N_QUERIES)
+
+_TEMPLATES: dict[type, Any] = {}
+
+
+def rounds(cls: type) -> dict[str, int]:
+    """Few rounds for the Python twin (seconds per round), many for the Cython one."""
+    return {"rounds": 3, "warmup_rounds": 0} if cls.__module__.endswith("_py") else {"rounds": 30, "warmup_rounds": 2}
+
+
+def filled(cls: type) -> Any:
+    """A fresh copy of the cells after workload (e)."""
+    if cls not in _TEMPLATES:
+        c = cls(N_CELLS)
+        c.pos_set_many(IDXS, POSITIONS)
+        c.seq_add_many(IDXS, SEQS)
+        _TEMPLATES[cls] = c
+    return _TEMPLATES[cls].cp(0, N_CELLS)
+
+
+def test_e_fill(benchmark: Any, twin: type) -> None:
+    benchmark.group = "cells-e-fill"
+
+    def setup() -> tuple[tuple, dict]:
+        return (twin(N_CELLS),), {}
+
+    def fill(c: Any) -> None:
+        c.pos_set_many(IDXS, POSITIONS)
+        c.seq_add_many(IDXS, SEQS)
+
+    benchmark.pedantic(fill, setup=setup, iterations=1, **rounds(twin))
+    c = filled(twin)
+    assert c.get_used() == N_CELLS and c.seq_pos_max(15) == N_CELLS // N_SEQ - 1
+
+
+def test_f_seq_rm_range(benchmark: Any, twin: type) -> None:
+    benchmark.group = "cells-f-seq_rm_range"
+    out: list[Any] = []
+
+    def setup() -> tuple[tuple, dict]:
+        out[:] = [filled(twin)]
+        return (out[0],), {}
+
+    benchmark.pedantic(lambda c: c.seq_rm_range(3, 0, POS_MAX), setup=setup, iterations=1, **rounds(twin))
+    assert out[0].seq_pos_max(3) == -1 and out[0].get_used() == N_CELLS - N_CELLS // N_SEQ
+
+
+def test_g_pos_add_all(benchmark: Any, twin: type) -> None:
+    benchmark.group = "cells-g-pos_add_all"
+    out: list[Any] = []
+
+    def setup() -> tuple[tuple, dict]:
+        c = filled(twin)
+        out[:] = [c]
+        return (c, c.used_cells()), {}
+
+    benchmark.pedantic(lambda c, used: c.pos_add_many(used, -100), setup=setup, iterations=1, **rounds(twin))
+    assert out[0].get_used() == N_CELLS - 100 * N_SEQ and out[0].seq_pos_min(0) == 0
+
+
+def test_h_seq_pos_max_queries(benchmark: Any, twin: type) -> None:
+    benchmark.group = "cells-h-seq_pos_max_1e5"
+    c = filled(twin)
+    res = benchmark.pedantic(c.seq_pos_max_many, args=(QUERIES,), iterations=1, **rounds(twin))
+    assert res.shape == (N_QUERIES,) and (res == N_CELLS // N_SEQ - 1).all()
+
+
+def test_i_cp_set_all(benchmark: Any, twin: type) -> None:
+    benchmark.group = "cells-i-cp_set_all"
+    out: list[Any] = []
+
+    def setup() -> tuple[tuple, dict]:
+        out[:] = [filled(twin)]
+        return (out[0],), {}
+
+    def cp_set(c: Any) -> None:
+        c.set(IDXS, c.cp(IDXS))
+
+    benchmark.pedantic(cp_set, setup=setup, iterations=1, **rounds(twin))
+    assert out[0].get_used() == N_CELLS and out[0].seq_pos_get(7)[:2] == [(0, 7), (1, 23)]
+
+
+def test_i2_cp_set_changed(benchmark: Any, twin: type) -> None:
+    benchmark.group = "cells-i2-cp_set_changed"
+    other = twin(N_CELLS)
+    other.pos_set_many(IDXS, POSITIONS + 1)
+    other.seq_add_many(IDXS, SEQS)
+    saved = other.cp(IDXS)
+    out: list[Any] = []
+
+    def setup() -> tuple[tuple, dict]:
+        out[:] = [filled(twin)]
+        return (out[0],), {}
+
+    def cp_set(c: Any) -> None:
+        c.cp(IDXS)
+        c.set(IDXS, saved)
+
+    benchmark.pedantic(cp_set, setup=setup, iterations=1, **rounds(twin))
+    assert out[0].seq_pos_get(7)[:2] == [(1, 7), (2, 23)]

@@ -1,0 +1,99 @@
+"""Benchmark plumbing: run with ``python -m pytest benchmarks/bench_cells.py --benchmark-only``.
+
+- pyproject's ``addopts`` disables benchmarks for the test suite; ``--benchmark-only`` here turns them
+  back on (pytest-benchmark would otherwise refuse the two options together).
+- ``twin`` is parametrized over the cell twins (ids ``py`` and ``c``, as in tests/conftest.py).
+- At the end of the session a table puts Cython and Python side by side per workload, with llama.cpp's
+  C++ reference times for the same workload where one is known (``REFERENCE_MS`` in the bench module).
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_configure(config: pytest.Config) -> None:
+    if config.getoption("benchmark_only", False):
+        config.option.benchmark_enable = True
+
+
+def _compiled(stem: str) -> ModuleType | None:
+    try:
+        return importlib.import_module(f"kvref._{stem}_c")
+    except ModuleNotFoundError as exc:
+        if exc.name != f"kvref._{stem}_c":
+            raise
+        return None
+
+
+CELLS_C = _compiled("cells")
+
+
+def _twins() -> list[Any]:
+    from kvref import _cells_py
+
+    params = [pytest.param(_cells_py.KVCells, id="py")]
+    if CELLS_C is not None:
+        params.append(pytest.param(CELLS_C.KVCells, id="c"))
+    elif os.environ.get("KVREF_BACKEND", "").strip().lower() == "cython":
+        params.append(pytest.param(None, id="c"))  # fails in the fixture
+    else:
+        params.append(pytest.param(None, id="c", marks=pytest.mark.skip(reason="kvref._cells_c is not built")))
+    return params
+
+
+@pytest.fixture(params=_twins())
+def twin(request: pytest.FixtureRequest) -> type:
+    if request.param is None:
+        pytest.fail("KVREF_BACKEND=cython but kvref._cells_c is not built")
+    return request.param
+
+
+def _seconds(bench: Any, key: str) -> float | None:
+    meta = getattr(bench, "stats", None)
+    stats = getattr(meta, "stats", meta)
+    value = getattr(stats, key, None)
+    return float(value) if value is not None else None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
+    session = getattr(config, "_benchmarksession", None)
+    if session is None or not session.benchmarks:
+        return
+    rows: dict[str, dict[str, Any]] = {}
+    for bench in session.benchmarks:
+        if not getattr(bench, "stats", None):
+            continue
+        twin_id = bench.name.rsplit("[", 1)[-1].rstrip("]").split("-")[0]
+        rows.setdefault(bench.group or bench.name, {})[twin_id] = bench
+    refs: dict[str, tuple[float, float]] = {}
+    here = os.path.dirname(os.path.abspath(__file__))
+    for module in list(sys.modules.values()):  # the bench modules that ran declare REFERENCE_MS
+        path = getattr(module, "__file__", None) or ""
+        if os.path.dirname(os.path.abspath(path)) == here:
+            refs.update(getattr(module, "REFERENCE_MS", {}))
+    tr = terminalreporter
+    tr.section("kvref cells: Cython vs Python (median ms; min in brackets)")
+    tr.write_line(f"{'workload':<30} {'py ms':>16} {'c ms':>16} {'py/c':>8}   {'llama.cpp ms':>13} {'c vs llama.cpp':>15}")
+    for group, by_twin in sorted(rows.items()):
+        cells = {}
+        for twin_id in ("py", "c"):
+            b = by_twin.get(twin_id)
+            med, lo = (_seconds(b, "median"), _seconds(b, "min")) if b else (None, None)
+            cells[twin_id] = (med * 1e3, lo * 1e3) if med is not None and lo is not None else None
+        py, c = cells["py"], cells["c"]
+        fmt = lambda v: f"{v[0]:9.3f} [{v[1]:.3f}]" if v else "-"  # noqa: E731
+        ratio = f"{py[0] / c[0]:7.0f}x" if py and c and c[0] > 0 else "-"
+        ref = refs.get(group)
+        ref_s = f"{ref[0]:g}-{ref[1]:g}" if ref else "-"
+        vs = f"{(ref[0] + ref[1]) / 2 / c[0]:13.1f}x" if ref and c and c[0] > 0 else "-"
+        tr.write_line(f"{group:<30} {fmt(py):>16} {fmt(c):>16} {ratio:>8}   {ref_s:>13} {vs:>15}")
+    tr.write_line("py/c: Python time / Cython time; c vs llama.cpp: midpoint of the C++ reference / Cython time")

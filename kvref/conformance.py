@@ -1,0 +1,707 @@
+"""The conformance runner: kvref against the goldens a real llama.cpp wrote (``kvref conformance``).
+
+For every ``<root>/golden/<case-id>/`` the runner makes four checks:
+
+``parse``    every artefact reads with ``kvref.state.load`` (told its kind, layout and cell ext by the case's
+             trace) and writes back byte for byte;
+``replay``   the trace runs on a kvref memory built from the case's hyper-parameters and context (when the
+             model GGUF is committed, ``HParams.from_gguf`` must agree with the recorded hyper-parameters):
+             every return value (init, decode 0 / 1 / -1, seq_rm) and every ``seq_pos_min`` / ``seq_pos_max``
+             observation must match; at every save point the cell tables kvref would write (per section, per
+             stream: cell order, positions, sequence ids, ext) must match the golden's, then the golden's K/V
+             (or R/S) rows are copied into the replayed memory at the cells it writes and its
+             ``state_write`` must equal the golden memory bytes exactly; restores feed the golden's memory
+             bytes to ``state_read``;
+``restore``  every golden loads into a fresh memory (whole, or per sequence into its own and into another
+             sequence) and writes back identically (relabelled for another sequence);
+``invalid``  (one extra pseudo-case ``invalid``) every file of ``invalid/manifest.json`` raises its error class
+             naming its field; faults only a model-aware reader can see (``needs_hparams``) are fed to a
+             memory built like the source case's.
+
+Expected failures live in ``<root>/expected_failures.json`` (``{"cases": [{"id", "checks", "reason"}]}``): a
+listed check must fail (an unexpected pass is a failure), an unlisted one must pass. A check kvref cannot
+run (a memory kind it does not model) is reported as ``unsupported`` and counts as not passing.
+
+Where the goldens are found (``find_root``): ``--root``, else ``./conformance`` when it holds ``golden/``,
+else the ``conformance/`` directory of the source checkout kvref was imported from. An installed wheel does
+not ship the goldens: run from a checkout, or pass ``--root``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from .errors import BatchError, KVRefError, NoSlotError
+
+CHECKS = ("parse", "replay", "restore")
+INVALID_CASE = "invalid"
+PARTIAL_ONLY = 1
+_KIND = {"session": "session", "seq": "seq", "state_data": "state", "seq_data": "seq_state"}
+
+
+class CheckFailed(AssertionError):
+    """A conformance check found a difference; the message says where."""
+
+
+class Unsupported(Exception):
+    """kvref cannot run this check (yet); the message says why."""
+
+
+@dataclass
+class CheckResult:
+    name: str
+    status: str  # "pass", "fail", "unsupported"
+    detail: str = ""
+    expected_failure: str | None = None  # the manifest's reason when this check is listed
+
+    @property
+    def ok(self) -> bool:
+        """The outcome is what the manifest expects."""
+        passed = self.status == "pass"
+        return passed if self.expected_failure is None else not passed
+
+
+@dataclass
+class CaseResult:
+    case: str
+    checks: list[CheckResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def status(self) -> str:
+        if not self.ok:
+            bad = [c for c in self.checks if not c.ok]
+            return "XPASS" if all(c.expected_failure is not None for c in bad) else "FAIL"
+        return "xfail" if any(c.expected_failure is not None for c in self.checks) else "pass"
+
+    def first_problem(self) -> str:
+        for c in self.checks:
+            if not c.ok:
+                if c.expected_failure is not None:
+                    return f"{c.name}: unexpectedly passed (listed as expected failure: {c.expected_failure})"
+                return f"{c.name}: {c.detail}"
+        for c in self.checks:
+            if c.expected_failure is not None:
+                return f"{c.name} (expected): {c.detail}"
+        return ""
+
+
+# ---------------------------------------------------------------------------------------------- locating
+def find_root(root: str | Path | None = None) -> Path:
+    """The conformance directory: ``root``, else ./conformance, else the source checkout's conformance/."""
+    if root is not None:
+        p = Path(root)
+        if not (p / "golden").is_dir():
+            raise KVRefError(f"{p} has no golden/ directory")
+        return p
+    for p in (Path.cwd() / "conformance", Path(__file__).resolve().parent.parent / "conformance"):
+        if (p / "golden").is_dir():
+            return p
+    raise KVRefError("no conformance/golden directory found: run from a kvref checkout or pass --root")
+
+
+def list_cases(root: Path) -> list[str]:
+    return sorted(p.parent.name for p in (root / "golden").glob("*/case.json"))
+
+
+def load_case(root: Path, case_id: str) -> dict:
+    return json.loads((root / "golden" / case_id / "case.json").read_text())
+
+
+def load_expected_failures(root: Path) -> dict[str, dict[str, str]]:
+    """``{case id: {check: reason}}`` from expected_failures.json (empty when there is none)."""
+    p = root / "expected_failures.json"
+    if not p.exists():
+        return {}
+    out: dict[str, dict[str, str]] = {}
+    for e in json.loads(p.read_text()).get("cases", []):
+        for c in e["checks"]:
+            out.setdefault(e["id"], {})[c] = e["reason"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- model + memory
+def hparams_from_case(case: dict) -> Any:
+    """kvref.HParams from a case's recorded ``model.hparams``."""
+    from .hparams import HParams, RopeType, SWAType
+
+    h = case["model"]["hparams"]
+    ssm = h.get("ssm") or {}
+    kw: dict[str, Any] = dict(
+        arch=h["arch"], n_layer=h["n_layer"], n_embd=h["n_embd"], n_head=h["n_head"], n_head_kv=h["n_head_kv"],
+        n_embd_head_k=h["n_embd_head_k"], n_embd_head_v=h["n_embd_head_v"], swa_layers=h["swa_layers"],
+        recurrent_layers=h["recurrent_layers"], n_swa=h["n_swa"], swa_type=SWAType[h["swa_type"].upper()],
+        rope_type=RopeType[h["rope_type"].upper()], n_ctx_train=h["n_ctx_train"], n_ff=h.get("n_ff", 0),
+        causal_attn=h.get("causal_attn", True), n_vocab=h.get("n_vocab", 0),
+        rope_freq_base=h.get("rope_freq_base", 10000.0), rope_freq_scale=h.get("rope_freq_scale", 1.0),
+        ssm_d_conv=ssm.get("d_conv", 0), ssm_d_inner=ssm.get("d_inner", 0), ssm_d_state=ssm.get("d_state", 0),
+        ssm_n_group=ssm.get("n_group", 0), ssm_dt_rank=ssm.get("dt_rank", 0),
+    )  # fmt: skip
+    if h.get("n_rot"):
+        kw["n_rot"] = h["n_rot"]
+    if h.get("rope_sections"):
+        kw["rope_sections"] = tuple(h["rope_sections"])
+    return HParams(**kw)
+
+
+def _hp_facts(hp: Any) -> dict[str, Any]:
+    """What decides the memory layout, per layer."""
+    n = hp.n_layer
+    facts: dict[str, Any] = {
+        "n_layer": n,
+        "n_pos_per_embd": hp.n_pos_per_embd(),
+        "n_swa": hp.n_swa if hp.is_swa_any() else 0,
+        "swa_type": int(hp.swa_type) if hp.is_swa_any() else 0,
+        "n_embd_k_gqa": [hp.n_embd_k_gqa(il) for il in range(n)],
+        "n_embd_v_gqa": [hp.n_embd_v_gqa(il) for il in range(n)],
+        "is_swa": [hp.is_swa(il) for il in range(n)],
+        "has_kv": [hp.has_kv(il) for il in range(n)],
+    }
+    for name in ("n_embd_r", "n_embd_s"):
+        f = getattr(hp, name, None)
+        if callable(f):
+            facts[name] = f()
+    return facts
+
+
+def check_hparams(root: Path, case: dict, hp: Any) -> None:
+    """When the case's GGUF is committed, HParams.from_gguf must agree with the recorded hyper-parameters."""
+    from .hparams import HParams
+
+    m = case["model"]
+    path = root / m["path"] if m.get("path") else None
+    if not m.get("committed") or path is None or not path.exists():
+        return
+    a, b = _hp_facts(HParams.from_gguf(path)), _hp_facts(hp)
+    for k in a:
+        if a[k] != b.get(k):
+            raise CheckFailed(f"HParams.from_gguf({m['file']}).{k} = {a[k]}, case.json says {b.get(k)}")
+
+
+def create_memory_for(case: dict, hp: Any) -> Any:
+    from .memory import create_memory
+
+    c = case["context"]
+    return create_memory(
+        hp, n_ctx=c["n_ctx"], n_seq_max=c["n_seq_max"], kv_unified=c["kv_unified"], flash_attn=c["flash_attn"],
+        type_k=c["type_k"], type_v=c["type_v"], swa_full=c.get("swa_full", False), n_ubatch=c["n_ubatch"],
+        n_batch=c["n_batch"], n_rs_seq=c.get("n_rs_seq", 0),
+    )  # fmt: skip
+
+
+def check_memory_shape(case: dict, mem: Any) -> None:
+    """The memory kvref built has the kind and sizes llama.cpp logged."""
+    want = case["memory"]
+    kind = {"KVCache": "kv", "KVCacheISWA": "iswa", "RecurrentMemory": "recurrent", "HybridMemory": "hybrid"}
+    got = kind.get(type(mem).__name__, type(mem).__name__)
+    if got != want["type"]:
+        raise CheckFailed(f"kvref built a {got} memory, llama.cpp a {want['type']} one")
+    for leaf in leaf_parts(mem, 0):
+        if type(leaf).__name__ == "KVCache":
+            if leaf.n_stream != want["n_stream"]:
+                raise CheckFailed(f"n_stream {leaf.n_stream}, llama.cpp {want['n_stream']}")
+            if want.get("v_trans") is not None and leaf.v_trans != want["v_trans"]:
+                raise CheckFailed(f"v_trans {leaf.v_trans}, llama.cpp {want['v_trans']}")
+
+
+# ---------------------------------------------------------------------------------------------- memory parts
+def leaf_parts(mem: Any, flags: int) -> list[Any]:
+    """The single-section memories (KVCache, RecurrentMemory) a state of ``mem`` with ``flags`` is made of."""
+    parts = getattr(mem, "_state_parts", None)
+    if parts is None:
+        return [mem]
+    out: list[Any] = []
+    for p in parts(flags):
+        out.extend(leaf_parts(p, flags))
+    return out
+
+
+def memory_sections(obj: Any) -> list[Any]:
+    return list(obj.memory.sections)
+
+
+def section_bytes(sections: list[Any]) -> bytes:
+    from .state import section_bytes as sb
+
+    return sb(*sections)
+
+
+# ---------------------------------------------------------------------------------------------- artefacts
+def artefact_hints(op: dict, producer: dict | None = None) -> dict[str, Any]:
+    """kvref.state.load options for the artefact a save op describes (``producer``: case.json's, for the
+    format generation: sequence-blob prefix, v9 output block, cell ext size)."""
+    from .state import LAYOUTS
+
+    producer = producer or {}
+    sections = tuple("kv" if s.startswith("kv") else s for s in op.get("sections") or ())
+    layout = next((name for name, kinds in LAYOUTS.items() if kinds == sections), op.get("layout"))
+    kind = _KIND[op["kind"]]
+    hints: dict[str, Any] = {"kind": kind, "layout": layout}
+    if op.get("cell_ext") is not None:
+        hints["ext_size"] = int(producer.get("cell_ext_size") or 12) if op["cell_ext"] else 0
+    if kind == "seq_state" and producer.get("seq_data_prefix") is not None:
+        hints["seq_header"] = bool(producer["seq_data_prefix"])
+    if kind in ("session", "state") and producer.get("output_block") is not None:
+        hints["outputs"] = bool(producer["output_block"])
+    return hints
+
+
+def save_ops(case: dict) -> dict[str, dict]:
+    return {op["file"]: op for op in case["trace"] if op["op"] == "save" and op.get("file")}
+
+
+class Artefacts:
+    """The case's artefacts, parsed once (``get(file)`` -> state object; parse errors surface there)."""
+
+    def __init__(self, root: Path, case: dict) -> None:
+        self.dir = root / "golden" / case["id"]
+        self.saves = save_ops(case)
+        self.producer = case.get("producer") or {}
+        self._cache: dict[str, Any] = {}
+
+    def get(self, file: str) -> Any:
+        if file not in self._cache:
+            from . import state
+
+            self._cache[file] = state.load(self.dir / file, **artefact_hints(self.saves[file], self.producer))
+        return self._cache[file]
+
+
+# ---------------------------------------------------------------------------------------------- comparisons
+def cell_table(sec: Any) -> list[list[tuple]]:
+    """Per stream (one for a recurrent section): ``[(pos, seq ids, ext), ...]`` in written order."""
+    from .state import KVSection
+
+    streams = [st.cells for st in sec.streams] if isinstance(sec, KVSection) else [sec.cells]
+    out: list[list[tuple]] = []
+    for c in streams:
+        if c is None:
+            out.append([])
+            continue
+        out.append([(int(c.pos[i]), c.seq_ids(i), tuple(int(x) for x in c.ext[i])) for i in range(c.n)])
+    return out
+
+
+def compare_cells(mine: list[Any], theirs: list[Any], where: str) -> None:
+    kinds = [type(s).__name__ for s in mine], [type(s).__name__ for s in theirs]
+    if kinds[0] != kinds[1]:
+        raise CheckFailed(f"{where}: sections {kinds[0]}, llama.cpp {kinds[1]}")
+    for k, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+        ta, tb = cell_table(a), cell_table(b)
+        if len(ta) != len(tb):
+            raise CheckFailed(f"{where}: section {k} has {len(ta)} streams, llama.cpp {len(tb)}")
+        for s, (ca, cb) in enumerate(zip(ta, tb, strict=True)):
+            if ca == cb:
+                continue
+            if len(ca) != len(cb):
+                raise CheckFailed(f"{where}: section {k} stream {s}: {len(ca)} cells, llama.cpp {len(cb)}")
+            i = next(i for i in range(len(ca)) if ca[i] != cb[i])
+            names = ("pos", "seq ids", "ext")
+            f = next(j for j in range(3) if ca[i][j] != cb[i][j])
+            raise CheckFailed(f"{where}: section {k} stream {s} cell #{i}: {names[f]} {ca[i][f]}, llama.cpp {cb[i][f]}")
+
+
+def first_difference(a: bytes, b: bytes) -> str:
+    n = min(len(a), len(b))
+    x = np.frombuffer(a[:n], np.uint8) != np.frombuffer(b[:n], np.uint8)
+    at = int(np.argmax(x)) if x.any() else n
+    return f"{len(a)} bytes vs llama.cpp's {len(b)}, first difference at byte {at}"
+
+
+def inject_rows(leaves: list[Any], mine: list[Any], theirs: list[Any], seq_id: int) -> list[Any]:
+    """Copy the golden's rows into the replayed memory at the cells it writes; return its sections again.
+
+    KV caches get the rows in their buffers (so state_write's gather is checked); recurrent sections get
+    them substituted in the section objects (the recurrent memory's row bookkeeping is its own concern).
+    """
+    from .kv_state import _copy_rows, written_cells
+    from .state import KVSection
+
+    out = []
+    for leaf, a, b in zip(leaves, mine, theirs, strict=True):
+        if isinstance(b, KVSection):
+            for s, st in enumerate(b.streams):
+                if st.cells is not None:
+                    _copy_rows(leaf, s, written_cells(leaf, s, seq_id), st.data)
+            out.extend(leaf.state_sections(seq_id, 0))
+        else:
+            a = copy.copy(a)
+            a.r, a.s = b.r, b.s
+            out.append(a)
+    return out
+
+
+def relabel(sections: list[Any], dest: int, n_stream_of: Callable[[Any], int]) -> list[Any]:
+    """The golden sections as a restore into ``dest`` writes them back: seq ids ``dest``, stream moved."""
+    from .state import Cells, KVSection, KVStream
+
+    def cells(c: Any) -> Any:
+        return Cells(c.pos, np.full_like(c.seq_id, dest), c.seq_start, c.ext, c.ext_size)
+
+    out: list[Any] = []
+    for sec in sections:
+        sec = copy.copy(sec)
+        if isinstance(sec, KVSection):
+            full = [st for st in sec.streams if st.cells is not None]
+            streams = [KVStream(None, None) for _ in sec.streams]
+            target = dest if len(sec.streams) > 1 else 0
+            for st in full:
+                streams[target] = KVStream(cells(st.cells), st.data)
+            sec.streams = streams
+        else:
+            sec.cells = cells(sec.cells)
+        out.append(sec)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the checks
+def check_parse(root: Path, case: dict, arts: Artefacts) -> str:
+    n = 0
+    for file in arts.saves:
+        path = arts.dir / file
+        if not path.exists():
+            raise CheckFailed(f"{file}: missing")
+        obj = arts.get(file)
+        if obj.to_bytes() != path.read_bytes():
+            raise CheckFailed(f"{file}: written back, {first_difference(obj.to_bytes(), path.read_bytes())}")
+        n += 1
+    return f"{n} artefacts"
+
+
+def _observe(mem: Any, n_seq: int) -> dict:
+    return {
+        "seq_pos_min": [mem.seq_pos_min(s) for s in range(n_seq)],
+        "seq_pos_max": [mem.seq_pos_max(s) for s in range(n_seq)],
+    }
+
+
+def _decode(mem: Any, op: dict, hp: Any, n_ubatch: int, n_seq_max: int) -> int:
+    """llama_decode's return value: 0, 1 (no slot), -1 (invalid batch).
+
+    The batch checks llama_context makes before the memory sees the batch are made here: token ids below
+    n_vocab, and (October 2026: llama_batch_ext takes llama_n_seq_max(ctx), unified or not) seq ids below
+    the context's n_seq_max. The memories' own decode() still bounds ids by LLAMA_MAX_SEQ when unified, as
+    April 2026 did.
+    """
+    from .batch import Batch
+
+    n_vocab = int(getattr(hp, "n_vocab", 0) or 0)
+    if any(t < 0 or (n_vocab and t >= n_vocab) for t in op["tokens"]):
+        return -1  # llama_batch_allocr::init: invalid token id
+    if any(s < 0 or s >= n_seq_max for ids in op["seq_ids"] for s in ids):
+        return -1  # llama_batch_allocr::init: invalid seq_id
+    try:
+        mem.decode(
+            Batch(tokens=op["tokens"], pos=op.get("pos"), seq_ids=op["seq_ids"], logits=op.get("logits")), n_ubatch
+        )
+    except BatchError:
+        return -1
+    except NoSlotError:
+        return 1
+    return 0
+
+
+def _capacity_refused(op: dict, arts: Artefacts) -> bool:
+    """llama_state_load_file / llama_state_seq_load_file refuse files with more tokens than the capacity."""
+    cap = op.get("n_token_capacity")
+    if cap is None or op["kind"] not in ("session", "seq"):
+        return False
+    return len(arts.get(op["file"]).tokens) > cap
+
+
+def check_replay(root: Path, case: dict, arts: Artefacts) -> str:
+    hp = hparams_from_case(case)
+    check_hparams(root, case, hp)
+    trace = case["trace"]
+    init = trace[0]
+    try:
+        mem = create_memory_for(case, hp)
+        created, why = True, ""
+    except KVRefError as e:
+        created, why = False, str(e)
+    if bool(init.get("ret", True)) != created:
+        raise CheckFailed(f"op 0 (init): kvref {'built a memory' if created else 'refused: ' + why}, "
+                          f"llama.cpp {'accepted' if init.get('ret', True) else 'refused'}")  # fmt: skip
+    if not created:
+        return "init refused as in llama.cpp"
+    if mem is None:
+        raise Unsupported("create_memory returned no memory")
+    check_memory_shape(case, mem)
+    n_seq = case["observed_context"]["n_seq_max"]
+    n_ubatch = case["observed_context"]["n_ubatch"]
+    saves = restores = 0
+    for k, op in enumerate(trace[1:], start=1):
+        kind = op["op"]
+        where = f"op {k} ({kind}{' ' + op['file'] if op.get('file') else ''})"
+        if kind == "decode":
+            ret = _decode(mem, op, hp, n_ubatch, n_seq)
+            if ret != op["ret"]:
+                raise CheckFailed(f"{where}: decode returned {ret}, llama.cpp {op['ret']}")
+        elif kind == "seq_rm":
+            ret = mem.seq_rm(op["seq_id"], op["p0"], op["p1"])
+            if ret != op["ret"]:
+                raise CheckFailed(f"{where}: seq_rm returned {ret}, llama.cpp {op['ret']}")
+        elif kind == "seq_cp":
+            mem.seq_cp(op["seq_id_src"], op["seq_id_dst"], op["p0"], op["p1"])
+        elif kind == "seq_keep":
+            mem.seq_keep(op["seq_id"])
+        elif kind == "seq_add":
+            mem.seq_add(op["seq_id"], op["p0"], op["p1"], op["delta"])
+        elif kind == "seq_div":
+            mem.seq_div(op["seq_id"], op["p0"], op["p1"], op["d"])
+        elif kind == "clear":
+            mem.clear(op.get("data", True))
+        elif kind == "update":
+            mem.update()
+        elif kind == "save":
+            seq_id, flags = op.get("seq_id", -1), op.get("flags", 0)
+            if seq_id is None:
+                seq_id = -1
+            theirs = memory_sections(arts.get(op["file"]))
+            leaves = leaf_parts(mem, flags)
+            mine = [s for leaf in leaves for s in leaf.state_sections(seq_id, flags)]
+            compare_cells(mine, theirs, where)
+            mine = inject_rows(leaves, mine, theirs, seq_id)
+            a, b = section_bytes(mine), section_bytes(theirs)
+            if a != b:
+                raise CheckFailed(f"{where}: memory bytes after copying llama.cpp's rows: {first_difference(a, b)}")
+            saves += 1
+        elif kind in ("state_load", "seq_restore"):
+            ok = op["ret"] not in (0, False)
+            if _capacity_refused(op, arts):
+                if ok:
+                    raise CheckFailed(f"{where}: llama.cpp accepted a file over its token capacity")
+            elif not ok:
+                raise Unsupported(f"{where}: llama.cpp refused a restore for a reason the trace does not model")
+            else:
+                data = section_bytes(memory_sections(arts.get(op["file"])))
+                seq_id = op.get("dest_seq_id", -1) if kind == "seq_restore" else -1
+                mem.state_read(data, seq_id, op.get("flags", 0))
+                restores += 1
+        else:
+            raise Unsupported(f"{where}: unknown op")
+        if "observed" in op:
+            got = _observe(mem, n_seq)
+            if got != op["observed"]:
+                raise CheckFailed(f"{where}: observed {got}, llama.cpp {op['observed']}")
+    return f"{len(trace)} ops, {saves} saves, {restores} restores"
+
+
+def check_restore(root: Path, case: dict, arts: Artefacts) -> str:
+    if not arts.saves:
+        return "no artefacts"
+    hp = hparams_from_case(case)
+    n_seq = case["observed_context"]["n_seq_max"]
+    n = 0
+    for file, op in arts.saves.items():
+        theirs = memory_sections(arts.get(file))
+        data = section_bytes(theirs)
+        flags = op.get("flags", 0) or 0
+        seq_id = op.get("seq_id", -1)
+        seq_id = -1 if seq_id is None or op.get("scope") == "context" else seq_id
+        targets = [seq_id] if seq_id == -1 else [seq_id] + ([(seq_id + 1) % n_seq] if n_seq > 1 else [])
+        for dest in targets:
+            mem = create_memory_for(case, hp)
+            mem.state_read(data, dest, flags)
+            want = theirs if dest == seq_id else relabel(theirs, dest, lambda s: s)
+            got = mem.state_sections(dest, flags)
+            a, b = section_bytes(got), section_bytes(want)
+            if a != b:
+                compare_cells(got, want, f"{file} restored into seq {dest}")
+                raise CheckFailed(f"{file} restored into seq {dest}, written back: {first_difference(a, b)}")
+            n += 1
+    return f"{n} restores"
+
+
+def _invalid_entry(root: Path, e: dict) -> str | None:
+    """None when the entry behaves as the manifest says, else what happened.
+
+    A fault a reader without the model can see must fail ``kvref.state.load`` naming its field. A
+    ``needs_hparams`` fault may or may not be visible to that reader (any FormatError is fine there), but the
+    memory section, restored into a memory built like the source case's, must fail naming the field.
+    """
+    from . import errors, state
+
+    want = getattr(errors, e["error"])
+    fields = [e["field"], *e.get("also_accept", [])]
+    case = load_case(root, e["source"]["case"])
+    op = save_ops(case)[e["source"]["file"]]
+    path = root / "invalid" / e["file"]
+    try:
+        state.load(path, **artefact_hints(op, case.get("producer")))
+        loaded = None
+    except want as exc:
+        loaded = exc
+    except Exception as exc:  # any other error is a wrong answer, reported as such
+        return f"raised {type(exc).__name__}: {exc}"
+    if not e.get("needs_hparams"):
+        if loaded is None:
+            return "loaded without error"
+        f = getattr(loaded, "field", None)
+        return None if f in fields else f"{type(loaded).__name__} names field {f!r}, expected {fields}"
+    # the memory section is the end of the file: the faults of needs_hparams entries keep the file's length
+    src = root / "golden" / e["source"]["case"] / e["source"]["file"]
+    n_mem = len(section_bytes(memory_sections(state.load(src, **artefact_hints(op, case.get("producer"))))))
+    blob = path.read_bytes()
+    data = blob[len(src.read_bytes()) - n_mem :] if len(blob) == src.stat().st_size else None
+    if data is None:
+        return "needs_hparams fault changed the file length: cannot locate the memory section"
+    mem = create_memory_for(case, hparams_from_case(case))
+    seq_id = op.get("seq_id", -1)
+    seq_id = -1 if seq_id is None or op.get("scope") == "context" else seq_id
+    try:
+        mem.state_read(data, seq_id, op.get("flags", 0) or 0)
+    except want as exc:
+        f = getattr(exc, "field", None)
+        return None if f in fields else f"state_read: {type(exc).__name__} names field {f!r}, expected {fields}"
+    except Exception as exc:
+        return f"state_read raised {type(exc).__name__}: {exc}"
+    return "restored into a memory without error"
+
+
+def check_invalid(root: Path) -> str:
+    manifest = json.loads((root / "invalid" / "manifest.json").read_text())
+    for e in manifest["files"]:
+        problem = _invalid_entry(root, e)
+        if problem is not None:
+            raise CheckFailed(f"{e['file']}: {problem}")
+    return f"{len(manifest['files'])} files"
+
+
+# ---------------------------------------------------------------------------------------------- running
+def _run_check(name: str, fn: Callable[[], str], expected: dict[str, str]) -> CheckResult:
+    try:
+        detail = fn()
+        status = "pass"
+    except Unsupported as e:
+        status, detail = "unsupported", f"not supported: {e}"
+    except CheckFailed as e:
+        status, detail = "fail", str(e)
+    except Exception as e:  # a crash is a failure, reported with its location
+        tb = traceback.extract_tb(e.__traceback__)[-1]
+        status, detail = "fail", f"{type(e).__name__}: {e} (at {Path(tb.filename).name}:{tb.lineno})"
+    return CheckResult(name, status, detail, expected.get(name))
+
+
+def run_case(root: Path, case_id: str, expected: dict[str, dict[str, str]] | None = None) -> CaseResult:
+    """Every check of one case (``invalid`` runs the invalid-input check)."""
+    exp = (load_expected_failures(root) if expected is None else expected).get(case_id, {})
+    t0 = time.perf_counter()
+    res = CaseResult(case_id)
+    if case_id == INVALID_CASE:
+        res.checks.append(_run_check("invalid", lambda: check_invalid(root), exp))
+    else:
+        case = load_case(root, case_id)
+        arts = Artefacts(root, case)
+        res.checks.append(_run_check("parse", lambda: check_parse(root, case, arts), exp))
+        res.checks.append(_run_check("replay", lambda: check_replay(root, case, arts), exp))
+        res.checks.append(_run_check("restore", lambda: check_restore(root, case, arts), exp))
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def all_case_ids(root: Path) -> list[str]:
+    ids = list_cases(root)
+    if (root / "invalid" / "manifest.json").exists():
+        ids.append(INVALID_CASE)
+    return ids
+
+
+def run(root: Path, case_ids: list[str] | None = None) -> Iterator[CaseResult]:
+    expected = load_expected_failures(root)
+    for cid in case_ids or all_case_ids(root):
+        yield run_case(root, cid, expected)
+
+
+def stale_expectations(root: Path) -> list[str]:
+    """Manifest entries naming a case or check that does not exist."""
+    ids = set(all_case_ids(root))
+    out = []
+    for cid, checks in load_expected_failures(root).items():
+        if cid not in ids:
+            out.append(f"{cid}: no such case")
+        for c in checks:
+            if c not in (*CHECKS, "invalid"):
+                out.append(f"{cid}: no such check {c!r}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def add_arguments(p: Any) -> None:
+    p.add_argument(
+        "--case", action="append", metavar="ID", help="run only this case (repeatable); 'invalid' for invalid/"
+    )
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument(
+        "--root", default=None, help="the conformance directory (default: ./conformance, else the checkout's)"
+    )
+
+
+def main(args: Any) -> int:
+    root = find_root(args.root)
+    ids = args.case or None
+    if ids:
+        unknown = sorted(set(ids) - set(all_case_ids(root)))
+        if unknown:
+            raise KVRefError(f"unknown case(s): {', '.join(unknown)}")
+    t0 = time.perf_counter()
+    results = []
+    width = max(len(c) for c in (ids or all_case_ids(root)))
+    if not args.json:
+        print(f"{'case':<{width}}  {'checks':>7}  {'status':<6}  first failure / note")
+    for r in run(root, ids):
+        results.append(r)
+        if not args.json:
+            passed = sum(c.status == "pass" for c in r.checks)
+            note = r.first_problem()
+            print(f"{r.case:<{width}}  {passed:>3}/{len(r.checks):<3}  {r.status:<6}  {note}"[:220])
+            sys.stdout.flush()
+    stale = stale_expectations(root) if not ids else []
+    failed = [r for r in results if not r.ok]
+    total = time.perf_counter() - t0
+    if args.json:
+        out = {
+            "root": str(root),
+            "seconds": round(total, 3),
+            "ok": not failed and not stale,
+            "stale_expectations": stale,
+            "cases": [{**asdict(r), "ok": r.ok, "status": r.status} for r in results],
+        }
+        json.dump(out, sys.stdout, indent=2)
+        print()
+    else:
+        for s in stale:
+            print(f"expected_failures.json: {s}")
+        xf = sum(r.status == "xfail" for r in results)
+        print(f"{len(results)} cases: {len(results) - len(failed) - xf} passed, {xf} expected failures, "
+              f"{len(failed)} failed ({total:.1f} s)")  # fmt: skip
+    return 1 if failed or stale else 0
+
+
+__all__ = [
+    "CHECKS",
+    "CaseResult",
+    "CheckResult",
+    "all_case_ids",
+    "find_root",
+    "hparams_from_case",
+    "leaf_parts",
+    "list_cases",
+    "load_expected_failures",
+    "run",
+    "run_case",
+]

@@ -1,0 +1,100 @@
+"""The conformance suite as pytest tests: one test per golden case (plus ``invalid``), same checks as
+``kvref conformance`` (kvref/conformance.py). Checks listed in conformance/expected_failures.json are
+strict xfails with the manifest's reason, so an unexpected pass fails the run too."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvref import conformance as C
+
+ROOT = Path(__file__).resolve().parent.parent / "conformance"
+CASES = C.all_case_ids(ROOT) if (ROOT / "golden").is_dir() else []
+EXPECTED = C.load_expected_failures(ROOT) if CASES else {}
+
+
+def _params() -> list:
+    out = []
+    for cid in CASES:
+        checks = ["invalid"] if cid == C.INVALID_CASE else list(C.CHECKS)
+        for check in checks:
+            marks = []
+            reason = EXPECTED.get(cid, {}).get(check)
+            if reason is not None:
+                marks.append(pytest.mark.xfail(strict=True, reason=reason))
+            out.append(pytest.param(cid, check, id=f"{cid}:{check}", marks=marks))
+    return out
+
+
+_RESULTS: dict[str, C.CaseResult] = {}
+
+
+def _result(cid: str) -> C.CaseResult:
+    if cid not in _RESULTS:
+        _RESULTS[cid] = C.run_case(ROOT, cid, expected={})
+    return _RESULTS[cid]
+
+
+@pytest.mark.skipif(not CASES, reason="no conformance/golden directory")
+@pytest.mark.parametrize("case_id,check", _params())
+def test_conformance(case_id: str, check: str) -> None:
+    res = next(c for c in _result(case_id).checks if c.name == check)
+    assert res.status == "pass", f"{case_id} {check}: {res.detail}"
+
+
+def test_expected_failures_manifest_is_current() -> None:
+    assert C.stale_expectations(ROOT) == []
+
+
+def test_every_case_matches_the_schema() -> None:
+    jsonschema = pytest.importorskip("jsonschema")
+    schema = json.loads((ROOT / "case.schema.json").read_text())
+    validator = jsonschema.Draft202012Validator(schema)
+    for cid in C.list_cases(ROOT):
+        case = C.load_case(ROOT, cid)
+        errors = sorted(validator.iter_errors(case), key=lambda e: list(e.path))
+        assert not errors, f"{cid}: {errors[0].message} at {list(errors[0].path)}"
+        assert case["id"] == cid
+
+
+def test_cli_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvref.cli import main
+
+    assert main(["conformance", "--root", str(ROOT), "--case", "llama-f16-single-seq", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["ok"] and out["cases"][0]["case"] == "llama-f16-single-seq"
+
+
+def test_runner_fails_an_unexpected_pass(tmp_path: Path) -> None:
+    """A listed check that passes makes the case fail (XPASS), like a strict xfail."""
+    root = tmp_path / "conformance"
+    (root / "golden").mkdir(parents=True)
+    src = ROOT / "golden" / "llama-f16-single-seq"
+    (root / "golden" / src.name).symlink_to(src)
+    (root / "expected_failures.json").write_text(
+        json.dumps({"cases": [{"id": src.name, "checks": ["parse"], "reason": "test"}]})
+    )
+    res = C.run_case(root, src.name)
+    assert not res.ok and res.status == "XPASS"
+    assert "unexpectedly passed" in res.first_problem()
+
+
+def test_runner_reports_where_a_replay_differs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A replay that writes other cells is reported with the save point, section, stream and field."""
+    import numpy as np
+
+    from kvref import kv_state
+
+    def no_swa_mask(cache, stream, seq_id=-1):  # type: ignore[no-untyped-def]
+        c = cache.cells(stream)
+        idx = np.flatnonzero(np.asarray(c.pos) != -1)
+        return idx if seq_id == -1 else np.array([i for i in idx if c.seq_has(int(i), seq_id)], np.int64)
+
+    monkeypatch.setattr(kv_state, "written_cells", no_swa_mask)
+    res = C.run_case(ROOT, "gemma2-swa-overflow", expected={})
+    replay = next(c for c in res.checks if c.name == "replay")
+    assert replay.status == "fail"
+    assert "03-seq-seq0.ggsq" in replay.detail and "section 1 stream 0" in replay.detail

@@ -1,0 +1,326 @@
+"""KVCache.state_write / state_read: llama_kv_cache's memory section, written and restored (kvref.kv_state)."""
+
+from __future__ import annotations
+
+import struct
+
+import numpy as np
+import pytest
+from kv_cache_helpers import HP
+
+import kvref.state as kst
+from kvref import _cells_py
+from kvref.batch import Batch
+from kvref.errors import FormatError, NoSlotError, SequenceError
+from kvref.kv_cache import KVCache
+from kvref.kv_state import has_cell_ext, spec
+
+try:
+    from kvref import _cells_c
+except ImportError:  # pragma: no cover - pure-Python runs
+    _cells_c = None
+
+TWINS = [_cells_py.KVCells] + ([_cells_c.KVCells] if _cells_c is not None else [])
+TWIN_IDS = ["py"] + (["c"] if _cells_c is not None else [])
+
+
+def make(types=("f16", "f16"), v_trans=True, unified=True, n_seq_max=4, size=32, cells_cls=None, hp=None, **kw):
+    if hp is None:
+        hp = HP(n_embd_head=32) if "q8_0" in types else HP()  # q8_0 rows need whole 32-element blocks
+    return KVCache(hp, type_k=types[0], type_v=types[1], v_trans=v_trans, unified=unified, size=size,
+                   n_seq_max=n_seq_max, cells_cls=cells_cls, **kw)  # fmt: skip
+
+
+def fill(cache: KVCache, seed: int = 0) -> None:
+    """Random bytes in every K/V buffer, so row copies are visible (quantized rows are just bytes)."""
+    rng = np.random.default_rng(seed)
+    for layer in cache.layers:
+        layer.k[...] = rng.integers(0, 256, layer.k.shape, dtype=np.uint8)
+        if layer.v is not None:
+            layer.v[...] = rng.integers(0, 256, layer.v.shape, dtype=np.uint8)
+
+
+def populate(cache: KVCache) -> None:
+    """Three sequences: a shared prefix (seqs 0 and 1), then separate continuations; seq 2 alone."""
+    cache.decode(Batch(tokens=[5, 6, 7], seq_ids=[[0, 1]] * 3 if cache.n_stream == 1 else [[0]] * 3))
+    cache.decode(Batch(tokens=[8, 9], seq_ids=[[0], [0]]))
+    cache.decode(Batch(tokens=[10, 11, 12, 13], seq_ids=[[1]] * 4))
+    cache.decode(Batch(tokens=[14, 15], seq_ids=[[2]] * 2))
+    fill(cache)
+
+
+def snapshot(cache: KVCache) -> tuple:
+    cells = tuple(
+        (np.asarray(c.pos).copy(), np.asarray(c.shift).copy(), np.asarray(c.ext).copy(), np.asarray(c.seq).copy(),
+         c.get_used())
+        for c in cache._cells
+    )  # fmt: skip
+    bufs = tuple((layer.k.copy(), None if layer.v is None else layer.v.copy()) for layer in cache.layers)
+    return cells, list(cache.heads), bufs
+
+
+def assert_same(a: tuple, b: tuple) -> None:
+    (ca, ha, ba), (cb, hb, bb) = a, b
+    assert ha == hb
+    for x, y in zip(ca, cb, strict=True):
+        for u, v in zip(x[:4], y[:4], strict=True):
+            np.testing.assert_array_equal(u, v)
+        assert x[4] == y[4]
+    for (ka, va), (kb, vb) in zip(ba, bb, strict=True):
+        np.testing.assert_array_equal(ka, kb)
+        if va is not None:
+            np.testing.assert_array_equal(va, vb)
+
+
+def seq_cells(cache: KVCache, seq_id: int) -> list[tuple[int, tuple]]:
+    c = cache.get_cells(seq_id)
+    return [(int(c.pos[i]), tuple(c.seq_get_all(i))) for i in range(c.size()) if c.seq_has(i, seq_id)]
+
+
+# ------------------------------------------------------------------------------------------------- layout
+@pytest.mark.parametrize("v_trans", [True, False])
+def test_whole_layout_matches_the_format(v_trans):
+    cache = make(v_trans=v_trans)
+    populate(cache)
+    blob = cache.state_write()
+    sec, end = kst.read_kv_section(blob, spec(cache))
+    assert end == len(blob)
+    assert struct.unpack_from("<I", blob)[0] == 1
+    st = sec.streams[0]
+    assert st.cell_count == 11
+    assert [st.cells.seq_ids(i) for i in range(3)] == [(0, 1)] * 3
+    assert st.data.v_trans == int(v_trans)
+    c = cache.cells(0)
+    idx = np.flatnonzero(np.asarray(c.pos) != -1)
+    np.testing.assert_array_equal(st.data.k[1].data, cache.layers[1].k[0][idx])
+
+
+def test_sequence_write_lists_only_its_id():
+    cache = make()
+    populate(cache)
+    sec = cache.state_sections(1)[0]
+    cells = sec.streams[0].cells
+    assert cells.n == 7
+    assert all(cells.seq_ids(i) == (1,) for i in range(cells.n))
+    assert list(cells.pos) == [0, 1, 2, 3, 4, 5, 6]
+
+
+def test_sequence_write_skips_swa_masked_cells():
+    # n_swa 4 (standard): with seq_pos_max 9, cells at p <= 5 are masked (9 - p >= 4) and left out
+    cache = make(hp=HP(swa=[True, True]), n_swa=4, swa_type=1, size=32)
+    cache.decode(Batch(tokens=list(range(4, 14)), seq_ids=[[0]] * 10))
+    sec = cache.state_sections(0)[0]
+    assert list(sec.streams[0].cells.pos) == [6, 7, 8, 9]
+    assert cache.state_sections(-1)[0].streams[0].cell_count == 10  # whole saves keep them
+
+
+def test_cell_ext_only_for_mrope():
+    assert not has_cell_ext(make())
+    mc = make(hp=HP(n_pos=4))
+    assert has_cell_ext(mc)
+    mc.decode(Batch(tokens=[4, 5, 6], seq_ids=[[0]] * 3))
+    cells = mc.state_sections()[0].streams[0].cells
+    assert cells.ext_size == 12
+    assert cells.ext.tolist() == [[0, 0, 4], [1, 1, 5], [2, 2, 6]]  # text tokens: x = y = pos, tok
+
+
+# ------------------------------------------------------------------------------------------------- round trips
+@pytest.mark.parametrize("types", [("f16", "f16"), ("f32", "f32"), ("q8_0", "q8_0"), ("q8_0", "f16")])
+@pytest.mark.parametrize("v_trans", [True, False])
+def test_whole_round_trip(types, v_trans):
+    if v_trans and types[1] == "q8_0":
+        pytest.skip("a quantized V cache needs v_trans=False")
+    cache = make(types, v_trans)
+    populate(cache)
+    blob = cache.state_write()
+    other = make(types, v_trans)
+    fill(other, seed=7)
+    assert other.state_read(blob) == len(blob)
+    assert other.state_write() == blob
+    for s in range(3):
+        assert other.seq_pos_min(s) == cache.seq_pos_min(s)
+        assert other.seq_pos_max(s) == cache.seq_pos_max(s)
+    assert other.heads == [0]
+    # the restored cells sit at 0..n-1 (the source had the same layout here)
+    np.testing.assert_array_equal(np.asarray(other.cells(0).pos)[:11], np.asarray(cache.cells(0).pos)[:11])
+
+
+@pytest.mark.parametrize("types", [("f16", "f16"), ("q8_0", "q8_0")])
+@pytest.mark.parametrize("v_trans", [True, False])
+def test_sequence_round_trip_into_another_sequence(types, v_trans):
+    if v_trans and types[1] == "q8_0":
+        pytest.skip("a quantized V cache needs v_trans=False")
+    cache = make(types, v_trans)
+    populate(cache)
+    blob = cache.state_write(1)
+    cache.state_read(blob, 3)
+    assert cache.seq_pos_min(3) == 0 and cache.seq_pos_max(3) == 6
+    # the sequence's bytes are the same, with 3 in place of 1
+    a, b = cache.state_sections(1)[0], cache.state_sections(3)[0]
+    assert list(a.streams[0].cells.pos) == list(b.streams[0].cells.pos)
+    for x, y in zip(a.streams[0].data.k, b.streams[0].data.k, strict=True):
+        np.testing.assert_array_equal(x.data, y.data)
+    for x, y in zip(a.streams[0].data.v, b.streams[0].data.v, strict=True):
+        np.testing.assert_array_equal(x.data, y.data)
+
+
+def test_sequence_restore_replaces_the_destination():
+    cache = make()
+    populate(cache)
+    blob = cache.state_write(2)
+    cache.state_read(blob, 0)  # seq 0 (which shared cells with 1) now holds seq 2's two cells
+    assert (cache.seq_pos_min(0), cache.seq_pos_max(0)) == (0, 1)
+    assert (cache.seq_pos_min(1), cache.seq_pos_max(1)) == (0, 6)  # seq 1 keeps the shared prefix
+
+
+def test_sequence_restore_into_a_fresh_cache_uses_the_first_cells():
+    cache = make(v_trans=False)
+    populate(cache)
+    blob = cache.state_write(1)
+    other = make(v_trans=False)
+    other.state_read(blob, 1)
+    assert other.state_write(1) == blob
+    assert seq_cells(other, 1) == [(p, (1,)) for p in range(7)]
+    assert other.heads == [7]
+
+
+@pytest.mark.parametrize("v_trans", [True, False])
+def test_multistream_round_trips(v_trans):
+    cache = make(unified=False, n_seq_max=3, v_trans=v_trans)
+    populate(cache)
+    blob = cache.state_write()
+    assert struct.unpack_from("<I", blob)[0] == 3
+    other = make(unified=False, n_seq_max=3, v_trans=v_trans)
+    other.state_read(blob)
+    assert other.state_write() == blob
+    # a sequence artefact lists every stream; restore it into another stream
+    seq = cache.state_write(0)
+    sec = cache.state_sections(0)[0]
+    assert [st.cell_count for st in sec.streams] == [5, 0, 0]
+    other.state_read(seq, 2)
+    assert (other.seq_pos_min(2), other.seq_pos_max(2)) == (0, 4)
+    a, b = cache.state_sections(0)[0].streams[0], other.state_sections(2)[0].streams[2]
+    for x, y in zip(a.data.k + a.data.v, b.data.k + b.data.v, strict=True):
+        np.testing.assert_array_equal(x.data, y.data)
+
+
+def test_mrope_sequence_restore_keeps_ext():
+    mc = make(hp=HP(n_pos=4))
+    mc.decode(Batch(tokens=[4, 5, 6], seq_ids=[[0]] * 3))
+    mc.cells(0).ext_set(1, 7, 9, 5)  # as an image token would leave it
+    blob = mc.state_write(0)
+    mc.state_read(blob, 2)
+    a, b = mc.state_sections(0)[0].streams[0].cells, mc.state_sections(2)[0].streams[0].cells
+    assert a.ext.tolist() == b.ext.tolist()
+    other = make(hp=HP(n_pos=4))
+    other.state_read(mc.state_write())
+    assert other.state_write() == mc.state_write()
+
+
+@pytest.mark.parametrize(
+    "writer,reader",
+    [(w, r) for w in range(len(TWINS)) for r in range(len(TWINS))],
+    ids=[f"{TWIN_IDS[w]}-to-{TWIN_IDS[r]}" for w in range(len(TWINS)) for r in range(len(TWINS))],
+)
+def test_cross_backend(writer, reader):
+    a = make(cells_cls=TWINS[writer])
+    assert isinstance(a.cells(0), TWINS[writer])
+    populate(a)
+    whole, seq = a.state_write(), a.state_write(1)
+    b = make(cells_cls=TWINS[reader])
+    b.state_read(whole)
+    assert b.state_write() == whole
+    b.state_read(seq, 3)
+    assert isinstance(b.cells(0), TWINS[reader])
+    assert a.state_sections(1)[0].streams[0].cells.pos.tolist() == b.state_sections(3)[0].streams[0].cells.pos.tolist()
+
+
+def test_pending_shift_does_not_block_a_sequence_restore():
+    cache = make()
+    populate(cache)
+    blob = cache.state_write(2)
+    cache.seq_add(1, 0, -1, 3)  # pending K-shift on seq 1's cells
+    before = [np.asarray(c.shift).copy() for c in cache._cells]
+    cache.state_read(blob, 3)
+    assert cache.seq_pos_max(3) == 1
+    np.testing.assert_array_equal(np.asarray(cache.cells(0).shift)[:11], before[0][:11])
+
+
+# ------------------------------------------------------------------------------------------------- atomic failures
+def _u32(blob: bytes, off: int, v: int) -> bytes:
+    return blob[:off] + struct.pack("<I", v) + blob[off + 4 :]
+
+
+def _bad_sections(cache: KVCache) -> list[tuple[str, bytes, int, type, str | None]]:
+    whole, seq = cache.state_write(), cache.state_write(1)
+    n_cells = struct.unpack_from("<I", whole, 4)[0]
+    meta_end = 8 + sum(8 + 4 * 2 if i < 3 else 12 for i in range(n_cells))  # 3 shared cells, then single
+    out = [
+        ("n_stream", _u32(whole, 0, 2), -1, FormatError, "n_stream"),
+        ("cell_count too big", _u32(whole, 4, 1000), -1, FormatError, "cell_count"),
+        ("truncated", whole[:-3], -1, FormatError, None),
+        ("trailing", whole + b"\0", -1, FormatError, "trailing"),
+        ("seq id out of range", _u32(whole, 16, 9), -1, FormatError, "seq_id"),
+        # checked against the cache as it is read (as llama.cpp does), before the rows it changes the layout of
+        ("v_trans", _u32(whole, meta_end, int(not cache.v_trans)), -1, FormatError, "v_trans"),
+        ("n_layer", _u32(whole, meta_end + 4, 3), -1, FormatError, "n_layer"),
+        (
+            "k_row_size",
+            whole[: meta_end + 12] + struct.pack("<Q", 64) + whole[meta_end + 20 :],
+            -1,
+            FormatError,
+            "k_row_size",
+        ),
+        ("k_type", _u32(whole, meta_end + 8, 0), -1, FormatError, "k_type"),
+        ("seq n_seq_id", _u32(seq, 12, 2), 0, FormatError, None),
+        ("seq dest out of range", seq, 999, SequenceError, None),
+        ("empty", b"", -1, FormatError, None),
+    ]
+    return out
+
+
+@pytest.mark.parametrize("v_trans", [True, False])
+def test_every_bad_section_leaves_the_cache_identical(v_trans):
+    cache = make(v_trans=v_trans)
+    populate(cache)
+    target = make(v_trans=v_trans)
+    populate(target)
+    target.seq_rm(2, 1, -1)
+    before = snapshot(target)
+    for name, blob, seq_id, err, field in _bad_sections(cache):
+        with pytest.raises(err) as info:
+            target.state_read(blob, seq_id)
+        if field is not None:
+            assert info.value.field in ((field,) if isinstance(field, str) else field), name
+        assert_same(snapshot(target), before)
+
+
+def test_sequence_that_does_not_fit_leaves_the_cache_identical():
+    cache = make(size=32)
+    cache.decode(Batch(tokens=list(range(4, 24)), seq_ids=[[0]] * 20))
+    blob = cache.state_write(0)
+    target = make(size=32)
+    target.decode(Batch(tokens=list(range(4, 20)), seq_ids=[[1]] * 16))
+    target.decode(Batch(tokens=[4, 5], seq_ids=[[2]] * 2))
+    fill(target, 3)
+    before = snapshot(target)
+    with pytest.raises(NoSlotError):
+        target.state_read(blob, 2)  # 14 free + 2 of seq 2 = 16 < 20
+    assert_same(snapshot(target), before)
+    target.seq_rm(1, 12, -1)  # now 4 + 14 + 2 = 20 fit
+    target.state_read(blob, 2)
+    a, b = cache.state_sections(0)[0].streams[0], target.state_sections(2)[0].streams[0]
+    assert a.cells.pos.tolist() == b.cells.pos.tolist()
+    for x, y in zip(a.data.k + a.data.v, b.data.k + b.data.v, strict=True):
+        np.testing.assert_array_equal(x.data, y.data)
+
+
+def test_mismatching_cache_types_are_refused():
+    cache = make(("f16", "f16"))
+    populate(cache)
+    other = make(("f32", "f16"))
+    before = snapshot(other)
+    with pytest.raises(FormatError) as info:
+        other.state_read(cache.state_write())
+    assert info.value.field == "k_type"
+    assert_same(snapshot(other), before)
