@@ -1,7 +1,8 @@
 """KQ-mask benchmarks: the Cython twin against the Python twin and against the memory floor.
 
-Run: ``python -m pytest benchmarks/bench_mask.py --benchmark-only`` (add ``-s`` to see the table live; it
-is also written to the terminal summary). The machine's speed drifts, so only ratios measured in the same
+Run: ``python -m pytest benchmarks/bench_mask.py --benchmark-enable --benchmark-only`` (``--benchmark-enable``
+because pyproject's addopts disable benchmarks; add ``-s`` to see the table live, it is also written at the
+end of the run). The machine's speed drifts, so only ratios measured in the same
 run mean anything: for each workload the floor (NumPy ``out.fill(-inf)`` on an array of the same shape and
 dtype), the Cython twin and the Python twin are timed *interleaved* (floor, Cython, floor, Cython, ...,
 with a Python run every few rounds) and the table reports medians' ratios. pytest-benchmark's own
@@ -17,6 +18,10 @@ Workloads (inputs are raw cell arrays, as a KVCache's cells hold them):
 from __future__ import annotations
 
 import os
+
+# idle OpenBLAS worker threads spin and steal a core from the timed code on small machines
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
 import statistics
 import time
 from collections.abc import Callable
@@ -52,8 +57,14 @@ def workload(name: str) -> dict:
     if name in ("a", "c"):
         n = 8192
         p, s, e = _stream(np.arange(n), np.zeros(n, np.int64))
-        kw = dict(cell_pos=[p], cell_seq=[s], cell_ext=[e], seq_to_stream=None,
-                  tok_pos=np.arange(n - 512, n, dtype=np.int32), tok_seq=np.zeros(512, np.int32))
+        kw = dict(
+            cell_pos=[p],
+            cell_seq=[s],
+            cell_ext=[e],
+            seq_to_stream=None,
+            tok_pos=np.arange(n - 512, n, dtype=np.int32),
+            tok_seq=np.zeros(512, np.int32),
+        )
         if name == "c":
             kw.update(n_swa=4096, swa_type=1)
         return dict(shape=(1, 512, n), kw=kw)
@@ -61,16 +72,26 @@ def workload(name: str) -> dict:
         n, n_seq = 32768, 64
         j = np.arange(n)
         p, s, e = _stream(j // n_seq, j % n_seq)
-        kw = dict(cell_pos=[p], cell_seq=[s], cell_ext=[e], seq_to_stream=None,
-                  tok_pos=np.full(n_seq, 511, np.int32), tok_seq=np.arange(n_seq, dtype=np.int32))
+        kw = dict(
+            cell_pos=[p],
+            cell_seq=[s],
+            cell_ext=[e],
+            seq_to_stream=None,
+            tok_pos=np.full(n_seq, 511, np.int32),
+            tok_seq=np.arange(n_seq, dtype=np.int32),
+        )
         return dict(shape=(1, n_seq, n), kw=kw)
     if name == "d":
         n, n_st, n_t = 4096, 4, 128
         streams = [_stream(np.arange(n), np.full(n, k)) for k in range(n_st)]
-        kw = dict(cell_pos=[x[0] for x in streams], cell_seq=[x[1] for x in streams], cell_ext=[x[2] for x in streams],
-                  seq_to_stream=np.arange(256, dtype=np.int32) % n_st,
-                  tok_pos=np.tile(np.arange(n - n_t, n, dtype=np.int32), n_st),
-                  tok_seq=np.repeat(np.arange(n_st, dtype=np.int32), n_t))
+        kw = dict(
+            cell_pos=[x[0] for x in streams],
+            cell_seq=[x[1] for x in streams],
+            cell_ext=[x[2] for x in streams],
+            seq_to_stream=np.arange(256, dtype=np.int32) % n_st,
+            tok_pos=np.tile(np.arange(n - n_t, n, dtype=np.int32), n_st),
+            tok_seq=np.repeat(np.arange(n_st, dtype=np.int32), n_t),
+        )
         return dict(shape=(n_st, n_t, n), kw=kw)
     raise KeyError(name)
 
@@ -102,8 +123,13 @@ def measure(name: str, dtype) -> dict[str, float]:
             tp.append(_time(py))
             tf_py.append(_time(floor))
     med = statistics.median
-    res = dict(floor_ms=med(tf) * 1e3, c_ms=med(tc) * 1e3, py_ms=med(tp) * 1e3,
-               c_over_floor=med(tc) / med(tf), c_over_py=med(tc) / med(tp))
+    res = dict(
+        floor_ms=med(tf) * 1e3,
+        c_ms=med(tc) * 1e3,
+        py_ms=med(tp) * 1e3,
+        c_over_floor=med(tc) / med(tf),
+        c_over_py=med(tc) / med(tp),
+    )
     RESULTS[f"{name} {np.dtype(dtype).name}"] = res
     return res
 
@@ -118,11 +144,16 @@ def _table(request: pytest.FixtureRequest):
     yield
     if not RESULTS:
         return
-    lines = ["", "KQ mask: medians of interleaved runs (ratios from the same run only)",
-             f"{'workload':<12}{'floor ms':>10}{'C ms':>10}{'Py ms':>10}{'C/floor':>10}{'C/Py':>10}{'target':>9}"]
+    lines = [
+        "",
+        "KQ mask: medians of interleaved runs (ratios from the same run only)",
+        f"{'workload':<12}{'floor ms':>10}{'C ms':>10}{'Py ms':>10}{'C/floor':>10}{'C/Py':>10}{'target':>9}",
+    ]
     for key, r in RESULTS.items():
-        lines.append(f"{key:<12}{r['floor_ms']:>10.3f}{r['c_ms']:>10.3f}{r['py_ms']:>10.2f}"
-                     f"{r['c_over_floor']:>10.2f}{r['c_over_py']:>10.4f}{'<=' + str(TARGET[key[0]]):>9}")
+        lines.append(
+            f"{key:<12}{r['floor_ms']:>10.3f}{r['c_ms']:>10.3f}{r['py_ms']:>10.2f}"
+            f"{r['c_over_floor']:>10.2f}{r['c_over_py']:>10.4f}{'<=' + str(TARGET[key[0]]):>9}"
+        )
     text = "\n".join(lines)
     print(text)
     reporter = request.config.pluginmanager.get_plugin("terminalreporter")

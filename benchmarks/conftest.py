@@ -82,7 +82,9 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
             refs.update(getattr(module, "REFERENCE_MS", {}))
     tr = terminalreporter
     tr.section("kvref cells: Cython vs Python (median ms; min in brackets)")
-    tr.write_line(f"{'workload':<30} {'py ms':>16} {'c ms':>16} {'py/c':>8}   {'llama.cpp ms':>13} {'c vs llama.cpp':>15}")
+    tr.write_line(
+        f"{'workload':<30} {'py ms':>16} {'c ms':>16} {'py/c':>8}   {'llama.cpp ms':>13} {'c vs llama.cpp':>15}"
+    )
     for group, by_twin in sorted(rows.items()):
         cells = {}
         for twin_id in ("py", "c"):

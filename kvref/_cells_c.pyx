@@ -9,6 +9,9 @@ What differs is only how the work is done:
 - the per-sequence index is one ``std::set<pair<pos, cell>>`` per sequence; entries whose position
   changes are re-keyed in place (node extract/insert, no allocation), and new entries are inserted
   with an end hint, which is O(1) when positions arrive in ascending order (the usual case);
+- a shift that moves a large share of a sequence's entries (pos_add_many, seq_add_range,
+  seq_div_range) re-keys that sequence's set in one ordered walk instead of entry by entry;
+- set() skips the index work for a cell whose position and sequences do not change;
 - the used set is a count plus bounds [lo, hi) that contain every used cell, tightened lazily when
   used_min()/used_max_p1() are asked (exact, and O(1) amortised);
 - bulk and range methods validate everything first, then run in C without touching Python objects.
@@ -164,8 +167,6 @@ cdef inline int64_t _clamp64(object o) except? -1:
     if overflow < 0:
         return C_INT64_MIN
     return v
-
-
 
 
 cdef inline int _seq_id(object seq_id) except -1:
@@ -1092,7 +1093,6 @@ cdef class KVCells:
             raise CellError(f"seq_div_range: divisor {_as_int(d)} is not positive")
         cdef int64_t a = _clamp64(p0), b = _clamp64(p1)
         cdef vector[uint32_t] cells
-        cdef Py_ssize_t k
         self._collect(s, a, b, cells)
         with nogil:
             self._shift_cells(cells, dv, True, NULL)

@@ -435,7 +435,7 @@ class KVCells:
             i, s = self._check_used(int(ia[k]), "seq_add_many"), _check_seq(int(sa[k]))
             if self._has(i, s):
                 raise CellError(f"seq_add_many: cell {i} already holds sequence {s}")
-        if len(set(zip(ia.tolist(), sa.tolist()))) != ia.size:
+        if len(set(zip(ia.tolist(), sa.tolist(), strict=True))) != ia.size:
             raise CellError("seq_add_many: a (cell, sequence) pair appears twice")
         for k in range(ia.size):
             self.seq_add(int(ia[k]), int(sa[k]))

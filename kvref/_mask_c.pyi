@@ -31,7 +31,9 @@ def relative_position_bucket(x: Any, y: Any, n_buckets: int, bidirectional: bool
 def fill_pos_bucket_raw(
     out: np.ndarray, key_pos: Any, tok_pos: Any, n_buckets: int, bidirectional: bool = False
 ) -> np.ndarray: ...
-def fill_k_shift_raw(out: np.ndarray, cell_pos: Sequence[np.ndarray], cell_shift: Sequence[np.ndarray]) -> np.ndarray: ...
+def fill_k_shift_raw(
+    out: np.ndarray, cell_pos: Sequence[np.ndarray], cell_shift: Sequence[np.ndarray]
+) -> np.ndarray: ...
 
 __all__ = [
     "LLAMA_MAX_SEQ",

@@ -580,7 +580,8 @@ def fill_pos_bucket_raw(out, key_pos, tok_pos, n_buckets, bidirectional=False):
     if not isinstance(out, np.ndarray) or out.dtype != np.int32:
         raise TypeError("out: expected an int32 NumPy array")
     if out.shape != (tok_pos.shape[0], key_pos.shape[0]) or not out.flags.c_contiguous or not out.flags.writeable:
-        raise ValueError(f"out: expected a writeable C-contiguous array of shape ({tok_pos.shape[0]}, {key_pos.shape[0]})")
+        shape = (tok_pos.shape[0], key_pos.shape[0])
+        raise ValueError(f"out: expected a writeable C-contiguous array of shape {shape}")
     n_buckets = int(n_buckets)
     if n_buckets < 0 or n_buckets >= 2**32:
         raise ValueError(f"n_buckets: {n_buckets} is outside [0, 2**32)")

@@ -202,7 +202,17 @@ def fill_kq_mask_raw(
     M-RoPE position when the ubatch is 2-D (llama.cpp's ``pos[i + 2*n_tokens]`` and ``pos[i + n_tokens]``).
     """
     (tok_pos, tok_seq, tok_stream, tok_x, tok_y, n_kv, pos, seq, ext, n_swa, swa_type) = _check_kq_args(
-        out, cell_pos, cell_seq, cell_ext, seq_to_stream, tok_pos, tok_seq, tok_x, tok_y, n_swa, swa_type,
+        out,
+        cell_pos,
+        cell_seq,
+        cell_ext,
+        seq_to_stream,
+        tok_pos,
+        tok_seq,
+        tok_x,
+        tok_y,
+        n_swa,
+        swa_type,
         non_causal_type,
     )
     n_tokens = tok_pos.shape[0]
@@ -246,11 +256,8 @@ def fill_kq_mask_raw(
                 if span:
                     masked &= ~(p0 >= pos_min[s][:, None])
                 att &= ~masked
-            if alibi:
-                # llama.cpp converts the int distance to float, then (f16 mask) the float to half
-                val = (-np.abs(p0 - p1)).astype(np.float32)
-            else:
-                val = np.float32(0.0)
+            # ALiBi: llama.cpp converts the int distance to float, then (f16 mask) the float to half
+            val = (-np.abs(p0 - p1)).astype(np.float32) if alibi else np.float32(0.0)
             with np.errstate(over="ignore"):  # ALiBi distances beyond float16's range become -inf
                 rows[idx] = np.where(att, val, np.float32(-np.inf)).astype(out.dtype)
     return out
@@ -340,7 +347,8 @@ def fill_pos_bucket_raw(
     if not isinstance(out, np.ndarray) or out.dtype != np.int32:
         raise TypeError("out: expected an int32 NumPy array")
     if out.shape != (tok_pos.shape[0], key_pos.shape[0]) or not out.flags.c_contiguous or not out.flags.writeable:
-        raise ValueError(f"out: expected a writeable C-contiguous array of shape ({tok_pos.shape[0]}, {key_pos.shape[0]})")
+        shape = (tok_pos.shape[0], key_pos.shape[0])
+        raise ValueError(f"out: expected a writeable C-contiguous array of shape {shape}")
     out[...] = relative_position_bucket(key_pos[None, :], tok_pos[:, None], n_buckets, bidirectional)
     return out
 

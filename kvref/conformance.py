@@ -426,8 +426,7 @@ def _capacity_refused(op: dict, arts: Artefacts) -> bool:
 def check_replay(root: Path, case: dict, arts: Artefacts) -> str:
     hp = hparams_from_case(case)
     check_hparams(root, case, hp)
-    trace = case["trace"]
-    init = trace[0]
+    init = case["trace"][0]
     try:
         mem = create_memory_for(case, hp)
         created, why = True, ""
@@ -441,6 +440,18 @@ def check_replay(root: Path, case: dict, arts: Artefacts) -> str:
     if mem is None:
         raise Unsupported("create_memory returned no memory")
     check_memory_shape(case, mem)
+    r = replay_trace(case, mem, arts, hp)
+    return f"{r['ops']} ops, {r['saves']} saves, {r['restores']} restores"
+
+
+def replay_trace(case: dict, mem: Any, arts: Artefacts, hp: Any = None) -> dict[str, int]:
+    """Run the case's trace (after op 0, init) on ``mem`` and compare every step with what llama.cpp recorded.
+
+    Raises CheckFailed at the first difference (Unsupported for an op kvref does not model); returns
+    ``{"ops", "saves", "restores"}``. ``hp`` (default: the case's) gives n_vocab for the token-id check.
+    """
+    hp = hparams_from_case(case) if hp is None else hp
+    trace = case["trace"]
     n_seq = case["observed_context"]["n_seq_max"]
     n_ubatch = case["observed_context"]["n_ubatch"]
     saves = restores = 0
@@ -498,7 +509,7 @@ def check_replay(root: Path, case: dict, arts: Artefacts) -> str:
             got = _observe(mem, n_seq)
             if got != op["observed"]:
                 raise CheckFailed(f"{where}: observed {got}, llama.cpp {op['observed']}")
-    return f"{len(trace)} ops, {saves} saves, {restores} restores"
+    return {"ops": len(trace), "saves": saves, "restores": restores}
 
 
 def check_restore(root: Path, case: dict, arts: Artefacts) -> str:
@@ -694,14 +705,21 @@ def main(args: Any) -> int:
 
 __all__ = [
     "CHECKS",
+    "Artefacts",
     "CaseResult",
+    "CheckFailed",
     "CheckResult",
     "all_case_ids",
+    "artefact_hints",
+    "create_memory_for",
     "find_root",
     "hparams_from_case",
     "leaf_parts",
     "list_cases",
+    "load_case",
     "load_expected_failures",
+    "replay_trace",
     "run",
     "run_case",
+    "save_ops",
 ]

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from . import compat as _compat
 from . import kv_state as _kv_state
 from . import slots as _slots
 from .cells import LLAMA_MAX_SEQ, POS_MAX, KVCells
@@ -44,6 +45,17 @@ class CacheLayer:
     v: np.ndarray | None  # uint8, layout per v_trans; None for MLA (no V cache)
 
 
+def decode_seq_bound(compat: str, unified: bool, n_seq_max: int) -> int:
+    """The bound llama_decode's batch validation puts on sequence ids.
+
+    October 2026: the context's n_seq_max, unified or not (llama_batch_ext takes llama_n_seq_max(ctx)).
+    2025 (llama-cpp-python 0.3.16): LLAMA_MAX_SEQ for a unified cache, n_seq_max otherwise.
+    """
+    if _compat.check(compat) == _compat.COMPAT_2025 and unified:
+        return LLAMA_MAX_SEQ
+    return int(n_seq_max)
+
+
 def _norm_range(p0: int, p1: int) -> tuple[int, int]:
     """llama.cpp's open ends: p0 < 0 means 0, p1 < 0 means "no upper bound"."""
     return (0 if p0 < 0 else int(p0)), (POS_MAX if p1 < 0 else int(p1))
@@ -51,6 +63,8 @@ def _norm_range(p0: int, p1: int) -> tuple[int, int]:
 
 class KVCache:
     """llama_kv_cache: cells, heads and K/V storage for the attention layers of a model."""
+
+    kind = "kv"  # kvref.memory.Memory: the memory's kind, as case.json's memory.type names it
 
     def __init__(
         self,
@@ -67,8 +81,12 @@ class KVCache:
         layer_filter: Callable[[int], bool] | None = None,
         layer_reuse: Callable[[int], int] | None = None,
         cells_cls: type | None = None,
+        *,
+        compat: str = _compat.DEFAULT,
     ) -> None:
         size, n_seq_max, n_pad = int(size), int(n_seq_max), int(n_pad)
+        # which llama.cpp generation to reproduce where they differ (kvref.compat lists the differences)
+        self.compat = _compat.check(compat)
         if n_pad <= 0 or size % n_pad:
             raise KVRefError(f"kv size {size} is not a multiple of n_pad {n_pad}")
         if not 1 <= n_seq_max <= LLAMA_MAX_SEQ:
@@ -280,6 +298,8 @@ class KVCache:
 
     # ------------------------------------------------------------------ shifts and stream copies
     def get_can_shift(self) -> bool:
+        if self.compat == _compat.COMPAT_2025:
+            return True  # 2025 (llama-cpp-python 0.3.16): every KV cache could shift, M-RoPE included
         if self.hparams.arch == "step35":  # per-layer rope dims: no single n_rot
             return False
         return self.hparams.n_pos_per_embd() <= 1
@@ -400,7 +420,7 @@ class KVCache:
             balloc = BatchAllocr(n_pos_per_embd=self.hparams.n_pos_per_embd())
         # llama_context::decode: batch validation (positions from seq_pos_max + 1) comes first,
         # then memory_update() applies pending shifts/copies, then init_batch places the ubatches
-        balloc.init(batch, memory=self, n_seq_max=self.n_seq_max if self.n_stream > 1 else LLAMA_MAX_SEQ)
+        balloc.init(batch, memory=self, n_seq_max=decode_seq_bound(self.compat, self.n_stream == 1, self.n_seq_max))
         self.update()
         placed = self.init_batch(balloc, n_ubatch)
         for ub, sinfo in placed:
@@ -414,10 +434,12 @@ class KVCache:
 
     # ------------------------------------------------------------------ graph inputs and K/V rows
     def get_n_kv(self, sinfo: SlotInfo) -> int:
-        """Cells the attention looks at: used_max_p1 padded to max(n_pad, 256), at most size; max over streams."""
-        n_pad_cur = max(self.n_pad, 256)
+        """Cells the attention looks at: used_max_p1 padded to max(n_pad, 256), at most size; max over the
+        slot's streams. 2025 (llama-cpp-python 0.3.16): padded to n_pad only, max over every stream."""
+        legacy = self.compat == _compat.COMPAT_2025
+        n_pad_cur = self.n_pad if legacy else max(self.n_pad, 256)
         result = 0
-        for s in sinfo.strm:
+        for s in range(self.n_stream) if legacy else sinfo.strm:
             c = self._cells[s]
             padded = -(-c.used_max_p1() // n_pad_cur) * n_pad_cur
             result = max(min(c.size(), max(n_pad_cur, padded)), result)

@@ -63,7 +63,8 @@ def fill_kq_mask(
     ``n_kv`` defaults to ``get_n_kv`` over the slot's streams; ``dtype`` is float32 (or float16, the
     flash-attention mask). ``causal`` defaults to ``hparams.causal_attn``; ``n_swa`` / ``swa_type`` to the
     cache's own window (the SWA half of an iSWA cache has one, the base half none); ``non_causal_type``
-    and ``alibi`` to the hparams. ``out`` is reused when given (shape and dtype must match).
+    and ``alibi`` to the hparams (``non_causal_type`` is 0, ALL, when the hparams have none). ``out`` is
+    reused when given: its shape must match, and its dtype (float32 or float16) overrides ``dtype``.
     """
     hp = cache.hparams
     n_tokens = int(ubatch.n_tokens)

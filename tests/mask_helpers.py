@@ -85,7 +85,7 @@ def oracle(
     alibi=False,
 ) -> np.ndarray:
     """The mask, cell by cell, from the C++ conditions."""
-    n_stream, n_tps, n_kv = shape
+    n_kv = shape[2]
     n_tokens = len(tok_pos)
     if seq_to_stream is None:
         seq_to_stream = [0] * 256

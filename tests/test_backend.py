@@ -11,10 +11,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import CELLS_C, cython_requested
 
 import kvref
-
-from conftest import CELLS_C, cython_requested
 
 ROOT = Path(__file__).resolve().parents[1]
 

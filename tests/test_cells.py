@@ -499,7 +499,7 @@ def test_pos_set_many_equals_loop(cells_cls: type) -> None:
     a, b = cells_cls(10), cells_cls(10)
     idxs, pos = [7, 2, 9, 0], [5, 5, 0, POS_MAX]
     a.pos_set_many(np.array(idxs), pos)
-    for i, p in zip(idxs, pos):
+    for i, p in zip(idxs, pos, strict=True):
         b.pos_set(i, p)
     assert_same(snapshot(a), snapshot(b))
     a.pos_set_many([], [])
@@ -520,7 +520,7 @@ def test_seq_add_many_equals_loop(cells_cls: type) -> None:
     a, b = build(cells_cls, 6, spec), build(cells_cls, 6, spec)
     idxs, seqs = [0, 1, 2, 0, 5, 3], [0, 255, 7, 64, 0, 0]
     a.seq_add_many(idxs, seqs)
-    for i, s in zip(idxs, seqs):
+    for i, s in zip(idxs, seqs, strict=True):
         b.seq_add(i, s)
     assert_same(snapshot(a), snapshot(b))
     a.seq_add_many([1, 2, 4], 9)  # one sequence for all

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from golden_replay import has_state_api
 from test_memory_factory import jamba
 
 from kvref.batch import Batch
@@ -97,7 +96,6 @@ def test_partial_only_state_is_the_recurrent_section():
         mem.state_read(blob + b"\0", 2, LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
 
 
-@pytest.mark.skipif(not has_state_api(hybrid()), reason="KVCache has no state API yet")
 def test_state_round_trip_and_atomic_restore():
     mem = hybrid()
     mem.decode(Batch(tokens=list(range(8)), seq_ids=[[0]] * 8))

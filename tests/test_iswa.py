@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-from golden_replay import has_state_api
 from test_memory_factory import gemma2
 
 from kvref.batch import Batch
@@ -97,7 +96,6 @@ def test_a_batch_that_does_not_fit_changes_nothing():
     assert (mem.base.seq_pos_max(0), mem.swa.seq_pos_max(0), mem.base.seq_pos_min(0)) == before
 
 
-@pytest.mark.skipif(not has_state_api(iswa()), reason="KVCache has no state API yet")
 def test_state_round_trip_and_partial_only():
     mem = iswa(n_seq_max=2)
     mem.decode(Batch(tokens=list(range(6)), seq_ids=[[0]] * 6))

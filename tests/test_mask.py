@@ -6,11 +6,13 @@ llama_kv_cache::set_input_kq_mask's conditions: ``0`` = attended, ``X`` = ``-inf
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
+from mask_helpers import MASK_C, cells, need, oracle, same_bits, twin_params
 
 from kvref import _mask_py
-from mask_helpers import MASK_C, cells, need, oracle, same_bits, twin_params
 
 X = float("-inf")
 
@@ -51,14 +53,15 @@ def expect(rows, n_stream=1, dtype=np.float32):
 
 
 def test_backend_selected_matches_build():
+    """A run meant to be Cython must really use kvref._mask_c (no silent pure-Python run)."""
     from kvref import mask
 
-    if CYTHON := (MASK_C is not None and mask.BACKEND == "cython"):
-        assert mask.fill_kq_mask_raw is MASK_C.fill_kq_mask_raw
-    import os
-
-    if os.environ.get("KVREF_BACKEND", "auto") == "cython":
-        assert CYTHON, "a Cython run must load kvref._mask_c"
+    if os.environ.get("KVREF_BACKEND", "auto").strip().lower() == "cython":
+        assert mask.BACKEND == "cython" and mask.fill_kq_mask_raw is need(MASK_C).fill_kq_mask_raw
+    elif MASK_C is not None and os.environ.get("KVREF_BACKEND", "auto").strip().lower() == "auto":
+        assert mask.BACKEND == "cython"
+    else:
+        assert mask.BACKEND == "python"
 
 
 # ------------------------------------------------------------------------------ causal / sequences
@@ -249,7 +252,8 @@ def test_multi_stream_layout(mk):
 
 def test_out_is_returned_and_fully_written(mk):
     out = np.full((1, 3, 5), np.nan, np.float32)
-    res = mk.fill_kq_mask_raw(out, [cells([0, 1, 2, 3, 4])[0]], [cells([0, 1, 2, 3, 4])[1]], None, None, [1, 3, 0], [0, 0, 0])
+    p, s, _ = cells([0, 1, 2, 3, 4])
+    res = mk.fill_kq_mask_raw(out, [p], [s], None, None, [1, 3, 0], [0, 0, 0])
     assert res is out and not np.isnan(out).any()
 
 
@@ -261,8 +265,16 @@ def test_matches_oracle_on_a_mixed_case(mk, dtype):
     seqs = [set(rng.choice(4, rng.integers(1, 3), replace=False).tolist()) if q != -1 else set() for q in pos]
     c = cells(pos.tolist(), seqs)
     toks = [(int(rng.integers(0, 4)), int(rng.integers(0, 45))) for _ in range(24)]
-    for kw in (dict(), dict(causal=False), dict(n_swa=8, swa_type=1), dict(n_swa=8, swa_type=2), dict(n_swa=8, swa_type=3, causal=False),
-               dict(n_swa=5, swa_type=1, causal=False, non_causal_type=2), dict(alibi=True)):
+    modes = (
+        dict(),
+        dict(causal=False),
+        dict(n_swa=8, swa_type=1),
+        dict(n_swa=8, swa_type=2),
+        dict(n_swa=8, swa_type=3, causal=False),
+        dict(n_swa=5, swa_type=1, causal=False, non_causal_type=2),
+        dict(alibi=True),
+    )
+    for kw in modes:
         out = run(mk, [c], toks, dtype=dtype, **kw)
         ref = oracle(out.shape, dtype, [c[0]], [c[1]], [c[2]], None, [p for _, p in toks], [s for s, _ in toks], **kw)
         assert same_bits(out, ref), kw
@@ -299,8 +311,13 @@ def test_bad_arguments_raise_the_same_error_in_both_twins(case):
             pytest.skip("kvref._mask_c is not built")
         p, s, e = cells([0, 1])
         args = dict(
-            out=np.zeros((1, 1, 2), np.float32), cell_pos=[p], cell_seq=[s], cell_ext=[e], seq_to_stream=None,
-            tok_pos=[1], tok_seq=[0],
+            out=np.zeros((1, 1, 2), np.float32),
+            cell_pos=[p],
+            cell_seq=[s],
+            cell_ext=[e],
+            seq_to_stream=None,
+            tok_pos=[1],
+            tok_seq=[0],
         )
         kw = {}
         for k, v in BAD_CASES[case].items():
@@ -337,7 +354,8 @@ def test_relative_position_bucket_twins_agree_exhaustively():
         for bi in (False, True):
             if bi and nb < 4:
                 continue
-            assert np.array_equal(_mask_py.relative_position_bucket(x, 0, nb, bi), MASK_C.relative_position_bucket(x, 0, nb, bi)), (nb, bi)
+            a = _mask_py.relative_position_bucket(x, 0, nb, bi)
+            assert np.array_equal(a, MASK_C.relative_position_bucket(x, 0, nb, bi)), (nb, bi)
 
 
 def test_fill_pos_bucket_raw(mk):

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from mask_helpers import need, oracle, same_bits, twin_params
 
 import kvref.mask as mask
 from kvref.batch import Batch
 from kvref.hparams import HParams, SWAType
 from kvref.kv_cache import KVCache
-from mask_helpers import need, oracle, same_bits, twin_params
 
 X = float("-inf")
 
@@ -33,10 +33,18 @@ def check_against_oracle(cache: KVCache, ub, sinfo, out: np.ndarray, **kw) -> No
     n = ub.n_tokens
     cells = [cache.cells(s) for s in range(cache.n_stream)]
     ref = oracle(
-        out.shape, out.dtype,
-        [np.asarray(c.pos) for c in cells], [np.asarray(c.seq) for c in cells], [np.asarray(c.ext) for c in cells],
-        cache.seq_to_stream, np.asarray(ub.pos)[:n], [ids[0] for ids in ub.seq_id],
-        n_swa=cache.n_swa, swa_type=int(cache.swa_type), causal=cache.hparams.causal_attn, **kw,
+        out.shape,
+        out.dtype,
+        [np.asarray(c.pos) for c in cells],
+        [np.asarray(c.seq) for c in cells],
+        [np.asarray(c.ext) for c in cells],
+        cache.seq_to_stream,
+        np.asarray(ub.pos)[:n],
+        [ids[0] for ids in ub.seq_id],
+        n_swa=cache.n_swa,
+        swa_type=int(cache.swa_type),
+        causal=cache.hparams.causal_attn,
+        **kw,
     )
     assert same_bits(out, ref)
 
@@ -44,11 +52,12 @@ def check_against_oracle(cache: KVCache, ub, sinfo, out: np.ndarray, **kw) -> No
 def test_two_prompts_in_a_unified_cache(glue):
     cache = KVCache(hp(), size=512, n_seq_max=2, unified=True)
     cache.decode(Batch(tokens=[1, 2, 3, 4], seq_ids=[[0]] * 4))
-    (ub, sinfo), = cache.decode(Batch(tokens=[5, 6, 7], seq_ids=[[1]] * 3))
+    ((ub, sinfo),) = cache.decode(Batch(tokens=[5, 6, 7], seq_ids=[[1]] * 3))
     m = glue.fill_kq_mask(cache, ub, sinfo=sinfo)
     # n_kv: 7 used cells padded to 256
     assert m.shape == (1, 3, 256) and m.dtype == np.float32
-    assert same_bits(m[:, :, :8], np.array([[[X, X, X, X, 0, X, X, X], [X, X, X, X, 0, 0, X, X], [X, X, X, X, 0, 0, 0, X]]], np.float32))
+    rows = [[X, X, X, X, 0, X, X, X], [X, X, X, X, 0, 0, X, X], [X, X, X, X, 0, 0, 0, X]]
+    assert same_bits(m[:, :, :8], np.array([rows], np.float32))
     assert np.all(np.isneginf(m[:, :, 8:]))
     # without the slot the glue derives the streams from the ubatch: same n_kv
     assert same_bits(glue.fill_kq_mask(cache, ub), m)
@@ -57,7 +66,7 @@ def test_two_prompts_in_a_unified_cache(glue):
 def test_shared_prefix_and_reused_out_buffer(glue):
     cache = KVCache(hp(), size=256, n_seq_max=2, unified=True)
     cache.decode(Batch(tokens=[1, 2, 3], seq_ids=[[0, 1]] * 3))  # a prompt both sequences see
-    (ub, sinfo), = cache.decode(Batch(tokens=[4, 5], seq_ids=[[0], [1]], logits=[1, 1]))
+    ((ub, sinfo),) = cache.decode(Batch(tokens=[4, 5], seq_ids=[[0], [1]], logits=[1, 1]))
     out = np.empty((1, 2, 256), np.float16)
     m = glue.fill_kq_mask(cache, ub, out, dtype=np.float16, sinfo=sinfo)
     assert m is out
@@ -67,7 +76,7 @@ def test_shared_prefix_and_reused_out_buffer(glue):
 def test_multi_stream_ubatch_layout(glue):
     cache = KVCache(hp(), size=256, n_seq_max=2, unified=False)
     placed = cache.decode(Batch(tokens=[1, 2, 3, 4, 5, 6], seq_ids=[[0], [0], [0], [1], [1], [1]]))
-    (ub, sinfo), = placed
+    ((ub, sinfo),) = placed
     assert ub.n_seqs_unq == 2 and sinfo.strm == [0, 1]
     m = glue.fill_kq_mask(cache, ub, sinfo=sinfo)
     # one block per stream, each over its own stream's cells 0..2
@@ -79,7 +88,7 @@ def test_multi_stream_ubatch_layout(glue):
 
 def test_swa_cache_and_non_causal(glue):
     cache = KVCache(hp(), size=256, n_seq_max=1, unified=True, n_swa=2, swa_type=SWAType.STANDARD)
-    (ub, sinfo), = cache.decode(Batch(tokens=[1, 2, 3, 4]))
+    ((ub, sinfo),) = cache.decode(Batch(tokens=[1, 2, 3, 4]))
     m = glue.fill_kq_mask(cache, ub, sinfo=sinfo)
     assert same_bits(m[0, :, :4], np.array([[0, X, X, X], [0, 0, X, X], [X, 0, 0, X], [X, X, 0, 0]], np.float32))
     m = glue.fill_kq_mask(cache, ub, sinfo=sinfo, causal=False, non_causal_type=mask.NonCausalType.SWA_FULL)
@@ -119,7 +128,7 @@ def test_k_shift_input_matches_the_cache(glue):
 
 def test_pos_bucket_with_and_without_cache(glue):
     cache = KVCache(hp(), size=256, n_seq_max=1, unified=True)
-    (ub, _), = cache.decode(Batch(tokens=[1, 2, 3]))
+    ((ub, _),) = cache.decode(Batch(tokens=[1, 2, 3]))
     b = glue.fill_pos_bucket(cache, ub, n_buckets=32)
     assert b.shape == (3, 256)
     assert b[:, :4].tolist() == [[0, 0, 0, 1], [1, 0, 0, 2], [2, 1, 0, 3]]  # empty cell 3 counts as pos -1
@@ -129,7 +138,26 @@ def test_pos_bucket_with_and_without_cache(glue):
 
 def test_k_v_idxs_are_the_caches(glue):
     cache = KVCache(hp(), size=256, n_seq_max=2, unified=False, v_trans=True)
-    (ub, sinfo), = cache.decode(Batch(tokens=[1, 2, 3, 4], seq_ids=[[0], [0], [1], [1]]))
+    ((ub, sinfo),) = cache.decode(Batch(tokens=[1, 2, 3, 4], seq_ids=[[0], [0], [1], [1]]))
     assert glue.k_idxs(cache, ub, sinfo).tolist() == [0, 1, 256, 257]
     v = glue.v_idxs(cache, ub, sinfo)
     assert v.shape == (4 * 4,) and v[:4].tolist() == [0, 256, 512, 768]
+
+
+def test_mrope_image_tokens_attend_in_raster_order(glue):
+    from kvref.hparams import RopeType
+
+    cache = KVCache(hp(rope_type=RopeType.MROPE, n_embd=4), size=256)
+    cache.decode(Batch(tokens=[1, 2, 3, 4, 5]))  # text at positions 0..4
+    # a 2x2 image at t = 5: position blocks t, y, x, (unused); tokens in raster order
+    pos = np.array([5, 5, 5, 5, 0, 0, 1, 1, 0, 1, 0, 1, 0, 0, 0, 0], np.int32)
+    ((ub, sinfo),) = cache.decode(Batch(embd=np.zeros((4, 4), np.float32), pos=pos))
+    assert ub.is_pos_2d() and sinfo.idxs == [[5, 6, 7, 8]]
+    m = glue.fill_kq_mask(cache, ub, sinfo=sinfo)
+    img = np.array([[0, X, X, X], [0, 0, X, X], [0, 0, 0, X], [0, 0, 0, 0]], np.float32)
+    assert same_bits(m[0, :, 5:9], img)
+    assert same_bits(m[0, :, :5], np.zeros((4, 5), np.float32))
+    check_against_oracle(cache, ub, sinfo, m, tok_x=pos[8:12], tok_y=pos[4:8])
+    # non-causal: the image sees itself whole
+    m = glue.fill_kq_mask(cache, ub, sinfo=sinfo, causal=False)
+    assert same_bits(m[0, :, 5:9], np.zeros((4, 4), np.float32))

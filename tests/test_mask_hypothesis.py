@@ -10,9 +10,9 @@ import os
 import numpy as np
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from mask_helpers import MASK_C, oracle, same_bits, seq_bits
 
 from kvref import _mask_py
-from mask_helpers import MASK_C, oracle, same_bits, seq_bits
 
 EXAMPLES = int(os.environ.get("KVREF_HYPOTHESIS_EXAMPLES", "150"))
 TWINS = [m for m in (_mask_py, MASK_C) if m is not None]
@@ -52,8 +52,7 @@ def mask_case(draw):
         empty = draw(st.lists(st.booleans(), min_size=size, max_size=size))
         p[np.array(empty, dtype=bool)] = -1
         sets = [
-            set() if p[j] == -1 else set(draw(st.lists(st.integers(0, N_SEQ - 1), max_size=3)))
-            for j in range(size)
+            set() if p[j] == -1 else set(draw(st.lists(st.integers(0, N_SEQ - 1), max_size=3))) for j in range(size)
         ]
         e = np.array(draw(st.lists(st.integers(0, 3), min_size=3 * size, max_size=3 * size)), dtype=np.int32)
         pos.append(np.where(p == -1, -1, p * scale).astype(np.int32))
@@ -88,7 +87,9 @@ def mask_case(draw):
     return (n_stream, n // n_stream, n_kv), dtype, pos, seq, ext, s2s, [p for _, p in toks], [s for s, _ in toks], kw
 
 
-@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large]
+)
 @given(mask_case())
 def test_twins_match_the_oracle(case):
     shape, dtype, pos, seq, ext, s2s, tok_pos, tok_seq, kw = case

@@ -4,7 +4,7 @@ from llama_context::llama_context (n_ctx padding, n_ctx_seq, n_batch / n_ubatch)
 from __future__ import annotations
 
 import pytest
-from golden_replay import ALL_CASES, hparams_from_case, load_case
+from golden import ALL_CASES, load_case, memory_for
 
 import kvref
 from kvref.errors import KVRefError
@@ -17,21 +17,7 @@ from kvref.recurrent import RecurrentMemory
 KIND = {"kv": KVCache, "iswa": KVCacheISWA, "recurrent": RecurrentMemory, "hybrid": HybridMemory}
 
 
-def from_case(case: dict):
-    ctx = case["context"]
-    return create_memory(
-        hparams_from_case(case),
-        ctx["n_ctx"],
-        ctx["n_seq_max"],
-        ctx["kv_unified"],
-        ctx["flash_attn"],
-        ctx["type_k"],
-        ctx["type_v"],
-        ctx["swa_full"],
-        ctx["n_ubatch"],
-        n_batch=ctx["n_batch"],
-        n_rs_seq=ctx.get("n_rs_seq", 0),
-    )
+from_case = memory_for
 
 
 def caches(mem) -> list:
@@ -43,7 +29,20 @@ def caches(mem) -> list:
     return [mem]
 
 
-@pytest.mark.parametrize("case_id", ALL_CASES)
+# 2025 (llama-cpp-python 0.3.16) differences create_memory does not model yet
+_FACTORY_XFAIL = {
+    "legacy-0.3.16-llama-f16-multistream": "2025 sizes non-unified streams n_ctx / n_seq_max (96 cells, n_ctx 288)",
+    "legacy-0.3.16-qwen2vl-mrope": "2025's KV cache can always shift (M-RoPE too)",
+}
+
+
+@pytest.mark.parametrize(
+    "case_id",
+    [
+        pytest.param(c, marks=[pytest.mark.xfail(strict=True, reason=_FACTORY_XFAIL[c])] if c in _FACTORY_XFAIL else [])
+        for c in ALL_CASES
+    ],
+)
 def test_factory_builds_what_llama_cpp_built(case_id):
     case = load_case(case_id)
     obs = case["observed_context"]
@@ -55,18 +54,17 @@ def test_factory_builds_what_llama_cpp_built(case_id):
     want = case["memory"]
     assert isinstance(mem, KIND[want["type"]])
     cp = mem.cparams
-    assert (cp.n_ctx, cp.n_ctx_seq, cp.n_batch, cp.n_ubatch, cp.n_seq_max) == (
-        obs["n_ctx"],
-        obs["n_ctx_seq"],
-        obs["n_batch"],
-        obs["n_ubatch"],
-        obs["n_seq_max"],
-    )
+    names = ("n_ctx", "n_ctx_seq", "n_batch", "n_ubatch", "n_seq_max")
+    # what llama.cpp logged (2025 builds did not log n_ctx_seq: None there)
+    assert {k: getattr(cp, k) for k in names if obs[k] is not None} == {k: obs[k] for k in names if obs[k] is not None}
     logged = obs["memory_log"]["caches"]
     got = caches(mem)
-    assert [type(c).__name__ for c in got] == [
-        {"llama_kv_cache": "KVCache", "llama_memory_recurrent": "RecurrentMemory"}[c["module"]] for c in logged
-    ]
+    module = {
+        "llama_kv_cache": "KVCache",
+        "llama_kv_cache_unified": "KVCache",  # the class's name in 2025 (llama-cpp-python 0.3.16)
+        "llama_memory_recurrent": "RecurrentMemory",
+    }
+    assert [type(c).__name__ for c in got] == [module[c["module"]] for c in logged]
     for c, log in zip(got, logged, strict=True):
         if isinstance(c, RecurrentMemory):
             # llama.cpp logs the model's layer count here, not the layers with state

@@ -3,14 +3,12 @@
 from __future__ import annotations
 
 import pytest
-from golden_replay import GOLDEN, load_case, replay
+from golden import ALL_CASES, load_case, params, replay
 
 import kvref
 from kvref.recurrent import RecurrentMemory
 
-CASES = sorted(
-    p.parent.name for p in GOLDEN.glob("*/case.json") if load_case(p.parent.name)["memory"]["type"] == "recurrent"
-)
+CASES = [c for c in ALL_CASES if load_case(c)["memory"]["type"] == "recurrent"]
 
 
 def hparams_of(case: dict) -> kvref.HParams:
@@ -33,7 +31,7 @@ def hparams_of(case: dict) -> kvref.HParams:
 
 
 @pytest.mark.skipif(not CASES, reason="no recurrent goldens generated")
-@pytest.mark.parametrize("case_id", CASES)
+@pytest.mark.parametrize("case_id", params(CASES, "replay"))
 def test_replay_matches_llama_cpp(case_id):
     case = load_case(case_id)
     hp = hparams_of(case)

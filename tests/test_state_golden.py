@@ -7,10 +7,11 @@ import json
 from pathlib import Path
 
 import pytest
+from golden import GOLDEN, ROOT
+from golden import load_hints as _hints
 
 import kvref.state as S
 
-GOLDEN = Path(__file__).resolve().parent.parent / "conformance" / "golden"
 _STATE_SUFFIXES = {".bin", ".session", ".ggsn", ".ggsq", ".state", ".seq"}
 
 
@@ -20,24 +21,6 @@ def _artefacts() -> list[Path]:
     return sorted(
         p for p in GOLDEN.glob("*/*") if p.is_file() and (p.suffix in _STATE_SUFFIXES) and p.name != "case.json"
     )
-
-
-def _hints(path: Path) -> dict:
-    """What the case's trace says about the artefact (kind, layout, cell ext), as load() options."""
-    case = path.parent / "case.json"
-    if not case.exists():
-        return {}
-    for op in json.loads(case.read_text()).get("trace", []):
-        if op.get("file") == path.name and op.get("op") == "save":
-            kind = {"session": "session", "seq": "seq", "state_data": "state", "seq_data": "seq_state"}.get(op["kind"])
-            # a save with LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY holds only some sections: name the layout they form
-            sections = tuple("kv" if s.startswith("kv") else s for s in op.get("sections") or ())
-            layout = next((name for name, kinds in S.LAYOUTS.items() if kinds == sections), op.get("layout"))
-            hints = {"kind": kind, "layout": layout}
-            if op.get("cell_ext") is not None:
-                hints["ext_size"] = 12 if op["cell_ext"] else 0
-            return {k: v for k, v in hints.items() if v is not None}
-    return {}
 
 
 ARTEFACTS = _artefacts()
@@ -63,7 +46,7 @@ def test_golden_auto(path: Path) -> None:
         assert obj.memory.layout == hints["layout"]
 
 
-INVALID = Path(__file__).resolve().parent.parent / "conformance" / "invalid"
+INVALID = ROOT / "invalid"
 _INVALID_FILES = (
     json.loads((INVALID / "manifest.json").read_text())["files"] if (INVALID / "manifest.json").exists() else []
 )

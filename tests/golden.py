@@ -1,0 +1,59 @@
+"""The golden cases (conformance/golden/<case>/) for the tests, read through ``kvref.conformance``.
+
+One place knows how a case's artefacts are read (``load_hints``: kind, layout, cell ext and the producer's
+format generation: sequence-blob prefix, v9 output block, ext size), how its memory is built
+(``memory_for``) and how its trace is replayed (``replay``: the runner's ``replay_trace``, so the tests and
+``kvref conformance`` make the same checks). Checks listed in conformance/expected_failures.json are strict
+xfails here too (``params``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvref import conformance as C
+
+ROOT = Path(__file__).resolve().parent.parent / "conformance"
+GOLDEN = ROOT / "golden"
+ALL_CASES = C.list_cases(ROOT) if GOLDEN.is_dir() else []
+EXPECTED = C.load_expected_failures(ROOT) if GOLDEN.is_dir() else {}
+
+
+def load_case(case_id: str) -> dict:
+    return C.load_case(ROOT, case_id)
+
+
+def params(case_ids: list[str], check: str) -> list[Any]:
+    """``case_ids`` as pytest params, strict xfail where the manifest lists ``check`` for the case."""
+    out = []
+    for cid in case_ids:
+        reason = EXPECTED.get(cid, {}).get(check)
+        marks = [pytest.mark.xfail(strict=True, reason=reason)] if reason is not None else []
+        out.append(pytest.param(cid, id=cid, marks=marks))
+    return out
+
+
+def load_hints(path: Path) -> dict:
+    """kvref.state.load options for a golden artefact, from its case's save op and producer ({} if unknown)."""
+    case_json = path.parent / "case.json"
+    if not case_json.exists():
+        return {}
+    case = load_case(path.parent.name)
+    op = C.save_ops(case).get(path.name)
+    if op is None:
+        return {}
+    return {k: v for k, v in C.artefact_hints(op, case.get("producer")).items() if v is not None}
+
+
+def memory_for(case: dict) -> Any:
+    """The memory ``create_memory`` builds for the case's hyper-parameters and context."""
+    return C.create_memory_for(case, C.hparams_from_case(case))
+
+
+def replay(case_id: str, mem: Any) -> dict[str, int]:
+    """Replay the case's trace on ``mem`` (the runner's checks; a difference raises AssertionError)."""
+    case = load_case(case_id)
+    return C.replay_trace(case, mem, C.Artefacts(ROOT, case))
