@@ -1,7 +1,7 @@
 """Benchmark plumbing: run with ``python -m pytest benchmarks/bench_cells.py --benchmark-only``.
 
-- pyproject's ``addopts`` disables benchmarks for the test suite; ``--benchmark-only`` here turns them
-  back on (pytest-benchmark would otherwise refuse the two options together).
+- ``--benchmark-only`` wins over a ``--benchmark-disable`` coming from addopts or the command line
+  (pytest-benchmark would otherwise refuse the two options together).
 - ``twin`` is parametrized over the cell twins (ids ``py`` and ``c``, as in tests/conftest.py).
 - At the end of the session a table puts Cython and Python side by side per workload, with llama.cpp's
   C++ reference times for the same workload where one is known (``REFERENCE_MS`` in the bench module).
@@ -66,7 +66,7 @@ def _seconds(bench: Any, key: str) -> float | None:
 @pytest.hookimpl(trylast=True)
 def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> None:
     session = getattr(config, "_benchmarksession", None)
-    if session is None or not session.benchmarks:
+    if session is None or session.disabled or not session.benchmarks:
         return
     rows: dict[str, dict[str, Any]] = {}
     for bench in session.benchmarks:

@@ -192,14 +192,23 @@ def check_hparams(root: Path, case: dict, hp: Any) -> None:
             raise CheckFailed(f"HParams.from_gguf({m['file']}).{k} = {a[k]}, case.json says {b.get(k)}")
 
 
+def compat_for(case: dict) -> str:
+    """The kvref.compat generation of the llama.cpp that produced the case (from its producer's
+    llama-cpp-python version; the default when the case does not say)."""
+    from .compat import for_llama_cpp_python
+
+    return for_llama_cpp_python((case.get("producer") or {}).get("llama_cpp_python"))
+
+
 def create_memory_for(case: dict, hp: Any) -> Any:
+    """The memory create_memory builds for the case's context, reproducing its producer's llama.cpp."""
     from .memory import create_memory
 
     c = case["context"]
     return create_memory(
         hp, n_ctx=c["n_ctx"], n_seq_max=c["n_seq_max"], kv_unified=c["kv_unified"], flash_attn=c["flash_attn"],
         type_k=c["type_k"], type_v=c["type_v"], swa_full=c.get("swa_full", False), n_ubatch=c["n_ubatch"],
-        n_batch=c["n_batch"], n_rs_seq=c.get("n_rs_seq", 0),
+        n_batch=c["n_batch"], n_rs_seq=c.get("n_rs_seq", 0), compat=compat_for(case),
     )  # fmt: skip
 
 
@@ -210,12 +219,18 @@ def check_memory_shape(case: dict, mem: Any) -> None:
     got = kind.get(type(mem).__name__, type(mem).__name__)
     if got != want["type"]:
         raise CheckFailed(f"kvref built a {got} memory, llama.cpp a {want['type']} one")
-    for leaf in leaf_parts(mem, 0):
+    leaves = leaf_parts(mem, 0)
+    for leaf in leaves:
         if type(leaf).__name__ == "KVCache":
             if leaf.n_stream != want["n_stream"]:
                 raise CheckFailed(f"n_stream {leaf.n_stream}, llama.cpp {want['n_stream']}")
             if want.get("v_trans") is not None and leaf.v_trans != want["v_trans"]:
                 raise CheckFailed(f"v_trans {leaf.v_trans}, llama.cpp {want['v_trans']}")
+    kv = [leaf for leaf in leaves if type(leaf).__name__ == "KVCache"]
+    sizes = {"kv_size": kv[0].get_size() if kv else None, "kv_size_swa": kv[-1].get_size() if len(kv) > 1 else None}
+    for name, got_size in sizes.items():
+        if want.get(name) is not None and got_size != want[name]:
+            raise CheckFailed(f"{name} {got_size} cells, llama.cpp {want[name]}")
 
 
 # ---------------------------------------------------------------------------------------------- memory parts
@@ -389,21 +404,17 @@ def _observe(mem: Any, n_seq: int) -> dict:
     }
 
 
-def _decode(mem: Any, op: dict, hp: Any, n_ubatch: int, n_seq_max: int) -> int:
+def _decode(mem: Any, op: dict, hp: Any, n_ubatch: int) -> int:
     """llama_decode's return value: 0, 1 (no slot), -1 (invalid batch).
 
-    The batch checks llama_context makes before the memory sees the batch are made here: token ids below
-    n_vocab, and (October 2026: llama_batch_ext takes llama_n_seq_max(ctx), unified or not) seq ids below
-    the context's n_seq_max. The memories' own decode() still bounds ids by LLAMA_MAX_SEQ when unified, as
-    April 2026 did.
+    Token ids below n_vocab are checked here (the memories do not know the vocabulary); everything else,
+    sequence ids included, is the memory's decode() (BatchError -> -1, NoSlotError -> 1).
     """
     from .batch import Batch
 
     n_vocab = int(getattr(hp, "n_vocab", 0) or 0)
     if any(t < 0 or (n_vocab and t >= n_vocab) for t in op["tokens"]):
         return -1  # llama_batch_allocr::init: invalid token id
-    if any(s < 0 or s >= n_seq_max for ids in op["seq_ids"] for s in ids):
-        return -1  # llama_batch_allocr::init: invalid seq_id
     try:
         mem.decode(
             Batch(tokens=op["tokens"], pos=op.get("pos"), seq_ids=op["seq_ids"], logits=op.get("logits")), n_ubatch
@@ -459,7 +470,7 @@ def replay_trace(case: dict, mem: Any, arts: Artefacts, hp: Any = None) -> dict[
         kind = op["op"]
         where = f"op {k} ({kind}{' ' + op['file'] if op.get('file') else ''})"
         if kind == "decode":
-            ret = _decode(mem, op, hp, n_ubatch, n_seq)
+            ret = _decode(mem, op, hp, n_ubatch)
             if ret != op["ret"]:
                 raise CheckFailed(f"{where}: decode returned {ret}, llama.cpp {op['ret']}")
         elif kind == "seq_rm":
@@ -710,6 +721,7 @@ __all__ = [
     "CheckFailed",
     "CheckResult",
     "all_case_ids",
+    "compat_for",
     "artefact_hints",
     "create_memory_for",
     "find_root",

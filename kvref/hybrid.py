@@ -13,6 +13,7 @@ from typing import Any, Literal, NamedTuple
 
 import numpy as np
 
+from . import compat as _compat
 from .errors import NoSlotError
 from .hparams import SWAType
 from .kv_cache import KVCache
@@ -55,9 +56,11 @@ class HybridMemory:
         swa: bool = False,
         swa_full: bool = False,
         n_ubatch: int = 512,
+        compat: str = _compat.DEFAULT,
     ) -> None:
         self.hparams = hparams
         self.unified = bool(unified)
+        self.compat = _compat.check(compat)
         if filter_attn is None:
             filter_attn = lambda il: not hparams.is_recurrent(il)  # noqa: E731
         if filter_recr is None:
@@ -79,12 +82,17 @@ class HybridMemory:
                 n_ubatch,
                 n_pad,
                 layer_filter=filter_attn,
+                compat=compat,
             )
         else:
             self.attn = KVCache(
-                hparams, type_k, type_v, v_trans, unified, kv_size, n_seq_max, n_pad, n_swa, swa_type, filter_attn, None
-            )
-        self.recr = RecurrentMemory(hparams, type_r, type_s, rs_size, n_seq_max, filter_recr, n_rs_seq=n_rs_seq)
+                hparams, type_k, type_v, v_trans, unified, kv_size, n_seq_max, n_pad, n_swa, swa_type, filter_attn, None,
+                compat=compat,
+            )  # fmt: skip
+        self.recr = RecurrentMemory(
+            hparams, type_r, type_s, rs_size, n_seq_max, filter_recr, n_rs_seq=n_rs_seq, compat=compat
+        )
+        self.recr.kv_unified = self.unified
 
     def get_mem_attn(self) -> Any:
         return self.attn
@@ -172,11 +180,12 @@ class HybridMemory:
         embd_all: bool = False,
     ) -> list[tuple[Any, HybridSlot]]:
         """What llama_decode does to the memory (attention rows ``k`` / ``v`` optional, per layer)."""
-        from .batch import LLAMA_MAX_SEQ, BatchAllocr
+        from .batch import BatchAllocr
+        from .kv_cache import decode_seq_bound
 
         if balloc is None:
             balloc = BatchAllocr(self.hparams.n_pos_per_embd())
-        n_seq_max = LLAMA_MAX_SEQ if self.unified else self.recr.n_seq_max
+        n_seq_max = decode_seq_bound(self.compat, self.unified, self.recr.n_seq_max)
         balloc.init(batch, memory=self, n_seq_max=n_seq_max, output_all=embd_all)
         self.update()
         placed = self.init_batch(balloc, n_ubatch, embd_all)

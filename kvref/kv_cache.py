@@ -96,6 +96,7 @@ class KVCache:
         self.type_v = ggml_type(type_v)
         self.v_trans = bool(v_trans)
         self.n_seq_max = n_seq_max
+        self.unified = bool(unified)  # the context's kv_unified (n_stream is 1 either way when n_seq_max is 1)
         self.n_stream = 1 if unified else n_seq_max
         self.n_pad = n_pad
         self.n_swa = int(n_swa)
@@ -420,7 +421,7 @@ class KVCache:
             balloc = BatchAllocr(n_pos_per_embd=self.hparams.n_pos_per_embd())
         # llama_context::decode: batch validation (positions from seq_pos_max + 1) comes first,
         # then memory_update() applies pending shifts/copies, then init_batch places the ubatches
-        balloc.init(batch, memory=self, n_seq_max=decode_seq_bound(self.compat, self.n_stream == 1, self.n_seq_max))
+        balloc.init(batch, memory=self, n_seq_max=decode_seq_bound(self.compat, self.unified, self.n_seq_max))
         self.update()
         placed = self.init_batch(balloc, n_ubatch)
         for ub, sinfo in placed:

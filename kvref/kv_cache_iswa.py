@@ -12,12 +12,13 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from . import compat as _compat
 from .errors import NoSlotError
 from .hparams import SWAType
 from .kv_cache import KVCache
 from .memory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, read_all, sections_of, stage_parts
 
-SWA_PAD = 256  # the SWA cache size is always padded to 256 (llama.cpp issue #17037)
+SWA_PAD = 256  # October 2026: the SWA cache size is always padded to 256 (llama.cpp issue #17037)
 
 
 class ISWASlot(NamedTuple):
@@ -27,13 +28,16 @@ class ISWASlot(NamedTuple):
     swa: Any
 
 
-def swa_cache_size(size_base: int, n_swa: int, n_seq_max: int, n_ubatch: int, unified: bool, swa_full: bool) -> int:
+def swa_cache_size(
+    size_base: int, n_swa: int, n_seq_max: int, n_ubatch: int, unified: bool, swa_full: bool, n_pad: int = SWA_PAD
+) -> int:
     """llama_kv_cache_iswa's SWA cache size: the window of every sequence that can share the buffer plus a
-    ubatch, at most the base size, padded to 256; with ``swa_full`` the base size."""
+    ubatch, at most the base size, padded to 256 (``n_pad``: 2025 padded to the cache's n_pad); with
+    ``swa_full`` the base size."""
     if swa_full:
         return size_base
     want = min(size_base, n_swa * (n_seq_max if unified else 1) + n_ubatch)
-    return (want + SWA_PAD - 1) // SWA_PAD * SWA_PAD
+    return (want + n_pad - 1) // n_pad * n_pad
 
 
 class KVCacheISWA:
@@ -56,9 +60,11 @@ class KVCacheISWA:
         *,
         layer_filter: Callable[[int], bool] | None = None,
         layer_reuse: Callable[[int], int] | None = None,
+        compat: str = _compat.DEFAULT,
     ) -> None:
         self.hparams = hparams
         self.unified = bool(unified)
+        self.compat = _compat.check(compat)
         self.swa_full = bool(swa_full)
 
         # chained filters: the caller's filter first, then full-attention vs sliding layers
@@ -69,7 +75,9 @@ class KVCacheISWA:
             return (layer_filter is None or layer_filter(il)) and hparams.is_swa(il)
 
         size_base = int(kv_size)
-        size_swa = swa_cache_size(size_base, hparams.n_swa, n_seq_max, n_ubatch, self.unified, self.swa_full)
+        # 2025 (llama-cpp-python 0.3.16): the SWA size was padded to the cache's n_pad, not to 256
+        pad = int(n_pad) if self.compat == _compat.COMPAT_2025 else SWA_PAD
+        size_swa = swa_cache_size(size_base, hparams.n_swa, n_seq_max, n_ubatch, self.unified, self.swa_full, pad)
         self.base = KVCache(
             hparams,
             type_k,
@@ -83,6 +91,7 @@ class KVCacheISWA:
             SWAType.NONE,
             filter_base,
             layer_reuse,
+            compat=self.compat,
         )
         self.swa = KVCache(
             hparams,
@@ -97,6 +106,7 @@ class KVCacheISWA:
             hparams.swa_type,
             filter_swa,
             layer_reuse,
+            compat=self.compat,
         )
 
     @property
@@ -208,11 +218,12 @@ class KVCacheISWA:
         embd_all: bool = False,
     ) -> list[tuple[Any, ISWASlot]]:
         """What llama_decode does to the memory; ``k`` / ``v`` rows go to the cache owning each layer."""
-        from .batch import LLAMA_MAX_SEQ, BatchAllocr
+        from .batch import BatchAllocr
+        from .kv_cache import decode_seq_bound
 
         if balloc is None:
             balloc = BatchAllocr(self.hparams.n_pos_per_embd())
-        n_seq_max = LLAMA_MAX_SEQ if self.unified else self.base.get_n_seq_max()
+        n_seq_max = decode_seq_bound(self.compat, self.unified, self.base.get_n_seq_max())
         balloc.init(batch, memory=self, n_seq_max=n_seq_max, output_all=embd_all)
         self.update()
         placed = self.init_batch(balloc, n_ubatch, embd_all)

@@ -8,11 +8,13 @@ Writing (``state_section``), per stream, ``u32 n_stream`` first:
 
 - the cells written are the used cells, in index order; for a sequence (``seq_id >= 0``) only the cells
   of that sequence that are *not* SWA-masked against the sequence's ``seq_pos_max`` in that stream
-  (llama.cpp calls ``is_masked_swa(n_swa, swa_type, pos, seq_pos_max)``: note no ``+ 1``);
+  (llama.cpp calls ``is_masked_swa(n_swa, swa_type, pos, seq_pos_max)``: note no ``+ 1``); with
+  ``compat="2025"`` every cell of the sequence, masked or not (llama-cpp-python 0.3.16);
 - each cell lists the sequence ids ``0 <= s < n_seq_max`` it holds (only ``seq_id`` for a sequence save:
   ids a unified cache accepts above ``n_seq_max`` are never written, as in llama.cpp);
 - the cell ext (``i32 x, y, tok``) is written only when the cache has one (``has_cell_ext``): the model
-  uses M-RoPE (``n_pos_per_embd() > 1``) or per-layer-embedding n-grams (``ple_n_heads > 0``);
+  uses M-RoPE (``n_pos_per_embd() > 1``) or per-layer-embedding n-grams (``ple_n_heads > 0``); never
+  with ``compat="2025"`` (the 2025 state had no cell ext);
 - K rows, then V rows (or, with ``v_trans``, per V component the cells' elements); layers without V
   (MLA) write no V block.
 
@@ -27,7 +29,8 @@ copy of the cache. Only when all of that succeeded does ``commit()`` touch the c
   cells in its stream are removed (``seq_rm(seq_id)``), a ubatch of ``cell_count`` tokens is built as
   llama_batch_allocr::ubatch_reserve(cell_count, 1) does (positions from the file, M-RoPE y/x and token
   from the ext, token 0 when the cache has no ext), placed with ``find_slot(cont=False)`` +
-  ``apply_ubatch``, and the saved ext put back. Positions are not required to be consecutive (llama.cpp
+  ``apply_ubatch``, and the saved ext put back (``compat="2025"``: ``find_slot(cont=True)``, and the
+  stream's head moves to the first restored cell). Positions are not required to be consecutive (llama.cpp
   does not check them either). The rows are then copied to the cells found.
 
 **Difference from llama.cpp on failure**: llama.cpp reads and applies as it goes; when a check fails
@@ -47,6 +50,7 @@ import numpy as np
 
 from .batch import BatchAllocr
 from .cells import KVCells
+from .compat import COMPAT_2025
 from .errors import CellError, FormatError, NoSlotError
 from .ggml import traits
 from .hparams import SWAType
@@ -61,7 +65,12 @@ CELL_EXT_SIZE = 12  # llama_kv_cell_ext as written in October 2026: i32 x, y, to
 
 # ---------------------------------------------------------------------------------------------- layout
 def has_cell_ext(cache: KVCache) -> bool:
-    """llama_kv_cache::has_cell_ext: M-RoPE needs the 2-D position, the PLE n-gram hash the token id."""
+    """llama_kv_cache::has_cell_ext: M-RoPE needs the 2-D position, the PLE n-gram hash the token id.
+
+    2025 (llama-cpp-python 0.3.16, ``compat="2025"``): the state had no cell ext at all.
+    """
+    if cache.compat == COMPAT_2025:
+        return False
     hp = cache.hparams
     return hp.n_pos_per_embd() > 1 or int(getattr(hp, "ple_n_heads", 0) or 0) > 0
 
@@ -115,7 +124,9 @@ def written_cells(cache: KVCache, stream: int, seq_id: int = -1) -> np.ndarray:
     seq = np.asarray(cells.seq)
     has = ((seq[idx, w] >> np.uint64(b)) & np.uint64(1)).astype(bool)
     idx = idx[has]
-    if idx.size and cache.swa_type != SWAType.NONE:
+    # 2025 (llama-cpp-python 0.3.16, compat="2025"): every non-empty cell of the sequence is written, the
+    # ones SWA-masked against its last position included; October 2026 leaves those out
+    if idx.size and cache.swa_type != SWAType.NONE and cache.compat != COMPAT_2025:
         p_max = np.full(idx.size, cells.seq_pos_max(int(seq_id)), dtype=np.int64)
         idx = idx[~_masked_swa(cache.n_swa, cache.swa_type, pos[idx], p_max)]
     return idx
@@ -305,12 +316,16 @@ def stage_state(
 
     strm = cache.seq_to_stream[seq_id]
     has_ext = has_cell_ext(cache)
+    # 2025 (llama-cpp-python 0.3.16, compat="2025"): the sequence's cells had to be one contiguous block
+    # (find_slot with cont=true) and the stream's head was moved to its first cell; October 2026 places
+    # them cell by cell and leaves the head where it was
+    legacy = cache.compat == COMPAT_2025
     trial = _trial(cache, [strm])
     steps: list[tuple[SlotInfo, Any, Any]] = []
     for _, st in streams:
         trial.seq_rm(seq_id, -1, -1)
         ub = _reserve_ubatch(cache, st.cells, seq_id, has_ext)
-        sinfo = find_slot(trial, ub, False)
+        sinfo = find_slot(trial, ub, legacy)
         if sinfo is None:
             raise NoSlotError(f"failed to find {st.cells.n} available cells in stream {strm} for sequence {seq_id}")
         apply_ubatch(trial, sinfo, ub)
@@ -327,6 +342,8 @@ def stage_state(
                     x, y, tok = (int(v) for v in st.cells.ext[i, :3])
                     cells.ext_set(idx, x, y, tok)
             _copy_rows(cache, strm, idxs, st.data)
+            if legacy:
+                cache.heads[strm] = sinfo.head()
 
     if not streams:
         # an empty section: llama.cpp reads only the zero cell counts and leaves the cache as it is

@@ -13,6 +13,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from . import compat as _compat
 from .errors import KVRefError
 
 LLAMA_MAX_SEQ = 256
@@ -136,6 +137,14 @@ class ContextParams:
     swa_full: bool
 
 
+def kv_pad(flash_attn: bool, compat: str = "2026-10") -> int:
+    """The KV cache padding create_memory uses: 1 (October 2026: the context pads n_ctx to 256 instead);
+    2025 (llama-cpp-python 0.3.16, llama_kv_cache_unified::get_padding): 256 with flash attention, else 32."""
+    if _compat.check(compat) == _compat.COMPAT_2025:
+        return 256 if flash_attn else 32
+    return 1
+
+
 def context_params(
     hparams: Any,
     n_ctx: int = 0,
@@ -148,6 +157,7 @@ def context_params(
     n_ubatch: int = 512,
     n_rs_seq: int = 0,
     causal_attn: bool | None = None,
+    compat: str = "2026-10",
 ) -> ContextParams:
     """llama_context::llama_context, the parameters the memory depends on, in llama.cpp's order.
 
@@ -160,11 +170,18 @@ def context_params(
       ``n_ubatch = min(n_batch, n_ubatch or n_batch)``;
     - ``n_ctx`` is padded to 256; unified: ``n_ctx_seq = n_ctx``, else ``n_ctx_seq = pad(n_ctx / n_seq_max, 256)``
       and ``n_ctx = n_ctx_seq * n_seq_max``.
+
+    ``compat="2025"`` (llama-cpp-python 0.3.16): no n_rs_seq; ``n_batch`` is raised to at least 64
+    (GGML_KQ_MASK_PAD); the context does not pad ``n_ctx``: llama_model::create_memory does, to the cache
+    padding ``kv_pad(flash_attn)`` (32, or 256 with flash attention), per stream -- unified:
+    ``n_ctx_seq = n_ctx = pad(n_ctx)``, else ``n_ctx_seq = pad(ceil(n_ctx / n_seq_max))`` and
+    ``n_ctx = n_ctx_seq * n_seq_max`` (a recurrent model's n_ctx stays as given).
     """
+    legacy = _compat.check(compat) == _compat.COMPAT_2025
     n_seq_max = max(1, int(n_seq_max))
     if n_seq_max > LLAMA_MAX_SEQ:
         raise KVRefError(f"n_seq_max must be <= {LLAMA_MAX_SEQ}")
-    if n_rs_seq > 0 and hparams.arch not in RS_ROLLBACK_ARCHS:
+    if n_rs_seq > 0 and (legacy or hparams.arch not in RS_ROLLBACK_ARCHS):
         n_rs_seq = 0
     if n_ctx == 0:
         n_ctx = int(getattr(hparams, "n_ctx_train", 0) or 0)
@@ -176,7 +193,21 @@ def context_params(
         flash_attn = flash_attn not in ("disabled", "off")
     causal = hparams.causal_attn if causal_attn is None else causal_attn
     n_batch = min(n_ctx, n_batch) if causal else n_batch
+    if legacy:
+        n_batch = max(n_batch, 64)  # 2025: GGML_KQ_MASK_PAD
     n_ubatch = min(n_batch, n_ubatch if n_ubatch else n_batch)
+    if legacy:
+        pad = kv_pad(flash_attn, compat)
+        if hparams.is_recurrent_arch():
+            n_ctx_seq = n_ctx
+        elif kv_unified or hparams.is_hybrid_arch():  # 2025's hybrid memory ignored n_seq_max here
+            n_ctx = n_ctx_seq = _pad(n_ctx, pad)
+        else:
+            n_ctx_seq = _pad(-(-n_ctx // n_seq_max), pad)
+            n_ctx = n_ctx_seq * n_seq_max
+        return ContextParams(
+            n_ctx, n_ctx_seq, n_batch, n_ubatch, n_seq_max, n_rs_seq, bool(kv_unified), bool(flash_attn), bool(swa_full)
+        )
     n_ctx = _pad(n_ctx, 256)
     if kv_unified:
         n_ctx_seq = n_ctx
@@ -204,6 +235,7 @@ def create_memory(
     n_batch: int = 2048,
     n_rs_seq: int = 0,
     causal_attn: bool | None = None,
+    compat: str = "2026-10",
 ) -> Any:
     """The memory llama.cpp creates for this model and these context parameters (None: no memory).
 
@@ -221,6 +253,10 @@ def create_memory(
     Parameter defaults are kvref's (unified, no flash attention, no full-size SWA cache); note that
     llama_context_default_params() has kv_unified=false, flash attention auto and swa_full=true.
     The resolved parameters are on the result as ``memory.cparams``.
+
+    ``compat`` names the llama.cpp generation to reproduce where they differ (``kvref.compat``):
+    ``"2026-10"`` (default) or ``"2025"`` (llama-cpp-python 0.3.16); it decides the context sizing and
+    the caches' ``n_pad`` here (`context_params`, `kv_pad`) and is passed to every memory built.
     """
     from .hparams import SWAType
 
@@ -235,7 +271,9 @@ def create_memory(
         n_ubatch=n_ubatch,
         n_rs_seq=n_rs_seq,
         causal_attn=causal_attn,
+        compat=compat,
     )
+    n_pad = kv_pad(cp.flash_attn, compat)
     arch = hparams.arch
     if arch in NO_MEMORY_ARCHS:
         return None
@@ -247,7 +285,9 @@ def create_memory(
     if hparams.is_recurrent_arch():
         from .recurrent import RecurrentMemory
 
-        mem = RecurrentMemory(hparams, "f32", "f32", max(1, cp.n_seq_max), cp.n_seq_max, n_rs_seq=cp.n_rs_seq)
+        mem = RecurrentMemory(
+            hparams, "f32", "f32", max(1, cp.n_seq_max), cp.n_seq_max, n_rs_seq=cp.n_rs_seq, compat=compat
+        )
         mem.kv_unified = cp.kv_unified
     elif hparams.is_hybrid_arch():
         if arch == "qwen4exp" and getattr(hparams, "indexer_head_size", 0):
@@ -260,7 +300,7 @@ def create_memory(
             type_v,
             v_trans,
             cp.n_ctx_seq,
-            1,
+            n_pad,
             hparams.n_swa,
             hparams.swa_type,
             "f32",
@@ -274,6 +314,7 @@ def create_memory(
             swa=hparams.swa_type != SWAType.NONE,
             swa_full=cp.swa_full,
             n_ubatch=cp.n_ubatch,
+            compat=compat,
         )
     else:
         layer_filter = None
@@ -308,9 +349,10 @@ def create_memory(
                 cp.n_ctx_seq,
                 cp.n_seq_max,
                 cp.n_ubatch,
-                1,
+                n_pad,
                 layer_filter=layer_filter,
                 layer_reuse=layer_reuse,
+                compat=compat,
             )
         else:
             from .kv_cache import KVCache
@@ -323,11 +365,12 @@ def create_memory(
                 cp.kv_unified,
                 cp.n_ctx_seq,
                 cp.n_seq_max,
-                1,
+                n_pad,
                 hparams.n_swa,
                 hparams.swa_type,
                 layer_filter,
                 layer_reuse,
+                compat=compat,
             )
     mem.cparams = cp
     return mem
@@ -344,4 +387,5 @@ __all__ = [
     "Memory",
     "context_params",
     "create_memory",
+    "kv_pad",
 ]

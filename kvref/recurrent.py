@@ -25,11 +25,15 @@ Two rule sets are supported, and they differ where llama.cpp changed:
   ``seq_rm(-1, ...)`` is always refused -- and refuses only a removal that cuts into the tail
   (``0 < p0 <= pos < p1``) unless it can be served by a rollback snapshot; state files skip layers
   without recurrent state and take each cell's rows from its ``src`` (and rollback plane).
-- ``rules="mid-2025"`` (seed 002, ``llama_kv_cache_recurrent``): ``seq_rm`` accepts negative ids
-  (whole-range only) and refuses any range with an end strictly inside ``(0, pos]``; state files take
-  each cell's rows from the cell itself; a whole restore bounds seq ids by the cell count only. That
-  cache had a state for *every* layer and no rollback, so layer filters and ``n_rs_seq`` are refused
-  with it -- and then both rule sets write the same section layout.
+- ``rules="mid-2025"`` (seed 002, ``llama_kv_cache_recurrent``; the same rules in
+  ``llama_memory_recurrent`` of llama-cpp-python 0.3.16): ``seq_rm`` accepts negative ids (whole-range
+  only) and refuses any range with an end strictly inside ``(0, pos]``; state files take each cell's rows
+  from the cell itself; a whole restore bounds seq ids by the cell count only. There was no rollback, so
+  ``n_rs_seq`` is refused with it; layers without state (a layer filter) are skipped in state files as in
+  October 2026, so both rule sets write the same section layout.
+
+``compat`` (``kvref.compat``) picks the rule set when ``rules`` is not given: ``"2025"`` -> ``"mid-2025"``,
+``"2026-10"`` -> ``"current"``; it also picks the bound llama_decode puts on sequence ids (``decode``).
 """
 
 from __future__ import annotations
@@ -41,6 +45,7 @@ from typing import Any
 
 import numpy as np
 
+from . import compat as _compat
 from .errors import CellError, FormatError, KVRefError, NoSlotError, SequenceError
 from .ggml import GGMLType, ggml_type, row_size
 
@@ -99,15 +104,20 @@ class RecurrentMemory:
         layer_filter: Callable[[int], bool] | None = None,
         *,
         n_rs_seq: int = 0,
-        rules: str = "current",
+        rules: str | None = None,
+        compat: str = _compat.DEFAULT,
     ) -> None:
+        self.compat = _compat.check(compat)
+        if rules is None:  # compat="2025" (llama-cpp-python 0.3.16) is the mid-2025 rule set
+            rules = "mid-2025" if self.compat == _compat.COMPAT_2025 else "current"
         if rules not in RULES:
             raise ValueError(f"rules must be one of {RULES}, got {rules!r}")
         if mem_size < 1:
             raise ValueError(f"mem_size must be >= 1, got {mem_size}")
-        if rules == "mid-2025" and (layer_filter is not None or n_rs_seq):
-            # the 2025 cache had neither layer filters (every layer had state) nor rollback snapshots
-            raise ValueError("rules='mid-2025' supports neither layer_filter nor n_rs_seq")
+        if rules == "mid-2025" and n_rs_seq:
+            # the 2025 memory had no rollback snapshots (it had layer filters: llama_memory_recurrent of
+            # llama-cpp-python 0.3.16 skips layers without state in its files, as October 2026 does)
+            raise ValueError("rules='mid-2025' does not support n_rs_seq")
         self.hparams = hparams
         self.type_r = ggml_type(type_r)
         self.type_s = ggml_type(type_s)
@@ -115,7 +125,8 @@ class RecurrentMemory:
         self.n_seq_max = int(n_seq_max)
         self.n_rs_seq = int(n_rs_seq)
         self.rules = rules
-        # the context's kv_unified: only bounds the seq ids llama_decode accepts (create_memory sets it)
+        # the context's kv_unified: only bounds the seq ids llama_decode accepts under compat="2025"
+        # (create_memory sets it)
         self.kv_unified = True
         self.head = 0
         self.used = 0
@@ -595,12 +606,14 @@ class RecurrentMemory:
     ) -> list[tuple[Any, RecurrentSlot]]:
         """What llama_decode does to this memory: validate the batch, prepare all ubatches (all or nothing:
         NoSlotError leaves the memory unchanged), then place them one by one."""
-        from .batch import LLAMA_MAX_SEQ, BatchAllocr
+        from .batch import BatchAllocr
+        from .kv_cache import decode_seq_bound
 
         if balloc is None:
             balloc = BatchAllocr(self.hparams.n_pos_per_embd())
-        # llama_context::decode bounds seq ids by LLAMA_MAX_SEQ with kv_unified, else by n_seq_max
-        n_seq_max = LLAMA_MAX_SEQ if self.kv_unified else self.n_seq_max
+        # llama_context::decode's bound on seq ids (kvref.kv_cache.decode_seq_bound: n_seq_max; 2025:
+        # LLAMA_MAX_SEQ with kv_unified)
+        n_seq_max = decode_seq_bound(self.compat, self.kv_unified, self.n_seq_max)
         balloc.init(batch, memory=self, n_seq_max=n_seq_max, output_all=embd_all)
         ubatches = self.init_batch(balloc, n_ubatch, embd_all)
         return [(ub, self.apply_ubatch(ub)) for ub in ubatches]

@@ -48,6 +48,11 @@ def load_hints(path: Path) -> dict:
     return {k: v for k, v in C.artefact_hints(op, case.get("producer")).items() if v is not None}
 
 
+def compat_for(case: dict) -> str:
+    """The kvref.compat generation of the case's producer (llama-cpp-python 0.3.16 -> "2025")."""
+    return C.compat_for(case)
+
+
 def memory_for(case: dict) -> Any:
     """The memory ``create_memory`` builds for the case's hyper-parameters and context."""
     return C.create_memory_for(case, C.hparams_from_case(case))

@@ -6,13 +6,13 @@ import pytest
 from test_memory_factory import jamba
 
 from kvref.batch import Batch
-from kvref.errors import FormatError, NoSlotError
+from kvref.errors import BatchError, FormatError, NoSlotError
 from kvref.hybrid import HybridMemory
 from kvref.memory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, create_memory
 
 
-def hybrid(n_seq_max: int = 3, unified: bool = True, n_ctx: int = 256) -> HybridMemory:
-    return create_memory(jamba(), n_ctx, n_seq_max, unified)
+def hybrid(n_seq_max: int = 3, unified: bool = True, n_ctx: int = 256, **kw) -> HybridMemory:
+    return create_memory(jamba(), n_ctx, n_seq_max, unified, **kw)
 
 
 def test_parts_and_filters():
@@ -77,11 +77,22 @@ def test_other_sequence_ops_go_to_both():
 
 
 def test_a_batch_the_recurrent_part_cannot_place_changes_nothing():
-    mem = hybrid(n_seq_max=2)
+    # 2025: a unified context let seq ids up to LLAMA_MAX_SEQ through to the memory
+    mem = hybrid(n_seq_max=2, compat="2025")
     mem.decode(Batch(tokens=list(range(4)), seq_ids=[[0]] * 4))
     with pytest.raises(NoSlotError):
         mem.decode(Batch(tokens=[1], pos=[0], seq_ids=[[5]]))  # seq 5 has no recurrent cell
     assert (mem.attn.seq_pos_max(5), mem.recr.used) == (-1, 1)
+
+
+@pytest.mark.parametrize("unified", [True, False])
+def test_decode_bounds_seq_ids_by_n_seq_max(unified):
+    # October 2026: llama_decode refuses (-1) seq ids >= the context's n_seq_max, unified or not
+    mem = hybrid(n_seq_max=2, unified=unified)
+    mem.decode(Batch(tokens=list(range(4)), seq_ids=[[0]] * 4))
+    with pytest.raises(BatchError, match="seq_id"):
+        mem.decode(Batch(tokens=[1], pos=[0], seq_ids=[[2]]))
+    assert (mem.attn.seq_pos_max(0), mem.recr.used) == (3, 1)
 
 
 def test_partial_only_state_is_the_recurrent_section():

@@ -29,20 +29,7 @@ def caches(mem) -> list:
     return [mem]
 
 
-# 2025 (llama-cpp-python 0.3.16) differences create_memory does not model yet
-_FACTORY_XFAIL = {
-    "legacy-0.3.16-llama-f16-multistream": "2025 sizes non-unified streams n_ctx / n_seq_max (96 cells, n_ctx 288)",
-    "legacy-0.3.16-qwen2vl-mrope": "2025's KV cache can always shift (M-RoPE too)",
-}
-
-
-@pytest.mark.parametrize(
-    "case_id",
-    [
-        pytest.param(c, marks=[pytest.mark.xfail(strict=True, reason=_FACTORY_XFAIL[c])] if c in _FACTORY_XFAIL else [])
-        for c in ALL_CASES
-    ],
-)
+@pytest.mark.parametrize("case_id", ALL_CASES)
 def test_factory_builds_what_llama_cpp_built(case_id):
     case = load_case(case_id)
     obs = case["observed_context"]

@@ -10,7 +10,7 @@ import pytest
 from recurrent_helpers import mamba_hparams, ubatch
 
 from kvref.batch import Batch
-from kvref.errors import FormatError, NoSlotError, SequenceError
+from kvref.errors import BatchError, FormatError, NoSlotError, SequenceError
 from kvref.recurrent import POS_MAX, RecurrentMemory
 
 
@@ -153,8 +153,8 @@ def test_non_consecutive_positions_only_warn(caplog):
 # --- seq_rm -------------------------------------------------------------------------------------------------
 
 
-def three_sequences() -> RecurrentMemory:
-    m = mem()
+def three_sequences(**kw) -> RecurrentMemory:
+    m = mem(**kw)
     m.apply_ubatch(ubatch((0, range(7))))
     m.seq_cp(0, 1)
     m.apply_ubatch(ubatch((1, [7, 8, 9])))
@@ -291,11 +291,23 @@ def test_seq_pos_min_max_and_clear():
 
 
 def test_decode_raises_no_slot_and_leaves_the_memory_unchanged():
-    m = three_sequences()
+    # 2025: a unified context let seq ids up to LLAMA_MAX_SEQ through to the memory
+    m = three_sequences(compat="2025")
     before = (cells(m), list(m.tail), m.head, m.used)
 
     with pytest.raises(NoSlotError):
         m.decode(Batch(tokens=[1, 2], pos=[0, 0], seq_ids=[[3], [7]]))  # seq 7 has no cell
+    assert (cells(m), list(m.tail), m.head, m.used) == before
+
+
+@pytest.mark.parametrize("kv_unified", [True, False])
+def test_decode_bounds_seq_ids_by_n_seq_max(kv_unified):
+    # October 2026: llama_decode bounds seq ids by the context's n_seq_max, unified or not (-1)
+    m = three_sequences()
+    m.kv_unified = kv_unified
+    before = (cells(m), list(m.tail), m.head, m.used)
+    with pytest.raises(BatchError, match="seq_id"):
+        m.decode(Batch(tokens=[1, 2], pos=[0, 0], seq_ids=[[3], [7]]))
     assert (cells(m), list(m.tail), m.head, m.used) == before
 
 
@@ -425,9 +437,18 @@ def test_mid_2025_layout_is_the_same_bytes_for_a_model_with_state_in_every_layer
 
 def test_mid_2025_rules_refuse_what_the_2025_cache_did_not_have():
     with pytest.raises(ValueError):
-        RecurrentMemory(mamba_hparams(), mem_size=2, n_seq_max=2, layer_filter=lambda il: True, rules="mid-2025")
-    with pytest.raises(ValueError):
         RecurrentMemory(mamba_hparams(), mem_size=2, n_seq_max=2, n_rs_seq=1, rules="mid-2025")
+    # llama_memory_recurrent of 2025 (llama-cpp-python 0.3.16) had layer filters
+    m = RecurrentMemory(mamba_hparams(), mem_size=2, n_seq_max=2, layer_filter=lambda il: True, rules="mid-2025")
+    assert m.rules == "mid-2025"
+
+
+def test_compat_picks_the_rule_set():
+    assert RecurrentMemory(mamba_hparams(), compat="2025").rules == "mid-2025"
+    assert RecurrentMemory(mamba_hparams()).rules == "current"
+    assert RecurrentMemory(mamba_hparams(), compat="2025", rules="current").rules == "current"
+    with pytest.raises(ValueError):
+        RecurrentMemory(mamba_hparams(), compat="2024")
 
 
 def test_whole_restore_bounds_seq_ids():
