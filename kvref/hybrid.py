@@ -86,8 +86,8 @@ class HybridMemory:
             )
         else:
             self.attn = KVCache(
-                hparams, type_k, type_v, v_trans, unified, kv_size, n_seq_max, n_pad, n_swa, swa_type, filter_attn, None,
-                compat=compat,
+                hparams, type_k, type_v, v_trans, unified, kv_size, n_seq_max, n_pad, n_swa, swa_type, filter_attn,
+                None, compat=compat,
             )  # fmt: skip
         self.recr = RecurrentMemory(
             hparams, type_r, type_s, rs_size, n_seq_max, filter_recr, n_rs_seq=n_rs_seq, compat=compat

@@ -317,8 +317,8 @@ def stage_state(
     strm = cache.seq_to_stream[seq_id]
     has_ext = has_cell_ext(cache)
     # 2025 (llama-cpp-python 0.3.16, compat="2025"): the sequence's cells had to be one contiguous block
-    # (find_slot with cont=true) and the stream's head was moved to its first cell; October 2026 places
-    # them cell by cell and leaves the head where it was
+    # (find_slot with cont=true) and the stream's head was moved back to its first cell; October 2026
+    # places them cell by cell and leaves the head where apply_ubatch put it (after the last cell)
     legacy = cache.compat == COMPAT_2025
     trial = _trial(cache, [strm])
     steps: list[tuple[SlotInfo, Any, Any]] = []

@@ -15,7 +15,9 @@ from conftest import CELLS_C, cython_requested
 
 import kvref
 
-ROOT = Path(__file__).resolve().parents[1]
+# Run the probes where they import the same kvref this test run imported (the checkout in development,
+# site-packages in CI), never a different copy that happens to sit in the working directory.
+ROOT = Path(kvref.__file__).resolve().parents[1]
 
 PROBE = """
 import kvref, kvref.cells

@@ -125,11 +125,13 @@ def test_cell_ext_only_for_mrope():
 
 
 # ------------------------------------------------------------------------------------------------- round trips
-@pytest.mark.parametrize("types", [("f16", "f16"), ("f32", "f32"), ("q8_0", "q8_0"), ("q8_0", "f16")])
-@pytest.mark.parametrize("v_trans", [True, False])
+# a quantized V cache exists only without V transposition (llama.cpp refuses it otherwise)
+@pytest.mark.parametrize(
+    ("types", "v_trans"),
+    [(t, vt) for t in [("f16", "f16"), ("f32", "f32"), ("q8_0", "q8_0"), ("q8_0", "f16")] for vt in (True, False)
+     if not (vt and t[1] == "q8_0")],
+)
 def test_whole_round_trip(types, v_trans):
-    if v_trans and types[1] == "q8_0":
-        pytest.skip("a quantized V cache needs v_trans=False")
     cache = make(types, v_trans)
     populate(cache)
     blob = cache.state_write()
@@ -145,11 +147,10 @@ def test_whole_round_trip(types, v_trans):
     np.testing.assert_array_equal(np.asarray(other.cells(0).pos)[:11], np.asarray(cache.cells(0).pos)[:11])
 
 
-@pytest.mark.parametrize("types", [("f16", "f16"), ("q8_0", "q8_0")])
-@pytest.mark.parametrize("v_trans", [True, False])
+@pytest.mark.parametrize(
+    ("types", "v_trans"), [(("f16", "f16"), True), (("f16", "f16"), False), (("q8_0", "q8_0"), False)]
+)
 def test_sequence_round_trip_into_another_sequence(types, v_trans):
-    if v_trans and types[1] == "q8_0":
-        pytest.skip("a quantized V cache needs v_trans=False")
     cache = make(types, v_trans)
     populate(cache)
     blob = cache.state_write(1)
