@@ -47,4 +47,4 @@ class SequenceError(KVRefError, ValueError):
     """A sequence id outside the range the memory accepts, or an operation not allowed on it."""
 
 
-__all__ = ["KVRefError", "FormatError", "BatchError", "NoSlotError", "CellError", "SequenceError"]
+__all__ = ["BatchError", "CellError", "FormatError", "KVRefError", "NoSlotError", "SequenceError"]

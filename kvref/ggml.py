@@ -145,4 +145,4 @@ def row_size(t: GGMLType | int | str, n: int) -> int:
     return n // tr.block_size * tr.type_size
 
 
-__all__ = ["GGMLType", "TypeTraits", "TYPE_TRAITS", "GGMLTypeError", "ggml_type", "traits", "type_name", "row_size"]
+__all__ = ["TYPE_TRAITS", "GGMLType", "GGMLTypeError", "TypeTraits", "ggml_type", "row_size", "traits", "type_name"]

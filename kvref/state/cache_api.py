@@ -227,6 +227,7 @@ def read_sections(
     """
     out: list[KVSection | RecurrentSection] = []
     for spec in specs:
+        sec: KVSection | RecurrentSection
         if isinstance(spec, KVSpec):
             sec, offset = read_kv_section(buf, spec, seq_id=seq_id, offset=offset)
         else:

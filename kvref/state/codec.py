@@ -123,7 +123,7 @@ class Writer:
         if a.dtype.byteorder == ">":
             raise FormatError("big-endian arrays cannot be written", field=field, offset=self.n)
         if a.nbytes:
-            self.f.write(memoryview(a).cast("B"))
+            self.f.write(memoryview(a).cast("B"))  # type: ignore[arg-type]  # ndarray is a buffer
             self.n += a.nbytes
 
 

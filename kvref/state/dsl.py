@@ -73,6 +73,7 @@ class Scalar(Field):
     def get(self, obj: Any, env: Env) -> int:
         if self.derive is not None:
             return self.derive(obj, env)
+        assert self.attr is not None, f"{self.name}: a field without attr must derive its value"
         return getattr(obj, self.attr)
 
     def write(self, w: Writer, value: int, env: Env) -> None:
@@ -186,7 +187,10 @@ class Param(Field):
         return env[self.name]
 
     def get(self, obj: Any, env: Env) -> Any:
-        return self.derive(obj, env) if self.derive is not None else getattr(obj, self.attr)
+        if self.derive is not None:
+            return self.derive(obj, env)
+        assert self.attr is not None, f"{self.name}: a field without attr must derive its value"
+        return getattr(obj, self.attr)
 
     def write(self, w: Writer, value: Any, env: Env) -> None:
         pass

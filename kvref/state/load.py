@@ -26,11 +26,13 @@ KINDS = ("session", "seq", "state", "seq_state")
 
 # (has_outputs, n_stream_field, ext sizes) per container version, oldest first. Cell ext came after n_stream
 # (July 2025); 12-byte ext with the version bump of #27742; the v9 output block went away with #18862.
-_SESSION_VARIANTS = {
+# (has the v9 output block, has the n_stream field, possible cell ext sizes) per file version
+Variant = tuple[bool, bool, tuple[int, ...]]
+_SESSION_VARIANTS: dict[int, list[Variant]] = {
     9: [(True, False, (0,)), (True, True, (0, 8)), (False, True, (0, 8))],
     10: [(False, True, (0, 12))],
 }
-_SEQ_VARIANTS = {2: [(False, False, (0,)), (False, True, (0, 8))], 3: [(False, True, (0, 12))]}
+_SEQ_VARIANTS: dict[int, list[Variant]] = {2: [(False, False, (0,)), (False, True, (0, 8))], 3: [(False, True, (0, 12))]}
 
 
 def _open(src: Any) -> memoryview:
@@ -73,7 +75,8 @@ def _candidates(
     every = list(dict.fromkeys(v for vs in table.values() for v in vs))
     # files say their version; blobs do not. Explicit options win over the version table (a caller who says
     # outputs=True for a v10 file gets that reading), and an unknown version fails on its own check.
-    variants = table.get(_u32(buf, 4), every) if kind in ("session", "seq") else every
+    version = _u32(buf, 4) if kind in ("session", "seq") else None
+    variants = table.get(version, every) if version is not None else every
     if not any(_matches(v, opts) for v in variants):
         variants = every
     if kind in ("seq", "seq_state"):
