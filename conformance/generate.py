@@ -584,10 +584,11 @@ def memory_block(case: Case, hp: dict, octx: dict | None) -> dict:
     return mem
 
 
-def run_case(case: Case, m: tinymodels.TinyModel, vers: dict) -> dict:
+def run_case(case: Case, m: tinymodels.TinyModel, vers: dict, golden_dir: Path | None = None) -> dict:
+    """Run the case in llama.cpp and write golden_dir/<case-id>/ (default conformance/golden/)."""
     legacy = vers["llama_cpp_python"] != CURRENT_PRODUCER
     cid = f"legacy-{vers['llama_cpp_python']}-{case.id}" if legacy else case.id
-    cdir = HERE / "golden" / cid
+    cdir = (HERE / "golden" if golden_dir is None else Path(golden_dir)) / cid
     if cdir.exists():
         shutil.rmtree(cdir)
     cdir.mkdir(parents=True)

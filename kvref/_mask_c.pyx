@@ -293,7 +293,7 @@ cdef void _kq_rows(elem_t* out, const KQArgs* a, const Members* mem,
     cdef int64_t prev_e[MAX_SEQ]  # start of the previous token's 2-D exception range
     cdef int64_t first_cell[MAX_SEQ]  # when the sorted list is cells c, c+1, c+2, ...: c; else -1
     cdef int64_t i, k, m, lo, hi, wlo, whi, ra, rb, e0, half, p1
-    cdef int s, st
+    cdef int s
     cdef int check_2d = a.is_2d and a.causal
     cdef const uint64_t* ks
     cdef const int32_t* ext = NULL

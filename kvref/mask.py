@@ -31,6 +31,25 @@ NonCausalType = _impl.NonCausalType
 BACKEND = "cython" if _impl.__name__.endswith("_c") else "python"
 
 
+def attention_cache(memory: Any, sinfo: Any = None, *, swa: bool = False) -> tuple[Any, Any]:
+    """The KVCache (and its slot info) whose mask a memory's graph uses.
+
+    A hybrid memory masks through its attention part; an iSWA memory has two masks, llama.cpp's
+    ``kq_mask`` over the base cache and ``kq_mask_swa`` over the SWA cache (``swa=True``). The slot infos
+    that ``decode`` returns for those memories (HybridSlot, ISWASlot) are unwrapped the same way.
+    """
+    mem = memory
+    if hasattr(mem, "attn") and hasattr(mem, "recr"):  # HybridMemory
+        mem, sinfo = mem.attn, getattr(sinfo, "attn", sinfo)
+    if hasattr(mem, "base") and hasattr(mem, "swa"):  # KVCacheISWA
+        return (mem.swa, getattr(sinfo, "swa", sinfo)) if swa else (mem.base, getattr(sinfo, "base", sinfo))
+    if swa:
+        raise KVRefError(f"swa=True needs an iSWA memory, not {type(memory).__name__}")
+    if not hasattr(mem, "cells"):
+        raise KVRefError(f"{type(memory).__name__} has no attention cache, so no KQ mask")
+    return mem, sinfo
+
+
 def _mask_streams(cache: Any, ubatch: Any, sinfo: Any) -> list[int]:
     """The cache streams the ubatch touches (``sinfo.strm``; derived from the ubatch without a slot)."""
     if sinfo is not None:
@@ -56,8 +75,12 @@ def fill_kq_mask(
     swa_type: int | None = None,
     non_causal_type: int | None = None,
     alibi: bool | None = None,
+    swa: bool = False,
 ) -> np.ndarray:
     """llama_kv_cache::set_input_kq_mask for ``ubatch`` over ``cache``: ``(n_stream, n_tps, n_kv)``.
+
+    ``cache`` may be any memory with attention: a hybrid memory's attention part is used, and for an
+    iSWA memory the base cache's mask, or the SWA cache's with ``swa=True`` (see ``attention_cache``).
 
     ``n_stream`` is 1 for a unified cache, else the ubatch's number of distinct sequences;
     ``n_kv`` defaults to ``get_n_kv`` over the slot's streams; ``dtype`` is float32 (or float16, the
@@ -66,6 +89,7 @@ def fill_kq_mask(
     and ``alibi`` to the hparams (``non_causal_type`` is 0, ALL, when the hparams have none). ``out`` is
     reused when given: its shape must match, and its dtype (float32 or float16) overrides ``dtype``.
     """
+    cache, sinfo = attention_cache(cache, sinfo, swa=swa)
     hp = cache.hparams
     n_tokens = int(ubatch.n_tokens)
     n_stream = 1 if cache.n_stream == 1 else int(ubatch.n_seqs_unq)
@@ -158,6 +182,7 @@ def v_idxs(cache: Any, ubatch: Any, sinfo: Any) -> np.ndarray:
 __all__ = [
     "BACKEND",
     "NonCausalType",
+    "attention_cache",
     "fill_k_shift_raw",
     "fill_kq_mask",
     "fill_kq_mask_raw",
