@@ -1,4 +1,4 @@
-"""Benchmark plumbing: run with ``python -m pytest benchmarks/bench_cells.py --benchmark-only``.
+"""Benchmark plumbing: run with ``pytest benchmarks/ --benchmark-only`` (or one bench_*.py file).
 
 - ``--benchmark-only`` wins over a ``--benchmark-disable`` coming from addopts or the command line
   (pytest-benchmark would otherwise refuse the two options together).

@@ -418,3 +418,314 @@ BUILDERS = {
     "jamba": build_jamba,
     "qwen2vl": build_qwen2vl,
 }
+
+
+# ---------------------------------------------------------------- gemma3 (iSWA, dual rope base)
+
+def build_gemma3(out: Path) -> TinyModel:
+    """6 layers (gemma 3's default SWA pattern 6: layers 0-4 SWA, layer 5 full), n_embd 32,
+    2 query heads of dim 32 (key_length != n_embd / n_head) over 1 KV head, window 4,
+    rope base 1e6 for full layers and 1e4 for SWA layers."""
+    n_layer, n_embd, n_head, n_head_kv, hd, n_ff, n_swa = 6, 32, 2, 1, 32, 32, 4
+    b = _Builder("gemma3", seed=1006)
+    b.mat("token_embd.weight", N_VOCAB, n_embd)
+    b.vec("output_norm.weight", n_embd, 0.0)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        b.vec(p + "attn_norm.weight", n_embd, 0.0)
+        b.mat(p + "attn_q.weight", n_head * hd, n_embd)
+        b.mat(p + "attn_k.weight", n_head_kv * hd, n_embd)
+        b.mat(p + "attn_v.weight", n_head_kv * hd, n_embd)
+        b.mat(p + "attn_output.weight", n_embd, n_head * hd)
+        b.vec(p + "post_attention_norm.weight", n_embd, 0.0)
+        b.vec(p + "attn_k_norm.weight", hd, 0.0)
+        b.vec(p + "attn_q_norm.weight", hd, 0.0)
+        b.vec(p + "ffn_norm.weight", n_embd, 0.0)
+        b.mat(p + "ffn_gate.weight", n_ff, n_embd)
+        b.mat(p + "ffn_up.weight", n_ff, n_embd)
+        b.mat(p + "ffn_down.weight", n_embd, n_ff)
+        b.vec(p + "post_ffw_norm.weight", n_embd, 0.0)
+
+    def meta(w):
+        w.add_context_length(4096)
+        w.add_embedding_length(n_embd)
+        w.add_block_count(n_layer)
+        w.add_feed_forward_length(n_ff)
+        w.add_head_count(n_head)
+        w.add_head_count_kv(n_head_kv)
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_sliding_window(n_swa)
+        w.add_rope_freq_base(1000000.0)
+        w.add_rope_freq_base_swa(10000.0)
+        w.add_vocab_size(N_VOCAB)
+
+    path = out / "gemma3-tiny.gguf"
+    b.write(path, meta)
+    # load_swa_pattern(6) with no pattern key: layer il is SWA when il % 6 < 5
+    hp = _attn_hparams("gemma3", n_layer, n_embd, n_head, n_head_kv, hd, n_ff, rope_type="neox",
+                       freq_base=1000000.0, n_swa=n_swa, swa_type="standard",
+                       swa_layers=[il % 6 < 5 for il in range(n_layer)], swa_pattern=6,
+                       rope_freq_base_swa=10000.0)
+    return _finish(TinyModel("gemma3-tiny", "gemma3", hp), path, b)
+
+
+# ---------------------------------------------------------------- qwen3 (GQA 4:1, head dim != n_embd/n_head)
+
+def build_qwen3(out: Path) -> TinyModel:
+    """2 layers, n_embd 64, 4 query heads of dim 32 (not 64/4) over 1 KV head; q/k norms."""
+    n_layer, n_embd, n_head, n_head_kv, hd, n_ff = 2, 64, 4, 1, 32, 64
+    b = _Builder("qwen3", seed=1007)
+    b.mat("token_embd.weight", N_VOCAB, n_embd)
+    b.vec("output_norm.weight", n_embd, 1.0)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        b.vec(p + "attn_norm.weight", n_embd, 1.0)
+        b.mat(p + "attn_q.weight", n_head * hd, n_embd)
+        b.mat(p + "attn_k.weight", n_head_kv * hd, n_embd)
+        b.mat(p + "attn_v.weight", n_head_kv * hd, n_embd)
+        b.mat(p + "attn_output.weight", n_embd, n_head * hd)
+        b.vec(p + "attn_k_norm.weight", hd, 1.0)
+        b.vec(p + "attn_q_norm.weight", hd, 1.0)
+        b.vec(p + "ffn_norm.weight", n_embd, 1.0)
+        b.mat(p + "ffn_gate.weight", n_ff, n_embd)
+        b.mat(p + "ffn_up.weight", n_ff, n_embd)
+        b.mat(p + "ffn_down.weight", n_embd, n_ff)
+
+    def meta(w):
+        w.add_context_length(4096)
+        w.add_embedding_length(n_embd)
+        w.add_block_count(n_layer)
+        w.add_feed_forward_length(n_ff)
+        w.add_head_count(n_head)
+        w.add_head_count_kv(n_head_kv)
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+        w.add_rope_freq_base(1000000.0)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_vocab_size(N_VOCAB)
+
+    path = out / "qwen3-tiny.gguf"
+    b.write(path, meta)
+    hp = _attn_hparams("qwen3", n_layer, n_embd, n_head, n_head_kv, hd, n_ff, rope_type="neox",
+                       freq_base=1000000.0)
+    return _finish(TinyModel("qwen3-tiny", "qwen3", hp), path, b)
+
+
+# ---------------------------------------------------------------- llama4 (chunked SWA)
+
+def build_llama4(out: Path) -> TinyModel:
+    """4 layers (pattern 4: layers 0-2 chunked attention, layer 3 full), 2 x 32 over 1 KV head;
+    llama.cpp fixes the chunk at 8192 whatever the file says; dense FFNs (no MoE layer, but
+    llama4 refuses n_expert 0)."""
+    n_layer, n_embd, n_head, n_head_kv, hd, n_ff = 4, 64, 2, 1, 32, 64
+    b = _Builder("llama4", seed=1008)
+    b.mat("token_embd.weight", N_VOCAB, n_embd)
+    b.vec("output_norm.weight", n_embd, 1.0)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        b.vec(p + "attn_norm.weight", n_embd, 1.0)
+        b.mat(p + "attn_q.weight", n_head * hd, n_embd)
+        b.mat(p + "attn_k.weight", n_head_kv * hd, n_embd)
+        b.mat(p + "attn_v.weight", n_head_kv * hd, n_embd)
+        b.mat(p + "attn_output.weight", n_embd, n_head * hd)
+        b.vec(p + "ffn_norm.weight", n_embd, 1.0)
+        b.mat(p + "ffn_gate.weight", n_ff, n_embd)
+        b.mat(p + "ffn_up.weight", n_ff, n_embd)
+        b.mat(p + "ffn_down.weight", n_embd, n_ff)
+
+    def meta(w):
+        w.add_context_length(4096)
+        w.add_embedding_length(n_embd)
+        w.add_block_count(n_layer)
+        w.add_feed_forward_length(n_ff)
+        w.add_head_count(n_head)
+        w.add_head_count_kv(n_head_kv)
+        w.add_key_length(hd)
+        w.add_value_length(hd)
+        w.add_rope_dimension_count(hd)
+        w.add_rope_freq_base(500000.0)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_expert_count(2)
+        w.add_expert_used_count(1)
+        w.add_expert_feed_forward_length(n_ff)
+        w.add_interleave_moe_layer_step(0)
+        w.add_vocab_size(N_VOCAB)
+
+    path = out / "llama4-tiny.gguf"
+    b.write(path, meta)
+    hp = _attn_hparams("llama4", n_layer, n_embd, n_head, n_head_kv, hd, n_ff, rope_type="norm",
+                       freq_base=500000.0, n_swa=8192, swa_type="chunked",
+                       swa_layers=[il % 4 < 3 for il in range(n_layer)], swa_pattern=4,
+                       rope_freq_base_swa=500000.0)
+    return _finish(TinyModel("llama4-tiny", "llama4", hp), path, b)
+
+
+def _recurrent_hparams(arch, n_layer, n_embd, n_ff, recurrent_layers, n_embd_r, n_embd_s, **extra) -> dict:
+    hp = _attn_hparams(arch, n_layer, n_embd, 0, 0, 0, n_ff, rope_type="none",
+                       recurrent_layers=list(recurrent_layers), n_embd_r=n_embd_r, n_embd_s=n_embd_s)
+    hp["n_rot"] = 0
+    hp.update(extra)
+    return hp
+
+
+# ---------------------------------------------------------------- mamba2 (recurrent, n_group)
+
+def build_mamba2(out: Path) -> TinyModel:
+    """2 Mamba-2 layers: n_embd 32, d_inner 64, d_state 8, n_group 2, d_conv 4, 4 heads
+    (dt_rank) of dim 16: n_embd_r = 3 * (64 + 2*2*8) = 288, n_embd_s = 512."""
+    n_layer, n_embd, d_inner, d_state, n_group, d_conv, dt_rank = 2, 32, 64, 8, 2, 4, 4
+    conv_dim = d_inner + 2 * n_group * d_state
+    d_in_proj = d_inner + conv_dim + dt_rank
+    b = _Builder("mamba2", seed=1009)
+    b.mat("token_embd.weight", N_VOCAB, n_embd)
+    b.vec("output_norm.weight", n_embd, 1.0)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        b.vec(p + "attn_norm.weight", n_embd, 1.0)
+        b.mat(p + "ssm_in.weight", d_in_proj, n_embd)
+        b.mat(p + "ssm_conv1d.weight", conv_dim, d_conv, scale=0.2, dtype=np.float32)
+        b.vec(p + "ssm_conv1d.bias", conv_dim)
+        b.vec(p + "ssm_dt.bias", dt_rank, scale=0.1)
+        b.raw(p + "ssm_a", -np.arange(1, dt_rank + 1, dtype=np.float32).reshape(dt_rank, 1))
+        b.raw(p + "ssm_d", np.ones((dt_rank, 1), dtype=np.float32))
+        b.raw(p + "ssm_norm.weight", np.ones((n_group, d_inner // n_group), dtype=np.float32))
+        b.mat(p + "ssm_out.weight", n_embd, d_inner)
+
+    def meta(w):
+        w.add_context_length(4096)
+        w.add_embedding_length(n_embd)
+        w.add_block_count(n_layer)
+        w.add_feed_forward_length(0)
+        w.add_head_count(0)
+        w.add_ssm_conv_kernel(d_conv)
+        w.add_ssm_inner_size(d_inner)
+        w.add_ssm_state_size(d_state)
+        w.add_ssm_time_step_rank(dt_rank)
+        w.add_ssm_group_count(n_group)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_vocab_size(N_VOCAB)
+
+    path = out / "mamba2-tiny.gguf"
+    b.write(path, meta)
+    hp = _recurrent_hparams("mamba2", n_layer, n_embd, 0, [True] * n_layer,
+                            n_embd_r=(d_conv - 1) * conv_dim, n_embd_s=d_state * d_inner,
+                            ssm={"d_conv": d_conv, "d_inner": d_inner, "d_state": d_state,
+                                 "dt_rank": dt_rank, "n_group": n_group})
+    return _finish(TinyModel("mamba2-tiny", "mamba2", hp), path, b)
+
+
+# ---------------------------------------------------------------- rwkv6 (recurrent, token shift + wkv)
+
+def build_rwkv6(out: Path) -> TinyModel:
+    """2 RWKV-6 layers: n_embd 32, wkv head size 16 (2 heads), token_shift_count 2:
+    n_embd_r = 2 * 32 = 64, n_embd_s = 32 * 16 = 512."""
+    n_layer, n_embd, hs, n_ff, mix, decay = 2, 32, 16, 64, 4, 4
+    f32 = np.float32
+    b = _Builder("rwkv6", seed=1010)
+    b.mat("token_embd.weight", N_VOCAB, n_embd)
+    b.vec("token_embd_norm.weight", n_embd, 1.0)
+    b.vec("token_embd_norm.bias", n_embd, 0.0)
+    b.vec("output_norm.weight", n_embd, 1.0)
+    b.vec("output_norm.bias", n_embd, 0.0)
+    b.mat("output.weight", N_VOCAB, n_embd)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        for n in ("attn_norm", "attn_norm_2", "time_mix_ln"):
+            b.vec(p + n + ".weight", n_embd, 1.0)
+            b.vec(p + n + ".bias", n_embd, 0.0)
+        b.mat(p + "time_mix_w1.weight", mix * 5, n_embd, dtype=f32)
+        b.mat(p + "time_mix_w2.weight", 5, n_embd, mix, dtype=f32)
+        b.mat(p + "time_mix_lerp_x.weight", 1, 1, n_embd, scale=0.5, dtype=f32)
+        b.mat(p + "time_mix_lerp_fused.weight", 5, 1, 1, n_embd, scale=0.5, dtype=f32)
+        b.mat(p + "time_mix_first.weight", n_embd // hs, hs, dtype=f32)
+        b.vec(p + "time_mix_decay.weight", n_embd, -1.0)
+        b.mat(p + "time_mix_decay_w1.weight", decay, n_embd, dtype=f32)
+        b.mat(p + "time_mix_decay_w2.weight", n_embd, decay, dtype=f32)
+        for n in ("key", "value", "receptance", "gate", "output"):
+            b.mat(p + f"time_mix_{n}.weight", n_embd, n_embd)
+        b.mat(p + "channel_mix_lerp_k.weight", 1, 1, n_embd, scale=0.5, dtype=f32)
+        b.mat(p + "channel_mix_lerp_r.weight", 1, 1, n_embd, scale=0.5, dtype=f32)
+        b.mat(p + "channel_mix_key.weight", n_ff, n_embd)
+        b.mat(p + "channel_mix_value.weight", n_embd, n_ff)
+        b.mat(p + "channel_mix_receptance.weight", n_embd, n_embd)
+
+    def meta(w):
+        w.add_context_length(4096)
+        w.add_embedding_length(n_embd)
+        w.add_block_count(n_layer)
+        w.add_feed_forward_length(n_ff)
+        w.add_head_count(0)
+        w.add_layer_norm_eps(1e-5)
+        w.add_wkv_head_size(hs)
+        w.add_time_mix_extra_dim(mix)
+        w.add_time_decay_extra_dim(decay)
+        w.add_rescale_every_n_layers(6)
+        w.add_vocab_size(N_VOCAB)
+
+    path = out / "rwkv6-tiny.gguf"
+    b.write(path, meta)
+    hp = _recurrent_hparams("rwkv6", n_layer, n_embd, n_ff, [True] * n_layer,
+                            n_embd_r=2 * n_embd, n_embd_s=n_embd * hs,
+                            wkv_head_size=hs, token_shift_count=2)
+    return _finish(TinyModel("rwkv6-tiny", "rwkv6", hp), path, b)
+
+
+# ---------------------------------------------------------------- lfm2 (hybrid: short conv + attention)
+
+def build_lfm2(out: Path) -> TinyModel:
+    """4 layers: short conv, attention, short conv, attention (4 x 16 over 2 KV heads, rope neox);
+    conv L_cache 3: n_embd_r = 64 * 2 = 128, n_embd_s = 0."""
+    n_layer, n_embd, n_head, hd, n_ff, l_cache = 4, 64, 4, 16, 64, 3
+    n_head_kv = [0, 2, 0, 2]
+    b = _Builder("lfm2", seed=1011)
+    b.mat("token_embd.weight", N_VOCAB, n_embd)
+    b.vec("token_embd_norm.weight", n_embd, 1.0)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        b.vec(p + "ffn_norm.weight", n_embd, 1.0)
+        b.mat(p + "ffn_gate.weight", n_ff, n_embd)
+        b.mat(p + "ffn_down.weight", n_embd, n_ff)
+        b.mat(p + "ffn_up.weight", n_ff, n_embd)
+        b.vec(p + "attn_norm.weight", n_embd, 1.0)
+        if n_head_kv[i]:
+            b.vec(p + "attn_q_norm.weight", hd, 1.0)
+            b.vec(p + "attn_k_norm.weight", hd, 1.0)
+            b.mat(p + "attn_q.weight", n_embd, n_embd)
+            b.mat(p + "attn_k.weight", n_head_kv[i] * hd, n_embd)
+            b.mat(p + "attn_v.weight", n_head_kv[i] * hd, n_embd)
+            b.mat(p + "attn_output.weight", n_embd, n_embd)
+        else:
+            b.mat(p + "shortconv.conv.weight", n_embd, l_cache, scale=0.2, dtype=np.float32)
+            b.mat(p + "shortconv.in_proj.weight", 3 * n_embd, n_embd)
+            b.mat(p + "shortconv.out_proj.weight", n_embd, n_embd)
+
+    def meta(w):
+        w.add_context_length(4096)
+        w.add_embedding_length(n_embd)
+        w.add_block_count(n_layer)
+        w.add_feed_forward_length(n_ff)
+        w.add_head_count(n_head)
+        w.add_head_count_kv(n_head_kv)
+        w.add_rope_freq_base(1000000.0)
+        w.add_shortconv_l_cache(l_cache)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_vocab_size(N_VOCAB)
+
+    path = out / "lfm2-tiny.gguf"
+    b.write(path, meta)
+    hp = _attn_hparams("lfm2", n_layer, n_embd, n_head, n_head_kv, hd, n_ff, rope_type="neox",
+                       freq_base=1000000.0, recurrent_layers=[h == 0 for h in n_head_kv],
+                       n_embd_r=n_embd * (l_cache - 1), n_embd_s=0, n_shortconv_l_cache=l_cache)
+    return _finish(TinyModel("lfm2-tiny", "lfm2", hp), path, b)
+
+
+BUILDERS.update({
+    "gemma3": build_gemma3,
+    "qwen3": build_qwen3,
+    "llama4": build_llama4,
+    "mamba2": build_mamba2,
+    "rwkv6": build_rwkv6,
+    "lfm2": build_lfm2,
+})
