@@ -31,8 +31,12 @@ _LAZY = {
     "KVCacheISWA": "kvref.kv_cache_iswa",
     "HybridMemory": "kvref.hybrid",
     "create_memory": "kvref.memory",
+    "context_params": "kvref.memory",
+    "Memory": "kvref.memory",
+    "BatchAllocr": "kvref.batch",
+    "HParamsError": "kvref.hparams",
 }
-_SUBMODULES = ("cells", "mask", "ggml", "state", "batch", "hparams", "kv_cache")
+_SUBMODULES = ("cells", "mask", "ggml", "state", "batch", "hparams", "kv_cache", "memory", "compat", "conformance")
 
 
 def backend() -> str:
