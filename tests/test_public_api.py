@@ -1,4 +1,4 @@
-"""Every public name kvref advertises resolves, and the memory classes share one method set."""
+"""Every public name kvref advertises resolves; an unknown one is an AttributeError."""
 
 import kvref
 
