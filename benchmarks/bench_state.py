@@ -171,14 +171,21 @@ def test_save(benchmark, session_file: Path, tmp_path: Path) -> None:
     }
 
 
-def teardown_module() -> None:
+@pytest.fixture(scope="module", autouse=True)
+def _table(request: pytest.FixtureRequest):
+    """Print the same-run ratio table at the end of the session (shown without ``-s``)."""
+    yield
     if not RESULTS:
         return
-    print("\n\nkvref.state vs plain I/O (medians, same run; ratio = plain time / kvref time, >= 0.8 is the target)")
+    lines = ["", "kvref.state vs plain I/O (medians, same run; ratio = plain time / kvref time, >= 0.8 is the target)"]
     for name, r in RESULTS.items():
         rss = "n/a" if r["rss_growth"] is None else f"{r['rss_growth'] / r['size']:.3f}x file"
-        print(
+        lines.append(
             f"  {name:14s} {r['size'] / (1 << 30):.2f} GiB  kvref {r['kvref_s'] * 1e3:9.1f} ms  "
             f"plain {r['plain_s'] * 1e3:9.1f} ms  ratio {r['ratio']:7.2f}  peak RSS growth {rss}  "
             f"python peak {r['py_peak'] / (1 << 20):.1f} MiB"
         )
+    text = "\n".join(lines)
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        request.config.add_cleanup(lambda: reporter.write_line(text))

@@ -70,8 +70,8 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         return
     rows: dict[str, dict[str, Any]] = {}
     for bench in session.benchmarks:
-        if not getattr(bench, "stats", None):
-            continue
+        if not getattr(bench, "stats", None) or not (bench.group or "").startswith("cells-"):
+            continue  # the mask and state benchmarks print their own same-run ratio tables
         twin_id = bench.name.rsplit("[", 1)[-1].rstrip("]").split("-")[0]
         rows.setdefault(bench.group or bench.name, {})[twin_id] = bench
     refs: dict[str, tuple[float, float]] = {}

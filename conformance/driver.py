@@ -37,6 +37,11 @@ PRODUCERS = {
     "0.3.36": {"llama_cpp_commit": "0c1e57098bba43ac29e6e3b677cdceebdd22334f", "llama_cpp_commit_date": "2026-10-01",
                "session_version": 10, "seq_version": 3, "output_block": False, "seq_data_prefix": True,
                "cell_ext_size": 12, "swa_masked_in_seq": False},
+    # 0.3.35 (August 2026): session v9 without the output block, seq v2, seq-blob prefix, 8-byte cell ext
+    # (i32 x, y: M-RoPE only); the sdist names the commit only by its prefix (CHANGELOG.md)
+    "0.3.35": {"llama_cpp_commit": "4df29be4f", "llama_cpp_commit_date": None,
+               "session_version": 9, "seq_version": 2, "output_block": False, "seq_data_prefix": True,
+               "cell_ext_size": 8, "swa_masked_in_seq": False},
     "0.3.16": {"llama_cpp_commit": "4227c9be4268ac844921b90f31595f81236bd317", "llama_cpp_commit_date": None,
                "session_version": 9, "seq_version": 2, "output_block": True, "seq_data_prefix": False,
                "cell_ext_size": 0, "swa_masked_in_seq": True},

@@ -45,7 +45,7 @@ SCHEMA_VERSION = 1
 COMMIT_MODEL_MAX = 200 * 1024
 # committed under conformance/models/ (each < COMMIT_MODEL_MAX) for HParams.from_gguf tests;
 # the others are only written to the model cache
-COMMITTED_MODELS = ("llama", "mamba", "qwen2vl")
+COMMITTED_MODELS = ("llama", "mamba", "qwen2vl", "gemma3", "qwen3", "llama4", "mamba2", "rwkv6", "lfm2")
 
 
 # ------------------------------------------------------------------ case table
@@ -386,6 +386,25 @@ def s_mrope(r, tok):
     r.save_all({0: hist[0][:6], 1: hist[0]})
 
 
+def s_arch(r, tok):
+    """The compact case every extra architecture gets: two sequences (one a seq_cp of the
+    other, then diverging), all artefacts, a partial seq_rm, a sequence file restored into a
+    third sequence, and the artefacts again."""
+    hist = {0: tok(10)}
+    r.decode_seq(0, hist[0])
+    r.seq_cp(0, 1, -1, -1)
+    hist[1] = hist[0] + tok(3)
+    r.decode_seq(1, hist[1][10:])
+    t = tok(2)
+    hist[0] += t
+    r.decode_seq(0, t)
+    r.save_all(hist, seq_data_flags=(0, FLAGS_PARTIAL_ONLY))
+    kept = hist[0][:6] if r.seq_rm(0, 6, -1) else hist[0]   # recurrent memory refuses a tail
+    r.seq_rm(1, -1, -1)
+    r.load_seq(r.latest("seq", 1), 2)
+    r.save_all({0: kept, 2: hist[1]})
+
+
 def s_init_refused(r, tok):
     # nothing to do: the context was refused
     pass
@@ -492,6 +511,37 @@ CASES: list[Case] = [
          "recurrent part alone.",
          ["hybrid", "seq-cp", "seq-rm-refused", "seq-restore", "partial-only"], s_hybrid, n_seq_max=3),
     # ---- qwen2vl: M-RoPE, cells carry ext (x, y, tok)
+    # ---- more architectures, one compact case each (s_arch)
+    Case("gemma3-iswa", "gemma3",
+         "gemma3: 6 layers, default SWA pattern 6 (5 SWA + 1 full, window 4), head dim 16 != "
+         "n_embd / n_head, rope base 1e6 / SWA base 1e4; two sequences, partial seq_rm, a sequence "
+         "file restored into a third sequence.",
+         ["arch", "iswa", "swa-masked", "seq-cp", "seq-rm", "seq-restore", "partial-only"], s_arch,
+         n_seq_max=3),
+    Case("qwen3-gqa", "qwen3",
+         "qwen3: GQA 4:1 with head dim 16 != n_embd / n_head; two sequences, partial seq_rm, a "
+         "sequence file restored into a third sequence.",
+         ["arch", "seq-cp", "seq-rm", "seq-restore"], s_arch, n_seq_max=3),
+    Case("llama4-chunked", "llama4",
+         "llama4: chunked attention (swa_type chunked, chunk fixed at 8192) on 3 of 4 layers; "
+         "flash attention; two sequences, partial seq_rm, a sequence file restored into a third "
+         "sequence.",
+         ["arch", "iswa", "flash-attn", "seq-cp", "seq-rm", "seq-restore", "partial-only"], s_arch,
+         n_seq_max=3, flash_attn=True),
+    Case("mamba2-groups", "mamba2",
+         "mamba2 with n_group 2 (n_embd_r 288, n_embd_s 512): seq_cp, tail seq_rm refused, a "
+         "sequence file restored into a third slot.",
+         ["arch", "recurrent", "seq-cp", "seq-rm-refused", "seq-restore"], s_arch, n_seq_max=3),
+    Case("rwkv6-recurrent", "rwkv6",
+         "rwkv6: token-shift and wkv state (n_embd_r 64, n_embd_s 512): seq_cp, tail seq_rm "
+         "refused, a sequence file restored into a third slot.",
+         ["arch", "recurrent", "seq-cp", "seq-rm-refused", "seq-restore"], s_arch, n_seq_max=3),
+    Case("lfm2-hybrid", "lfm2",
+         "lfm2: hybrid of short-conv (n_embd_r 64, n_embd_s 0) and attention layers alternating; "
+         "seq_cp, tail seq_rm refused, a sequence file restored into a third sequence; "
+         "PARTIAL_ONLY blob holds the recurrent part.",
+         ["arch", "hybrid", "seq-cp", "seq-rm-refused", "seq-restore", "partial-only"], s_arch,
+         n_seq_max=3),
     Case("qwen2vl-mrope", "qwen2vl",
          "M-RoPE KV cache (n_pos_per_embd 4): every cell carries the ext record; a sequence file "
          "restored into another sequence.",

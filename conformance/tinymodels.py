@@ -424,9 +424,9 @@ BUILDERS = {
 
 def build_gemma3(out: Path) -> TinyModel:
     """6 layers (gemma 3's default SWA pattern 6: layers 0-4 SWA, layer 5 full), n_embd 32,
-    2 query heads of dim 32 (key_length != n_embd / n_head) over 1 KV head, window 4,
+    4 query heads of dim 16 (key_length != n_embd / n_head) over 1 KV head, window 4,
     rope base 1e6 for full layers and 1e4 for SWA layers."""
-    n_layer, n_embd, n_head, n_head_kv, hd, n_ff, n_swa = 6, 32, 2, 1, 32, 32, 4
+    n_layer, n_embd, n_head, n_head_kv, hd, n_ff, n_swa = 6, 32, 4, 1, 16, 32, 4
     b = _Builder("gemma3", seed=1006)
     b.mat("token_embd.weight", N_VOCAB, n_embd)
     b.vec("output_norm.weight", n_embd, 0.0)
@@ -474,8 +474,8 @@ def build_gemma3(out: Path) -> TinyModel:
 # ---------------------------------------------------------------- qwen3 (GQA 4:1, head dim != n_embd/n_head)
 
 def build_qwen3(out: Path) -> TinyModel:
-    """2 layers, n_embd 64, 4 query heads of dim 32 (not 64/4) over 1 KV head; q/k norms."""
-    n_layer, n_embd, n_head, n_head_kv, hd, n_ff = 2, 64, 4, 1, 32, 64
+    """2 layers, n_embd 32, 4 query heads of dim 16 (not 32/4) over 1 KV head; q/k norms."""
+    n_layer, n_embd, n_head, n_head_kv, hd, n_ff = 2, 32, 4, 1, 16, 32
     b = _Builder("qwen3", seed=1007)
     b.mat("token_embd.weight", N_VOCAB, n_embd)
     b.vec("output_norm.weight", n_embd, 1.0)
@@ -516,10 +516,10 @@ def build_qwen3(out: Path) -> TinyModel:
 # ---------------------------------------------------------------- llama4 (chunked SWA)
 
 def build_llama4(out: Path) -> TinyModel:
-    """4 layers (pattern 4: layers 0-2 chunked attention, layer 3 full), 2 x 32 over 1 KV head;
+    """4 layers (pattern 4: layers 0-2 chunked attention, layer 3 full), 2 x 16 over 1 KV head;
     llama.cpp fixes the chunk at 8192 whatever the file says; dense FFNs (no MoE layer, but
     llama4 refuses n_expert 0)."""
-    n_layer, n_embd, n_head, n_head_kv, hd, n_ff = 4, 64, 2, 1, 32, 64
+    n_layer, n_embd, n_head, n_head_kv, hd, n_ff = 4, 32, 2, 1, 16, 32
     b = _Builder("llama4", seed=1008)
     b.mat("token_embd.weight", N_VOCAB, n_embd)
     b.vec("output_norm.weight", n_embd, 1.0)
@@ -675,9 +675,9 @@ def build_rwkv6(out: Path) -> TinyModel:
 # ---------------------------------------------------------------- lfm2 (hybrid: short conv + attention)
 
 def build_lfm2(out: Path) -> TinyModel:
-    """4 layers: short conv, attention, short conv, attention (4 x 16 over 2 KV heads, rope neox);
-    conv L_cache 3: n_embd_r = 64 * 2 = 128, n_embd_s = 0."""
-    n_layer, n_embd, n_head, hd, n_ff, l_cache = 4, 64, 4, 16, 64, 3
+    """4 layers: short conv, attention, short conv, attention (4 x 8 over 2 KV heads, rope neox);
+    conv L_cache 3: n_embd_r = 32 * 2 = 64, n_embd_s = 0."""
+    n_layer, n_embd, n_head, hd, n_ff, l_cache = 4, 32, 4, 8, 32, 3
     n_head_kv = [0, 2, 0, 2]
     b = _Builder("lfm2", seed=1011)
     b.mat("token_embd.weight", N_VOCAB, n_embd)

@@ -1,32 +1,42 @@
 """Which llama.cpp generation a memory reproduces: the ``compat`` switch.
 
-kvref follows llama.cpp as vendored by llama-cpp-python 0.3.36 (October 2026) by default. Where the
-llama.cpp of 2025 (vendored by llama-cpp-python 0.3.16, commit 4227c9b) behaves differently, a memory
-built with ``compat="2025"`` reproduces the older behaviour. ``create_memory(..., compat=...)`` passes the
-switch down to every memory it builds; each difference is documented where it applies:
+kvref follows llama.cpp as vendored by llama-cpp-python 0.3.36 (October 2026) by default. Where an older
+llama.cpp behaves differently, a memory built with its ``compat`` value reproduces the older behaviour:
+``"2026-08"`` is llama.cpp 4df29be as vendored by llama-cpp-python 0.3.35 (August 2026), ``"2025"`` is
+llama.cpp 4227c9b as vendored by llama-cpp-python 0.3.16 (August 2025). ``create_memory(..., compat=...)``
+passes the switch down to every memory it builds; each difference is documented where it applies:
 
-================================  ======================================  ======================================
-difference                        ``"2026-10"`` (default)                  ``"2025"``
-================================  ======================================  ======================================
-context sizing                    n_ctx padded to 256; non-unified         no context padding; the memory pads:
-(``memory.context_params``)       streams ``pad(n_ctx / n_seq_max, 256)``  32 cells (256 with flash attention),
-                                  cells; cache ``n_pad`` 1                 streams ``pad(ceil(n_ctx / n_seq_max),
-                                                                           pad)``; cache ``n_pad`` = that pad;
-                                                                           ``n_batch`` at least 64
-SWA cache size (``kv_cache_iswa``)  padded to 256                          padded to the cache's ``n_pad``
-sequence saves with SWA           cells masked for the sequence's last     every non-empty cell of the sequence
-(``kv_state.written_cells``)      position are left out                    is written
-cell ext (``kv_state``)           12 bytes per cell for M-RoPE / PLE       never written or read
-K-shift (``KVCache.get_can_shift``) refused for M-RoPE (and step35)        always allowed
-decode seq-id bound               the context's ``n_seq_max``, unified     ``LLAMA_MAX_SEQ`` when unified, else
-(each memory's ``decode``)        or not (llama_batch_ext)                 ``n_seq_max``
-recurrent ``seq_rm`` and state    ``rules="current"``                      ``rules="mid-2025"`` (see
-(``recurrent``)                                                            ``kvref.recurrent``)
-================================  ======================================  ======================================
+================================  ============================  ==========================  ==========================
+difference                        ``"2026-10"`` (default)       ``"2026-08"``               ``"2025"``
+================================  ============================  ==========================  ==========================
+context sizing                    n_ctx padded to 256; non-     as 2026-10                  no context padding; the
+(``memory.context_params``)       unified streams ``pad(n_ctx                               memory pads: 32 cells (256
+                                  / n_seq_max, 256)`` cells;                                with flash attention),
+                                  cache ``n_pad`` 1                                         streams ``pad(ceil(n_ctx /
+                                                                                            n_seq_max), pad)``; cache
+                                                                                            ``n_pad`` = that pad;
+                                                                                            ``n_batch`` at least 64
+recurrent rollback archs          ``memory.RS_ROLLBACK_ARCHS``  qwen35(moe), deepseek4,     none (no ``n_rs_seq``)
+(``memory.context_params``)                                     nemotron_h(_moe)
+SWA cache size (``kv_cache_iswa``)  padded to 256               as 2026-10                  padded to the cache's
+                                                                                            ``n_pad``
+sequence saves with SWA           cells masked for the          as 2026-10                  every non-empty cell of
+(``kv_state.written_cells``)      sequence's last position                                  the sequence is written
+                                  are left out
+cell ext (``kv_state``)           12 bytes (x, y, tok) per      8 bytes (x, y), M-RoPE      never written or read
+                                  cell for M-RoPE / PLE         only
+K-shift (``KVCache.get_can_shift``) refused for M-RoPE (and     as 2026-10                  always allowed
+                                  step35)
+decode seq-id bound               the context's ``n_seq_max``,  as 2025                     ``LLAMA_MAX_SEQ`` when
+(each memory's ``decode``)        unified or not                                            unified, else
+                                  (llama_batch_ext)                                         ``n_seq_max``
+recurrent ``seq_rm`` and state    ``rules="current"``           ``rules="2026-08"``         ``rules="mid-2025"``
+(``recurrent``)                                                                             (see ``kvref.recurrent``)
+================================  ============================  ==========================  ==========================
 
-The state-file framing (session v9 with an output block vs v10, sequence files v2 vs v3, the sequence-blob
-prefix) is the file layer's business: ``kvref.state.load`` takes it as hints (``outputs``, ``seq_header``,
-``ext_size``); the memory only writes and reads its own sections.
+The state-file framing (session v9 with an output block vs v9 without it vs v10, sequence files v2 vs v3,
+the sequence-blob prefix) is the file layer's business: ``kvref.state.load`` takes it as hints (``outputs``,
+``seq_header``, ``ext_size``); the memory only writes and reads its own sections.
 """
 
 from __future__ import annotations
@@ -34,12 +44,16 @@ from __future__ import annotations
 from .errors import KVRefError
 
 COMPAT_2026_10 = "2026-10"  # llama.cpp as vendored by llama-cpp-python 0.3.36 (October 2026)
+COMPAT_2026_08 = "2026-08"  # llama.cpp 4df29be as vendored by llama-cpp-python 0.3.35 (August 2026)
 COMPAT_2025 = "2025"  # llama.cpp 4227c9b as vendored by llama-cpp-python 0.3.16 (2025)
-COMPATS = (COMPAT_2026_10, COMPAT_2025)
+COMPATS = (COMPAT_2026_10, COMPAT_2026_08, COMPAT_2025)
 DEFAULT = COMPAT_2026_10
 
 # llama-cpp-python releases whose vendored llama.cpp kvref has checked against goldens
-_PRODUCERS = {"0.3.16": COMPAT_2025, "0.3.36": COMPAT_2026_10}
+_PRODUCERS = {"0.3.16": COMPAT_2025, "0.3.35": COMPAT_2026_08, "0.3.36": COMPAT_2026_10}
+
+# bytes of llama_kv_cell_ext per cell in the state, when the cache has one (kvref.kv_state.has_cell_ext)
+CELL_EXT_SIZES = {COMPAT_2026_10: 12, COMPAT_2026_08: 8, COMPAT_2025: 0}
 
 
 def check(compat: str) -> str:
@@ -61,4 +75,4 @@ def for_llama_cpp_python(version: str | None) -> str:
         ) from None
 
 
-__all__ = ["COMPATS", "COMPAT_2025", "COMPAT_2026_10", "DEFAULT", "check", "for_llama_cpp_python"]
+__all__ = ["CELL_EXT_SIZES", "COMPATS", "COMPAT_2025", "COMPAT_2026_08", "COMPAT_2026_10", "DEFAULT", "check", "for_llama_cpp_python"]

@@ -153,6 +153,10 @@ def hparams_from_case(case: dict) -> Any:
     )  # fmt: skip
     if h.get("n_rot"):
         kw["n_rot"] = h["n_rot"]
+    # what decides the recurrent row widths of RWKV and LFM2, and the SWA layers' rope base
+    for name in ("wkv_head_size", "token_shift_count", "n_shortconv_l_cache", "rope_freq_base_swa"):
+        if h.get(name) is not None:
+            kw[name] = h[name]
     if h.get("rope_sections"):
         kw["rope_sections"] = tuple(h["rope_sections"])
     return HParams(**kw)
@@ -170,7 +174,13 @@ def _hp_facts(hp: Any) -> dict[str, Any]:
         "n_embd_v_gqa": [hp.n_embd_v_gqa(il) for il in range(n)],
         "is_swa": [hp.is_swa(il) for il in range(n)],
         "has_kv": [hp.has_kv(il) for il in range(n)],
+        "rope_type": int(hp.rope_type),
+        "rope_freq_base": hp.rope_freq_base,
+        "n_rot": [hp.n_rot_l(il) for il in range(n)] if hp.rope_type >= 0 else None,
     }
+    if hp.is_swa_any():
+        # K-shift rotates SWA layers with their own base (the full-attention base when the file has none)
+        facts["rope_freq_base_swa"] = hp.rope_freq_base if hp.rope_freq_base_swa is None else hp.rope_freq_base_swa
     for name in ("n_embd_r", "n_embd_s"):
         f = getattr(hp, name, None)
         if callable(f):

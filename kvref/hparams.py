@@ -419,7 +419,7 @@ GENERIC_ARCHS = frozenset(_GENERIC.split())
 SPECIAL_ARCHS = frozenset({
     "gemma2", "gemma3", "mamba", "mamba2", "jamba", "falcon-h1", "granitehybrid", "lfm2", "nemotron_h",
     "qwen2vl", "qwen3vl", "qwen3vlmoe", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7", "bloom", "refact", "mpt",
-    "jais", "jina-bert-v2",
+    "jais", "jina-bert-v2", "llama4",
 })  # fmt: skip
 SUPPORTED_ARCHS = GENERIC_ARCHS | SPECIAL_ARCHS
 
@@ -444,6 +444,7 @@ _ARCH_REQUIRED = {
     "qwen3vlmoe": ("rope.dimension_sections", _RMS_EPS),
     "rwkv6": ("wkv.head_size",), "rwkv6qwen2": ("wkv.head_size",), "rwkv7": ("wkv.head_size",),
     "arwkv7": ("wkv.head_size",),
+    "llama4": (_RMS_EPS, "expert_feed_forward_length", "interleave_moe_layer_step"),
 }  # fmt: skip
 
 
@@ -606,6 +607,18 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
         base_swa, scale_swa = kw["rope_freq_base"], kw["rope_freq_scale"]
         base_swa = float(m.get("rope.freq_base_swa", base_swa))
         kw["n_swa"] = int(m.get("attention.sliding_window", kw["n_swa"]))
+    elif arch == "llama4":
+        # llama4 refuses a model without experts when it loads the tensors
+        if int(m.get("expert_count", 0)) == 0:
+            raise HParamsError(f"llama4 model cannot have zero experts (key {m.key('expert_count')})")
+        # a window key of 0 turns chunked attention off; any other value is ignored: the chunk is 8192
+        if m.has("attention.sliding_window") and int(m.get("attention.sliding_window")) == 0:
+            kw["swa_type"] = SWAType.NONE
+        else:
+            kw["swa_type"], kw["n_swa"] = SWAType.CHUNKED, 8192
+            swa_layers = load_swa_pattern(4)  # 3 chunked, 1 full
+            base_swa, scale_swa = kw["rope_freq_base"], kw["rope_freq_scale"]
+            base_swa = float(m.get("rope.freq_base_swa", base_swa))
     elif arch == "gemma3":
         n_swa = int(m.get("attention.sliding_window", 0))
         if m.has("attention.sliding_window") and n_swa > 0:

@@ -49,9 +49,10 @@ def decode_seq_bound(compat: str, unified: bool, n_seq_max: int) -> int:
     """The bound llama_decode's batch validation puts on sequence ids.
 
     October 2026: the context's n_seq_max, unified or not (llama_batch_ext takes llama_n_seq_max(ctx)).
-    2025 (llama-cpp-python 0.3.16): LLAMA_MAX_SEQ for a unified cache, n_seq_max otherwise.
+    2025 .. August 2026 (llama-cpp-python 0.3.16 .. 0.3.35, compat "2025" / "2026-08": llama_batch_allocr::init
+    got ``kv_unified ? LLAMA_MAX_SEQ : n_seq_max``): LLAMA_MAX_SEQ for a unified cache, n_seq_max otherwise.
     """
-    if _compat.check(compat) == _compat.COMPAT_2025 and unified:
+    if _compat.check(compat) != _compat.COMPAT_2026_10 and unified:
         return LLAMA_MAX_SEQ
     return int(n_seq_max)
 

@@ -13,8 +13,9 @@ Writing (``state_section``), per stream, ``u32 n_stream`` first:
 - each cell lists the sequence ids ``0 <= s < n_seq_max`` it holds (only ``seq_id`` for a sequence save:
   ids a unified cache accepts above ``n_seq_max`` are never written, as in llama.cpp);
 - the cell ext (``i32 x, y, tok``) is written only when the cache has one (``has_cell_ext``): the model
-  uses M-RoPE (``n_pos_per_embd() > 1``) or per-layer-embedding n-grams (``ple_n_heads > 0``); never
-  with ``compat="2025"`` (the 2025 state had no cell ext);
+  uses M-RoPE (``n_pos_per_embd() > 1``) or per-layer-embedding n-grams (``ple_n_heads > 0``); with
+  ``compat="2026-08"`` only ``i32 x, y`` and only for M-RoPE; never with ``compat="2025"`` (the 2025 state
+  had no cell ext);
 - K rows, then V rows (or, with ``v_trans``, per V component the cells' elements); layers without V
   (MLA) write no V block.
 
@@ -24,7 +25,9 @@ layer count, ``v_trans``, every type / row size / element size / V width), then 
 copy of the cache. Only when all of that succeeded does ``commit()`` touch the cache:
 
 - whole restore (``seq_id == -1``): ``clear(True)``, then stream ``s`` gets its cells at indices
-  ``0 .. cell_count-1`` (positions, ext, seq ids as written) and head 0;
+  ``0 .. cell_count-1`` (positions, ext, seq ids as written) and head 0 (before October 2026, compat
+  ``"2025"`` / ``"2026-08"``: only the last non-empty stream is restored, and an all-empty section changes
+  nothing -- see ``stage_state``);
 - sequence restore into ``seq_id`` (the destination; the ids in the file are ignored): the destination's
   cells in its stream are removed (``seq_rm(seq_id)``), a ubatch of ``cell_count`` tokens is built as
   llama_batch_allocr::ubatch_reserve(cell_count, 1) does (positions from the file, M-RoPE y/x and token
@@ -50,7 +53,7 @@ import numpy as np
 
 from .batch import BatchAllocr
 from .cells import KVCells
-from .compat import COMPAT_2025
+from .compat import CELL_EXT_SIZES, COMPAT_2025, COMPAT_2026_08, COMPAT_2026_10
 from .errors import CellError, FormatError, NoSlotError
 from .ggml import traits
 from .hparams import SWAType
@@ -67,16 +70,26 @@ CELL_EXT_SIZE = 12  # llama_kv_cell_ext as written in October 2026: i32 x, y, to
 def has_cell_ext(cache: KVCache) -> bool:
     """llama_kv_cache::has_cell_ext: M-RoPE needs the 2-D position, the PLE n-gram hash the token id.
 
+    August 2026 (llama-cpp-python 0.3.35, ``compat="2026-08"``): M-RoPE only, and the ext is ``i32 x, y``.
     2025 (llama-cpp-python 0.3.16, ``compat="2025"``): the state had no cell ext at all.
     """
     if cache.compat == COMPAT_2025:
         return False
     hp = cache.hparams
+    if cache.compat == COMPAT_2026_08:
+        return hp.n_pos_per_embd() > 1
     return hp.n_pos_per_embd() > 1 or int(getattr(hp, "ple_n_heads", 0) or 0) > 0
 
 
 def ext_size(cache: KVCache) -> int:
-    return CELL_EXT_SIZE if has_cell_ext(cache) else 0
+    """Bytes of cell ext per cell in the cache's state: 12 (x, y, tok), 8 (x, y: ``compat="2026-08"``) or 0."""
+    return CELL_EXT_SIZES[cache.compat] if has_cell_ext(cache) else 0
+
+
+def _ext_xyt(ext: Any, i: int) -> tuple[int, int, int]:
+    """Cell i's ext as (x, y, tok); an 8-byte ext (August 2026) has no token: LLAMA_TOKEN_NULL."""
+    row = ext[i]
+    return int(row[0]), int(row[1]), (int(row[2]) if len(row) > 2 else -1)
 
 
 def _v_width(cache: KVCache, il: int) -> int:
@@ -231,7 +244,8 @@ def _reserve_ubatch(cache: KVCache, cells: Any, dest: int, has_ext: bool) -> Any
         if ub.n_pos > 1:
             ub.pos[n : 2 * n] = cells.ext[:, 1]  # y
             ub.pos[2 * n : 3 * n] = cells.ext[:, 0]  # x
-        ub.token[:] = cells.ext[:, 2]
+        if cells.ext.shape[1] > 2:  # August 2026 (8-byte ext): state_read_meta leaves the tokens as reserved
+            ub.token[:] = cells.ext[:, 2]
     ub.n_seq_id[:] = 1
     ub.seq_id = [[dest] for _ in range(n)]
     ub.seq_id_unq = [dest]
@@ -252,8 +266,7 @@ def _whole_cells(cache: KVCache, st: Any, at: int) -> KVCells:
             out.pos_set(i, int(pos[i]))
             field = "cell_ext"
             if has_ext:
-                x, y, tok = (int(v) for v in c.ext[i, :3])
-                out.ext_set(i, x, y, tok)
+                out.ext_set(i, *_ext_xyt(c.ext, i))
             field = "seq_id"
             for s in c.seq_ids(i):
                 out.seq_add(i, s)
@@ -303,6 +316,14 @@ def stage_state(
 
     if seq_id == -1:
         new_cells = {s: _whole_cells(cache, st, st.offsets.get("cells", offset)) for s, st in streams}
+        if cache.compat != COMPAT_2026_10:
+            # before October 2026 (llama-cpp-python 0.3.16 .. 0.3.35, compat "2025" / "2026-08") a stream with
+            # no cells was skipped and every other stream's read began with clear(true), which empties (and
+            # zeroes) all streams: only the last non-empty stream survives, and a section whose streams are
+            # all empty leaves the cache as it was. October 2026 clears once, up front.
+            streams = [(s, st) for s, st in streams if st.cells.n > 0][-1:]
+            if not streams:
+                return (lambda: None), end
 
         def commit_whole() -> None:
             cache.clear(True)
@@ -339,8 +360,7 @@ def stage_state(
             idxs = np.asarray(sinfo.idxs[0], dtype=np.int64)
             if has_ext:
                 for i, idx in enumerate(idxs.tolist()):
-                    x, y, tok = (int(v) for v in st.cells.ext[i, :3])
-                    cells.ext_set(idx, x, y, tok)
+                    cells.ext_set(idx, *_ext_xyt(st.cells.ext, i))
             _copy_rows(cache, strm, idxs, st.data)
             if legacy:
                 cache.heads[strm] = sinfo.head()

@@ -120,6 +120,8 @@ RS_ROLLBACK_ARCHS = frozenset({
     "kimi-k3", "qwen35", "qwen35moe", "qwen4exp", "deepseek4", "glm5-next", "nemotron_h", "nemotron_h_moe",
     "lfm2", "lfm2moe", "bailingmoe3",
 })  # fmt: skip
+# llm_arch_supports_rs_rollback in August 2026 (llama-cpp-python 0.3.35, compat="2026-08")
+RS_ROLLBACK_ARCHS_2026_08 = frozenset({"qwen35", "qwen35moe", "deepseek4", "nemotron_h", "nemotron_h_moe"})
 
 
 @dataclass(frozen=True)
@@ -181,7 +183,8 @@ def context_params(
     n_seq_max = max(1, int(n_seq_max))
     if n_seq_max > LLAMA_MAX_SEQ:
         raise KVRefError(f"n_seq_max must be <= {LLAMA_MAX_SEQ}")
-    if n_rs_seq > 0 and (legacy or hparams.arch not in RS_ROLLBACK_ARCHS):
+    rollback_archs = RS_ROLLBACK_ARCHS_2026_08 if compat == _compat.COMPAT_2026_08 else RS_ROLLBACK_ARCHS
+    if n_rs_seq > 0 and (legacy or hparams.arch not in rollback_archs):
         n_rs_seq = 0
     if n_ctx == 0:
         n_ctx = int(getattr(hparams, "n_ctx_train", 0) or 0)

@@ -32,8 +32,14 @@ Two rule sets are supported, and they differ where llama.cpp changed:
   ``n_rs_seq`` is refused with it; layers without state (a layer filter) are skipped in state files as in
   October 2026, so both rule sets write the same section layout.
 
+- ``rules="2026-08"`` (llama-cpp-python 0.3.35, August 2026): as ``"current"`` except in ``seq_rm``: there
+  is no ``n_seq_max`` check, so a negative id is accepted for the whole range (or an empty one) as in
+  mid-2025 (a whole-range removal with a negative id resets every rollback index) and an id ``>= mem_size``
+  is refused; and the rollback is not single-use (a pending rollback index is simply replaced).
+
 ``compat`` (``kvref.compat``) picks the rule set when ``rules`` is not given: ``"2025"`` -> ``"mid-2025"``,
-``"2026-10"`` -> ``"current"``; it also picks the bound llama_decode puts on sequence ids (``decode``).
+``"2026-08"`` -> ``"2026-08"``, ``"2026-10"`` -> ``"current"``; it also picks the bound llama_decode puts on
+sequence ids (``decode``).
 """
 
 from __future__ import annotations
@@ -54,7 +60,7 @@ log = logging.getLogger("kvref.recurrent")
 POS_MAX = 2**31 - 1  # std::numeric_limits<llama_pos>::max()
 TENSOR_ALIGNMENT = 32  # ggml's CPU buffer alignment: every tensor is padded to it in the backend buffer
 
-RULES = ("current", "mid-2025")
+RULES = ("current", "2026-08", "mid-2025")
 
 
 @dataclass
@@ -109,7 +115,7 @@ class RecurrentMemory:
     ) -> None:
         self.compat = _compat.check(compat)
         if rules is None:  # compat="2025" (llama-cpp-python 0.3.16) is the mid-2025 rule set
-            rules = "mid-2025" if self.compat == _compat.COMPAT_2025 else "current"
+            rules = {_compat.COMPAT_2025: "mid-2025", _compat.COMPAT_2026_08: "2026-08"}.get(self.compat, "current")
         if rules not in RULES:
             raise ValueError(f"rules must be one of {RULES}, got {rules!r}")
         if mem_size < 1:
@@ -250,6 +256,8 @@ class RecurrentMemory:
         if seq_id < 0:
             self.rs_idx = [0] * self.n_seq_max
             return
+        if seq_id >= len(self.rs_idx):  # 2026-08: set_rs_idx ignores an id out of range
+            return
         self.rs_idx[seq_id] = idx
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
@@ -261,15 +269,15 @@ class RecurrentMemory:
         new_head = self.size
         p0 = 0 if p0 < 0 else p0
         p1 = POS_MAX if p1 < 0 else p1
-        current = self.rules == "current"
+        current = self.rules != "mid-2025"  # "2026-08" shares the tail rule of "current"
 
-        if current:
+        if self.rules == "current":
             # the id is compared as unsigned: every negative id is refused too
             if (seq_id & 0xFFFFFFFF) >= self.n_seq_max:
                 log.error("seq_rm: invalid seq_id (%d) - larger than n_seq_max (%d)", seq_id, self.n_seq_max)
                 return False
-            if p0 == 0 and p1 == POS_MAX:
-                self._set_rs_idx(seq_id, 0)
+        if current and p0 == 0 and p1 == POS_MAX:
+            self._set_rs_idx(seq_id, 0)  # 2026-08: before the id is checked; a negative id resets them all
 
         if seq_id >= self.size:
             return False
@@ -281,7 +289,9 @@ class RecurrentMemory:
                     if 0 < p0 <= cpos < p1:
                         # cuts into the tail: only a pending-free rollback within n_rs_seq can serve it
                         rollback = cpos - (p0 - 1)
-                        if self.rs_idx[seq_id] == 0 and 1 <= rollback <= self.n_rs_seq:
+                        # 2026-08: no single-use rule, a pending rollback index is replaced
+                        pending = self.rules == "current" and self.rs_idx[seq_id] != 0
+                        if not pending and 1 <= rollback <= self.n_rs_seq:
                             self._set_rs_idx(seq_id, rollback)
                             self.pos[t] = p0 - 1
                             return True
@@ -291,7 +301,7 @@ class RecurrentMemory:
                 if p0 <= cpos < p1:
                     self.tail[seq_id] = -1
         elif p0 != p1 and (p0 != 0 or p1 != POS_MAX):
-            return False  # negative id: all or nothing (reachable only under the mid-2025 rules)
+            return False  # negative id: all or nothing (reachable only under the mid-2025 / 2026-08 rules)
 
         for i in range(self.size):
             if not p0 <= self.pos[i] < p1:

@@ -1,0 +1,417 @@
+#!/usr/bin/env python3
+"""Differential fuzzing of kvref against llama.cpp (a maintainer's tool, not CI).
+
+A seeded random *plan* of memory operations (decodes of random multi-sequence batches, seq_rm / seq_cp /
+seq_keep / seq_add / seq_div / clear, cache-overflowing batches, state saves and restores) runs in the real
+llama.cpp through driver.Run, which records every return value and seq_pos_min/max after every op; the
+result is a case directory in the golden format (case.json + artefacts), which kvref then replays
+(kvref.conformance.run_case: parse, replay, restore). Positions are resolved while the plan runs, from
+llama.cpp's own seq_pos_max, so any subset of a plan is again a valid plan: that is how failures are
+minimised (--keep).
+
+    python conformance/fuzz.py --models all --seeds 0-39            # fuzz; report mismatches
+    python conformance/fuzz.py --models llama,mamba --seeds 0-9 --minimise
+    python conformance/fuzz.py --model llama --seed 7 --case-out conformance/golden/fuzz-llama-seed7
+    python conformance/fuzz.py --model llama --seed 7 --keep 3,5,9-12 --case-out conformance/golden/fuzz-llama-x
+
+--case-out writes one case (its directory name is the case id; by default without the extra
+whole-state saves --check-every adds during fuzzing, to keep committed goldens small).
+Each llama.cpp run happens in a child process, so a llama.cpp abort (GGML_ASSERT) loses one trace only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(1, str(HERE.parent))  # kvref from this checkout
+
+# model key -> (tiny model, context params); n_ubatch is drawn per seed
+MODELS: dict[str, tuple[str, dict]] = {
+    "llama": ("llama", dict(n_seq_max=4)),
+    "llama-ms": ("llama", dict(n_seq_max=3, kv_unified=False)),
+    "llama-fa": ("llama", dict(n_seq_max=3, flash_attn=True)),
+    "gemma2": ("gemma2", dict(n_seq_max=2)),
+    "mamba": ("mamba", dict(n_seq_max=3)),
+    "jamba": ("jamba", dict(n_seq_max=3)),
+    "qwen2vl": ("qwen2vl", dict(n_seq_max=2)),
+}
+N_VOCAB = 128
+UBATCHES = (3, 5, 8, 16, 32, 256)
+
+
+# ------------------------------------------------------------------ plans (pure, no llama.cpp)
+
+def make_plan(model: str, seed: int, n_ops: tuple[int, int] = (20, 60)) -> dict:
+    """A seeded plan: context params and a list of abstract ops (positions resolved at run time)."""
+    arch, extra = MODELS[model]
+    rng = random.Random(f"{model}:{seed}")
+    n_seq = extra["n_seq_max"]
+    cp = dict(n_ctx=256, n_batch=256, n_ubatch=rng.choice(UBATCHES), kv_unified=True, flash_attn=False,
+              type_k="f16", type_v="f16", swa_full=False, n_rs_seq=0, n_threads=1)
+    cp.update(extra)
+    mrope = arch == "qwen2vl"
+    layered = arch in ("gemma2", "jamba")  # PARTIAL_ONLY means something
+
+    def seq(neg=False):
+        return rng.randrange(-1 if neg else 0, n_seq)
+
+    def p():
+        return -1 if rng.random() < 0.3 else rng.randrange(0, 48)
+
+    def toks(n):
+        return [rng.randrange(4, N_VOCAB) for _ in range(n)]
+
+    ops: list[dict] = []
+    weights = {"decode": 40, "big": 3, "seq_rm": 10, "seq_cp": 8, "seq_keep": 2, "seq_add": 0 if mrope else 8,
+               "seq_div": 0 if mrope else 3, "clear": 2, "save": 6, "restore": 5, "bad": 2}
+    kinds, w = zip(*weights.items())
+    for _ in range(rng.randint(*n_ops)):
+        k = rng.choices(kinds, w)[0]
+        if k == "decode":
+            seqs = rng.sample(range(n_seq), rng.choice([1, 1, 1, 2, 2, 3][: 2 * n_seq]) if n_seq > 1 else 1)
+            ops.append({"op": "decode", "seqs": seqs, "n": [rng.randint(1, 12) for _ in seqs],
+                        "shared": rng.randint(1, 4) if len(seqs) > 1 and rng.random() < 0.35 else 0,
+                        "start": 0 if rng.random() < 0.7 else rng.randrange(0, 30),
+                        "jump": rng.randrange(0, 5) if mrope and rng.random() < 0.3 else 0,
+                        "order": rng.randrange(1 << 30), "tokens": toks(64)})
+        elif k == "big":
+            ops.append({"op": "decode", "seqs": [seq()], "n": [rng.randint(60, 250)], "shared": 0, "start": 0,
+                        "jump": 0, "order": 0, "tokens": toks(256)})
+        elif k == "bad":  # an invalid batch: a gap, a decrease, a bad seq id or token id
+            ops.append({"op": "bad", "seq": seq(), "how": rng.choice(["gap", "decrease", "seq_id", "token"])})
+        elif k == "seq_rm":
+            ops.append({"op": "seq_rm", "seq": seq(neg=True), "p0": p(), "p1": p()})
+        elif k == "seq_cp":
+            ops.append({"op": "seq_cp", "src": seq(), "dst": seq(), "p0": p(), "p1": p()})
+        elif k == "seq_keep":
+            ops.append({"op": "seq_keep", "seq": seq()})
+        elif k == "seq_add":
+            ops.append({"op": "seq_add", "seq": seq(), "p0": p(), "p1": p(),
+                        "delta": rng.choice([-1, 1]) * rng.randint(1, 12)})
+        elif k == "seq_div":
+            ops.append({"op": "seq_div", "seq": seq(), "p0": p(), "p1": p(), "d": rng.randint(2, 4)})
+        elif k == "clear":
+            ops.append({"op": "clear", "data": rng.random() < 0.8})
+        elif k == "save":
+            ops.append({"op": "save", "kind": rng.choice(["seq", "seqdata", "seqdata", "session", "state"]),
+                        "seq": seq(), "flags": 1 if layered and rng.random() < 0.4 else 0})
+        elif k == "restore":
+            ops.append({"op": "restore", "kind": rng.choice(["seq", "seqdata", "session", "state"]),
+                        "dst": seq(), "rm_first": rng.random() < 0.6})
+    return {"model": model, "seed": seed, "arch": arch, "cparams": cp, "ops": ops}
+
+
+def parse_ranges(text: str) -> list[int]:
+    out: list[int] = []
+    for part in filter(None, text.split(",")):
+        a, _, b = part.partition("-")
+        out.extend(range(int(a), int(b) + 1) if b else [int(a)])
+    return out
+
+
+def fmt_ranges(xs: list[int]) -> str:
+    out, xs = [], sorted(xs)
+    i = 0
+    while i < len(xs):
+        j = i
+        while j + 1 < len(xs) and xs[j + 1] == xs[j] + 1:
+            j += 1
+        out.append(str(xs[i]) if i == j else f"{xs[i]}-{xs[j]}")
+        i = j + 1
+    return ",".join(out)
+
+
+# ------------------------------------------------------------------ running a plan in llama.cpp (child side)
+
+def execute(r, plan: dict, keep: list[int] | None, check_every: int) -> list[int]:
+    """Run the plan's ops (only ``keep`` when given) on driver.Run ``r``; return, per trace op, its plan index."""
+    n_seq = r.n_seq_max
+    unified = plan["cparams"]["kv_unified"]
+    mrope = plan["arch"] == "qwen2vl"
+    saved: dict[str, tuple[str, int, int]] = {}  # kind -> (file, seq, flags)
+    owner: list[int] = [-1]  # trace[0] is init
+    idx = keep if keep is not None else list(range(len(plan["ops"])))
+    done = 0
+
+    def mark(i):
+        owner.extend([i] * (len(r.trace) - len(owner)))
+
+    for i in idx:
+        o = plan["ops"][i]
+        k = o["op"]
+        if k == "decode":
+            seqs = list(o["seqs"])
+            nxt = {s: (r.pos_max(s) + 1 if r.pos_max(s) >= 0 else o["start"]) + o["jump"] for s in seqs}
+            tk = iter(o["tokens"])
+            toks, pos, ids = [], [], []
+            if o["shared"]:
+                s0 = seqs[0]
+                group = [s for s in seqs if (r.pos_min(s), r.pos_max(s)) == (r.pos_min(s0), r.pos_max(s0))]
+                if len(group) > 1:
+                    for _ in range(o["shared"]):
+                        toks.append(next(tk))
+                        pos.append(nxt[s0])
+                        ids.append(list(group))
+                        for s in group:
+                            nxt[s] = nxt[s0] + 1
+            rest = [s for s, n in zip(seqs, o["n"]) for _ in range(n)]
+            random.Random(o["order"]).shuffle(rest)
+            for s in rest:
+                toks.append(next(tk))
+                pos.append(nxt[s])
+                ids.append([s])
+                nxt[s] += 1
+            logits = [0] * len(toks)
+            logits[-1] = 1
+            r.decode(toks, pos, ids, logits)
+        elif k == "bad":
+            s = o["seq"]
+            p = max(r.pos_max(s) + 1, 0)
+            if o["how"] == "gap":
+                r.decode([5, 6], [p, p + 2], [[s], [s]])
+            elif o["how"] == "decrease":
+                r.decode([5, 6], [p + 1, p], [[s], [s]])
+            elif o["how"] == "seq_id":
+                r.decode([5], [0], [[n_seq]])
+            else:
+                r.decode([N_VOCAB + 3], [p], [[s]])
+        elif k == "seq_rm":
+            r.seq_rm(o["seq"], o["p0"], o["p1"])
+        elif k == "seq_cp":
+            p0, p1 = o["p0"], o["p1"]
+            if not unified and o["src"] != o["dst"]:
+                p0 = p1 = -1  # llama.cpp asserts on partial cross-stream copies
+            r.seq_cp(o["src"], o["dst"], p0, p1)
+        elif k == "seq_keep":
+            r.seq_keep(o["seq"])
+        elif k == "seq_add":
+            r.seq_add(o["seq"], o["p0"], o["p1"], o["delta"])
+        elif k == "seq_div":
+            r.seq_div(o["seq"], o["p0"], o["p1"], o["d"])
+        elif k == "clear":
+            r.clear(o["data"])
+        elif k == "save":
+            s, f = o["seq"], o["flags"]
+            if o["kind"] == "seq":
+                r.save_seq(s, o.get("tokens", [4, 5, 6]))
+                saved["seq"] = (r.latest("seq", s), s, 0)
+            elif o["kind"] == "seqdata":
+                r.save_seq_data(s, f)
+                saved["seqdata"] = (r.latest("seqdata", s, f), s, f)
+            elif o["kind"] == "session":
+                r.save_session([4, 5])
+                saved["session"] = (r.latest("session"), -1, 0)
+            else:
+                r.save_state_data()
+                saved["state"] = (r.latest("state"), -1, 0)
+        elif k == "restore":
+            if o["kind"] not in saved:
+                continue
+            file, _s, f = saved[o["kind"]]
+            d = o["dst"]
+            if o["kind"] in ("seq", "seqdata") and o["rm_first"]:
+                r.seq_rm(d, -1, -1)
+            if o["kind"] == "seq":
+                r.load_seq(file, d)
+            elif o["kind"] == "seqdata":
+                r.set_seq_data(file, d, f)
+            elif o["kind"] == "session":
+                r.load_session(file)
+            else:
+                r.set_state_data(file)
+        mark(i)
+        done += 1
+        if check_every and done % check_every == 0:
+            r.save_state_data()  # a whole-memory cell-table check point for the replay
+            mark(i)
+    if check_every:
+        r.save_state_data()
+        mark(idx[-1] if idx else -1)
+    return owner
+
+
+def child_main(a) -> int:
+    import driver
+    import generate
+    import tinymodels
+
+    plan = make_plan(a.model, a.seed, (a.min_ops, a.max_ops))
+    keep = parse_ranges(a.keep) if a.keep is not None else None
+    out = Path(a.case_out).resolve()
+    cid = out.name
+    vers = generate.versions()
+    model_dir = Path(a.model_dir)
+    model_dir.mkdir(parents=True, exist_ok=True)
+    m = tinymodels.BUILDERS[plan["arch"]](model_dir)
+    m.committed = plan["arch"] in generate.COMMITTED_MODELS
+    cp = plan["cparams"]
+    owner: list[int] = []
+
+    def script(r, _tok):
+        owner.extend(execute(r, plan, keep, a.check_every))
+
+    desc = (f"fuzz.py plan for model {a.model}, seed {a.seed}"
+            + (f", ops {a.keep}" if keep is not None else f", {len(plan['ops'])} ops")
+            + f" (n_ubatch {cp['n_ubatch']}). {a.description}".rstrip())
+    case = generate.Case(cid, plan["arch"], desc.strip(), ["fuzz"], script,
+                         **{k: v for k, v in cp.items()})
+    doc = generate.run_case(case, m, vers, golden_dir=out.parent)
+    if a.meta_out:
+        Path(a.meta_out).write_text(json.dumps({"owner": owner, "n_plan": len(plan["ops"])}))
+    print(f"{cid}: {len(doc['trace'])} ops, {sum(op['op'] == 'save' for op in doc['trace'])} saves")
+    del driver
+    return 0
+
+
+# ------------------------------------------------------------------ the fuzz loop (parent side)
+
+def gen_case(model: str, seed: int, out: Path, keep: list[int] | None, check_every: int, args,
+             meta: Path | None = None) -> tuple[bool, str]:
+    cmd = [sys.executable, __file__, "--model", model, "--seed", str(seed), "--case-out", str(out),
+           "--check-every", str(check_every), "--min-ops", str(args.min_ops), "--max-ops", str(args.max_ops),
+           "--model-dir", str(args.model_dir)]
+    if keep is not None:
+        cmd += ["--keep", fmt_ranges(keep) if keep else ""]
+    if meta is not None:
+        cmd += ["--meta-out", str(meta)]
+    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    if p.returncode != 0:
+        tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+        return False, f"llama.cpp run failed (rc {p.returncode}): {' | '.join(tail)}"
+    return True, ""
+
+
+def replay(root: Path, cid: str) -> tuple[str, str]:
+    """('pass'|'fail'|'unsupported', detail) for kvref on the case."""
+    from kvref import conformance as C
+
+    res = C.run_case(root, cid, expected={})
+    for c in res.checks:
+        if c.status == "fail":
+            return "fail", f"{c.name}: {c.detail}"
+    for c in res.checks:
+        if c.status != "pass":
+            return c.status, f"{c.name}: {c.detail}"
+    return "pass", ""
+
+
+def signature(detail: str) -> str:
+    """A coarse failure class, kept while minimising: the check and the kind of difference."""
+    import re
+
+    check, _, rest = detail.partition(":")
+    m = re.search(r"\((\w+)", rest)
+    what = "observed" if "observed" in rest else "returned" if "returned" in rest else \
+        "cells" if "cell #" in rest or "cells" in rest else "bytes" if "bytes" in rest else rest[-40:]
+    return f"{check}/{m.group(1) if m else ''}/{what}"
+
+
+def minimise(model: str, seed: int, root: Path, args, sig: str, n_plan: int) -> tuple[list[int], str]:
+    """Greedy chunk removal over the plan's op indices while the failure keeps its signature."""
+    keep = list(range(n_plan))
+    last = ""
+    tries = 0
+
+    def fails(k: list[int]) -> str | None:
+        nonlocal tries
+        tries += 1
+        cid = f"min-{model}-{seed}"
+        ok, why = gen_case(model, seed, root / "golden" / cid, k, args.check_every, args)
+        if not ok:
+            return None
+        st, d = replay(root, cid)
+        return d if st == "fail" and signature(d) == sig else None
+
+    chunk = max(1, len(keep) // 2)
+    while chunk >= 1 and tries < args.max_tries:
+        i, removed = 0, False
+        while i < len(keep) and tries < args.max_tries:
+            cand = keep[:i] + keep[i + chunk:]
+            d = fails(cand) if cand else None
+            if d is not None:
+                keep, last, removed = cand, d, True
+            else:
+                i += chunk
+        if not removed:
+            chunk //= 2
+    return keep, last
+
+
+def fuzz_main(a) -> int:
+    models = list(MODELS) if a.models == "all" else a.models.split(",")
+    seeds = parse_ranges(a.seeds)
+    work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="kvref-fuzz-"))
+    (work / "golden").mkdir(parents=True, exist_ok=True)
+    print(f"work dir {work}")
+    counts: dict[str, int] = {}
+    found: list[str] = []
+    t0 = time.time()
+    for model in models:
+        for seed in seeds:
+            cid = f"fuzz-{model}-seed{seed}"
+            ok, why = gen_case(model, seed, work / "golden" / cid, None, a.check_every, a)
+            if not ok:
+                st, d = "llama-abort", why
+            else:
+                st, d = replay(work, cid)
+            counts[st] = counts.get(st, 0) + 1
+            if st == "pass":
+                if not a.keep_passing:
+                    shutil.rmtree(work / "golden" / cid, ignore_errors=True)
+                continue
+            line = f"{cid}: {st}: {d}"
+            print(line[:400])
+            sys.stdout.flush()
+            if st == "fail" and a.minimise:
+                n_plan = len(make_plan(model, seed, (a.min_ops, a.max_ops))["ops"])
+                keep, last = minimise(model, seed, work, a, signature(d), n_plan)
+                msg = f"  minimised: --model {model} --seed {seed} --keep {fmt_ranges(keep)}  ({len(keep)} ops): {last}"
+                print(msg[:500])
+                found.append(msg)
+    print(f"{sum(counts.values())} traces in {time.time() - t0:.0f}s: {counts}")
+    return 1 if counts.get("fail") else 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="all", help="comma-separated keys of MODELS, or all")
+    ap.add_argument("--seeds", default="0-9", help="e.g. 0-49,77")
+    ap.add_argument("--model", help="with --case-out: the model key")
+    ap.add_argument("--seed", type=int, help="with --case-out: the seed")
+    ap.add_argument("--keep", default=None, help="with --case-out: only these plan op indices (e.g. 0-3,7)")
+    ap.add_argument("--case-out", help="write one case directory (its name is the case id)")
+    ap.add_argument("--description", default="", help="with --case-out: text appended to the description")
+    ap.add_argument("--check-every", type=int, default=None,
+                    help="add a whole-state save every N ops (default 5 when fuzzing, 0 with --case-out)")
+    ap.add_argument("--min-ops", type=int, default=20)
+    ap.add_argument("--max-ops", type=int, default=60)
+    ap.add_argument("--work", help="fuzz work dir (default: a new temp dir)")
+    ap.add_argument("--keep-passing", action="store_true", help="keep passing traces in the work dir")
+    ap.add_argument("--minimise", action="store_true", help="minimise every failing trace")
+    ap.add_argument("--max-tries", type=int, default=80, help="llama.cpp runs per minimisation")
+    ap.add_argument("--meta-out", help=argparse.SUPPRESS)
+    ap.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / f"kvref-fuzz-models-{os.getuid()}",
+                    help="where the tiny models are (re)written (default: a private temp dir)")
+    a = ap.parse_args(argv)
+    if a.case_out:
+        if a.check_every is None:
+            a.check_every = 0
+        return child_main(a)
+    if a.check_every is None:
+        a.check_every = 5
+    return fuzz_main(a)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
