@@ -33,6 +33,9 @@ SEQ_DATA_IO_MAGIC = 0xAF143CD8
 #   seq_data_prefix  raw sequence blobs start with io_magic + seq id
 #   cell_ext_size  bytes of llama_kv_cell_ext per cell for M-RoPE models (0: never written)
 #   swa_masked_in_seq  SWA-masked cells are still written into sequence artefacts
+#   n_stream_field  u32 n_stream before each KV section (PR #14363; False: one cache, kv_unified ignored)
+#   whole_restore_last_stream  a whole restore clears the cache before each non-empty stream it reads,
+#                  so only the last one survives (the multistream script records one, legacy runs only)
 PRODUCERS = {
     "0.3.36": {"llama_cpp_commit": "0c1e57098bba43ac29e6e3b677cdceebdd22334f", "llama_cpp_commit_date": "2026-10-01",
                "session_version": 10, "seq_version": 3, "output_block": False, "seq_data_prefix": True,
@@ -41,10 +44,14 @@ PRODUCERS = {
     # (i32 x, y: M-RoPE only); the sdist names the commit only by its prefix (CHANGELOG.md)
     "0.3.35": {"llama_cpp_commit": "4df29be4f", "llama_cpp_commit_date": None,
                "session_version": 9, "seq_version": 2, "output_block": False, "seq_data_prefix": True,
-               "cell_ext_size": 8, "swa_masked_in_seq": False},
+               "cell_ext_size": 8, "swa_masked_in_seq": False, "whole_restore_last_stream": True},
+    # 0.3.12 (July 2025, before PR #14363): as 0.3.16 without streams; no *_ext state functions (no flags)
+    "0.3.12": {"llama_cpp_commit": "a0374a67e2924f2e845cdc59dd67d9a44065a89c", "llama_cpp_commit_date": None,
+               "session_version": 9, "seq_version": 2, "output_block": True, "seq_data_prefix": False,
+               "cell_ext_size": 0, "swa_masked_in_seq": True, "n_stream_field": False},
     "0.3.16": {"llama_cpp_commit": "4227c9be4268ac844921b90f31595f81236bd317", "llama_cpp_commit_date": None,
                "session_version": 9, "seq_version": 2, "output_block": True, "seq_data_prefix": False,
-               "cell_ext_size": 0, "swa_masked_in_seq": True},
+               "cell_ext_size": 0, "swa_masked_in_seq": True, "whole_restore_last_stream": True},
 }
 PRODUCER = PRODUCERS[L.__version__]
 SESSION_VERSION = PRODUCER["session_version"]
@@ -99,7 +106,10 @@ def sha256(path: Path) -> str:
 
 def memory_kind(hp: dict) -> str:
     if any(hp["recurrent_layers"]):
-        return "hybrid" if not all(hp["recurrent_layers"]) else "recurrent"
+        if all(hp["recurrent_layers"]):
+            return "recurrent"
+        # llama_memory_hybrid_iswa when the model has a swa_type (lfm2 with a window)
+        return "hybrid_iswa" if hp["n_swa"] > 0 and any(hp["swa_layers"]) else "hybrid"
     if hp["n_swa"] > 0 and any(hp["swa_layers"]):
         return "iswa"
     return "kv"
@@ -121,10 +131,15 @@ def sections_for(kind: str, flags: int) -> list[str]:
         return ["kv_swa"] if partial else ["kv_base", "kv_swa"]
     if kind == "hybrid":
         return ["recurrent"] if partial else ["kv_attn", "recurrent"]
+    if kind == "hybrid_iswa":
+        # llama_memory_hybrid_iswa hands the flags to both parts: the iSWA cache drops its base
+        return ["kv_swa", "recurrent"] if partial else ["kv_base", "kv_swa", "recurrent"]
     raise ValueError(kind)
 
 
 _KV_SIZE_RE = re.compile(r"^(\w+): size = .*?\(\s*(\d+) cells,\s*(\d+) layers,\s*(\d+)(?:/(\d+))? seqs")
+# llama_memory_recurrent before PR #14363 (0.3.12) logs its size only in this line
+_RS_OLD_RE = re.compile(r"^(\w+): mem_size = (\d+), n_seq_max = (\d+), .*n_layer = (\d+)")
 _ISWA_RE = re.compile(r"creating\s+(non-SWA|SWA) KV cache, size = (\d+) cells")
 
 
@@ -139,6 +154,10 @@ def _parse_memory_log(lines) -> dict:
             if m.group(5) is not None:
                 ent["n_stream"] = int(m.group(5))
             out["caches"].append(ent)
+        m = _RS_OLD_RE.search(l)
+        if m:
+            out["caches"].append({"module": m.group(1), "cells": int(m.group(2)), "layers": int(m.group(4)),
+                                  "n_seq_max": int(m.group(3))})
         m = _ISWA_RE.search(l)
         if m:
             out["kv_size_swa" if m.group(1) == "SWA" else "kv_size_base"] = int(m.group(2))
@@ -346,7 +365,7 @@ class Run:
         if whole:
             op["output_block"] = PRODUCER["output_block"]
         op["v_trans"] = (not self.cp["flash_attn"]) if self.kind != "recurrent" else None
-        op["n_stream"] = 1 if self.cp["kv_unified"] else self.n_seq_max
+        op["n_stream"] = 1 if self.cp["kv_unified"] or not PRODUCER.get("n_stream_field", True) else self.n_seq_max
         op["scope"] = "context" if whole else "sequence"
         op["size"] = path.stat().st_size
         op["sha256"] = sha256(path)

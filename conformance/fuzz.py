@@ -42,6 +42,7 @@ MODELS: dict[str, tuple[str, dict]] = {
     "llama-ms": ("llama", dict(n_seq_max=3, kv_unified=False)),
     "llama-fa": ("llama", dict(n_seq_max=3, flash_attn=True)),
     "gemma2": ("gemma2", dict(n_seq_max=2)),
+    "gemma2-ms": ("gemma2", dict(n_seq_max=3, kv_unified=False, flash_attn=True)),
     "mamba": ("mamba", dict(n_seq_max=3)),
     "jamba": ("jamba", dict(n_seq_max=3)),
     "qwen2vl": ("qwen2vl", dict(n_seq_max=2)),

@@ -45,7 +45,8 @@ SCHEMA_VERSION = 1
 COMMIT_MODEL_MAX = 200 * 1024
 # committed under conformance/models/ (each < COMMIT_MODEL_MAX) for HParams.from_gguf tests;
 # the others are only written to the model cache
-COMMITTED_MODELS = ("llama", "mamba", "qwen2vl", "gemma3", "qwen3", "llama4", "mamba2", "rwkv6", "lfm2")
+COMMITTED_MODELS = ("llama", "mamba", "qwen2vl", "gemma3", "qwen3", "llama4", "mamba2", "rwkv6", "lfm2",
+                    "lfm2-swa")
 
 
 # ------------------------------------------------------------------ case table
@@ -160,6 +161,10 @@ def s_multistream(r, tok):
     r.load_seq(r.latest("seq", 1), 2)
     r.seq_keep(2)
     r.save_all({2: hist[1]}, session_tokens=hist[1])
+    if driver.PRODUCER.get("whole_restore_last_stream"):
+        # llama.cpp before October 2026 (0.3.16 .. 0.3.35): every stream's whole restore began with
+        # clear(true), so only the last non-empty stream (here seq 2's) survives; legacy runs only
+        r.set_state_data(r.latest("state"))
 
 
 def s_shared_prefix(r, tok):
@@ -398,7 +403,9 @@ def s_arch(r, tok):
     t = tok(2)
     hist[0] += t
     r.decode_seq(0, t)
-    r.save_all(hist, seq_data_flags=(0, FLAGS_PARTIAL_ONLY))
+    # PARTIAL_ONLY only changes what an iSWA or hybrid memory writes
+    flags = (0, FLAGS_PARTIAL_ONLY) if r.kind in ("iswa", "hybrid", "hybrid_iswa") else (0,)
+    r.save_all(hist, seq_data_flags=flags)
     kept = hist[0][:6] if r.seq_rm(0, 6, -1) else hist[0]   # recurrent memory refuses a tail
     r.seq_rm(1, -1, -1)
     r.load_seq(r.latest("seq", 1), 2)
@@ -542,6 +549,13 @@ CASES: list[Case] = [
          "PARTIAL_ONLY blob holds the recurrent part.",
          ["arch", "hybrid", "seq-cp", "seq-rm-refused", "seq-restore", "partial-only"], s_arch,
          n_seq_max=3),
+    Case("lfm2-swa-hybrid-iswa", "lfm2-swa",
+         "lfm2 with a window of 4 on every attention layer: llama_memory_hybrid_iswa whose base "
+         "cache has no layer (sections: base with n_layer 0, SWA, recurrent; PARTIAL_ONLY: SWA "
+         "and recurrent); seq_cp, tail seq_rm refused, a sequence file restored into a third "
+         "sequence.",
+         ["arch", "hybrid", "hybrid-iswa", "iswa", "swa-masked", "seq-cp", "seq-rm-refused",
+          "seq-restore", "partial-only"], s_arch, n_seq_max=3),
     Case("qwen2vl-mrope", "qwen2vl",
          "M-RoPE KV cache (n_pos_per_embd 4): every cell carries the ext record; a sequence file "
          "restored into another sequence.",
@@ -567,6 +581,7 @@ def versions() -> dict:
         "output_block": pr["output_block"],
         "seq_data_prefix": pr["seq_data_prefix"],
         "swa_masked_in_seq": pr["swa_masked_in_seq"],
+        "n_stream_field": pr.get("n_stream_field", True),
     }
 
 
@@ -597,7 +612,7 @@ def memory_block(case: Case, hp: dict, octx: dict | None) -> dict:
     mem = {
         "type": kind,
         "v_trans": (not case.flash_attn) if kind != "recurrent" else None,
-        "n_stream": 1 if case.kv_unified else case.n_seq_max,
+        "n_stream": 1 if case.kv_unified or not driver.PRODUCER.get("n_stream_field", True) else case.n_seq_max,
         "cell_ext": bool(hp["has_cell_ext"]) and driver.PRODUCER["cell_ext_size"] > 0,
         "kv_size": None, "kv_size_swa": None, "rs_size": None,
     }
@@ -606,30 +621,30 @@ def memory_block(case: Case, hp: dict, octx: dict | None) -> dict:
     if octx["n_ctx_seq"] is None:
         # older bindings cannot ask: take the sizes llama.cpp logged
         caches = octx["memory_log"]["caches"]
-        if kind == "iswa":
+        if kind in ("iswa", "hybrid_iswa"):
             mem["kv_size"] = octx["memory_log"].get("kv_size_base")
             mem["kv_size_swa"] = octx["memory_log"].get("kv_size_swa")
         elif kind in ("kv", "hybrid"):
             mem["kv_size"] = next((c["cells"] for c in caches if "recurrent" not in c["module"]), None)
-        if kind in ("recurrent", "hybrid"):
+        if kind in ("recurrent", "hybrid", "hybrid_iswa"):
             mem["rs_size"] = next((c["cells"] for c in caches if "recurrent" in c["module"]), None)
         return mem
     n_ctx_seq = octx["n_ctx_seq"]
-    if kind in ("kv", "iswa", "hybrid"):
+    if kind in ("kv", "iswa", "hybrid", "hybrid_iswa"):
         mem["kv_size"] = n_ctx_seq
-    if kind == "iswa":
+    if kind in ("iswa", "hybrid_iswa"):
         # llama_kv_cache_iswa: the SWA cache holds n_swa tokens per sequence (all of them when
         # unified) plus a ubatch, padded to 256, never more than the base cache; swa_full = base size
         swa = n_ctx_seq if case.swa_full else min(
             n_ctx_seq, _pad(hp["n_swa"] * (case.n_seq_max if case.kv_unified else 1) + octx["n_ubatch"], 256))
         mem["kv_size_swa"] = swa
         assert octx["memory_log"].get("kv_size_swa") == swa, (case.id, octx["memory_log"], swa)
-    if kind in ("recurrent", "hybrid"):
+    if kind in ("recurrent", "hybrid", "hybrid_iswa"):
         mem["rs_size"] = max(1, case.n_seq_max)
     sizes = [c["cells"] for c in octx["memory_log"]["caches"]]
     expect = [x for x in (mem["kv_size"], mem["kv_size_swa"], mem["rs_size"]) if x is not None]
-    if kind == "iswa":
-        expect = [mem["kv_size"], mem["kv_size_swa"]]
+    if kind in ("iswa", "hybrid_iswa"):
+        expect = [mem["kv_size"], mem["kv_size_swa"]] + ([mem["rs_size"]] if kind == "hybrid_iswa" else [])
     assert sorted(sizes) == sorted(expect), (case.id, sizes, expect)
     return mem
 

@@ -674,9 +674,11 @@ def build_rwkv6(out: Path) -> TinyModel:
 
 # ---------------------------------------------------------------- lfm2 (hybrid: short conv + attention)
 
-def build_lfm2(out: Path) -> TinyModel:
+def build_lfm2(out: Path, n_swa: int = 0) -> TinyModel:
     """4 layers: short conv, attention, short conv, attention (4 x 8 over 2 KV heads, rope neox);
-    conv L_cache 3: n_embd_r = 32 * 2 = 64, n_embd_s = 0."""
+    conv L_cache 3: n_embd_r = 32 * 2 = 64, n_embd_s = 0.  With ``n_swa`` every attention layer
+    uses a sliding window (llama.cpp then builds llama_memory_hybrid_iswa, whose base cache
+    has no layer)."""
     n_layer, n_embd, n_head, hd, n_ff, l_cache = 4, 32, 4, 8, 32, 3
     n_head_kv = [0, 2, 0, 2]
     b = _Builder("lfm2", seed=1011)
@@ -711,14 +713,22 @@ def build_lfm2(out: Path) -> TinyModel:
         w.add_rope_freq_base(1000000.0)
         w.add_shortconv_l_cache(l_cache)
         w.add_layer_norm_rms_eps(1e-5)
+        if n_swa:
+            w.add_sliding_window(n_swa)
         w.add_vocab_size(N_VOCAB)
 
-    path = out / "lfm2-tiny.gguf"
+    name = "lfm2-swa-tiny" if n_swa else "lfm2-tiny"
+    path = out / f"{name}.gguf"
     b.write(path, meta)
+    swa = dict(n_swa=n_swa, swa_type="standard", swa_layers=[h > 0 for h in n_head_kv]) if n_swa else {}
     hp = _attn_hparams("lfm2", n_layer, n_embd, n_head, n_head_kv, hd, n_ff, rope_type="neox",
                        freq_base=1000000.0, recurrent_layers=[h == 0 for h in n_head_kv],
-                       n_embd_r=n_embd * (l_cache - 1), n_embd_s=0, n_shortconv_l_cache=l_cache)
-    return _finish(TinyModel("lfm2-tiny", "lfm2", hp), path, b)
+                       n_embd_r=n_embd * (l_cache - 1), n_embd_s=0, n_shortconv_l_cache=l_cache, **swa)
+    return _finish(TinyModel(name, "lfm2", hp), path, b)
+
+
+def build_lfm2_swa(out: Path) -> TinyModel:
+    return build_lfm2(out, n_swa=4)
 
 
 BUILDERS.update({
@@ -728,4 +738,5 @@ BUILDERS.update({
     "mamba2": build_mamba2,
     "rwkv6": build_rwkv6,
     "lfm2": build_lfm2,
+    "lfm2-swa": build_lfm2_swa,
 })

@@ -760,6 +760,20 @@ cdef class KVCells:
         self._pos[v] = <int32_t>pv
         self._on_used(v)
 
+    def pos_set_shifted(self, i, p, shift):
+        """pos_set(i, p) with a pending shift ``shift`` already recorded (has_shift set when it is not 0).
+
+        llama.cpp's cross-stream seq_cp places ``p - shift`` then pos_add(shift); after a seq_div that
+        intermediate position can be negative (only an assert, compiled out, objects), but the cell always
+        ends at ``p`` with shift ``shift``: this is that end state.
+        """
+        self.pos_set(i, p)
+        cdef Py_ssize_t v = self._index(i)
+        cdef int32_t sh = _wrap32(_clamp64(shift))
+        if sh != 0:
+            self._shift[v] = sh
+            self._has_shift = True
+
     def pos_add(self, i, d):
         """pos += d and shift += d; True when the position went negative and the cell was freed.
 

@@ -376,6 +376,19 @@ class KVCells:
         self._pos[i] = p
         self._n_used += 1
 
+    def pos_set_shifted(self, i: int, p: int, shift: int) -> None:
+        """pos_set(i, p) with a pending shift ``shift`` already recorded (has_shift set when it is not 0).
+
+        llama.cpp's cross-stream seq_cp places ``p - shift`` then pos_add(shift); after a seq_div that
+        intermediate position can be negative (only an assert, compiled out, objects), but the cell always
+        ends at ``p`` with shift ``shift``: this is that end state.
+        """
+        self.pos_set(i, p)
+        sh = _wrap32(int(shift))
+        if sh != 0:
+            self._shift[int(i)] = sh
+            self._has_shift = True
+
     def pos_add(self, i: int, d: int) -> bool:
         """pos += d and shift += d; True when the position went negative and the cell was freed.
 

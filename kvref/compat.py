@@ -46,14 +46,23 @@ from .errors import KVRefError
 COMPAT_2026_10 = "2026-10"  # llama.cpp as vendored by llama-cpp-python 0.3.36 (October 2026)
 COMPAT_2026_08 = "2026-08"  # llama.cpp 4df29be as vendored by llama-cpp-python 0.3.35 (August 2026)
 COMPAT_2025 = "2025"  # llama.cpp 4227c9b as vendored by llama-cpp-python 0.3.16 (2025)
-COMPATS = (COMPAT_2026_10, COMPAT_2026_08, COMPAT_2025)
+COMPAT_2025_07 = "2025-07"  # llama.cpp as vendored by llama-cpp-python 0.3.12 (July 2025, before PR #14363)
+COMPATS = (COMPAT_2026_10, COMPAT_2026_08, COMPAT_2025, COMPAT_2025_07)
+# the 2025 generations: "2025-07" is "2025" without streams (see ``no_streams``)
+ERA_2025 = (COMPAT_2025, COMPAT_2025_07)
 DEFAULT = COMPAT_2026_10
 
 # llama-cpp-python releases whose vendored llama.cpp kvref has checked against goldens
-_PRODUCERS = {"0.3.16": COMPAT_2025, "0.3.35": COMPAT_2026_08, "0.3.36": COMPAT_2026_10}
+_PRODUCERS = {"0.3.12": COMPAT_2025_07, "0.3.16": COMPAT_2025, "0.3.35": COMPAT_2026_08, "0.3.36": COMPAT_2026_10}
 
 # bytes of llama_kv_cell_ext per cell in the state, when the cache has one (kvref.kv_state.has_cell_ext)
-CELL_EXT_SIZES = {COMPAT_2026_10: 12, COMPAT_2026_08: 8, COMPAT_2025: 0}
+CELL_EXT_SIZES = {COMPAT_2026_10: 12, COMPAT_2026_08: 8, COMPAT_2025: 0, COMPAT_2025_07: 0}
+
+
+def no_streams(compat: str) -> bool:
+    """True before PR #14363 (``"2025-07"``): one cache for all sequences (``kv_unified`` did not exist yet), no
+    ``u32 n_stream`` before the KV section, and a whole restore clears the cache even for an empty section."""
+    return compat == COMPAT_2025_07
 
 
 def check(compat: str) -> str:
@@ -75,4 +84,5 @@ def for_llama_cpp_python(version: str | None) -> str:
         ) from None
 
 
-__all__ = ["CELL_EXT_SIZES", "COMPATS", "COMPAT_2025", "COMPAT_2026_08", "COMPAT_2026_10", "DEFAULT", "check", "for_llama_cpp_python"]
+__all__ = ["CELL_EXT_SIZES", "COMPATS", "COMPAT_2025", "COMPAT_2025_07", "COMPAT_2026_08", "COMPAT_2026_10", "ERA_2025",
+           "no_streams", "DEFAULT", "check", "for_llama_cpp_python"]

@@ -246,11 +246,11 @@ class KVCache:
             if not c_src.seq_has(i, src):
                 continue
             pos, shift = c_src.pos_get(i), c_src.get_shift(i)
-            # place the pre-shift position, then redo the shift so the pending K-shift carries over
-            c_dst.pos_set(i, pos - shift)
+            # llama.cpp places the pre-shift position then redoes the shift, so the pending K-shift carries
+            # over; after a seq_div (shift = old - new) that pre-shift position can be negative, harmlessly:
+            # the cell ends at pos with shift either way
+            c_dst.pos_set_shifted(i, pos, shift)
             c_dst.seq_add(i, dst)
-            if shift != 0:
-                c_dst.pos_add(i, shift)
             c_dst.ext_set(i, *c_src.ext_get(i))
         self.heads[s1] = self.heads[s0]
 
@@ -300,7 +300,7 @@ class KVCache:
 
     # ------------------------------------------------------------------ shifts and stream copies
     def get_can_shift(self) -> bool:
-        if self.compat == _compat.COMPAT_2025:
+        if self.compat in _compat.ERA_2025:
             return True  # 2025 (llama-cpp-python 0.3.16): every KV cache could shift, M-RoPE included
         if self.hparams.arch == "step35":  # per-layer rope dims: no single n_rot
             return False
@@ -438,7 +438,7 @@ class KVCache:
     def get_n_kv(self, sinfo: SlotInfo) -> int:
         """Cells the attention looks at: used_max_p1 padded to max(n_pad, 256), at most size; max over the
         slot's streams. 2025 (llama-cpp-python 0.3.16): padded to n_pad only, max over every stream."""
-        legacy = self.compat == _compat.COMPAT_2025
+        legacy = self.compat in _compat.ERA_2025
         n_pad_cur = self.n_pad if legacy else max(self.n_pad, 256)
         result = 0
         for s in range(self.n_stream) if legacy else sinfo.strm:

@@ -53,7 +53,7 @@ import numpy as np
 
 from .batch import BatchAllocr
 from .cells import KVCells
-from .compat import CELL_EXT_SIZES, COMPAT_2025, COMPAT_2026_08, COMPAT_2026_10
+from .compat import CELL_EXT_SIZES, COMPAT_2025, COMPAT_2026_08, ERA_2025, no_streams
 from .errors import CellError, FormatError, NoSlotError
 from .ggml import traits
 from .hparams import SWAType
@@ -73,7 +73,7 @@ def has_cell_ext(cache: KVCache) -> bool:
     August 2026 (llama-cpp-python 0.3.35, ``compat="2026-08"``): M-RoPE only, and the ext is ``i32 x, y``.
     2025 (llama-cpp-python 0.3.16, ``compat="2025"``): the state had no cell ext at all.
     """
-    if cache.compat == COMPAT_2025:
+    if cache.compat in ERA_2025:
         return False
     hp = cache.hparams
     if cache.compat == COMPAT_2026_08:
@@ -116,6 +116,7 @@ def spec(cache: KVCache) -> Any:
         v_trans=cache.v_trans,
         layers=tuple(layers),
         ext_size=ext_size(cache),
+        has_n_stream=not no_streams(cache.compat),  # no u32 n_stream before PR #14363 (compat="2025-07")
     )
 
 
@@ -139,7 +140,7 @@ def written_cells(cache: KVCache, stream: int, seq_id: int = -1) -> np.ndarray:
     idx = idx[has]
     # 2025 (llama-cpp-python 0.3.16, compat="2025"): every non-empty cell of the sequence is written, the
     # ones SWA-masked against its last position included; October 2026 leaves those out
-    if idx.size and cache.swa_type != SWAType.NONE and cache.compat != COMPAT_2025:
+    if idx.size and cache.swa_type != SWAType.NONE and cache.compat not in ERA_2025:
         p_max = np.full(idx.size, cells.seq_pos_max(int(seq_id)), dtype=np.int64)
         idx = idx[~_masked_swa(cache.n_swa, cache.swa_type, pos[idx], p_max)]
     return idx
@@ -194,7 +195,7 @@ def state_section(cache: KVCache, seq_id: int = -1, flags: int = 0) -> KVSection
             comp = layer.v[s][:n_embd].reshape(n_embd, size, el)[:, idx, :]
             v_rows.append(TransposedRows(int(cache.type_v), el, n_embd, comp.reshape(n_embd, idx.size * el)))
         streams.append(KVStream(table, KVData(int(cache.v_trans), k_rows, v_rows)))
-    return KVSection(streams)
+    return KVSection(streams, has_n_stream=not no_streams(cache.compat))
 
 
 def state_write(cache: KVCache, seq_id: int = -1, flags: int = 0) -> bytes:
@@ -306,7 +307,7 @@ def stage_state(
     if seq_id != -1:
         cache._check_seq(seq_id)
     buf = memoryview(data).cast("B")
-    if len(buf) >= offset + 4:
+    if len(buf) >= offset + 4 and not no_streams(cache.compat):
         # llama.cpp compares n_stream before it reads anything else: blame it even when the rest is garbage
         n_stream = int.from_bytes(buf[offset : offset + 4], "little")
         if n_stream != cache.n_stream:
@@ -316,8 +317,8 @@ def stage_state(
 
     if seq_id == -1:
         new_cells = {s: _whole_cells(cache, st, st.offsets.get("cells", offset)) for s, st in streams}
-        if cache.compat != COMPAT_2026_10:
-            # before October 2026 (llama-cpp-python 0.3.16 .. 0.3.35, compat "2025" / "2026-08") a stream with
+        if cache.compat in (COMPAT_2025, COMPAT_2026_08):
+            # from PR #14363 to October 2026 (llama-cpp-python 0.3.16 .. 0.3.35, compat "2025" / "2026-08") a stream with
             # no cells was skipped and every other stream's read began with clear(true), which empties (and
             # zeroes) all streams: only the last non-empty stream survives, and a section whose streams are
             # all empty leaves the cache as it was. October 2026 clears once, up front.
@@ -340,7 +341,7 @@ def stage_state(
     # 2025 (llama-cpp-python 0.3.16, compat="2025"): the sequence's cells had to be one contiguous block
     # (find_slot with cont=true) and the stream's head was moved back to its first cell; October 2026
     # places them cell by cell and leaves the head where apply_ubatch put it (after the last cell)
-    legacy = cache.compat == COMPAT_2025
+    legacy = cache.compat in ERA_2025
     trial = _trial(cache, [strm])
     steps: list[tuple[SlotInfo, Any, Any]] = []
     for _, st in streams:

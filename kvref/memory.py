@@ -142,7 +142,7 @@ class ContextParams:
 def kv_pad(flash_attn: bool, compat: str = "2026-10") -> int:
     """The KV cache padding create_memory uses: 1 (October 2026: the context pads n_ctx to 256 instead);
     2025 (llama-cpp-python 0.3.16, llama_kv_cache_unified::get_padding): 256 with flash attention, else 32."""
-    if _compat.check(compat) == _compat.COMPAT_2025:
+    if _compat.check(compat) in _compat.ERA_2025:
         return 256 if flash_attn else 32
     return 1
 
@@ -179,7 +179,9 @@ def context_params(
     ``n_ctx_seq = n_ctx = pad(n_ctx)``, else ``n_ctx_seq = pad(ceil(n_ctx / n_seq_max))`` and
     ``n_ctx = n_ctx_seq * n_seq_max`` (a recurrent model's n_ctx stays as given).
     """
-    legacy = _compat.check(compat) == _compat.COMPAT_2025
+    legacy = _compat.check(compat) in _compat.ERA_2025
+    if _compat.no_streams(compat):
+        kv_unified = True  # before PR #14363 (compat="2025-07") every sequence shared the one cache
     n_seq_max = max(1, int(n_seq_max))
     if n_seq_max > LLAMA_MAX_SEQ:
         raise KVRefError(f"n_seq_max must be <= {LLAMA_MAX_SEQ}")

@@ -115,7 +115,7 @@ class RecurrentMemory:
     ) -> None:
         self.compat = _compat.check(compat)
         if rules is None:  # compat="2025" (llama-cpp-python 0.3.16) is the mid-2025 rule set
-            rules = {_compat.COMPAT_2025: "mid-2025", _compat.COMPAT_2026_08: "2026-08"}.get(self.compat, "current")
+            rules = "mid-2025" if self.compat in _compat.ERA_2025 else {_compat.COMPAT_2026_08: "2026-08"}.get(self.compat, "current")
         if rules not in RULES:
             raise ValueError(f"rules must be one of {RULES}, got {rules!r}")
         if mem_size < 1:
@@ -399,8 +399,9 @@ class RecurrentMemory:
         return min(ps) if ps else -1
 
     def seq_pos_max(self, seq_id: int) -> int:
+        # llama.cpp starts its running maximum at -1, so a cell shifted below zero (seq_add) reads as -1
         ps = [self.pos[i] for i in range(self.size) if seq_id in self.seq[i]]
-        return max(ps, default=-1)
+        return max([-1, *ps])
 
     # --- slots -----------------------------------------------------------------------------------------
 

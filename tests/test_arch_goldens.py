@@ -13,7 +13,7 @@ import pytest
 from kvref import conformance as C
 from kvref.hparams import HParams, SWAType
 
-from .golden import ALL_CASES, ROOT, load_case
+from golden import ALL_CASES, ROOT, load_case
 
 
 def _committed(cid: str) -> bool:
@@ -73,7 +73,10 @@ def test_memory_log_layer_counts(cid):
                                              sum(hp.is_swa(il) for il in range(n))]
     elif kind == "hybrid":
         assert [c["layers"] for c in kv] == [sum(hp.attn_layer_filter(il) for il in range(n))]
-    if kind in ("recurrent", "hybrid"):
+    elif kind == "hybrid_iswa":  # the iSWA part of the attention layers: base (may be empty), then SWA
+        attn = [il for il in range(n) if hp.attn_layer_filter(il)]
+        assert [c["layers"] for c in kv] == [sum(not hp.is_swa(il) for il in attn), sum(hp.is_swa(il) for il in attn)]
+    if kind in ("recurrent", "hybrid", "hybrid_iswa"):
         # the recurrent memory reports every model layer (it keeps R/S only for the filtered ones)
         assert [c["layers"] for c in rs] == [n]
         assert hp.memory_kind() == kind

@@ -238,6 +238,32 @@ def test_gemma3_pattern_and_no_window(tmp_path):
     assert hp.swa_type == SWAType.NONE and not hp.is_swa_any() and hp.memory_kind() == "kv"
 
 
+LLAMA4 = {"attention.head_count": 4, "rope.freq_base": 5e5, "expert_count": 2, "expert_used_count": 1,
+          "expert_feed_forward_length": 64, "interleave_moe_layer_step": 0}
+
+
+def test_llama4_chunked_attention(tmp_path):
+    # src/models/llama4.cpp load_arch_hparams: chunked attention with the chunk fixed at 8192 whatever the
+    # window key says (only 0 turns it off), pattern 4 (3 chunked, 1 full), SWA rope base = the base
+    hp = load(tmp_path, "llama4", **LLAMA4, **{"block_count": 5, "attention.sliding_window": 16})
+    assert (hp.swa_type, hp.n_swa) == (SWAType.CHUNKED, 8192)
+    assert hp.swa_layers == (True, True, True, False, True) and hp.rope_freq_base_swa == 5e5
+    assert hp.memory_kind() == "iswa" and hp.rope_type == RopeType.NORM
+    hp = load(tmp_path, "llama4", **LLAMA4, **{"rope.freq_base_swa": 1e4})
+    assert hp.swa_type == SWAType.CHUNKED and hp.rope_freq_base_swa == 1e4
+    hp = load(tmp_path, "llama4", **LLAMA4, **{"attention.sliding_window": 0})
+    assert hp.swa_type == SWAType.NONE and hp.memory_kind() == "kv"
+
+
+def test_llama4_refusals(tmp_path):
+    # load_arch_tensors throws "model cannot have zero experts"; the MoE keys are required
+    with pytest.raises(HParamsError, match="zero experts"):
+        load(tmp_path, "llama4", **{**LLAMA4, "expert_count": 0})
+    kv = {k: v for k, v in LLAMA4.items() if k != "interleave_moe_layer_step"}
+    with pytest.raises(HParamsError, match=r"key not found in model: llama4.interleave_moe_layer_step"):
+        load(tmp_path, "llama4", **kv)
+
+
 SSM = {"ssm.conv_kernel": 4, "ssm.inner_size": 128, "ssm.state_size": 16, "ssm.time_step_rank": 4}
 
 

@@ -14,7 +14,8 @@ from kvref.kv_cache_iswa import KVCacheISWA, swa_cache_size
 from kvref.memory import Memory, context_params, create_memory
 from kvref.recurrent import RecurrentMemory
 
-KIND = {"kv": KVCache, "iswa": KVCacheISWA, "recurrent": RecurrentMemory, "hybrid": HybridMemory}
+KIND = {"kv": KVCache, "iswa": KVCacheISWA, "recurrent": RecurrentMemory, "hybrid": HybridMemory,
+        "hybrid_iswa": HybridMemory}
 
 
 from_case = memory_for
@@ -40,6 +41,8 @@ def test_factory_builds_what_llama_cpp_built(case_id):
     mem = from_case(case)
     want = case["memory"]
     assert isinstance(mem, KIND[want["type"]])
+    if isinstance(mem, HybridMemory):
+        assert mem.kind == want["type"]  # llama_memory_hybrid or llama_memory_hybrid_iswa
     cp = mem.cparams
     names = ("n_ctx", "n_ctx_seq", "n_batch", "n_ubatch", "n_seq_max")
     # what llama.cpp logged (2025 builds did not log n_ctx_seq: None there)
@@ -61,7 +64,7 @@ def test_factory_builds_what_llama_cpp_built(case_id):
     if want.get("kv_size") is not None:
         assert got[0].get_size() == want["kv_size"]
     if want.get("kv_size_swa") is not None:
-        assert mem.swa.get_size() == want["kv_size_swa"]
+        assert (mem.attn if isinstance(mem, HybridMemory) else mem).swa.get_size() == want["kv_size_swa"]
     if want.get("rs_size") is not None:
         assert got[-1].size == want["rs_size"]
     if want.get("v_trans") is not None:

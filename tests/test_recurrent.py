@@ -258,6 +258,16 @@ def test_seq_keep_clears_other_tails_and_cells():
     assert m.tail == [-1, 1, -1, -1] and m.used == 1 and m.head == 0
 
 
+def test_seq_add_below_zero_keeps_the_cell_but_seq_pos_max_reads_minus_one():
+    # llama_memory_recurrent::seq_add only moves the tail cell's pos (nothing is removed below zero);
+    # seq_pos_min keeps the running minimum from INT_MAX (so -3 shows), seq_pos_max starts its running
+    # maximum at -1 (so the -3 cell reads as -1). Found by conformance/fuzz.py (mamba, jamba seeds).
+    m = three_sequences()  # seq 2 at pos 3
+    m.seq_add(2, 0, -1, -6)
+    assert (m.seq_pos_min(2), m.seq_pos_max(2)) == (-3, -1)
+    assert m.seq_pos_max(3) == -1
+
+
 def test_seq_add_and_seq_div_move_only_the_tail_pos():
     m = three_sequences()
     m.seq_add(1, 0, -1, 5)

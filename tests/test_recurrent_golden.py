@@ -6,28 +6,15 @@ import pytest
 from golden import ALL_CASES, compat_for, load_case, params, replay
 
 import kvref
+from kvref import conformance as C
 from kvref.recurrent import RecurrentMemory
 
 CASES = [c for c in ALL_CASES if load_case(c)["memory"]["type"] == "recurrent"]
 
 
 def hparams_of(case: dict) -> kvref.HParams:
-    h = case["model"]["hparams"]
-    ssm = h["ssm"]
-    return kvref.HParams(
-        arch=h["arch"],
-        n_layer=h["n_layer"],
-        n_embd=h["n_embd"],
-        n_head=h["n_head"],
-        n_head_kv=h["n_head_kv"],
-        recurrent_layers=h["recurrent_layers"],
-        rope_type=kvref.RopeType.NONE,
-        ssm_d_conv=ssm["d_conv"],
-        ssm_d_inner=ssm["d_inner"],
-        ssm_d_state=ssm["d_state"],
-        ssm_n_group=ssm["n_group"],
-        ssm_dt_rank=ssm["dt_rank"],
-    )
+    """The runner's reading of case.json's hparams (Mamba ssm sizes, RWKV wkv head size / token shift)."""
+    return C.hparams_from_case(case)
 
 
 @pytest.mark.skipif(not CASES, reason="no recurrent goldens generated")

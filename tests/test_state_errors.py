@@ -198,3 +198,13 @@ def test_all_fixture_errors_use_the_vocabulary() -> None:
 
 def test_every_case_has_a_fixture_free_round_trip() -> None:
     assert len(CASES) > 30
+
+
+def test_rows_with_an_impossible_row_size_is_a_format_error():
+    # zero cells times a u64 row size near 2**64: no array has that shape, the reader must refuse the file
+    # (found by test_state_fuzz on a mutated session file)
+    from kvref.state.codec import Reader
+    from kvref.state.dsl import Rows
+
+    with pytest.raises(FormatError, match="too large"):
+        Rows("k_data", lambda env: (0, 2**64 - 1)).read(Reader(b""), {})

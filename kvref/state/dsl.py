@@ -152,6 +152,9 @@ class Array(Field):
         w.array(a, self.name)
 
 
+_MAX_DIM = np.iinfo(np.intp).max
+
+
 class Rows(Field):
     """Raw tensor rows: a ``(n_rows, row_bytes)`` uint8 view; ``shape(env)`` gives both from earlier fields."""
 
@@ -163,6 +166,9 @@ class Rows(Field):
     def read(self, r: Reader, env: Env) -> np.ndarray:
         rows, cols = self.shape(env)
         r.need(rows * cols, self.name)
+        if max(rows, cols) > _MAX_DIM:
+            # zero rows of a u64 row size no array can have (no llama.cpp cache has such rows)
+            raise FormatError(f"{rows} rows of {cols} bytes: too large a block", field=self.name, offset=r.pos)
         return r.array(np.dtype(np.uint8), rows * cols, self.name).reshape(rows, cols)
 
     def write(self, w: Writer, value: Any, env: Env) -> None:
