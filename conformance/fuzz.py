@@ -236,7 +236,7 @@ def execute(r, plan: dict, keep: list[int] | None, check_every: int) -> list[int
         if check_every and done % check_every == 0:
             r.save_state_data()  # a whole-memory cell-table check point for the replay
             mark(i)
-    if check_every:
+    if check_every and done % check_every:
         r.save_state_data()
         mark(idx[-1] if idx else -1)
     return owner

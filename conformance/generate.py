@@ -700,7 +700,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     import llama_cpp
     legacy = llama_cpp.__version__ != CURRENT_PRODUCER
-    cases = [c for c in CASES if a.k in c.id and (not legacy or c.id in LEGACY_CASES)]
+    cases = [c for c in CASES if a.k in c.id and (not legacy or c.id in LEGACY_CASES)
+             and c.id not in driver.PRODUCER.get("skip_cases", {})]
     if a.list:
         for c in cases:
             print(f"{c.id:32s} {c.description}")

@@ -30,9 +30,22 @@ K-shift (``KVCache.get_can_shift``) refused for M-RoPE (and     as 2026-10      
 decode seq-id bound               the context's ``n_seq_max``,  as 2025                     ``LLAMA_MAX_SEQ`` when
 (each memory's ``decode``)        unified or not                                            unified, else
                                   (llama_batch_ext)                                         ``n_seq_max``
+whole restore (``kv_state``)      ``clear(true)`` once, then    every non-empty stream's    as 2026-08
+                                  every stream                  read begins with
+                                                                ``clear(true)``: only the
+                                                                last one survives; an
+                                                                all-empty section changes
+                                                                nothing
 recurrent ``seq_rm`` and state    ``rules="current"``           ``rules="2026-08"``         ``rules="mid-2025"``
 (``recurrent``)                                                                             (see ``kvref.recurrent``)
 ================================  ============================  ==========================  ==========================
+
+``"2025-07"`` is llama.cpp a0374a6 as vendored by llama-cpp-python 0.3.12 (July 2025, before PR #14363): it
+behaves as ``"2025"`` everywhere above, except that there were no streams (``no_streams``): the context's
+``kv_unified`` did not exist (every memory is unified), the KV section has no ``u32 n_stream``, and a whole
+restore always began with ``clear(true)`` -- even of an empty section (``kv_state.stage_state``). Only its
+KV cache and iSWA cache are pinned by goldens: 0.3.12 aborts on the recurrent and multi-sequence cases
+(``conformance/driver.py``, ``skip_cases``), so ``"mid-2025"`` recurrent rules are assumed there.
 
 The state-file framing (session v9 with an output block vs v9 without it vs v10, sequence files v2 vs v3,
 the sequence-blob prefix) is the file layer's business: ``kvref.state.load`` takes it as hints (``outputs``,
@@ -84,5 +97,16 @@ def for_llama_cpp_python(version: str | None) -> str:
         ) from None
 
 
-__all__ = ["CELL_EXT_SIZES", "COMPATS", "COMPAT_2025", "COMPAT_2025_07", "COMPAT_2026_08", "COMPAT_2026_10", "ERA_2025",
-           "no_streams", "DEFAULT", "check", "for_llama_cpp_python"]
+__all__ = [
+    "CELL_EXT_SIZES",
+    "COMPATS",
+    "COMPAT_2025",
+    "COMPAT_2025_07",
+    "COMPAT_2026_08",
+    "COMPAT_2026_10",
+    "DEFAULT",
+    "ERA_2025",
+    "check",
+    "for_llama_cpp_python",
+    "no_streams",
+]

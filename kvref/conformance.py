@@ -537,9 +537,8 @@ def replay_trace(case: dict, mem: Any, arts: Artefacts, hp: Any = None) -> dict[
                 if ok:
                     raise CheckFailed(f"{where}: llama.cpp accepted a file over its token capacity")
             elif not ok:
-                # refused inside the memory (no room for the cells, a mismatching section): kvref must refuse too.
-                # kvref's state_read is atomic, llama.cpp's is not (it has removed the destination sequence, or
-                # cleared the memory): the observation below shows that difference when it is visible.
+                # refused inside the memory (no room for the cells, a mismatching section): kvref must refuse too,
+                # leaving what llama.cpp left (the observation below checks it)
                 data = section_bytes(memory_sections(arts.get(op["file"])))
                 seq_id = op.get("dest_seq_id", -1) if kind == "seq_restore" else -1
                 try:

@@ -17,7 +17,7 @@ from . import compat as _compat
 from .errors import NoSlotError
 from .hparams import SWAType
 from .kv_cache import KVCache
-from .memory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, read_all, sections_of, stage_parts
+from .memory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, read_parts, sections_of, stage_parts
 from .recurrent import RecurrentMemory, RecurrentSlot
 
 
@@ -230,9 +230,12 @@ class HybridMemory:
         return stage_parts(self._state_parts(flags), data, seq_id, flags, offset)
 
     def state_read(self, data: Any, seq_id: int = -1, flags: int = 0) -> int:
-        """Atomic: the recurrent section is checked before the attention part changes (llama.cpp restores
-        the attention part first and clears it again when the recurrent part fails)."""
-        return read_all(self.stage_state, data, seq_id, flags)
+        """As llama.cpp: the attention part is restored before the recurrent section is read; a failing part is
+        left as llama.cpp leaves it (the sequence removed). When the recurrent part fails, October 2026 clears
+        the restored attention part for the sequence again (llama_memory_hybrid::state_read); 0.3.35 and
+        0.3.16 keep it (checked in their sources)."""
+        undo = self.compat == _compat.COMPAT_2026_10
+        return read_parts(self._state_parts(flags), data, seq_id, flags, undo_before=undo)
 
     def __repr__(self) -> str:
         return f"HybridMemory(kind={self.kind}, attn={self.attn!r}, recr={self.recr!r})"

@@ -554,8 +554,12 @@ class KVCache:
         return _kv_state.stage_state(self, data, seq_id, flags, offset)
 
     def state_read(self, data: Any, seq_id: int = -1, flags: int = 0) -> int:
-        """Restore a section atomically (see kvref.kv_state); returns the bytes read."""
+        """Restore a section (see kvref.kv_state; a failure leaves what llama.cpp leaves); returns the bytes read."""
         return _kv_state.state_read(self, data, seq_id, flags)
+
+    def state_read_failed(self, seq_id: int, exc: Exception) -> None:
+        """Leave the cache as llama.cpp does after its section failed to restore (kvref.kv_state)."""
+        _kv_state.state_read_failed(self, seq_id, exc)
 
     def __repr__(self) -> str:
         used = [c.get_used() for c in self._cells]

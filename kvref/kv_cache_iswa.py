@@ -16,7 +16,7 @@ from . import compat as _compat
 from .errors import NoSlotError
 from .hparams import SWAType
 from .kv_cache import KVCache
-from .memory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, read_all, sections_of, stage_parts
+from .memory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, read_parts, sections_of, stage_parts
 
 SWA_PAD = 256  # October 2026: the SWA cache size is always padded to 256 (llama.cpp issue #17037)
 
@@ -261,9 +261,9 @@ class KVCacheISWA:
         return stage_parts(self._state_parts(flags), data, seq_id, flags, offset)
 
     def state_read(self, data: Any, seq_id: int = -1, flags: int = 0) -> int:
-        """Atomic: both sections are checked before either cache changes (llama.cpp restores the base
-        before it reads the SWA section, and clears what failed)."""
-        return read_all(self.stage_state, data, seq_id, flags)
+        """As llama.cpp: the base section is restored before the SWA one is read; a failing section leaves
+        its cache as llama.cpp does (the sequence removed), the other cache keeps what it had read."""
+        return read_parts(self._state_parts(flags), data, seq_id, flags)
 
     def __repr__(self) -> str:
         return f"KVCacheISWA(base={self.base.get_size()} cells, swa={self.swa.get_size()} cells)"

@@ -36,12 +36,13 @@ copy of the cache. Only when all of that succeeded does ``commit()`` touch the c
   stream's head moves to the first restored cell). Positions are not required to be consecutive (llama.cpp
   does not check them either). The rows are then copied to the cells found.
 
-**Difference from llama.cpp on failure**: llama.cpp reads and applies as it goes; when a check fails
-half way it has already removed the destination sequence (or cleared the whole cache) and may have
-copied part of the K/V rows, then ``state_clear`` zeroes the rows of the cells it had placed. kvref
-checks everything first, so a failed ``state_read`` raises (FormatError for a malformed or mismatching
-section, NoSlotError when a sequence does not fit, SequenceError for a bad destination id) and leaves
-the cache exactly as it was: cells, heads and buffers.
+On failure: llama.cpp reads and applies as it goes; when a check fails half way it has already removed
+the destination sequence (or cleared the whole cache), and ``state_clear`` removes the sequence and zeroes
+the rows of the cells it had placed. kvref checks everything first (``stage_state`` changes nothing), and
+``state_read`` then raises (FormatError for a malformed or mismatching section, NoSlotError when a sequence
+does not fit, SequenceError for a bad destination id) leaving the cells as llama.cpp leaves them
+(``state_read_failed``: the destination sequence removed, or the cache cleared; nothing when the n_stream
+count or the destination id is wrong). Rows of cells no sequence holds any more are not zeroed.
 """
 
 from __future__ import annotations
@@ -216,11 +217,9 @@ def clone_cells(cells: KVCells) -> KVCells:
     out = type(cells)(size)
     pos, ext = np.asarray(cells.pos), np.asarray(cells.ext)
     for i in np.flatnonzero(pos != -1).tolist():
-        out.pos_set(i, int(pos[i]) - int(shift[i]))  # the position before the shift, then the shift again
+        out.pos_set_shifted(i, int(pos[i]), int(shift[i]))  # pos - shift may be negative after a seq_div
         for s in cells.seq_get_all(i):
             out.seq_add(i, s)
-        if shift[i]:
-            out.pos_add(i, int(shift[i]))
         out.ext_set(i, *(int(x) for x in ext[i]))
     return out
 
@@ -318,8 +317,8 @@ def stage_state(
     if seq_id == -1:
         new_cells = {s: _whole_cells(cache, st, st.offsets.get("cells", offset)) for s, st in streams}
         if cache.compat in (COMPAT_2025, COMPAT_2026_08):
-            # from PR #14363 to October 2026 (llama-cpp-python 0.3.16 .. 0.3.35, compat "2025" / "2026-08") a stream with
-            # no cells was skipped and every other stream's read began with clear(true), which empties (and
+            # from PR #14363 to October 2026 (llama-cpp-python 0.3.16 .. 0.3.35, compat "2025" / "2026-08") a
+            # stream with no cells was skipped and every other stream's read began with clear(true), which empties (and
             # zeroes) all streams: only the last non-empty stream survives, and a section whose streams are
             # all empty leaves the cache as it was. October 2026 clears once, up front.
             streams = [(s, st) for s, st in streams if st.cells.n > 0][-1:]
@@ -373,10 +372,24 @@ def stage_state(
 
 
 def state_read(cache: KVCache, data: Any, seq_id: int = -1, flags: int = 0) -> int:
-    """Restore what ``state_write`` wrote; returns the bytes read (trailing bytes are a FormatError)."""
-    from .memory import read_all
+    """Restore what ``state_write`` wrote; returns the bytes read (trailing bytes are a FormatError).
 
-    return read_all(lambda d, s, f, o: stage_state(cache, d, s, f, o), data, seq_id, flags)
+    On failure the cache is left as llama.cpp leaves it (``state_read_failed``)."""
+    from .memory import read_parts
+
+    return read_parts([cache], data, seq_id, flags)
+
+
+def state_read_failed(cache: KVCache, seq_id: int, exc: Exception) -> None:
+    """llama_kv_cache::state_read after a failure: the n_stream count is compared before anything changes
+    (and a bad destination id is an assert there); past it, a whole restore has cleared the cache and a
+    sequence restore ends in state_clear, which removes the destination sequence."""
+    from .errors import SequenceError
+    from .memory import clear_seq
+
+    if isinstance(exc, SequenceError) or getattr(exc, "field", None) == "n_stream":
+        return
+    clear_seq(cache, seq_id)
 
 
 __all__ = [
@@ -387,6 +400,7 @@ __all__ = [
     "spec",
     "stage_state",
     "state_read",
+    "state_read_failed",
     "state_section",
     "state_write",
     "written_cells",

@@ -77,6 +77,52 @@ def stage_parts(
     return commit_all, offset
 
 
+def clear_seq(part: Any, seq_id: int) -> None:
+    """What llama.cpp's state_clear leaves in a memory: the sequence removed (everything for seq_id -1)."""
+    if seq_id == -1:
+        part.clear(True)
+        return
+    try:
+        part.seq_rm(seq_id, -1, -1)
+    except KVRefError:
+        pass  # an id the memory does not have: llama.cpp's seq_rm does nothing either
+
+
+def read_parts(parts: list[Any], data: Any, seq_id: int, flags: int, undo_before: bool = False) -> int:
+    """state_read of consecutive sections, one per part, with llama.cpp's outcome on failure.
+
+    llama.cpp reads and applies part by part. When the section of part k fails: the parts before it stay
+    restored (``undo_before``: they are cleared for the sequence again, as llama_memory_hybrid does), part k
+    is left as its ``state_read_failed(seq_id, exc)`` says (the sequence removed, or everything cleared for
+    seq_id -1, unless llama.cpp fails before touching it), later parts are untouched, and the error
+    propagates. Bytes after the last section are kvref's own check: refused before anything changes.
+    """
+    from .errors import FormatError
+
+    offset = 0
+    staged: list[tuple[Any, Callable[[], None]]] = []
+    for part in parts:
+        try:
+            commit, offset = part.stage_state(data, seq_id, flags, offset)
+        except KVRefError as exc:
+            for _, c in staged:
+                c()
+            if undo_before:
+                for p, _ in staged:
+                    clear_seq(p, seq_id)
+            failed = getattr(part, "state_read_failed", None)
+            if failed is not None:
+                failed(seq_id, exc)
+            raise
+        staged.append((part, commit))
+    total = memoryview(data).nbytes
+    if offset != total:
+        raise FormatError(f"{total - offset} trailing bytes after the memory sections", field="trailing", offset=offset)
+    for _, c in staged:
+        c()
+    return offset
+
+
 def read_all(stage: Callable[..., tuple[Callable[[], None], int]], data: Any, seq_id: int, flags: int) -> int:
     """state_read from stage_state: the sections must end exactly at the end of ``data``."""
     from .errors import FormatError

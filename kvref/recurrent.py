@@ -115,7 +115,11 @@ class RecurrentMemory:
     ) -> None:
         self.compat = _compat.check(compat)
         if rules is None:  # compat="2025" (llama-cpp-python 0.3.16) is the mid-2025 rule set
-            rules = "mid-2025" if self.compat in _compat.ERA_2025 else {_compat.COMPAT_2026_08: "2026-08"}.get(self.compat, "current")
+            rules = "current"
+            if self.compat in _compat.ERA_2025:
+                rules = "mid-2025"
+            elif self.compat == _compat.COMPAT_2026_08:
+                rules = "2026-08"
         if rules not in RULES:
             raise ValueError(f"rules must be one of {RULES}, got {rules!r}")
         if mem_size < 1:
@@ -271,11 +275,10 @@ class RecurrentMemory:
         p1 = POS_MAX if p1 < 0 else p1
         current = self.rules != "mid-2025"  # "2026-08" shares the tail rule of "current"
 
-        if self.rules == "current":
-            # the id is compared as unsigned: every negative id is refused too
-            if (seq_id & 0xFFFFFFFF) >= self.n_seq_max:
-                log.error("seq_rm: invalid seq_id (%d) - larger than n_seq_max (%d)", seq_id, self.n_seq_max)
-                return False
+        # the id is compared as unsigned: every negative id is refused too
+        if self.rules == "current" and (seq_id & 0xFFFFFFFF) >= self.n_seq_max:
+            log.error("seq_rm: invalid seq_id (%d) - larger than n_seq_max (%d)", seq_id, self.n_seq_max)
+            return False
         if current and p0 == 0 and p1 == POS_MAX:
             self._set_rs_idx(seq_id, 0)  # 2026-08: before the id is checked; a negative id resets them all
 
@@ -800,12 +803,19 @@ class RecurrentMemory:
     def state_read(self, data: Any, seq_id: int = -1, flags: int = 0) -> int:
         """Restore what ``state_write`` wrote; returns the bytes read (trailing bytes are an error).
 
-        Atomic: everything is checked before anything changes, and on error the memory is exactly as
-        before. (llama.cpp instead leaves the sequence removed, or the whole memory cleared.)
+        Everything is checked before anything changes; on error the memory is left as llama.cpp leaves it
+        (``state_read_failed``: the sequence removed, or the whole memory cleared).
         """
-        from .memory import read_all
+        from .memory import read_parts
 
-        return read_all(self.stage_state, data, seq_id, flags)
+        return read_parts([self], data, seq_id, flags)
+
+    def state_read_failed(self, seq_id: int, exc: Exception) -> None:
+        """llama_memory_recurrent::state_read after a failure: state_clear removes the destination sequence
+        (clears everything for seq_id -1); rows are not zeroed here."""
+        from .memory import clear_seq
+
+        clear_seq(self, seq_id)
 
     # --- introspection ---------------------------------------------------------------------------------
 

@@ -178,6 +178,21 @@ def test_numpy_integers_are_accepted(cells_cls: type) -> None:
     assert c.seq_pos_get(255) == [(5, 2)]
 
 
+def test_pos_set_shifted(cells_cls):
+    # the end state of llama.cpp's pos_set(p - shift) + pos_add(shift) (cross-stream seq_cp), even when
+    # p - shift < 0 (a seq_div shift); shift 0 leaves has_shift alone
+    c = cells_cls(4)
+    c.pos_set_shifted(0, 2, 0)
+    assert not c.get_has_shift()
+    c.pos_set_shifted(1, 2, 5)
+    c.seq_add(1, 0)
+    assert (c.pos_get(1), c.get_shift(1), c.get_has_shift(), c.seq_pos_max(0)) == (2, 5, True, 2)
+    with pytest.raises(CellError):
+        c.pos_set_shifted(1, 3, 1)  # not empty
+    with pytest.raises(CellError):
+        c.pos_set_shifted(2, -1, 0)
+
+
 # ------------------------------------------------------------------ sequences of a cell
 def test_seq_add_has_count_get(cells_cls: type) -> None:
     c = build(cells_cls, 2, {0: (3, [])})

@@ -72,7 +72,8 @@ def test_2025_sequence_saves_keep_swa_masked_cells():
         mem.decode(tokens)
         base, swa = mem.state_sections(0)
         n_cells[c] = (base.streams[0].cells.n, swa.streams[0].cells.n)
-    assert n_cells == {"2026-10": (13, 4), "2026-08": (13, 4), "2025": (13, 13), "2025-07": (13, 13)}  # as the gemma2-swa-overflow goldens
+    # as the gemma2-swa-overflow goldens
+    assert n_cells == {"2026-10": (13, 4), "2026-08": (13, 4), "2025": (13, 13), "2025-07": (13, 13)}
 
 
 @pytest.mark.parametrize("c,cells_used,head", [("2026-10", [0, 2], 3), ("2025", [4, 5], 4)])

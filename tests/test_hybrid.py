@@ -144,3 +144,19 @@ def test_stage_parts_is_all_or_nothing():
     with pytest.raises(FormatError):
         read_all(lambda d, s, f, o: stage_parts([x, y], d, s, f, o), bytes(bad), -1, 0)
     assert (x.seq_pos_max(0), y.seq_pos_max(1), x.used) == (-1, -1, 0)
+
+
+@pytest.mark.parametrize(("compat", "attn_kept"), [("2026-10", False), ("2026-08", True), ("2025", True)])
+def test_failed_recurrent_part_and_the_restored_attention_part(compat, attn_kept):
+    # llama_memory_hybrid::state_read reads the attention part, then the recurrent one; when the recurrent part
+    # fails (its state_clear removes the destination) October 2026 clears the attention part for the sequence
+    # again, 0.3.35 and 0.3.16 keep what it restored (their sources have no try/catch there)
+    src = hybrid(compat=compat)
+    src.decode(Batch(tokens=list(range(4, 10)), seq_ids=[[0]] * 6))
+    seq = src.state_write(0)
+    dst = HybridMemory(jamba(), kv_size=256, type_r="f16", rs_size=3, n_seq_max=3, compat=compat)
+    dst.decode(Batch(tokens=[4, 5, 6], seq_ids=[[1]] * 3))
+    with pytest.raises(FormatError, match="r type"):
+        dst.state_read(seq, 1)
+    assert dst.recr.seq_pos_max(1) == -1
+    assert dst.attn.seq_pos_max(1) == (5 if attn_kept else -1)

@@ -246,6 +246,21 @@ def test_seq_cp_cross_stream_full_range_forms(p0, p1):
     assert c.pending_stream_copies() == [(0, 1)]
 
 
+def test_seq_cp_cross_stream_after_seq_div_keeps_position_and_shift():
+    # llama_kv_cache::seq_cp across streams places pos - shift, then pos_add(shift). After seq_div the shift is
+    # old - new (llama_kv_cells::pos_div), so pos - shift can be negative: only an assert (compiled out) objects,
+    # and the cell still ends at pos with the same shift. Found by conformance/fuzz.py (gemma2-ms, seed 10);
+    # golden fuzz-gemma2-ms-seq-cp-after-div.
+    c = multi(size=16)
+    place(c, seq_run(0, 0, 9))
+    c.seq_div(0, 7, 41, 3)  # 7 -> 2 (shift 5), 8 -> 2 (shift 6)
+    c.seq_cp(0, 1, -1, -1)
+    assert layout(c, 1)[:9] == ["0:1", "1:1", "2:1", "3:1", "4:1", "5:1", "6:1", "2:1", "2:1"]
+    assert np.asarray(c.cells(1).shift).tolist()[:9] == [0] * 7 + [5, 6]
+    assert c.cells(1).get_has_shift()
+    assert (c.seq_pos_min(1), c.seq_pos_max(1)) == (0, 6)
+
+
 def test_seq_cp_cross_stream_copies_cells_and_buffers_at_update():
     c = multi(size=4)
     sinfo = place(c, seq_run(0, 0, 3))

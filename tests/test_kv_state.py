@@ -280,23 +280,41 @@ def _bad_sections(cache: KVCache) -> list[tuple[str, bytes, int, type, str | Non
     return out
 
 
+# refused before llama_kv_cache::state_read changes anything: the n_stream count (an empty input fails
+# reading it), the destination id (an assert there); kvref's trailing-bytes check is its own, also up front
+UNTOUCHED = {"n_stream", "trailing", "seq dest out of range", "empty"}
+
+
 @pytest.mark.parametrize("v_trans", [True, False])
-def test_every_bad_section_leaves_the_cache_identical(v_trans):
+def test_every_bad_section_leaves_what_llama_cpp_leaves(v_trans):
+    # past the n_stream check a whole restore has cleared the cache (clear(true) up front, and again on
+    # failure), and a failed sequence restore ends in state_clear: the destination sequence is removed
     cache = make(v_trans=v_trans)
     populate(cache)
-    target = make(v_trans=v_trans)
-    populate(target)
-    target.seq_rm(2, 1, -1)
-    before = snapshot(target)
+
+    def target() -> KVCache:
+        t = make(v_trans=v_trans)
+        populate(t)
+        t.seq_rm(2, 1, -1)
+        return t
+
     for name, blob, seq_id, err, field in _bad_sections(cache):
+        got, want = target(), target()
+        if name not in UNTOUCHED:
+            if seq_id == -1:
+                want.clear(True)
+            else:
+                want.seq_rm(seq_id, -1, -1)
         with pytest.raises(err) as info:
-            target.state_read(blob, seq_id)
+            got.state_read(blob, seq_id)
         if field is not None:
             assert info.value.field in ((field,) if isinstance(field, str) else field), name
-        assert_same(snapshot(target), before)
+        assert_same(snapshot(got), snapshot(want))
 
 
-def test_sequence_that_does_not_fit_leaves_the_cache_identical():
+def test_sequence_that_does_not_fit_removes_the_destination():
+    # llama.cpp: state_read_meta removes the destination, find_slot fails, state_clear removes it (again);
+    # golden fuzz-llama-restore-refused-no-room
     cache = make(size=32)
     cache.decode(Batch(tokens=list(range(4, 24)), seq_ids=[[0]] * 20))
     blob = cache.state_write(0)
@@ -304,10 +322,9 @@ def test_sequence_that_does_not_fit_leaves_the_cache_identical():
     target.decode(Batch(tokens=list(range(4, 20)), seq_ids=[[1]] * 16))
     target.decode(Batch(tokens=[4, 5], seq_ids=[[2]] * 2))
     fill(target, 3)
-    before = snapshot(target)
     with pytest.raises(NoSlotError):
         target.state_read(blob, 2)  # 14 free + 2 of seq 2 = 16 < 20
-    assert_same(snapshot(target), before)
+    assert (target.seq_pos_max(2), target.seq_pos_max(1)) == (-1, 15)
     target.seq_rm(1, 12, -1)  # now 4 + 14 + 2 = 20 fit
     target.state_read(blob, 2)
     a, b = cache.state_sections(0)[0].streams[0], target.state_sections(2)[0].streams[0]
@@ -325,3 +342,17 @@ def test_mismatching_cache_types_are_refused():
         other.state_read(cache.state_write())
     assert info.value.field == "k_type"
     assert_same(snapshot(other), before)
+
+
+def test_sequence_restore_into_a_stream_with_seq_div_shifts():
+    # seq_div leaves shift = old - new > pos (llama_kv_cells::pos_div); staging a restore copies the stream's
+    # cells, which must not trip over pos - shift < 0. Found by conformance/fuzz.py (llama, seed 96).
+    cache = make()
+    cache.decode(Batch(tokens=list(range(4, 16)), seq_ids=[[0]] * 12), 512)
+    cache.decode(Batch(tokens=[5, 6, 7], seq_ids=[[1]] * 3), 512)
+    blob = cache.state_write(1)
+    cache.seq_div(0, 4, -1, 4)  # 11 -> 2: shift 9
+    cache.state_read(blob, 2)
+    assert (cache.seq_pos_min(2), cache.seq_pos_max(2)) == (0, 2)
+    assert (cache.seq_pos_min(0), cache.seq_pos_max(0)) == (0, 3)
+    assert cache.cells(0).get_shift(11) == 9 and cache.cells(0).get_has_shift()

@@ -279,7 +279,8 @@ def test_seq_add_and_seq_div_move_only_the_tail_pos():
     m.seq_add(0, 7, 7, 3)  # empty range
     assert m.seq_pos_max(0) == 6
     m.seq_add(0, 0, -1, -10)  # may go negative: llama.cpp does not free the cell
-    assert m.pos[0] == -4 and m.seq_pos_max(0) == -4
+    # seq_pos_max's running maximum starts at -1 (golden fuzz-mamba-seq-add-below-zero), seq_pos_min shows -4
+    assert m.pos[0] == -4 and (m.seq_pos_min(0), m.seq_pos_max(0)) == (-4, -1)
     with pytest.raises(SequenceError):
         m.seq_div(1, 0, -1, 0)
 
@@ -377,7 +378,9 @@ def test_state_write_uses_the_src_row():
     np.testing.assert_array_equal(sec.r[0].data[0], m.r_l[0][0])
 
 
-def test_state_read_is_atomic_on_errors():
+def test_state_read_errors_leave_what_llama_cpp_leaves():
+    # llama_memory_recurrent::state_read: on failure state_clear clears everything (seq_id -1) or removes the
+    # destination sequence; kvref's own trailing-bytes check refuses before anything changes
     m = three_sequences()
     fill_rows(m, 4)
     blob = m.state_write()
@@ -386,16 +389,23 @@ def test_state_read_is_atomic_on_errors():
     with pytest.raises(FormatError):
         target.state_read(blob)
     assert cells(target) == before[0]
-    with pytest.raises(FormatError):
-        m.state_read(blob[:-1])
+    snap = cells(m)
     with pytest.raises(FormatError):
         m.state_read(blob + b"\0")
+    assert cells(m) == snap
+    with pytest.raises(FormatError):
+        m.state_read(blob[:-1])
+    assert all(p == -1 for p, _, _ in cells(m))  # cleared
+    m = three_sequences()
+    with pytest.raises(FormatError):
+        m.state_read(m.state_write(1)[:-1], 0)
+    assert (m.seq_pos_max(0), m.seq_pos_max(1), m.seq_pos_max(2)) == (-1, 9, 3)
     # a bad seq id in a whole restore
     small = mem(3)
     with pytest.raises(FormatError, match="seq_id"):
         small.state_read(_with_seq(blob, 9))
     # a sequence state cannot be restored into an id beyond the cells; nothing changes
-    seq_blob = m.state_write(0)
+    seq_blob = m.state_write(1)
     snap = cells(m)
     with pytest.raises(FormatError):
         m.state_read(seq_blob, 7)
