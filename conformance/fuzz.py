@@ -46,6 +46,11 @@ MODELS: dict[str, tuple[str, dict]] = {
     "mamba": ("mamba", dict(n_seq_max=3)),
     "jamba": ("jamba", dict(n_seq_max=3)),
     "qwen2vl": ("qwen2vl", dict(n_seq_max=2)),
+    # wider setups
+    "llama-6": ("llama", dict(n_seq_max=6, n_ctx=512)),
+    "gemma2-3": ("gemma2", dict(n_seq_max=3, n_ctx=512)),
+    "mamba-1": ("mamba", dict(n_seq_max=1)),
+    "qwen2vl-ms": ("qwen2vl", dict(n_seq_max=3, kv_unified=False)),
 }
 N_VOCAB = 128
 UBATCHES = (3, 5, 8, 16, 32, 256)
@@ -58,7 +63,7 @@ def make_plan(model: str, seed: int, n_ops: tuple[int, int] = (20, 60)) -> dict:
     arch, extra = MODELS[model]
     rng = random.Random(f"{model}:{seed}")
     n_seq = extra["n_seq_max"]
-    cp = dict(n_ctx=256, n_batch=256, n_ubatch=rng.choice(UBATCHES), kv_unified=True, flash_attn=False,
+    cp = dict(n_ctx=256, n_batch=extra.get("n_ctx", 256), n_ubatch=rng.choice(UBATCHES), kv_unified=True, flash_attn=False,
               type_k="f16", type_v="f16", swa_full=False, n_rs_seq=0, n_threads=1)
     cp.update(extra)
     mrope = arch == "qwen2vl"
@@ -350,7 +355,7 @@ def minimise(model: str, seed: int, root: Path, args, sig: str, n_plan: int) -> 
 
 
 def fuzz_main(a) -> int:
-    models = list(MODELS) if a.models == "all" else a.models.split(",")
+    models = list(MODELS)[:8] if a.models == "all" else list(MODELS) if a.models == "every" else a.models.split(",")
     seeds = parse_ranges(a.seeds)
     work = Path(a.work) if a.work else Path(tempfile.mkdtemp(prefix="kvref-fuzz-"))
     (work / "golden").mkdir(parents=True, exist_ok=True)
@@ -386,7 +391,7 @@ def fuzz_main(a) -> int:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--models", default="all", help="comma-separated keys of MODELS, or all")
+    ap.add_argument("--models", default="all", help="comma-separated keys of MODELS, all (the first 8) or every")
     ap.add_argument("--seeds", default="0-9", help="e.g. 0-49,77")
     ap.add_argument("--model", help="with --case-out: the model key")
     ap.add_argument("--seed", type=int, help="with --case-out: the seed")

@@ -234,7 +234,7 @@ class HybridMemory:
         left as llama.cpp leaves it (the sequence removed). When the recurrent part fails, October 2026 clears
         the restored attention part for the sequence again (llama_memory_hybrid::state_read); 0.3.35 and
         0.3.16 keep it (checked in their sources)."""
-        undo = self.compat == _compat.COMPAT_2026_10
+        undo = _compat.since(self.compat, _compat.GEN_2026_10)  # llama-memory-hybrid.cpp: only 0.3.16/35/36 read
         return read_parts(self._state_parts(flags), data, seq_id, flags, undo_before=undo)
 
     def __repr__(self) -> str:

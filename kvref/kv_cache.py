@@ -52,7 +52,7 @@ def decode_seq_bound(compat: str, unified: bool, n_seq_max: int) -> int:
     2025 .. August 2026 (llama-cpp-python 0.3.16 .. 0.3.35, compat "2025" / "2026-08": llama_batch_allocr::init
     got ``kv_unified ? LLAMA_MAX_SEQ : n_seq_max``): LLAMA_MAX_SEQ for a unified cache, n_seq_max otherwise.
     """
-    if _compat.check(compat) != _compat.COMPAT_2026_10 and unified:
+    if not _compat.since(_compat.check(compat), _compat.GEN_2026_10) and unified:
         return LLAMA_MAX_SEQ
     return int(n_seq_max)
 
@@ -215,6 +215,9 @@ class KVCache:
         seq_id = int(seq_id)
         if seq_id != -1:
             self._check_seq(seq_id)
+        elif _compat.kv_seq_rm_all_asserts(self.compat):
+            # llama-cpp-python 0.3.15 (compat "0.3.15"): GGML_ASSERT(seq_id >= 0 && ...) came first: an abort
+            raise SequenceError("seq_rm(-1) asserts in llama-cpp-python 0.3.15 (GGML_ASSERT seq_id >= 0)")
         p0, p1 = _norm_range(p0, p1)
         streams = range(self.n_stream) if seq_id == -1 else [self.seq_to_stream[seq_id]]
         for s in streams:
@@ -300,8 +303,8 @@ class KVCache:
 
     # ------------------------------------------------------------------ shifts and stream copies
     def get_can_shift(self) -> bool:
-        if self.compat in _compat.ERA_2025:
-            return True  # 2025 (llama-cpp-python 0.3.16): every KV cache could shift, M-RoPE included
+        if not _compat.since(self.compat, _compat.GEN_2026):
+            return True  # before llama-cpp-python 0.3.17: every KV cache could shift, M-RoPE included
         if self.hparams.arch == "step35":  # per-layer rope dims: no single n_rot
             return False
         return self.hparams.n_pos_per_embd() <= 1
@@ -365,7 +368,8 @@ class KVCache:
         shift = self.k_shift_input()
         for layer in self.layers:
             il = layer.il
-            if not hp.has_rope(il):
+            # llama-cpp-python 0.3.35 and later skip layers without rope; before, every layer was roped
+            if not hp.has_rope(il) and _compat.since(self.compat, _compat.KSHIFT_SKIPS_NOPE):
                 continue
             p = self._rope_params(il, **yarn)
             n_embd_head_k = hp.n_embd_head_k_l(il)
@@ -438,7 +442,7 @@ class KVCache:
     def get_n_kv(self, sinfo: SlotInfo) -> int:
         """Cells the attention looks at: used_max_p1 padded to max(n_pad, 256), at most size; max over the
         slot's streams. 2025 (llama-cpp-python 0.3.16): padded to n_pad only, max over every stream."""
-        legacy = self.compat in _compat.ERA_2025
+        legacy = not _compat.since(self.compat, _compat.GEN_2026)  # before llama-cpp-python 0.3.17
         n_pad_cur = self.n_pad if legacy else max(self.n_pad, 256)
         result = 0
         for s in range(self.n_stream) if legacy else sinfo.strm:

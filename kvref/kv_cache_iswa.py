@@ -76,7 +76,7 @@ class KVCacheISWA:
 
         size_base = int(kv_size)
         # 2025 (llama-cpp-python 0.3.16): the SWA size was padded to the cache's n_pad, not to 256
-        pad = int(n_pad) if self.compat in _compat.ERA_2025 else SWA_PAD
+        pad = SWA_PAD if _compat.since(self.compat, _compat.GEN_2026) else int(n_pad)  # n_pad before 0.3.17
         size_swa = swa_cache_size(size_base, hparams.n_swa, n_seq_max, n_ubatch, self.unified, self.swa_full, pad)
         self.base = KVCache(
             hparams,

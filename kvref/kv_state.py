@@ -54,7 +54,8 @@ import numpy as np
 
 from .batch import BatchAllocr
 from .cells import KVCells
-from .compat import CELL_EXT_SIZES, COMPAT_2025, COMPAT_2026_08, ERA_2025, no_streams
+from . import compat as _compat
+from .compat import no_streams
 from .errors import CellError, FormatError, NoSlotError
 from .ggml import traits
 from .hparams import SWAType
@@ -74,17 +75,17 @@ def has_cell_ext(cache: KVCache) -> bool:
     August 2026 (llama-cpp-python 0.3.35, ``compat="2026-08"``): M-RoPE only, and the ext is ``i32 x, y``.
     2025 (llama-cpp-python 0.3.16, ``compat="2025"``): the state had no cell ext at all.
     """
-    if cache.compat in ERA_2025:
+    if not _compat.since(cache.compat, _compat.GEN_2026):  # before llama-cpp-python 0.3.17
         return False
     hp = cache.hparams
-    if cache.compat == COMPAT_2026_08:
+    if not _compat.since(cache.compat, _compat.GEN_2026_10):  # 0.3.17 .. 0.3.35
         return hp.n_pos_per_embd() > 1
     return hp.n_pos_per_embd() > 1 or int(getattr(hp, "ple_n_heads", 0) or 0) > 0
 
 
 def ext_size(cache: KVCache) -> int:
     """Bytes of cell ext per cell in the cache's state: 12 (x, y, tok), 8 (x, y: ``compat="2026-08"``) or 0."""
-    return CELL_EXT_SIZES[cache.compat] if has_cell_ext(cache) else 0
+    return _compat.cell_ext_size(cache.compat) if has_cell_ext(cache) else 0
 
 
 def _ext_xyt(ext: Any, i: int) -> tuple[int, int, int]:
@@ -139,9 +140,9 @@ def written_cells(cache: KVCache, stream: int, seq_id: int = -1) -> np.ndarray:
     seq = np.asarray(cells.seq)
     has = ((seq[idx, w] >> np.uint64(b)) & np.uint64(1)).astype(bool)
     idx = idx[has]
-    # 2025 (llama-cpp-python 0.3.16, compat="2025"): every non-empty cell of the sequence is written, the
-    # ones SWA-masked against its last position included; October 2026 leaves those out
-    if idx.size and cache.swa_type != SWAType.NONE and cache.compat not in ERA_2025:
+    # before llama-cpp-python 0.3.26 (compat "2025", "0.3.17", "0.3.24"): every non-empty cell of the sequence
+    # is written, the ones SWA-masked against its last position included; 0.3.26 and later leave those out
+    if idx.size and cache.swa_type != SWAType.NONE and _compat.since(cache.compat, _compat.SWA_SEQ_SKIP):
         p_max = np.full(idx.size, cells.seq_pos_max(int(seq_id)), dtype=np.int64)
         idx = idx[~_masked_swa(cache.n_swa, cache.swa_type, pos[idx], p_max)]
     return idx
@@ -152,7 +153,7 @@ def state_section(cache: KVCache, seq_id: int = -1, flags: int = 0) -> KVSection
 
     Rows are copies (fancy indexing), so the section stays valid when the cache changes afterwards.
     """
-    from .state import Cells, KVData, KVSection, KVStream, LayerRows, TransposedRows
+    from .state import Cells, KVSection, KVStream
 
     del flags
     seq_id = int(seq_id)
@@ -163,7 +164,8 @@ def state_section(cache: KVCache, seq_id: int = -1, flags: int = 0) -> KVSection
     for s in range(cache.n_stream):
         idx = written_cells(cache, s, seq_id)
         if idx.size == 0:
-            streams.append(KVStream(None, None))
+            # llama-cpp-python 0.3.12 .. 0.3.14 (no streams) wrote the data header of zero cells too
+            streams.append(KVStream(None, _kv_data(cache, s, idx) if no_streams(cache.compat) else None))
             continue
         cells = cache.cells(s)
         bits = _seq_bits(cells, idx)
@@ -180,23 +182,30 @@ def state_section(cache: KVCache, seq_id: int = -1, flags: int = 0) -> KVSection
         ext = np.asarray(cells.ext)[idx, :n_ext] if n_ext else None
         table = Cells(np.asarray(cells.pos)[idx], ids.astype(np.int32), start, ext, n_ext * 4)
 
-        k_rows: list[LayerRows] = []
-        v_rows: list[LayerRows | TransposedRows] = []
-        size = cells.size()
-        for layer in cache.layers:
-            k_rows.append(LayerRows(int(cache.type_k), int(layer.k.shape[-1]), layer.k[s][idx]))
-        for layer in cache.layers:
-            if layer.v is None:
-                continue
-            if not cache.v_trans:
-                v_rows.append(LayerRows(int(cache.type_v), int(layer.v.shape[-1]), layer.v[s][idx]))
-                continue
-            el = traits(cache.type_v).type_size
-            n_embd = _v_width(cache, layer.il)
-            comp = layer.v[s][:n_embd].reshape(n_embd, size, el)[:, idx, :]
-            v_rows.append(TransposedRows(int(cache.type_v), el, n_embd, comp.reshape(n_embd, idx.size * el)))
-        streams.append(KVStream(table, KVData(int(cache.v_trans), k_rows, v_rows)))
+        streams.append(KVStream(table, _kv_data(cache, s, idx)))
     return KVSection(streams, has_n_stream=not no_streams(cache.compat))
+
+
+def _kv_data(cache: KVCache, s: int, idx: np.ndarray) -> Any:
+    """The K/V rows of cells ``idx`` of stream ``s`` (copies), as ``kvref.state.KVData``."""
+    from .state import KVData, LayerRows, TransposedRows
+
+    k_rows: list[LayerRows] = []
+    v_rows: list[LayerRows | TransposedRows] = []
+    size = cache.cells(s).size()
+    for layer in cache.layers:
+        k_rows.append(LayerRows(int(cache.type_k), int(layer.k.shape[-1]), layer.k[s][idx]))
+    for layer in cache.layers:
+        if layer.v is None:
+            continue
+        if not cache.v_trans:
+            v_rows.append(LayerRows(int(cache.type_v), int(layer.v.shape[-1]), layer.v[s][idx]))
+            continue
+        el = traits(cache.type_v).type_size
+        n_embd = _v_width(cache, layer.il)
+        comp = layer.v[s][:n_embd].reshape(n_embd, size, el)[:, idx, :]
+        v_rows.append(TransposedRows(int(cache.type_v), el, n_embd, comp.reshape(n_embd, idx.size * el)))
+    return KVData(int(cache.v_trans), k_rows, v_rows)
 
 
 def state_write(cache: KVCache, seq_id: int = -1, flags: int = 0) -> bytes:
@@ -316,8 +325,8 @@ def stage_state(
 
     if seq_id == -1:
         new_cells = {s: _whole_cells(cache, st, st.offsets.get("cells", offset)) for s, st in streams}
-        if cache.compat in (COMPAT_2025, COMPAT_2026_08):
-            # from PR #14363 to October 2026 (llama-cpp-python 0.3.16 .. 0.3.35, compat "2025" / "2026-08") a
+        if _compat.since(cache.compat, _compat.STREAMS) and not _compat.since(cache.compat, _compat.GEN_2026_10):
+            # from PR #14363 to October 2026 (llama-cpp-python 0.3.15 .. 0.3.35, compat "2025" / "2026-08") a
             # stream with no cells was skipped and every other stream's read began with clear(true), which empties (and
             # zeroes) all streams: only the last non-empty stream survives, and a section whose streams are
             # all empty leaves the cache as it was. October 2026 clears once, up front.
@@ -336,11 +345,15 @@ def stage_state(
         return commit_whole, end
 
     strm = cache.seq_to_stream[seq_id]
+    if not streams and no_streams(cache.compat):
+        # llama-cpp-python 0.3.12 .. 0.3.14: an empty section was not skipped: find_slot(cont=true) of a
+        # zero-token ubatch returns an empty slot, which reads as "failed to find available cells"
+        raise NoSlotError(f"failed to find 0 available cells for sequence {seq_id} (an empty sequence section)")
     has_ext = has_cell_ext(cache)
     # 2025 (llama-cpp-python 0.3.16, compat="2025"): the sequence's cells had to be one contiguous block
     # (find_slot with cont=true) and the stream's head was moved back to its first cell; October 2026
     # places them cell by cell and leaves the head where apply_ubatch put it (after the last cell)
-    legacy = cache.compat in ERA_2025
+    legacy = not _compat.since(cache.compat, _compat.GEN_2026)  # before llama-cpp-python 0.3.17
     trial = _trial(cache, [strm])
     steps: list[tuple[SlotInfo, Any, Any]] = []
     for _, st in streams:

@@ -166,7 +166,9 @@ RS_ROLLBACK_ARCHS = frozenset({
     "kimi-k3", "qwen35", "qwen35moe", "qwen4exp", "deepseek4", "glm5-next", "nemotron_h", "nemotron_h_moe",
     "lfm2", "lfm2moe", "bailingmoe3",
 })  # fmt: skip
-# llm_arch_supports_rs_rollback in August 2026 (llama-cpp-python 0.3.35, compat="2026-08")
+# llm_arch_supports_rs_rollback in August 2026 (llama-cpp-python 0.3.35, compat="2026-08"); assumed for 0.3.24 ..
+# 0.3.34 too (llama-arch.cpp was not checked there: an arch a release lacks cannot be loaded by it anyway).
+# Before 0.3.24 there was no n_rs_seq at all.
 RS_ROLLBACK_ARCHS_2026_08 = frozenset({"qwen35", "qwen35moe", "deepseek4", "nemotron_h", "nemotron_h_moe"})
 
 
@@ -188,7 +190,7 @@ class ContextParams:
 def kv_pad(flash_attn: bool, compat: str = "2026-10") -> int:
     """The KV cache padding create_memory uses: 1 (October 2026: the context pads n_ctx to 256 instead);
     2025 (llama-cpp-python 0.3.16, llama_kv_cache_unified::get_padding): 256 with flash attention, else 32."""
-    if _compat.check(compat) in _compat.ERA_2025:
+    if not _compat.since(_compat.check(compat), _compat.GEN_2026):  # before llama-cpp-python 0.3.17
         return 256 if flash_attn else 32
     return 1
 
@@ -225,14 +227,15 @@ def context_params(
     ``n_ctx_seq = n_ctx = pad(n_ctx)``, else ``n_ctx_seq = pad(ceil(n_ctx / n_seq_max))`` and
     ``n_ctx = n_ctx_seq * n_seq_max`` (a recurrent model's n_ctx stays as given).
     """
-    legacy = _compat.check(compat) in _compat.ERA_2025
+    legacy = not _compat.since(_compat.check(compat), _compat.GEN_2026)  # before llama-cpp-python 0.3.17
     if _compat.no_streams(compat):
         kv_unified = True  # before PR #14363 (compat="2025-07") every sequence shared the one cache
     n_seq_max = max(1, int(n_seq_max))
     if n_seq_max > LLAMA_MAX_SEQ:
         raise KVRefError(f"n_seq_max must be <= {LLAMA_MAX_SEQ}")
-    rollback_archs = RS_ROLLBACK_ARCHS_2026_08 if compat == _compat.COMPAT_2026_08 else RS_ROLLBACK_ARCHS
-    if n_rs_seq > 0 and (legacy or hparams.arch not in rollback_archs):
+    rollback_archs = RS_ROLLBACK_ARCHS if _compat.since(compat, _compat.GEN_2026_10) else RS_ROLLBACK_ARCHS_2026_08
+    # no n_rs_seq before llama-cpp-python 0.3.24
+    if n_rs_seq > 0 and (not _compat.since(compat, _compat.RS_ROLLBACK) or hparams.arch not in rollback_archs):
         n_rs_seq = 0
     if n_ctx == 0:
         n_ctx = int(getattr(hparams, "n_ctx_train", 0) or 0)

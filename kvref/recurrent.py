@@ -114,11 +114,11 @@ class RecurrentMemory:
         compat: str = _compat.DEFAULT,
     ) -> None:
         self.compat = _compat.check(compat)
-        if rules is None:  # compat="2025" (llama-cpp-python 0.3.16) is the mid-2025 rule set
+        if rules is None:  # before llama-cpp-python 0.3.17 (compat="2025") the mid-2025 rule set
             rules = "current"
-            if self.compat in _compat.ERA_2025:
+            if not _compat.since(self.compat, _compat.GEN_2026):
                 rules = "mid-2025"
-            elif self.compat == _compat.COMPAT_2026_08:
+            elif not _compat.since(self.compat, _compat.GEN_2026_10):  # 0.3.17 .. 0.3.35
                 rules = "2026-08"
         if rules not in RULES:
             raise ValueError(f"rules must be one of {RULES}, got {rules!r}")
@@ -128,6 +128,8 @@ class RecurrentMemory:
             # the 2025 memory had no rollback snapshots (it had layer filters: llama_memory_recurrent of
             # llama-cpp-python 0.3.16 skips layers without state in its files, as October 2026 does)
             raise ValueError("rules='mid-2025' does not support n_rs_seq")
+        if n_rs_seq and not _compat.since(self.compat, _compat.RS_ROLLBACK):
+            raise ValueError(f"compat={self.compat!r} has no n_rs_seq (llama-cpp-python 0.3.24 added it)")
         self.hparams = hparams
         self.type_r = ggml_type(type_r)
         self.type_s = ggml_type(type_s)
@@ -608,7 +610,15 @@ class RecurrentMemory:
         """
         from .batch import split_for_memory
 
-        ubatches = split_for_memory(balloc, n_ubatch, "recurrent", embd_all=embd_all, n_rs_seq=self.n_rs_seq)
+        if not embd_all and not _compat.since(self.compat, _compat.GEN_2026):
+            # before llama-cpp-python 0.3.17: split_equal(n_ubatch, sequential=false)
+            res = balloc.split_all("equal", n_ubatch, sequential=False)
+            ubatches = None if balloc.get_n_used() < balloc.get_n_tokens() else res
+        else:
+            # 0.3.24 .. 0.3.33 split by sequence whenever rollback snapshots are kept (n_rs_seq > 0); 0.3.34 and
+            # later use equal splits that keep the last 1 + n_rs_seq tokens of a sequence together
+            by_seq = embd_all or (self.n_rs_seq > 0 and not _compat.since(self.compat, _compat.RS_ROLLBACK_EQUAL_SPLIT))
+            ubatches = split_for_memory(balloc, n_ubatch, "recurrent", embd_all=by_seq, n_rs_seq=self.n_rs_seq)
         if ubatches is None:
             raise NoSlotError("the batch cannot be split for the recurrent memory (failed to prepare)")
         if not self.prepare(ubatches):
@@ -643,7 +653,9 @@ class RecurrentMemory:
         from .state.cells import Cells
         from .state.sections import LayerRows, RecurrentLayer, RecurrentSection, TransposedRows
 
-        legacy = self.rules == "mid-2025"
+        # mid-2025 rules, and llama-cpp-python 0.3.17 .. 0.3.23: rows are read from the cell itself; from 0.3.24
+        # (rollback snapshots) from the cell's src in the rollback plane
+        legacy = self.rules == "mid-2025" or not _compat.since(self.compat, _compat.RS_ROLLBACK)
         size = self.size
         cells_idx: list[int] = []
         data_rows: list[int] = []

@@ -349,7 +349,9 @@ KV_STREAM = Struct(
             lambda env: 1 if env.get("seq_scope") else None,
         ),
     ),
-    When(lambda env: env["cell_count"] > 0, KV_DATA.named("data")),
+    # before PR #14363 (no n_stream field: llama-cpp-python 0.3.12 .. 0.3.14) state_write_data ran even for zero
+    # cells: an empty section still carries v_trans, n_layer and every layer's type / row size (no rows)
+    When(lambda env: env["cell_count"] > 0 or not env.get("n_stream_field", True), KV_DATA.named("data")),
 )
 
 KV_SECTION = Struct(
