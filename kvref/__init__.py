@@ -7,12 +7,17 @@ Public names are imported lazily so that ``import kvref`` stays cheap and a miss
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
 
 from . import errors
 from .errors import BatchError, CellError, FormatError, KVRefError, NoSlotError, SequenceError
 
 __version__ = "0.1.0"
+
+# kvref logs what llama.cpp logs (e.g. a recurrent find_slot refusing a gap) on the "kvref" logger; like any
+# library it prints nothing unless the application configures logging.
+logging.getLogger("kvref").addHandler(logging.NullHandler())
 
 LLAMA_MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence ids are 0 .. 255
 

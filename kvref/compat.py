@@ -18,15 +18,15 @@ context sizing                    n_ctx padded to 256; non-     as 2026-10      
                                                                                             ``n_batch`` at least 64
 recurrent rollback archs          ``memory.RS_ROLLBACK_ARCHS``  qwen35(moe), deepseek4,     none (no ``n_rs_seq``)
 (``memory.context_params``)                                     nemotron_h(_moe)
-SWA cache size (``kv_cache_iswa``)  padded to 256               as 2026-10                  padded to the cache's
-                                                                                            ``n_pad``
+SWA cache size                    padded to 256                 as 2026-10                  padded to the cache's
+(``kv_cache_iswa``)                                                                         ``n_pad``
 sequence saves with SWA           cells masked for the          as 2026-10                  every non-empty cell of
 (``kv_state.written_cells``)      sequence's last position                                  the sequence is written
                                   are left out
 cell ext (``kv_state``)           12 bytes (x, y, tok) per      8 bytes (x, y), M-RoPE      never written or read
                                   cell for M-RoPE / PLE         only
-K-shift (``KVCache.get_can_shift``) refused for M-RoPE (and     as 2026-10                  always allowed
-                                  step35)
+K-shift                           refused for M-RoPE (and       as 2026-10                  always allowed
+(``KVCache.get_can_shift``)       step35)
 decode seq-id bound               the context's ``n_seq_max``,  as 2025                     ``LLAMA_MAX_SEQ`` when
 (each memory's ``decode``)        unified or not                                            unified, else
                                   (llama_batch_ext)                                         ``n_seq_max``
@@ -57,26 +57,26 @@ question, ``since(compat, BEHAVIOUR)``, against this table of first releases; a 
 generation maps to its name, any other to the first release of its era (``"0.3.15"``, ``"0.3.17"``, ``"0.3.24"``,
 ``"0.3.26"``, ``"0.3.34"``), and every release string in ``RELEASES`` is itself a valid compat value:
 
-==========================  =======  ==========================================================================
-behaviour                   from     what changes there
-==========================  =======  ==========================================================================
-``STREAMS``                 0.3.15   PR #14363: ``u32 n_stream``, ``kv_unified``, per-stream cells; empty streams
+===========================  ======  ============================================================================
+behaviour                    from    what changes there
+===========================  ======  ============================================================================
+``STREAMS``                  0.3.15  PR #14363: ``u32 n_stream``, ``kv_unified``, per-stream cells; empty streams
                                      skipped in state files (no data header, no failing empty restore)
-``KV_SEQ_RM_ALL``           0.3.16   KV ``seq_rm(-1, ...)`` works again: 0.3.15 alone hit ``GGML_ASSERT(seq_id
+``KV_SEQ_RM_ALL``            0.3.16  KV ``seq_rm(-1, ...)`` works again: 0.3.15 alone hit ``GGML_ASSERT(seq_id
                                      >= 0 ...)`` first (an abort; SequenceError, ``kv_seq_rm_all_asserts``)
-``GEN_2026``                0.3.17   n_ctx padded to 256 (cache ``n_pad`` 1, SWA cache padded to 256); 8-byte
+``GEN_2026``                 0.3.17  n_ctx padded to 256 (cache ``n_pad`` 1, SWA cache padded to 256); 8-byte
                                      M-RoPE cell ext; ``get_can_shift`` false for M-RoPE / step35;
                                      ``get_n_kv`` over the slot's streams padded to 256; sequence restore with
                                      ``find_slot(cont=false)``; recurrent: tail rule ``0 < p0 <= pos < p1``,
                                      ``split_equal(sequential=true)`` (was ``false``); no v9 output block
-``RS_ROLLBACK``             0.3.24   ``n_rs_seq`` (rollback snapshots, ``RS_ROLLBACK_ARCHS_2026_08``); recurrent
+``RS_ROLLBACK``              0.3.24  ``n_rs_seq`` (rollback snapshots, ``RS_ROLLBACK_ARCHS_2026_08``); recurrent
                                      state rows read from the cell's ``src`` (was: the cell itself)
-``SWA_SEQ_SKIP``            0.3.26   sequence saves leave out SWA-masked cells
-``RS_ROLLBACK_EQUAL_SPLIT`` 0.3.34   with ``n_rs_seq > 0`` the recurrent memory splits ``split_equal(..., n_rs_seq
-                                     + 1)`` (0.3.24 .. 0.3.33: ``split_seq``)
-``KSHIFT_SKIPS_NOPE``       0.3.35   the K-shift skips layers without rope (``!hparams.has_rope(il)``)
-``GEN_2026_10``             0.3.36   the ``"2026-10"`` column above vs ``"2026-08"``
-==========================  =======  ==========================================================================
+``SWA_SEQ_SKIP``             0.3.26  sequence saves leave out SWA-masked cells
+``RS_ROLLBACK_EQUAL_SPLIT``  0.3.34  with ``n_rs_seq > 0`` the recurrent memory splits ``split_equal(...,
+                                     n_rs_seq + 1)`` (0.3.24 .. 0.3.33: ``split_seq``)
+``KSHIFT_SKIPS_NOPE``        0.3.35  the K-shift skips layers without rope (``!hparams.has_rope(il)``)
+``GEN_2026_10``              0.3.36  the ``"2026-10"`` column above vs ``"2026-08"``
+===========================  ======  ============================================================================
 
 Era map: 0.3.12 - 0.3.14 ``"2025-07"``; 0.3.15 ``"0.3.15"``; 0.3.16 ``"2025"``; 0.3.17 - 0.3.23 ``"0.3.17"``;
 0.3.24 - 0.3.25 ``"0.3.24"``; 0.3.26 - 0.3.33 ``"0.3.26"``; 0.3.34 ``"0.3.34"``; 0.3.35 ``"2026-08"``; 0.3.36
@@ -84,9 +84,10 @@ Era map: 0.3.12 - 0.3.14 ``"2025-07"``; 0.3.15 ``"0.3.15"``; 0.3.16 ``"2025"``; 
 
 Change points judged not to change what kvref models: 0.3.13 recurrent ``init_batch`` (0.3.12 checked
 ``n_used < n_tokens`` inside the split loop: a batch needing several ubatches kept none, and one that fits looped
-for ever appending empty ubatches; kvref does not reproduce that); 0.3.16 ``find_slot`` (debug logging only); 0.3.19 recurrent whole restore
-bounds seq ids by ``n_seq_max`` (was: only ``>= 0``; the memory has ``max(1, n_seq_max)`` cells, so no id changes
-outcome); 0.3.20 / 0.3.21 / 0.3.33 / 0.3.35 Hadamard K/V rotation for quantized caches (graph only); 0.3.23
+for ever appending empty ubatches; kvref does not reproduce that); 0.3.16 ``find_slot`` (debug logging only); 0.3.19
+recurrent whole restore bounds seq ids by ``n_seq_max`` (was: only ``>= 0``; the memory has ``max(1,
+n_seq_max)`` cells, so no id changes outcome); 0.3.20 / 0.3.21 / 0.3.33 / 0.3.35 Hadamard K/V rotation for
+quantized caches (graph only); 0.3.23
 ``read_to`` -> ``read`` / ``read_tensor`` and the sequence-blob prefix (file layer: ``seq_header=``); 0.3.24 the
 KQ mask filled as f16 directly (same values as the f32 mask cast); 0.3.27 ``n_layer`` -> ``n_layer_all``
 (rename); 0.3.28 caches sharing another cache's cells (``mem_other``: draft / MTP contexts, not modelled);
@@ -188,13 +189,15 @@ CELL_EXT_SIZES = {c: cell_ext_size(c) for c in COMPATS}
 def check(compat: str) -> str:
     """``compat`` when it names a known generation or a release in RELEASES, else ValueError."""
     if compat not in COMPATS and compat not in RELEASES:
-        raise ValueError(f"compat must be one of {COMPATS} or a llama-cpp-python release {RELEASES[0]} .. "
-                         f"{RELEASES[-1]}, got {compat!r}")
+        raise ValueError(
+            f"compat must be one of {COMPATS} or a llama-cpp-python release {RELEASES[0]} .. "
+            f"{RELEASES[-1]}, got {compat!r}"
+        )
     return compat
 
 
 def _signature(release: str) -> tuple[bool, ...]:
-    return tuple(since(release, b) for b in BEHAVIOURS) + (kv_seq_rm_all_asserts(release),)
+    return (*(since(release, b) for b in BEHAVIOURS), kv_seq_rm_all_asserts(release))
 
 
 def era(release: str) -> str:
@@ -248,7 +251,6 @@ __all__ = [
     "COMPAT_2025_07",
     "COMPAT_2026_08",
     "COMPAT_2026_10",
-    "CompatWarning",
     "DEFAULT",
     "ERA_2025",
     "GEN_2026",
@@ -261,6 +263,7 @@ __all__ = [
     "RS_ROLLBACK_EQUAL_SPLIT",
     "STREAMS",
     "SWA_SEQ_SKIP",
+    "CompatWarning",
     "cell_ext_size",
     "check",
     "era",

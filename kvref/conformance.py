@@ -542,7 +542,7 @@ def replay_trace(case: dict, mem: Any, arts: Artefacts, hp: Any = None) -> dict[
                 data = section_bytes(memory_sections(arts.get(op["file"])))
                 seq_id = op.get("dest_seq_id", -1) if kind == "seq_restore" else -1
                 try:
-                    mem.state_read(data, seq_id, op.get("flags", 0))
+                    mem.state_read(data, seq_id, op.get("flags", 0), atomic=False)
                 except KVRefError:
                     pass
                 else:
@@ -550,7 +550,7 @@ def replay_trace(case: dict, mem: Any, arts: Artefacts, hp: Any = None) -> dict[
             else:
                 data = section_bytes(memory_sections(arts.get(op["file"])))
                 seq_id = op.get("dest_seq_id", -1) if kind == "seq_restore" else -1
-                mem.state_read(data, seq_id, op.get("flags", 0))
+                mem.state_read(data, seq_id, op.get("flags", 0), atomic=False)
                 restores += 1
         else:
             raise Unsupported(f"{where}: unknown op")
@@ -576,7 +576,7 @@ def check_restore(root: Path, case: dict, arts: Artefacts) -> str:
         targets = [seq_id] if seq_id == -1 else [seq_id] + ([(seq_id + 1) % n_seq] if n_seq > 1 else [])
         for dest in targets:
             mem = create_memory_for(case, hp)
-            mem.state_read(data, dest, flags)
+            mem.state_read(data, dest, flags, atomic=False)
             want = theirs if dest == seq_id else relabel(theirs, dest, lambda s: s)
             if dest == -1 and compat_for(case) != "2026-10":
                 want = last_stream_only(want)
@@ -626,7 +626,7 @@ def _invalid_entry(root: Path, e: dict) -> str | None:
     seq_id = op.get("seq_id", -1)
     seq_id = -1 if seq_id is None or op.get("scope") == "context" else seq_id
     try:
-        mem.state_read(data, seq_id, op.get("flags", 0) or 0)
+        mem.state_read(data, seq_id, op.get("flags", 0) or 0, atomic=False)
     except want as exc:
         f = getattr(exc, "field", None)
         return None if f in fields else f"state_read: {type(exc).__name__} names field {f!r}, expected {fields}"

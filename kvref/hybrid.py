@@ -229,13 +229,13 @@ class HybridMemory:
     ) -> tuple[Callable[[], None], int]:
         return stage_parts(self._state_parts(flags), data, seq_id, flags, offset)
 
-    def state_read(self, data: Any, seq_id: int = -1, flags: int = 0) -> int:
-        """As llama.cpp: the attention part is restored before the recurrent section is read; a failing part is
+    def state_read(self, data: Any, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
+        """Restore both sections; a failure leaves both parts untouched. With ``atomic=False``, as llama.cpp: the attention part is restored before the recurrent section is read; a failing part is
         left as llama.cpp leaves it (the sequence removed). When the recurrent part fails, October 2026 clears
         the restored attention part for the sequence again (llama_memory_hybrid::state_read); 0.3.35 and
         0.3.16 keep it (checked in their sources)."""
         undo = _compat.since(self.compat, _compat.GEN_2026_10)  # llama-memory-hybrid.cpp: only 0.3.16/35/36 read
-        return read_parts(self._state_parts(flags), data, seq_id, flags, undo_before=undo)
+        return read_parts(self._state_parts(flags), data, seq_id, flags, undo_before=undo, atomic=atomic)
 
     def __repr__(self) -> str:
         return f"HybridMemory(kind={self.kind}, attn={self.attn!r}, recr={self.recr!r})"

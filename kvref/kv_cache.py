@@ -557,9 +557,10 @@ class KVCache:
     ) -> tuple[Callable[[], None], int]:
         return _kv_state.stage_state(self, data, seq_id, flags, offset)
 
-    def state_read(self, data: Any, seq_id: int = -1, flags: int = 0) -> int:
-        """Restore a section (see kvref.kv_state; a failure leaves what llama.cpp leaves); returns the bytes read."""
-        return _kv_state.state_read(self, data, seq_id, flags)
+    def state_read(self, data: Any, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
+        """Restore a section (see kvref.kv_state); returns the bytes read. A failure leaves the cache untouched,
+        or with ``atomic=False`` as llama.cpp leaves it."""
+        return _kv_state.state_read(self, data, seq_id, flags, atomic=atomic)
 
     def state_read_failed(self, seq_id: int, exc: Exception) -> None:
         """Leave the cache as llama.cpp does after its section failed to restore (kvref.kv_state)."""

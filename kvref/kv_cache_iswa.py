@@ -260,10 +260,11 @@ class KVCacheISWA:
     ) -> tuple[Callable[[], None], int]:
         return stage_parts(self._state_parts(flags), data, seq_id, flags, offset)
 
-    def state_read(self, data: Any, seq_id: int = -1, flags: int = 0) -> int:
-        """As llama.cpp: the base section is restored before the SWA one is read; a failing section leaves
-        its cache as llama.cpp does (the sequence removed), the other cache keeps what it had read."""
-        return read_parts(self._state_parts(flags), data, seq_id, flags)
+    def state_read(self, data: Any, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
+        """Restore both sections; a failure leaves both caches untouched. With ``atomic=False``, as llama.cpp:
+        the base section is restored before the SWA one is read; a failing section leaves its cache as
+        llama.cpp does (the sequence removed), the other cache keeps what it had read."""
+        return read_parts(self._state_parts(flags), data, seq_id, flags, atomic=atomic)
 
     def __repr__(self) -> str:
         return f"KVCacheISWA(base={self.base.get_size()} cells, swa={self.swa.get_size()} cells)"

@@ -52,9 +52,9 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import compat as _compat
 from .batch import BatchAllocr
 from .cells import KVCells
-from . import compat as _compat
 from .compat import no_streams
 from .errors import CellError, FormatError, NoSlotError
 from .ggml import traits
@@ -384,13 +384,14 @@ def stage_state(
     return commit_seq, end
 
 
-def state_read(cache: KVCache, data: Any, seq_id: int = -1, flags: int = 0) -> int:
+def state_read(cache: KVCache, data: Any, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
     """Restore what ``state_write`` wrote; returns the bytes read (trailing bytes are a FormatError).
 
-    On failure the cache is left as llama.cpp leaves it (``state_read_failed``)."""
+    On failure the cache is untouched, or with ``atomic=False`` left as llama.cpp leaves it
+    (``state_read_failed``)."""
     from .memory import read_parts
 
-    return read_parts([cache], data, seq_id, flags)
+    return read_parts([cache], data, seq_id, flags, atomic=atomic)
 
 
 def state_read_failed(cache: KVCache, seq_id: int, exc: Exception) -> None:

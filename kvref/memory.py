@@ -52,7 +52,7 @@ class Memory(Protocol):
     def update(self) -> Any: ...
     def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Any]: ...
     def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes: ...
-    def state_read(self, data: Any, seq_id: int = -1, flags: int = 0) -> int: ...
+    def state_read(self, data: Any, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int: ...
     def stage_state(
         self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
     ) -> tuple[Callable[[], None], int]: ...
@@ -88,10 +88,15 @@ def clear_seq(part: Any, seq_id: int) -> None:
         pass  # an id the memory does not have: llama.cpp's seq_rm does nothing either
 
 
-def read_parts(parts: list[Any], data: Any, seq_id: int, flags: int, undo_before: bool = False) -> int:
-    """state_read of consecutive sections, one per part, with llama.cpp's outcome on failure.
+def read_parts(
+    parts: list[Any], data: Any, seq_id: int, flags: int, undo_before: bool = False, *, atomic: bool = True
+) -> int:
+    """state_read of consecutive sections, one per part.
 
-    llama.cpp reads and applies part by part. When the section of part k fails: the parts before it stay
+    Every section is parsed, checked and placed (on copies) before anything is applied. With ``atomic``
+    (kvref's default) a failure raises with every part exactly as it was. With ``atomic=False`` the memory
+    is left the way llama.cpp leaves it. llama.cpp reads and applies part by part; when the section of part k
+    fails, the parts before it stay
     restored (``undo_before``: they are cleared for the sequence again, as llama_memory_hybrid does), part k
     is left as its ``state_read_failed(seq_id, exc)`` says (the sequence removed, or everything cleared for
     seq_id -1, unless llama.cpp fails before touching it), later parts are untouched, and the error
@@ -105,6 +110,8 @@ def read_parts(parts: list[Any], data: Any, seq_id: int, flags: int, undo_before
         try:
             commit, offset = part.stage_state(data, seq_id, flags, offset)
         except KVRefError as exc:
+            if atomic:
+                raise
             for _, c in staged:
                 c()
             if undo_before:

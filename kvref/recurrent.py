@@ -812,15 +812,16 @@ class RecurrentMemory:
         after = self.check_section(sec, seq_id)
         return (lambda: self.apply_section(sec, after, seq_id)), end
 
-    def state_read(self, data: Any, seq_id: int = -1, flags: int = 0) -> int:
+    def state_read(self, data: Any, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
         """Restore what ``state_write`` wrote; returns the bytes read (trailing bytes are an error).
 
-        Everything is checked before anything changes; on error the memory is left as llama.cpp leaves it
-        (``state_read_failed``: the sequence removed, or the whole memory cleared).
+        Everything is checked before anything changes; on error the memory is untouched, or with
+        ``atomic=False`` left as llama.cpp leaves it (``state_read_failed``: the sequence removed, or the
+        whole memory cleared).
         """
         from .memory import read_parts
 
-        return read_parts([self], data, seq_id, flags)
+        return read_parts([self], data, seq_id, flags, atomic=atomic)
 
     def state_read_failed(self, seq_id: int, exc: Exception) -> None:
         """llama_memory_recurrent::state_read after a failure: state_clear removes the destination sequence

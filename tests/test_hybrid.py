@@ -157,6 +157,9 @@ def test_failed_recurrent_part_and_the_restored_attention_part(compat, attn_kept
     dst = HybridMemory(jamba(), kv_size=256, type_r="f16", rs_size=3, n_seq_max=3, compat=compat)
     dst.decode(Batch(tokens=[4, 5, 6], seq_ids=[[1]] * 3))
     with pytest.raises(FormatError, match="r type"):
-        dst.state_read(seq, 1)
+        dst.state_read(seq, 1)  # atomic, the default: neither part changes
+    assert (dst.recr.seq_pos_max(1), dst.attn.seq_pos_max(1)) == (2, 2)
+    with pytest.raises(FormatError, match="r type"):
+        dst.state_read(seq, 1, atomic=False)
     assert dst.recr.seq_pos_max(1) == -1
     assert dst.attn.seq_pos_max(1) == (5 if attn_kept else -1)

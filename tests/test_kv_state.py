@@ -286,9 +286,11 @@ UNTOUCHED = {"n_stream", "trailing", "seq dest out of range", "empty"}
 
 
 @pytest.mark.parametrize("v_trans", [True, False])
-def test_every_bad_section_leaves_what_llama_cpp_leaves(v_trans):
-    # past the n_stream check a whole restore has cleared the cache (clear(true) up front, and again on
-    # failure), and a failed sequence restore ends in state_clear: the destination sequence is removed
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "as-llama.cpp"])
+def test_every_bad_section_leaves_what_llama_cpp_leaves(v_trans, atomic):
+    # atomic (kvref's default): nothing changes. As llama.cpp: past the n_stream check a whole restore has
+    # cleared the cache (clear(true) up front, and again on failure), and a failed sequence restore ends in
+    # state_clear: the destination sequence is removed
     cache = make(v_trans=v_trans)
     populate(cache)
 
@@ -300,21 +302,22 @@ def test_every_bad_section_leaves_what_llama_cpp_leaves(v_trans):
 
     for name, blob, seq_id, err, field in _bad_sections(cache):
         got, want = target(), target()
-        if name not in UNTOUCHED:
+        if not atomic and name not in UNTOUCHED:
             if seq_id == -1:
                 want.clear(True)
             else:
                 want.seq_rm(seq_id, -1, -1)
         with pytest.raises(err) as info:
-            got.state_read(blob, seq_id)
+            got.state_read(blob, seq_id, atomic=atomic)
         if field is not None:
             assert info.value.field in ((field,) if isinstance(field, str) else field), name
         assert_same(snapshot(got), snapshot(want))
 
 
-def test_sequence_that_does_not_fit_removes_the_destination():
+@pytest.mark.parametrize("atomic", [True, False], ids=["atomic", "as-llama.cpp"])
+def test_sequence_that_does_not_fit_removes_the_destination(atomic):
     # llama.cpp: state_read_meta removes the destination, find_slot fails, state_clear removes it (again);
-    # golden fuzz-llama-restore-refused-no-room
+    # golden fuzz-llama-restore-refused-no-room. Atomic (the default): the destination keeps its cells.
     cache = make(size=32)
     cache.decode(Batch(tokens=list(range(4, 24)), seq_ids=[[0]] * 20))
     blob = cache.state_write(0)
@@ -323,8 +326,8 @@ def test_sequence_that_does_not_fit_removes_the_destination():
     target.decode(Batch(tokens=[4, 5], seq_ids=[[2]] * 2))
     fill(target, 3)
     with pytest.raises(NoSlotError):
-        target.state_read(blob, 2)  # 14 free + 2 of seq 2 = 16 < 20
-    assert (target.seq_pos_max(2), target.seq_pos_max(1)) == (-1, 15)
+        target.state_read(blob, 2, atomic=atomic)  # 14 free + 2 of seq 2 = 16 < 20
+    assert (target.seq_pos_max(2), target.seq_pos_max(1)) == (1 if atomic else -1, 15)
     target.seq_rm(1, 12, -1)  # now 4 + 14 + 2 = 20 fit
     target.state_read(blob, 2)
     a, b = cache.state_sections(0)[0].streams[0], target.state_sections(2)[0].streams[0]

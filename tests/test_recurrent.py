@@ -394,11 +394,17 @@ def test_state_read_errors_leave_what_llama_cpp_leaves():
         m.state_read(blob + b"\0")
     assert cells(m) == snap
     with pytest.raises(FormatError):
-        m.state_read(blob[:-1])
-    assert all(p == -1 for p, _, _ in cells(m))  # cleared
+        m.state_read(blob[:-1])  # atomic, the default
+    assert cells(m) == snap
+    with pytest.raises(FormatError):
+        m.state_read(blob[:-1], atomic=False)
+    assert all(p == -1 for p, _, _ in cells(m))  # cleared, as llama.cpp leaves it
     m = three_sequences()
     with pytest.raises(FormatError):
         m.state_read(m.state_write(1)[:-1], 0)
+    assert (m.seq_pos_max(0), m.seq_pos_max(1), m.seq_pos_max(2)) == (6, 9, 3)  # as three_sequences built it
+    with pytest.raises(FormatError):
+        m.state_read(m.state_write(1)[:-1], 0, atomic=False)
     assert (m.seq_pos_max(0), m.seq_pos_max(1), m.seq_pos_max(2)) == (-1, 9, 3)
     # a bad seq id in a whole restore
     small = mem(3)
