@@ -49,14 +49,26 @@ def _spm_vocab() -> tuple[list[str], list[float], list[int]]:
 
 @dataclass
 class TinyModel:
-    name: str               # file stem, e.g. "llama-tiny"
-    arch: str               # general.architecture
-    hparams: dict           # what case.json records (see case.schema.json, $defs/hparams)
+    name: str  # file stem, e.g. "llama-tiny"
+    arch: str  # general.architecture
+    hparams: dict  # what case.json records (see case.schema.json, $defs/hparams)
     path: Path | None = None
     sha256: str | None = None
     size: int = 0
     tensors: list = field(default_factory=list)
     committed: bool = False
+
+
+@dataclass(frozen=True)
+class _Dims:
+    """The sizes a builder's tensor lists, metadata and hparams derive from (0: not used)."""
+
+    n_layer: int
+    n_embd: int
+    n_head: int = 0
+    n_head_kv: int | list[int] = 0  # a list: one count a layer, 0 for a recurrent layer
+    hd: int = 0  # head dim: key and value length
+    n_ff: int = 0
 
 
 class _Builder:
@@ -85,6 +97,7 @@ class _Builder:
         w = gguf.GGUFWriter(str(path), self.arch)
         w.add_name("kvref conformance tiny " + self.arch)
         meta(w)
+        w.add_vocab_size(N_VOCAB)
         toks, scores, types = _spm_vocab()
         w.add_tokenizer_model("llama")
         w.add_token_list(toks)
@@ -101,26 +114,97 @@ class _Builder:
         w.write_tensors_to_file()
         w.close()
 
+    def finish(self, out: Path, name: str, meta, hp: dict) -> TinyModel:
+        """Write ``out/<name>.gguf`` (``meta(w)`` adds the arch keys; the vocabulary size and
+        the tokenizer follow) and return its TinyModel."""
+        path = out / f"{name}.gguf"
+        self.write(path, meta)
+        data = path.read_bytes()
+        m = TinyModel(name, self.arch, hp)
+        m.path = path
+        m.sha256 = hashlib.sha256(data).hexdigest()
+        m.size = len(data)
+        m.tensors = [n for n, _ in self.tensors]
+        return m
 
-def _finish(m: TinyModel, path: Path, b: _Builder) -> TinyModel:
-    data = path.read_bytes()
-    m.path = path
-    m.sha256 = hashlib.sha256(data).hexdigest()
-    m.size = len(data)
-    m.tensors = [n for n, _ in b.tensors]
-    return m
+
+# ---------------------------------------------------------------- shared tensor lists and metadata
 
 
-def _attn_hparams(arch, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, rope_type,
-                  freq_base=10000.0, **extra) -> dict:
-    n_head_kv_l = list(n_head_kv) if isinstance(n_head_kv, (list, tuple)) else [n_head_kv] * n_layer
+def _attn_proj(b: _Builder, p, d: _Dims, n_head_kv: int, bias=False):
+    """attn_q, attn_k, attn_v (each followed by its bias when ``bias``) and attn_output."""
+    b.mat(p + "attn_q.weight", d.n_head * d.hd, d.n_embd)
+    if bias:
+        b.vec(p + "attn_q.bias", d.n_head * d.hd)
+    for n in ("k", "v"):
+        b.mat(p + f"attn_{n}.weight", n_head_kv * d.hd, d.n_embd)
+        if bias:
+            b.vec(p + f"attn_{n}.bias", n_head_kv * d.hd)
+    b.mat(p + "attn_output.weight", d.n_embd, d.n_head * d.hd)
+
+
+def _ffn(b: _Builder, p, d: _Dims, norm=1.0):
+    """ffn_norm (filled with ``norm``), then the gated FFN: ffn_gate, ffn_up, ffn_down."""
+    b.vec(p + "ffn_norm.weight", d.n_embd, norm)
+    b.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+    b.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+    b.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+
+
+def _transformer(b: _Builder, d: _Dims, norm=1.0, post_norms=False, qk_norms=False):
+    """token_embd, output_norm, then ``d.n_layer`` attention layers of attn_norm,
+    attn_q/k/v/output, [post_attention_norm], [attn_k_norm, attn_q_norm], ffn_norm,
+    ffn_gate/up/down, [post_ffw_norm].  Every norm weight is filled with ``norm`` (gemma stores
+    its norm weights as offsets from 1, hence 0.0)."""
+    b.mat("token_embd.weight", N_VOCAB, d.n_embd)
+    b.vec("output_norm.weight", d.n_embd, norm)
+    for i in range(d.n_layer):
+        p = f"blk.{i}."
+        b.vec(p + "attn_norm.weight", d.n_embd, norm)
+        _attn_proj(b, p, d, d.n_head_kv)
+        if post_norms:
+            b.vec(p + "post_attention_norm.weight", d.n_embd, norm)
+        if qk_norms:
+            b.vec(p + "attn_k_norm.weight", d.hd, norm)
+            b.vec(p + "attn_q_norm.weight", d.hd, norm)
+        _ffn(b, p, d, norm)
+        if post_norms:
+            b.vec(p + "post_ffw_norm.weight", d.n_embd, norm)
+
+
+def _common_meta(w, d: _Dims, key_length=True):
+    """The keys every tiny model starts with: context length, embedding length, block count,
+    FFN length and head count; with attention (``d.n_head``) the KV head count, then the
+    key/value length unless ``key_length`` is False."""
+    w.add_context_length(4096)
+    w.add_embedding_length(d.n_embd)
+    w.add_block_count(d.n_layer)
+    w.add_feed_forward_length(d.n_ff)
+    w.add_head_count(d.n_head)
+    if d.n_head:
+        w.add_head_count_kv(d.n_head_kv)
+        if key_length:
+            w.add_key_length(d.hd)
+            w.add_value_length(d.hd)
+
+
+def _ssm_meta(w, d_conv, d_inner, d_state, dt_rank):
+    w.add_ssm_conv_kernel(d_conv)
+    w.add_ssm_inner_size(d_inner)
+    w.add_ssm_state_size(d_state)
+    w.add_ssm_time_step_rank(dt_rank)
+
+
+def _attn_hparams(arch, d: _Dims, rope_type, freq_base=10000.0, **extra) -> dict:
+    n_layer, head_dim = d.n_layer, d.hd
+    n_head_kv_l = list(d.n_head_kv) if isinstance(d.n_head_kv, (list, tuple)) else [d.n_head_kv] * n_layer
     hp = {
         "arch": arch,
         "n_layer": n_layer,
-        "n_embd": n_embd,
+        "n_embd": d.n_embd,
         "n_vocab": N_VOCAB,
-        "n_ff": n_ff,
-        "n_head": [n_head] * n_layer,
+        "n_ff": d.n_ff,
+        "n_head": [d.n_head] * n_layer,
         "n_head_kv": n_head_kv_l,
         "n_embd_head_k": head_dim,
         "n_embd_head_v": head_dim,
@@ -147,106 +231,68 @@ def _attn_hparams(arch, n_layer, n_embd, n_head, n_head_kv, head_dim, n_ff, rope
     return hp
 
 
+def _recurrent_hparams(arch, d: _Dims, n_embd_r, n_embd_s, **extra) -> dict:
+    """hparams of a model whose every layer is recurrent (no attention)."""
+    hp = _attn_hparams(
+        arch, d, rope_type="none", recurrent_layers=[True] * d.n_layer, n_embd_r=n_embd_r, n_embd_s=n_embd_s
+    )
+    hp["n_rot"] = 0
+    hp.update(extra)
+    return hp
+
+
+def _swa_hparams(d: _Dims, n_swa, swa_type, pattern) -> dict:
+    """llama.cpp's set_swa_pattern(pattern): layer il uses the window when il % pattern < pattern - 1."""
+    swa_layers = [il % pattern < pattern - 1 for il in range(d.n_layer)]
+    return dict(n_swa=n_swa, swa_type=swa_type, swa_layers=swa_layers, swa_pattern=pattern)
+
+
 # ---------------------------------------------------------------- llama (GQA)
+
 
 def build_llama(out: Path) -> TinyModel:
     """2 layers, n_embd 64, 4 query heads of dim 32 over 2 KV heads (GQA 2:1)."""
-    n_layer, n_embd, n_head, n_head_kv, hd, n_ff = 2, 64, 4, 2, 32, 64
+    d = _Dims(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, hd=32, n_ff=64)
     b = _Builder("llama", seed=1001)
-    b.mat("token_embd.weight", N_VOCAB, n_embd)
-    b.vec("output_norm.weight", n_embd, 1.0)
-    for i in range(n_layer):
-        p = f"blk.{i}."
-        b.vec(p + "attn_norm.weight", n_embd, 1.0)
-        b.mat(p + "attn_q.weight", n_head * hd, n_embd)
-        b.mat(p + "attn_k.weight", n_head_kv * hd, n_embd)
-        b.mat(p + "attn_v.weight", n_head_kv * hd, n_embd)
-        b.mat(p + "attn_output.weight", n_embd, n_head * hd)
-        b.vec(p + "ffn_norm.weight", n_embd, 1.0)
-        b.mat(p + "ffn_gate.weight", n_ff, n_embd)
-        b.mat(p + "ffn_up.weight", n_ff, n_embd)
-        b.mat(p + "ffn_down.weight", n_embd, n_ff)
+    _transformer(b, d)
 
     def meta(w):
-        w.add_context_length(4096)
-        w.add_embedding_length(n_embd)
-        w.add_block_count(n_layer)
-        w.add_feed_forward_length(n_ff)
-        w.add_head_count(n_head)
-        w.add_head_count_kv(n_head_kv)
-        w.add_key_length(hd)
-        w.add_value_length(hd)
-        w.add_rope_dimension_count(hd)
+        _common_meta(w, d)
+        w.add_rope_dimension_count(d.hd)
         w.add_rope_freq_base(10000.0)
         w.add_layer_norm_rms_eps(1e-5)
-        w.add_vocab_size(N_VOCAB)
 
-    path = out / "llama-tiny.gguf"
-    b.write(path, meta)
-    hp = _attn_hparams("llama", n_layer, n_embd, n_head, n_head_kv, hd, n_ff, rope_type="norm")
-    return _finish(TinyModel("llama-tiny", "llama", hp), path, b)
+    return b.finish(out, "llama-tiny", meta, _attn_hparams("llama", d, rope_type="norm"))
 
 
 # ---------------------------------------------------------------- mamba (recurrent)
 
+
 def build_mamba(out: Path) -> TinyModel:
     """2 Mamba-1 layers: n_embd 32, d_inner 64, d_state 8, d_conv 4, dt_rank 4."""
-    n_layer, n_embd, d_inner, d_state, d_conv, dt_rank = 2, 32, 64, 8, 4, 4
+    d = _Dims(n_layer=2, n_embd=32)
+    d_inner, d_state, d_conv, dt_rank = 64, 8, 4, 4
     b = _Builder("mamba", seed=1002)
-    b.mat("token_embd.weight", N_VOCAB, n_embd)
-    b.vec("output_norm.weight", n_embd, 1.0)
-    for i in range(n_layer):
-        p = f"blk.{i}."
-        _mamba1_layer(b, p, n_embd, d_inner, d_state, d_conv, dt_rank, jamba=False)
+    b.mat("token_embd.weight", N_VOCAB, d.n_embd)
+    b.vec("output_norm.weight", d.n_embd, 1.0)
+    for i in range(d.n_layer):
+        _mamba1_layer(b, f"blk.{i}.", d.n_embd, d_inner, d_state, d_conv, dt_rank, jamba=False)
 
     def meta(w):
-        w.add_context_length(4096)
-        w.add_embedding_length(n_embd)
-        w.add_block_count(n_layer)
-        w.add_feed_forward_length(0)
-        w.add_head_count(0)
-        w.add_ssm_conv_kernel(d_conv)
-        w.add_ssm_inner_size(d_inner)
-        w.add_ssm_state_size(d_state)
-        w.add_ssm_time_step_rank(dt_rank)
+        _common_meta(w, d)
+        _ssm_meta(w, d_conv, d_inner, d_state, dt_rank)
         w.add_layer_norm_rms_eps(1e-5)
-        w.add_vocab_size(N_VOCAB)
 
-    path = out / "mamba-tiny.gguf"
-    b.write(path, meta)
-    hp = {
-        "arch": "mamba",
-        "n_layer": n_layer,
-        "n_embd": n_embd,
-        "n_vocab": N_VOCAB,
-        "n_ff": 0,
-        "n_head": [0] * n_layer,
-        "n_head_kv": [0] * n_layer,
-        "n_embd_head_k": 0,
-        "n_embd_head_v": 0,
-        "n_embd_k_gqa": [0] * n_layer,
-        "n_embd_v_gqa": [0] * n_layer,
-        "n_rot": 0,
-        "rope_type": "none",
-        "rope_freq_base": 10000.0,
-        "rope_freq_scale": 1.0,
-        "rope_sections": None,
-        "n_pos_per_embd": 1,
-        "causal_attn": True,
-        "n_swa": 0,
-        "swa_type": "none",
-        "swa_layers": [False] * n_layer,
-        "recurrent_layers": [True] * n_layer,
+    hp = _recurrent_hparams(
+        "mamba",
+        d,
         # llama_hparams::n_embd_r(): (d_conv - 1) * (d_inner + 2*n_group*d_state), n_group = 0 for Mamba-1
-        "n_embd_r": (d_conv - 1) * d_inner,
+        n_embd_r=(d_conv - 1) * d_inner,
         # llama_hparams::n_embd_s(): d_state * d_inner
-        "n_embd_s": d_state * d_inner,
-        "ssm": {"d_conv": d_conv, "d_inner": d_inner, "d_state": d_state, "dt_rank": dt_rank,
-                "n_group": 0},
-        "n_ctx_train": 4096,
-        "has_cell_ext": False,
-    }
-    return _finish(TinyModel("mamba-tiny", "mamba", hp), path, b)
+        n_embd_s=d_state * d_inner,
+        ssm={"d_conv": d_conv, "d_inner": d_inner, "d_state": d_state, "dt_rank": dt_rank, "n_group": 0},
+    )
+    return b.finish(out, "mamba-tiny", meta, hp)
 
 
 def _mamba1_layer(b: _Builder, p, n_embd, d_inner, d_state, d_conv, dt_rank, jamba):
@@ -271,317 +317,178 @@ def _mamba1_layer(b: _Builder, p, n_embd, d_inner, d_state, d_conv, dt_rank, jam
 
 # ---------------------------------------------------------------- gemma2 (iSWA)
 
+
 def build_gemma2(out: Path, n_swa: int = 4) -> TinyModel:
     """2 layers, layer 0 sliding-window (n_swa tokens), layer 1 full attention."""
-    n_layer, n_embd, n_head, n_head_kv, hd, n_ff = 2, 64, 4, 2, 32, 64
+    d = _Dims(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, hd=32, n_ff=64)
     b = _Builder("gemma2", seed=1003)
-    b.mat("token_embd.weight", N_VOCAB, n_embd)
-    b.vec("output_norm.weight", n_embd, 0.0)
-    for i in range(n_layer):
-        p = f"blk.{i}."
-        b.vec(p + "attn_norm.weight", n_embd, 0.0)
-        b.mat(p + "attn_q.weight", n_head * hd, n_embd)
-        b.mat(p + "attn_k.weight", n_head_kv * hd, n_embd)
-        b.mat(p + "attn_v.weight", n_head_kv * hd, n_embd)
-        b.mat(p + "attn_output.weight", n_embd, n_head * hd)
-        b.vec(p + "post_attention_norm.weight", n_embd, 0.0)
-        b.vec(p + "ffn_norm.weight", n_embd, 0.0)
-        b.mat(p + "ffn_gate.weight", n_ff, n_embd)
-        b.mat(p + "ffn_up.weight", n_ff, n_embd)
-        b.mat(p + "ffn_down.weight", n_embd, n_ff)
-        b.vec(p + "post_ffw_norm.weight", n_embd, 0.0)
+    _transformer(b, d, norm=0.0, post_norms=True)
 
     def meta(w):
-        w.add_context_length(4096)
-        w.add_embedding_length(n_embd)
-        w.add_block_count(n_layer)
-        w.add_feed_forward_length(n_ff)
-        w.add_head_count(n_head)
-        w.add_head_count_kv(n_head_kv)
-        w.add_key_length(hd)
-        w.add_value_length(hd)
+        _common_meta(w, d)
         w.add_layer_norm_rms_eps(1e-6)
         w.add_sliding_window(n_swa)
         w.add_attn_logit_softcapping(50.0)
         w.add_final_logit_softcapping(30.0)
-        w.add_vocab_size(N_VOCAB)
 
-    path = out / "gemma2-tiny.gguf"
-    b.write(path, meta)
     # gemma2 uses set_swa_pattern(2): layer il is SWA when il % 2 < 1
-    hp = _attn_hparams("gemma2", n_layer, n_embd, n_head, n_head_kv, hd, n_ff, rope_type="neox",
-                       n_swa=n_swa, swa_type="standard",
-                       swa_layers=[il % 2 < 1 for il in range(n_layer)],
-                       swa_pattern=2)
-    return _finish(TinyModel("gemma2-tiny", "gemma2", hp), path, b)
+    hp = _attn_hparams("gemma2", d, rope_type="neox", **_swa_hparams(d, n_swa, "standard", pattern=2))
+    return b.finish(out, "gemma2-tiny", meta, hp)
 
 
 # ---------------------------------------------------------------- jamba (hybrid)
 
+
 def build_jamba(out: Path) -> TinyModel:
     """3 layers: Mamba-1, attention (n_head 2 x dim 32, 1 KV head), Mamba-1; dense FFN."""
-    n_layer, n_embd, n_head, hd, n_ff = 3, 64, 2, 32, 64
-    n_head_kv = [0, 1, 0]
-    d_inner, d_state, d_conv, dt_rank = 2 * n_embd, 8, 4, 4
+    d = _Dims(n_layer=3, n_embd=64, n_head=2, n_head_kv=[0, 1, 0], hd=32, n_ff=64)
+    d_inner, d_state, d_conv, dt_rank = 2 * d.n_embd, 8, 4, 4
     b = _Builder("jamba", seed=1004)
-    b.mat("token_embd.weight", N_VOCAB, n_embd)
-    b.vec("output_norm.weight", n_embd, 1.0)
-    for i in range(n_layer):
+    b.mat("token_embd.weight", N_VOCAB, d.n_embd)
+    b.vec("output_norm.weight", d.n_embd, 1.0)
+    for i in range(d.n_layer):
         p = f"blk.{i}."
-        if n_head_kv[i] == 0:
-            _mamba1_layer(b, p, n_embd, d_inner, d_state, d_conv, dt_rank, jamba=True)
+        if d.n_head_kv[i] == 0:
+            _mamba1_layer(b, p, d.n_embd, d_inner, d_state, d_conv, dt_rank, jamba=True)
         else:
-            b.vec(p + "attn_norm.weight", n_embd, 1.0)
-            b.mat(p + "attn_q.weight", n_embd, n_embd)
-            b.mat(p + "attn_k.weight", n_head_kv[i] * hd, n_embd)
-            b.mat(p + "attn_v.weight", n_head_kv[i] * hd, n_embd)
-            b.mat(p + "attn_output.weight", n_embd, n_embd)
-        b.vec(p + "ffn_norm.weight", n_embd, 1.0)
-        b.mat(p + "ffn_gate.weight", n_ff, n_embd)
-        b.mat(p + "ffn_up.weight", n_ff, n_embd)
-        b.mat(p + "ffn_down.weight", n_embd, n_ff)
+            b.vec(p + "attn_norm.weight", d.n_embd, 1.0)
+            _attn_proj(b, p, d, d.n_head_kv[i])
+        _ffn(b, p, d)
 
     def meta(w):
-        w.add_context_length(4096)
-        w.add_embedding_length(n_embd)
-        w.add_block_count(n_layer)
-        w.add_feed_forward_length(n_ff)
-        w.add_head_count(n_head)
-        w.add_head_count_kv(n_head_kv)
-        w.add_ssm_conv_kernel(d_conv)
-        w.add_ssm_inner_size(d_inner)
-        w.add_ssm_state_size(d_state)
-        w.add_ssm_time_step_rank(dt_rank)
+        _common_meta(w, d, key_length=False)
+        _ssm_meta(w, d_conv, d_inner, d_state, dt_rank)
         w.add_layer_norm_rms_eps(1e-6)
-        w.add_vocab_size(N_VOCAB)
 
-    path = out / "jamba-tiny.gguf"
-    b.write(path, meta)
-    hp = _attn_hparams("jamba", n_layer, n_embd, n_head, n_head_kv, hd, n_ff, rope_type="none",
-                       recurrent_layers=[h == 0 for h in n_head_kv],
-                       n_embd_r=(d_conv - 1) * d_inner,
-                       n_embd_s=d_state * d_inner,
-                       ssm={"d_conv": d_conv, "d_inner": d_inner, "d_state": d_state,
-                            "dt_rank": dt_rank, "n_group": 0})
-    hp["n_rot"] = hd
-    return _finish(TinyModel("jamba-tiny", "jamba", hp), path, b)
+    hp = _attn_hparams(
+        "jamba",
+        d,
+        rope_type="none",
+        recurrent_layers=[h == 0 for h in d.n_head_kv],
+        n_embd_r=(d_conv - 1) * d_inner,
+        n_embd_s=d_state * d_inner,
+        ssm={"d_conv": d_conv, "d_inner": d_inner, "d_state": d_state, "dt_rank": dt_rank, "n_group": 0},
+    )
+    hp["n_rot"] = d.hd
+    return b.finish(out, "jamba-tiny", meta, hp)
 
 
 # ---------------------------------------------------------------- qwen2vl (M-RoPE)
 
+
 def build_qwen2vl(out: Path) -> TinyModel:
     """2 layers, n_embd 64, 2 query heads of dim 32 over 1 KV head, M-RoPE sections [4,6,6,0]."""
-    n_layer, n_embd, n_head, n_head_kv, hd, n_ff = 2, 64, 2, 1, 32, 64
+    d = _Dims(n_layer=2, n_embd=64, n_head=2, n_head_kv=1, hd=32, n_ff=64)
     sections = [4, 6, 6, 0]
     b = _Builder("qwen2vl", seed=1005)
-    b.mat("token_embd.weight", N_VOCAB, n_embd)
-    b.vec("output_norm.weight", n_embd, 1.0)
-    for i in range(n_layer):
+    b.mat("token_embd.weight", N_VOCAB, d.n_embd)
+    b.vec("output_norm.weight", d.n_embd, 1.0)
+    for i in range(d.n_layer):
         p = f"blk.{i}."
-        b.vec(p + "attn_norm.weight", n_embd, 1.0)
-        b.mat(p + "attn_q.weight", n_embd, n_embd)
-        b.vec(p + "attn_q.bias", n_embd)
-        b.mat(p + "attn_k.weight", n_head_kv * hd, n_embd)
-        b.vec(p + "attn_k.bias", n_head_kv * hd)
-        b.mat(p + "attn_v.weight", n_head_kv * hd, n_embd)
-        b.vec(p + "attn_v.bias", n_head_kv * hd)
-        b.mat(p + "attn_output.weight", n_embd, n_embd)
-        b.vec(p + "ffn_norm.weight", n_embd, 1.0)
-        b.mat(p + "ffn_gate.weight", n_ff, n_embd)
-        b.mat(p + "ffn_up.weight", n_ff, n_embd)
-        b.mat(p + "ffn_down.weight", n_embd, n_ff)
+        b.vec(p + "attn_norm.weight", d.n_embd, 1.0)
+        _attn_proj(b, p, d, d.n_head_kv, bias=True)
+        _ffn(b, p, d)
 
     def meta(w):
-        w.add_context_length(4096)
-        w.add_embedding_length(n_embd)
-        w.add_block_count(n_layer)
-        w.add_feed_forward_length(n_ff)
-        w.add_head_count(n_head)
-        w.add_head_count_kv(n_head_kv)
+        _common_meta(w, d, key_length=False)
         w.add_rope_freq_base(1000000.0)
         w.add_rope_dimension_sections(sections)
         w.add_layer_norm_rms_eps(1e-6)
-        w.add_vocab_size(N_VOCAB)
 
-    path = out / "qwen2vl-tiny.gguf"
-    b.write(path, meta)
-    hp = _attn_hparams("qwen2vl", n_layer, n_embd, n_head, n_head_kv, hd, n_ff, rope_type="mrope",
-                       freq_base=1000000.0, rope_sections=sections, n_pos_per_embd=4,
-                       has_cell_ext=True)
-    return _finish(TinyModel("qwen2vl-tiny", "qwen2vl", hp), path, b)
-
-
-BUILDERS = {
-    "llama": build_llama,
-    "mamba": build_mamba,
-    "gemma2": build_gemma2,
-    "jamba": build_jamba,
-    "qwen2vl": build_qwen2vl,
-}
+    hp = _attn_hparams(
+        "qwen2vl",
+        d,
+        rope_type="mrope",
+        freq_base=1000000.0,
+        rope_sections=sections,
+        n_pos_per_embd=4,
+        has_cell_ext=True,
+    )
+    return b.finish(out, "qwen2vl-tiny", meta, hp)
 
 
 # ---------------------------------------------------------------- gemma3 (iSWA, dual rope base)
+
 
 def build_gemma3(out: Path) -> TinyModel:
     """6 layers (gemma 3's default SWA pattern 6: layers 0-4 SWA, layer 5 full), n_embd 32,
     4 query heads of dim 16 (key_length != n_embd / n_head) over 1 KV head, window 4,
     rope base 1e6 for full layers and 1e4 for SWA layers."""
-    n_layer, n_embd, n_head, n_head_kv, hd, n_ff, n_swa = 6, 32, 4, 1, 16, 32, 4
+    d = _Dims(n_layer=6, n_embd=32, n_head=4, n_head_kv=1, hd=16, n_ff=32)
+    n_swa = 4
     b = _Builder("gemma3", seed=1006)
-    b.mat("token_embd.weight", N_VOCAB, n_embd)
-    b.vec("output_norm.weight", n_embd, 0.0)
-    for i in range(n_layer):
-        p = f"blk.{i}."
-        b.vec(p + "attn_norm.weight", n_embd, 0.0)
-        b.mat(p + "attn_q.weight", n_head * hd, n_embd)
-        b.mat(p + "attn_k.weight", n_head_kv * hd, n_embd)
-        b.mat(p + "attn_v.weight", n_head_kv * hd, n_embd)
-        b.mat(p + "attn_output.weight", n_embd, n_head * hd)
-        b.vec(p + "post_attention_norm.weight", n_embd, 0.0)
-        b.vec(p + "attn_k_norm.weight", hd, 0.0)
-        b.vec(p + "attn_q_norm.weight", hd, 0.0)
-        b.vec(p + "ffn_norm.weight", n_embd, 0.0)
-        b.mat(p + "ffn_gate.weight", n_ff, n_embd)
-        b.mat(p + "ffn_up.weight", n_ff, n_embd)
-        b.mat(p + "ffn_down.weight", n_embd, n_ff)
-        b.vec(p + "post_ffw_norm.weight", n_embd, 0.0)
+    _transformer(b, d, norm=0.0, post_norms=True, qk_norms=True)
 
     def meta(w):
-        w.add_context_length(4096)
-        w.add_embedding_length(n_embd)
-        w.add_block_count(n_layer)
-        w.add_feed_forward_length(n_ff)
-        w.add_head_count(n_head)
-        w.add_head_count_kv(n_head_kv)
-        w.add_key_length(hd)
-        w.add_value_length(hd)
+        _common_meta(w, d)
         w.add_layer_norm_rms_eps(1e-6)
         w.add_sliding_window(n_swa)
         w.add_rope_freq_base(1000000.0)
         w.add_rope_freq_base_swa(10000.0)
-        w.add_vocab_size(N_VOCAB)
 
-    path = out / "gemma3-tiny.gguf"
-    b.write(path, meta)
     # load_swa_pattern(6) with no pattern key: layer il is SWA when il % 6 < 5
-    hp = _attn_hparams("gemma3", n_layer, n_embd, n_head, n_head_kv, hd, n_ff, rope_type="neox",
-                       freq_base=1000000.0, n_swa=n_swa, swa_type="standard",
-                       swa_layers=[il % 6 < 5 for il in range(n_layer)], swa_pattern=6,
-                       rope_freq_base_swa=10000.0)
-    return _finish(TinyModel("gemma3-tiny", "gemma3", hp), path, b)
+    swa = _swa_hparams(d, n_swa, "standard", pattern=6)
+    hp = _attn_hparams("gemma3", d, rope_type="neox", freq_base=1000000.0, **swa, rope_freq_base_swa=10000.0)
+    return b.finish(out, "gemma3-tiny", meta, hp)
 
 
 # ---------------------------------------------------------------- qwen3 (GQA 4:1, head dim != n_embd/n_head)
 
+
 def build_qwen3(out: Path) -> TinyModel:
     """2 layers, n_embd 32, 4 query heads of dim 16 (not 32/4) over 1 KV head; q/k norms."""
-    n_layer, n_embd, n_head, n_head_kv, hd, n_ff = 2, 32, 4, 1, 16, 32
+    d = _Dims(n_layer=2, n_embd=32, n_head=4, n_head_kv=1, hd=16, n_ff=32)
     b = _Builder("qwen3", seed=1007)
-    b.mat("token_embd.weight", N_VOCAB, n_embd)
-    b.vec("output_norm.weight", n_embd, 1.0)
-    for i in range(n_layer):
-        p = f"blk.{i}."
-        b.vec(p + "attn_norm.weight", n_embd, 1.0)
-        b.mat(p + "attn_q.weight", n_head * hd, n_embd)
-        b.mat(p + "attn_k.weight", n_head_kv * hd, n_embd)
-        b.mat(p + "attn_v.weight", n_head_kv * hd, n_embd)
-        b.mat(p + "attn_output.weight", n_embd, n_head * hd)
-        b.vec(p + "attn_k_norm.weight", hd, 1.0)
-        b.vec(p + "attn_q_norm.weight", hd, 1.0)
-        b.vec(p + "ffn_norm.weight", n_embd, 1.0)
-        b.mat(p + "ffn_gate.weight", n_ff, n_embd)
-        b.mat(p + "ffn_up.weight", n_ff, n_embd)
-        b.mat(p + "ffn_down.weight", n_embd, n_ff)
+    _transformer(b, d, qk_norms=True)
 
     def meta(w):
-        w.add_context_length(4096)
-        w.add_embedding_length(n_embd)
-        w.add_block_count(n_layer)
-        w.add_feed_forward_length(n_ff)
-        w.add_head_count(n_head)
-        w.add_head_count_kv(n_head_kv)
-        w.add_key_length(hd)
-        w.add_value_length(hd)
+        _common_meta(w, d)
         w.add_rope_freq_base(1000000.0)
         w.add_layer_norm_rms_eps(1e-6)
-        w.add_vocab_size(N_VOCAB)
 
-    path = out / "qwen3-tiny.gguf"
-    b.write(path, meta)
-    hp = _attn_hparams("qwen3", n_layer, n_embd, n_head, n_head_kv, hd, n_ff, rope_type="neox",
-                       freq_base=1000000.0)
-    return _finish(TinyModel("qwen3-tiny", "qwen3", hp), path, b)
+    return b.finish(out, "qwen3-tiny", meta, _attn_hparams("qwen3", d, rope_type="neox", freq_base=1000000.0))
 
 
 # ---------------------------------------------------------------- llama4 (chunked SWA)
+
 
 def build_llama4(out: Path) -> TinyModel:
     """4 layers (pattern 4: layers 0-2 chunked attention, layer 3 full), 2 x 16 over 1 KV head;
     llama.cpp fixes the chunk at 8192 whatever the file says; dense FFNs (no MoE layer, but
     llama4 refuses n_expert 0)."""
-    n_layer, n_embd, n_head, n_head_kv, hd, n_ff = 4, 32, 2, 1, 16, 32
+    d = _Dims(n_layer=4, n_embd=32, n_head=2, n_head_kv=1, hd=16, n_ff=32)
     b = _Builder("llama4", seed=1008)
-    b.mat("token_embd.weight", N_VOCAB, n_embd)
-    b.vec("output_norm.weight", n_embd, 1.0)
-    for i in range(n_layer):
-        p = f"blk.{i}."
-        b.vec(p + "attn_norm.weight", n_embd, 1.0)
-        b.mat(p + "attn_q.weight", n_head * hd, n_embd)
-        b.mat(p + "attn_k.weight", n_head_kv * hd, n_embd)
-        b.mat(p + "attn_v.weight", n_head_kv * hd, n_embd)
-        b.mat(p + "attn_output.weight", n_embd, n_head * hd)
-        b.vec(p + "ffn_norm.weight", n_embd, 1.0)
-        b.mat(p + "ffn_gate.weight", n_ff, n_embd)
-        b.mat(p + "ffn_up.weight", n_ff, n_embd)
-        b.mat(p + "ffn_down.weight", n_embd, n_ff)
+    _transformer(b, d)
 
     def meta(w):
-        w.add_context_length(4096)
-        w.add_embedding_length(n_embd)
-        w.add_block_count(n_layer)
-        w.add_feed_forward_length(n_ff)
-        w.add_head_count(n_head)
-        w.add_head_count_kv(n_head_kv)
-        w.add_key_length(hd)
-        w.add_value_length(hd)
-        w.add_rope_dimension_count(hd)
+        _common_meta(w, d)
+        w.add_rope_dimension_count(d.hd)
         w.add_rope_freq_base(500000.0)
         w.add_layer_norm_rms_eps(1e-5)
         w.add_expert_count(2)
         w.add_expert_used_count(1)
-        w.add_expert_feed_forward_length(n_ff)
+        w.add_expert_feed_forward_length(d.n_ff)
         w.add_interleave_moe_layer_step(0)
-        w.add_vocab_size(N_VOCAB)
 
-    path = out / "llama4-tiny.gguf"
-    b.write(path, meta)
-    hp = _attn_hparams("llama4", n_layer, n_embd, n_head, n_head_kv, hd, n_ff, rope_type="norm",
-                       freq_base=500000.0, n_swa=8192, swa_type="chunked",
-                       swa_layers=[il % 4 < 3 for il in range(n_layer)], swa_pattern=4,
-                       rope_freq_base_swa=500000.0)
-    return _finish(TinyModel("llama4-tiny", "llama4", hp), path, b)
-
-
-def _recurrent_hparams(arch, n_layer, n_embd, n_ff, recurrent_layers, n_embd_r, n_embd_s, **extra) -> dict:
-    hp = _attn_hparams(arch, n_layer, n_embd, 0, 0, 0, n_ff, rope_type="none",
-                       recurrent_layers=list(recurrent_layers), n_embd_r=n_embd_r, n_embd_s=n_embd_s)
-    hp["n_rot"] = 0
-    hp.update(extra)
-    return hp
+    swa = _swa_hparams(d, 8192, "chunked", pattern=4)
+    hp = _attn_hparams("llama4", d, rope_type="norm", freq_base=500000.0, **swa, rope_freq_base_swa=500000.0)
+    return b.finish(out, "llama4-tiny", meta, hp)
 
 
 # ---------------------------------------------------------------- mamba2 (recurrent, n_group)
 
+
 def build_mamba2(out: Path) -> TinyModel:
     """2 Mamba-2 layers: n_embd 32, d_inner 64, d_state 8, n_group 2, d_conv 4, 4 heads
     (dt_rank) of dim 16: n_embd_r = 3 * (64 + 2*2*8) = 288, n_embd_s = 512."""
-    n_layer, n_embd, d_inner, d_state, n_group, d_conv, dt_rank = 2, 32, 64, 8, 2, 4, 4
+    d = _Dims(n_layer=2, n_embd=32)
+    n_embd, d_inner, d_state, n_group, d_conv, dt_rank = d.n_embd, 64, 8, 2, 4, 4
     conv_dim = d_inner + 2 * n_group * d_state
     d_in_proj = d_inner + conv_dim + dt_rank
     b = _Builder("mamba2", seed=1009)
     b.mat("token_embd.weight", N_VOCAB, n_embd)
     b.vec("output_norm.weight", n_embd, 1.0)
-    for i in range(n_layer):
+    for i in range(d.n_layer):
         p = f"blk.{i}."
         b.vec(p + "attn_norm.weight", n_embd, 1.0)
         b.mat(p + "ssm_in.weight", d_in_proj, n_embd)
@@ -594,34 +501,29 @@ def build_mamba2(out: Path) -> TinyModel:
         b.mat(p + "ssm_out.weight", n_embd, d_inner)
 
     def meta(w):
-        w.add_context_length(4096)
-        w.add_embedding_length(n_embd)
-        w.add_block_count(n_layer)
-        w.add_feed_forward_length(0)
-        w.add_head_count(0)
-        w.add_ssm_conv_kernel(d_conv)
-        w.add_ssm_inner_size(d_inner)
-        w.add_ssm_state_size(d_state)
-        w.add_ssm_time_step_rank(dt_rank)
+        _common_meta(w, d)
+        _ssm_meta(w, d_conv, d_inner, d_state, dt_rank)
         w.add_ssm_group_count(n_group)
         w.add_layer_norm_rms_eps(1e-5)
-        w.add_vocab_size(N_VOCAB)
 
-    path = out / "mamba2-tiny.gguf"
-    b.write(path, meta)
-    hp = _recurrent_hparams("mamba2", n_layer, n_embd, 0, [True] * n_layer,
-                            n_embd_r=(d_conv - 1) * conv_dim, n_embd_s=d_state * d_inner,
-                            ssm={"d_conv": d_conv, "d_inner": d_inner, "d_state": d_state,
-                                 "dt_rank": dt_rank, "n_group": n_group})
-    return _finish(TinyModel("mamba2-tiny", "mamba2", hp), path, b)
+    hp = _recurrent_hparams(
+        "mamba2",
+        d,
+        n_embd_r=(d_conv - 1) * conv_dim,
+        n_embd_s=d_state * d_inner,
+        ssm={"d_conv": d_conv, "d_inner": d_inner, "d_state": d_state, "dt_rank": dt_rank, "n_group": n_group},
+    )
+    return b.finish(out, "mamba2-tiny", meta, hp)
 
 
 # ---------------------------------------------------------------- rwkv6 (recurrent, token shift + wkv)
 
+
 def build_rwkv6(out: Path) -> TinyModel:
     """2 RWKV-6 layers: n_embd 32, wkv head size 16 (2 heads), token_shift_count 2:
     n_embd_r = 2 * 32 = 64, n_embd_s = 32 * 16 = 512."""
-    n_layer, n_embd, hs, n_ff, mix, decay = 2, 32, 16, 64, 4, 4
+    d = _Dims(n_layer=2, n_embd=32, n_ff=64)
+    n_embd, hs, n_ff, mix, decay = d.n_embd, 16, d.n_ff, 4, 4
     f32 = np.float32
     b = _Builder("rwkv6", seed=1010)
     b.mat("token_embd.weight", N_VOCAB, n_embd)
@@ -630,7 +532,7 @@ def build_rwkv6(out: Path) -> TinyModel:
     b.vec("output_norm.weight", n_embd, 1.0)
     b.vec("output_norm.bias", n_embd, 0.0)
     b.mat("output.weight", N_VOCAB, n_embd)
-    for i in range(n_layer):
+    for i in range(d.n_layer):
         p = f"blk.{i}."
         for n in ("attn_norm", "attn_norm_2", "time_mix_ln"):
             b.vec(p + n + ".weight", n_embd, 1.0)
@@ -652,86 +554,83 @@ def build_rwkv6(out: Path) -> TinyModel:
         b.mat(p + "channel_mix_receptance.weight", n_embd, n_embd)
 
     def meta(w):
-        w.add_context_length(4096)
-        w.add_embedding_length(n_embd)
-        w.add_block_count(n_layer)
-        w.add_feed_forward_length(n_ff)
-        w.add_head_count(0)
+        _common_meta(w, d)
         w.add_layer_norm_eps(1e-5)
         w.add_wkv_head_size(hs)
         w.add_time_mix_extra_dim(mix)
         w.add_time_decay_extra_dim(decay)
         w.add_rescale_every_n_layers(6)
-        w.add_vocab_size(N_VOCAB)
 
-    path = out / "rwkv6-tiny.gguf"
-    b.write(path, meta)
-    hp = _recurrent_hparams("rwkv6", n_layer, n_embd, n_ff, [True] * n_layer,
-                            n_embd_r=2 * n_embd, n_embd_s=n_embd * hs,
-                            wkv_head_size=hs, token_shift_count=2)
-    return _finish(TinyModel("rwkv6-tiny", "rwkv6", hp), path, b)
+    hp = _recurrent_hparams(
+        "rwkv6", d, n_embd_r=2 * n_embd, n_embd_s=n_embd * hs, wkv_head_size=hs, token_shift_count=2
+    )
+    return b.finish(out, "rwkv6-tiny", meta, hp)
 
 
 # ---------------------------------------------------------------- lfm2 (hybrid: short conv + attention)
+
 
 def build_lfm2(out: Path, n_swa: int = 0) -> TinyModel:
     """4 layers: short conv, attention, short conv, attention (4 x 8 over 2 KV heads, rope neox);
     conv L_cache 3: n_embd_r = 32 * 2 = 64, n_embd_s = 0.  With ``n_swa`` every attention layer
     uses a sliding window (llama.cpp then builds llama_memory_hybrid_iswa, whose base cache
     has no layer)."""
-    n_layer, n_embd, n_head, hd, n_ff, l_cache = 4, 32, 4, 8, 32, 3
-    n_head_kv = [0, 2, 0, 2]
+    d = _Dims(n_layer=4, n_embd=32, n_head=4, n_head_kv=[0, 2, 0, 2], hd=8, n_ff=32)
+    n_embd, n_ff, hd, l_cache = d.n_embd, d.n_ff, d.hd, 3
     b = _Builder("lfm2", seed=1011)
     b.mat("token_embd.weight", N_VOCAB, n_embd)
     b.vec("token_embd_norm.weight", n_embd, 1.0)
-    for i in range(n_layer):
+    for i in range(d.n_layer):
         p = f"blk.{i}."
+        # lfm2's order differs from _transformer's: ffn first, ffn_down before ffn_up, the q/k
+        # norms (q first) before the projections
         b.vec(p + "ffn_norm.weight", n_embd, 1.0)
         b.mat(p + "ffn_gate.weight", n_ff, n_embd)
         b.mat(p + "ffn_down.weight", n_embd, n_ff)
         b.mat(p + "ffn_up.weight", n_ff, n_embd)
         b.vec(p + "attn_norm.weight", n_embd, 1.0)
-        if n_head_kv[i]:
+        if d.n_head_kv[i]:
             b.vec(p + "attn_q_norm.weight", hd, 1.0)
             b.vec(p + "attn_k_norm.weight", hd, 1.0)
-            b.mat(p + "attn_q.weight", n_embd, n_embd)
-            b.mat(p + "attn_k.weight", n_head_kv[i] * hd, n_embd)
-            b.mat(p + "attn_v.weight", n_head_kv[i] * hd, n_embd)
-            b.mat(p + "attn_output.weight", n_embd, n_embd)
+            _attn_proj(b, p, d, d.n_head_kv[i])
         else:
             b.mat(p + "shortconv.conv.weight", n_embd, l_cache, scale=0.2, dtype=np.float32)
             b.mat(p + "shortconv.in_proj.weight", 3 * n_embd, n_embd)
             b.mat(p + "shortconv.out_proj.weight", n_embd, n_embd)
 
     def meta(w):
-        w.add_context_length(4096)
-        w.add_embedding_length(n_embd)
-        w.add_block_count(n_layer)
-        w.add_feed_forward_length(n_ff)
-        w.add_head_count(n_head)
-        w.add_head_count_kv(n_head_kv)
+        _common_meta(w, d, key_length=False)
         w.add_rope_freq_base(1000000.0)
         w.add_shortconv_l_cache(l_cache)
         w.add_layer_norm_rms_eps(1e-5)
         if n_swa:
             w.add_sliding_window(n_swa)
-        w.add_vocab_size(N_VOCAB)
 
-    name = "lfm2-swa-tiny" if n_swa else "lfm2-tiny"
-    path = out / f"{name}.gguf"
-    b.write(path, meta)
-    swa = dict(n_swa=n_swa, swa_type="standard", swa_layers=[h > 0 for h in n_head_kv]) if n_swa else {}
-    hp = _attn_hparams("lfm2", n_layer, n_embd, n_head, n_head_kv, hd, n_ff, rope_type="neox",
-                       freq_base=1000000.0, recurrent_layers=[h == 0 for h in n_head_kv],
-                       n_embd_r=n_embd * (l_cache - 1), n_embd_s=0, n_shortconv_l_cache=l_cache, **swa)
-    return _finish(TinyModel(name, "lfm2", hp), path, b)
+    swa = dict(n_swa=n_swa, swa_type="standard", swa_layers=[h > 0 for h in d.n_head_kv]) if n_swa else {}
+    hp = _attn_hparams(
+        "lfm2",
+        d,
+        rope_type="neox",
+        freq_base=1000000.0,
+        recurrent_layers=[h == 0 for h in d.n_head_kv],
+        n_embd_r=n_embd * (l_cache - 1),
+        n_embd_s=0,
+        n_shortconv_l_cache=l_cache,
+        **swa,
+    )
+    return b.finish(out, "lfm2-swa-tiny" if n_swa else "lfm2-tiny", meta, hp)
 
 
 def build_lfm2_swa(out: Path) -> TinyModel:
     return build_lfm2(out, n_swa=4)
 
 
-BUILDERS.update({
+BUILDERS = {
+    "llama": build_llama,
+    "mamba": build_mamba,
+    "gemma2": build_gemma2,
+    "jamba": build_jamba,
+    "qwen2vl": build_qwen2vl,
     "gemma3": build_gemma3,
     "qwen3": build_qwen3,
     "llama4": build_llama4,
@@ -739,4 +638,4 @@ BUILDERS.update({
     "rwkv6": build_rwkv6,
     "lfm2": build_lfm2,
     "lfm2-swa": build_lfm2_swa,
-})
+}

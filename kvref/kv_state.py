@@ -8,14 +8,17 @@ Writing (``state_section``), per stream, ``u32 n_stream`` first:
 
 - the cells written are the used cells, in index order; for a sequence (``seq_id >= 0``) only the cells
   of that sequence that are *not* SWA-masked against the sequence's ``seq_pos_max`` in that stream
-  (llama.cpp calls ``is_masked_swa(n_swa, swa_type, pos, seq_pos_max)``: note no ``+ 1``); with
-  ``compat="2025"`` every cell of the sequence, masked or not (llama-cpp-python 0.3.16);
+  (llama.cpp calls ``is_masked_swa(n_swa, swa_type, pos, seq_pos_max)``: note no ``+ 1``); before
+  llama-cpp-python 0.3.26 (``compat="2025"``, ``"0.3.17"``, ``"0.3.24"``) every cell of the sequence, masked or not;
 - each cell lists the sequence ids ``0 <= s < n_seq_max`` it holds (only ``seq_id`` for a sequence save:
   ids a unified cache accepts above ``n_seq_max`` are never written, as in llama.cpp);
 - the cell ext (``i32 x, y, tok``) is written only when the cache has one (``has_cell_ext``): the model
   uses M-RoPE (``n_pos_per_embd() > 1``) or per-layer-embedding n-grams (``ple_n_heads > 0``); with
-  ``compat="2026-08"`` only ``i32 x, y`` and only for M-RoPE; never with ``compat="2025"`` (the 2025 state
-  had no cell ext);
+  ``compat="2026-08"`` (0.3.17 .. 0.3.35) only ``i32 x, y`` and only for M-RoPE; never before 0.3.17
+  (``compat="2025"``: the 2025 state had no cell ext);
+- an empty stream is only its zero ``cell_count``; before PR #14363 (``compat="2025-07"``, 0.3.12 .. 0.3.14)
+  the data header (``v_trans``, ``n_layer``, every layer's type and row size) followed it, and restoring such
+  an empty sequence section failed (NoSlotError: ``find_slot`` of a zero-token ubatch finds nothing);
 - K rows, then V rows (or, with ``v_trans``, per V component the cells' elements); layers without V
   (MLA) write no V block.
 

@@ -37,9 +37,14 @@ Two rule sets are supported, and they differ where llama.cpp changed:
   mid-2025 (a whole-range removal with a negative id resets every rollback index) and an id ``>= mem_size``
   is refused; and the rollback is not single-use (a pending rollback index is simply replaced).
 
-``compat`` (``kvref.compat``) picks the rule set when ``rules`` is not given: ``"2025"`` -> ``"mid-2025"``,
-``"2026-08"`` -> ``"2026-08"``, ``"2026-10"`` -> ``"current"``; it also picks the bound llama_decode puts on
-sequence ids (``decode``).
+``compat`` (``kvref.compat``) picks the rule set when ``rules`` is not given: before llama-cpp-python 0.3.17
+(``"2025"``, ``"0.3.15"``, ``"2025-07"``) -> ``"mid-2025"``, 0.3.17 .. 0.3.35 -> ``"2026-08"``, ``"2026-10"`` ->
+``"current"``; it also picks the bound llama_decode puts on sequence ids (``decode``) and, by release:
+
+- before 0.3.17 ``init_batch`` used ``split_equal(sequential=false)`` (sequences need not be consecutive);
+- before 0.3.24 (``"0.3.17"``) there was no ``n_rs_seq`` (refused), and state files took each cell's rows from
+  the cell itself, as mid-2025 (the ``"2026-08"`` seq_rm rules then never meet a rollback);
+- 0.3.24 .. 0.3.33 (``"0.3.24"``, ``"0.3.26"``) split by sequence (``split_seq``) whenever ``n_rs_seq > 0``.
 """
 
 from __future__ import annotations

@@ -138,6 +138,20 @@ def test_0_3_17_recurrent_equal_splits_become_sequential():
     assert n_ubatches == {"0.3.16": 1, "0.3.17": 2}
 
 
+def test_0_3_17_recurrent_placement_checked_against_0_3_16_and_0_3_35():
+    """The same split difference as seen in the cells: llama-cpp-python 0.3.16 and 0.3.35 themselves (mamba-tiny,
+    n_seq_max 3, these two batches, whole state read back) left cells (pos, seqs) as pinned here."""
+    hp = hparams_from_case(load_case("mamba-seq-cp-rm"))
+    cells = {}
+    for release in ("0.3.16", "0.3.35"):
+        mem = create_memory(hp, 256, 3, compat=compat.for_llama_cpp_python(release))
+        mem.decode(Batch(tokens=[1, 2, 3, 4, 5], pos=[0, 1, 0, 1, 0], seq_ids=[[0], [0], [2], [2], [1]]))
+        mem.decode(Batch(tokens=[1, 2, 3, 4], pos=[2, 3, 2, 3], seq_ids=[[0], [0], [2], [2]]))
+        (sec,) = mem.state_sections(-1)
+        cells[release] = [(int(sec.cells.pos[i]), list(sec.cells.seq_ids(i))) for i in range(sec.cells.n)]
+    assert cells == {"0.3.16": [(3, [0]), (3, [2]), (0, [1])], "0.3.35": [(3, [0]), (0, [1]), (3, [2])]}
+
+
 def test_0_3_17_mrope_ext_and_k_shift():
     """0.3.17 state_write_meta: ``if (hparams.n_pos_per_embd() > 1) io.write(&ext, sizeof(ext))`` with
     ``struct llama_kv_cell_ext { llama_pos x, y; }``; get_can_shift: ``if (hparams.n_pos_per_embd() > 1) return
