@@ -44,8 +44,11 @@ def ubatch(*seqs: tuple[list[int] | int, list[int]]) -> UBatch:
     )
 
 
-def mamba_hparams(n_layer: int = 2) -> kvref.HParams:
-    """mamba-tiny of the conformance suite: d_conv 4, d_inner 64, d_state 8 -> n_embd_r 192, n_embd_s 512."""
+def mamba_hparams(n_layer: int = 2, d_state: int = 8, **kw) -> kvref.HParams:
+    """mamba-tiny of the conformance suite: d_conv 4, d_inner 64, d_state 8 -> n_embd_r 192, n_embd_s 512.
+
+    ``kw`` (n_ctx_train, ...) goes to HParams as is.
+    """
     return kvref.HParams(
         arch="mamba",
         n_layer=n_layer,
@@ -56,5 +59,24 @@ def mamba_hparams(n_layer: int = 2) -> kvref.HParams:
         rope_type=kvref.RopeType.NONE,
         ssm_d_conv=4,
         ssm_d_inner=64,
+        ssm_d_state=d_state,
+        **kw,
+    )
+
+
+def jamba_hparams(recurrent_layers: list[bool], arch: str = "jamba", **kw) -> kvref.HParams:
+    """A jamba-like hybrid: n_embd 64, 2 heads of dim 32 on the attention layers (``recurrent_layers`` False),
+    Mamba-1 d_conv 4, d_inner 128, d_state 8 on the others.  ``kw`` (n_head_kv, ...) goes to HParams as is."""
+    return kvref.HParams(
+        arch=arch,
+        n_layer=len(recurrent_layers),
+        n_embd=64,
+        n_head=2,
+        n_embd_head_k=32,
+        n_embd_head_v=32,
+        recurrent_layers=recurrent_layers,
+        ssm_d_conv=4,
+        ssm_d_inner=128,
         ssm_d_state=8,
+        **kw,
     )

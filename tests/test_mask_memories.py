@@ -2,6 +2,7 @@
 
 import numpy as np
 import pytest
+from recurrent_helpers import jamba_hparams
 
 import kvref
 from kvref.errors import KVRefError
@@ -43,19 +44,7 @@ def test_iswa_memory_has_a_base_mask_and_a_swa_mask():
 
 
 def test_hybrid_memory_masks_through_its_attention_part():
-    hp = kvref.HParams(
-        arch="jamba",
-        n_layer=3,
-        n_embd=64,
-        n_head=2,
-        n_head_kv=1,
-        n_embd_head_k=32,
-        n_embd_head_v=32,
-        recurrent_layers=[True, False, True],
-        ssm_d_conv=4,
-        ssm_d_inner=128,
-        ssm_d_state=8,
-    )
+    hp = jamba_hparams([True, False, True], n_head_kv=1)
     mem = kvref.create_memory(hp, n_ctx=256, n_seq_max=1)
     assert isinstance(mem, kvref.HybridMemory)
     ((ub, slot),) = mem.decode(kvref.Batch(tokens=[4, 5, 6], seq_ids=[[0]] * 3))

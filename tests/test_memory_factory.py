@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 from golden import ALL_CASES, load_case, memory_for
+from recurrent_helpers import jamba_hparams, mamba_hparams
 
 import kvref
 from kvref.errors import KVRefError
@@ -14,8 +15,13 @@ from kvref.kv_cache_iswa import KVCacheISWA, swa_cache_size
 from kvref.memory import Memory, context_params, create_memory
 from kvref.recurrent import RecurrentMemory
 
-KIND = {"kv": KVCache, "iswa": KVCacheISWA, "recurrent": RecurrentMemory, "hybrid": HybridMemory,
-        "hybrid_iswa": HybridMemory}
+KIND = {
+    "kv": KVCache,
+    "iswa": KVCacheISWA,
+    "recurrent": RecurrentMemory,
+    "hybrid": HybridMemory,
+    "hybrid_iswa": HybridMemory,
+}
 
 
 from_case = memory_for
@@ -155,19 +161,7 @@ def test_swa_cache_size_rule():
 
 
 def test_recurrent_memory():
-    hp = kvref.HParams(
-        arch="mamba",
-        n_layer=3,
-        n_embd=32,
-        n_head=0,
-        n_head_kv=0,
-        recurrent_layers=True,
-        rope_type=kvref.RopeType.NONE,
-        ssm_d_conv=4,
-        ssm_d_inner=64,
-        ssm_d_state=16,
-        n_ctx_train=2048,
-    )
+    hp = mamba_hparams(3, d_state=16, n_ctx_train=2048)
     mem = create_memory(hp, 4096, 5, n_rs_seq=3)
     assert isinstance(mem, RecurrentMemory)
     assert (mem.size, mem.n_seq_max, mem.layers) == (5, 5, [0, 1, 2])
@@ -177,20 +171,8 @@ def test_recurrent_memory():
 
 
 def jamba(arch: str = "jamba") -> kvref.HParams:
-    return kvref.HParams(
-        arch=arch,
-        n_layer=4,
-        n_embd=64,
-        n_head=2,
-        n_head_kv=[0, 1, 0, 1],
-        n_embd_head_k=32,
-        n_embd_head_v=32,
-        recurrent_layers=[True, False, True, False],
-        rope_type=kvref.RopeType.NONE,
-        ssm_d_conv=4,
-        ssm_d_inner=128,
-        ssm_d_state=8,
-        n_ctx_train=4096,
+    return jamba_hparams(
+        [True, False, True, False], arch, n_head_kv=[0, 1, 0, 1], rope_type=kvref.RopeType.NONE, n_ctx_train=4096
     )
 
 
@@ -235,19 +217,7 @@ def test_non_causal_models_keep_n_batch():
 
 
 def test_every_memory_has_the_same_method_set():
-    hp = kvref.HParams(
-        arch="mamba",
-        n_layer=1,
-        n_embd=32,
-        n_head=0,
-        n_head_kv=0,
-        recurrent_layers=True,
-        rope_type=kvref.RopeType.NONE,
-        ssm_d_conv=4,
-        ssm_d_inner=64,
-        ssm_d_state=16,
-        n_ctx_train=256,
-    )
+    hp = mamba_hparams(1, d_state=16, n_ctx_train=256)
     mems = [create_memory(m, 256) for m in (hp, gemma2(), jamba(), llama())]
     methods = [n for n in dir(Memory) if not n.startswith("_")]
     missing = {type(m).__name__: [n for n in methods if not hasattr(m, n)] for m in mems}
