@@ -15,6 +15,7 @@ Benchmarks never assert times.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,16 @@ def filled(cls: type) -> Any:
     return _TEMPLATES[cls].cp(0, N_CELLS)
 
 
+def _fresh_filled(twin: type, out: list[Any]) -> Callable[[], tuple[tuple, dict]]:
+    """A pedantic ``setup``: a fresh filled() table every round, kept in ``out[0]`` for the checks after the run."""
+
+    def setup() -> tuple[tuple, dict]:
+        out[:] = [filled(twin)]
+        return (out[0],), {}
+
+    return setup
+
+
 def test_e_fill(benchmark: Any, twin: type) -> None:
     benchmark.group = "cells-e-fill"
 
@@ -74,10 +85,7 @@ def test_e_fill(benchmark: Any, twin: type) -> None:
 def test_f_seq_rm_range(benchmark: Any, twin: type) -> None:
     benchmark.group = "cells-f-seq_rm_range"
     out: list[Any] = []
-
-    def setup() -> tuple[tuple, dict]:
-        out[:] = [filled(twin)]
-        return (out[0],), {}
+    setup = _fresh_filled(twin, out)
 
     benchmark.pedantic(lambda c: c.seq_rm_range(3, 0, POS_MAX), setup=setup, iterations=1, **rounds(twin))
     assert out[0].seq_pos_max(3) == -1 and out[0].get_used() == N_CELLS - N_CELLS // N_SEQ
@@ -106,10 +114,7 @@ def test_h_seq_pos_max_queries(benchmark: Any, twin: type) -> None:
 def test_i_cp_set_all(benchmark: Any, twin: type) -> None:
     benchmark.group = "cells-i-cp_set_all"
     out: list[Any] = []
-
-    def setup() -> tuple[tuple, dict]:
-        out[:] = [filled(twin)]
-        return (out[0],), {}
+    setup = _fresh_filled(twin, out)
 
     def cp_set(c: Any) -> None:
         c.set(IDXS, c.cp(IDXS))
@@ -125,10 +130,7 @@ def test_i2_cp_set_changed(benchmark: Any, twin: type) -> None:
     other.seq_add_many(IDXS, SEQS)
     saved = other.cp(IDXS)
     out: list[Any] = []
-
-    def setup() -> tuple[tuple, dict]:
-        out[:] = [filled(twin)]
-        return (out[0],), {}
+    setup = _fresh_filled(twin, out)
 
     def cp_set(c: Any) -> None:
         c.cp(IDXS)

@@ -125,18 +125,19 @@ def _interleave(a, b, rounds: int) -> tuple[float, float]:
     return statistics.median(ta), statistics.median(tb)
 
 
-def test_load_metadata(benchmark, session_file: Path) -> None:
-    size = session_file.stat().st_size
-    _plain_read(session_file)  # warm the page cache for both sides
-    t_kv, t_plain = _interleave(lambda: _load(session_file), lambda: _plain_read(session_file), ROUNDS)
+def _peak_memory(fn, *args):
+    """Call ``fn(*args)`` once; return its result, the peak RSS growth (None off Linux) and tracemalloc's peak."""
     base = _reset_peak()
     tracemalloc.start()
-    obj = _load(session_file)
+    res = fn(*args)
     _, py_peak = tracemalloc.get_traced_memory()
     tracemalloc.stop()
     rss = (_hwm() - base) if base is not None else None
-    benchmark.pedantic(_load, args=(session_file,), rounds=ROUNDS, iterations=1)
-    RESULTS["load+metadata"] = {
+    return res, rss, py_peak
+
+
+def _record(name: str, size: int, t_kv: float, t_plain: float, rss: int | None, py_peak: int) -> None:
+    RESULTS[name] = {
         "size": size,
         "kvref_s": t_kv,
         "plain_s": t_plain,
@@ -144,6 +145,15 @@ def test_load_metadata(benchmark, session_file: Path) -> None:
         "rss_growth": rss,
         "py_peak": py_peak,
     }
+
+
+def test_load_metadata(benchmark, session_file: Path) -> None:
+    size = session_file.stat().st_size
+    _plain_read(session_file)  # warm the page cache for both sides
+    t_kv, t_plain = _interleave(lambda: _load(session_file), lambda: _plain_read(session_file), ROUNDS)
+    obj, rss, py_peak = _peak_memory(_load, session_file)
+    benchmark.pedantic(_load, args=(session_file,), rounds=ROUNDS, iterations=1)
+    _record("load+metadata", size, t_kv, t_plain, rss, py_peak)
     del obj
 
 
@@ -154,21 +164,9 @@ def test_save(benchmark, session_file: Path, tmp_path: Path) -> None:
     t_kv, t_plain = _interleave(lambda: S.save(obj, out_kv), lambda: _plain_write(session_file, out_plain), ROUNDS)
     assert out_kv.read_bytes()[:4096] == session_file.read_bytes()[:4096]
     assert out_kv.stat().st_size == size
-    base = _reset_peak()
-    tracemalloc.start()
-    S.save(obj, out_kv)
-    _, py_peak = tracemalloc.get_traced_memory()
-    tracemalloc.stop()
-    rss = (_hwm() - base) if base is not None else None
+    _, rss, py_peak = _peak_memory(S.save, obj, out_kv)
     benchmark.pedantic(S.save, args=(obj, out_kv), rounds=ROUNDS, iterations=1)
-    RESULTS["save"] = {
-        "size": size,
-        "kvref_s": t_kv,
-        "plain_s": t_plain,
-        "ratio": t_plain / t_kv,
-        "rss_growth": rss,
-        "py_peak": py_peak,
-    }
+    _record("save", size, t_kv, t_plain, rss, py_peak)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -9,13 +9,13 @@
 
 from __future__ import annotations
 
-import importlib
 import os
 import sys
-from types import ModuleType
 from typing import Any
 
 import pytest
+
+from kvref._backend import _load_compiled
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -24,16 +24,7 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.benchmark_enable = True
 
 
-def _compiled(stem: str) -> ModuleType | None:
-    try:
-        return importlib.import_module(f"kvref._{stem}_c")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"kvref._{stem}_c":
-            raise
-        return None
-
-
-CELLS_C = _compiled("cells")
+CELLS_C = _load_compiled("cells")
 
 
 def _twins() -> list[Any]:

@@ -10,30 +10,20 @@ Tests marked ``slow`` (the long hypothesis campaigns) run only when selected wit
 
 from __future__ import annotations
 
-import importlib
 import os
-from types import ModuleType
 
 import pytest
 
 from kvref import _cells_py
-
-
-def compiled(stem: str) -> ModuleType | None:
-    """``kvref._<stem>_c`` when it is built, else None (an extension that fails to load still raises)."""
-    try:
-        return importlib.import_module(f"kvref._{stem}_c")
-    except ModuleNotFoundError as exc:
-        if exc.name != f"kvref._{stem}_c":
-            raise
-        return None
+from kvref._backend import _load_compiled
 
 
 def cython_requested() -> bool:
     return os.environ.get("KVREF_BACKEND", "auto").strip().lower() == "cython"
 
 
-CELLS_C = compiled("cells")
+# ``kvref._cells_c`` when it is built, else None (an extension that fails to load still raises)
+CELLS_C = _load_compiled("cells")
 NOT_BUILT = "kvref._cells_c is not built (run `python setup.py build_ext --inplace`); KVREF_BACKEND is not cython"
 
 

@@ -6,7 +6,6 @@ the C++ conditions, not from either twin), used by the hypothesis cross-checks.
 
 from __future__ import annotations
 
-import importlib
 import os
 from types import ModuleType
 
@@ -14,21 +13,13 @@ import numpy as np
 import pytest
 
 from kvref import _mask_py
+from kvref._backend import _load_compiled
 from kvref.hparams import is_masked_swa
 
 NEG_INF = float("-inf")
 
 
-def _compiled() -> ModuleType | None:
-    try:
-        return importlib.import_module("kvref._mask_c")
-    except ModuleNotFoundError as exc:
-        if exc.name != "kvref._mask_c":
-            raise
-        return None
-
-
-MASK_C = _compiled()
+MASK_C = _load_compiled("mask")
 CYTHON_REQUESTED = os.environ.get("KVREF_BACKEND", "auto").strip().lower() == "cython"
 NOT_BUILT = "kvref._mask_c is not built (run `python setup.py build_ext --inplace`); KVREF_BACKEND is not cython"
 

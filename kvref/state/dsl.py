@@ -42,7 +42,19 @@ class Field:
         return getattr(obj, self.attr) if self.attr else None
 
 
-class Scalar(Field):
+class _Derivable(Field):
+    """A field whose value is ``derive(obj, env)`` when a ``derive`` is given, else the record's ``attr``."""
+
+    derive: Callable[[Any, Env], Any] | None
+
+    def get(self, obj: Any, env: Env) -> Any:
+        if self.derive is not None:
+            return self.derive(obj, env)
+        assert self.attr is not None, f"{self.name}: a field without attr must derive its value"
+        return getattr(obj, self.attr)
+
+
+class Scalar(_Derivable):
     """A fixed-size integer. ``check(value, env)`` returns an error message or None."""
 
     def __init__(
@@ -69,12 +81,6 @@ class Scalar(Field):
             if msg:
                 raise FormatError(msg, field=self.name, offset=at)
         return v
-
-    def get(self, obj: Any, env: Env) -> int:
-        if self.derive is not None:
-            return self.derive(obj, env)
-        assert self.attr is not None, f"{self.name}: a field without attr must derive its value"
-        return getattr(obj, self.attr)
 
     def write(self, w: Writer, value: int, env: Env) -> None:
         if self.check is not None:
@@ -181,7 +187,7 @@ class Rows(Field):
         w.array(a, self.name)
 
 
-class Param(Field):
+class Param(_Derivable):
     """No bytes: moves a read option into the object (read) and the object's choice into the env (write)."""
 
     def __init__(self, key: str, *, attr: str | None = "", derive: Callable[[Any, Env], Any] | None = None) -> None:
@@ -191,12 +197,6 @@ class Param(Field):
 
     def read(self, r: Reader, env: Env) -> Any:
         return env[self.name]
-
-    def get(self, obj: Any, env: Env) -> Any:
-        if self.derive is not None:
-            return self.derive(obj, env)
-        assert self.attr is not None, f"{self.name}: a field without attr must derive its value"
-        return getattr(obj, self.attr)
 
     def write(self, w: Writer, value: Any, env: Env) -> None:
         pass

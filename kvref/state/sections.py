@@ -47,39 +47,38 @@ def _type_size(t: int) -> int:
 # --- object model --------------------------------------------------------------------------------------------
 
 
+class _TypedRows(Record):
+    """What LayerRows and TransposedRows share: a ggml type and a uint8 ``data`` array."""
+
+    type: int
+    data: np.ndarray
+
+    @property
+    def type_name(self) -> str:
+        return type_name(self.type)
+
+    @property
+    def nbytes(self) -> int:
+        return int(self.data.nbytes)
+
+
 @dataclass(eq=False)
-class LayerRows(Record):
+class LayerRows(_TypedRows):
     """One tensor's rows for one layer, one row per cell (K, row-wise V, row-wise S)."""
 
     type: int
     row_size: int
     data: np.ndarray  # (n_cells, row_size) uint8, a view into the file when loaded
 
-    @property
-    def type_name(self) -> str:
-        return type_name(self.type)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.data.nbytes)
-
 
 @dataclass(eq=False)
-class TransposedRows(Record):
+class TransposedRows(_TypedRows):
     """V (or S) stored transposed: ``n_embd`` rows, each holding every cell's element of that row."""
 
     type: int
     el_size: int
     n_embd: int
     data: np.ndarray  # (n_embd, n_cells * el_size) uint8
-
-    @property
-    def type_name(self) -> str:
-        return type_name(self.type)
-
-    @property
-    def nbytes(self) -> int:
-        return int(self.data.nbytes)
 
     @property
     def row_size(self) -> int:
