@@ -17,7 +17,7 @@ from . import compat as _compat
 from .errors import NoSlotError
 from .hparams import SWAType
 from .kv_cache import KVCache
-from .memory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, read_parts, sections_of, stage_parts
+from .memory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, PairedMemory, read_parts
 from .recurrent import RecurrentMemory, RecurrentSlot
 
 
@@ -26,7 +26,7 @@ class HybridSlot(NamedTuple):
     recr: RecurrentSlot
 
 
-class HybridMemory:
+class HybridMemory(PairedMemory):
     """llama_memory_hybrid (``swa=False``) / llama_memory_hybrid_iswa (``swa=True``).
 
     Constructor arguments follow llama.cpp's: attention (types, v_trans, kv_size, n_pad, n_swa, swa_type),
@@ -97,6 +97,9 @@ class HybridMemory:
     def get_mem_attn(self) -> Any:
         return self.attn
 
+    def _pair(self) -> list[Any]:
+        return [self.attn, self.recr]
+
     def get_mem_recr(self) -> RecurrentMemory:
         return self.recr
 
@@ -111,31 +114,11 @@ class HybridMemory:
 
     # --- sequence operations -------------------------------------------------------------------------------
 
-    def clear(self, data: bool = True) -> None:
-        self.attn.clear(data)
-        self.recr.clear(data)
-
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         # the recurrent part goes first because it may refuse, and then nothing has changed
         if not self.recr.seq_rm(seq_id, p0, p1):
             return False
         return bool(self.attn.seq_rm(seq_id, p0, p1))
-
-    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
-        self.attn.seq_cp(seq_id_src, seq_id_dst, p0, p1)
-        self.recr.seq_cp(seq_id_src, seq_id_dst, p0, p1)
-
-    def seq_keep(self, seq_id: int) -> None:
-        self.attn.seq_keep(seq_id)
-        self.recr.seq_keep(seq_id)
-
-    def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
-        self.attn.seq_add(seq_id, p0, p1, shift)
-        self.recr.seq_add(seq_id, p0, p1, shift)
-
-    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
-        self.attn.seq_div(seq_id, p0, p1, d)
-        self.recr.seq_div(seq_id, p0, p1, d)
 
     def seq_pos_min(self, seq_id: int) -> int:
         # the positions both parts hold: the larger of the minima, the smaller of the maxima
@@ -216,24 +199,13 @@ class HybridMemory:
         # PARTIAL_ONLY: the recurrent part alone
         return [self.recr] if flags & LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY else [self.attn, self.recr]
 
-    def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Any]:
-        return sections_of(self._state_parts(flags), seq_id, flags)
-
-    def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes:
-        from .state import section_bytes
-
-        return section_bytes(*self.state_sections(seq_id, flags))
-
-    def stage_state(
-        self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
-    ) -> tuple[Callable[[], None], int]:
-        return stage_parts(self._state_parts(flags), data, seq_id, flags, offset)
-
     def state_read(self, data: Any, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
-        """Restore both sections; a failure leaves both parts untouched. With ``atomic=False``, as llama.cpp: the attention part is restored before the recurrent section is read; a failing part is
-        left as llama.cpp leaves it (the sequence removed). When the recurrent part fails, October 2026 clears
-        the restored attention part for the sequence again (llama_memory_hybrid::state_read); 0.3.35 and
-        0.3.16 keep it (checked in their sources)."""
+        """Restore both sections; a failure leaves both parts untouched.
+
+        With ``atomic=False``, as llama.cpp: the attention part is restored before the recurrent section is
+        read; a failing part is left as llama.cpp leaves it (the sequence removed). When the recurrent part
+        fails, October 2026 clears the restored attention part for the sequence again
+        (llama_memory_hybrid::state_read); 0.3.35 and 0.3.16 keep it (checked in their sources)."""
         undo = _compat.since(self.compat, _compat.GEN_2026_10)  # llama-memory-hybrid.cpp: only 0.3.16/35/36 read
         return read_parts(self._state_parts(flags), data, seq_id, flags, undo_before=undo, atomic=atomic)
 

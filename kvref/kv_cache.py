@@ -315,8 +315,15 @@ class KVCache:
     def pending_stream_copies(self) -> list[tuple[int, int]]:
         return list(zip(self._sc_src, self._sc_dst))
 
-    def update(self, *, ext_factor: float = 0.0, attn_factor: float = 1.0, beta_fast: float = 32.0,
-               beta_slow: float = 1.0, n_ctx_orig: int = 0) -> bool:
+    def update(
+        self,
+        *,
+        ext_factor: float = 0.0,
+        attn_factor: float = 1.0,
+        beta_fast: float = 32.0,
+        beta_slow: float = 1.0,
+        n_ctx_orig: int = 0,
+    ) -> bool:
         """Apply what is pending (llama_context::memory_update): stream copies, then the K-shift.
 
         Returns True when something was pending. The keyword arguments are the context's YaRN parameters
@@ -340,8 +347,15 @@ class KVCache:
                     layer.v[sdst] = layer.v[ssrc]
         if do_shift:
             if self.hparams.rope_type != RopeType.NONE:
-                self._k_shift(dict(ext_factor=ext_factor, attn_factor=attn_factor, beta_fast=beta_fast,
-                                   beta_slow=beta_slow, n_ctx_orig=n_ctx_orig))
+                self._k_shift(
+                    dict(
+                        ext_factor=ext_factor,
+                        attn_factor=attn_factor,
+                        beta_fast=beta_fast,
+                        beta_slow=beta_slow,
+                        n_ctx_orig=n_ctx_orig,
+                    )
+                )
             for c in self._cells:
                 c.reset_shift()
         return True
@@ -411,8 +425,15 @@ class KVCache:
             raise NoSlotError(f"no KV slot for a batch of {balloc.get_n_tokens()} tokens")
         return list(zip(ubatches, sinfos))
 
-    def decode(self, batch: Any, n_ubatch: int = 512, *, k: Mapping[int, np.ndarray] | None = None,
-               v: Mapping[int, np.ndarray] | None = None, balloc: Any = None) -> list[tuple[Any, SlotInfo]]:
+    def decode(
+        self,
+        batch: Any,
+        n_ubatch: int = 512,
+        *,
+        k: Mapping[int, np.ndarray] | None = None,
+        v: Mapping[int, np.ndarray] | None = None,
+        balloc: Any = None,
+    ) -> list[tuple[Any, SlotInfo]]:
         """What llama_decode does to the memory: validate, apply pending updates, place every ubatch.
 
         ``k`` / ``v`` optionally map a layer id to its rows for the whole batch (n_tokens, n_embd_gqa),
@@ -568,9 +589,11 @@ class KVCache:
 
     def __repr__(self) -> str:
         used = [c.get_used() for c in self._cells]
-        return (f"KVCache(size={self.get_size()}, n_stream={self.n_stream}, layers={len(self.layers)}, "
-                f"type_k={self.type_k.name.lower()}, type_v={self.type_v.name.lower()}, used={used}, "
-                f"heads={self.heads})")
+        return (
+            f"KVCache(size={self.get_size()}, n_stream={self.n_stream}, layers={len(self.layers)}, "
+            f"type_k={self.type_k.name.lower()}, type_v={self.type_v.name.lower()}, used={used}, "
+            f"heads={self.heads})"
+        )
 
 
 __all__ = ["CacheLayer", "KVCache", "SlotInfo"]

@@ -16,7 +16,7 @@ from . import compat as _compat
 from .errors import NoSlotError
 from .hparams import SWAType
 from .kv_cache import KVCache
-from .memory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, read_parts, sections_of, stage_parts
+from .memory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, PairedMemory, read_parts
 
 SWA_PAD = 256  # October 2026: the SWA cache size is always padded to 256 (llama.cpp issue #17037)
 
@@ -40,7 +40,7 @@ def swa_cache_size(
     return (want + n_pad - 1) // n_pad * n_pad
 
 
-class KVCacheISWA:
+class KVCacheISWA(PairedMemory):
     """llama_kv_cache_iswa. ``kv_size`` is the base size (llama.cpp passes ``n_ctx_seq``)."""
 
     kind = "iswa"
@@ -111,6 +111,9 @@ class KVCacheISWA:
 
     @property
     def parts(self) -> list[KVCache]:
+        return self._pair()
+
+    def _pair(self) -> list[KVCache]:
         return [self.base, self.swa]
 
     # --- sizes ---------------------------------------------------------------------------------------------
@@ -139,30 +142,10 @@ class KVCacheISWA:
 
     # --- sequence operations -------------------------------------------------------------------------------
 
-    def clear(self, data: bool = True) -> None:
-        self.base.clear(data)
-        self.swa.clear(data)
-
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         res_base = self.base.seq_rm(seq_id, p0, p1)  # both are always called (bitwise and in llama.cpp)
         res_swa = self.swa.seq_rm(seq_id, p0, p1)
         return bool(res_base and res_swa)
-
-    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
-        self.base.seq_cp(seq_id_src, seq_id_dst, p0, p1)
-        self.swa.seq_cp(seq_id_src, seq_id_dst, p0, p1)
-
-    def seq_keep(self, seq_id: int) -> None:
-        self.base.seq_keep(seq_id)
-        self.swa.seq_keep(seq_id)
-
-    def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
-        self.base.seq_add(seq_id, p0, p1, shift)
-        self.swa.seq_add(seq_id, p0, p1, shift)
-
-    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
-        self.base.seq_div(seq_id, p0, p1, d)
-        self.swa.seq_div(seq_id, p0, p1, d)
 
     def seq_pos_min(self, seq_id: int) -> int:
         # the SWA cache holds a suffix of what the base holds: its range is the memory's
@@ -246,19 +229,6 @@ class KVCacheISWA:
     def _state_parts(self, flags: int) -> list[KVCache]:
         # PARTIAL_ONLY (formerly SWA_ONLY): only the SWA cache is written / read
         return [self.swa] if flags & LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY else [self.base, self.swa]
-
-    def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Any]:
-        return sections_of(self._state_parts(flags), seq_id, flags)
-
-    def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes:
-        from .state import section_bytes
-
-        return section_bytes(*self.state_sections(seq_id, flags))
-
-    def stage_state(
-        self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
-    ) -> tuple[Callable[[], None], int]:
-        return stage_parts(self._state_parts(flags), data, seq_id, flags, offset)
 
     def state_read(self, data: Any, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
         """Restore both sections; a failure leaves both caches untouched. With ``atomic=False``, as llama.cpp:

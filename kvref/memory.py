@@ -9,6 +9,7 @@ llama_context constructor (src/llama-context.cpp) and `create_memory` mirrors ll
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
@@ -82,10 +83,8 @@ def clear_seq(part: Any, seq_id: int) -> None:
     if seq_id == -1:
         part.clear(True)
         return
-    try:
+    with contextlib.suppress(KVRefError):  # an id the memory does not have: llama.cpp's seq_rm does nothing
         part.seq_rm(seq_id, -1, -1)
-    except KVRefError:
-        pass  # an id the memory does not have: llama.cpp's seq_rm does nothing either
 
 
 def read_parts(
@@ -437,6 +436,52 @@ def create_memory(
     return mem
 
 
+class PairedMemory:
+    """What llama_kv_cache_iswa and llama_memory_hybrid share: two memories that every sequence operation
+    reaches in turn (``_pair()``, in llama.cpp's order), and a state made of their sections one after the
+    other (``_state_parts(flags)``). The subclasses say what differs: ``seq_rm``'s result, which part's
+    positions count, how a batch is split, and what a failed restore leaves."""
+
+    def _pair(self) -> list[Any]:
+        raise NotImplementedError
+
+    def _state_parts(self, flags: int) -> list[Any]:
+        raise NotImplementedError
+
+    def clear(self, data: bool = True) -> None:
+        for m in self._pair():
+            m.clear(data)
+
+    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
+        for m in self._pair():
+            m.seq_cp(seq_id_src, seq_id_dst, p0, p1)
+
+    def seq_keep(self, seq_id: int) -> None:
+        for m in self._pair():
+            m.seq_keep(seq_id)
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
+        for m in self._pair():
+            m.seq_add(seq_id, p0, p1, shift)
+
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        for m in self._pair():
+            m.seq_div(seq_id, p0, p1, d)
+
+    def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Any]:
+        return sections_of(self._state_parts(flags), seq_id, flags)
+
+    def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes:
+        from .state import section_bytes
+
+        return section_bytes(*self.state_sections(seq_id, flags))
+
+    def stage_state(
+        self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
+    ) -> tuple[Callable[[], None], int]:
+        return stage_parts(self._state_parts(flags), data, seq_id, flags, offset)
+
+
 __all__ = [
     "LLAMA_STATE_SEQ_FLAGS_NONE",
     "LLAMA_STATE_SEQ_FLAGS_ON_DEVICE",
@@ -446,6 +491,7 @@ __all__ = [
     "UNSUPPORTED_ARCHS",
     "ContextParams",
     "Memory",
+    "PairedMemory",
     "context_params",
     "create_memory",
     "kv_pad",

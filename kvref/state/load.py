@@ -32,7 +32,10 @@ _SESSION_VARIANTS: dict[int, list[Variant]] = {
     9: [(True, False, (0,)), (True, True, (0, 8)), (False, True, (0, 8))],
     10: [(False, True, (0, 12))],
 }
-_SEQ_VARIANTS: dict[int, list[Variant]] = {2: [(False, False, (0,)), (False, True, (0, 8))], 3: [(False, True, (0, 12))]}
+_SEQ_VARIANTS: dict[int, list[Variant]] = {
+    2: [(False, False, (0,)), (False, True, (0, 8))],
+    3: [(False, True, (0, 12))],
+}
 
 
 def _open(src: Any) -> memoryview:
