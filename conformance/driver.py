@@ -21,7 +21,7 @@ import llama_cpp as L
 GGML_TYPES = {"f32": 0, "f16": 1, "q4_0": 2, "q4_1": 3, "q5_0": 6, "q5_1": 7, "q8_0": 8, "bf16": 30}
 
 SESSION_MAGIC = 0x6767736E  # 'ggsn'
-SEQ_MAGIC = 0x67677371      # 'ggsq'
+SEQ_MAGIC = 0x67677371  # 'ggsq'
 
 # llama_context::state_seq_get_data prefixes every raw sequence blob with this u32 and the
 # source seq id (i32) in the current producer; llama_state_seq_save_file never does
@@ -37,26 +37,59 @@ SEQ_DATA_IO_MAGIC = 0xAF143CD8
 #   whole_restore_last_stream  a whole restore clears the cache before each non-empty stream it reads,
 #                  so only the last one survives (the multistream script records one, legacy runs only)
 PRODUCERS = {
-    "0.3.36": {"llama_cpp_commit": "0c1e57098bba43ac29e6e3b677cdceebdd22334f", "llama_cpp_commit_date": "2026-10-01",
-               "session_version": 10, "seq_version": 3, "output_block": False, "seq_data_prefix": True,
-               "cell_ext_size": 12, "swa_masked_in_seq": False},
+    "0.3.36": {
+        "llama_cpp_commit": "0c1e57098bba43ac29e6e3b677cdceebdd22334f",
+        "llama_cpp_commit_date": "2026-10-01",
+        "session_version": 10,
+        "seq_version": 3,
+        "output_block": False,
+        "seq_data_prefix": True,
+        "cell_ext_size": 12,
+        "swa_masked_in_seq": False,
+    },
     # 0.3.35 (August 2026): session v9 without the output block, seq v2, seq-blob prefix, 8-byte cell ext
     # (i32 x, y: M-RoPE only); the sdist names the commit only by its prefix (CHANGELOG.md)
-    "0.3.35": {"llama_cpp_commit": "4df29be4f", "llama_cpp_commit_date": None,
-               "session_version": 9, "seq_version": 2, "output_block": False, "seq_data_prefix": True,
-               "cell_ext_size": 8, "swa_masked_in_seq": False, "whole_restore_last_stream": True},
+    "0.3.35": {
+        "llama_cpp_commit": "4df29be4f",
+        "llama_cpp_commit_date": None,
+        "session_version": 9,
+        "seq_version": 2,
+        "output_block": False,
+        "seq_data_prefix": True,
+        "cell_ext_size": 8,
+        "swa_masked_in_seq": False,
+        "whole_restore_last_stream": True,
+    },
     # 0.3.12 (July 2025, before PR #14363): as 0.3.16 without streams; no *_ext state functions (no flags)
-    "0.3.12": {"llama_cpp_commit": "a0374a67e2924f2e845cdc59dd67d9a44065a89c", "llama_cpp_commit_date": None,
-               "session_version": 9, "seq_version": 2, "output_block": True, "seq_data_prefix": False,
-               "cell_ext_size": 0, "swa_masked_in_seq": True, "n_stream_field": False,
-               # GGML_ASSERT in ggml_view_1d (llama_kv_cache_unified::cpy_k) while llama_init_from_model
-               # reserves its graphs for n_seq_max 3 with n_ubatch 256 = the cache size
-               # and llama_memory_recurrent::init_batch loops until std::bad_alloc (its split loop never ends)
-               "skip_cases": {"llama-f16-multistream": "llama_init_from_model aborts (GGML_ASSERT in cpy_k)",
-                              "mamba-seq-cp-rm": "llama_decode: init_batch aborts (std::bad_alloc)"}},
-    "0.3.16": {"llama_cpp_commit": "4227c9be4268ac844921b90f31595f81236bd317", "llama_cpp_commit_date": None,
-               "session_version": 9, "seq_version": 2, "output_block": True, "seq_data_prefix": False,
-               "cell_ext_size": 0, "swa_masked_in_seq": True, "whole_restore_last_stream": True},
+    "0.3.12": {
+        "llama_cpp_commit": "a0374a67e2924f2e845cdc59dd67d9a44065a89c",
+        "llama_cpp_commit_date": None,
+        "session_version": 9,
+        "seq_version": 2,
+        "output_block": True,
+        "seq_data_prefix": False,
+        "cell_ext_size": 0,
+        "swa_masked_in_seq": True,
+        "n_stream_field": False,
+        # GGML_ASSERT in ggml_view_1d (llama_kv_cache_unified::cpy_k) while llama_init_from_model
+        # reserves its graphs for n_seq_max 3 with n_ubatch 256 = the cache size
+        # and llama_memory_recurrent::init_batch loops until std::bad_alloc (its split loop never ends)
+        "skip_cases": {
+            "llama-f16-multistream": "llama_init_from_model aborts (GGML_ASSERT in cpy_k)",
+            "mamba-seq-cp-rm": "llama_decode: init_batch aborts (std::bad_alloc)",
+        },
+    },
+    "0.3.16": {
+        "llama_cpp_commit": "4227c9be4268ac844921b90f31595f81236bd317",
+        "llama_cpp_commit_date": None,
+        "session_version": 9,
+        "seq_version": 2,
+        "output_block": True,
+        "seq_data_prefix": False,
+        "cell_ext_size": 0,
+        "swa_masked_in_seq": True,
+        "whole_restore_last_stream": True,
+    },
 }
 PRODUCER = PRODUCERS[L.__version__]
 SESSION_VERSION = PRODUCER["session_version"]
@@ -109,6 +142,7 @@ def sha256(path: Path) -> str:
 
 # ------------------------------------------------------------------ memory description
 
+
 def memory_kind(hp: dict) -> str:
     if any(hp["recurrent_layers"]):
         if all(hp["recurrent_layers"]):
@@ -154,15 +188,25 @@ def _parse_memory_log(lines) -> dict:
     for _lvl, l in lines:
         m = _KV_SIZE_RE.search(l)
         if m:
-            ent = {"module": m.group(1), "cells": int(m.group(2)), "layers": int(m.group(3)),
-                   "n_seq_max": int(m.group(4))}
+            ent = {
+                "module": m.group(1),
+                "cells": int(m.group(2)),
+                "layers": int(m.group(3)),
+                "n_seq_max": int(m.group(4)),
+            }
             if m.group(5) is not None:
                 ent["n_stream"] = int(m.group(5))
             out["caches"].append(ent)
         m = _RS_OLD_RE.search(l)
         if m:
-            out["caches"].append({"module": m.group(1), "cells": int(m.group(2)), "layers": int(m.group(4)),
-                                  "n_seq_max": int(m.group(3))})
+            out["caches"].append(
+                {
+                    "module": m.group(1),
+                    "cells": int(m.group(2)),
+                    "layers": int(m.group(4)),
+                    "n_seq_max": int(m.group(3)),
+                }
+            )
         m = _ISWA_RE.search(l)
         if m:
             out["kv_size_swa" if m.group(1) == "SWA" else "kv_size_base"] = int(m.group(2))
@@ -170,6 +214,7 @@ def _parse_memory_log(lines) -> dict:
 
 
 # ------------------------------------------------------------------ the run
+
 
 class Run:
     def __init__(self, case_dir: Path, model_path: Path, hp: dict, cparams: dict):
@@ -303,9 +348,17 @@ class Run:
         ret = int(L.llama_decode(self.ctx, b))
         lines = _take_log()
         L.llama_batch_free(b)
-        self._push({"op": "decode", "tokens": [int(t) for t in tokens], "pos": [int(p) for p in pos],
-                    "seq_ids": [[int(s) for s in ss] for ss in seq_ids],
-                    "logits": [int(bool(x)) for x in logits], "ret": ret}, lines)
+        self._push(
+            {
+                "op": "decode",
+                "tokens": [int(t) for t in tokens],
+                "pos": [int(p) for p in pos],
+                "seq_ids": [[int(s) for s in ss] for ss in seq_ids],
+                "logits": [int(bool(x)) for x in logits],
+                "ret": ret,
+            },
+            lines,
+        )
         return ret
 
     def decode_seq(self, seq_id: int, tokens, start: int | None = None, also=()) -> int:
@@ -386,9 +439,15 @@ class Run:
         _take_log()
         ret = bool(L.llama_state_save_file(self.ctx, str(path).encode(), arr, len(tokens)))
         lines = _take_log()
-        op = {"op": "save", "kind": "session", "file": name, "tokens": list(tokens), "ret": ret,
-              "header": {"magic": SESSION_MAGIC, "version": SESSION_VERSION, "n_token_count": len(tokens)},
-              "arch": self.hp["arch"]}
+        op = {
+            "op": "save",
+            "kind": "session",
+            "file": name,
+            "tokens": list(tokens),
+            "ret": ret,
+            "header": {"magic": SESSION_MAGIC, "version": SESSION_VERSION, "n_token_count": len(tokens)},
+            "arch": self.hp["arch"],
+        }
         self._describe(op, path, None, 0, True)
         self._obs_sizes(op, None)
         self._push(op, lines)
@@ -400,9 +459,16 @@ class Run:
         _take_log()
         ret = int(L.llama_state_seq_save_file(self.ctx, str(path).encode(), seq_id, arr, len(tokens)))
         lines = _take_log()
-        op = {"op": "save", "kind": "seq", "file": name, "seq_id": seq_id, "tokens": list(tokens),
-              "ret": ret, "flags": 0,
-              "header": {"magic": SEQ_MAGIC, "version": SEQ_VERSION, "n_token_count": len(tokens)}}
+        op = {
+            "op": "save",
+            "kind": "seq",
+            "file": name,
+            "seq_id": seq_id,
+            "tokens": list(tokens),
+            "ret": ret,
+            "flags": 0,
+            "header": {"magic": SEQ_MAGIC, "version": SEQ_VERSION, "n_token_count": len(tokens)},
+        }
         self._describe(op, path, seq_id, 0, False)
         self._obs_sizes(op, seq_id)
         self._push(op, lines)
@@ -416,8 +482,15 @@ class Run:
         ret = int(L.llama_state_get_data(self.ctx, buf, size))
         lines = _take_log()
         path.write_bytes(bytes(buf)[:ret])
-        op = {"op": "save", "kind": "state_data", "file": name, "ret": ret, "get_size": size,
-              "arch": self.hp["arch"], "header": None}
+        op = {
+            "op": "save",
+            "kind": "state_data",
+            "file": name,
+            "ret": ret,
+            "get_size": size,
+            "arch": self.hp["arch"],
+            "header": None,
+        }
         self._describe(op, path, None, 0, True)
         self._obs_sizes(op, None)
         self._push(op, lines)
@@ -438,9 +511,16 @@ class Run:
             ret = int(L.llama_state_seq_get_data(self.ctx, buf, size, seq_id))
         lines = _take_log()
         path.write_bytes(bytes(buf)[:ret])
-        op = {"op": "save", "kind": "seq_data", "file": name, "seq_id": seq_id, "flags": flags,
-              "ret": ret, "get_size": size,
-              "header": {"io_magic": SEQ_DATA_IO_MAGIC, "seq_id": seq_id} if PRODUCER["seq_data_prefix"] else None}
+        op = {
+            "op": "save",
+            "kind": "seq_data",
+            "file": name,
+            "seq_id": seq_id,
+            "flags": flags,
+            "ret": ret,
+            "get_size": size,
+            "header": {"io_magic": SEQ_DATA_IO_MAGIC, "seq_id": seq_id} if PRODUCER["seq_data_prefix"] else None,
+        }
         self._describe(op, path, seq_id, flags, False)
         self._obs_sizes(op, seq_id)
         self._push(op, lines)
@@ -467,20 +547,41 @@ class Run:
         _take_log()
         ret = bool(L.llama_state_load_file(self.ctx, str(self.dir / file).encode(), arr, capacity, ctypes.byref(n)))
         lines = _take_log()
-        self._push({"op": "state_load", "kind": "session", "file": file, "n_token_capacity": capacity,
-                    "ret": ret, "tokens": [int(arr[i]) for i in range(n.value)] if ret else None}, lines)
+        self._push(
+            {
+                "op": "state_load",
+                "kind": "session",
+                "file": file,
+                "n_token_capacity": capacity,
+                "ret": ret,
+                "tokens": [int(arr[i]) for i in range(n.value)] if ret else None,
+            },
+            lines,
+        )
         return ret
 
     def load_seq(self, file: str, dest_seq_id: int, capacity: int = 4096) -> int:
         arr = (L.llama_token * max(capacity, 1))()
         n = ctypes.c_size_t(0)
         _take_log()
-        ret = int(L.llama_state_seq_load_file(self.ctx, str(self.dir / file).encode(), dest_seq_id, arr,
-                                              capacity, ctypes.byref(n)))
+        ret = int(
+            L.llama_state_seq_load_file(
+                self.ctx, str(self.dir / file).encode(), dest_seq_id, arr, capacity, ctypes.byref(n)
+            )
+        )
         lines = _take_log()
-        self._push({"op": "seq_restore", "kind": "seq", "file": file, "dest_seq_id": dest_seq_id,
-                    "n_token_capacity": capacity, "ret": ret,
-                    "tokens": [int(arr[i]) for i in range(n.value)] if ret else None}, lines)
+        self._push(
+            {
+                "op": "seq_restore",
+                "kind": "seq",
+                "file": file,
+                "dest_seq_id": dest_seq_id,
+                "n_token_capacity": capacity,
+                "ret": ret,
+                "tokens": [int(arr[i]) for i in range(n.value)] if ret else None,
+            },
+            lines,
+        )
         return ret
 
     def set_state_data(self, file: str) -> int:
@@ -502,6 +603,15 @@ class Run:
             assert flags == 0, "these bindings have no *_ext state functions"
             ret = int(L.llama_state_seq_set_data(self.ctx, buf, len(data), dest_seq_id))
         lines = _take_log()
-        self._push({"op": "seq_restore", "kind": "seq_data", "file": file, "dest_seq_id": dest_seq_id,
-                    "flags": flags, "ret": ret}, lines)
+        self._push(
+            {
+                "op": "seq_restore",
+                "kind": "seq_data",
+                "file": file,
+                "dest_seq_id": dest_seq_id,
+                "flags": flags,
+                "ret": ret,
+            },
+            lines,
+        )
         return ret

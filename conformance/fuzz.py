@@ -58,13 +58,24 @@ UBATCHES = (3, 5, 8, 16, 32, 256)
 
 # ------------------------------------------------------------------ plans (pure, no llama.cpp)
 
+
 def make_plan(model: str, seed: int, n_ops: tuple[int, int] = (20, 60)) -> dict:
     """A seeded plan: context params and a list of abstract ops (positions resolved at run time)."""
     arch, extra = MODELS[model]
     rng = random.Random(f"{model}:{seed}")
     n_seq = extra["n_seq_max"]
-    cp = dict(n_ctx=256, n_batch=extra.get("n_ctx", 256), n_ubatch=rng.choice(UBATCHES), kv_unified=True, flash_attn=False,
-              type_k="f16", type_v="f16", swa_full=False, n_rs_seq=0, n_threads=1)
+    cp = dict(
+        n_ctx=256,
+        n_batch=extra.get("n_ctx", 256),
+        n_ubatch=rng.choice(UBATCHES),
+        kv_unified=True,
+        flash_attn=False,
+        type_k="f16",
+        type_v="f16",
+        swa_full=False,
+        n_rs_seq=0,
+        n_threads=1,
+    )
     cp.update(extra)
     mrope = arch == "qwen2vl"
     layered = arch in ("gemma2", "jamba")  # PARTIAL_ONLY means something
@@ -79,21 +90,49 @@ def make_plan(model: str, seed: int, n_ops: tuple[int, int] = (20, 60)) -> dict:
         return [rng.randrange(4, N_VOCAB) for _ in range(n)]
 
     ops: list[dict] = []
-    weights = {"decode": 40, "big": 3, "seq_rm": 10, "seq_cp": 8, "seq_keep": 2, "seq_add": 0 if mrope else 8,
-               "seq_div": 0 if mrope else 3, "clear": 2, "save": 6, "restore": 5, "bad": 2}
-    kinds, w = zip(*weights.items())
+    weights = {
+        "decode": 40,
+        "big": 3,
+        "seq_rm": 10,
+        "seq_cp": 8,
+        "seq_keep": 2,
+        "seq_add": 0 if mrope else 8,
+        "seq_div": 0 if mrope else 3,
+        "clear": 2,
+        "save": 6,
+        "restore": 5,
+        "bad": 2,
+    }
+    kinds, w = zip(*weights.items(), strict=True)
     for _ in range(rng.randint(*n_ops)):
         k = rng.choices(kinds, w)[0]
         if k == "decode":
             seqs = rng.sample(range(n_seq), rng.choice([1, 1, 1, 2, 2, 3][: 2 * n_seq]) if n_seq > 1 else 1)
-            ops.append({"op": "decode", "seqs": seqs, "n": [rng.randint(1, 12) for _ in seqs],
-                        "shared": rng.randint(1, 4) if len(seqs) > 1 and rng.random() < 0.35 else 0,
-                        "start": 0 if rng.random() < 0.7 else rng.randrange(0, 30),
-                        "jump": rng.randrange(0, 5) if mrope and rng.random() < 0.3 else 0,
-                        "order": rng.randrange(1 << 30), "tokens": toks(64)})
+            ops.append(
+                {
+                    "op": "decode",
+                    "seqs": seqs,
+                    "n": [rng.randint(1, 12) for _ in seqs],
+                    "shared": rng.randint(1, 4) if len(seqs) > 1 and rng.random() < 0.35 else 0,
+                    "start": 0 if rng.random() < 0.7 else rng.randrange(0, 30),
+                    "jump": rng.randrange(0, 5) if mrope and rng.random() < 0.3 else 0,
+                    "order": rng.randrange(1 << 30),
+                    "tokens": toks(64),
+                }
+            )
         elif k == "big":
-            ops.append({"op": "decode", "seqs": [seq()], "n": [rng.randint(60, 250)], "shared": 0, "start": 0,
-                        "jump": 0, "order": 0, "tokens": toks(256)})
+            ops.append(
+                {
+                    "op": "decode",
+                    "seqs": [seq()],
+                    "n": [rng.randint(60, 250)],
+                    "shared": 0,
+                    "start": 0,
+                    "jump": 0,
+                    "order": 0,
+                    "tokens": toks(256),
+                }
+            )
         elif k == "bad":  # an invalid batch: a gap, a decrease, a bad seq id or token id
             ops.append({"op": "bad", "seq": seq(), "how": rng.choice(["gap", "decrease", "seq_id", "token"])})
         elif k == "seq_rm":
@@ -103,18 +142,31 @@ def make_plan(model: str, seed: int, n_ops: tuple[int, int] = (20, 60)) -> dict:
         elif k == "seq_keep":
             ops.append({"op": "seq_keep", "seq": seq()})
         elif k == "seq_add":
-            ops.append({"op": "seq_add", "seq": seq(), "p0": p(), "p1": p(),
-                        "delta": rng.choice([-1, 1]) * rng.randint(1, 12)})
+            ops.append(
+                {"op": "seq_add", "seq": seq(), "p0": p(), "p1": p(), "delta": rng.choice([-1, 1]) * rng.randint(1, 12)}
+            )
         elif k == "seq_div":
             ops.append({"op": "seq_div", "seq": seq(), "p0": p(), "p1": p(), "d": rng.randint(2, 4)})
         elif k == "clear":
             ops.append({"op": "clear", "data": rng.random() < 0.8})
         elif k == "save":
-            ops.append({"op": "save", "kind": rng.choice(["seq", "seqdata", "seqdata", "session", "state"]),
-                        "seq": seq(), "flags": 1 if layered and rng.random() < 0.4 else 0})
+            ops.append(
+                {
+                    "op": "save",
+                    "kind": rng.choice(["seq", "seqdata", "seqdata", "session", "state"]),
+                    "seq": seq(),
+                    "flags": 1 if layered and rng.random() < 0.4 else 0,
+                }
+            )
         elif k == "restore":
-            ops.append({"op": "restore", "kind": rng.choice(["seq", "seqdata", "session", "state"]),
-                        "dst": seq(), "rm_first": rng.random() < 0.6})
+            ops.append(
+                {
+                    "op": "restore",
+                    "kind": rng.choice(["seq", "seqdata", "session", "state"]),
+                    "dst": seq(),
+                    "rm_first": rng.random() < 0.6,
+                }
+            )
     return {"model": model, "seed": seed, "arch": arch, "cparams": cp, "ops": ops}
 
 
@@ -140,11 +192,11 @@ def fmt_ranges(xs: list[int]) -> str:
 
 # ------------------------------------------------------------------ running a plan in llama.cpp (child side)
 
+
 def execute(r, plan: dict, keep: list[int] | None, check_every: int) -> list[int]:
     """Run the plan's ops (only ``keep`` when given) on driver.Run ``r``; return, per trace op, its plan index."""
     n_seq = r.n_seq_max
     unified = plan["cparams"]["kv_unified"]
-    mrope = plan["arch"] == "qwen2vl"
     saved: dict[str, tuple[str, int, int]] = {}  # kind -> (file, seq, flags)
     owner: list[int] = [-1]  # trace[0] is init
     idx = keep if keep is not None else list(range(len(plan["ops"])))
@@ -171,7 +223,7 @@ def execute(r, plan: dict, keep: list[int] | None, check_every: int) -> list[int
                         ids.append(list(group))
                         for s in group:
                             nxt[s] = nxt[s0] + 1
-            rest = [s for s, n in zip(seqs, o["n"]) for _ in range(n)]
+            rest = [s for s, n in zip(seqs, o["n"], strict=False) for _ in range(n)]
             random.Random(o["order"]).shuffle(rest)
             for s in rest:
                 toks.append(next(tk))
@@ -267,11 +319,12 @@ def child_main(a) -> int:
     def script(r, _tok):
         owner.extend(execute(r, plan, keep, a.check_every))
 
-    desc = (f"fuzz.py plan for model {a.model}, seed {a.seed}"
-            + (f", ops {a.keep}" if keep is not None else f", {len(plan['ops'])} ops")
-            + f" (n_ubatch {cp['n_ubatch']}). {a.description}".rstrip())
-    case = generate.Case(cid, plan["arch"], desc.strip(), ["fuzz"], script,
-                         **{k: v for k, v in cp.items()})
+    desc = (
+        f"fuzz.py plan for model {a.model}, seed {a.seed}"
+        + (f", ops {a.keep}" if keep is not None else f", {len(plan['ops'])} ops")
+        + f" (n_ubatch {cp['n_ubatch']}). {a.description}".rstrip()
+    )
+    case = generate.Case(cid, plan["arch"], desc.strip(), ["fuzz"], script, **{k: v for k, v in cp.items()})
     doc = generate.run_case(case, m, vers, golden_dir=out.parent)
     if a.meta_out:
         Path(a.meta_out).write_text(json.dumps({"owner": owner, "n_plan": len(plan["ops"])}))
@@ -282,11 +335,28 @@ def child_main(a) -> int:
 
 # ------------------------------------------------------------------ the fuzz loop (parent side)
 
-def gen_case(model: str, seed: int, out: Path, keep: list[int] | None, check_every: int, args,
-             meta: Path | None = None) -> tuple[bool, str]:
-    cmd = [sys.executable, __file__, "--model", model, "--seed", str(seed), "--case-out", str(out),
-           "--check-every", str(check_every), "--min-ops", str(args.min_ops), "--max-ops", str(args.max_ops),
-           "--model-dir", str(args.model_dir)]
+
+def gen_case(
+    model: str, seed: int, out: Path, keep: list[int] | None, check_every: int, args, meta: Path | None = None
+) -> tuple[bool, str]:
+    cmd = [
+        sys.executable,
+        __file__,
+        "--model",
+        model,
+        "--seed",
+        str(seed),
+        "--case-out",
+        str(out),
+        "--check-every",
+        str(check_every),
+        "--min-ops",
+        str(args.min_ops),
+        "--max-ops",
+        str(args.max_ops),
+        "--model-dir",
+        str(args.model_dir),
+    ]
     if keep is not None:
         cmd += ["--keep", fmt_ranges(keep) if keep else ""]
     if meta is not None:
@@ -318,8 +388,17 @@ def signature(detail: str) -> str:
 
     check, _, rest = detail.partition(":")
     m = re.search(r"\((\w+)", rest)
-    what = "observed" if "observed" in rest else "returned" if "returned" in rest else \
-        "cells" if "cell #" in rest or "cells" in rest else "bytes" if "bytes" in rest else rest[-40:]
+    what = (
+        "observed"
+        if "observed" in rest
+        else "returned"
+        if "returned" in rest
+        else "cells"
+        if "cell #" in rest or "cells" in rest
+        else "bytes"
+        if "bytes" in rest
+        else rest[-40:]
+    )
     return f"{check}/{m.group(1) if m else ''}/{what}"
 
 
@@ -333,7 +412,7 @@ def minimise(model: str, seed: int, root: Path, args, sig: str, n_plan: int) -> 
         nonlocal tries
         tries += 1
         cid = f"min-{model}-{seed}"
-        ok, why = gen_case(model, seed, root / "golden" / cid, k, args.check_every, args)
+        ok, _why = gen_case(model, seed, root / "golden" / cid, k, args.check_every, args)
         if not ok:
             return None
         st, d = replay(root, cid)
@@ -343,7 +422,7 @@ def minimise(model: str, seed: int, root: Path, args, sig: str, n_plan: int) -> 
     while chunk >= 1 and tries < args.max_tries:
         i, removed = 0, False
         while i < len(keep) and tries < args.max_tries:
-            cand = keep[:i] + keep[i + chunk:]
+            cand = keep[:i] + keep[i + chunk :]
             d = fails(cand) if cand else None
             if d is not None:
                 keep, last, removed = cand, d, True
@@ -398,8 +477,12 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", default=None, help="with --case-out: only these plan op indices (e.g. 0-3,7)")
     ap.add_argument("--case-out", help="write one case directory (its name is the case id)")
     ap.add_argument("--description", default="", help="with --case-out: text appended to the description")
-    ap.add_argument("--check-every", type=int, default=None,
-                    help="add a whole-state save every N ops (default 5 when fuzzing, 0 with --case-out)")
+    ap.add_argument(
+        "--check-every",
+        type=int,
+        default=None,
+        help="add a whole-state save every N ops (default 5 when fuzzing, 0 with --case-out)",
+    )
     ap.add_argument("--min-ops", type=int, default=20)
     ap.add_argument("--max-ops", type=int, default=60)
     ap.add_argument("--work", help="fuzz work dir (default: a new temp dir)")
@@ -407,8 +490,12 @@ def main(argv=None) -> int:
     ap.add_argument("--minimise", action="store_true", help="minimise every failing trace")
     ap.add_argument("--max-tries", type=int, default=80, help="llama.cpp runs per minimisation")
     ap.add_argument("--meta-out", help=argparse.SUPPRESS)
-    ap.add_argument("--model-dir", type=Path, default=Path(tempfile.gettempdir()) / f"kvref-fuzz-models-{os.getuid()}",
-                    help="where the tiny models are (re)written (default: a private temp dir)")
+    ap.add_argument(
+        "--model-dir",
+        type=Path,
+        default=Path(tempfile.gettempdir()) / f"kvref-fuzz-models-{os.getuid()}",
+        help="where the tiny models are (re)written (default: a private temp dir)",
+    )
     a = ap.parse_args(argv)
     if a.case_out:
         if a.check_every is None:

@@ -39,17 +39,22 @@ from driver import FLAGS_PARTIAL_ONLY  # noqa: E402
 CURRENT_PRODUCER = "0.3.36"
 # cases replayed with an older llama-cpp-python (installed in its own venv) for the legacy
 # layouts; their ids get the prefix "legacy-<version>-"
-LEGACY_CASES = ("llama-f16-single-seq", "llama-f16-multistream", "gemma2-swa-overflow",
-                "mamba-seq-cp-rm", "qwen2vl-mrope")
+LEGACY_CASES = (
+    "llama-f16-single-seq",
+    "llama-f16-multistream",
+    "gemma2-swa-overflow",
+    "mamba-seq-cp-rm",
+    "qwen2vl-mrope",
+)
 SCHEMA_VERSION = 1
 COMMIT_MODEL_MAX = 200 * 1024
 # committed under conformance/models/ (each < COMMIT_MODEL_MAX) for HParams.from_gguf tests;
 # the others are only written to the model cache
-COMMITTED_MODELS = ("llama", "mamba", "qwen2vl", "gemma3", "qwen3", "llama4", "mamba2", "rwkv6", "lfm2",
-                    "lfm2-swa")
+COMMITTED_MODELS = ("llama", "mamba", "qwen2vl", "gemma3", "qwen3", "llama4", "mamba2", "rwkv6", "lfm2", "lfm2-swa")
 
 
 # ------------------------------------------------------------------ case table
+
 
 @dataclass
 class Case:
@@ -71,9 +76,22 @@ class Case:
     n_threads: int = 1
 
     def cparams(self) -> dict:
-        return {k: getattr(self, k) for k in ("n_ctx", "n_batch", "n_ubatch", "n_seq_max", "kv_unified",
-                                              "flash_attn", "type_k", "type_v", "swa_full", "n_rs_seq",
-                                              "n_threads")}
+        return {
+            k: getattr(self, k)
+            for k in (
+                "n_ctx",
+                "n_batch",
+                "n_ubatch",
+                "n_seq_max",
+                "kv_unified",
+                "flash_attn",
+                "type_k",
+                "type_v",
+                "swa_full",
+                "n_rs_seq",
+                "n_threads",
+            )
+        }
 
 
 class Tokens:
@@ -89,6 +107,7 @@ class Tokens:
 # Every script receives (run, tok) and performs the case's operations in order.
 # `hist` dicts keep the token list of each sequence so session/seq files carry the
 # tokens a real program would store with them.
+
 
 def s_single_seq(r, tok):
     hist = {0: tok(12)}
@@ -171,7 +190,7 @@ def s_shared_prefix(r, tok):
     prefix = tok(8)
     r.decode_seq(0, prefix)
     r.seq_cp(0, 1, -1, -1)
-    r.seq_cp(0, 2, 0, 4)           # only positions [0, 4)
+    r.seq_cp(0, 2, 0, 4)  # only positions [0, 4)
     hist = {0: prefix + tok(3), 1: prefix + tok(2), 2: prefix[:4] + tok(2)}
     r.decode_seq(0, hist[0][8:])
     r.decode_seq(1, hist[1][8:])
@@ -186,13 +205,13 @@ def s_seq_rm_ranges(r, tok):
     hist = {0: tok(16), 1: tok(9)}
     r.decode_seq(0, hist[0])
     r.decode_seq(1, hist[1])
-    r.seq_rm(0, 3, 7)              # a hole in the middle
-    r.seq_rm(0, 14, -1)            # the tail
-    r.seq_rm(1, -1, 2)             # p0 < 0 means from the start
-    r.seq_rm(-1, 8, 9)             # every sequence
-    r.seq_rm(0, 20, 30)            # nothing there: still true
+    r.seq_rm(0, 3, 7)  # a hole in the middle
+    r.seq_rm(0, 14, -1)  # the tail
+    r.seq_rm(1, -1, 2)  # p0 < 0 means from the start
+    r.seq_rm(-1, 8, 9)  # every sequence
+    r.seq_rm(0, 20, 30)  # nothing there: still true
     r.save_all(hist)
-    r.seq_rm(-1, -1, -1)           # all sequences, all positions
+    r.seq_rm(-1, -1, -1)  # all sequences, all positions
     r.save_session([])
     r.save_state_data()
 
@@ -204,9 +223,9 @@ def s_context_shift(r, tok):
     # discard positions [4, 12) and shift the rest back by 8 (a context shift)
     r.seq_rm(0, 4, 12)
     r.seq_add(0, 12, -1, -8)
-    r.save_all(hist)               # shift pending, positions already moved
+    r.save_all(hist)  # shift pending, positions already moved
     t = tok(1)
-    r.decode_seq(0, t)             # applies the K-shift before placing the token
+    r.decode_seq(0, t)  # applies the K-shift before placing the token
     hist[0] = hist[0][:4] + hist[0][12:] + t
     r.save_all(hist)
     # a shift that pushes positions below zero removes those cells
@@ -219,7 +238,7 @@ def s_seq_div(r, tok):
     hist = {0: tok(20), 1: tok(6)}
     r.decode_seq(0, hist[0])
     r.decode_seq(1, hist[1])
-    r.seq_div(0, 8, -1, 2)         # positions >= 8 halved (self-extend style)
+    r.seq_div(0, 8, -1, 2)  # positions >= 8 halved (self-extend style)
     r.seq_div(1, 0, 4, 3)
     r.save_all(hist)
     r.decode_seq(0, tok(1))
@@ -245,14 +264,14 @@ def s_cache_full(r, tok):
     r.decode_seq(0, hist[0][128:])
     ret = r.decode_seq(0, tok(10))
     assert ret == 1, ret
-    r.decode_seq(0, tok(6))        # exactly the 6 free cells
-    r.decode_seq(0, tok(1))        # full again
+    r.decode_seq(0, tok(6))  # exactly the 6 free cells
+    r.decode_seq(0, tok(1))  # full again
     # invalid batches are refused before touching the memory
-    r.decode([tinymodels.N_VOCAB + 5], [r.pos_max(0) + 1], [[0]])   # token id out of range
-    r.decode(tok(1), [r.pos_max(0) + 1], [[1]])                     # seq id >= n_seq_max
-    r.decode(tok(2), [0, 2], [[0], [0]])                            # positions not continuous
+    r.decode([tinymodels.N_VOCAB + 5], [r.pos_max(0) + 1], [[0]])  # token id out of range
+    r.decode(tok(1), [r.pos_max(0) + 1], [[1]])  # seq id >= n_seq_max
+    r.decode(tok(2), [0, 2], [[0], [0]])  # positions not continuous
     p = r.pos_max(0) + 1
-    r.decode(tok(2), [p + 1, p], [[0], [0]])                        # positions decreasing
+    r.decode(tok(2), [p + 1, p], [[0], [0]])  # positions decreasing
     r.save_session([])
 
 
@@ -261,7 +280,7 @@ def s_clear(r, tok):
     r.clear(True)
     hist = {0: tok(5)}
     r.decode_seq(0, hist[0])
-    r.clear(False)                 # metadata only
+    r.clear(False)  # metadata only
     r.decode_seq(0, hist[0])
     r.save_all(hist)
 
@@ -311,7 +330,7 @@ def s_swa_wraparound(r, tok):
     # 300 tokens through a 256-cell SWA cache: SWA cells are reused once masked
     hist = {0: tok(300)}
     for i in range(0, 300, 32):
-        r.decode_seq(0, hist[0][i:i + 32])
+        r.decode_seq(0, hist[0][i : i + 32])
     r.save_session(hist[0])
     r.save_seq(0, hist[0])
     r.save_seq_data(0, FLAGS_PARTIAL_ONLY)
@@ -326,10 +345,10 @@ def s_recurrent(r, tok):
     hist[2] = tok(4)
     r.decode_seq(2, hist[2])
     r.save_all(hist)
-    r.seq_rm(0, 3, -1)             # drops the tail including the last position: refused
-    r.seq_rm(1, 5, 8)              # a range before the last position: nothing removed, accepted
-    r.seq_rm(1, 10, -1)            # past the last position: nothing removed, accepted
-    r.seq_rm(2, -1, -1)            # whole sequence: accepted
+    r.seq_rm(0, 3, -1)  # drops the tail including the last position: refused
+    r.seq_rm(1, 5, 8)  # a range before the last position: nothing removed, accepted
+    r.seq_rm(1, 10, -1)  # past the last position: nothing removed, accepted
+    r.seq_rm(2, -1, -1)  # whole sequence: accepted
     r.load_seq(r.latest("seq", 1), 3)
     r.save_all({3: hist[1]}, session_tokens=hist[1])
     r.seq_keep(3)
@@ -372,7 +391,7 @@ def s_hybrid(r, tok):
     hist[1] = hist[0] + tok(3)
     r.decode_seq(1, hist[1][8:])
     r.save_all(hist, seq_data_flags=(0, FLAGS_PARTIAL_ONLY))
-    r.seq_rm(0, 4, -1)             # refused: the recurrent half cannot drop a tail
+    r.seq_rm(0, 4, -1)  # refused: the recurrent half cannot drop a tail
     r.seq_rm(0, -1, -1)
     r.load_seq(r.latest("seq", 1), 0)
     r.seq_rm(1, -1, -1)
@@ -406,7 +425,7 @@ def s_arch(r, tok):
     # PARTIAL_ONLY only changes what an iSWA or hybrid memory writes
     flags = (0, FLAGS_PARTIAL_ONLY) if r.kind in ("iswa", "hybrid", "hybrid_iswa") else (0,)
     r.save_all(hist, seq_data_flags=flags)
-    kept = hist[0][:6] if r.seq_rm(0, 6, -1) else hist[0]   # recurrent memory refuses a tail
+    kept = hist[0][:6] if r.seq_rm(0, 6, -1) else hist[0]  # recurrent memory refuses a tail
     r.seq_rm(1, -1, -1)
     r.load_seq(r.latest("seq", 1), 2)
     r.save_all({0: kept, 2: hist[1]})
@@ -419,156 +438,312 @@ def s_init_refused(r, tok):
 
 CASES: list[Case] = [
     # ---- llama: plain attention KV cache
-    Case("llama-f16-single-seq", "llama",
-         "One sequence, f16 K/V, flash attention off (V transposed); all four artefact kinds, "
-         "then restored from the session file, the raw state and the sequence file.",
-         ["single-seq", "v_trans", "session", "seq-file", "state-data", "seq-data", "state-load",
-          "seq-restore"], s_single_seq),
-    Case("llama-f16-fa-single-seq", "llama",
-         "The llama-f16-single-seq operations with flash attention on (V stored row-wise).",
-         ["single-seq", "flash-attn", "session", "seq-file", "state-data", "seq-data", "state-load",
-          "seq-restore"], s_single_seq, flash_attn=True),
-    Case("llama-f32-multi-seq", "llama",
-         "f32 K/V, unified cache, three sequences in one interleaved batch sharing the first token; "
-         "seq 1 restored into seq 3.",
-         ["multi-seq", "unified", "f32", "shared-cells", "seq-restore"], s_multi_seq,
-         n_seq_max=4, type_k="f32", type_v="f32"),
-    Case("llama-f16-multistream", "llama",
-         "kv_unified false with 3 sequences (3 streams); a cross-stream seq_cp and a sequence file "
-         "restored into another stream.",
-         ["multi-seq", "multi-stream", "seq-cp", "seq-restore", "seq-keep"], s_multistream,
-         n_seq_max=3, kv_unified=False),
-    Case("llama-q8_0-fa-multistream", "llama",
-         "q8_0 K and V with flash attention, kv_unified false with 3 streams.",
-         ["multi-seq", "multi-stream", "q8_0", "flash-attn", "seq-cp", "seq-restore"], s_multistream,
-         n_seq_max=3, kv_unified=False, flash_attn=True, type_k="q8_0", type_v="q8_0"),
-    Case("llama-q4_0-fa-single-seq", "llama",
-         "q4_0 K and V with flash attention, one sequence.",
-         ["single-seq", "q4_0", "flash-attn", "state-load", "seq-restore"], s_single_seq,
-         flash_attn=True, type_k="q4_0", type_v="q4_0"),
-    Case("llama-q8_0-k-f16-v", "llama",
-         "q8_0 K with f16 V and flash attention off (a quantized K needs no flash attention; "
-         "V transposed).",
-         ["single-seq", "q8_0", "v_trans", "mixed-types"], s_single_seq, type_k="q8_0", type_v="f16"),
-    Case("llama-q8_0-v-nofa-refused", "llama",
-         "A q8_0 V cache with flash attention off: llama_init_from_model refuses the context.",
-         ["init-refused"], s_init_refused, type_k="q8_0", type_v="q8_0"),
-    Case("llama-shared-prefix", "llama",
-         "A prefix decoded once and shared by seq_cp (whole and partial range), three continuations, "
-         "then partial removals.",
-         ["multi-seq", "seq-cp", "shared-cells", "seq-rm"], s_shared_prefix, n_seq_max=3),
-    Case("llama-seq-rm-ranges", "llama",
-         "seq_rm with a middle hole, a tail, an open start, every sequence (-1), an empty range "
-         "and everything.",
-         ["seq-rm", "multi-seq"], s_seq_rm_ranges, n_seq_max=2),
-    Case("llama-context-shift", "llama",
-         "Context shift: seq_rm of a middle range and seq_add -8 on the tail, saved while the "
-         "K-shift is pending and after the decode that applies it; then a shift below zero.",
-         ["seq-add", "k-shift", "seq-rm"], s_context_shift),
-    Case("llama-seq-div", "llama",
-         "seq_div on a tail (d=2) and on a head range of another sequence (d=3), then a decode.",
-         ["seq-div", "k-shift", "multi-seq"], s_seq_div, n_seq_max=2),
-    Case("llama-seq-keep", "llama",
-         "Three sequences sharing a 3-token prefix; seq_keep(1) drops the others.",
-         ["seq-keep", "shared-cells", "multi-seq"], s_seq_keep, n_seq_max=3),
-    Case("llama-cache-full", "llama",
-         "A 256-cell cache filled to 250: a 10-token batch is refused (llama_decode returns 1), "
-         "6 tokens fit; invalid batches (bad token, bad seq id, gap or decrease in positions) "
-         "return -1.",
-         ["cache-full", "decode-refused", "invalid-batch"], s_cache_full, n_ubatch=256),
-    Case("llama-clear", "llama",
-         "llama_memory_clear with data and without, then a fresh decode.",
-         ["clear"], s_clear),
-    Case("llama-restore-failures", "llama",
-         "Session and sequence files refused for too small a token capacity; a raw sequence blob "
-         "restored into another sequence id.",
-         ["restore-refused", "seq-restore", "seq-data"], s_restore_failures, n_seq_max=2),
+    Case(
+        "llama-f16-single-seq",
+        "llama",
+        "One sequence, f16 K/V, flash attention off (V transposed); all four artefact kinds, "
+        "then restored from the session file, the raw state and the sequence file.",
+        ["single-seq", "v_trans", "session", "seq-file", "state-data", "seq-data", "state-load", "seq-restore"],
+        s_single_seq,
+    ),
+    Case(
+        "llama-f16-fa-single-seq",
+        "llama",
+        "The llama-f16-single-seq operations with flash attention on (V stored row-wise).",
+        ["single-seq", "flash-attn", "session", "seq-file", "state-data", "seq-data", "state-load", "seq-restore"],
+        s_single_seq,
+        flash_attn=True,
+    ),
+    Case(
+        "llama-f32-multi-seq",
+        "llama",
+        "f32 K/V, unified cache, three sequences in one interleaved batch sharing the first token; "
+        "seq 1 restored into seq 3.",
+        ["multi-seq", "unified", "f32", "shared-cells", "seq-restore"],
+        s_multi_seq,
+        n_seq_max=4,
+        type_k="f32",
+        type_v="f32",
+    ),
+    Case(
+        "llama-f16-multistream",
+        "llama",
+        "kv_unified false with 3 sequences (3 streams); a cross-stream seq_cp and a sequence file "
+        "restored into another stream.",
+        ["multi-seq", "multi-stream", "seq-cp", "seq-restore", "seq-keep"],
+        s_multistream,
+        n_seq_max=3,
+        kv_unified=False,
+    ),
+    Case(
+        "llama-q8_0-fa-multistream",
+        "llama",
+        "q8_0 K and V with flash attention, kv_unified false with 3 streams.",
+        ["multi-seq", "multi-stream", "q8_0", "flash-attn", "seq-cp", "seq-restore"],
+        s_multistream,
+        n_seq_max=3,
+        kv_unified=False,
+        flash_attn=True,
+        type_k="q8_0",
+        type_v="q8_0",
+    ),
+    Case(
+        "llama-q4_0-fa-single-seq",
+        "llama",
+        "q4_0 K and V with flash attention, one sequence.",
+        ["single-seq", "q4_0", "flash-attn", "state-load", "seq-restore"],
+        s_single_seq,
+        flash_attn=True,
+        type_k="q4_0",
+        type_v="q4_0",
+    ),
+    Case(
+        "llama-q8_0-k-f16-v",
+        "llama",
+        "q8_0 K with f16 V and flash attention off (a quantized K needs no flash attention; V transposed).",
+        ["single-seq", "q8_0", "v_trans", "mixed-types"],
+        s_single_seq,
+        type_k="q8_0",
+        type_v="f16",
+    ),
+    Case(
+        "llama-q8_0-v-nofa-refused",
+        "llama",
+        "A q8_0 V cache with flash attention off: llama_init_from_model refuses the context.",
+        ["init-refused"],
+        s_init_refused,
+        type_k="q8_0",
+        type_v="q8_0",
+    ),
+    Case(
+        "llama-shared-prefix",
+        "llama",
+        "A prefix decoded once and shared by seq_cp (whole and partial range), three continuations, "
+        "then partial removals.",
+        ["multi-seq", "seq-cp", "shared-cells", "seq-rm"],
+        s_shared_prefix,
+        n_seq_max=3,
+    ),
+    Case(
+        "llama-seq-rm-ranges",
+        "llama",
+        "seq_rm with a middle hole, a tail, an open start, every sequence (-1), an empty range and everything.",
+        ["seq-rm", "multi-seq"],
+        s_seq_rm_ranges,
+        n_seq_max=2,
+    ),
+    Case(
+        "llama-context-shift",
+        "llama",
+        "Context shift: seq_rm of a middle range and seq_add -8 on the tail, saved while the "
+        "K-shift is pending and after the decode that applies it; then a shift below zero.",
+        ["seq-add", "k-shift", "seq-rm"],
+        s_context_shift,
+    ),
+    Case(
+        "llama-seq-div",
+        "llama",
+        "seq_div on a tail (d=2) and on a head range of another sequence (d=3), then a decode.",
+        ["seq-div", "k-shift", "multi-seq"],
+        s_seq_div,
+        n_seq_max=2,
+    ),
+    Case(
+        "llama-seq-keep",
+        "llama",
+        "Three sequences sharing a 3-token prefix; seq_keep(1) drops the others.",
+        ["seq-keep", "shared-cells", "multi-seq"],
+        s_seq_keep,
+        n_seq_max=3,
+    ),
+    Case(
+        "llama-cache-full",
+        "llama",
+        "A 256-cell cache filled to 250: a 10-token batch is refused (llama_decode returns 1), "
+        "6 tokens fit; invalid batches (bad token, bad seq id, gap or decrease in positions) "
+        "return -1.",
+        ["cache-full", "decode-refused", "invalid-batch"],
+        s_cache_full,
+        n_ubatch=256,
+    ),
+    Case("llama-clear", "llama", "llama_memory_clear with data and without, then a fresh decode.", ["clear"], s_clear),
+    Case(
+        "llama-restore-failures",
+        "llama",
+        "Session and sequence files refused for too small a token capacity; a raw sequence blob "
+        "restored into another sequence id.",
+        ["restore-refused", "seq-restore", "seq-data"],
+        s_restore_failures,
+        n_seq_max=2,
+    ),
     # ---- gemma2: interleaved SWA (layer 0 SWA with n_swa 4, layer 1 full)
-    Case("gemma2-swa-overflow", "gemma2",
-         "iSWA cache, window 4 overflowed by 13 tokens; sequence artefacts keep only the unmasked "
-         "SWA cells; PARTIAL_ONLY blob holds the SWA cache alone.",
-         ["iswa", "swa-masked", "partial-only", "seq-restore"], s_swa_overflow),
-    Case("gemma2-swa-full", "gemma2",
-         "The gemma2-swa-overflow operations with swa_full (SWA cache as large as the base cache).",
-         ["iswa", "swa-full", "partial-only", "seq-restore"], s_swa_overflow, swa_full=True),
-    Case("gemma2-swa-multiseq-fa", "gemma2",
-         "iSWA with flash attention and two sequences sharing a prefix by seq_cp, then removals.",
-         ["iswa", "flash-attn", "multi-seq", "seq-cp", "seq-rm", "partial-only"], s_swa_multiseq,
-         n_seq_max=2, flash_attn=True),
-    Case("gemma2-swa-wraparound", "gemma2",
-         "300 tokens in 32-token ubatches through a 256-cell SWA cache (base cache 512): masked SWA "
-         "cells are reused.",
-         ["iswa", "swa-masked", "cell-reuse"], s_swa_wraparound, n_ctx=512, n_batch=32, n_ubatch=32),
+    Case(
+        "gemma2-swa-overflow",
+        "gemma2",
+        "iSWA cache, window 4 overflowed by 13 tokens; sequence artefacts keep only the unmasked "
+        "SWA cells; PARTIAL_ONLY blob holds the SWA cache alone.",
+        ["iswa", "swa-masked", "partial-only", "seq-restore"],
+        s_swa_overflow,
+    ),
+    Case(
+        "gemma2-swa-full",
+        "gemma2",
+        "The gemma2-swa-overflow operations with swa_full (SWA cache as large as the base cache).",
+        ["iswa", "swa-full", "partial-only", "seq-restore"],
+        s_swa_overflow,
+        swa_full=True,
+    ),
+    Case(
+        "gemma2-swa-multiseq-fa",
+        "gemma2",
+        "iSWA with flash attention and two sequences sharing a prefix by seq_cp, then removals.",
+        ["iswa", "flash-attn", "multi-seq", "seq-cp", "seq-rm", "partial-only"],
+        s_swa_multiseq,
+        n_seq_max=2,
+        flash_attn=True,
+    ),
+    Case(
+        "gemma2-swa-wraparound",
+        "gemma2",
+        "300 tokens in 32-token ubatches through a 256-cell SWA cache (base cache 512): masked SWA cells are reused.",
+        ["iswa", "swa-masked", "cell-reuse"],
+        s_swa_wraparound,
+        n_ctx=512,
+        n_batch=32,
+        n_ubatch=32,
+    ),
     # ---- mamba: recurrent memory
-    Case("mamba-seq-cp-rm", "mamba",
-         "Recurrent memory with 4 sequence slots: seq_cp, partial seq_rm refused (returns false), "
-         "whole removal, a sequence file restored into another slot, seq_keep, raw restore.",
-         ["recurrent", "seq-cp", "seq-rm-refused", "seq-restore", "seq-keep", "state-load"],
-         s_recurrent, n_seq_max=4),
-    Case("mamba-multi-seq-batch", "mamba",
-         "A batch coupling sequences (tokens in several sequences) is refused with 1; a copied "
-         "prefix then three sequences advanced in one batch; seq_keep, seq_div, seq_add on "
-         "recurrent cells.",
-         ["recurrent", "multi-seq", "decode-refused", "seq-cp", "seq-keep", "seq-div", "seq-add"],
-         s_recurrent_multi_batch, n_seq_max=3),
+    Case(
+        "mamba-seq-cp-rm",
+        "mamba",
+        "Recurrent memory with 4 sequence slots: seq_cp, partial seq_rm refused (returns false), "
+        "whole removal, a sequence file restored into another slot, seq_keep, raw restore.",
+        ["recurrent", "seq-cp", "seq-rm-refused", "seq-restore", "seq-keep", "state-load"],
+        s_recurrent,
+        n_seq_max=4,
+    ),
+    Case(
+        "mamba-multi-seq-batch",
+        "mamba",
+        "A batch coupling sequences (tokens in several sequences) is refused with 1; a copied "
+        "prefix then three sequences advanced in one batch; seq_keep, seq_div, seq_add on "
+        "recurrent cells.",
+        ["recurrent", "multi-seq", "decode-refused", "seq-cp", "seq-keep", "seq-div", "seq-add"],
+        s_recurrent_multi_batch,
+        n_seq_max=3,
+    ),
     # ---- jamba: hybrid (attention + recurrent)
-    Case("jamba-hybrid", "jamba",
-         "Hybrid memory (1 attention layer, 2 Mamba layers): seq_cp, refused tail removal, "
-         "sequence file and blob restored into other sequences; PARTIAL_ONLY blob holds the "
-         "recurrent part alone.",
-         ["hybrid", "seq-cp", "seq-rm-refused", "seq-restore", "partial-only"], s_hybrid, n_seq_max=3),
+    Case(
+        "jamba-hybrid",
+        "jamba",
+        "Hybrid memory (1 attention layer, 2 Mamba layers): seq_cp, refused tail removal, "
+        "sequence file and blob restored into other sequences; PARTIAL_ONLY blob holds the "
+        "recurrent part alone.",
+        ["hybrid", "seq-cp", "seq-rm-refused", "seq-restore", "partial-only"],
+        s_hybrid,
+        n_seq_max=3,
+    ),
     # ---- qwen2vl: M-RoPE, cells carry ext (x, y, tok)
     # ---- more architectures, one compact case each (s_arch)
-    Case("gemma3-iswa", "gemma3",
-         "gemma3: 6 layers, default SWA pattern 6 (5 SWA + 1 full, window 4), head dim 16 != "
-         "n_embd / n_head, rope base 1e6 / SWA base 1e4; two sequences, partial seq_rm, a sequence "
-         "file restored into a third sequence.",
-         ["arch", "iswa", "swa-masked", "seq-cp", "seq-rm", "seq-restore", "partial-only"], s_arch,
-         n_seq_max=3),
-    Case("qwen3-gqa", "qwen3",
-         "qwen3: GQA 4:1 with head dim 16 != n_embd / n_head; two sequences, partial seq_rm, a "
-         "sequence file restored into a third sequence.",
-         ["arch", "seq-cp", "seq-rm", "seq-restore"], s_arch, n_seq_max=3),
-    Case("llama4-chunked", "llama4",
-         "llama4: chunked attention (swa_type chunked, chunk fixed at 8192) on 3 of 4 layers; "
-         "flash attention; two sequences, partial seq_rm, a sequence file restored into a third "
-         "sequence.",
-         ["arch", "iswa", "flash-attn", "seq-cp", "seq-rm", "seq-restore", "partial-only"], s_arch,
-         n_seq_max=3, flash_attn=True),
-    Case("mamba2-groups", "mamba2",
-         "mamba2 with n_group 2 (n_embd_r 288, n_embd_s 512): seq_cp, tail seq_rm refused, a "
-         "sequence file restored into a third slot.",
-         ["arch", "recurrent", "seq-cp", "seq-rm-refused", "seq-restore"], s_arch, n_seq_max=3),
-    Case("rwkv6-recurrent", "rwkv6",
-         "rwkv6: token-shift and wkv state (n_embd_r 64, n_embd_s 512): seq_cp, tail seq_rm "
-         "refused, a sequence file restored into a third slot.",
-         ["arch", "recurrent", "seq-cp", "seq-rm-refused", "seq-restore"], s_arch, n_seq_max=3),
-    Case("lfm2-hybrid", "lfm2",
-         "lfm2: hybrid of short-conv (n_embd_r 64, n_embd_s 0) and attention layers alternating; "
-         "seq_cp, tail seq_rm refused, a sequence file restored into a third sequence; "
-         "PARTIAL_ONLY blob holds the recurrent part.",
-         ["arch", "hybrid", "seq-cp", "seq-rm-refused", "seq-restore", "partial-only"], s_arch,
-         n_seq_max=3),
-    Case("lfm2-swa-hybrid-iswa", "lfm2-swa",
-         "lfm2 with a window of 4 on every attention layer: llama_memory_hybrid_iswa whose base "
-         "cache has no layer (sections: base with n_layer 0, SWA, recurrent; PARTIAL_ONLY: SWA "
-         "and recurrent); seq_cp, tail seq_rm refused, a sequence file restored into a third "
-         "sequence.",
-         ["arch", "hybrid", "hybrid-iswa", "iswa", "swa-masked", "seq-cp", "seq-rm-refused",
-          "seq-restore", "partial-only"], s_arch, n_seq_max=3),
-    Case("qwen2vl-mrope", "qwen2vl",
-         "M-RoPE KV cache (n_pos_per_embd 4): every cell carries the ext record; a sequence file "
-         "restored into another sequence.",
-         ["mrope", "cell-ext", "multi-seq", "seq-restore"], s_mrope, n_seq_max=2),
+    Case(
+        "gemma3-iswa",
+        "gemma3",
+        "gemma3: 6 layers, default SWA pattern 6 (5 SWA + 1 full, window 4), head dim 16 != "
+        "n_embd / n_head, rope base 1e6 / SWA base 1e4; two sequences, partial seq_rm, a sequence "
+        "file restored into a third sequence.",
+        ["arch", "iswa", "swa-masked", "seq-cp", "seq-rm", "seq-restore", "partial-only"],
+        s_arch,
+        n_seq_max=3,
+    ),
+    Case(
+        "qwen3-gqa",
+        "qwen3",
+        "qwen3: GQA 4:1 with head dim 16 != n_embd / n_head; two sequences, partial seq_rm, a "
+        "sequence file restored into a third sequence.",
+        ["arch", "seq-cp", "seq-rm", "seq-restore"],
+        s_arch,
+        n_seq_max=3,
+    ),
+    Case(
+        "llama4-chunked",
+        "llama4",
+        "llama4: chunked attention (swa_type chunked, chunk fixed at 8192) on 3 of 4 layers; "
+        "flash attention; two sequences, partial seq_rm, a sequence file restored into a third "
+        "sequence.",
+        ["arch", "iswa", "flash-attn", "seq-cp", "seq-rm", "seq-restore", "partial-only"],
+        s_arch,
+        n_seq_max=3,
+        flash_attn=True,
+    ),
+    Case(
+        "mamba2-groups",
+        "mamba2",
+        "mamba2 with n_group 2 (n_embd_r 288, n_embd_s 512): seq_cp, tail seq_rm refused, a "
+        "sequence file restored into a third slot.",
+        ["arch", "recurrent", "seq-cp", "seq-rm-refused", "seq-restore"],
+        s_arch,
+        n_seq_max=3,
+    ),
+    Case(
+        "rwkv6-recurrent",
+        "rwkv6",
+        "rwkv6: token-shift and wkv state (n_embd_r 64, n_embd_s 512): seq_cp, tail seq_rm "
+        "refused, a sequence file restored into a third slot.",
+        ["arch", "recurrent", "seq-cp", "seq-rm-refused", "seq-restore"],
+        s_arch,
+        n_seq_max=3,
+    ),
+    Case(
+        "lfm2-hybrid",
+        "lfm2",
+        "lfm2: hybrid of short-conv (n_embd_r 64, n_embd_s 0) and attention layers alternating; "
+        "seq_cp, tail seq_rm refused, a sequence file restored into a third sequence; "
+        "PARTIAL_ONLY blob holds the recurrent part.",
+        ["arch", "hybrid", "seq-cp", "seq-rm-refused", "seq-restore", "partial-only"],
+        s_arch,
+        n_seq_max=3,
+    ),
+    Case(
+        "lfm2-swa-hybrid-iswa",
+        "lfm2-swa",
+        "lfm2 with a window of 4 on every attention layer: llama_memory_hybrid_iswa whose base "
+        "cache has no layer (sections: base with n_layer 0, SWA, recurrent; PARTIAL_ONLY: SWA "
+        "and recurrent); seq_cp, tail seq_rm refused, a sequence file restored into a third "
+        "sequence.",
+        [
+            "arch",
+            "hybrid",
+            "hybrid-iswa",
+            "iswa",
+            "swa-masked",
+            "seq-cp",
+            "seq-rm-refused",
+            "seq-restore",
+            "partial-only",
+        ],
+        s_arch,
+        n_seq_max=3,
+    ),
+    Case(
+        "qwen2vl-mrope",
+        "qwen2vl",
+        "M-RoPE KV cache (n_pos_per_embd 4): every cell carries the ext record; a sequence file "
+        "restored into another sequence.",
+        ["mrope", "cell-ext", "multi-seq", "seq-restore"],
+        s_mrope,
+        n_seq_max=2,
+    ),
 ]
 
 
 # ------------------------------------------------------------------ running
 
+
 def versions() -> dict:
     from importlib.metadata import version
 
     import llama_cpp
+
     pr = driver.PRODUCER
     return {
         "llama_cpp_python": llama_cpp.__version__,
@@ -614,7 +789,9 @@ def memory_block(case: Case, hp: dict, octx: dict | None) -> dict:
         "v_trans": (not case.flash_attn) if kind != "recurrent" else None,
         "n_stream": 1 if case.kv_unified or not driver.PRODUCER.get("n_stream_field", True) else case.n_seq_max,
         "cell_ext": bool(hp["has_cell_ext"]) and driver.PRODUCER["cell_ext_size"] > 0,
-        "kv_size": None, "kv_size_swa": None, "rs_size": None,
+        "kv_size": None,
+        "kv_size_swa": None,
+        "rs_size": None,
     }
     if octx is None:
         return mem
@@ -635,8 +812,11 @@ def memory_block(case: Case, hp: dict, octx: dict | None) -> dict:
     if kind in ("iswa", "hybrid_iswa"):
         # llama_kv_cache_iswa: the SWA cache holds n_swa tokens per sequence (all of them when
         # unified) plus a ubatch, padded to 256, never more than the base cache; swa_full = base size
-        swa = n_ctx_seq if case.swa_full else min(
-            n_ctx_seq, _pad(hp["n_swa"] * (case.n_seq_max if case.kv_unified else 1) + octx["n_ubatch"], 256))
+        swa = (
+            n_ctx_seq
+            if case.swa_full
+            else min(n_ctx_seq, _pad(hp["n_swa"] * (case.n_seq_max if case.kv_unified else 1) + octx["n_ubatch"], 256))
+        )
         mem["kv_size_swa"] = swa
         assert octx["memory_log"].get("kv_size_swa") == swa, (case.id, octx["memory_log"], swa)
     if kind in ("recurrent", "hybrid", "hybrid_iswa"):
@@ -668,8 +848,13 @@ def run_case(case: Case, m: tinymodels.TinyModel, vers: dict, golden_dir: Path |
     doc = {
         "schema_version": SCHEMA_VERSION,
         "id": cid,
-        "description": (f"Written by llama-cpp-python {vers['llama_cpp_python']} (session v{vers['session_version']}, "
-                        f"sequence v{vers['seq_version']}): " if legacy else "") + case.description,
+        "description": (
+            f"Written by llama-cpp-python {vers['llama_cpp_python']} (session v{vers['session_version']}, "
+            f"sequence v{vers['seq_version']}): "
+            if legacy
+            else ""
+        )
+        + case.description,
         "covers": case.covers,
         "producer": vers,
         "model": {
@@ -695,13 +880,20 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-k", default="", help="only cases whose id contains this text")
     ap.add_argument("--list", action="store_true")
-    ap.add_argument("--model-dir", type=Path,
-                    default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvref-conformance")
+    ap.add_argument(
+        "--model-dir",
+        type=Path,
+        default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvref-conformance",
+    )
     a = ap.parse_args(argv)
     import llama_cpp
+
     legacy = llama_cpp.__version__ != CURRENT_PRODUCER
-    cases = [c for c in CASES if a.k in c.id and (not legacy or c.id in LEGACY_CASES)
-             and c.id not in driver.PRODUCER.get("skip_cases", {})]
+    cases = [
+        c
+        for c in CASES
+        if a.k in c.id and (not legacy or c.id in LEGACY_CASES) and c.id not in driver.PRODUCER.get("skip_cases", {})
+    ]
     if a.list:
         for c in cases:
             print(f"{c.id:32s} {c.description}")
@@ -720,6 +912,7 @@ def main(argv=None) -> int:
     if not a.k and not legacy:
         # the invalid files are derived from the goldens, so they follow every full run
         import make_invalid
+
         print(f"walked {make_invalid.check_goldens()} golden artefacts")
         entries = make_invalid.build()
         make_invalid.llama_check(entries, a.model_dir, os.environ.get("KVREF_LEGACY_PYTHON"))

@@ -131,6 +131,7 @@ def walk(data: bytes, op: dict, hp: dict, producer: dict) -> list[dict]:
 
 # ------------------------------------------------------------------ faults
 
+
 def _find(fields, name, nth=0, **where):
     hits = [f for f in fields if f["field"] == name and all(f.get(k) == v for k, v in where.items())]
     return hits[nth]
@@ -155,11 +156,39 @@ def faults() -> list[dict]:
     """(name, golden case, artefact, field, mutation) for every invalid file."""
     F = []
 
-    def add(name, case, file, field, how, *, nth=0, where=None, value=None, needs_hparams=False, note=None,
-            fmt=None, blame=None, also=()):
-        F.append(dict(name=name, case=case, file=file, field=field, how=how, nth=nth, where=where or {},
-                      value=value, needs_hparams=needs_hparams, note=note, fmt=fmt,
-                      blame=blame, also=list(also)))
+    def add(
+        name,
+        case,
+        file,
+        field,
+        how,
+        *,
+        nth=0,
+        where=None,
+        value=None,
+        needs_hparams=False,
+        note=None,
+        fmt=None,
+        blame=None,
+        also=(),
+    ):
+        F.append(
+            dict(
+                name=name,
+                case=case,
+                file=file,
+                field=field,
+                how=how,
+                nth=nth,
+                where=where or {},
+                value=value,
+                needs_hparams=needs_hparams,
+                note=note,
+                fmt=fmt,
+                blame=blame,
+                also=list(also),
+            )
+        )
 
     sess = ("llama-f16-single-seq", "01-session.ggsn")
     seqf = ("llama-f16-single-seq", "03-seq-seq0.ggsq")
@@ -173,69 +202,169 @@ def faults() -> list[dict]:
 
     # headers
     add("session-bad-magic.ggsn", *sess, "magic", "set", value=0x6767736F)
-    add("session-magic-is-seq.ggsn", *sess, "magic", "set", value=0x67677371,
-        note="a sequence-file magic at the start of a session file")
+    add(
+        "session-magic-is-seq.ggsn",
+        *sess,
+        "magic",
+        "set",
+        value=0x67677371,
+        note="a sequence-file magic at the start of a session file",
+    )
     add("session-unknown-version.ggsn", *sess, "version", "set", value=11)
     add("session-version-zero.ggsn", *sess, "version", "set", value=0)
     add("session-truncated-in-version.ggsn", *sess, "version", "cut")
-    add("session-token-count-lie.ggsn", *sess, "n_token_count", "set", value=0x40000000,
-        note="more tokens than the file holds")
+    add(
+        "session-token-count-lie.ggsn",
+        *sess,
+        "n_token_count",
+        "set",
+        value=0x40000000,
+        note="more tokens than the file holds",
+    )
     add("session-truncated-in-tokens.ggsn", *sess, "tokens", "cut", blame="n_token_count", also=["tokens"])
     add("session-arch-length-lie.ggsn", *sess, "arch_length", "set", value=0x7FFFFFF0)
     add("session-truncated-in-arch.ggsn", *sess, "arch", "cut", blame="arch_length", also=["arch"])
     add("session-trailing-bytes.ggsn", *sess, "trailing", "append", value=b"\x00\x01\x02\x03")
-    add("seq-bad-magic.ggsq", *seqf, "magic", "set", value=0x6767736E,
-        note="a session-file magic at the start of a sequence file")
+    add(
+        "seq-bad-magic.ggsq",
+        *seqf,
+        "magic",
+        "set",
+        value=0x6767736E,
+        note="a session-file magic at the start of a sequence file",
+    )
     add("seq-unknown-version.ggsq", *seqf, "version", "set", value=4)
     add("seq-token-count-lie.ggsq", *seqf, "n_token_count", "set", value=0x10000000)
-    add("seq-trailing-bytes.ggsq", *seqf, "trailing", "append", value=b"\xff" * 7,
-        note="llama.cpp's llama_state_seq_load_file reads what it needs and ignores the rest")
+    add(
+        "seq-trailing-bytes.ggsq",
+        *seqf,
+        "trailing",
+        "append",
+        value=b"\xff" * 7,
+        note="llama.cpp's llama_state_seq_load_file reads what it needs and ignores the rest",
+    )
     add("seqdata-bad-io-magic.bin", *blob, "io_magic", "set", value=0xAF143CD9)
     add("seqdata-truncated-in-io-seq-id.bin", *blob, "io_seq_id", "cut")
     # KV section
-    add("session-n-stream-lie.ggsn", *sess, "n_stream", "set", value=0x01000000,
-        note="more streams than the file holds")
+    add(
+        "session-n-stream-lie.ggsn", *sess, "n_stream", "set", value=0x01000000, note="more streams than the file holds"
+    )
     add("session-cell-count-lie.ggsn", *sess, "cell_count", "set", value=0x00FFFFFF)
-    add("session-truncated-before-cells.ggsn", *sess, "pos", "cut_before", blame="cell_count", also=["pos"],
-        note="the file ends right after cell_count")
+    add(
+        "session-truncated-before-cells.ggsn",
+        *sess,
+        "pos",
+        "cut_before",
+        blame="cell_count",
+        also=["pos"],
+        note="the file ends right after cell_count",
+    )
     add("session-n-seq-id-lie.ggsn", *sess, "n_seq_id", "set", value=0x7FFFFFFF)
     add("session-seq-id-256.ggsn", *multi, "seq_id", "set", value=256, nth=3)
     add("session-seq-id-negative.ggsn", *multi, "seq_id", "set", value=-1, fmt="i", nth=1)
-    add("session-seq-id-beyond-n-seq-max.ggsn", *sess, "seq_id", "set", value=5, needs_hparams=True,
-        note="5 < 256 but the context that wrote it has n_seq_max 1; llama.cpp refuses the restore")
-    add("seq-n-seq-id-two.ggsq", *seqf, "n_seq_id", "set", value=2, nth=0,
-        note="a sequence file cell must belong to exactly one sequence")
+    add(
+        "session-seq-id-beyond-n-seq-max.ggsn",
+        *sess,
+        "seq_id",
+        "set",
+        value=5,
+        needs_hparams=True,
+        note="5 < 256 but the context that wrote it has n_seq_max 1; llama.cpp refuses the restore",
+    )
+    add(
+        "seq-n-seq-id-two.ggsq",
+        *seqf,
+        "n_seq_id",
+        "set",
+        value=2,
+        nth=0,
+        note="a sequence file cell must belong to exactly one sequence",
+    )
     add("session-v-trans-2.ggsn", *sess, "v_trans", "set", value=2)
-    add("session-v-trans-flipped.ggsn", *sess, "v_trans", "set", value=0, needs_hparams=True,
-        note="the context that wrote it transposes V (flash attention off)")
+    add(
+        "session-v-trans-flipped.ggsn",
+        *sess,
+        "v_trans",
+        "set",
+        value=0,
+        needs_hparams=True,
+        note="the context that wrote it transposes V (flash attention off)",
+    )
     add("session-n-layer-lie.ggsn", *sess, "n_layer", "set", value=3, needs_hparams=True)
     add("session-n-layer-zero.ggsn", *sess, "n_layer", "set", value=0, needs_hparams=True)
     add("session-k-type-unknown.ggsn", *sess, "k_type", "set", value=99, fmt="i")
-    add("session-k-type-mismatch.ggsn", *sess, "k_type", "set", value=0, fmt="i", needs_hparams=True,
-        note="f32 instead of f16, row size left as written")
-    add("session-k-row-size-fraction.ggsn", *sess, "k_row_size", "set", value=129,
-        note="not a whole number of f16 elements")
+    add(
+        "session-k-type-mismatch.ggsn",
+        *sess,
+        "k_type",
+        "set",
+        value=0,
+        fmt="i",
+        needs_hparams=True,
+        note="f32 instead of f16, row size left as written",
+    )
+    add(
+        "session-k-row-size-fraction.ggsn",
+        *sess,
+        "k_row_size",
+        "set",
+        value=129,
+        note="not a whole number of f16 elements",
+    )
     add("session-k-row-size-mismatch.ggsn", *sess, "k_row_size", "set", value=256, needs_hparams=True)
-    add("session-k-row-size-q8_0-fraction.ggsn", *q8, "k_row_size", "set", value=35,
-        note="not a whole number of q8_0 blocks (34 bytes)")
+    add(
+        "session-k-row-size-q8_0-fraction.ggsn",
+        *q8,
+        "k_row_size",
+        "set",
+        value=35,
+        note="not a whole number of q8_0 blocks (34 bytes)",
+    )
     add("session-truncated-in-k-data.ggsn", *sess, "k_data", "cut", nth=1, also=["k_row_size", "cell_count"])
     add("session-v-type-unknown.ggsn", *sess, "v_type", "set", value=-7, fmt="i")
-    add("session-v-el-size-lie.ggsn", *sess, "v_el_size", "set", value=4,
-        note="f16 elements are 2 bytes")
+    add("session-v-el-size-lie.ggsn", *sess, "v_el_size", "set", value=4, note="f16 elements are 2 bytes")
     add("session-n-embd-v-gqa-lie.ggsn", *sess, "n_embd_v_gqa", "set", value=0x00100000, also=["v_data"])
-    add("session-truncated-in-v-data.ggsn", *sess, "v_data", "cut", nth=1,
-        also=["v_el_size", "n_embd_v_gqa", "cell_count"])
+    add(
+        "session-truncated-in-v-data.ggsn",
+        *sess,
+        "v_data",
+        "cut",
+        nth=1,
+        also=["v_el_size", "n_embd_v_gqa", "cell_count"],
+    )
     add("session-fa-v-row-size-fraction.ggsn", *fa, "v_row_size", "set", value=63)
     add("session-fa-truncated-in-v-data.ggsn", *fa, "v_data", "cut", also=["v_row_size", "cell_count"])
     add("session-mrope-truncated-in-cell-ext.ggsn", *mrope, "cell_ext", "cut", nth=4, also=["cell_count"])
     # composite memories: the second section missing
-    add("iswa-missing-swa-section.ggsn", "gemma2-swa-overflow", "01-session.ggsn", "n_stream", "cut_before",
-        where={"section": "kv_swa"}, note="the file ends after the base cache section")
-    add("hybrid-missing-recurrent-section.ggsn", "jamba-hybrid", "01-session.ggsn", "cell_count", "cut_before",
-        where={"section": "recurrent"}, note="the file ends after the attention section")
-    add("hybrid-partial-seqdata-kv-layer-count.bin", "jamba-hybrid", "05-seqdata-seq0-flags1.bin", "n_layer",
-        "set", value=1, where={"section": "recurrent"}, needs_hparams=True,
-        note="the recurrent section counts every model layer (3), not only the recurrent ones")
+    add(
+        "iswa-missing-swa-section.ggsn",
+        "gemma2-swa-overflow",
+        "01-session.ggsn",
+        "n_stream",
+        "cut_before",
+        where={"section": "kv_swa"},
+        note="the file ends after the base cache section",
+    )
+    add(
+        "hybrid-missing-recurrent-section.ggsn",
+        "jamba-hybrid",
+        "01-session.ggsn",
+        "cell_count",
+        "cut_before",
+        where={"section": "recurrent"},
+        note="the file ends after the attention section",
+    )
+    add(
+        "hybrid-partial-seqdata-kv-layer-count.bin",
+        "jamba-hybrid",
+        "05-seqdata-seq0-flags1.bin",
+        "n_layer",
+        "set",
+        value=1,
+        where={"section": "recurrent"},
+        needs_hparams=True,
+        note="the recurrent section counts every model layer (3), not only the recurrent ones",
+    )
     # legacy session v9 output block (llama-cpp-python 0.3.16)
     leg = ("legacy-0.3.16-llama-f16-single-seq", "01-session.ggsn")
     add("legacy-v9-n-outputs-lie.ggsn", *leg, "n_outputs", "set", value=0x20000000)
@@ -243,15 +372,27 @@ def faults() -> list[dict]:
     add("legacy-v9-truncated-in-logits.ggsn", *leg, "logits", "cut", blame="logits", also=["logits_size"])
     add("legacy-v9-embd-size-lie.ggsn", *leg, "embd_size", "set", value=0x0FFFFFFF)
     # recurrent section
-    add("recurrent-cell-count-lie.ggsq", *recq, "cell_count", "set", value=0x00FFFFFF,
-        where={"section": "recurrent"})
+    add("recurrent-cell-count-lie.ggsq", *recq, "cell_count", "set", value=0x00FFFFFF, where={"section": "recurrent"})
     add("recurrent-seq-id-256.ggsn", *rec, "seq_id", "set", value=256, where={"section": "recurrent"})
     add("recurrent-s-trans-2.ggsq", *recq, "s_trans", "set", value=2)
-    add("recurrent-n-layer-lie.ggsq", *recq, "n_layer", "set", value=7, needs_hparams=True,
-        where={"section": "recurrent"})
+    add(
+        "recurrent-n-layer-lie.ggsq",
+        *recq,
+        "n_layer",
+        "set",
+        value=7,
+        needs_hparams=True,
+        where={"section": "recurrent"},
+    )
     add("recurrent-r-type-unknown.ggsq", *recq, "r_type", "set", value=123, fmt="i")
-    add("recurrent-r-row-size-fraction.ggsq", *recq, "r_row_size", "set", value=770,
-        note="not a whole number of f32 elements")
+    add(
+        "recurrent-r-row-size-fraction.ggsq",
+        *recq,
+        "r_row_size",
+        "set",
+        value=770,
+        note="not a whole number of f32 elements",
+    )
     add("recurrent-s-type-unknown.ggsq", *recq, "s_type", "set", value=77, fmt="i")
     add("recurrent-truncated-in-s-data.ggsn", *rec, "s_data", "cut", nth=1, also=["s_row_size", "cell_count"])
     add("recurrent-seq-truncated-in-r-data.ggsq", *recq, "r_data", "cut", also=["r_row_size", "cell_count"])
@@ -317,17 +458,17 @@ def build() -> list[dict]:
 def write_manifest(entries: list[dict]) -> None:
     manifest = {
         "description": "Corrupt state files derived from the goldens by make_invalid.py; each has one fault. "
-                       "A reader must raise `error` naming `field` (or one of `also_accept`, where a truncation "
-                       "can be noticed either at a count or at the field being read). Entries with "
-                       "needs_hparams=true are only "
-                       "detectable against the model and context of the source case (as llama.cpp checks "
-                       "them against its own model); a reader given no hparams may accept them or blame a "
-                       "later field. `llama_cpp` (present after a --llama-check run) records what the producing "
-                       "llama.cpp did when the file was loaded into a fresh context like the source case's: "
-                       "llama.cpp is lenient in places (it accepts any non-zero v_trans and trailing bytes after a "
-                       "sequence file) and reads past the end of a truncated session file without noticing until "
-                       "its final size check. Files derived from a legacy golden are checked with the llama.cpp "
-                       "that wrote that golden (the source case's producer).",
+        "A reader must raise `error` naming `field` (or one of `also_accept`, where a truncation "
+        "can be noticed either at a count or at the field being read). Entries with "
+        "needs_hparams=true are only "
+        "detectable against the model and context of the source case (as llama.cpp checks "
+        "them against its own model); a reader given no hparams may accept them or blame a "
+        "later field. `llama_cpp` (present after a --llama-check run) records what the producing "
+        "llama.cpp did when the file was loaded into a fresh context like the source case's: "
+        "llama.cpp is lenient in places (it accepts any non-zero v_trans and trailing bytes after a "
+        "sequence file) and reads past the end of a truncated session file without noticing until "
+        "its final size check. Files derived from a legacy golden are checked with the llama.cpp "
+        "that wrote that golden (the source case's producer).",
         "files": entries,
     }
     (INVALID / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
@@ -372,6 +513,7 @@ def llama_check(entries: list[dict], model_dir: Path, legacy_python: str | None 
     """Load every invalid file into a fresh llama.cpp context like the source case's and
     record what llama.cpp returned (each in its own process: some faults abort)."""
     import subprocess
+
     for e in entries:
         src = e["source"]
         case_json = GOLDEN / src["case"] / "case.json"
@@ -383,8 +525,15 @@ def llama_check(entries: list[dict], model_dir: Path, legacy_python: str | None 
             if not legacy_python:
                 continue
             python = legacy_python  # the producer that wrote the source golden
-        code = _PROBE.format(here=str(HERE), case_json=str(case_json), inv=str(INVALID), model=str(model),
-                             kind=op["kind"], file=e["file"], flags=op.get("flags", 0))
+        code = _PROBE.format(
+            here=str(HERE),
+            case_json=str(case_json),
+            inv=str(INVALID),
+            model=str(model),
+            kind=op["kind"],
+            file=e["file"],
+            flags=op.get("flags", 0),
+        )
         p = subprocess.run([python, "-c", code], capture_output=True, text=True, timeout=120)
         if p.returncode == 0:
             res = json.loads(p.stdout.strip().splitlines()[-1])
@@ -396,20 +545,33 @@ def llama_check(entries: list[dict], model_dir: Path, legacy_python: str | None 
                 errors = [re.sub(r"-?\d+", "<n>", x) for x in errors]
             e["llama_cpp"] = {"accepted": ok, "ret": res["ret"], "errors": errors}
         else:
-            e["llama_cpp"] = {"accepted": False, "ret": None, "aborted": True,
-                              "exit_code": p.returncode, "errors": p.stderr.strip().splitlines()[-2:]}
+            e["llama_cpp"] = {
+                "accepted": False,
+                "ret": None,
+                "aborted": True,
+                "exit_code": p.returncode,
+                "errors": p.stderr.strip().splitlines()[-2:],
+            }
 
 
 if __name__ == "__main__":
     import argparse
     import os
+
     ap = argparse.ArgumentParser()
-    ap.add_argument("--llama-check", action="store_true",
-                    help="also record what llama.cpp itself does with each invalid file")
-    ap.add_argument("--legacy-python", default=os.environ.get("KVREF_LEGACY_PYTHON"),
-                    help="python of the venv with the older llama-cpp-python, to check legacy-derived files")
-    ap.add_argument("--model-dir", type=Path,
-                    default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvref-conformance")
+    ap.add_argument(
+        "--llama-check", action="store_true", help="also record what llama.cpp itself does with each invalid file"
+    )
+    ap.add_argument(
+        "--legacy-python",
+        default=os.environ.get("KVREF_LEGACY_PYTHON"),
+        help="python of the venv with the older llama-cpp-python, to check legacy-derived files",
+    )
+    ap.add_argument(
+        "--model-dir",
+        type=Path,
+        default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvref-conformance",
+    )
     a = ap.parse_args()
     print(f"walked {check_goldens()} golden artefacts")
     es = build()

@@ -313,7 +313,7 @@ class KVCache:
         return any(c.get_has_shift() for c in self._cells)
 
     def pending_stream_copies(self) -> list[tuple[int, int]]:
-        return list(zip(self._sc_src, self._sc_dst))
+        return list(zip(self._sc_src, self._sc_dst, strict=True))
 
     def update(
         self,
@@ -338,7 +338,7 @@ class KVCache:
         if do_shift and self.hparams.rope_type != RopeType.NONE and traits(self.type_k).is_quantized:
             name = self.type_k.name.lower()
             raise KVRefError(f"K-shift of a {name} K cache is not implemented (f32, f16, bf16 only)")
-        copies = list(zip(self._sc_src, self._sc_dst))
+        copies = list(zip(self._sc_src, self._sc_dst, strict=True))
         self._sc_src, self._sc_dst = [], []
         for ssrc, sdst in copies:
             for layer in self.layers:
@@ -423,7 +423,7 @@ class KVCache:
         sinfos = self.prepare(ubatches)
         if not sinfos:
             raise NoSlotError(f"no KV slot for a batch of {balloc.get_n_tokens()} tokens")
-        return list(zip(ubatches, sinfos))
+        return list(zip(ubatches, sinfos, strict=True))
 
     def decode(
         self,
@@ -543,7 +543,9 @@ class KVCache:
 
     def _flat_idxs(self, sinfo: SlotInfo) -> np.ndarray:
         size = self.get_size()
-        parts = [strm * size + np.asarray(idxs, dtype=np.int64) for strm, idxs in zip(sinfo.strm, sinfo.idxs)]
+        parts = [
+            strm * size + np.asarray(idxs, dtype=np.int64) for strm, idxs in zip(sinfo.strm, sinfo.idxs, strict=True)
+        ]
         return np.concatenate(parts)
 
     def _streams(self, sinfo: SlotInfo | None) -> slice:

@@ -155,10 +155,11 @@ def find_slot(cache: KVCache, ubatch: UBatch, cont: bool = False) -> SlotInfo | 
     for s in range(n_seqs):
         seq_id = int(ubatch.seq_id_unq[s])
         cache._check_seq(seq_id)
-        if cache.get_n_stream() > 1:
-            # a multi-stream ubatch comes from split_equal: groups of n_tokens tokens, one sequence each
-            if ubatch.n_seq_id[s * n_tokens] != 1 or ubatch.seq_id[s * n_tokens][0] != seq_id:
-                raise BatchError("multi-stream ubatch is not grouped by sequence (use split_equal)")
+        # a multi-stream ubatch comes from split_equal: groups of n_tokens tokens, one sequence each
+        if cache.get_n_stream() > 1 and (
+            ubatch.n_seq_id[s * n_tokens] != 1 or ubatch.seq_id[s * n_tokens][0] != seq_id
+        ):
+            raise BatchError("multi-stream ubatch is not grouped by sequence (use split_equal)")
         strm = cache.seq_to_stream[seq_id]
         res.s0 = min(res.s0, strm)
         res.s1 = max(res.s1, strm)
@@ -263,7 +264,9 @@ def prepare(cache: KVCache, ubatches: list[Any]) -> list[SlotInfo]:
         sinfo = find_slot(cache, ub, False)
         if sinfo is None:
             break
-        shifted = [st for st, ix in zip(sinfo.strm, sinfo.idxs) if np.any(np.asarray(cache.cells(st).shift)[ix])]
+        shifted = [
+            st for st, ix in zip(sinfo.strm, sinfo.idxs, strict=True) if np.any(np.asarray(cache.cells(st).shift)[ix])
+        ]
         if shifted:
             # llama.cpp asserts this never happens (decode applies pending shifts before preparing)
             pending_shift = f"stream {shifted[0]} has a pending K-shift in a target cell: call update() first"

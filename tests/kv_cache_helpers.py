@@ -11,10 +11,21 @@ from kvref.kv_cache import KVCache
 LLAMA_MAX_SEQ = 256
 
 
-def HP(n_layer: int = 2, n_head_kv: int = 2, n_embd_head: int = 8, n_embd_head_v: int | None = None,
-       swa: list[bool] | None = None, rope_type: RopeType = RopeType.NORM, n_rot: int = 8,
-       rope_freq_base: float = 10000.0, rope_freq_scale: float = 1.0, rope_freq_base_swa: float | None = None,
-       rope_freq_scale_swa: float | None = None, n_pos: int = 1, kv_from_start: int = -1) -> HParams:
+def HP(
+    n_layer: int = 2,
+    n_head_kv: int = 2,
+    n_embd_head: int = 8,
+    n_embd_head_v: int | None = None,
+    swa: list[bool] | None = None,
+    rope_type: RopeType = RopeType.NORM,
+    n_rot: int = 8,
+    rope_freq_base: float = 10000.0,
+    rope_freq_scale: float = 1.0,
+    rope_freq_base_swa: float | None = None,
+    rope_freq_scale_swa: float | None = None,
+    n_pos: int = 1,
+    kv_from_start: int = -1,
+) -> HParams:
     """A small HParams for cache tests; ``n_pos=4`` makes it an M-RoPE model."""
     return HParams(
         n_layer=n_layer, n_head=n_head_kv, n_head_kv=n_head_kv, n_embd_head_k=n_embd_head,
@@ -26,8 +37,9 @@ def HP(n_layer: int = 2, n_head_kv: int = 2, n_embd_head: int = 8, n_embd_head_v
     )  # fmt: skip
 
 
-def ub(tokens: list[tuple[int | list[int], int]], token_ids: bool = True,
-       pos2d: list[tuple[int, int]] | None = None) -> UBatch:
+def ub(
+    tokens: list[tuple[int | list[int], int]], token_ids: bool = True, pos2d: list[tuple[int, int]] | None = None
+) -> UBatch:
     """A ubatch from ``(seq id(s), pos)`` per token, in the given order (no splitter involved)."""
     seq_id = [[s] if isinstance(s, int) else list(s) for s, _ in tokens]
     n = len(tokens)

@@ -9,18 +9,21 @@ model file into hyper-parameters that give the same numbers, without looking at 
 from __future__ import annotations
 
 import pytest
+from golden import ALL_CASES, ROOT, load_case
 
 from kvref import conformance as C
 from kvref.hparams import HParams, SWAType
-
-from golden import ALL_CASES, ROOT, load_case
 
 
 def _committed(cid: str) -> bool:
     case = load_case(cid)
     m = case["model"]
-    return bool(m.get("committed")) and m.get("path") is not None and (ROOT / m["path"]).exists() \
+    return (
+        bool(m.get("committed"))
+        and m.get("path") is not None
+        and (ROOT / m["path"]).exists()
         and case.get("observed_context") is not None
+    )
 
 
 CASES = [cid for cid in ALL_CASES if _committed(cid)]
@@ -37,7 +40,11 @@ def test_from_gguf_matches_llama_cpp(cid):
     hp = HParams.from_gguf(ROOT / case["model"]["path"])
     om = case["observed_model"]
     assert (hp.n_layer, hp.n_embd, hp.n_head_l(0), hp.n_head_kv_l(0)) == (
-        om["n_layer"], om["n_embd"], om["n_head"], om["n_head_kv"])
+        om["n_layer"],
+        om["n_embd"],
+        om["n_head"],
+        om["n_head_kv"],
+    )
     assert int(hp.rope_type) == om["rope_type"]
     assert hp.n_ctx_train == om["n_ctx_train"] and hp.n_vocab == om["n_vocab"]
     # llama_model_n_swa reports the window whenever the model has a swa_type
@@ -69,8 +76,10 @@ def test_memory_log_layer_counts(cid):
     if kind == "kv":
         assert [c["layers"] for c in kv] == [sum(hp.has_kv(il) for il in range(n))]
     elif kind == "iswa":  # the non-SWA cache is created first
-        assert [c["layers"] for c in kv] == [sum(not hp.is_swa(il) for il in range(n)),
-                                             sum(hp.is_swa(il) for il in range(n))]
+        assert [c["layers"] for c in kv] == [
+            sum(not hp.is_swa(il) for il in range(n)),
+            sum(hp.is_swa(il) for il in range(n)),
+        ]
     elif kind == "hybrid":
         assert [c["layers"] for c in kv] == [sum(hp.attn_layer_filter(il) for il in range(n))]
     elif kind == "hybrid_iswa":  # the iSWA part of the attention layers: base (may be empty), then SWA

@@ -238,8 +238,14 @@ def test_gemma3_pattern_and_no_window(tmp_path):
     assert hp.swa_type == SWAType.NONE and not hp.is_swa_any() and hp.memory_kind() == "kv"
 
 
-LLAMA4 = {"attention.head_count": 4, "rope.freq_base": 5e5, "expert_count": 2, "expert_used_count": 1,
-          "expert_feed_forward_length": 64, "interleave_moe_layer_step": 0}
+LLAMA4 = {
+    "attention.head_count": 4,
+    "rope.freq_base": 5e5,
+    "expert_count": 2,
+    "expert_used_count": 1,
+    "expert_feed_forward_length": 64,
+    "interleave_moe_layer_step": 0,
+}
 
 
 def test_llama4_chunked_attention(tmp_path):

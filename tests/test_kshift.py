@@ -28,8 +28,9 @@ def ref_bf16(x: np.float32) -> np.uint16:
     return np.uint16((u + (0x7FFF + ((u >> 16) & 1))) >> 16)
 
 
-def ref_rope_head(x: list[np.float32], pos: int, n_rot: int, mode: int, base: float, scale: float,
-                  mscale: float = 1.0) -> list[np.float32]:
+def ref_rope_head(
+    x: list[np.float32], pos: int, n_rot: int, mode: int, base: float, scale: float, mscale: float = 1.0
+) -> list[np.float32]:
     """Rotate one head (first n_rot dims) the way ggml's CPU rope kernel does, one pair at a time."""
     out = list(x)
     theta_scale = F(math.pow(float(F(base)), float(F(-2.0) / F(n_rot))))
@@ -46,18 +47,19 @@ def ref_rope_head(x: list[np.float32], pos: int, n_rot: int, mode: int, base: fl
     return out
 
 
-def expected_k(before: np.ndarray, shifts: list[int], hp: HP, type_k: str, base: float, scale: float,
-               n_rot: int, mode: int) -> np.ndarray:
+def expected_k(
+    before: np.ndarray, shifts: list[int], hp: HP, type_k: str, base: float, scale: float, n_rot: int, mode: int
+) -> np.ndarray:
     """before: typed K rows (cells, n_embd) as stored; returns the typed rows after the shift."""
     out = before.copy()
     for cell, sh in enumerate(shifts):
         for h in range(hp.n_head_kv_l(0)):
             lo = h * hp.n_embd_head_k
             if type_k == "bf16":
-                bits = before[cell, lo:lo + hp.n_embd_head_k]
+                bits = before[cell, lo : lo + hp.n_embd_head_k]
                 vals = [np.array([int(v) << 16], np.uint32).view(np.float32)[0] for v in bits]
             else:
-                vals = [F(v) for v in before[cell, lo:lo + hp.n_embd_head_k]]
+                vals = [F(v) for v in before[cell, lo : lo + hp.n_embd_head_k]]
             rot = ref_rope_head(vals, sh, n_rot, mode, base, scale)
             for j, v in enumerate(rot):
                 out[cell, lo + j] = ref_bf16(v) if type_k == "bf16" else v
@@ -76,8 +78,9 @@ def filled_cache(hp: HP, type_k: str, size: int = 8, n_tokens: int = 6, seed: in
 @pytest.mark.parametrize("type_k", ["f32", "f16", "bf16"])
 @pytest.mark.parametrize("mode,n_rot", [(RopeType.NORM, 8), (RopeType.NORM, 4), (RopeType.NEOX, 8), (RopeType.NEOX, 6)])
 def test_kshift_matches_scalar_reference(type_k, mode, n_rot):
-    hp = HP(n_layer=2, n_head_kv=2, n_embd_head=8, rope_type=mode, n_rot=n_rot, rope_freq_base=10000.0,
-            rope_freq_scale=0.5)
+    hp = HP(
+        n_layer=2, n_head_kv=2, n_embd_head=8, rope_type=mode, n_rot=n_rot, rope_freq_base=10000.0, rope_freq_scale=0.5
+    )
     c = filled_cache(hp, type_k)
     before = [c.get_k(il, 8)[0].copy() for il in range(2)]
     c.seq_add(0, 2, 5, 7)  # cells 2, 3, 4 move by +7
@@ -95,8 +98,17 @@ def test_kshift_matches_scalar_reference(type_k, mode, n_rot):
 
 
 def test_kshift_swa_layers_use_swa_base_and_scale():
-    hp = HP(n_layer=2, n_head_kv=1, n_embd_head=4, n_rot=4, swa=[False, True], rope_freq_base=10000.0,
-            rope_freq_base_swa=500.0, rope_freq_scale_swa=1.0, rope_freq_scale=0.25)
+    hp = HP(
+        n_layer=2,
+        n_head_kv=1,
+        n_embd_head=4,
+        n_rot=4,
+        swa=[False, True],
+        rope_freq_base=10000.0,
+        rope_freq_base_swa=500.0,
+        rope_freq_scale_swa=1.0,
+        rope_freq_scale=0.25,
+    )
     c = filled_cache(hp, "f32", n_tokens=3)
     before = [c.get_k(il, 8)[0].copy() for il in range(2)]
     c.seq_add(0, 0, -1, 11)
@@ -119,8 +131,9 @@ def test_kshift_negative_shift_and_freed_cells():
 
 
 def test_yarn_mscale_applies_to_unshifted_cells_too():
-    p = RopeParams(n_dims=4, mode=ROPE_NORM, freq_base=10000.0, freq_scale=0.25, ext_factor=1.0,
-                   attn_factor=1.0, n_ctx_orig=4096)
+    p = RopeParams(
+        n_dims=4, mode=ROPE_NORM, freq_base=10000.0, freq_scale=0.25, ext_factor=1.0, attn_factor=1.0, n_ctx_orig=4096
+    )
     cos, sin = cos_sin(np.array([0]), p)
     mscale = F(1.0) * (F(1) + F(0.1) * F(math.log(float(F(1) / F(0.25)))))
     assert cos.tolist() == [[mscale, mscale]] and sin.tolist() == [[0.0, 0.0]]

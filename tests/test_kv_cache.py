@@ -42,8 +42,7 @@ def test_sizes_f16_unified():
 
 def test_sizes_multi_stream_quantized_k_and_layer_selection():
     hp = HP(n_layer=4, n_head_kv=2, n_embd_head=32, kv_from_start=3)
-    c = KVCache(hp, "q8_0", "f32", v_trans=False, unified=False, size=8, n_seq_max=3,
-                layer_filter=lambda il: il != 1)
+    c = KVCache(hp, "q8_0", "f32", v_trans=False, unified=False, size=8, n_seq_max=3, layer_filter=lambda il: il != 1)
     # layer 1 filtered out, layer 3 has no KV (n_layer_kv_from_start = 3): layers 0 and 2, 3 streams each
     assert c.get_layer_ids() == [0, 2]
     k_layer = row_size("q8_0", 64) * 8 * 3
@@ -55,8 +54,9 @@ def test_sizes_multi_stream_quantized_k_and_layer_selection():
 
 def test_layer_reuse_shares_buffers():
     hp = HP(n_layer=4)
-    c = KVCache(hp, "f32", "f32", size=4, layer_filter=lambda il: il < 2,
-                layer_reuse=lambda il: il - 2 if il >= 2 else -1)
+    c = KVCache(
+        hp, "f32", "f32", size=4, layer_filter=lambda il: il < 2, layer_reuse=lambda il: il - 2 if il >= 2 else -1
+    )
     # a reused layer that fails the filter is not mapped (llama.cpp checks the filter again)
     assert c.get_layer_ids() == [0, 1]
     assert c.map_layer_ids == {0: 0, 1: 1}
@@ -119,8 +119,14 @@ def test_unified_accepts_any_seq_id_below_max_seq():
 def test_multi_stream_bounds_seq_ids_by_n_seq_max():
     c = KVCache(HP(), size=4, n_seq_max=2, unified=False)
     before = snapshot(c)
-    for op in (lambda: c.seq_rm(2, -1, -1), lambda: c.seq_keep(2), lambda: c.seq_add(2, 0, -1, 1),
-               lambda: c.seq_div(2, 0, -1, 2), lambda: c.seq_cp(0, 2, -1, -1), lambda: c.seq_pos_min(2)):
+    for op in (
+        lambda: c.seq_rm(2, -1, -1),
+        lambda: c.seq_keep(2),
+        lambda: c.seq_add(2, 0, -1, 1),
+        lambda: c.seq_div(2, 0, -1, 2),
+        lambda: c.seq_cp(0, 2, -1, -1),
+        lambda: c.seq_pos_min(2),
+    ):
         with pytest.raises(SequenceError):
             op()
     assert snapshot(c) == before
@@ -140,7 +146,7 @@ def test_seq_cp_same_stream_is_metadata_only():
 
 def test_seq_keep():
     c = KVCache(HP(), size=6)
-    place(c, seq_run(0, 0, 2) + [([0, 2], 2)] + seq_run(1, 0, 2))
+    place(c, [*seq_run(0, 0, 2), ([0, 2], 2), *seq_run(1, 0, 2)])
     c.heads[0] = 5
     c.seq_keep(0)
     assert layout(c) == ["0:0", "1:0", "2:0", ".", ".", "."]

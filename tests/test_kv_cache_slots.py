@@ -225,7 +225,7 @@ def test_decode_positions_continue_and_split_simple():
 def test_decode_multi_stream_split_equal():
     c = cache(size=4, unified=False, n_seq_max=2)
     placed = c.decode(Batch(tokens=[1, 2, 3, 4], seq_ids=[[0], [1], [0], [1]]), n_ubatch=4)
-    (u, s), = placed
+    ((u, s),) = placed
     assert s.strm == [0, 1] and s.idxs == [[0, 1], [0, 1]]
     assert u.batch_idxs.tolist() == [0, 2, 1, 3]
     assert layout(c, 0) == ["0:0", "1:0", ".", "."] and layout(c, 1) == ["0:1", "1:1", ".", "."]
@@ -330,8 +330,17 @@ def test_rows_in_and_out():
 def test_transposed_v_pads_narrow_layers_with_zeros():
     from kvref.hparams import HParams
 
-    hp = HParams(n_layer=2, n_head=1, n_head_kv=1, n_embd_head_k=4, n_embd_head_v=4, n_embd_head_v_swa=2,
-                 swa_layers=[False, True], swa_type=SWAType.STANDARD, n_swa=4)
+    hp = HParams(
+        n_layer=2,
+        n_head=1,
+        n_head_kv=1,
+        n_embd_head_k=4,
+        n_embd_head_v=4,
+        n_embd_head_v_swa=2,
+        swa_layers=[False, True],
+        swa_type=SWAType.STANDARD,
+        n_swa=4,
+    )
     c = KVCache(hp, "f32", "f32", v_trans=True, size=4)
     assert c.layers[1].v.shape == (1, 4, 16)  # every layer padded to n_embd_v_gqa_max = 4
     c.layers[1].v.fill(0xFF)

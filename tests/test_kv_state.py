@@ -128,8 +128,12 @@ def test_cell_ext_only_for_mrope():
 # a quantized V cache exists only without V transposition (llama.cpp refuses it otherwise)
 @pytest.mark.parametrize(
     ("types", "v_trans"),
-    [(t, vt) for t in [("f16", "f16"), ("f32", "f32"), ("q8_0", "q8_0"), ("q8_0", "f16")] for vt in (True, False)
-     if not (vt and t[1] == "q8_0")],
+    [
+        (t, vt)
+        for t in [("f16", "f16"), ("f32", "f32"), ("q8_0", "q8_0"), ("q8_0", "f16")]
+        for vt in (True, False)
+        if not (vt and t[1] == "q8_0")
+    ],
 )
 def test_whole_round_trip(types, v_trans):
     cache = make(types, v_trans)
