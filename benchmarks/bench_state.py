@@ -31,7 +31,7 @@ import kvref.state as S
 from kvref.ggml import GGMLType, row_size
 
 MIB = int(os.environ.get("KVREF_BENCH_STATE_MIB", "1024"))
-ROUNDS = int(os.environ.get("KVREF_BENCH_ROUNDS", "3"))
+ROUNDS = int(os.environ.get("KVREF_BENCH_ROUNDS", "4"))
 N_LAYER, N_EMBD, N_SEQ = 32, 1024, 4
 RESULTS: dict[str, dict[str, float]] = {}
 
@@ -113,16 +113,19 @@ def _plain_write(src: Path, dst: Path) -> None:
         out.write(m)
 
 
-def _interleave(a, b, rounds: int) -> tuple[float, float]:
-    ta, tb = [], []
-    for _ in range(rounds):
-        t = time.perf_counter()
-        b()
-        tb.append(time.perf_counter() - t)
-        t = time.perf_counter()
-        a()
-        ta.append(time.perf_counter() - t)
-    return statistics.median(ta), statistics.median(tb)
+def _interleave(a, b, rounds: int, before=None) -> tuple[float, float]:
+    """Median times of ``a`` and ``b`` run alternately, ABBA order so neither always inherits the other's
+    dirty pages; ``before`` runs untimed ahead of each call."""
+    times: dict[int, list[float]] = {0: [], 1: []}
+    fns = (a, b)
+    for r in range(rounds):
+        for k in (0, 1) if r % 2 == 0 else (1, 0):
+            if before is not None:
+                before()
+            t = time.perf_counter()
+            fns[k]()
+            times[k].append(time.perf_counter() - t)
+    return statistics.median(times[0]), statistics.median(times[1])
 
 
 def _peak_memory(fn, *args):
@@ -161,7 +164,16 @@ def test_save(benchmark, session_file: Path, tmp_path: Path) -> None:
     size = session_file.stat().st_size
     obj = _load(session_file)
     out_kv, out_plain = tmp_path / "kv.ggsn", tmp_path / "plain.ggsn"
-    t_kv, t_plain = _interleave(lambda: S.save(obj, out_kv), lambda: _plain_write(session_file, out_plain), ROUNDS)
+
+    # the previous round's outputs are deleted untimed: freeing 1 GiB (a TRIM on a discard-mounted disk) costs
+    # as much as writing it, and would land on whichever writer replaces or truncates it
+    def drop_outputs() -> None:
+        out_kv.unlink(missing_ok=True)
+        out_plain.unlink(missing_ok=True)
+
+    t_kv, t_plain = _interleave(
+        lambda: S.save(obj, out_kv), lambda: _plain_write(session_file, out_plain), ROUNDS, before=drop_outputs
+    )
     assert out_kv.read_bytes()[:4096] == session_file.read_bytes()[:4096]
     assert out_kv.stat().st_size == size
     _, rss, py_peak = _peak_memory(S.save, obj, out_kv)
