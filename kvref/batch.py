@@ -1,7 +1,5 @@
 """Batches and ubatches (llama.cpp's llama_batch / llama_ubatch and llama_batch_allocr's splitter).
 
-CONTRACT (lead): the UBatch fields below mirror llama_ubatch and are what KVCache and the mask read.
-
 The flow mirrors llama.cpp (October 2026, ``src/llama-batch.cpp``):
 
 1. ``Batch`` is the caller's ``llama_batch`` (tokens and/or embeddings, optional positions, sequence

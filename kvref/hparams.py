@@ -1,8 +1,5 @@
 """Model hyper-parameters the memory modules need (a subset of llama.cpp's ``llama_hparams``).
 
-CONTRACT (lead): the attribute and method names below are what KVCache, the mask and the recurrent
-memory use. Extend freely (``from_gguf``, per-arch defaults, validation), keep these names.
-
 Where llama.cpp has a field and a per-layer getter of the same name (``n_head`` / ``n_head(il)``),
 the field keeps the name and the getter gets an ``_l`` suffix (``n_head_l(il)``, ``n_head_kv_l(il)``,
 ``n_embd_head_k_l(il)``, ``n_rot_l(il)``). ``n_layer`` is llama.cpp's ``n_layer_all`` (every block in
