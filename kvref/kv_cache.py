@@ -362,10 +362,9 @@ class KVCache:
 
     def k_shift_input(self) -> np.ndarray:
         """set_input_k_shift: int32 [n_stream * size], each cell's pending shift, 0 for empty cells."""
-        out = []
-        for c in self._cells:
-            out.append(np.where(np.asarray(c.pos) == -1, 0, np.asarray(c.shift)).astype(np.int32))
-        return np.concatenate(out)
+        from .mask import k_shift_input
+
+        return k_shift_input(self).reshape(-1)
 
     def _rope_params(self, il: int, **yarn: Any) -> RopeParams:
         hp = self.hparams
