@@ -8,10 +8,8 @@ The state is the attention section(s) followed by the recurrent section.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
-
-import numpy as np
 
 from . import compat as _compat
 from .errors import NoSlotError
@@ -152,38 +150,16 @@ class HybridMemory(PairedMemory):
             raise NoSlotError("failed to prepare attention ubatches")
         return list(zip(ubatches, slots, strict=True))
 
-    def decode(
-        self,
-        batch: Any,
-        n_ubatch: int = 512,
-        *,
-        k: Mapping[int, np.ndarray] | None = None,
-        v: Mapping[int, np.ndarray] | None = None,
-        balloc: Any = None,
-        embd_all: bool = False,
-    ) -> list[tuple[Any, HybridSlot]]:
-        """What llama_decode does to the memory (attention rows ``k`` / ``v`` optional, per layer)."""
-        from .batch import BatchAllocr
-        from .kv_cache import decode_seq_bound
+    def _decode_n_seq_max(self) -> int:
+        return self.recr.n_seq_max
 
-        if balloc is None:
-            balloc = BatchAllocr(self.hparams.n_pos_per_embd())
-        n_seq_max = decode_seq_bound(self.compat, self.unified, self.recr.n_seq_max)
-        balloc.init(batch, memory=self, n_seq_max=n_seq_max, output_all=embd_all)
-        self.update()
-        placed = self.init_batch(balloc, n_ubatch, embd_all)
-        out = []
-        for ub, aslot in placed:
-            # llama_memory_hybrid_context::apply: attention, then recurrent
-            self.attn.apply_ubatch(aslot, ub)
-            rslot = self.recr.apply_ubatch(ub)
-            rows = np.asarray(ub.batch_idxs)
-            for il, data in (k or {}).items():
-                self._attn_cache(il, aslot)[0].cpy_k(il, np.asarray(data)[rows], self._attn_cache(il, aslot)[1])
-            for il, data in (v or {}).items():
-                self._attn_cache(il, aslot)[0].cpy_v(il, np.asarray(data)[rows], self._attn_cache(il, aslot)[1])
-            out.append((ub, HybridSlot(aslot, rslot)))
-        return out
+    def _apply(self, aslot: Any, ubatch: Any) -> HybridSlot:
+        # llama_memory_hybrid_context::apply: attention, then recurrent
+        self.attn.apply_ubatch(aslot, ubatch)
+        return HybridSlot(aslot, self.recr.apply_ubatch(ubatch))
+
+    def _owner(self, il: int, slot: HybridSlot) -> tuple[KVCache, Any]:
+        return self._attn_cache(il, slot.attn)
 
     def _attn_cache(self, il: int, aslot: Any) -> tuple[KVCache, Any]:
         if isinstance(self.attn, KVCache):

@@ -7,10 +7,8 @@ operations go to both; the state is the base section followed by the SWA section
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, NamedTuple
-
-import numpy as np
 
 from . import compat as _compat
 from .errors import NoSlotError
@@ -190,36 +188,12 @@ class KVCacheISWA(PairedMemory):
         self.base.apply_ubatch(slot.base, ubatch)
         self.swa.apply_ubatch(slot.swa, ubatch)
 
-    def decode(
-        self,
-        batch: Any,
-        n_ubatch: int = 512,
-        *,
-        k: Mapping[int, np.ndarray] | None = None,
-        v: Mapping[int, np.ndarray] | None = None,
-        balloc: Any = None,
-        embd_all: bool = False,
-    ) -> list[tuple[Any, ISWASlot]]:
-        """What llama_decode does to the memory; ``k`` / ``v`` rows go to the cache owning each layer."""
-        from .batch import BatchAllocr
-        from .kv_cache import decode_seq_bound
+    def _decode_n_seq_max(self) -> int:
+        return self.base.get_n_seq_max()
 
-        if balloc is None:
-            balloc = BatchAllocr(self.hparams.n_pos_per_embd())
-        n_seq_max = decode_seq_bound(self.compat, self.unified, self.base.get_n_seq_max())
-        balloc.init(batch, memory=self, n_seq_max=n_seq_max, output_all=embd_all)
-        self.update()
-        placed = self.init_batch(balloc, n_ubatch, embd_all)
-        for ub, slot in placed:
-            self.apply_ubatch(slot, ub)
-            rows = np.asarray(ub.batch_idxs)
-            for il, data in (k or {}).items():
-                cache, sinfo = self._owner(il, slot)
-                cache.cpy_k(il, np.asarray(data)[rows], sinfo)
-            for il, data in (v or {}).items():
-                cache, sinfo = self._owner(il, slot)
-                cache.cpy_v(il, np.asarray(data)[rows], sinfo)
-        return placed
+    def _apply(self, slot: ISWASlot, ubatch: Any) -> ISWASlot:
+        self.apply_ubatch(slot, ubatch)
+        return slot
 
     def _owner(self, il: int, slot: ISWASlot) -> tuple[KVCache, Any]:
         return (self.swa, slot.swa) if self.hparams.is_swa(il) else (self.base, slot.base)

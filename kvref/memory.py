@@ -10,7 +10,7 @@ llama_context constructor (src/llama-context.cpp) and `create_memory` mirrors ll
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
@@ -480,6 +480,52 @@ class PairedMemory:
         self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
     ) -> tuple[Callable[[], None], int]:
         return stage_parts(self._state_parts(flags), data, seq_id, flags, offset)
+
+    # decode's steps that differ: the seq-id limit, applying a prepared slot, which cache holds a layer
+    def _decode_n_seq_max(self) -> int:
+        raise NotImplementedError
+
+    def _apply(self, slot: Any, ubatch: Any) -> Any:
+        raise NotImplementedError
+
+    def _owner(self, il: int, slot: Any) -> tuple[Any, Any]:
+        raise NotImplementedError
+
+    def decode(
+        self,
+        batch: Any,
+        n_ubatch: int = 512,
+        *,
+        k: Mapping[int, Any] | None = None,
+        v: Mapping[int, Any] | None = None,
+        balloc: Any = None,
+        embd_all: bool = False,
+    ) -> list[tuple[Any, Any]]:
+        """What llama_decode does to the memory: validate the batch, apply the pending update, split and
+        prepare, then apply every ubatch; ``k`` / ``v`` rows (per layer, in batch order) are stored in the
+        attention cache that owns each layer. Raises NoSlotError, changing nothing, when the batch does not fit."""
+        import numpy as np
+
+        from .batch import BatchAllocr
+        from .kv_cache import decode_seq_bound
+
+        if balloc is None:
+            balloc = BatchAllocr(self.hparams.n_pos_per_embd())  # type: ignore[attr-defined]
+        n_seq_max = decode_seq_bound(self.compat, self.unified, self._decode_n_seq_max())  # type: ignore[attr-defined]
+        balloc.init(batch, memory=self, n_seq_max=n_seq_max, output_all=embd_all)
+        self.update()  # type: ignore[attr-defined]
+        out = []
+        for ub, prepared in self.init_batch(balloc, n_ubatch, embd_all):  # type: ignore[attr-defined]
+            slot = self._apply(prepared, ub)
+            rows = np.asarray(ub.batch_idxs)
+            for il, data in (k or {}).items():
+                cache, sinfo = self._owner(il, slot)
+                cache.cpy_k(il, np.asarray(data)[rows], sinfo)
+            for il, data in (v or {}).items():
+                cache, sinfo = self._owner(il, slot)
+                cache.cpy_v(il, np.asarray(data)[rows], sinfo)
+            out.append((ub, slot))
+        return out
 
 
 __all__ = [
