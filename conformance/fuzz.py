@@ -34,7 +34,6 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-sys.path.insert(1, str(HERE.parent))  # kvref from this checkout
 
 # model key -> (tiny model, context params); n_ubatch is drawn per seed
 MODELS: dict[str, tuple[str, dict]] = {

@@ -1,7 +1,7 @@
 """kvref: llama.cpp's memory modules and state files, in Python with Cython hot paths.
 
-Public names are imported lazily so that ``import kvref`` stays cheap and a missing optional piece
-(say, ``gguf`` for ``HParams.from_gguf``) only matters to the caller who uses it.
+Public names are imported lazily so that ``import kvref`` stays cheap: a caller who only reads state files never
+imports the memory classes, and ``gguf`` is imported by the first ``HParams.from_gguf``.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import importlib
 import logging
 from typing import Any
 
-from . import errors
+from . import _backend, errors
 from .errors import BatchError, CellError, FormatError, KVRefError, NoSlotError, SequenceError
 
 __version__ = "0.1.0"
@@ -18,6 +18,9 @@ __version__ = "0.1.0"
 # kvref logs what llama.cpp logs (e.g. a recurrent find_slot refusing a gap) on the "kvref" logger; like any
 # library it prints nothing unless the application configures logging.
 logging.getLogger("kvref").addHandler(logging.NullHandler())
+
+# an unknown KVREF_BACKEND is an error now, not at the first use of a twin
+_backend.requested()
 
 LLAMA_MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence ids are 0 .. 255
 
@@ -51,12 +54,38 @@ def backend() -> str:
     return BACKEND
 
 
+def about() -> dict[str, str]:
+    """What this kvref is: its version, the active backend, and the llama.cpp it follows by default."""
+    from .compat import DEFAULT, NAMED, REFERENCE_COMMIT
+
+    return {
+        "kvref": __version__,
+        "backend": backend(),
+        "compat": DEFAULT,
+        "llama_cpp_python": NAMED[DEFAULT],
+        "llama_cpp": REFERENCE_COMMIT,
+    }
+
+
+def about_line() -> str:
+    """`about` as one line, as ``kvref --version`` and ``kvref conformance`` print it."""
+    a = about()
+    return (
+        f"kvref {a['kvref']} ({a['backend']} backend), following llama.cpp {a['llama_cpp']} "
+        f"(llama-cpp-python {a['llama_cpp_python']}, compat {a['compat']!r})"
+    )
+
+
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     if name in _SUBMODULES:
         return importlib.import_module(f"kvref.{name}")
     raise AttributeError(f"module 'kvref' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*__all__, *_SUBMODULES, "__version__"})
 
 
 __all__ = [
@@ -67,6 +96,8 @@ __all__ = [
     "KVRefError",
     "NoSlotError",
     "SequenceError",
+    "about",
+    "about_line",
     "backend",
     "errors",
     *_LAZY,

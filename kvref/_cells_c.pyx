@@ -243,6 +243,7 @@ cdef class KVCells:
         self.reset()
 
     def reset(self):
+        """Make every cell empty, with no pending shift and a null ext (llama_kv_cells::reset); the size stays."""
         cdef Py_ssize_t i
         cdef int w, s
         with nogil:
@@ -262,6 +263,7 @@ cdef class KVCells:
         self._hi = 0
 
     def reset_shift(self):
+        """Zero every cell's pending shift and clear has_shift (llama_kv_cells::reset_shift)."""
         cdef Py_ssize_t i
         self._has_shift = False
         with nogil:
@@ -269,12 +271,14 @@ cdef class KVCells:
                 self._shift[i] = 0
 
     def size(self):
+        """The number of cells (llama_kv_cells::size)."""
         return self._n
 
     def __len__(self):
         return self._n
 
     def get_used(self):
+        """The number of used cells, pos != -1 (llama_kv_cells::get_used)."""
         return self._n_used
 
     cdef void _tighten(self) noexcept nogil:
@@ -311,23 +315,28 @@ cdef class KVCells:
         return out
 
     def get_has_shift(self):
+        """True when a position was shifted since the last reset_shift (llama_kv_cells::get_has_shift)."""
         return bool(self._has_shift)
 
     # read-only NumPy views of the arrays
     @property
     def pos(self):
+        """Read-only int32 (n,) view of the cells' positions, -1 for an empty cell."""
         return _ro(self._pos_arr)
 
     @property
     def shift(self):
+        """Read-only int32 (n,) view of the cells' pending shifts (accumulated since reset_shift)."""
         return _ro(self._shift_arr)
 
     @property
     def ext(self):
+        """Read-only int32 (n, 3) view of the cells' ext: x, y (M-RoPE 2-D position) and token."""
         return _ro(self._ext_arr)
 
     @property
     def seq(self):
+        """Read-only uint64 (n, 4) view of the cells' sequence sets: bit s % 64 of word s // 64 is sequence s."""
         return _ro(self._seq_arr)
 
     # ------------------------------------------------------------------ C helpers (indices already valid)
@@ -603,6 +612,7 @@ cdef class KVCells:
 
     # ------------------------------------------------------------------ per-cell operations
     def is_empty(self, i):
+        """True when cell ``i`` holds no position (llama_kv_cells::is_empty)."""
         return self._pos[self._index(i)] == -1
 
     def rm(self, i):
@@ -644,6 +654,7 @@ cdef class KVCells:
         return False
 
     def seq_count(self, i):
+        """The number of sequences a used cell belongs to (llama_kv_cells::seq_count)."""
         cdef Py_ssize_t v = self._used(i, "seq_count")
         cdef int w, c = 0
         for w in range(N_WORDS):
@@ -666,6 +677,7 @@ cdef class KVCells:
         return self._seqs_of(self._index(i))
 
     def seq_has(self, i, seq_id):
+        """True when cell ``i`` belongs to ``seq_id`` (llama_kv_cells::seq_has)."""
         cdef Py_ssize_t v = self._index(i)
         return self._has(v, _seq_id(seq_id))
 
@@ -686,12 +698,14 @@ cdef class KVCells:
         return seqs[0]
 
     def seq_pos_min(self, seq_id):
+        """Like llama_kv_cells::seq_pos_min: the smallest position of ``seq_id``, or -1 when it holds no cell."""
         cdef int s = _seq_id(seq_id)
         if self._seq_pos[s].empty():
             return -1
         return deref(self._seq_pos[s].begin()).first
 
     def seq_pos_max(self, seq_id):
+        """Like llama_kv_cells::seq_pos_max: the largest position of ``seq_id``, or -1 when it holds no cell."""
         cdef int s = _seq_id(seq_id)
         if self._seq_pos[s].empty():
             return -1
@@ -721,6 +735,7 @@ cdef class KVCells:
         return self._ext[3 * deref(it).second + 2]
 
     def pos_get(self, i):
+        """The position of a used cell (llama_kv_cells::pos_get)."""
         return self._pos[self._used(i, "pos_get")]
 
     def ext_get(self, i):
@@ -740,6 +755,7 @@ cdef class KVCells:
         self._ext[3 * v + 2] = <int32_t>tv
 
     def get_shift(self, i):
+        """The pending shift of a used cell (llama_kv_cells::get_shift)."""
         return self._shift[self._used(i, "get_shift")]
 
     def pos_in(self, i, p0, p1):
@@ -972,9 +988,11 @@ cdef class KVCells:
         return out
 
     def seq_pos_min_many(self, seq_ids):
+        """``seq_pos_min`` of every listed sequence, as an int32 array."""
         return self._seq_pos_ends_many(seq_ids, False)
 
     def seq_pos_max_many(self, seq_ids):
+        """``seq_pos_max`` of every listed sequence, as an int32 array."""
         return self._seq_pos_ends_many(seq_ids, True)
 
     # ------------------------------------------------------------------ range operations

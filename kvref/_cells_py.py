@@ -73,6 +73,7 @@ class KVCells:
         self.reset()
 
     def reset(self) -> None:
+        """Make every cell empty, with no pending shift and a null ext (llama_kv_cells::reset); the size stays."""
         self._pos.fill(-1)
         self._shift.fill(0)
         self._ext[:, :2] = 0
@@ -83,16 +84,19 @@ class KVCells:
         self._seq_pos: list[list[tuple[int, int]]] = [[] for _ in range(LLAMA_MAX_SEQ)]
 
     def reset_shift(self) -> None:
+        """Zero every cell's pending shift and clear has_shift (llama_kv_cells::reset_shift)."""
         self._has_shift = False
         self._shift.fill(0)
 
     def size(self) -> int:
+        """The number of cells (llama_kv_cells::size)."""
         return int(self._pos.shape[0])
 
     def __len__(self) -> int:
         return self.size()
 
     def get_used(self) -> int:
+        """The number of used cells, pos != -1 (llama_kv_cells::get_used)."""
         return self._n_used
 
     def used_min(self) -> int:
@@ -110,23 +114,28 @@ class KVCells:
         return np.flatnonzero(self._pos != -1).astype(np.int32)
 
     def get_has_shift(self) -> bool:
+        """True when a position was shifted since the last reset_shift (llama_kv_cells::get_has_shift)."""
         return self._has_shift
 
     # read-only NumPy views of the arrays
     @property
     def pos(self) -> np.ndarray:
+        """Read-only int32 (n,) view of the cells' positions, -1 for an empty cell."""
         return _ro(self._pos)
 
     @property
     def shift(self) -> np.ndarray:
+        """Read-only int32 (n,) view of the cells' pending shifts (accumulated since reset_shift)."""
         return _ro(self._shift)
 
     @property
     def ext(self) -> np.ndarray:
+        """Read-only int32 (n, 3) view of the cells' ext: x, y (M-RoPE 2-D position) and token."""
         return _ro(self._ext)
 
     @property
     def seq(self) -> np.ndarray:
+        """Read-only uint64 (n, 4) view of the cells' sequence sets: bit s % 64 of word s // 64 is sequence s."""
         return _ro(self._seq)
 
     # ------------------------------------------------------------------ helpers
@@ -255,6 +264,7 @@ class KVCells:
 
     # ------------------------------------------------------------------ per-cell operations
     def is_empty(self, i: int) -> bool:
+        """True when cell ``i`` holds no position (llama_kv_cells::is_empty)."""
         return bool(self._pos[self._check_index(i)] == -1)
 
     def rm(self, i: int) -> None:
@@ -293,6 +303,7 @@ class KVCells:
         return False
 
     def seq_count(self, i: int) -> int:
+        """The number of sequences a used cell belongs to (llama_kv_cells::seq_count)."""
         i = self._check_used(i, "seq_count")
         return sum(int(w).bit_count() for w in self._seq[i])
 
@@ -301,6 +312,7 @@ class KVCells:
         return self._seqs_of(self._check_index(i))
 
     def seq_has(self, i: int, seq_id: int) -> bool:
+        """True when cell ``i`` belongs to ``seq_id`` (llama_kv_cells::seq_has)."""
         return self._has(self._check_index(i), _check_seq(seq_id))
 
     def seq_add(self, i: int, seq_id: int) -> None:
@@ -320,10 +332,12 @@ class KVCells:
         return seqs[0]
 
     def seq_pos_min(self, seq_id: int) -> int:
+        """Like llama_kv_cells::seq_pos_min: the smallest position of ``seq_id``, or -1 when it holds no cell."""
         lst = self._seq_pos[_check_seq(seq_id)]
         return lst[0][0] if lst else -1
 
     def seq_pos_max(self, seq_id: int) -> int:
+        """Like llama_kv_cells::seq_pos_max: the largest position of ``seq_id``, or -1 when it holds no cell."""
         lst = self._seq_pos[_check_seq(seq_id)]
         return lst[-1][0] if lst else -1
 
@@ -340,6 +354,7 @@ class KVCells:
         return int(self._ext[lst[k - 1][1], 2])
 
     def pos_get(self, i: int) -> int:
+        """The position of a used cell (llama_kv_cells::pos_get)."""
         return int(self._pos[self._check_used(i, "pos_get")])
 
     def ext_get(self, i: int) -> tuple[int, int, int]:
@@ -356,6 +371,7 @@ class KVCells:
         self._ext[i] = vals
 
     def get_shift(self, i: int) -> int:
+        """The pending shift of a used cell (llama_kv_cells::get_shift)."""
         return int(self._shift[self._check_used(i, "get_shift")])
 
     def pos_in(self, i: int, p0: int, p1: int) -> bool:
@@ -464,9 +480,11 @@ class KVCells:
         return np.array([self.pos_add(int(i), d) for i in ia], dtype=bool)
 
     def seq_pos_min_many(self, seq_ids: Iterable[int]) -> IntArray:
+        """``seq_pos_min`` of every listed sequence, as an int32 array."""
         return np.array([self.seq_pos_min(int(s)) for s in np.asarray(seq_ids).reshape(-1)], dtype=np.int32)
 
     def seq_pos_max_many(self, seq_ids: Iterable[int]) -> IntArray:
+        """``seq_pos_max`` of every listed sequence, as an int32 array."""
         return np.array([self.seq_pos_max(int(s)) for s in np.asarray(seq_ids).reshape(-1)], dtype=np.int32)
 
     # ------------------------------------------------------------------ range operations

@@ -62,6 +62,7 @@ class UBatch:
     batch_idxs: np.ndarray  # int32[n_tokens]: index of each token in the original batch
 
     def is_pos_2d(self) -> bool:
+        """llama_ubatch::is_pos_2d: the positions carry the M-RoPE 2-D blocks (n_pos >= 3)."""
         return self.n_pos >= 3
 
     @classmethod
@@ -129,6 +130,7 @@ class Batch:
 
     @property
     def n_tokens(self) -> int:
+        """The number of entries (llama_batch::n_tokens): tokens, or embedding rows without tokens."""
         return len(self.tokens) if self.tokens is not None else len(self.embd)  # type: ignore[arg-type]
 
 
@@ -411,12 +413,15 @@ class BatchAllocr:
     # ------------------------------------------------------------- accessors
 
     def get_n_tokens(self) -> int:
+        """Tokens in the batch given to ``init`` (llama_batch_allocr::get_n_tokens)."""
         return len(self.seq_id)
 
     def get_n_outputs(self) -> int:
+        """Tokens of the batch that produce an output (llama_batch_allocr::get_n_outputs)."""
         return self.n_outputs
 
     def get_n_used(self) -> int:
+        """Tokens put into ubatches since the last ``split_reset`` (llama_batch_allocr::get_n_used)."""
         return self.n_used
 
     def get_out_ids(self) -> list[int]:
@@ -428,6 +433,7 @@ class BatchAllocr:
         return min(self.seq_pos[seq_id]) if self.seq_pos[seq_id] else -1
 
     def seq_pos_max(self, seq_id: int) -> int:
+        """Largest position of ``seq_id`` in the batch (-1 when absent)."""
         return max(self.seq_pos[seq_id]) if self.seq_pos[seq_id] else -1
 
     # -------------------------------------------------------------- splitting

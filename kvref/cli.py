@@ -1,13 +1,14 @@
 """The ``kvref`` command line: one function per subcommand, registered on argparse subparsers.
 
-``inspect`` lives here; ``conformance``, ``bench`` and ``convert`` register themselves in `SUBCOMMANDS` the same
-way (a ``(name, add_arguments, run)`` triple) so this module stays the only entry point.
+Each subcommand is a ``(name, help, add_arguments, run)`` entry of `SUBCOMMANDS`; the work itself lives in the
+library (``kvref.state``, ``kvref.conformance``), so every command is also one call.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any
@@ -20,10 +21,21 @@ Subcommand = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable
 def _inspect_args(p: argparse.ArgumentParser) -> None:
     from .state.constants import LAYOUTS
 
-    p.add_argument("file", help="session (.ggsn), sequence (.ggsq) file, or raw state / sequence blob")
+    p.add_argument("file", help="session (.ggsn), sequence (.ggsq) file, or raw state / sequence blob; - for stdin")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
-    p.add_argument("--kind", default="auto", choices=["auto", "session", "seq", "state", "seq_state"])
-    p.add_argument("--layout", default="auto", choices=["auto", *LAYOUTS])
+    p.add_argument(
+        "--kind",
+        default="auto",
+        choices=["auto", "session", "seq", "state", "seq_state"],
+        help="what the file is: session file, sequence file, llama_state_get_data blob, "
+        "llama_state_seq_get_data blob (default: detect)",
+    )
+    p.add_argument(
+        "--layout",
+        default="auto",
+        choices=["auto", *LAYOUTS],
+        help="the memory layout of the state (default: detect)",
+    )
     p.add_argument("--ext-size", type=int, choices=[0, 8, 12], default=None, help="cell ext bytes (default: infer)")
 
 
@@ -89,7 +101,8 @@ def _print_summary(s: dict[str, Any]) -> None:
 def cmd_inspect(args: argparse.Namespace) -> int:
     from . import state
 
-    obj = state.load(args.file, kind=args.kind, layout=args.layout, ext_size=args.ext_size)
+    source = sys.stdin.buffer.read() if args.file == "-" else args.file
+    obj = state.load(source, kind=args.kind, layout=args.layout, ext_size=args.ext_size)
     summary = obj.summary()
     if args.json:
         json.dump(summary, sys.stdout, indent=2)
@@ -118,7 +131,10 @@ SUBCOMMANDS: list[Subcommand] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from . import about_line
+
     p = argparse.ArgumentParser(prog="kvref", description="llama.cpp memory modules and state files, in Python")
+    p.add_argument("--version", action="version", version=about_line(), help="print kvref's version and exit")
     sub = p.add_subparsers(dest="command", metavar="COMMAND")
     for name, help_, add_args, run in SUBCOMMANDS:
         sp = sub.add_parser(name, help=help_, description=help_)
@@ -131,19 +147,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "run", None):
-        from . import backend
-
-        try:
-            print(f"kvref backend: {backend()}")
-        except Exception as e:  # a broken build must still leave the usage readable
-            print(f"kvref backend: unavailable ({e})")
-        parser.print_help()
-        return 0
+        parser.error("a command is required")  # usage on stderr, exit 2 (argparse's convention)
     try:
         return args.run(args)
     except KVRefError as e:
         print(f"kvref {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `kvref inspect ... | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
     except OSError as e:
         print(f"kvref {args.command}: {e}", file=sys.stderr)
         return 2

@@ -118,6 +118,8 @@ COMPATS = (COMPAT_2026_10, COMPAT_2026_08, COMPAT_2025, COMPAT_2025_07)
 # the 2025 generations: "2025-07" is "2025" without streams (see ``no_streams``)
 ERA_2025 = (COMPAT_2025, COMPAT_2025_07)
 DEFAULT = COMPAT_2026_10
+# the llama.cpp commit the default generation follows (vendored by llama-cpp-python 0.3.36, 2026-10-01)
+REFERENCE_COMMIT = "0c1e570"
 
 # every llama-cpp-python release whose vendored llama.cpp sources were read (oldest first)
 RELEASES = tuple(f"0.3.{i}" for i in range(12, 37))

@@ -41,6 +41,7 @@ from typing import Any
 
 import numpy as np
 
+from . import about, about_line
 from .errors import BatchError, KVRefError, NoSlotError
 
 CHECKS = ("parse", "replay", "restore")
@@ -102,16 +103,21 @@ class CaseResult:
 
 # ---------------------------------------------------------------------------------------------- locating
 def find_root(root: str | Path | None = None) -> Path:
-    """The conformance directory: ``root``, else ./conformance, else the source checkout's conformance/."""
+    """The conformance directory: ``root``, else ./conformance, else the source checkout's conformance/, else the
+    goldens installed with the package (``kvref/conformance_data``)."""
     if root is not None:
         p = Path(root)
         if not (p / "golden").is_dir():
             raise KVRefError(f"{p} has no golden/ directory")
         return p
-    for p in (Path.cwd() / "conformance", Path(__file__).resolve().parent.parent / "conformance"):
+    here = Path(__file__).resolve().parent
+    for p in (Path.cwd() / "conformance", here.parent / "conformance", here / "conformance_data"):
         if (p / "golden").is_dir():
             return p
-    raise KVRefError("no conformance/golden directory found: run from a kvref checkout or pass --root")
+    raise KVRefError(
+        "no conformance/golden directory found: this kvref was installed without its goldens; "
+        "run from a kvref checkout or pass --root"
+    )
 
 
 def list_cases(root: Path) -> list[str]:
@@ -724,6 +730,8 @@ def main(args: Any) -> int:
     results = []
     width = max(len(c) for c in (ids or all_case_ids(root)))
     if not args.json:
+        print(about_line())
+        print(f"goldens: {root}")
         print(f"{'case':<{width}}  {'checks':>7}  {'status':<6}  first failure / note")
     for r in run(root, ids):
         results.append(r)
@@ -737,6 +745,7 @@ def main(args: Any) -> int:
     total = time.perf_counter() - t0
     if args.json:
         out = {
+            **about(),
             "root": str(root),
             "seconds": round(total, 3),
             "ok": not failed and not stale,

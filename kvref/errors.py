@@ -47,4 +47,21 @@ class SequenceError(KVRefError, ValueError):
     """A sequence id outside the range the memory accepts, or an operation not allowed on it."""
 
 
-__all__ = ["BatchError", "CellError", "FormatError", "KVRefError", "NoSlotError", "SequenceError"]
+class BackendError(KVRefError, ImportError):
+    """The requested backend cannot be used: an unknown ``KVREF_BACKEND``, or Cython asked for but not built."""
+
+
+class BackendWarning(RuntimeWarning):
+    """kvref fell back to its pure-Python twins although nobody asked for them (the message says how to fix it)."""
+
+
+__all__ = [
+    "BackendError",
+    "BackendWarning",
+    "BatchError",
+    "CellError",
+    "FormatError",
+    "KVRefError",
+    "NoSlotError",
+    "SequenceError",
+]

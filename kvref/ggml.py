@@ -14,6 +14,8 @@ from .errors import KVRefError
 
 
 class GGMLType(IntEnum):
+    """enum ggml_type: the tensor types by their wire ids (retired ids stay listed in comments)."""
+
     F32 = 0
     F16 = 1
     Q4_0 = 2

@@ -125,6 +125,13 @@ def _at(value: Any, il: int) -> Any:
 
 @dataclass
 class HParams:
+    """Model hyper-parameters as llama_hparams holds them (the part the memory modules use).
+
+    ``n_head``, ``n_head_kv``, ``n_ff`` and the ``*_layers`` flags take one value for every layer or one per layer;
+    ``n_head_kv``, the head sizes and ``n_rot`` left at None / 0 get llama.cpp's defaults. Build one by hand or
+    with `from_gguf`.
+    """
+
     arch: str = "llama"
     n_layer: int = 1  # llama.cpp's n_layer_all
     n_embd: int = 0
@@ -233,18 +240,22 @@ class HParams:
         return self.n_layer - self.n_layer_nextn
 
     def n_head_l(self, il: int = 0) -> int:
+        """llama_hparams::n_head(il): query heads of layer il."""
         self._check_il(il)
         return _at(self.n_head, il)
 
     def n_head_kv_l(self, il: int = 0) -> int:
+        """llama_hparams::n_head_kv(il): KV heads of layer il."""
         self._check_il(il)
         return _at(self.n_head_kv, il)
 
     def n_ff_l(self, il: int = 0) -> int:
+        """llama_hparams::n_ff(il): feed-forward width of layer il."""
         self._check_il(il)
         return _at(self.n_ff, il)
 
     def n_gqa(self, il: int = 0) -> int:
+        """llama_hparams::n_gqa(il): query heads per KV head of layer il (0 when it has no KV heads)."""
         kv = self.n_head_kv_l(il)
         return 0 if kv == 0 else self.n_head_l(il) // kv
 
@@ -253,9 +264,11 @@ class HParams:
         return self.n_embd_head_k_swa if self.is_swa(il) else self.n_embd_head_k
 
     def n_embd_head_v_l(self, il: int = 0) -> int:
+        """Value head size of layer il (SWA layers may have their own)."""
         return self.n_embd_head_v_swa if self.is_swa(il) else self.n_embd_head_v
 
     def n_rot_l(self, il: int = 0) -> int:
+        """llama_hparams::n_rot(il): rotated dimensions of layer il (SWA layers may have their own)."""
         return self.n_rot_swa if self.is_swa(il) else self.n_rot
 
     def n_embd_k_gqa(self, il: int = 0) -> int:
@@ -263,15 +276,19 @@ class HParams:
         return self.n_embd_head_k_l(il) * self.n_head_kv_l(il)
 
     def n_embd_v_gqa(self, il: int = 0) -> int:
+        """Value width of one cell in layer il: head size x KV heads (llama_hparams::n_embd_v_gqa)."""
         return self.n_embd_head_v_l(il) * self.n_head_kv_l(il)
 
     def is_n_embd_k_gqa_variable(self) -> bool:
+        """llama_hparams::is_n_embd_k_gqa_variable: the layers' key widths differ."""
         return len({self.n_embd_k_gqa(il) for il in range(self.n_layer)}) > 1
 
     def is_n_embd_v_gqa_variable(self) -> bool:
+        """llama_hparams::is_n_embd_v_gqa_variable: the layers' value widths differ."""
         return len({self.n_embd_v_gqa(il) for il in range(self.n_layer)}) > 1
 
     def n_embd_k_gqa_max(self) -> int:
+        """llama_hparams::n_embd_k_gqa_max: the largest key width of any layer."""
         return max(self.n_embd_k_gqa(il) for il in range(self.n_layer))
 
     def n_embd_v_gqa_max(self) -> int:
@@ -279,10 +296,12 @@ class HParams:
         return max(self.n_embd_v_gqa(il) for il in range(self.n_layer))
 
     def is_swa(self, il: int) -> bool:
+        """llama_hparams::is_swa(il): layer il attends through the sliding window."""
         self._check_il(il)
         return _at(self.swa_layers, il)
 
     def is_swa_any(self) -> bool:
+        """llama_hparams::is_swa_any: some layer attends through the sliding window."""
         return any(_at(self.swa_layers, il) for il in range(self.n_layer))
 
     def is_recurrent(self, il: int) -> bool:
@@ -304,6 +323,7 @@ class HParams:
         return True
 
     def has_rope(self, il: int) -> bool:
+        """Does layer il apply RoPE (llama.cpp's rope_pattern, here ``rope_layers``)."""
         self._check_il(il)
         return _at(self.rope_layers, il)
 
@@ -313,6 +333,9 @@ class HParams:
         self.swa_layers = trunk + (False,) * self.n_layer_nextn
 
     def set_recr_pattern(self, n_pattern: int, dense_first: bool = False) -> None:
+        """Like set_swa_pattern, for ``recurrent_layers``: every ``n_pattern``-th trunk layer is not
+        recurrent (the last of each group, or the first with ``dense_first``); MTP blocks are not recurrent.
+        """
         trunk = swa_pattern(self.n_layer_trunk(), n_pattern, dense_first)
         self.recurrent_layers = trunk + (False,) * self.n_layer_nextn
 
@@ -323,9 +346,11 @@ class HParams:
         return 4 if self.rope_type in (RopeType.MROPE, RopeType.IMROPE) else 1
 
     def use_mrope(self) -> bool:
+        """llama_hparams::use_mrope: the model has M-RoPE sections (sections 0 and 1 both > 0)."""
         return self.rope_sections[0] > 0 and self.rope_sections[1] > 0
 
     def is_mla(self) -> bool:
+        """llama_hparams::is_mla: both MLA head sizes are set (the KV cache then stores no V)."""
         return self.n_embd_head_k_mla != 0 and self.n_embd_head_v_mla != 0
 
     def n_embd_r(self) -> int:
@@ -352,9 +377,11 @@ class HParams:
         return self.ssm_d_state * self.ssm_d_inner
 
     def is_recurrent_arch(self) -> bool:
+        """llm_arch_is_recurrent: the architecture is purely recurrent (Mamba, RWKV)."""
         return self.arch in RECURRENT_ARCHS
 
     def is_hybrid_arch(self) -> bool:
+        """llm_arch_is_hybrid: the architecture mixes attention and recurrent layers."""
         return self.arch in HYBRID_ARCHS
 
     def memory_kind(self) -> str:
@@ -451,8 +478,11 @@ class _GGUFMeta:
     def __init__(self, path: str | os.PathLike[str]) -> None:
         try:
             from gguf import GGUFReader, GGUFValueType
-        except ImportError as e:  # pragma: no cover - gguf is a declared dependency
-            raise HParamsError("HParams.from_gguf needs the 'gguf' package") from e
+        except ImportError as e:  # gguf is a dependency; name what is really missing (gguf or one of its imports)
+            raise HParamsError(
+                f"HParams.from_gguf cannot import the 'gguf' package: {type(e).__name__}: {e} "
+                "(install or upgrade it: pip install 'gguf>=0.16')"
+            ) from e
         self._array = GGUFValueType.ARRAY
         try:
             self.fields = GGUFReader(os.fspath(path), "r").fields

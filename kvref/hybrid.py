@@ -93,41 +93,50 @@ class HybridMemory(PairedMemory):
         self.recr.kv_unified = self.unified
 
     def get_mem_attn(self) -> Any:
+        """The attention part: a KVCache, or a KVCacheISWA for hybrid_iswa (llama_memory_hybrid::get_mem_attn)."""
         return self.attn
 
     def _pair(self) -> list[Any]:
         return [self.attn, self.recr]
 
     def get_mem_recr(self) -> RecurrentMemory:
+        """The recurrent part (llama_memory_hybrid::get_mem_recr)."""
         return self.recr
 
     def total_size(self) -> int:
+        """Backing-buffer bytes of both parts."""
         return self.attn.total_size() + self.recr.total_size()
 
     def get_n_stream(self) -> int:
+        """The attention part's number of streams."""
         return self.attn.get_n_stream()
 
     def get_can_shift(self) -> bool:
+        """The attention part's get_can_shift (a recurrent state can always shift)."""
         return self.attn.get_can_shift()  # a recurrent state shifts trivially
 
     # --- sequence operations -------------------------------------------------------------------------------
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """The recurrent part first, which may refuse (False, nothing changed), then the attention part."""
         # the recurrent part goes first because it may refuse, and then nothing has changed
         if not self.recr.seq_rm(seq_id, p0, p1):
             return False
         return bool(self.attn.seq_rm(seq_id, p0, p1))
 
     def seq_pos_min(self, seq_id: int) -> int:
+        """Like llama_memory_hybrid::seq_pos_min: the larger of the two parts' minima."""
         # the positions both parts hold: the larger of the minima, the smaller of the maxima
         return max(self.attn.seq_pos_min(seq_id), self.recr.seq_pos_min(seq_id))
 
     def seq_pos_max(self, seq_id: int) -> int:
+        """Like llama_memory_hybrid::seq_pos_max: the smaller of the two parts' maxima."""
         return min(self.attn.seq_pos_max(seq_id), self.recr.seq_pos_max(seq_id))
 
     # --- batches -------------------------------------------------------------------------------------------
 
     def update(self, **kw: Any) -> Any:
+        """Apply the parts' pending updates (the recurrent part has none); returns the attention part's result."""
         res = self.attn.update(**kw)
         self.recr.update()
         return res

@@ -149,9 +149,11 @@ class KVCache:
                 self.map_layer_ids[il] = self.map_layer_ids[il_reuse]
 
     def size_k_bytes(self) -> int:
+        """Bytes of the K tensors of every layer and stream, unpadded (llama_kv_cache::size_k_bytes)."""
         return sum(layer.k.nbytes for layer in self.layers)
 
     def size_v_bytes(self) -> int:
+        """Bytes of the V tensors, unpadded; 0 without V (MLA) (llama_kv_cache::size_v_bytes)."""
         return sum(layer.v.nbytes for layer in self.layers if layer.v is not None)
 
     def total_size(self) -> int:
@@ -163,15 +165,19 @@ class KVCache:
         return sum(pad(layer.k.nbytes) + (pad(layer.v.nbytes) if layer.v is not None else 0) for layer in self.layers)
 
     def get_size(self) -> int:
+        """Cells per stream (llama_kv_cache::get_size)."""
         return self._cells[self.seq_to_stream[0]].size()
 
     def get_n_stream(self) -> int:
+        """The number of streams: 1 when unified, else n_seq_max (llama_kv_cache::get_n_stream)."""
         return self.n_stream
 
     def get_n_seq_max(self) -> int:
+        """The n_seq_max the cache was built for."""
         return self.n_seq_max
 
     def get_layer_ids(self) -> list[int]:
+        """The model layers that own K/V buffers here, ascending (layers that reuse another's are left out)."""
         return [layer.il for layer in self.layers]
 
     def cells(self, stream: int) -> KVCells:
@@ -179,9 +185,11 @@ class KVCache:
         return self._cells[stream]
 
     def get_cells(self, seq_id: int) -> KVCells:
+        """The cells of the stream that holds ``seq_id``."""
         return self._cells[self.seq_to_stream[self._check_seq(seq_id)]]
 
     def get_stream(self, seq_id: int) -> int:
+        """The stream that holds ``seq_id`` (llama.cpp's ``seq_to_stream``)."""
         return self.seq_to_stream[self._check_seq(seq_id)]
 
     def _check_seq(self, seq_id: int) -> int:
@@ -296,13 +304,18 @@ class KVCache:
         self._cells[s].seq_div_range(seq_id, p0, p1, int(d))
 
     def seq_pos_min(self, seq_id: int) -> int:
+        """Like llama_memory_seq_pos_min: the smallest position of ``seq_id``, or -1 when it holds no cell."""
         return self.get_cells(seq_id).seq_pos_min(seq_id)
 
     def seq_pos_max(self, seq_id: int) -> int:
+        """Like llama_memory_seq_pos_max: the largest position of ``seq_id``, or -1 when it holds no cell."""
         return self.get_cells(seq_id).seq_pos_max(seq_id)
 
     # ------------------------------------------------------------------ shifts and stream copies
     def get_can_shift(self) -> bool:
+        """llama_kv_cache::get_can_shift: can the K-shift run (not under M-RoPE, nor for step35's
+        per-layer rope dims; always before llama-cpp-python 0.3.17).
+        """
         if not _compat.since(self.compat, _compat.GEN_2026):
             return True  # before llama-cpp-python 0.3.17: every KV cache could shift, M-RoPE included
         if self.hparams.arch == "step35":  # per-layer rope dims: no single n_rot
@@ -310,9 +323,11 @@ class KVCache:
         return self.hparams.n_pos_per_embd() <= 1
 
     def get_has_shift(self) -> bool:
+        """True when some stream has a pending K-shift (llama_kv_cache::get_has_shift)."""
         return any(c.get_has_shift() for c in self._cells)
 
     def pending_stream_copies(self) -> list[tuple[int, int]]:
+        """The queued cross-stream buffer copies, as (src, dst) stream pairs; ``update`` applies them."""
         return list(zip(self._sc_src, self._sc_dst, strict=True))
 
     def update(
@@ -398,6 +413,10 @@ class KVCache:
         return _slots.find_slot(self, ubatch, cont)
 
     def apply_ubatch(self, sinfo: SlotInfo, ubatch: Any) -> None:
+        """Write the ubatch's tokens into the cells of ``sinfo`` (llama_kv_cache::apply_ubatch).
+
+        The cells and heads change here; ``cpy_k`` / ``cpy_v`` store the K/V rows.
+        """
         _slots.apply_ubatch(self, sinfo, ubatch)
 
     def prepare(self, ubatches: Sequence[Any]) -> list[SlotInfo]:
@@ -568,6 +587,7 @@ class KVCache:
 
     # ------------------------------------------------------------------ state (kvref.kv_state)
     def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Any]:
+        """The sections ``state_write`` serializes, in order: one ``kvref.state.KVSection``."""
         return [_kv_state.state_section(self, seq_id, flags)]
 
     def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes:
@@ -577,6 +597,7 @@ class KVCache:
     def stage_state(
         self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
     ) -> tuple[Callable[[], None], int]:
+        """Parse, validate and dry-run the section at ``offset``; returns ``(commit, end)``. Changes nothing."""
         return _kv_state.stage_state(self, data, seq_id, flags, offset)
 
     def state_read(self, data: Any, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:

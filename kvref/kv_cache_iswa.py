@@ -109,6 +109,7 @@ class KVCacheISWA(PairedMemory):
 
     @property
     def parts(self) -> list[KVCache]:
+        """The two caches, ``[base, swa]``."""
         return self._pair()
 
     def _pair(self) -> list[KVCache]:
@@ -117,39 +118,49 @@ class KVCacheISWA(PairedMemory):
     # --- sizes ---------------------------------------------------------------------------------------------
 
     def get_base(self) -> KVCache:
+        """The full-attention cache (llama_kv_cache_iswa::get_base)."""
         return self.base
 
     def get_swa(self) -> KVCache:
+        """The sliding-window cache (llama_kv_cache_iswa::get_swa)."""
         return self.swa
 
     def total_size(self) -> int:
+        """Backing-buffer bytes of both caches (see KVCache.total_size)."""
         return self.base.total_size() + self.swa.total_size()
 
     def size_k_bytes(self) -> int:
+        """Bytes of the K tensors of both caches."""
         return self.base.size_k_bytes() + self.swa.size_k_bytes()
 
     def size_v_bytes(self) -> int:
+        """Bytes of the V tensors of both caches."""
         return self.base.size_v_bytes() + self.swa.size_v_bytes()
 
     def get_n_stream(self) -> int:
+        """The number of streams of each cache (both have the same)."""
         return self.base.get_n_stream()
 
     def get_can_shift(self) -> bool:
+        """True when both caches can shift and have the same size (the K-shift graph is shared)."""
         # a shift needs both caches to allow it and the same size (the shift graph is shared)
         return self.base.get_can_shift() and self.swa.get_can_shift() and self.base.get_size() == self.swa.get_size()
 
     # --- sequence operations -------------------------------------------------------------------------------
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """seq_rm on both caches (always both, as llama.cpp); True when both succeed."""
         res_base = self.base.seq_rm(seq_id, p0, p1)  # both are always called (bitwise and in llama.cpp)
         res_swa = self.swa.seq_rm(seq_id, p0, p1)
         return bool(res_base and res_swa)
 
     def seq_pos_min(self, seq_id: int) -> int:
+        """Like llama_kv_cache_iswa::seq_pos_min: the SWA cache's, whose range is the memory's."""
         # the SWA cache holds a suffix of what the base holds: its range is the memory's
         return self.swa.seq_pos_min(seq_id)
 
     def seq_pos_max(self, seq_id: int) -> int:
+        """Like llama_kv_cache_iswa::seq_pos_max: the SWA cache's, whose range is the memory's."""
         return self.swa.seq_pos_max(seq_id)
 
     # --- batches -------------------------------------------------------------------------------------------
@@ -185,6 +196,7 @@ class KVCacheISWA(PairedMemory):
         raise NoSlotError("the batch does not fit in the iSWA caches (failed to prepare)")
 
     def apply_ubatch(self, slot: ISWASlot, ubatch: Any) -> None:
+        """Write the ubatch into both caches at the slot's cells (base, then SWA)."""
         self.base.apply_ubatch(slot.base, ubatch)
         self.swa.apply_ubatch(slot.swa, ubatch)
 

@@ -311,7 +311,7 @@ def stage_state(
     cache: KVCache, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
 ) -> tuple[Callable[[], None], int]:
     """Parse, validate and dry-run the section at ``offset``; returns ``(commit, end)``. Changes nothing."""
-    from .state import read_kv_section
+    from .state import mismatch, read_kv_section
 
     del flags
     seq_id = int(seq_id)
@@ -322,7 +322,7 @@ def stage_state(
         # llama.cpp compares n_stream before it reads anything else: blame it even when the rest is garbage
         n_stream = int.from_bytes(buf[offset : offset + 4], "little")
         if n_stream != cache.n_stream:
-            raise FormatError(f"n_stream {n_stream}, the cache has {cache.n_stream}", field="n_stream", offset=offset)
+            raise FormatError(mismatch.n_stream(n_stream, cache.n_stream), field="n_stream", offset=offset)
     sec, end = read_kv_section(data, spec(cache), seq_id=seq_id, offset=offset)
     streams: list[tuple[int, Any]] = [(s, st) for s, st in enumerate(sec.streams) if st.cells is not None]
 
@@ -364,7 +364,10 @@ def stage_state(
         ub = _reserve_ubatch(cache, st.cells, seq_id, has_ext)
         sinfo = find_slot(trial, ub, legacy)
         if sinfo is None:
-            raise NoSlotError(f"failed to find {st.cells.n} available cells in stream {strm} for sequence {seq_id}")
+            raise NoSlotError(
+                f"failed to find {st.cells.n} available cells in stream {strm} for sequence {seq_id}: "
+                "free cells (seq_rm) or build the memory with a larger n_ctx"
+            )
         apply_ubatch(trial, sinfo, ub)
         steps.append((sinfo, ub, st))
 

@@ -40,23 +40,58 @@ class Memory(Protocol):
 
     kind: str
 
-    def clear(self, data: bool = True) -> None: ...
-    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool: ...
-    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None: ...
-    def seq_keep(self, seq_id: int) -> None: ...
-    def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None: ...
-    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None: ...
-    def seq_pos_min(self, seq_id: int) -> int: ...
-    def seq_pos_max(self, seq_id: int) -> int: ...
-    def get_can_shift(self) -> bool: ...
-    def decode(self, batch: Any, n_ubatch: int = 512) -> list[tuple[Any, Any]]: ...
-    def update(self) -> Any: ...
-    def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Any]: ...
-    def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes: ...
-    def state_read(self, data: Any, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int: ...
+    def clear(self, data: bool = True) -> None:
+        """Like llama_memory_clear: empty the memory; zero its buffers too when ``data``."""
+
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """Like llama_memory_seq_rm: remove ``seq_id`` (every sequence when -1) from positions [p0, p1).
+
+        False when the memory refuses (a recurrent state cannot drop only its last tokens).
+        """
+
+    def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
+        """Like llama_memory_seq_cp: make ``seq_id_dst`` see the cells of ``seq_id_src`` in [p0, p1)."""
+
+    def seq_keep(self, seq_id: int) -> None:
+        """Like llama_memory_seq_keep: drop every sequence but ``seq_id``."""
+
+    def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
+        """Like llama_memory_seq_add: add ``shift`` to the positions of ``seq_id`` in [p0, p1)."""
+
+    def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        """Like llama_memory_seq_div: integer-divide the positions of ``seq_id`` in [p0, p1) by ``d``."""
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        """Like llama_memory_seq_pos_min: the smallest position of ``seq_id``, or -1 when it holds no cell."""
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """Like llama_memory_seq_pos_max: the largest position of ``seq_id``, or -1 when it holds no cell."""
+
+    def get_can_shift(self) -> bool:
+        """Like llama_memory_can_shift: can positions be shifted (seq_add / seq_div)."""
+
+    def decode(self, batch: Any, n_ubatch: int = 512) -> list[tuple[Any, Any]]:
+        """What llama_decode does to the memory: validate, update, split and place ``batch``.
+
+        Returns ``[(ubatch, slot), ...]``; raises NoSlotError when the batch does not fit.
+        """
+
+    def update(self) -> Any:
+        """Apply pending shifts and stream copies (llama_context::memory_update); True when something was pending."""
+
+    def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Any]:
+        """The sections ``state_write`` serializes, as ``kvref.state`` objects in write order."""
+
+    def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes:
+        """The bytes of the section(s) llama.cpp's state_write writes (every sequence when ``seq_id`` is -1)."""
+
+    def state_read(self, data: Any, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
+        """Restore what ``state_write`` wrote, atomically unless ``atomic=False``; returns the bytes read."""
+
     def stage_state(
         self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
-    ) -> tuple[Callable[[], None], int]: ...
+    ) -> tuple[Callable[[], None], int]:
+        """Parse and check the section(s) at ``offset`` without changing anything; returns ``(commit, end)``."""
 
 
 def stage_parts(
@@ -449,29 +484,36 @@ class PairedMemory:
         raise NotImplementedError
 
     def clear(self, data: bool = True) -> None:
+        """Clear both parts, in order (zeroing their buffers too when ``data``)."""
         for m in self._pair():
             m.clear(data)
 
     def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
+        """seq_cp on both parts, in order."""
         for m in self._pair():
             m.seq_cp(seq_id_src, seq_id_dst, p0, p1)
 
     def seq_keep(self, seq_id: int) -> None:
+        """seq_keep on both parts, in order."""
         for m in self._pair():
             m.seq_keep(seq_id)
 
     def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
+        """seq_add on both parts, in order."""
         for m in self._pair():
             m.seq_add(seq_id, p0, p1, shift)
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        """seq_div on both parts, in order."""
         for m in self._pair():
             m.seq_div(seq_id, p0, p1, d)
 
     def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Any]:
+        """The sections ``state_write`` serializes: those of the parts ``flags`` selects, in order."""
         return sections_of(self._state_parts(flags), seq_id, flags)
 
     def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes:
+        """The bytes of the parts' sections, one after the other (the parts ``flags`` selects)."""
         from .state import section_bytes
 
         return section_bytes(*self.state_sections(seq_id, flags))
@@ -479,6 +521,7 @@ class PairedMemory:
     def stage_state(
         self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
     ) -> tuple[Callable[[], None], int]:
+        """Stage the parts' sections one after the other (`stage_parts`); returns ``(commit, end)``. Changes nothing."""
         return stage_parts(self._state_parts(flags), data, seq_id, flags, offset)
 
     # decode's steps that differ: the seq-id limit, applying a prepared slot, which cache holds a layer

@@ -193,12 +193,15 @@ class RecurrentMemory:
         return r, s, self.p_l[il]
 
     def size_r_bytes(self) -> int:
+        """Bytes of the R (conv / token-shift) buffers (llama_memory_recurrent::size_r_bytes)."""
         return sum(r.nbytes for r in self.r_l if r is not None)
 
     def size_s_bytes(self) -> int:
+        """Bytes of the S (SSM / wkv) buffers (llama_memory_recurrent::size_s_bytes)."""
         return sum(s.nbytes for s in self.s_l if s is not None)
 
     def size_p_bytes(self) -> int:
+        """Bytes of the PLE conv-history buffers, 0 without them (llama_memory_recurrent::size_p_bytes)."""
         return sum(p.nbytes for p in self.p_l if p is not None)
 
     def total_size(self, alignment: int = TENSOR_ALIGNMENT) -> int:
@@ -207,9 +210,11 @@ class RecurrentMemory:
         return sum(_pad(t.nbytes, alignment) for t in tensors)
 
     def get_size(self) -> int:
+        """The number of cells (llama_memory_recurrent::get_size)."""
         return self.size
 
     def get_can_shift(self) -> bool:
+        """Always True (llama_memory_recurrent::get_can_shift)."""
         return True  # shifting a recurrent state is only moving its pos
 
     # --- bookkeeping snapshots (prepare and atomic restores put the cells back exactly) ------------------
@@ -354,6 +359,7 @@ class RecurrentMemory:
             self.tail[seq_id_dst] = ts
 
     def seq_keep(self, seq_id: int) -> None:
+        """llama_memory_recurrent::seq_keep: free the cells without ``seq_id``, leave only ``seq_id`` in the others."""
         new_head = self.size
         for i in range(self.size):
             if i != seq_id:
@@ -392,6 +398,10 @@ class RecurrentMemory:
             self.pos[t] += shift
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        """Divide the pos of the tail cell of ``seq_id`` by ``d`` (truncating, as C) when it lies in [p0, p1).
+
+        Like llama_memory_recurrent::seq_div; ``d == 0`` is a SequenceError.
+        """
         if d == 1:
             return
         if d == 0:
@@ -405,10 +415,14 @@ class RecurrentMemory:
             self.pos[t] = int(self.pos[t] / d)  # C integer division truncates toward zero
 
     def seq_pos_min(self, seq_id: int) -> int:
+        """Like llama_memory_seq_pos_min: the smallest position of the cells of ``seq_id``, or -1 when it has none."""
         ps = [self.pos[i] for i in range(self.size) if seq_id in self.seq[i]]
         return min(ps) if ps else -1
 
     def seq_pos_max(self, seq_id: int) -> int:
+        """Like llama_memory_seq_pos_max: the largest position of the cells of ``seq_id``, or -1 when it has none
+        (a position shifted below 0 also reads as -1).
+        """
         # llama.cpp starts its running maximum at -1, so a cell shifted below zero (seq_add) reads as -1
         ps = [self.pos[i] for i in range(self.size) if seq_id in self.seq[i]]
         return max([-1, *ps])
@@ -838,6 +852,7 @@ class RecurrentMemory:
     # --- introspection ---------------------------------------------------------------------------------
 
     def cell(self, i: int) -> dict:
+        """Cell ``i``'s bookkeeping as a dict: pos, seq (sorted), src, src0 and tail."""
         return {
             "pos": self.pos[i],
             "seq": sorted(self.seq[i]),

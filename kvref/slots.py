@@ -57,17 +57,21 @@ class SlotInfo:
         return len(self.idxs[0])
 
     def n_stream(self) -> int:
+        """The number of streams the slot spans (slot_info::n_stream)."""
         return len(self.strm)
 
     def empty(self) -> bool:
+        """True when the slot holds no stream (slot_info::empty)."""
         return not self.idxs
 
     def head(self) -> int:
+        """The first cell of a one-stream slot (slot_info::head); KVRefError for any other slot."""
         if len(self.idxs) != 1 or not self.idxs[0]:
             raise KVRefError("SlotInfo.head() needs exactly one non-empty stream")
         return self.idxs[0][0]
 
     def is_contiguous(self) -> bool:
+        """slot_info::is_contiguous: one stream of consecutive cells (an empty slot counts as contiguous)."""
         if not self.idxs or not self.idxs[0]:
             return True
         if len(self.idxs) > 1:

@@ -1,8 +1,9 @@
 """Shared fixtures: the twins of each Cython module, side by side in one run.
 
-``cells_cls`` is parametrized over the cell twins (ids ``py`` and ``c``). The ``c`` case is skipped only
-when the extension is not built *and* the run did not ask for Cython; under ``KVREF_BACKEND=cython`` a
-missing extension fails every ``c`` case, so a broken build can never pass as a Cython run.
+``cells_cls`` is parametrized over the cell twins (ids ``py`` and ``c``). A run that cannot load the compiled
+twins stops before collecting anything, unless it asked for the Python twins (``KVREF_BACKEND=python``): a
+broken or shadowed build can never pass by skipping every Cython case. Under ``KVREF_BACKEND=python`` without a
+build (``KVREF_PUREPYTHON=1``), the ``c`` cases are skipped with that reason.
 
 Tests marked ``slow`` (the long hypothesis campaigns) run only when selected with ``-m slow`` or when
 ``KVREF_SLOW=1``.
@@ -15,20 +16,31 @@ import os
 import pytest
 
 from kvref import _cells_py
-from kvref._backend import _load_compiled
+from kvref._backend import _load_compiled, requested, why_not_compiled
 
 
 def cython_requested() -> bool:
-    return os.environ.get("KVREF_BACKEND", "auto").strip().lower() == "cython"
+    return requested() == "cython"
 
 
 # ``kvref._cells_c`` when it is built, else None (an extension that fails to load still raises)
 CELLS_C = _load_compiled("cells")
-NOT_BUILT = "kvref._cells_c is not built (run `python setup.py build_ext --inplace`); KVREF_BACKEND is not cython"
+NOT_BUILT = "the compiled twins are not built and this run asked for the Python twins (KVREF_BACKEND=python)"
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if requested() == "python":
+        return
+    for stem in ("cells", "mask"):
+        if _load_compiled(stem) is None:
+            raise pytest.UsageError(
+                f"kvref's compiled twins cannot be loaded: {why_not_compiled(stem)}. "
+                "Run with KVREF_BACKEND=python to test the Python twins only."
+            )
 
 
 def _c_param(cls: object) -> object:
-    if cls is None and not cython_requested():
+    if cls is None:
         return pytest.param(None, id="c", marks=pytest.mark.skip(reason=NOT_BUILT))
     return pytest.param(cls, id="c")
 
@@ -36,8 +48,6 @@ def _c_param(cls: object) -> object:
 @pytest.fixture(params=[pytest.param(_cells_py.KVCells, id="py"), _c_param(CELLS_C and CELLS_C.KVCells)])
 def cells_cls(request: pytest.FixtureRequest) -> type:
     """The KVCells class of one twin."""
-    if request.param is None:
-        pytest.fail("KVREF_BACKEND=cython but the extension kvref._cells_c is not built")
     return request.param
 
 
@@ -45,8 +55,6 @@ def cells_cls(request: pytest.FixtureRequest) -> type:
 def cells_twins() -> tuple[type, type]:
     """(Python KVCells, Cython KVCells), for tests that cross the twins."""
     if CELLS_C is None:
-        if cython_requested():
-            pytest.fail("KVREF_BACKEND=cython but the extension kvref._cells_c is not built")
         pytest.skip(NOT_BUILT)
     return _cells_py.KVCells, CELLS_C.KVCells
 

@@ -6,11 +6,11 @@ the C++ conditions, not from either twin), used by the hypothesis cross-checks.
 
 from __future__ import annotations
 
-import os
 from types import ModuleType
 
 import numpy as np
 import pytest
+from conftest import NOT_BUILT
 
 from kvref import _mask_py
 from kvref._backend import _load_compiled
@@ -19,14 +19,12 @@ from kvref.hparams import is_masked_swa
 NEG_INF = float("-inf")
 
 
-MASK_C = _load_compiled("mask")
-CYTHON_REQUESTED = os.environ.get("KVREF_BACKEND", "auto").strip().lower() == "cython"
-NOT_BUILT = "kvref._mask_c is not built (run `python setup.py build_ext --inplace`); KVREF_BACKEND is not cython"
+MASK_C = _load_compiled("mask")  # None only in a KVREF_BACKEND=python run (see conftest.pytest_configure)
 
 
 def twin_params() -> list:
     c = pytest.param(MASK_C, id="c")
-    if MASK_C is None and not CYTHON_REQUESTED:
+    if MASK_C is None:
         c = pytest.param(None, id="c", marks=pytest.mark.skip(reason=NOT_BUILT))
     return [pytest.param(_mask_py, id="py"), c]
 

@@ -6,12 +6,13 @@ Each environment variation runs in a fresh interpreter, since the choice is made
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-from conftest import CELLS_C, cython_requested
+from conftest import CELLS_C, NOT_BUILT, cython_requested
 
 import kvref
 
@@ -43,9 +44,7 @@ def test_cython_backend() -> None:
     out = run("cython")
     if CELLS_C is None:
         assert out.returncode != 0 and "BackendError" in out.stderr  # fails loudly, never falls back
-        if cython_requested():
-            pytest.fail("KVREF_BACKEND=cython but kvref._cells_c is not built")
-        pytest.skip("kvref._cells_c is not built")
+        pytest.skip(NOT_BUILT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["cython", "kvref._cells_c"]
 
@@ -58,17 +57,84 @@ def test_auto_backend_prefers_the_extension(value: str | None) -> None:
     assert out.stdout.split() == expected
 
 
-def test_unknown_backend_is_an_error() -> None:
+def test_unknown_backend_is_an_error_at_import() -> None:
     code = """
-from kvref._backend import BackendError
 try:
-    import kvref.cells
-except BackendError as exc:
-    print("BackendError", isinstance(exc, ImportError))
+    import kvref
+except ImportError as exc:
+    print(type(exc).__name__, exc)
 """
-    out = run("bogus", code)
+    out = run("cythn", code)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["BackendError", "True"]
+    assert out.stdout.startswith("BackendError KVREF_BACKEND='cythn' is not a backend")
+    assert "auto, cython, python" in out.stdout
+
+
+def copy_package(dest: Path, *, marker: bool = False, checkout: bool = False) -> Path:
+    """A copy of the imported kvref without its compiled twins: an install that lost them, a
+    ``KVREF_PUREPYTHON=1`` install (``marker``), or a source checkout that was never built (``checkout``)."""
+    src = Path(kvref.__file__).resolve().parent
+    shutil.copytree(src, dest / "kvref", ignore=shutil.ignore_patterns("*.so", "*.pyd", "conformance_data", "*.cpp"))
+    if marker:
+        (dest / "kvref" / "PUREPYTHON").write_text("")
+    if checkout:
+        (dest / "setup.py").write_text("")
+    return dest
+
+
+# an editable install (`pip install -e .`) maps `kvref` to its checkout whatever sys.path says: drop its finder
+UNEDITABLE = "import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in repr(f)]\n"
+WARN_PROBE = """
+import warnings
+warnings.simplefilter("always")
+with warnings.catch_warnings(record=True) as seen:
+    import kvref, kvref.cells, kvref.mask
+print(kvref.backend(), kvref.__file__)
+for w in seen:
+    print(w.category.__name__, w.message)
+"""
+
+
+def run_copy(root: Path, backend: str | None, code: str = WARN_PROBE) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if k not in ("KVREF_BACKEND", "PYTHONPATH")}
+    if backend is not None:
+        env["KVREF_BACKEND"] = backend
+    # the copy first, then where the test run's kvref lives (an installed build the copy may shadow)
+    env["PYTHONPATH"] = os.pathsep.join([str(root), str(ROOT)])
+    return subprocess.run(
+        [sys.executable, "-c", UNEDITABLE + code], cwd=root, env=env, capture_output=True, text=True, timeout=120
+    )
+
+
+def test_auto_fallback_warns_once_with_the_fix(tmp_path: Path) -> None:
+    out = run_copy(copy_package(tmp_path), None)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith(f"python {tmp_path}")
+    assert len(lines) == 2 and lines[1].startswith("BackendWarning kvref uses its pure-Python twins")
+    assert "reinstall" in lines[1]
+
+
+@pytest.mark.parametrize("backend", [None, "python"])
+def test_no_warning_when_the_python_twins_were_chosen(tmp_path: Path, backend: str | None) -> None:
+    out = run_copy(copy_package(tmp_path, marker=backend is None), backend)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [f"python {tmp_path / 'kvref' / '__init__.py'}"]
+
+
+def test_unbuilt_checkout_warns_to_build_in_place(tmp_path: Path) -> None:
+    out = run_copy(copy_package(tmp_path, checkout=True), "auto")
+    assert out.returncode == 0, out.stderr
+    assert "BackendWarning" in out.stdout and "pip install -e ." in out.stdout
+
+
+def test_cython_from_a_shadowing_checkout_names_the_shadowed_build(tmp_path: Path) -> None:
+    if CELLS_C is None:
+        pytest.skip(NOT_BUILT)
+    out = run_copy(copy_package(tmp_path, checkout=True), "cython", "import kvref.cells")
+    assert out.returncode != 0
+    assert "BackendError" in out.stderr
+    assert f"the source tree {tmp_path / 'kvref'} shadows the installed build at {ROOT / 'kvref'}" in out.stderr
 
 
 def test_compiled_extension_loaded_when_cython_requested() -> None:
@@ -98,7 +164,7 @@ def test_session_backend_matches_request() -> None:
 
 def test_twins_export_the_same_names() -> None:
     if CELLS_C is None:
-        pytest.skip("kvref._cells_c is not built")
+        pytest.skip(NOT_BUILT)
     from kvref import _cells_py
 
     assert CELLS_C.__all__ == _cells_py.__all__

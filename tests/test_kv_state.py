@@ -363,3 +363,35 @@ def test_sequence_restore_into_a_stream_with_seq_div_shifts():
     assert (cache.seq_pos_min(2), cache.seq_pos_max(2)) == (0, 2)
     assert (cache.seq_pos_min(0), cache.seq_pos_max(0)) == (0, 3)
     assert cache.cells(0).get_shift(11) == 9 and cache.cells(0).get_has_shift()
+
+
+@pytest.mark.parametrize(
+    ("writer", "reader", "hint"),
+    [
+        ({"v_trans": True}, {"v_trans": False}, "flash attention off; build the memory with flash_attn=False"),
+        ({"v_trans": False}, {"v_trans": True}, "flash attention on; build the memory with flash_attn=True"),
+        ({"types": ("f32", "f16")}, {}, "written with type_k='f32'"),
+        ({"types": ("f16", "f32")}, {}, "written with type_v='f32'"),
+        ({"unified": False}, {}, "a context with kv_unified=False and n_seq_max=4"),
+        ({}, {"unified": False}, "a context with kv_unified=True"),
+        ({"size": 32}, {"size": 8}, "build the memory with a larger n_ctx (at least 11 cells per stream)"),
+    ],
+)  # fmt: skip
+def test_context_mismatch_names_the_setting_to_change(writer, reader, hint):
+    src = make(**writer)
+    populate(src)
+    dst = make(**reader)
+    before = snapshot(dst)
+    with pytest.raises(FormatError) as e:
+        dst.state_read(src.state_write())
+    assert hint in str(e.value)
+    assert_same(before, snapshot(dst))
+
+
+def test_sequence_restore_without_room_says_how_to_make_room():
+    src = make()
+    src.decode(Batch(tokens=list(range(20)), seq_ids=[[0]] * 20))
+    dst = make()
+    dst.decode(Batch(tokens=list(range(20)), seq_ids=[[1]] * 20))
+    with pytest.raises(NoSlotError, match=r"free cells \(seq_rm\) or build the memory with a larger n_ctx"):
+        dst.state_read(src.state_write(0), 2)

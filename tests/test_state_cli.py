@@ -1,15 +1,20 @@
-"""`kvref inspect` (console script and python -m kvref)."""
+"""The command line: `kvref inspect`, `--version`, usage conventions (console script and python -m kvref)."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
 
+import kvref
 from kvref.cli import main
 
+# subprocesses start where the imported kvref lives, never in a checkout whose kvref/ would shadow it
+KVREF_HOME = Path(kvref.__file__).resolve().parents[1]
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "state"
+GOLDEN = Path(__file__).resolve().parent.parent / "conformance" / "golden"
 
 
 def test_inspect_text(capsys) -> None:
@@ -33,6 +38,43 @@ def test_inspect_error_exit(capsys) -> None:
     assert "n_token_count" in capsys.readouterr().err
 
 
-def test_python_m_kvref() -> None:
-    r = subprocess.run([sys.executable, "-m", "kvref"], capture_output=True, text=True, check=True)
-    assert "kvref backend:" in r.stdout and "inspect" in r.stdout
+def test_bare_kvref_is_a_usage_error() -> None:
+    """argparse's convention: no command is a usage error (usage on stderr, exit 2)."""
+    r = subprocess.run([sys.executable, "-m", "kvref"], capture_output=True, text=True, cwd=KVREF_HOME)
+    assert r.returncode == 2 and r.stdout == ""
+    assert r.stderr.startswith("usage: kvref") and "a command is required" in r.stderr
+
+
+def test_version_names_backend_and_llama_cpp() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "kvref", "--version"], capture_output=True, text=True, check=True, cwd=KVREF_HOME
+    )
+    assert r.stdout.startswith(f"kvref {kvref.__version__} ({kvref.backend()} backend), following llama.cpp 0c1e570")
+    assert "compat '2026-10'" in r.stdout
+
+
+def test_every_option_has_help() -> None:
+    from kvref.cli import build_parser
+
+    parser = build_parser()
+    subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    parsers = [parser, *(p for s in subs for p in s.choices.values())]
+    missing = [
+        f"{p.prog} {a.dest}"
+        for p in parsers
+        for a in p._actions
+        if not isinstance(a, argparse._SubParsersAction) and not a.help
+    ]
+    assert not missing, missing
+
+
+def test_inspect_reads_stdin() -> None:
+    path = GOLDEN / "llama-shared-prefix" / "03-seq-seq0.ggsq"
+    r = subprocess.run(
+        [sys.executable, "-m", "kvref", "inspect", "-", "--json"],
+        input=path.read_bytes(),
+        capture_output=True,
+        cwd=KVREF_HOME,
+    )
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["format"] == "seq"

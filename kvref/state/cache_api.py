@@ -16,7 +16,7 @@ from io import BytesIO
 from typing import Any, BinaryIO
 
 from ..errors import FormatError
-from ..ggml import type_name
+from . import mismatch
 from .codec import Reader, Writer
 from .sections import (
     KV_SECTION,
@@ -41,6 +41,9 @@ class KVLayerSpec:
 
 @dataclass(frozen=True)
 class KVSpec:
+    """What a KV section must match to be read into a cache: its streams, cells per stream, n_seq_max, v_trans,
+    layers and cell ext size."""
+
     n_stream: int
     kv_size: int  # cells per stream
     n_seq_max: int
@@ -51,11 +54,15 @@ class KVSpec:
 
     @property
     def has_v(self) -> bool:
+        """The cache stores V (False for an MLA cache, whose layers have no V type)."""
         return bool(self.layers) and self.layers[0].v_type is not None
 
 
 @dataclass(frozen=True)
 class RecurrentLayerSpec:
+    """One layer with recurrent state: R type and row size; S type and row size (``n_embd_s``: the S width, which
+    a transposed S needs); the PLE row size when the model has PLE rows."""
+
     r_type: int
     r_row_size: int
     s_type: int
@@ -66,6 +73,9 @@ class RecurrentLayerSpec:
 
 @dataclass(frozen=True)
 class RecurrentSpec:
+    """What a recurrent section must match to be read into a memory: its cells, n_seq_max, the model's layer
+    count, the layers with state and s_trans."""
+
     size: int  # cells
     n_seq_max: int
     n_layer: int  # every model layer
@@ -79,7 +89,7 @@ def _fail(msg: str, field: str, offset: int | None) -> FormatError:
 
 def _check_cells(cells: Any, at: int, seq_id: int, n_seq_max: int, kv_size: int, seq_ids_expected: int | None) -> None:
     if cells.n > kv_size:
-        raise _fail(f"cell_count {cells.n} exceeds the cache size {kv_size}", "cell_count", at - 4)
+        raise _fail(mismatch.cell_count(cells.n, kv_size), "cell_count", at - 4)
     counts = cells.n_seq_id
     if seq_id != -1 and seq_ids_expected is not None:
         bad = (counts != seq_ids_expected).nonzero()[0]
@@ -98,24 +108,17 @@ def _check_cells(cells: Any, at: int, seq_id: int, n_seq_max: int, kv_size: int,
 def _check_rows(x: LayerRows | TransposedRows, prefix: str, want_type: int, want_row: int | None, il: int) -> None:
     o = x.offsets
     if x.type != want_type:
-        raise _fail(
-            f"layer {il}: {prefix} type {type_name(x.type)} ({x.type}), "
-            f"the cache has {type_name(want_type)} ({want_type})",
-            f"{prefix}_type",
-            o.get(f"{prefix}_type"),
-        )
+        raise _fail(mismatch.layer_type(il, prefix, x.type, want_type), f"{prefix}_type", o.get(f"{prefix}_type"))
     if isinstance(x, LayerRows) and want_row is not None and x.row_size != want_row:
         raise _fail(
-            f"layer {il}: {prefix} row size {x.row_size}, the cache has {want_row}",
-            f"{prefix}_row_size",
-            o.get(f"{prefix}_row_size"),
+            mismatch.row_size(il, prefix, x.row_size, want_row), f"{prefix}_row_size", o.get(f"{prefix}_row_size")
         )
 
 
 def validate_kv_section(sec: KVSection, spec: KVSpec, seq_id: int = -1) -> None:
     """Check a parsed KV section against a cache; raises the first violation in file order."""
     if sec.n_stream != spec.n_stream:
-        raise _fail(f"n_stream {sec.n_stream}, the cache has {spec.n_stream}", "n_stream", sec.offsets.get("n_stream"))
+        raise _fail(mismatch.n_stream(sec.n_stream, spec.n_stream), "n_stream", sec.offsets.get("n_stream"))
     for st in sec.streams:
         if st.cells is None:
             continue
@@ -126,7 +129,7 @@ def validate_kv_section(sec: KVSection, spec: KVSpec, seq_id: int = -1) -> None:
             raise _fail(f"n_layer {d.n_layer}, the cache has {len(spec.layers)}", "n_layer", d.offsets.get("n_layer"))
         # llama.cpp checks v_trans right after n_layer, before any row
         if bool(d.v_trans) != spec.v_trans:
-            raise _fail(f"v_trans {d.v_trans}, the cache has {int(spec.v_trans)}", "v_trans", d.offsets.get("v_trans"))
+            raise _fail(mismatch.v_trans(d.v_trans, spec.v_trans), "v_trans", d.offsets.get("v_trans"))
         for il, (k, ls) in enumerate(zip(d.k, spec.layers, strict=True)):
             _check_rows(k, "k", ls.k_type, ls.k_row_size, il)
         if len(d.v) != (len(spec.layers) if spec.has_v else 0):

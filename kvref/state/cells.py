@@ -64,20 +64,25 @@ class Cells:
 
     @property
     def n(self) -> int:
+        """The number of cells (the ``cell_count`` written)."""
         return len(self.pos)
 
     @property
     def ext_size(self) -> int:
+        """Bytes of ext per cell: 0, 8 (x, y) or 12 (x, y, tok)."""
         return self.ext.shape[1] * 4
 
     @property
     def n_seq_id(self) -> np.ndarray:
+        """Every cell's ``n_seq_id``, uint32 (n,)."""
         return np.diff(self.seq_start).astype(np.uint32)
 
     def seq_ids(self, i: int) -> tuple[int, ...]:
+        """Cell ``i``'s sequence ids, in the order written."""
         return tuple(int(x) for x in self.seq_id[self.seq_start[i] : self.seq_start[i + 1]])
 
     def seq_set(self, i: int) -> frozenset[int]:
+        """Cell ``i``'s sequence ids, as a set."""
         return frozenset(self.seq_ids(i))
 
     def cell_seq(self) -> np.ndarray:

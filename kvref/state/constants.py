@@ -9,6 +9,8 @@ from enum import IntEnum
 
 
 class Magic(IntEnum):
+    """The magic numbers of llama.cpp's state containers (C names beside them)."""
+
     SESSION = 0x6767736E  # LLAMA_SESSION_MAGIC = LLAMA_FILE_MAGIC_GGSN ('ggsn')
     STATE_SEQ = 0x67677371  # LLAMA_STATE_SEQ_MAGIC = LLAMA_FILE_MAGIC_GGSQ ('ggsq')
     SEQ_BLOB = 0xAF143CD8  # io_magic in llama-context.cpp, in front of llama_state_seq_get_data() blobs

@@ -56,6 +56,7 @@ class StateObject(Record):
     memory: Memory
 
     def to_bytes(self) -> bytes:
+        """The container's encoding, as bytes (what llama.cpp writes)."""
         buf = BytesIO()
         self.write_to(buf)
         return buf.getvalue()
@@ -67,9 +68,11 @@ class StateObject(Record):
         return w.n
 
     def save(self, path: str | os.PathLike[str]) -> int:
+        """Write the container to ``path`` through a temporary file (`kvref.state.save`); returns the byte count."""
         return save(self, path)
 
     def summary(self) -> dict[str, Any]:
+        """A JSON-ready description (`kvref.state.summary.summarize`): what ``kvref inspect --json`` prints."""
         from .summary import summarize
 
         return summarize(self)
@@ -86,6 +89,11 @@ class Outputs(Record):
 
 @dataclass(eq=False)
 class SessionFile(StateObject):
+    """A session file (llama_state_save_file, magic 'ggsn'): version, tokens, then the context state.
+
+    The context state is the arch, the v9 output block when present, and the memory.
+    """
+
     version: int
     tokens: np.ndarray
     arch: str
@@ -98,6 +106,8 @@ class SessionFile(StateObject):
 
 @dataclass(eq=False)
 class SeqFile(StateObject):
+    """A sequence file (llama_state_seq_save_file, magic 'ggsq'): version, tokens, then one sequence's memory."""
+
     version: int
     tokens: np.ndarray
     memory: Memory
@@ -108,6 +118,8 @@ class SeqFile(StateObject):
 
 @dataclass(eq=False)
 class StateBlob(StateObject):
+    """A llama_state_get_data blob: the context state (arch, the v9 output block when present, memory)."""
+
     arch: str
     outputs: Outputs | None
     memory: Memory

@@ -32,6 +32,7 @@ import numpy as np
 
 from ..errors import FormatError
 from ..ggml import TYPE_TRAITS, GGMLType, type_name
+from . import mismatch
 from .cells import Cells, CellTable
 from .codec import Reader, Writer
 from .constants import LAYOUTS, LLAMA_MAX_SEQ
@@ -55,10 +56,12 @@ class _TypedRows(Record):
 
     @property
     def type_name(self) -> str:
+        """The name ggml_type_name() prints for the rows' type (``f16``, ``q8_0``, ...)."""
         return type_name(self.type)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the rows."""
         return int(self.data.nbytes)
 
 
@@ -98,21 +101,27 @@ class RecurrentLayer(Record):
 
     @property
     def type_name(self) -> str:
+        """The name ggml_type_name() prints for the R rows' type (``f32``, ...)."""
         return type_name(self.type)
 
     @property
     def nbytes(self) -> int:
+        """Bytes of the R rows plus the PLE rows when there are any."""
         return int(self.data.nbytes) + (int(self.p_data.nbytes) if self.p_data is not None else 0)
 
 
 @dataclass(eq=False)
 class KVData(Record):
+    """The K/V rows of one stream: ``v_trans`` as written, one ``k`` entry per layer, one ``v`` entry per layer
+    with V (none for an MLA cache)."""
+
     v_trans: int
     k: list[LayerRows]
     v: list[LayerRows | TransposedRows]
 
     @property
     def n_layer(self) -> int:
+        """The ``n_layer`` written: one per K entry."""
         return len(self.k)
 
 
@@ -131,6 +140,7 @@ class KVStream(Record):
 
     @property
     def cell_count(self) -> int:
+        """The stream's ``cell_count`` (0 when it has no cells)."""
         return 0 if self.cells is None else self.cells.n
 
 
@@ -145,6 +155,7 @@ class KVSection(Record):
 
     @property
     def n_stream(self) -> int:
+        """The number of streams (the ``n_stream`` written, when ``has_n_stream``)."""
         return len(self.streams)
 
 
@@ -163,6 +174,7 @@ class RecurrentSection(Record):
 
     @property
     def cell_count(self) -> int:
+        """The section's ``cell_count``."""
         return self.cells.n
 
 
@@ -175,10 +187,12 @@ class Memory:
 
     @property
     def kv_sections(self) -> list[KVSection]:
+        """The attention KV sections, in write order."""
         return [s for s in self.sections if isinstance(s, KVSection)]
 
     @property
     def recurrent_sections(self) -> list[RecurrentSection]:
+        """The recurrent sections, in write order."""
         return [s for s in self.sections if isinstance(s, RecurrentSection)]
 
 
@@ -242,7 +256,7 @@ def _check_cache_v_trans(v: int, env: Env) -> str | None:
     spec = env.get("cache_spec")
     if msg or spec is None:
         return msg
-    return None if bool(v) == spec.v_trans else f"v_trans {v}, the cache has {int(spec.v_trans)}"
+    return None if bool(v) == spec.v_trans else mismatch.v_trans(v, spec.v_trans)
 
 
 def _check_layer_type(prefix: str) -> Any:
@@ -254,7 +268,7 @@ def _check_layer_type(prefix: str) -> Any:
         ls = _cache_layer(env, prefix)
         want = None if ls is None else getattr(ls, f"{prefix}_type")
         if want is not None and v != want:
-            return f"layer {env['_cache_il'][prefix]}: {prefix} type {type_name(v)}, the cache has {type_name(want)}"
+            return mismatch.layer_type(env["_cache_il"][prefix], prefix, v, want)
         return None
 
     return check
@@ -269,7 +283,7 @@ def _check_layer_row_size(prefix: str) -> Any:
         want = None if ls is None else getattr(ls, f"{prefix}_row_size")
         if msg or want is None or v == want:
             return msg
-        return f"layer {env['_cache_il'][prefix]}: {prefix} row size {v}, the cache has {want}"
+        return mismatch.row_size(env["_cache_il"][prefix], prefix, v, want)
 
     return check
 
