@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Differential fuzzing of kvref against llama.cpp (a maintainer's tool, not CI).
+"""Differential fuzzing of kvref against llama.cpp (CI runs a bounded campaign when the llama-cpp-python wheel is
+in ../shared/wheels; see .ci/run).
 
 A seeded random *plan* of memory operations (decodes of random multi-sequence batches, seq_rm / seq_cp /
 seq_keep / seq_add / seq_div / clear, cache-overflowing batches, state saves and restores) runs in the real
@@ -10,6 +11,8 @@ llama.cpp's own seq_pos_max, so any subset of a plan is again a valid plan: that
 minimised (--keep).
 
     python conformance/fuzz.py --models all --seeds 0-39            # fuzz; report mismatches
+    python conformance/fuzz.py --models every --seeds 0-19 --minimise   # CI's live campaign (.ci/run)
+    python conformance/fuzz.py --models every --seeds 0-999 --minimise  # a long campaign (hours)
     python conformance/fuzz.py --models llama,mamba --seeds 0-9 --minimise
     python conformance/fuzz.py --model llama --seed 7 --case-out conformance/golden/fuzz-llama-seed7
     python conformance/fuzz.py --model llama --seed 7 --keep 3,5,9-12 --case-out conformance/golden/fuzz-llama-x
@@ -50,6 +53,15 @@ MODELS: dict[str, tuple[str, dict]] = {
     "gemma2-3": ("gemma2", dict(n_seq_max=3, n_ctx=512)),
     "mamba-1": ("mamba", dict(n_seq_max=1)),
     "qwen2vl-ms": ("qwen2vl", dict(n_seq_max=3, kv_unified=False)),
+    # the other architectures of the goldens: one key per memory kind they add
+    "gemma3": ("gemma3", dict(n_seq_max=2)),
+    "qwen3": ("qwen3", dict(n_seq_max=3)),
+    "llama4": ("llama4", dict(n_seq_max=2)),
+    "mamba2": ("mamba2", dict(n_seq_max=2)),
+    "rwkv6": ("rwkv6", dict(n_seq_max=2)),
+    "lfm2": ("lfm2", dict(n_seq_max=2)),
+    # not "lfm2-swa": llama.cpp 0.3.36 aborts on most of its traces (GGML_ASSERT(buffer) in ggml-backend.cpp:
+    # its iSWA base cache has no layer, so no buffer); the lfm2-swa-hybrid-iswa golden covers that memory
 }
 N_VOCAB = 128
 UBATCHES = (3, 5, 8, 16, 32, 256)
