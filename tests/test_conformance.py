@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+import kvref
 from kvref import conformance as C
 
 ROOT = Path(__file__).resolve().parent.parent / "conformance"
@@ -66,6 +67,17 @@ def test_cli_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["conformance", "--root", str(ROOT), "--case", "llama-f16-single-seq", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["ok"] and out["cases"][0]["case"] == "llama-f16-single-seq"
+    assert out["backend"] == kvref.backend() and out["kvref"] == kvref.__version__
+    assert (out["compat"], out["llama_cpp_python"], out["llama_cpp"]) == ("2026-10", "0.3.36", "0c1e570")
+
+
+def test_cli_text_names_version_backend_and_era(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvref.cli import main
+
+    assert main(["conformance", "--root", str(ROOT), "--case", "llama-f16-single-seq"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first == kvref.about_line()
+    assert f"({kvref.backend()} backend)" in first and "llama.cpp 0c1e570" in first and "'2026-10'" in first
 
 
 def test_runner_fails_an_unexpected_pass(tmp_path: Path) -> None:

@@ -378,3 +378,13 @@ def test_not_a_gguf_file(tmp_path):
     p.write_bytes(b"not a gguf file at all" * 4)
     with pytest.raises(HParamsError, match="cannot read GGUF"):
         HParams.from_gguf(p)
+
+
+def test_a_broken_gguf_import_shows_its_real_cause(monkeypatch):
+    """gguf is a dependency; when importing it fails, the error says why (not just "needs gguf")."""
+    import sys
+
+    monkeypatch.setitem(sys.modules, "gguf", None)  # `import gguf` now raises ImportError
+    cause = r"cannot import the 'gguf' package: ModuleNotFoundError: import of gguf halted.*gguf>=0.16"
+    with pytest.raises(HParamsError, match=cause):
+        HParams.from_gguf("conformance/models/llama-tiny.gguf")

@@ -68,3 +68,10 @@ def test_public_classes_and_members_have_docstrings():
                 if member is not None and not (getattr(member, "__doc__", None) or "").strip():
                     missing.add(f"{klass.__module__}.{klass.__qualname__}.{name}")
     assert not missing, f"{len(missing)} public names without a docstring:\n" + "\n".join(sorted(missing))
+
+
+def test_dir_lists_the_lazy_public_names():
+    listed = set(dir(kvref))
+    assert set(kvref.__all__) <= listed
+    assert {"KVCache", "create_memory", "HParams", "state", "mask"} <= listed
+    assert "importlib" not in listed and "Any" not in listed  # implementation imports stay out of the way
