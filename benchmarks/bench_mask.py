@@ -1,8 +1,7 @@
 """KQ-mask benchmarks: the Cython twin against the Python twin and against the memory floor.
 
-Run: ``python -m pytest benchmarks/bench_mask.py --benchmark-enable --benchmark-only`` (``--benchmark-enable``
-because pyproject's addopts disable benchmarks; add ``-s`` to see the table live, it is also written at the
-end of the run). The machine's speed drifts, so only ratios measured in the same
+Run: ``pytest benchmarks/bench_mask.py --benchmark-only`` (add ``-s`` to see the table live; it is also
+written at the end of the run). The machine's speed drifts, so only ratios measured in the same
 run mean anything: for each workload the floor (NumPy ``out.fill(-inf)`` on an array of the same shape and
 dtype), the Cython twin and the Python twin are timed *interleaved* (floor, Cython, floor, Cython, ...,
 with a Python run every few rounds) and the table reports medians' ratios. pytest-benchmark's own

@@ -54,9 +54,8 @@ def _build(path: Path) -> int:
     k = np.random.default_rng(0).integers(0, 256, (n, rs), dtype=np.uint8)
     layers = [S.LayerRows(int(GGMLType.F16), rs, k) for _ in range(N_LAYER)]
     data = S.KVData(0, layers, list(layers))
-    obj = S.SessionFile(
-        10, np.arange(n, dtype=np.int32), "llama", None, S.Memory("kv", [S.KVSection([S.KVStream(cells, data)])])
-    )
+    memory = S.MemorySections("kv", [S.KVSection([S.KVStream(cells, data)])])
+    obj = S.SessionFile(10, np.arange(n, dtype=np.int32), "llama", None, memory)
     return obj.save(path)
 
 

@@ -92,6 +92,8 @@ PRODUCERS = {
     },
 }
 PRODUCER = PRODUCERS[L.__version__]
+# graph inputs are read through a ctypes struct ggml_tensor declared for this release's ggml.h only
+CAPTURE_GRAPHS = L.__version__ == "0.3.36"
 SESSION_VERSION = PRODUCER["session_version"]
 SEQ_VERSION = PRODUCER["seq_version"]
 
@@ -228,6 +230,12 @@ class Run:
         self.cp = dict(cparams)
         self.ctx = None
         self.model = None
+        self.capture = None
+        if CAPTURE_GRAPHS:
+            import capture
+
+            swa_cache = self.kind in ("iswa", "hybrid_iswa")
+            self.capture = capture.Capture(lambda il: swa_cache and bool(hp["swa_layers"][il]))
 
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = 0
@@ -273,6 +281,8 @@ class Run:
         p.op_offload = False
         p.no_perf = True
         p.embeddings = False
+        if self.capture is not None:
+            self.capture.install(p)
         self.ctx = L.llama_init_from_model(self.model, p)
         lines = _take_log()
         op = {"op": "init", "ret": bool(self.ctx)}
@@ -345,20 +355,30 @@ class Run:
                 b.seq_id[i][j] = int(s)
             b.logits[i] = int(bool(logits[i]))
         _take_log()
+        if self.capture is not None:
+            self.capture.take()
         ret = int(L.llama_decode(self.ctx, b))
         lines = _take_log()
         L.llama_batch_free(b)
-        self._push(
-            {
-                "op": "decode",
-                "tokens": [int(t) for t in tokens],
-                "pos": [int(p) for p in pos],
-                "seq_ids": [[int(s) for s in ss] for ss in seq_ids],
-                "logits": [int(bool(x)) for x in logits],
-                "ret": ret,
-            },
-            lines,
-        )
+        graphs = None
+        if self.capture is not None:
+            if self.capture.error is not None:
+                raise RuntimeError(f"reading llama.cpp's graph inputs failed: {self.capture.error!r}")
+            graphs = self.capture.take()
+        op = {
+            "op": "decode",
+            "tokens": [int(t) for t in tokens],
+            "pos": [int(p) for p in pos],
+            "seq_ids": [[int(s) for s in ss] for ss in seq_ids],
+            "logits": [int(bool(x)) for x in logits],
+            "ret": ret,
+        }
+        if graphs is not None and (ret == 0 or graphs["shift"] or graphs["ubatches"]):
+            import capture
+
+            # what the graphs of this llama_decode computed with: K-shift, then per ubatch
+            op["graph"] = capture.encode(graphs)
+        self._push(op, lines)
         return ret
 
     def decode_seq(self, seq_id: int, tokens, start: int | None = None, also=()) -> int:

@@ -6,7 +6,7 @@ A seeded random *plan* of memory operations (decodes of random multi-sequence ba
 seq_keep / seq_add / seq_div / clear, cache-overflowing batches, state saves and restores) runs in the real
 llama.cpp through driver.Run, which records every return value and seq_pos_min/max after every op; the
 result is a case directory in the golden format (case.json + artefacts), which kvref then replays
-(kvref.conformance.run_case: parse, replay, restore). Positions are resolved while the plan runs, from
+(kvref.conformance.run_case: parse, replay, graph, restore). Positions are resolved while the plan runs, from
 llama.cpp's own seq_pos_max, so any subset of a plan is again a valid plan: that is how failures are
 minimised (--keep).
 

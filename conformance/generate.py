@@ -872,8 +872,24 @@ def run_case(case: Case, m: tinymodels.TinyModel, vers: dict, golden_dir: Path |
         "memory": memory_block(case, m.hparams, r.observed_ctx),
         "trace": r.trace,
     }
-    (cdir / "case.json").write_text(json.dumps(doc, indent=1) + "\n")
+    (cdir / "case.json").write_text(dump_case(doc))
     return doc
+
+
+def dump_case(doc: dict) -> str:
+    """case.json text: indented, except each decode's graph inputs, which stay on one line."""
+    graphs = {}
+    trace = []
+    for k, op in enumerate(doc["trace"]):
+        if "graph" in op:
+            tag = f"@@graph-{k}@@"
+            graphs[tag] = json.dumps(op["graph"], separators=(",", ":"))
+            op = {**op, "graph": tag}
+        trace.append(op)
+    text = json.dumps({**doc, "trace": trace}, indent=1) + "\n"
+    for tag, g in graphs.items():
+        text = text.replace(json.dumps(tag), g, 1)
+    return text
 
 
 def main(argv=None) -> int:

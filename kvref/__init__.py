@@ -11,6 +11,7 @@ import logging
 from typing import Any
 
 from . import _backend, errors
+from .constants import LLAMA_MAX_SEQ
 from .errors import BatchError, CellError, FormatError, KVRefError, NoSlotError, SequenceError
 
 __version__ = "0.1.0"
@@ -21,8 +22,6 @@ logging.getLogger("kvref").addHandler(logging.NullHandler())
 
 # an unknown KVREF_BACKEND is an error now, not at the first use of a twin
 _backend.requested()
-
-LLAMA_MAX_SEQ = 256  # llama.cpp's LLAMA_MAX_SEQ: sequence ids are 0 .. 255
 
 # public name -> module that defines it
 _LAZY = {
@@ -42,7 +41,8 @@ _LAZY = {
     "context_params": "kvref.memory",
     "Memory": "kvref.memory",
     "BatchAllocr": "kvref.batch",
-    "HParamsError": "kvref.hparams",
+    "Profile": "kvref.profile",
+    "HParamsError": "kvref.errors",
 }
 _SUBMODULES = ("cells", "mask", "ggml", "state", "batch", "hparams", "kv_cache", "memory", "compat", "conformance")
 

@@ -30,18 +30,12 @@ cimport numpy as cnp
 
 import numpy as np
 
+from kvref.constants cimport LLAMA_MAX_SEQ as MAX_SEQ, N_SEQ_WORDS as N_WORDS
+
+from .constants import INT32_MIN, LLAMA_MAX_SEQ, N_SEQ_WORDS, POS_MAX, TOKEN_NULL
 from .errors import CellError, SequenceError
 
 cnp.import_array()
-
-cdef enum:
-    N_WORDS = 4  # 256 sequence bits per cell, as 4 uint64 words
-
-LLAMA_MAX_SEQ = 256
-N_SEQ_WORDS = N_WORDS
-TOKEN_NULL = -1
-POS_MAX = 2**31 - 1
-INT32_MIN = -(2**31)
 
 cdef int32_t C_POS_MAX = 2147483647
 cdef int64_t C_INT32_MIN = -2147483648
@@ -171,8 +165,8 @@ cdef inline int64_t _clamp64(object o) except? -1:
 
 cdef inline int _seq_id(object seq_id) except -1:
     cdef int64_t s = _clamp64(seq_id)
-    if s < 0 or s >= 256:
-        raise SequenceError(f"seq_id {_as_int(seq_id)} is outside [0, 256)")
+    if s < 0 or s >= MAX_SEQ:
+        raise SequenceError(f"seq_id {_as_int(seq_id)} is outside [0, {LLAMA_MAX_SEQ})")
     return <int>s
 
 
@@ -216,7 +210,7 @@ cdef class KVCells:
     cdef vector[uint8_t] _mark  # scratch for duplicate detection, all zero between calls
 
     def __cinit__(self, *args, **kwargs):
-        self._seq_pos.resize(256)
+        self._seq_pos.resize(MAX_SEQ)
         self._n = 0
 
     def __init__(self, size=0):
@@ -255,7 +249,7 @@ cdef class KVCells:
                 self._ext[3 * i + 2] = -1
                 for w in range(N_WORDS):
                     self._seq[N_WORDS * i + w] = 0
-            for s in range(256):
+            for s in range(MAX_SEQ):
                 self._seq_pos[s].clear()
         self._has_shift = False
         self._n_used = 0
@@ -439,7 +433,7 @@ cdef class KVCells:
         cdef uint32_t i
         cdef int w, s
         cdef uint64_t word
-        cdef uint32_t cnt[256]
+        cdef uint32_t cnt[MAX_SEQ]
         cdef uint64_t bulk[N_WORDS]
         cdef uint8_t* mark = self._mark.data()
         cdef int64_t old, new_pos
@@ -456,14 +450,14 @@ cdef class KVCells:
                     while word:
                         cnt[w * 64 + ctz(word)] += 1
                         word &= word - 1
-            for s in range(256):
+            for s in range(MAX_SEQ):
                 if cnt[s] >= 16 and <size_t>cnt[s] * 8 >= self._seq_pos[s].size():
                     bulk[s >> 6] |= (<uint64_t>1) << (s & 63)
                     any_bulk = True
             if any_bulk:
                 for k in range(m):
                     mark[cells[k]] = 1
-                for s in range(256):
+                for s in range(MAX_SEQ):
                     if (bulk[s >> 6] >> (s & 63)) & 1:
                         ps_rekey(self._seq_pos[s], mark, d, div)
                 for k in range(m):
@@ -885,7 +879,7 @@ cdef class KVCells:
                     err = 1
                 elif self._pos[idx] == -1:
                     err = 2
-                elif s < 0 or s >= 256:
+                elif s < 0 or s >= MAX_SEQ:
                     err = 3
                 elif self._has(idx, <int>s):
                     err = 4
@@ -911,7 +905,7 @@ cdef class KVCells:
         if err == 2:
             raise CellError(f"seq_add_many: cell {iv[k]} is empty")
         if err == 3:
-            raise SequenceError(f"seq_id {sv[k]} is outside [0, 256)")
+            raise SequenceError(f"seq_id {sv[k]} is outside [0, {LLAMA_MAX_SEQ})")
         if err == 4:
             raise CellError(f"seq_add_many: cell {iv[k]} already holds sequence {sv[k]}")
         if err == 5:
@@ -955,8 +949,8 @@ cdef class KVCells:
         return out
 
     cdef cnp.ndarray _seq_pos_ends_many(self, object seq_ids, bint last):
-        """seq_pos_min (or max when last) of every listed sequence: a 256-entry table, then a gather."""
-        cdef int32_t table[256]
+        """seq_pos_min (or max when last) of every listed sequence: a LLAMA_MAX_SEQ-entry table, then a gather."""
+        cdef int32_t table[MAX_SEQ]
         cdef int s
         cdef Py_ssize_t k, m
         cdef int64_t v
@@ -970,7 +964,7 @@ cdef class KVCells:
         cdef cnp.ndarray out = np.empty(m, dtype=np.int32)
         cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
         with nogil:
-            for s in range(256):
+            for s in range(MAX_SEQ):
                 if self._seq_pos[s].empty():
                     table[s] = -1
                 elif last:
@@ -979,7 +973,7 @@ cdef class KVCells:
                     table[s] = deref(self._seq_pos[s].begin()).first
             for k in range(m):
                 v = sv[k]
-                if v < 0 or v >= 256:
+                if v < 0 or v >= MAX_SEQ:
                     bad = k
                     break
                 o[k] = table[v]
@@ -1083,7 +1077,7 @@ cdef class KVCells:
         cdef uint64_t keep = (<uint64_t>1) << (s & 63)
         with nogil:
             # afterwards no cell holds any other sequence, so their indexes end up empty
-            for t in range(256):
+            for t in range(MAX_SEQ):
                 if t != s:
                     self._seq_pos[t].clear()
             for i in range(self._n):

@@ -25,13 +25,8 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 
+from .constants import INT32_MIN, LLAMA_MAX_SEQ, N_SEQ_WORDS, POS_MAX, TOKEN_NULL
 from .errors import CellError, SequenceError
-
-LLAMA_MAX_SEQ = 256
-N_SEQ_WORDS = LLAMA_MAX_SEQ // 64
-TOKEN_NULL = -1  # LLAMA_TOKEN_NULL: the ext token of a cell made from an embedding
-POS_MAX = 2**31 - 1  # what llama.cpp substitutes for an open upper bound (p1 < 0)
-INT32_MIN = -(2**31)
 
 IntArray = npt.NDArray[np.int32]
 

@@ -29,6 +29,7 @@ from libcpp.algorithm cimport sort
 
 import numpy as np
 cimport numpy as cnp
+from kvref.constants cimport LLAMA_MAX_SEQ as MAX_SEQ, N_SEQ_WORDS as N_WORDS
 
 from kvref._mask_py import (
     LLAMA_MAX_SEQ,
@@ -78,8 +79,6 @@ ctypedef fused elem_t:
     uint32_t
 
 cdef enum:
-    MAX_SEQ = 256
-    N_WORDS = 4
     MAX_STREAMS = 64
 
 cdef int64_t POS_INF = 2147483648  # one past the largest int32 position

@@ -32,8 +32,9 @@ from typing import Any
 
 import numpy as np
 
-LLAMA_MAX_SEQ = 256
-N_SEQ_WORDS = LLAMA_MAX_SEQ // 64
+from .constants import LLAMA_MAX_SEQ, N_SEQ_WORDS
+from .hparams import is_masked_swa
+
 N_SWA_MAX = 2**30  # n_swa beyond this is rejected (llama.cpp's int32 arithmetic on it would wrap)
 
 _ROWS_PER_CHUNK_ELEMS = 1 << 20  # the vectorised mask works on blocks of about this many elements
@@ -51,8 +52,8 @@ class NonCausalType(IntEnum):
 
 _ZERO_STREAMS = np.zeros(4096, dtype=np.int32)  # every token in stream 0 (no seq_to_stream given)
 _ZERO_STREAMS.flags.writeable = False
-# Both twins run the same checks with the same messages (the Cython twin imports nothing from here, so
-# they are written out twice; tests compare the raised types and messages).
+# Both twins run the same checks with the same messages: the Cython twin imports the argument checks and
+# ``is_masked_swa`` from here and writes only its fill loops itself; tests compare raised types and messages.
 
 
 def _as_i32_1d(name: str, a: Any) -> np.ndarray:
@@ -162,19 +163,6 @@ def _check_kq_args(
 
 
 # --------------------------------------------------------------------------------------------- rules
-
-
-def is_masked_swa(n_swa: int, swa_type: int, p0: np.ndarray, p1: np.ndarray) -> np.ndarray:
-    """llama_hparams::is_masked_swa, elementwise (int64 inputs, both >= 0)."""
-    if swa_type == 1:  # standard: the last n_swa positions up to p1
-        return p1 - p0 >= n_swa
-    if swa_type == 2:  # chunked: from the start of p1's chunk
-        return p0 < (p1 // n_swa) * n_swa
-    if swa_type == 3:  # symmetric: n_swa/2 either side of p1
-        half = n_swa // 2
-        d = p1 - p0
-        return (d < -half) | (d > half)
-    return np.zeros(np.broadcast(p0, p1).shape, dtype=bool)
 
 
 def fill_kq_mask_raw(

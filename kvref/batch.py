@@ -26,9 +26,9 @@ from typing import Any, Literal, Protocol
 
 import numpy as np
 
+from .constants import LLAMA_MAX_SEQ
 from .errors import BatchError
 
-LLAMA_MAX_SEQ = 256  # sequence ids are 0 .. LLAMA_MAX_SEQ-1
 LLAMA_TOKEN_NULL = -1  # a batch entry whose token id is -1 carries no token
 GGML_MROPE_SECTIONS = 4  # positions per entry under M-RoPE
 

@@ -7,14 +7,11 @@ Callers import from here only (``from kvref.cells import KVCells``); ``KVREF_BAC
 from __future__ import annotations
 
 from ._backend import select
+from .constants import LLAMA_MAX_SEQ, N_SEQ_WORDS, POS_MAX, TOKEN_NULL
 
 _impl = select("cells")
 
 KVCells = _impl.KVCells
-LLAMA_MAX_SEQ: int = _impl.LLAMA_MAX_SEQ
-N_SEQ_WORDS: int = _impl.N_SEQ_WORDS
-POS_MAX: int = _impl.POS_MAX
-TOKEN_NULL: int = _impl.TOKEN_NULL
 BACKEND = "cython" if _impl.__name__.endswith("_c") else "python"
 
 __all__ = ["BACKEND", "LLAMA_MAX_SEQ", "N_SEQ_WORDS", "POS_MAX", "TOKEN_NULL", "KVCells"]

@@ -1,6 +1,6 @@
 """The conformance runner: kvref against the goldens a real llama.cpp wrote (``kvref conformance``).
 
-For every ``<root>/golden/<case-id>/`` the runner makes four checks:
+For every ``<root>/golden/<case-id>/`` the runner makes these checks:
 
 ``parse``    every artefact reads with ``kvref.state.load`` (told its kind, layout and cell ext by the case's
              trace) and writes back byte for byte;
@@ -12,6 +12,10 @@ For every ``<root>/golden/<case-id>/`` the runner makes four checks:
              (or R/S) rows are copied into the replayed memory at the cells it writes and its
              ``state_write`` must equal the golden memory bytes exactly; restores feed the golden's memory
              bytes to ``state_read``;
+``graph``    the trace runs again; at every decode that carries the graph inputs llama.cpp computed with
+             (``op["graph"]``, captured by conformance/capture.py), kvref's K-shift input (before the decode),
+             KQ masks (base and SWA), K/V row indices and positions (after each ubatch is placed) must equal
+             them element for element; cases without captures (legacy producers) pass as not applicable;
 ``restore``  every golden loads into a fresh memory (whole, or per sequence into its own and into another
              sequence) and writes back identically (relabelled for another sequence);
 ``invalid``  (one extra pseudo-case ``invalid``) every file of ``invalid/manifest.json`` raises its error class
@@ -43,8 +47,9 @@ import numpy as np
 
 from . import about, about_line
 from .errors import BatchError, KVRefError, NoSlotError
+from .profile import Profile
 
-CHECKS = ("parse", "replay", "restore")
+CHECKS = ("parse", "replay", "graph", "restore")
 INVALID_CASE = "invalid"
 PARTIAL_ONLY = 1
 _KIND = {"session": "session", "seq": "seq", "state_data": "state", "seq_data": "seq_state"}
@@ -208,8 +213,8 @@ def check_hparams(root: Path, case: dict, hp: Any) -> None:
             raise CheckFailed(f"HParams.from_gguf({m['file']}).{k} = {a[k]}, case.json says {b.get(k)}")
 
 
-def compat_for(case: dict) -> str:
-    """The kvref.compat generation of the llama.cpp that produced the case (from its producer's
+def compat_for(case: dict) -> Profile:
+    """The kvref.profile.Profile of the llama.cpp that produced the case (from its producer's
     llama-cpp-python version; the default when the case does not say)."""
     from .compat import for_llama_cpp_python
 
@@ -404,8 +409,8 @@ def relabel(sections: list[Any], dest: int, n_stream_of: Callable[[Any], int]) -
 
 
 def last_stream_only(sections: list[Any]) -> list[Any]:
-    """The golden sections as a whole restore before October 2026 (compat "2025" / "2026-08") writes them back:
-    each stream's read began with clear(true), so of a KV section only the last non-empty stream survives."""
+    """The golden sections as a whole restore with ``Profile.whole_restore_clear`` ``"per_stream"`` writes them
+    back: each stream's read begins with clear(true), so of a KV section only the last non-empty stream survives."""
     from .state import KVSection, KVStream
 
     out: list[Any] = []
@@ -439,21 +444,24 @@ def _observe(mem: Any, n_seq: int) -> dict:
     }
 
 
-def _decode(mem: Any, op: dict, hp: Any, n_ubatch: int) -> int:
+def _decode(mem: Any, op: dict, hp: Any, n_ubatch: int, on_ubatch: Callable[[Any, Any], None] | None = None) -> int:
     """llama_decode's return value: 0, 1 (no slot), -1 (invalid batch).
 
     Token ids below n_vocab are checked here (the memories do not know the vocabulary); everything else,
-    sequence ids included, is the memory's decode() (BatchError -> -1, NoSlotError -> 1).
+    sequence ids included, is the memory's decode() (BatchError -> -1, NoSlotError -> 1). ``on_ubatch`` goes
+    to the memory's decode (called after each ubatch is placed).
     """
     from .batch import Batch
 
     n_vocab = int(getattr(hp, "n_vocab", 0) or 0)
     if any(t < 0 or (n_vocab and t >= n_vocab) for t in op["tokens"]):
         return -1  # llama_batch_allocr::init: invalid token id
+    batch = Batch(tokens=op["tokens"], pos=op.get("pos"), seq_ids=op["seq_ids"], logits=op.get("logits"))
     try:
-        mem.decode(
-            Batch(tokens=op["tokens"], pos=op.get("pos"), seq_ids=op["seq_ids"], logits=op.get("logits")), n_ubatch
-        )
+        if on_ubatch is None:
+            mem.decode(batch, n_ubatch)
+        else:
+            mem.decode(batch, n_ubatch, on_ubatch=on_ubatch)
     except BatchError:
         return -1
     except NoSlotError:
@@ -490,11 +498,15 @@ def check_replay(root: Path, case: dict, arts: Artefacts) -> str:
     return f"{r['ops']} ops, {r['saves']} saves, {r['restores']} restores"
 
 
-def replay_trace(case: dict, mem: Any, arts: Artefacts, hp: Any = None) -> dict[str, int]:
+def replay_trace(
+    case: dict, mem: Any, arts: Artefacts, hp: Any = None, graph: GraphCounts | None = None
+) -> dict[str, int]:
     """Run the case's trace (after op 0, init) on ``mem`` and compare every step with what llama.cpp recorded.
 
     Raises CheckFailed at the first difference (Unsupported for an op kvref does not model); returns
-    ``{"ops", "saves", "restores"}``. ``hp`` (default: the case's) gives n_vocab for the token-id check.
+    ``{"ops", "saves", "restores"}``. ``hp`` (default: the case's) gives n_vocab for the token-id check. With
+    ``graph`` (a GraphCounts, which counts what was compared), every decode that carries llama.cpp's graph
+    inputs (``op["graph"]``) is also checked input by input (``compare_graph_inputs``).
     """
     hp = hparams_from_case(case) if hp is None else hp
     trace = case["trace"]
@@ -504,7 +516,18 @@ def replay_trace(case: dict, mem: Any, arts: Artefacts, hp: Any = None) -> dict[
     for k, op in enumerate(trace[1:], start=1):
         kind = op["op"]
         where = f"op {k} ({kind}{' ' + op['file'] if op.get('file') else ''})"
-        if kind == "decode":
+        if kind == "decode" and graph is not None and "graph" in op:
+            shifts = expected_shifts(mem)
+            placed: list[tuple[Any, Any, dict]] = []
+
+            def on_ubatch(ub: Any, slot: Any, g: dict = op["graph"], out: list = placed) -> None:
+                out.append((ub, slot, graph_inputs(mem, ub, slot, g, hp)))
+
+            ret = _decode(mem, op, hp, n_ubatch, on_ubatch)
+            if ret != op["ret"]:
+                raise CheckFailed(f"{where}: decode returned {ret}, llama.cpp {op['ret']}")
+            compare_graph_inputs(f"{case['id']}: {where}", op["graph"], shifts if ret != -1 else [], placed, graph)
+        elif kind == "decode":
             ret = _decode(mem, op, hp, n_ubatch)
             if ret != op["ret"]:
                 raise CheckFailed(f"{where}: decode returned {ret}, llama.cpp {op['ret']}")
@@ -567,6 +590,182 @@ def replay_trace(case: dict, mem: Any, arts: Artefacts, hp: Any = None) -> dict[
     return {"ops": len(trace), "saves": saves, "restores": restores}
 
 
+# ---------------------------------------------------------------------------------------------- graph inputs
+@dataclass
+class GraphCounts:
+    """What the graph check compared: decodes, ubatches, tensors (masks, idxs, positions), K-shift inputs."""
+
+    decodes: int = 0
+    ubatches: int = 0
+    tensors: int = 0
+    shifts: int = 0
+
+
+def decode_ints(x: Any) -> np.ndarray:
+    """An int list of case.json's graph inputs: a plain list, or ``{"runs": [[first, step, count], ...]}``."""
+    if isinstance(x, dict):
+        parts = [f + d * np.arange(n, dtype=np.int64) for f, d, n in x["runs"]]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return np.asarray(x, dtype=np.int64)
+
+
+def decode_mask(e: dict) -> np.ndarray:
+    """A captured KQ mask, float32 ``shape``: -inf where ``finite`` (np.packbits, base64) is 0, else 0 or the
+    entry of ``values`` (``[[flat index, value], ...]``)."""
+    import base64
+
+    shape = tuple(e["shape"])
+    n = int(np.prod(shape))
+    bits = np.unpackbits(np.frombuffer(base64.b64decode(e["finite"]), np.uint8))
+    if bits.size < n or bits[n:].any():
+        raise CheckFailed(f"captured mask: {bits.size} pattern bits for {n} elements")
+    out = np.where(bits[:n].astype(bool), np.float32(0), np.float32(-np.inf)).astype(np.float32)
+    for i, v in e.get("values", []):
+        out[i] = v
+    return out.reshape(shape)
+
+
+def has_graph_inputs(case: dict) -> bool:
+    """The case's decodes carry the graph inputs llama.cpp computed with (written by conformance/capture.py)."""
+    return any("graph" in op for op in case["trace"])
+
+
+def _attention_caches(mem: Any) -> list[tuple[bool, Any]]:
+    """``[(swa, KVCache), ...]``: the memory's attention caches in llama.cpp's update order (base, then SWA)."""
+    from .mask import attention_cache
+
+    out: list[tuple[bool, Any]] = []
+    for swa in (False, True):
+        try:
+            cache, _ = attention_cache(mem, None, swa=swa)
+        except KVRefError:
+            continue
+        if all(c is not cache for _, c in out):
+            out.append((swa, cache))
+    return out
+
+
+def expected_shifts(mem: Any) -> list[tuple[bool, np.ndarray]]:
+    """The K-shift inputs the next memory update computes with: ``[(swa, int32[n_stream * size]), ...]`` for each
+    attention cache with a pending shift and at least one roped layer (llama.cpp builds no ROPE otherwise)."""
+    out = []
+    for swa, cache in _attention_caches(mem):
+        hp = cache.hparams
+        roped = int(hp.rope_type) != -1 and any(hp.has_rope(il) for il in cache.get_layer_ids())
+        if roped and cache.get_has_shift():
+            out.append((swa, cache.k_shift_input()))
+    return out
+
+
+def _pos_input(ub: Any, hp: Any) -> np.ndarray:
+    """llm_graph_input_pos::set_input: the positions, one block per rope section; token batches under M-RoPE
+    get (p, p, p, 0)."""
+    n = int(ub.n_tokens)
+    npe = int(hp.n_pos_per_embd())
+    pos = np.asarray(ub.pos, dtype=np.int64)
+    if npe == 4 and getattr(ub, "token", None) is not None:
+        p = pos[:n]
+        return np.concatenate([p, p, p, np.zeros(n, np.int64)])
+    return pos[: n * npe]
+
+
+def graph_inputs(mem: Any, ub: Any, slot: Any, graph: dict, hp: Any) -> dict:
+    """kvref's value of every input llama.cpp captured for the decode's ubatches, right after ``ub`` is placed:
+    ``{(tensor, swa): array}`` (masks shaped (n_stream, n_tps, n_kv))."""
+    from .mask import attention_cache, fill_kq_mask
+
+    out: dict = {}
+    wanted = {(e["tensor"], e["swa"], e.get("type")) for u in graph.get("ubatches", []) for e in u["inputs"]}
+    for tensor, swa, typ in sorted(wanted, key=str):
+        try:
+            if tensor == "kq_mask":
+                dtype = np.float16 if typ == "f16" else np.float32
+                out[(tensor, swa)] = fill_kq_mask(mem, ub, sinfo=slot, swa=swa, dtype=dtype)
+            elif tensor in ("k_idxs", "v_idxs"):
+                cache, sinfo = attention_cache(mem, slot, swa=swa)
+                out[(tensor, swa)] = np.asarray(getattr(cache, tensor)(ub, sinfo), dtype=np.int64)
+            elif tensor == "pos":
+                out[(tensor, swa)] = _pos_input(ub, hp)
+        except KVRefError as e:
+            out[(tensor, swa)] = e
+    return out
+
+
+def _first_diff(a: np.ndarray, b: np.ndarray) -> str:
+    if a.shape != b.shape:
+        return f"shape {list(a.shape)}, llama.cpp {list(b.shape)}"
+    fa, fb = a.reshape(-1), b.reshape(-1)
+    neq = ~((fa == fb) | (np.isnan(fa) & np.isnan(fb))) if fa.dtype.kind == "f" else fa != fb
+    i = int(np.argmax(neq))
+    at = tuple(int(x) for x in np.unravel_index(i, a.shape)) if a.ndim > 1 else i
+    return f"first difference at {at}: kvref {fa[i]}, llama.cpp {fb[i]}"
+
+
+def compare_graph_inputs(
+    where: str, graph: dict, shifts: list[tuple[bool, np.ndarray]], placed: list[tuple[Any, Any, dict]],
+    counts: GraphCounts,
+) -> None:  # fmt: skip
+    """Compare llama.cpp's captured inputs of one decode (``graph``: K-shift, then per ubatch) with kvref's."""
+    theirs_shift = graph.get("shift", [])
+    if [s["swa"] for s in theirs_shift] != [swa for swa, _ in shifts]:
+
+        def names(xs: list) -> str:
+            return ", ".join("swa" if x else "base" for x in xs) or "none"
+
+        raise CheckFailed(f"{where}: K-shift of caches [{names([swa for swa, _ in shifts])}], "
+                          f"llama.cpp [{names([s['swa'] for s in theirs_shift])}]")  # fmt: skip
+    for s, (swa, mine) in zip(theirs_shift, shifts, strict=True):
+        theirs = decode_ints(s["k_shift"])
+        if mine.shape != theirs.shape or (mine != theirs).any():
+            cache = "SWA" if swa else "base"
+            raise CheckFailed(
+                f"{where}: K-shift input ({cache} cache, layer {s['layer']}): {_first_diff(mine, theirs)}"
+            )
+        counts.shifts += 1
+    ubs = graph.get("ubatches", [])
+    if len(ubs) != len(placed):
+        raise CheckFailed(f"{where}: {len(placed)} ubatches, llama.cpp computed {len(ubs)} graphs")
+    for j, (u, (_ub, _slot, mine_all)) in enumerate(zip(ubs, placed, strict=True)):
+        for e in u["inputs"]:
+            name = e["tensor"] + (" (swa)" if e["swa"] else "")
+            label = f"{where}: ubatch {j}: {name} (layer {e['layer']})"
+            got = mine_all.get((e["tensor"], e["swa"]))
+            if isinstance(got, Exception):
+                raise CheckFailed(f"{label}: kvref cannot compute it: {got}")
+            if got is None:
+                raise CheckFailed(f"{label}: kvref has no such input")
+            mine = np.asarray(got)
+            if e["tensor"] == "kq_mask":
+                theirs = decode_mask(e)
+                mine = mine.astype(np.float32)
+                if mine.shape != theirs.shape:
+                    raise CheckFailed(f"{label}: shape (n_stream, n_tps, n_kv) {list(mine.shape)}, "
+                                      f"llama.cpp {list(theirs.shape)}")  # fmt: skip
+                if not np.array_equal(mine, theirs):
+                    raise CheckFailed(f"{label}: {_first_diff(mine, theirs)}")
+            else:
+                theirs = decode_ints(e["data"])
+                if mine.shape != theirs.shape or (mine != theirs).any():
+                    raise CheckFailed(f"{label}: {_first_diff(mine, theirs)}")
+            counts.tensors += 1
+        counts.ubatches += 1
+    counts.decodes += 1
+
+
+def check_graph(root: Path, case: dict, arts: Artefacts) -> str:
+    """Replay the trace; at every decode with captured graph inputs, compare kvref's with llama.cpp's."""
+    if not has_graph_inputs(case):
+        return "no captured graph inputs (not applicable)"
+    hp = hparams_from_case(case)
+    mem = create_memory_for(case, hp)
+    if mem is None:
+        raise Unsupported("create_memory returned no memory")
+    counts = GraphCounts()
+    replay_trace(case, mem, arts, hp, graph=counts)
+    return (f"{counts.decodes} decodes, {counts.ubatches} ubatches, {counts.tensors} tensors, "
+            f"{counts.shifts} K-shift inputs")  # fmt: skip
+
+
 def check_restore(root: Path, case: dict, arts: Artefacts) -> str:
     if not arts.saves:
         return "no artefacts"
@@ -584,7 +783,7 @@ def check_restore(root: Path, case: dict, arts: Artefacts) -> str:
             mem = create_memory_for(case, hp)
             mem.state_read(data, dest, flags, atomic=False)
             want = theirs if dest == seq_id else relabel(theirs, dest, lambda s: s)
-            if dest == -1 and compat_for(case) != "2026-10":
+            if dest == -1 and compat_for(case).whole_restore_clear == "per_stream":
                 want = last_stream_only(want)
             got = mem.state_sections(dest, flags)
             a, b = section_bytes(got), section_bytes(want)
@@ -677,6 +876,7 @@ def run_case(root: Path, case_id: str, expected: dict[str, dict[str, str]] | Non
         arts = Artefacts(root, case)
         res.checks.append(_run_check("parse", lambda: check_parse(root, case, arts), exp))
         res.checks.append(_run_check("replay", lambda: check_replay(root, case, arts), exp))
+        res.checks.append(_run_check("graph", lambda: check_graph(root, case, arts), exp))
         res.checks.append(_run_check("restore", lambda: check_restore(root, case, arts), exp))
     res.seconds = time.perf_counter() - t0
     return res

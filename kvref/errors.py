@@ -47,6 +47,18 @@ class SequenceError(KVRefError, ValueError):
     """A sequence id outside the range the memory accepts, or an operation not allowed on it."""
 
 
+class CompatError(KVRefError, ValueError):
+    """A ``compat`` value kvref does not know (not a Profile, named generation or release), or a bad Profile."""
+
+
+class HParamsError(KVRefError, ValueError):
+    """Inconsistent hyper-parameters, or a GGUF file llama.cpp would refuse to load (names the key)."""
+
+
+class GGMLTypeError(KVRefError, ValueError):
+    """An unknown ggml type id or name."""
+
+
 class BackendError(KVRefError, ImportError):
     """The requested backend cannot be used: an unknown ``KVREF_BACKEND``, or Cython asked for but not built."""
 
@@ -60,7 +72,10 @@ __all__ = [
     "BackendWarning",
     "BatchError",
     "CellError",
+    "CompatError",
     "FormatError",
+    "GGMLTypeError",
+    "HParamsError",
     "KVRefError",
     "NoSlotError",
     "SequenceError",

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import IntEnum
 
-from .errors import KVRefError
+from .errors import GGMLTypeError
 
 
 class GGMLType(IntEnum):
@@ -111,10 +111,6 @@ TYPE_TRAITS: dict[GGMLType, TypeTraits] = {
 }
 
 _BY_NAME = {tr.name.lower(): t for t, tr in TYPE_TRAITS.items()}
-
-
-class GGMLTypeError(KVRefError, ValueError):
-    """An unknown ggml type id or name."""
 
 
 def ggml_type(t: GGMLType | int | str) -> GGMLType:

@@ -14,48 +14,30 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from enum import IntEnum
 from typing import Any
 
-from .errors import KVRefError
+import numpy as np
 
-LLAMA_MAX_LAYERS = 512
-
-
-class HParamsError(KVRefError, ValueError):
-    """Inconsistent hyper-parameters, or a GGUF file llama.cpp would refuse to load (names the key)."""
+from .archs import _ARCH_ROPE_IF_MROPE, ARCH_ROPE_TYPE, HYBRID_ARCHS, RECURRENT_ARCHS
+from .constants import LLAMA_MAX_LAYERS, RopeType, SWAType
+from .errors import HParamsError
 
 
-class SWAType(IntEnum):
-    """llama_swa_type, with llama.cpp's numeric values."""
+def is_masked_swa(n_swa: int, swa_type: SWAType | int, p0: Any, p1: Any) -> Any:
+    """llama_hparams::is_masked_swa: is key position p0 outside the window of query position p1.
 
-    NONE = 0
-    STANDARD = 1
-    CHUNKED = 2
-    SYMMETRIC = 3
-
-
-class RopeType(IntEnum):
-    """llama_rope_type, with llama.cpp's numeric values (LLAMA_ROPE_TYPE_* in llama.h)."""
-
-    NONE = -1
-    NORM = 0
-    NEOX = 2
-    MROPE = 8
-    IMROPE = 40
-    VISION = 24
-
-
-def is_masked_swa(n_swa: int, swa_type: SWAType | int, p0: int, p1: int) -> bool:
-    """llama_hparams::is_masked_swa: is key position p0 outside the window of query position p1."""
-    if swa_type == SWAType.STANDARD:
+    ``p0`` and ``p1`` are ints (the result is a bool) or NumPy integer arrays (elementwise, broadcast).
+    """
+    if swa_type == SWAType.STANDARD:  # the last n_swa positions up to p1
         return p1 - p0 >= n_swa
-    if swa_type == SWAType.CHUNKED:
+    if swa_type == SWAType.CHUNKED:  # from the start of p1's chunk
         return p0 < (p1 // n_swa) * n_swa
-    if swa_type == SWAType.SYMMETRIC:
+    if swa_type == SWAType.SYMMETRIC:  # n_swa/2 either side of p1
         half = n_swa // 2
         d = p1 - p0
-        return d < -half or d > half
+        return (d < -half) | (d > half)
+    if np.ndim(p0) or np.ndim(p1):
+        return np.zeros(np.broadcast(p0, p1).shape, dtype=bool)
     return False
 
 
@@ -68,46 +50,6 @@ def swa_pattern(n_layer: int, n_pattern: int, dense_first: bool = False) -> tupl
     if dense_first:
         return tuple(n_pattern == 0 or il % n_pattern != 0 for il in range(n_layer))
     return tuple(n_pattern == 0 or il % n_pattern < n_pattern - 1 for il in range(n_layer))
-
-
-# llm_arch_is_recurrent / llm_arch_is_hybrid (src/llama-arch.cpp)
-RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
-HYBRID_ARCHS = frozenset({
-    "jamba", "falcon-h1", "plamo2", "granitehybrid", "lfm2", "lfm2moe", "nemotron_h", "nemotron_h_moe",
-    "qwen3next", "kimi-linear", "bailingmoe3", "kimi-k3", "glm5-next", "qwen35", "qwen35moe", "qwen4exp",
-    "deepseek4", "minimax-01",
-})  # fmt: skip
-
-# llama_model_rope_type (src/llama-model.cpp): the archs with a fixed rope type
-_ROPE_NONE = (
-    "arwkv7 bloom clip glm5-next gpt2 gptj jais jamba jina-bert-v2 kimi-k3 kimi-linear mamba mamba2 mpt "
-    "nemotron_h nemotron_h_moe refact rwkv6 rwkv6qwen2 rwkv7 t5 t5encoder wavtokenizer-dec"
-)
-_ROPE_NORM = (
-    "arcee arctic baichuan bailingmoe chameleon chatglm cohere2 cohere2moe command-r deci deepseek deepseek2 "
-    "deepseek2-ocr deepseek32 deepseek4 dots3note eagle3 ernie4_5 ernie4_5-moe glm-dsa granite granite_swa "
-    "granitehybrid granitemoe graniteswitch hy_v4 internlm2 llada llama llama-embed llama4 maincoder minicpm "
-    "mistral3 mistral4 muse-glimmer nanbeige neo-bert olmo plm pockettts smollm3 starcoder xverse"
-)
-_ROPE_NEOX = (
-    "afmoe apertus bailingmoe2 bert bitnet codeshell cogvlm dbrx dots1 dream eurobert exaone exaone-moe "
-    "exaone4 falcon falcon-h1 gemma gemma-embedding gemma2 gemma3 gemma3n gemma4 gemma4-assistant gpt-oss "
-    "gptneox grok grovemoe hrm_text hunyuan-dense hunyuan-moe hy_v3 jais2 jina-bert-v3 laguna lfm2 lfm2moe "
-    "llada-moe maple mellum mimo2 minicpm3 minimax-01 minimax-m2 minimax-m3 modern-bert nemotron nomic-bert "
-    "nomic-bert-moe olmo2 olmoe openelm orion pangu-embedded phi2 phi3 phimoe plamo plamo2 plamo3 qwen qwen2 "
-    "qwen2moe qwen3 qwen3moe qwen3next rnd1 seed_oss smallthinker spark2_5 stablelm starcoder2 step35 talkie"
-)
-ARCH_ROPE_TYPE: dict[str, RopeType] = {
-    **{a: RopeType.NONE for a in _ROPE_NONE.split()},
-    **{a: RopeType.NORM for a in _ROPE_NORM.split()},
-    **{a: RopeType.NEOX for a in _ROPE_NEOX.split()},
-    **{a: RopeType.MROPE for a in ("qwen2vl", "paddleocr")},
-    **{a: RopeType.IMROPE for a in ("qwen35", "qwen35moe", "qwen3tts", "qwen3vl", "qwen3vlmoe", "qwen4exp")},
-}
-# rope type depends on whether the file carries M-RoPE sections (use_mrope: sections 0 and 1 > 0)
-_ARCH_ROPE_IF_MROPE = {
-    "glm4": RopeType.NORM, "glm4moe": RopeType.NEOX, "hunyuan_vl": RopeType.NEOX, "bailingmoe3": RopeType.NORM,
-}  # fmt: skip
 
 
 def _per_layer(name: str, value: Any, n_layer: int, conv: type) -> Any:
@@ -160,7 +102,7 @@ class HParams:
     ssm_d_state: int = 0
     ssm_n_group: int = 0
     extra: dict = field(default_factory=dict)
-    # --- beyond the contract ---
+    # --- per-layer-kind head sizes and the rest kvref's memories need beyond the above ---
     n_embd_head_k_swa: int = 0  # head sizes of SWA layers; 0: same as the full-attention layers
     n_embd_head_v_swa: int = 0
     n_rot_swa: int = 0  # 0: n_rot

@@ -11,11 +11,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
-from . import compat as _compat
 from .errors import NoSlotError
 from .hparams import SWAType
 from .kv_cache import KVCache
 from .memory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, PairedMemory, read_parts
+from .profile import DEFAULT, Profile, resolve
 from .recurrent import RecurrentMemory, RecurrentSlot
 
 
@@ -54,11 +54,11 @@ class HybridMemory(PairedMemory):
         swa: bool = False,
         swa_full: bool = False,
         n_ubatch: int = 512,
-        compat: str = _compat.DEFAULT,
+        compat: Profile | str = DEFAULT,
     ) -> None:
         self.hparams = hparams
         self.unified = bool(unified)
-        self.compat = _compat.check(compat)
+        self.profile = resolve(compat)
         if filter_attn is None:
             filter_attn = lambda il: not hparams.is_recurrent(il)  # noqa: E731
         if filter_recr is None:
@@ -80,15 +80,15 @@ class HybridMemory(PairedMemory):
                 n_ubatch,
                 n_pad,
                 layer_filter=filter_attn,
-                compat=compat,
+                compat=self.profile,
             )
         else:
             self.attn = KVCache(
                 hparams, type_k, type_v, v_trans, unified, kv_size, n_seq_max, n_pad, n_swa, swa_type, filter_attn,
-                None, compat=compat,
+                None, compat=self.profile,
             )  # fmt: skip
         self.recr = RecurrentMemory(
-            hparams, type_r, type_s, rs_size, n_seq_max, filter_recr, n_rs_seq=n_rs_seq, compat=compat
+            hparams, type_r, type_s, rs_size, n_seq_max, filter_recr, n_rs_seq=n_rs_seq, compat=self.profile
         )
         self.recr.kv_unified = self.unified
 
@@ -189,10 +189,15 @@ class HybridMemory(PairedMemory):
 
         With ``atomic=False``, as llama.cpp: the attention part is restored before the recurrent section is
         read; a failing part is left as llama.cpp leaves it (the sequence removed). When the recurrent part
-        fails, October 2026 clears the restored attention part for the sequence again
-        (llama_memory_hybrid::state_read); 0.3.35 and 0.3.16 keep it (checked in their sources)."""
-        undo = _compat.since(self.compat, _compat.GEN_2026_10)  # llama-memory-hybrid.cpp: only 0.3.16/35/36 read
+        fails, ``Profile.hybrid_restore_undo`` clears the restored attention part for the sequence again
+        (llama_memory_hybrid::state_read); without it the attention part is kept."""
+        undo = self.profile.hybrid_restore_undo
         return read_parts(self._state_parts(flags), data, seq_id, flags, undo_before=undo, atomic=atomic)
+
+    @property
+    def compat(self) -> str:
+        """The name of the memory's profile (``self.profile.name``)."""
+        return self.profile.name
 
     def __repr__(self) -> str:
         return f"HybridMemory(kind={self.kind}, attn={self.attn!r}, recr={self.recr!r})"

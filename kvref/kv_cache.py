@@ -22,7 +22,6 @@ from typing import Any
 
 import numpy as np
 
-from . import compat as _compat
 from . import kv_state as _kv_state
 from . import slots as _slots
 from .cells import LLAMA_MAX_SEQ, POS_MAX, KVCells
@@ -30,6 +29,7 @@ from .errors import KVRefError, NoSlotError, SequenceError
 from .ggml import GGMLType, ggml_type, row_size, traits
 from .hparams import RopeType, SWAType
 from .kshift import ROPE_NEOX, RopeParams, shift_k_rows
+from .profile import DEFAULT, Profile, first_release, resolve
 from .rows import from_f32, typed
 from .slots import SlotInfo
 
@@ -45,14 +45,14 @@ class CacheLayer:
     v: np.ndarray | None  # uint8, layout per v_trans; None for MLA (no V cache)
 
 
-def decode_seq_bound(compat: str, unified: bool, n_seq_max: int) -> int:
-    """The bound llama_decode's batch validation puts on sequence ids.
+def decode_seq_bound(compat: Profile | str, unified: bool, n_seq_max: int) -> int:
+    """The bound llama_decode's batch validation puts on sequence ids (``Profile.decode_seq_id_bound``).
 
-    October 2026: the context's n_seq_max, unified or not (llama_batch_ext takes llama_n_seq_max(ctx)).
-    2025 .. August 2026 (llama-cpp-python 0.3.16 .. 0.3.35, compat "2025" / "2026-08": llama_batch_allocr::init
-    got ``kv_unified ? LLAMA_MAX_SEQ : n_seq_max``): LLAMA_MAX_SEQ for a unified cache, n_seq_max otherwise.
+    ``"n_seq_max"``: the context's n_seq_max, unified or not (llama_batch_ext takes llama_n_seq_max(ctx)).
+    ``"llama_max_seq_if_unified"`` (llama_batch_allocr::init got ``kv_unified ? LLAMA_MAX_SEQ : n_seq_max``):
+    LLAMA_MAX_SEQ for a unified cache, n_seq_max otherwise.
     """
-    if not _compat.since(_compat.check(compat), _compat.GEN_2026_10) and unified:
+    if resolve(compat).decode_seq_id_bound == "llama_max_seq_if_unified" and unified:
         return LLAMA_MAX_SEQ
     return int(n_seq_max)
 
@@ -83,11 +83,11 @@ class KVCache:
         layer_reuse: Callable[[int], int] | None = None,
         cells_cls: type | None = None,
         *,
-        compat: str = _compat.DEFAULT,
+        compat: Profile | str = DEFAULT,
     ) -> None:
         size, n_seq_max, n_pad = int(size), int(n_seq_max), int(n_pad)
-        # which llama.cpp generation to reproduce where they differ (kvref.compat lists the differences)
-        self.compat = _compat.check(compat)
+        # what the llama.cpp to reproduce does where llama.cpp builds differ (kvref.profile)
+        self.profile = resolve(compat)
         if n_pad <= 0 or size % n_pad:
             raise KVRefError(f"kv size {size} is not a multiple of n_pad {n_pad}")
         if not 1 <= n_seq_max <= LLAMA_MAX_SEQ:
@@ -223,9 +223,12 @@ class KVCache:
         seq_id = int(seq_id)
         if seq_id != -1:
             self._check_seq(seq_id)
-        elif _compat.kv_seq_rm_all_asserts(self.compat):
-            # llama-cpp-python 0.3.15 (compat "0.3.15"): GGML_ASSERT(seq_id >= 0 && ...) came first: an abort
-            raise SequenceError("seq_rm(-1) asserts in llama-cpp-python 0.3.15 (GGML_ASSERT seq_id >= 0)")
+        elif self.profile.kv_seq_rm_all_asserts:
+            # GGML_ASSERT(seq_id >= 0 && ...) came first: an abort
+            first = first_release("kv_seq_rm_all_asserts", True)
+            raise SequenceError(
+                f"seq_rm(-1) asserts in llama-cpp-python {first} (GGML_ASSERT seq_id >= 0; profile {self.profile})"
+            )
         p0, p1 = _norm_range(p0, p1)
         streams = range(self.n_stream) if seq_id == -1 else [self.seq_to_stream[seq_id]]
         for s in streams:
@@ -314,10 +317,10 @@ class KVCache:
     # ------------------------------------------------------------------ shifts and stream copies
     def get_can_shift(self) -> bool:
         """llama_kv_cache::get_can_shift: can the K-shift run (not under M-RoPE, nor for step35's
-        per-layer rope dims; always before llama-cpp-python 0.3.17).
+        per-layer rope dims; always without ``Profile.shift_refuses_mrope``).
         """
-        if not _compat.since(self.compat, _compat.GEN_2026):
-            return True  # before llama-cpp-python 0.3.17: every KV cache could shift, M-RoPE included
+        if not self.profile.shift_refuses_mrope:
+            return True  # every KV cache can shift, M-RoPE included
         if self.hparams.arch == "step35":  # per-layer rope dims: no single n_rot
             return False
         return self.hparams.n_pos_per_embd() <= 1
@@ -396,8 +399,8 @@ class KVCache:
         shift = self.k_shift_input()
         for layer in self.layers:
             il = layer.il
-            # llama-cpp-python 0.3.35 and later skip layers without rope; before, every layer was roped
-            if not hp.has_rope(il) and _compat.since(self.compat, _compat.KSHIFT_SKIPS_NOPE):
+            # Profile.kshift_skips_nope: layers without rope are left alone (else every layer is roped)
+            if not hp.has_rope(il) and self.profile.kshift_skips_nope:
                 continue
             p = self._rope_params(il, **yarn)
             n_embd_head_k = hp.n_embd_head_k_l(il)
@@ -451,6 +454,7 @@ class KVCache:
         k: Mapping[int, np.ndarray] | None = None,
         v: Mapping[int, np.ndarray] | None = None,
         balloc: Any = None,
+        on_ubatch: Callable[[Any, SlotInfo], None] | None = None,
     ) -> list[tuple[Any, SlotInfo]]:
         """What llama_decode does to the memory: validate, apply pending updates, place every ubatch.
 
@@ -458,6 +462,8 @@ class KVCache:
         in batch order; they are stored at the placed cells. Raises NoSlotError when the batch does not
         fit; the cells and heads are then as prepare() leaves them after a failure: the pending update
         applied and, with SWA, any purge done while trying earlier ubatches kept (as in llama.cpp).
+        ``on_ubatch(ubatch, slot)`` is called after each ubatch is placed, when llama.cpp would compute its
+        graph (the graph inputs, ``kvref.mask``, are those of that moment).
         """
         if balloc is None:
             from .batch import BatchAllocr  # the splitter lives with the batch
@@ -465,7 +471,7 @@ class KVCache:
             balloc = BatchAllocr(n_pos_per_embd=self.hparams.n_pos_per_embd())
         # llama_context::decode: batch validation (positions from seq_pos_max + 1) comes first,
         # then memory_update() applies pending shifts/copies, then init_batch places the ubatches
-        balloc.init(batch, memory=self, n_seq_max=decode_seq_bound(self.compat, self.unified, self.n_seq_max))
+        balloc.init(batch, memory=self, n_seq_max=decode_seq_bound(self.profile, self.unified, self.n_seq_max))
         self.update()
         placed = self.init_batch(balloc, n_ubatch)
         for ub, sinfo in placed:
@@ -475,16 +481,17 @@ class KVCache:
                 self.cpy_k(il, np.asarray(data)[rows], sinfo)
             for il, data in (v or {}).items():
                 self.cpy_v(il, np.asarray(data)[rows], sinfo)
+            if on_ubatch is not None:
+                on_ubatch(ub, sinfo)
         return placed
 
     # ------------------------------------------------------------------ graph inputs and K/V rows
     def get_n_kv(self, sinfo: SlotInfo) -> int:
-        """Cells the attention looks at: used_max_p1 padded to max(n_pad, 256), at most size; max over the
-        slot's streams. 2025 (llama-cpp-python 0.3.16): padded to n_pad only, max over every stream."""
-        legacy = not _compat.since(self.compat, _compat.GEN_2026)  # before llama-cpp-python 0.3.17
-        n_pad_cur = self.n_pad if legacy else max(self.n_pad, 256)
+        """Cells the attention looks at: used_max_p1 padded to max(n_pad, ``Profile.get_n_kv_pad``), at most
+        size; max over the slot's streams (``Profile.get_n_kv_streams`` ``"slot"``) or every stream (``"all"``)."""
+        n_pad_cur = max(self.n_pad, self.profile.get_n_kv_pad)
         result = 0
-        for s in range(self.n_stream) if legacy else sinfo.strm:
+        for s in range(self.n_stream) if self.profile.get_n_kv_streams == "all" else sinfo.strm:
             c = self._cells[s]
             padded = -(-c.used_max_p1() // n_pad_cur) * n_pad_cur
             result = max(min(c.size(), max(n_pad_cur, padded)), result)
@@ -608,6 +615,11 @@ class KVCache:
     def state_read_failed(self, seq_id: int, exc: Exception) -> None:
         """Leave the cache as llama.cpp does after its section failed to restore (kvref.kv_state)."""
         _kv_state.state_read_failed(self, seq_id, exc)
+
+    @property
+    def compat(self) -> str:
+        """The name of the cache's profile (``self.profile.name``)."""
+        return self.profile.name
 
     def __repr__(self) -> str:
         used = [c.get_used() for c in self._cells]

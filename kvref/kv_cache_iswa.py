@@ -10,13 +10,13 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
-from . import compat as _compat
 from .errors import NoSlotError
 from .hparams import SWAType
 from .kv_cache import KVCache
 from .memory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, PairedMemory, read_parts
+from .profile import DEFAULT, Profile, resolve
 
-SWA_PAD = 256  # October 2026: the SWA cache size is always padded to 256 (llama.cpp issue #17037)
+SWA_PAD = 256  # the SWA cache padding of llama.cpp issue #17037 (Profile.swa_size_pad; kept for callers)
 
 
 class ISWASlot(NamedTuple):
@@ -30,7 +30,7 @@ def swa_cache_size(
     size_base: int, n_swa: int, n_seq_max: int, n_ubatch: int, unified: bool, swa_full: bool, n_pad: int = SWA_PAD
 ) -> int:
     """llama_kv_cache_iswa's SWA cache size: the window of every sequence that can share the buffer plus a
-    ubatch, at most the base size, padded to 256 (``n_pad``: 2025 padded to the cache's n_pad); with
+    ubatch, at most the base size, padded to ``n_pad`` (``Profile.swa_size_pad``, or the cache's n_pad); with
     ``swa_full`` the base size."""
     if swa_full:
         return size_base
@@ -58,11 +58,11 @@ class KVCacheISWA(PairedMemory):
         *,
         layer_filter: Callable[[int], bool] | None = None,
         layer_reuse: Callable[[int], int] | None = None,
-        compat: str = _compat.DEFAULT,
+        compat: Profile | str = DEFAULT,
     ) -> None:
         self.hparams = hparams
         self.unified = bool(unified)
-        self.compat = _compat.check(compat)
+        self.profile = resolve(compat)
         self.swa_full = bool(swa_full)
 
         # chained filters: the caller's filter first, then full-attention vs sliding layers
@@ -73,8 +73,8 @@ class KVCacheISWA(PairedMemory):
             return (layer_filter is None or layer_filter(il)) and hparams.is_swa(il)
 
         size_base = int(kv_size)
-        # 2025 (llama-cpp-python 0.3.16): the SWA size was padded to the cache's n_pad, not to 256
-        pad = SWA_PAD if _compat.since(self.compat, _compat.GEN_2026) else int(n_pad)  # n_pad before 0.3.17
+        # Profile.swa_size_pad: the SWA size is padded to it (0: to the cache's n_pad)
+        pad = self.profile.swa_size_pad or int(n_pad)
         size_swa = swa_cache_size(size_base, hparams.n_swa, n_seq_max, n_ubatch, self.unified, self.swa_full, pad)
         self.base = KVCache(
             hparams,
@@ -89,7 +89,7 @@ class KVCacheISWA(PairedMemory):
             SWAType.NONE,
             filter_base,
             layer_reuse,
-            compat=self.compat,
+            compat=self.profile,
         )
         self.swa = KVCache(
             hparams,
@@ -104,7 +104,7 @@ class KVCacheISWA(PairedMemory):
             hparams.swa_type,
             filter_swa,
             layer_reuse,
-            compat=self.compat,
+            compat=self.profile,
         )
 
     @property
@@ -221,6 +221,11 @@ class KVCacheISWA(PairedMemory):
         the base section is restored before the SWA one is read; a failing section leaves its cache as
         llama.cpp does (the sequence removed), the other cache keeps what it had read."""
         return read_parts(self._state_parts(flags), data, seq_id, flags, atomic=atomic)
+
+    @property
+    def compat(self) -> str:
+        """The name of the memory's profile (``self.profile.name``)."""
+        return self.profile.name
 
     def __repr__(self) -> str:
         return f"KVCacheISWA(base={self.base.get_size()} cells, swa={self.swa.get_size()} cells)"

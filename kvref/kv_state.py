@@ -1,4 +1,4 @@
-"""The attention KV cache's state section: llama_kv_cache::state_write / state_read (October 2026).
+"""The attention KV cache's state section: llama_kv_cache::state_write / state_read (per ``cache.profile``).
 
 ``KVCache.state_write`` / ``state_read`` (and the two-phase ``stage_state`` the iSWA and hybrid memories
 use) are thin methods over the functions here; the byte layout itself is declared once in
@@ -8,15 +8,14 @@ Writing (``state_section``), per stream, ``u32 n_stream`` first:
 
 - the cells written are the used cells, in index order; for a sequence (``seq_id >= 0``) only the cells
   of that sequence that are *not* SWA-masked against the sequence's ``seq_pos_max`` in that stream
-  (llama.cpp calls ``is_masked_swa(n_swa, swa_type, pos, seq_pos_max)``: note no ``+ 1``); before
-  llama-cpp-python 0.3.26 (``compat="2025"``, ``"0.3.17"``, ``"0.3.24"``) every cell of the sequence, masked or not;
+  (llama.cpp calls ``is_masked_swa(n_swa, swa_type, pos, seq_pos_max)``: note no ``+ 1``); with
+  ``Profile.seq_save_keeps_masked_swa`` every cell of the sequence, masked or not;
 - each cell lists the sequence ids ``0 <= s < n_seq_max`` it holds (only ``seq_id`` for a sequence save:
   ids a unified cache accepts above ``n_seq_max`` are never written, as in llama.cpp);
 - the cell ext (``i32 x, y, tok``) is written only when the cache has one (``has_cell_ext``): the model
-  uses M-RoPE (``n_pos_per_embd() > 1``) or per-layer-embedding n-grams (``ple_n_heads > 0``); with
-  ``compat="2026-08"`` (0.3.17 .. 0.3.35) only ``i32 x, y`` and only for M-RoPE; never before 0.3.17
-  (``compat="2025"``: the 2025 state had no cell ext);
-- an empty stream is only its zero ``cell_count``; before PR #14363 (``compat="2025-07"``, 0.3.12 .. 0.3.14)
+  uses M-RoPE (``n_pos_per_embd() > 1``) or, with ``Profile.cell_ext_ple``, per-layer-embedding n-grams
+  (``ple_n_heads > 0``); ``Profile.cell_ext_size`` says how many bytes (8: only ``i32 x, y``; 0: never);
+- an empty stream is only its zero ``cell_count``; without ``Profile.kv_streams`` (before PR #14363)
   the data header (``v_trans``, ``n_layer``, every layer's type and row size) followed it, and restoring such
   an empty sequence section failed (NoSlotError: ``find_slot`` of a zero-token ubatch finds nothing);
 - K rows, then V rows (or, with ``v_trans``, per V component the cells' elements); layers without V
@@ -28,15 +27,15 @@ layer count, ``v_trans``, every type / row size / element size / V width), then 
 copy of the cache. Only when all of that succeeded does ``commit()`` touch the cache:
 
 - whole restore (``seq_id == -1``): ``clear(True)``, then stream ``s`` gets its cells at indices
-  ``0 .. cell_count-1`` (positions, ext, seq ids as written) and head 0 (before October 2026, compat
-  ``"2025"`` / ``"2026-08"``: only the last non-empty stream is restored, and an all-empty section changes
-  nothing -- see ``stage_state``);
+  ``0 .. cell_count-1`` (positions, ext, seq ids as written) and head 0 (``Profile.whole_restore_clear``
+  ``"per_stream"``: only the last non-empty stream is restored, and an all-empty section changes nothing --
+  see ``stage_state``);
 - sequence restore into ``seq_id`` (the destination; the ids in the file are ignored): the destination's
   cells in its stream are removed (``seq_rm(seq_id)``), a ubatch of ``cell_count`` tokens is built as
   llama_batch_allocr::ubatch_reserve(cell_count, 1) does (positions from the file, M-RoPE y/x and token
   from the ext, token 0 when the cache has no ext), placed with ``find_slot(cont=False)`` +
-  ``apply_ubatch``, and the saved ext put back (``compat="2025"``: ``find_slot(cont=True)``, and the
-  stream's head moves to the first restored cell). Positions are not required to be consecutive (llama.cpp
+  ``apply_ubatch``, and the saved ext put back (``Profile.seq_restore_contiguous``: ``find_slot(cont=True)``,
+  and the stream's head moves to the first restored cell). Positions are not required to be consecutive (llama.cpp
   does not check them either). The rows are then copied to the cells found.
 
 On failure: llama.cpp reads and applies as it goes; when a check fails half way it has already removed
@@ -55,44 +54,41 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from . import compat as _compat
 from .batch import BatchAllocr
 from .cells import KVCells
-from .compat import no_streams
 from .errors import CellError, FormatError, NoSlotError
 from .ggml import traits
-from .hparams import SWAType
-from .slots import SlotInfo, _masked_swa, apply_ubatch, find_slot
+from .hparams import SWAType, is_masked_swa
+from .slots import SlotInfo, apply_ubatch, find_slot
 
 if TYPE_CHECKING:
     from .kv_cache import KVCache
     from .state.sections import KVSection
 
-CELL_EXT_SIZE = 12  # llama_kv_cell_ext as written in October 2026: i32 x, y, tok
+CELL_EXT_SIZE = 12  # llama_kv_cell_ext with a token: i32 x, y, tok (Profile.cell_ext_size)
 
 
 # ---------------------------------------------------------------------------------------------- layout
 def has_cell_ext(cache: KVCache) -> bool:
     """llama_kv_cache::has_cell_ext: M-RoPE needs the 2-D position, the PLE n-gram hash the token id.
 
-    August 2026 (llama-cpp-python 0.3.35, ``compat="2026-08"``): M-RoPE only, and the ext is ``i32 x, y``.
-    2025 (llama-cpp-python 0.3.16, ``compat="2025"``): the state had no cell ext at all.
+    Never with ``Profile.cell_ext_size`` 0; PLE models only with ``Profile.cell_ext_ple``.
     """
-    if not _compat.since(cache.compat, _compat.GEN_2026):  # before llama-cpp-python 0.3.17
+    if not cache.profile.cell_ext_size:
         return False
     hp = cache.hparams
-    if not _compat.since(cache.compat, _compat.GEN_2026_10):  # 0.3.17 .. 0.3.35
+    if not cache.profile.cell_ext_ple:
         return hp.n_pos_per_embd() > 1
     return hp.n_pos_per_embd() > 1 or int(getattr(hp, "ple_n_heads", 0) or 0) > 0
 
 
 def ext_size(cache: KVCache) -> int:
-    """Bytes of cell ext per cell in the cache's state: 12 (x, y, tok), 8 (x, y: ``compat="2026-08"``) or 0."""
-    return _compat.cell_ext_size(cache.compat) if has_cell_ext(cache) else 0
+    """Bytes of cell ext per cell in the cache's state: ``Profile.cell_ext_size`` when it has one, else 0."""
+    return cache.profile.cell_ext_size if has_cell_ext(cache) else 0
 
 
 def _ext_xyt(ext: Any, i: int) -> tuple[int, int, int]:
-    """Cell i's ext as (x, y, tok); an 8-byte ext (August 2026) has no token: LLAMA_TOKEN_NULL."""
+    """Cell i's ext as (x, y, tok); an 8-byte ext has no token: LLAMA_TOKEN_NULL."""
     row = ext[i]
     return int(row[0]), int(row[1]), (int(row[2]) if len(row) > 2 else -1)
 
@@ -121,7 +117,7 @@ def spec(cache: KVCache) -> Any:
         v_trans=cache.v_trans,
         layers=tuple(layers),
         ext_size=ext_size(cache),
-        has_n_stream=not no_streams(cache.compat),  # no u32 n_stream before PR #14363 (compat="2025-07")
+        has_n_stream=cache.profile.kv_streams,  # no u32 n_stream without streams
     )
 
 
@@ -143,11 +139,11 @@ def written_cells(cache: KVCache, stream: int, seq_id: int = -1) -> np.ndarray:
     seq = np.asarray(cells.seq)
     has = ((seq[idx, w] >> np.uint64(b)) & np.uint64(1)).astype(bool)
     idx = idx[has]
-    # before llama-cpp-python 0.3.26 (compat "2025", "0.3.17", "0.3.24"): every non-empty cell of the sequence
-    # is written, the ones SWA-masked against its last position included; 0.3.26 and later leave those out
-    if idx.size and cache.swa_type != SWAType.NONE and _compat.since(cache.compat, _compat.SWA_SEQ_SKIP):
+    # Profile.seq_save_keeps_masked_swa: every non-empty cell of the sequence is written, the ones SWA-masked
+    # against its last position included; else those are left out
+    if idx.size and cache.swa_type != SWAType.NONE and not cache.profile.seq_save_keeps_masked_swa:
         p_max = np.full(idx.size, cells.seq_pos_max(int(seq_id)), dtype=np.int64)
-        idx = idx[~_masked_swa(cache.n_swa, cache.swa_type, pos[idx], p_max)]
+        idx = idx[~is_masked_swa(cache.n_swa, cache.swa_type, pos[idx], p_max)]
     return idx
 
 
@@ -167,8 +163,8 @@ def state_section(cache: KVCache, seq_id: int = -1, flags: int = 0) -> KVSection
     for s in range(cache.n_stream):
         idx = written_cells(cache, s, seq_id)
         if idx.size == 0:
-            # llama-cpp-python 0.3.12 .. 0.3.14 (no streams) wrote the data header of zero cells too
-            streams.append(KVStream(None, _kv_data(cache, s, idx) if no_streams(cache.compat) else None))
+            # without streams the data header of zero cells is written too
+            streams.append(KVStream(None, None if cache.profile.kv_streams else _kv_data(cache, s, idx)))
             continue
         cells = cache.cells(s)
         bits = _seq_bits(cells, idx)
@@ -186,7 +182,7 @@ def state_section(cache: KVCache, seq_id: int = -1, flags: int = 0) -> KVSection
         table = Cells(np.asarray(cells.pos)[idx], ids.astype(np.int32), start, ext, n_ext * 4)
 
         streams.append(KVStream(table, _kv_data(cache, s, idx)))
-    return KVSection(streams, has_n_stream=not no_streams(cache.compat))
+    return KVSection(streams, has_n_stream=cache.profile.kv_streams)
 
 
 def _kv_data(cache: KVCache, s: int, idx: np.ndarray) -> Any:
@@ -256,7 +252,7 @@ def _reserve_ubatch(cache: KVCache, cells: Any, dest: int, has_ext: bool) -> Any
         if ub.n_pos > 1:
             ub.pos[n : 2 * n] = cells.ext[:, 1]  # y
             ub.pos[2 * n : 3 * n] = cells.ext[:, 0]  # x
-        if cells.ext.shape[1] > 2:  # August 2026 (8-byte ext): state_read_meta leaves the tokens as reserved
+        if cells.ext.shape[1] > 2:  # an 8-byte ext: state_read_meta leaves the tokens as reserved
             ub.token[:] = cells.ext[:, 2]
     ub.n_seq_id[:] = 1
     ub.seq_id = [[dest] for _ in range(n)]
@@ -318,7 +314,7 @@ def stage_state(
     if seq_id != -1:
         cache._check_seq(seq_id)
     buf = memoryview(data).cast("B")
-    if len(buf) >= offset + 4 and not no_streams(cache.compat):
+    if len(buf) >= offset + 4 and cache.profile.kv_streams:
         # llama.cpp compares n_stream before it reads anything else: blame it even when the rest is garbage
         n_stream = int.from_bytes(buf[offset : offset + 4], "little")
         if n_stream != cache.n_stream:
@@ -328,11 +324,10 @@ def stage_state(
 
     if seq_id == -1:
         new_cells = {s: _whole_cells(cache, st, st.offsets.get("cells", offset)) for s, st in streams}
-        if _compat.since(cache.compat, _compat.STREAMS) and not _compat.since(cache.compat, _compat.GEN_2026_10):
-            # from PR #14363 to October 2026 (llama-cpp-python 0.3.15 .. 0.3.35, compat "2025" / "2026-08") a
-            # stream with no cells was skipped and every other stream's read began with clear(true), which empties (and
-            # zeroes) all streams: only the last non-empty stream survives, and a section whose streams are
-            # all empty leaves the cache as it was. October 2026 clears once, up front.
+        if cache.profile.whole_restore_clear == "per_stream":
+            # a stream with no cells is skipped and every other stream's read begins with clear(true), which
+            # empties (and zeroes) all streams: only the last non-empty stream survives, and a section whose
+            # streams are all empty leaves the cache as it was ("once": clear once, up front)
             streams = [(s, st) for s, st in streams if st.cells.n > 0][-1:]
             if not streams:
                 return (lambda: None), end
@@ -348,21 +343,21 @@ def stage_state(
         return commit_whole, end
 
     strm = cache.seq_to_stream[seq_id]
-    if not streams and no_streams(cache.compat):
-        # llama-cpp-python 0.3.12 .. 0.3.14: an empty section was not skipped: find_slot(cont=true) of a
-        # zero-token ubatch returns an empty slot, which reads as "failed to find available cells"
+    if not streams and not cache.profile.kv_streams:
+        # without streams an empty section is not skipped: find_slot(cont=true) of a zero-token ubatch
+        # returns an empty slot, which reads as "failed to find available cells"
         raise NoSlotError(f"failed to find 0 available cells for sequence {seq_id} (an empty sequence section)")
     has_ext = has_cell_ext(cache)
-    # 2025 (llama-cpp-python 0.3.16, compat="2025"): the sequence's cells had to be one contiguous block
-    # (find_slot with cont=true) and the stream's head was moved back to its first cell; October 2026
-    # places them cell by cell and leaves the head where apply_ubatch put it (after the last cell)
-    legacy = not _compat.since(cache.compat, _compat.GEN_2026)  # before llama-cpp-python 0.3.17
+    # Profile.seq_restore_contiguous: the sequence's cells must be one contiguous block (find_slot with
+    # cont=true) and the stream's head is moved back to its first cell; else they are placed cell by cell and
+    # the head stays where apply_ubatch put it (after the last cell)
+    contiguous = cache.profile.seq_restore_contiguous
     trial = _trial(cache, [strm])
     steps: list[tuple[SlotInfo, Any, Any]] = []
     for _, st in streams:
         trial.seq_rm(seq_id, -1, -1)
         ub = _reserve_ubatch(cache, st.cells, seq_id, has_ext)
-        sinfo = find_slot(trial, ub, legacy)
+        sinfo = find_slot(trial, ub, contiguous)
         if sinfo is None:
             raise NoSlotError(
                 f"failed to find {st.cells.n} available cells in stream {strm} for sequence {seq_id}: "
@@ -381,7 +376,7 @@ def stage_state(
                 for i, idx in enumerate(idxs.tolist()):
                     cells.ext_set(idx, *_ext_xyt(st.cells.ext, i))
             _copy_rows(cache, strm, idxs, st.data)
-            if legacy:
+            if contiguous:
                 cache.heads[strm] = sinfo.head()
 
     if not streams:

@@ -14,10 +14,12 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
-from . import compat as _compat
+from .archs import NO_MEMORY_ARCHS, UNSUPPORTED_ARCHS
+from .constants import LLAMA_MAX_SEQ
 from .errors import KVRefError
-
-LLAMA_MAX_SEQ = 256
+from .profile import DEFAULT, Profile, resolve
+from .profile import RS_ROLLBACK_ARCHS as RS_ROLLBACK_ARCHS
+from .profile import RS_ROLLBACK_ARCHS_2026_08 as RS_ROLLBACK_ARCHS_2026_08
 
 # llama_state_seq_flags (include/llama.h)
 LLAMA_STATE_SEQ_FLAGS_NONE = 0
@@ -190,27 +192,8 @@ def _pad(x: int, n: int) -> int:
     return (x + n - 1) // n * n
 
 
-# llama_model::create_memory: architectures without a memory (encoders, diffusion models)
-NO_MEMORY_ARCHS = frozenset({
-    "bert", "jina-bert-v2", "jina-bert-v3", "nomic-bert", "nomic-bert-moe", "neo-bert", "eurobert",
-    "wavtokenizer-dec", "modern-bert", "gemma-embedding", "dream", "llada", "llada-moe", "rnd1",
-})  # fmt: skip
-
-# archs with a memory kvref does not model (MSA/DSA indexer caches, DeepSeek-V4 compressed caches, ...)
-UNSUPPORTED_ARCHS = frozenset({
-    "minimax-m3", "glm-dsa", "deepseek32", "glm5-next", "hy_v4", "dots3note", "deepseek4", "dflash",
-    "gemma4-assistant",
-})  # fmt: skip
-
-# llm_arch_supports_rs_rollback: other archs get n_rs_seq clamped to 0
-RS_ROLLBACK_ARCHS = frozenset({
-    "kimi-k3", "qwen35", "qwen35moe", "qwen4exp", "deepseek4", "glm5-next", "nemotron_h", "nemotron_h_moe",
-    "lfm2", "lfm2moe", "bailingmoe3",
-})  # fmt: skip
-# llm_arch_supports_rs_rollback in August 2026 (llama-cpp-python 0.3.35, compat="2026-08"); assumed for 0.3.24 ..
-# 0.3.34 too (llama-arch.cpp was not checked there: an arch a release lacks cannot be loaded by it anyway).
-# Before 0.3.24 there was no n_rs_seq at all.
-RS_ROLLBACK_ARCHS_2026_08 = frozenset({"qwen35", "qwen35moe", "deepseek4", "nemotron_h", "nemotron_h_moe"})
+# llm_arch_supports_rs_rollback (RS_ROLLBACK_ARCHS, and its older list RS_ROLLBACK_ARCHS_2026_08) live in
+# kvref.profile: a memory asks its Profile.rs_rollback_archs
 
 
 @dataclass(frozen=True)
@@ -228,12 +211,10 @@ class ContextParams:
     swa_full: bool
 
 
-def kv_pad(flash_attn: bool, compat: str = "2026-10") -> int:
-    """The KV cache padding create_memory uses: 1 (October 2026: the context pads n_ctx to 256 instead);
-    2025 (llama-cpp-python 0.3.16, llama_kv_cache_unified::get_padding): 256 with flash attention, else 32."""
-    if not _compat.since(_compat.check(compat), _compat.GEN_2026):  # before llama-cpp-python 0.3.17
-        return 256 if flash_attn else 32
-    return 1
+def kv_pad(flash_attn: bool, compat: Profile | str = DEFAULT) -> int:
+    """The KV cache padding create_memory uses: ``Profile.n_kv_pad`` (without, with flash attention): 1 when the
+    context pads n_ctx instead; llama_kv_cache_unified::get_padding's 32 / 256 when it does not."""
+    return resolve(compat).n_kv_pad[1 if flash_attn else 0]
 
 
 def context_params(
@@ -248,35 +229,36 @@ def context_params(
     n_ubatch: int = 512,
     n_rs_seq: int = 0,
     causal_attn: bool | None = None,
-    compat: str = "2026-10",
+    compat: Profile | str = DEFAULT,
 ) -> ContextParams:
     """llama_context::llama_context, the parameters the memory depends on, in llama.cpp's order.
 
     - ``n_seq_max = max(1, n_seq_max)``, at most LLAMA_MAX_SEQ;
-    - ``n_rs_seq`` is clamped to 0 for archs without recurrent rollback (llm_arch_supports_rs_rollback);
+    - ``n_rs_seq`` is clamped to 0 for archs without recurrent rollback (``Profile.rs_rollback_archs``);
     - ``n_ctx = 0`` takes ``hparams.n_ctx_train``;
     - flash attention "auto" counts as enabled when the memory is created (cparams.flash_attn is
       ``type != DISABLED``; the auto resolution comes after the memory exists), so V is not transposed;
     - with causal attention ``n_batch = min(n_ctx, n_batch)`` (the unpadded n_ctx), and
       ``n_ubatch = min(n_batch, n_ubatch or n_batch)``;
-    - ``n_ctx`` is padded to 256; unified: ``n_ctx_seq = n_ctx``, else ``n_ctx_seq = pad(n_ctx / n_seq_max, 256)``
-      and ``n_ctx = n_ctx_seq * n_seq_max``.
+    - ``n_ctx`` is padded to ``Profile.n_ctx_pad`` (256); unified: ``n_ctx_seq = n_ctx``, else
+      ``n_ctx_seq = pad(n_ctx / n_seq_max, 256)`` and ``n_ctx = n_ctx_seq * n_seq_max``.
 
-    ``compat="2025"`` (llama-cpp-python 0.3.16): no n_rs_seq; ``n_batch`` is raised to at least 64
-    (GGML_KQ_MASK_PAD); the context does not pad ``n_ctx``: llama_model::create_memory does, to the cache
-    padding ``kv_pad(flash_attn)`` (32, or 256 with flash attention), per stream -- unified:
-    ``n_ctx_seq = n_ctx = pad(n_ctx)``, else ``n_ctx_seq = pad(ceil(n_ctx / n_seq_max))`` and
-    ``n_ctx = n_ctx_seq * n_seq_max`` (a recurrent model's n_ctx stays as given).
+    ``compat`` (a ``kvref.profile.Profile`` or a name it resolves): ``n_batch`` is raised to at least
+    ``Profile.n_batch_min`` (GGML_KQ_MASK_PAD); with ``Profile.n_ctx_pad`` 1 the context does not pad
+    ``n_ctx``: llama_model::create_memory does, to the cache padding ``kv_pad(flash_attn)``
+    (``Profile.n_kv_pad``), per stream -- unified: ``n_ctx_seq = n_ctx = pad(n_ctx)``, else
+    ``n_ctx_seq = pad(ceil(n_ctx / n_seq_max))`` and ``n_ctx = n_ctx_seq * n_seq_max`` (a recurrent model's
+    n_ctx stays as given); without ``Profile.kv_streams`` every sequence shares the one cache (unified).
     """
-    legacy = not _compat.since(_compat.check(compat), _compat.GEN_2026)  # before llama-cpp-python 0.3.17
-    if _compat.no_streams(compat):
-        kv_unified = True  # before PR #14363 (compat="2025-07") every sequence shared the one cache
+    profile = resolve(compat)
+    memory_pads = profile.n_ctx_pad <= 1  # the context does not pad: create_memory pads per stream
+    if not profile.kv_streams:
+        kv_unified = True  # no streams: every sequence shares the one cache
     n_seq_max = max(1, int(n_seq_max))
     if n_seq_max > LLAMA_MAX_SEQ:
         raise KVRefError(f"n_seq_max must be <= {LLAMA_MAX_SEQ}")
-    rollback_archs = RS_ROLLBACK_ARCHS if _compat.since(compat, _compat.GEN_2026_10) else RS_ROLLBACK_ARCHS_2026_08
-    # no n_rs_seq before llama-cpp-python 0.3.24
-    if n_rs_seq > 0 and (not _compat.since(compat, _compat.RS_ROLLBACK) or hparams.arch not in rollback_archs):
+    # an empty Profile.rs_rollback_archs: no n_rs_seq at all
+    if n_rs_seq > 0 and hparams.arch not in profile.rs_rollback_archs:
         n_rs_seq = 0
     if n_ctx == 0:
         n_ctx = int(getattr(hparams, "n_ctx_train", 0) or 0)
@@ -288,14 +270,14 @@ def context_params(
         flash_attn = flash_attn not in ("disabled", "off")
     causal = hparams.causal_attn if causal_attn is None else causal_attn
     n_batch = min(n_ctx, n_batch) if causal else n_batch
-    if legacy:
-        n_batch = max(n_batch, 64)  # 2025: GGML_KQ_MASK_PAD
+    if profile.n_batch_min:
+        n_batch = max(n_batch, profile.n_batch_min)  # GGML_KQ_MASK_PAD
     n_ubatch = min(n_batch, n_ubatch if n_ubatch else n_batch)
-    if legacy:
-        pad = kv_pad(flash_attn, compat)
+    if memory_pads:
+        pad = kv_pad(flash_attn, profile)
         if hparams.is_recurrent_arch():
             n_ctx_seq = n_ctx
-        elif kv_unified or hparams.is_hybrid_arch():  # 2025's hybrid memory ignored n_seq_max here
+        elif kv_unified or hparams.is_hybrid_arch():  # the hybrid memory ignores n_seq_max here
             n_ctx = n_ctx_seq = _pad(n_ctx, pad)
         else:
             n_ctx_seq = _pad(-(-n_ctx // n_seq_max), pad)
@@ -303,11 +285,11 @@ def context_params(
         return ContextParams(
             n_ctx, n_ctx_seq, n_batch, n_ubatch, n_seq_max, n_rs_seq, bool(kv_unified), bool(flash_attn), bool(swa_full)
         )
-    n_ctx = _pad(n_ctx, 256)
+    n_ctx = _pad(n_ctx, profile.n_ctx_pad)
     if kv_unified:
         n_ctx_seq = n_ctx
     else:
-        n_ctx_seq = _pad(n_ctx // n_seq_max, 256)
+        n_ctx_seq = _pad(n_ctx // n_seq_max, profile.n_ctx_pad)
         if n_ctx_seq == 0:
             raise KVRefError("n_ctx_seq == 0")
         n_ctx = n_ctx_seq * n_seq_max
@@ -330,7 +312,7 @@ def create_memory(
     n_batch: int = 2048,
     n_rs_seq: int = 0,
     causal_attn: bool | None = None,
-    compat: str = "2026-10",
+    compat: Profile | str = DEFAULT,
 ) -> Any:
     """The memory llama.cpp creates for this model and these context parameters (None: no memory).
 
@@ -349,12 +331,14 @@ def create_memory(
     llama_context_default_params() has kv_unified=false, flash attention auto and swa_full=true.
     The resolved parameters are on the result as ``memory.cparams``.
 
-    ``compat`` names the llama.cpp generation to reproduce where they differ (``kvref.compat``):
-    ``"2026-10"`` (default) or ``"2025"`` (llama-cpp-python 0.3.16); it decides the context sizing and
+    ``compat`` says what the llama.cpp to reproduce does where builds differ: a ``kvref.profile.Profile``,
+    a named generation or a llama-cpp-python release (resolved through ``kvref.profile.TABLE``; default the
+    newest); the profile decides the context sizing and
     the caches' ``n_pad`` here (`context_params`, `kv_pad`) and is passed to every memory built.
     """
     from .hparams import SWAType
 
+    profile = resolve(compat)
     cp = context_params(
         hparams,
         n_ctx,
@@ -366,9 +350,9 @@ def create_memory(
         n_ubatch=n_ubatch,
         n_rs_seq=n_rs_seq,
         causal_attn=causal_attn,
-        compat=compat,
+        compat=profile,
     )
-    n_pad = kv_pad(cp.flash_attn, compat)
+    n_pad = kv_pad(cp.flash_attn, profile)
     arch = hparams.arch
     if arch in NO_MEMORY_ARCHS:
         return None
@@ -381,7 +365,7 @@ def create_memory(
         from .recurrent import RecurrentMemory
 
         mem = RecurrentMemory(
-            hparams, "f32", "f32", max(1, cp.n_seq_max), cp.n_seq_max, n_rs_seq=cp.n_rs_seq, compat=compat
+            hparams, "f32", "f32", max(1, cp.n_seq_max), cp.n_seq_max, n_rs_seq=cp.n_rs_seq, compat=profile
         )
         mem.kv_unified = cp.kv_unified
     elif hparams.is_hybrid_arch():
@@ -409,7 +393,7 @@ def create_memory(
             swa=hparams.swa_type != SWAType.NONE,
             swa_full=cp.swa_full,
             n_ubatch=cp.n_ubatch,
-            compat=compat,
+            compat=profile,
         )
     else:
         layer_filter = None
@@ -447,7 +431,7 @@ def create_memory(
                 n_pad,
                 layer_filter=layer_filter,
                 layer_reuse=layer_reuse,
-                compat=compat,
+                compat=profile,
             )
         else:
             from .kv_cache import KVCache
@@ -465,7 +449,7 @@ def create_memory(
                 hparams.swa_type,
                 layer_filter,
                 layer_reuse,
-                compat=compat,
+                compat=profile,
             )
     mem.cparams = cp
     return mem
@@ -543,10 +527,12 @@ class PairedMemory:
         v: Mapping[int, Any] | None = None,
         balloc: Any = None,
         embd_all: bool = False,
+        on_ubatch: Callable[[Any, Any], None] | None = None,
     ) -> list[tuple[Any, Any]]:
         """What llama_decode does to the memory: validate the batch, apply the pending update, split and
         prepare, then apply every ubatch; ``k`` / ``v`` rows (per layer, in batch order) are stored in the
-        attention cache that owns each layer. Raises NoSlotError, changing nothing, when the batch does not fit."""
+        attention cache that owns each layer. Raises NoSlotError, changing nothing, when the batch does not fit.
+        ``on_ubatch(ubatch, slot)`` is called after each ubatch is applied (when llama.cpp computes its graph)."""
         import numpy as np
 
         from .batch import BatchAllocr
@@ -554,7 +540,7 @@ class PairedMemory:
 
         if balloc is None:
             balloc = BatchAllocr(self.hparams.n_pos_per_embd())  # type: ignore[attr-defined]
-        n_seq_max = decode_seq_bound(self.compat, self.unified, self._decode_n_seq_max())  # type: ignore[attr-defined]
+        n_seq_max = decode_seq_bound(self.profile, self.unified, self._decode_n_seq_max())  # type: ignore[attr-defined]
         balloc.init(batch, memory=self, n_seq_max=n_seq_max, output_all=embd_all)
         self.update()  # type: ignore[attr-defined]
         out = []
@@ -567,6 +553,8 @@ class PairedMemory:
             for il, data in (v or {}).items():
                 cache, sinfo = self._owner(il, slot)
                 cache.cpy_v(il, np.asarray(data)[rows], sinfo)
+            if on_ubatch is not None:
+                on_ubatch(ub, slot)
             out.append((ub, slot))
         return out
 

@@ -16,35 +16,26 @@ The memory has ``mem_size`` cells (``max(1, n_seq_max)`` as ``llama_model::creat
 sequence ids must be below ``mem_size``. Per layer with recurrent state there is an R tensor (conv /
 token-shift state, ``n_embd_r()`` elements per row) and an S tensor (SSM / WKV state, ``n_embd_s()``),
 ``mem_size * (1 + n_rs_seq)`` rows each: the extra ``n_rs_seq`` row groups are rollback snapshots
-(October 2026, ``n_rs_seq`` > 0 only for architectures that support partial rollback).
+(``n_rs_seq`` > 0 only for architectures that support partial rollback, ``Profile.rs_rollback_archs``).
 
-Two rule sets are supported, and they differ where llama.cpp changed:
+Where llama.cpp builds differ, the memory's profile (``compat=``, ``self.profile``: ``kvref.profile``) says
+what to do:
 
-- ``rules="current"`` (default, llama.cpp as vendored by llama-cpp-python 0.3.36, October 2026):
-  ``seq_rm`` refuses any seq id that is not in ``[0, n_seq_max)`` -- including every negative id, so
-  ``seq_rm(-1, ...)`` is always refused -- and refuses only a removal that cuts into the tail
-  (``0 < p0 <= pos < p1``) unless it can be served by a rollback snapshot; state files skip layers
-  without recurrent state and take each cell's rows from its ``src`` (and rollback plane).
-- ``rules="mid-2025"`` (seed 002, ``llama_kv_cache_recurrent``; the same rules in
-  ``llama_memory_recurrent`` of llama-cpp-python 0.3.16): ``seq_rm`` accepts negative ids (whole-range
-  only) and refuses any range with an end strictly inside ``(0, pos]``; state files take each cell's rows
-  from the cell itself; a whole restore bounds seq ids by the cell count only. There was no rollback, so
-  ``n_rs_seq`` is refused with it; layers without state (a layer filter) are skipped in state files as in
-  October 2026, so both rule sets write the same section layout.
-
-- ``rules="2026-08"`` (llama-cpp-python 0.3.35, August 2026): as ``"current"`` except in ``seq_rm``: there
-  is no ``n_seq_max`` check, so a negative id is accepted for the whole range (or an empty one) as in
-  mid-2025 (a whole-range removal with a negative id resets every rollback index) and an id ``>= mem_size``
-  is refused; and the rollback is not single-use (a pending rollback index is simply replaced).
-
-``compat`` (``kvref.compat``) picks the rule set when ``rules`` is not given: before llama-cpp-python 0.3.17
-(``"2025"``, ``"0.3.15"``, ``"2025-07"``) -> ``"mid-2025"``, 0.3.17 .. 0.3.35 -> ``"2026-08"``, ``"2026-10"`` ->
-``"current"``; it also picks the bound llama_decode puts on sequence ids (``decode``) and, by release:
-
-- before 0.3.17 ``init_batch`` used ``split_equal(sequential=false)`` (sequences need not be consecutive);
-- before 0.3.24 (``"0.3.17"``) there was no ``n_rs_seq`` (refused), and state files took each cell's rows from
-  the cell itself, as mid-2025 (the ``"2026-08"`` seq_rm rules then never meet a rollback);
-- 0.3.24 .. 0.3.33 (``"0.3.24"``, ``"0.3.26"``) split by sequence (``split_seq``) whenever ``n_rs_seq > 0``.
+- ``recurrent_seq_rm_rule``: ``"cuts_tail"`` refuses only a removal that cuts into the tail (``0 < p0 <= pos
+  < p1``) unless a rollback snapshot serves it (a whole-range removal resets the rollback index, a negative
+  id's every index); ``"any_end_inside"`` refuses any range with an end strictly inside ``(0, pos]`` and has
+  no rollback (``n_rs_seq`` is refused);
+- ``recurrent_seq_rm_checks_n_seq_max``: ``seq_rm`` refuses any seq id that is not in ``[0, n_seq_max)`` --
+  including every negative id, so ``seq_rm(-1, ...)`` is always refused; else a negative id is accepted for
+  the whole range (or an empty one) and an id ``>= mem_size`` is refused;
+- ``recurrent_rollback_single_use``: a rollback is refused while one is pending (else the index is replaced);
+- ``recurrent_rows_from_src``: state files take each cell's rows from its ``src`` (and rollback plane), else
+  from the cell itself; layers without state (a layer filter) are skipped in state files either way, so the
+  section layout is the same;
+- ``recurrent_restore_seq_bound``: a whole restore bounds seq ids by ``n_seq_max`` or by the cell count;
+- ``recurrent_split_sequential``: ``init_batch``'s equal splits keep sequences consecutive (or not);
+- ``recurrent_rollback_split``: with ``n_rs_seq > 0``, equal splits (``"equal"``) or by sequence (``"seq"``);
+- ``decode_seq_id_bound``: the bound llama_decode puts on sequence ids (``decode``).
 """
 
 from __future__ import annotations
@@ -56,16 +47,15 @@ from typing import Any
 
 import numpy as np
 
-from . import compat as _compat
+from .constants import POS_MAX
 from .errors import CellError, FormatError, KVRefError, NoSlotError, SequenceError
 from .ggml import GGMLType, ggml_type, row_size
+from .profile import DEFAULT, Profile, resolve
 
 log = logging.getLogger("kvref.recurrent")
 
-POS_MAX = 2**31 - 1  # std::numeric_limits<llama_pos>::max()
-TENSOR_ALIGNMENT = 32  # ggml's CPU buffer alignment: every tensor is padded to it in the backend buffer
 
-RULES = ("current", "2026-08", "mid-2025")
+TENSOR_ALIGNMENT = 32  # ggml's CPU buffer alignment: every tensor is padded to it in the backend buffer
 
 
 @dataclass
@@ -115,35 +105,24 @@ class RecurrentMemory:
         layer_filter: Callable[[int], bool] | None = None,
         *,
         n_rs_seq: int = 0,
-        rules: str | None = None,
-        compat: str = _compat.DEFAULT,
+        compat: Profile | str = DEFAULT,
     ) -> None:
-        self.compat = _compat.check(compat)
-        if rules is None:  # before llama-cpp-python 0.3.17 (compat="2025") the mid-2025 rule set
-            rules = "current"
-            if not _compat.since(self.compat, _compat.GEN_2026):
-                rules = "mid-2025"
-            elif not _compat.since(self.compat, _compat.GEN_2026_10):  # 0.3.17 .. 0.3.35
-                rules = "2026-08"
-        if rules not in RULES:
-            raise ValueError(f"rules must be one of {RULES}, got {rules!r}")
+        self.profile = resolve(compat)
         if mem_size < 1:
             raise ValueError(f"mem_size must be >= 1, got {mem_size}")
-        if rules == "mid-2025" and n_rs_seq:
-            # the 2025 memory had no rollback snapshots (it had layer filters: llama_memory_recurrent of
-            # llama-cpp-python 0.3.16 skips layers without state in its files, as October 2026 does)
-            raise ValueError("rules='mid-2025' does not support n_rs_seq")
-        if n_rs_seq and not _compat.since(self.compat, _compat.RS_ROLLBACK):
-            raise ValueError(f"compat={self.compat!r} has no n_rs_seq (llama-cpp-python 0.3.24 added it)")
+        if self.profile.recurrent_seq_rm_rule == "any_end_inside" and n_rs_seq:
+            # that seq_rm rule belongs to a memory without rollback snapshots
+            raise ValueError("recurrent_seq_rm_rule='any_end_inside' does not support n_rs_seq")
+        if n_rs_seq and not self.profile.rs_rollback_archs:
+            raise ValueError(f"profile {self.profile} has no n_rs_seq (Profile.rs_rollback_archs is empty)")
         self.hparams = hparams
         self.type_r = ggml_type(type_r)
         self.type_s = ggml_type(type_s)
         self.size = int(mem_size)
         self.n_seq_max = int(n_seq_max)
         self.n_rs_seq = int(n_rs_seq)
-        self.rules = rules
-        # the context's kv_unified: only bounds the seq ids llama_decode accepts under compat="2025"
-        # (create_memory sets it)
+        # the context's kv_unified: only bounds the seq ids llama_decode accepts under
+        # Profile.decode_seq_id_bound "llama_max_seq_if_unified" (create_memory sets it)
         self.kv_unified = True
         self.head = 0
         self.used = 0
@@ -272,7 +251,7 @@ class RecurrentMemory:
         if seq_id < 0:
             self.rs_idx = [0] * self.n_seq_max
             return
-        if seq_id >= len(self.rs_idx):  # 2026-08: set_rs_idx ignores an id out of range
+        if seq_id >= len(self.rs_idx):  # set_rs_idx ignores an id out of range
             return
         self.rs_idx[seq_id] = idx
 
@@ -285,14 +264,14 @@ class RecurrentMemory:
         new_head = self.size
         p0 = 0 if p0 < 0 else p0
         p1 = POS_MAX if p1 < 0 else p1
-        current = self.rules != "mid-2025"  # "2026-08" shares the tail rule of "current"
+        current = self.profile.recurrent_seq_rm_rule == "cuts_tail"
 
         # the id is compared as unsigned: every negative id is refused too
-        if self.rules == "current" and (seq_id & 0xFFFFFFFF) >= self.n_seq_max:
+        if self.profile.recurrent_seq_rm_checks_n_seq_max and (seq_id & 0xFFFFFFFF) >= self.n_seq_max:
             log.error("seq_rm: invalid seq_id (%d) - larger than n_seq_max (%d)", seq_id, self.n_seq_max)
             return False
         if current and p0 == 0 and p1 == POS_MAX:
-            self._set_rs_idx(seq_id, 0)  # 2026-08: before the id is checked; a negative id resets them all
+            self._set_rs_idx(seq_id, 0)  # before the id is checked: a negative id resets them all
 
         if seq_id >= self.size:
             return False
@@ -304,19 +283,19 @@ class RecurrentMemory:
                     if 0 < p0 <= cpos < p1:
                         # cuts into the tail: only a pending-free rollback within n_rs_seq can serve it
                         rollback = cpos - (p0 - 1)
-                        # 2026-08: no single-use rule, a pending rollback index is replaced
-                        pending = self.rules == "current" and self.rs_idx[seq_id] != 0
+                        # without the single-use rule a pending rollback index is replaced
+                        pending = self.profile.recurrent_rollback_single_use and self.rs_idx[seq_id] != 0
                         if not pending and 1 <= rollback <= self.n_rs_seq:
                             self._set_rs_idx(seq_id, rollback)
                             self.pos[t] = p0 - 1
                             return True
                         return False
                 elif (0 < p0 <= cpos) or (0 < p1 <= cpos):
-                    return False  # mid-2025: any partial intersection is refused
+                    return False  # "any_end_inside": any partial intersection is refused
                 if p0 <= cpos < p1:
                     self.tail[seq_id] = -1
         elif p0 != p1 and (p0 != 0 or p1 != POS_MAX):
-            return False  # negative id: all or nothing (reachable only under the mid-2025 / 2026-08 rules)
+            return False  # negative id: all or nothing (reachable only without recurrent_seq_rm_checks_n_seq_max)
 
         for i in range(self.size):
             if not p0 <= self.pos[i] < p1:
@@ -629,14 +608,14 @@ class RecurrentMemory:
         """
         from .batch import split_for_memory
 
-        if not embd_all and not _compat.since(self.compat, _compat.GEN_2026):
-            # before llama-cpp-python 0.3.17: split_equal(n_ubatch, sequential=false)
+        if not embd_all and not self.profile.recurrent_split_sequential:
+            # split_equal(n_ubatch, sequential=false)
             res = balloc.split_all("equal", n_ubatch, sequential=False)
             ubatches = None if balloc.get_n_used() < balloc.get_n_tokens() else res
         else:
-            # 0.3.24 .. 0.3.33 split by sequence whenever rollback snapshots are kept (n_rs_seq > 0); 0.3.34 and
-            # later use equal splits that keep the last 1 + n_rs_seq tokens of a sequence together
-            by_seq = embd_all or (self.n_rs_seq > 0 and not _compat.since(self.compat, _compat.RS_ROLLBACK_EQUAL_SPLIT))
+            # with rollback snapshots (n_rs_seq > 0) split by sequence (recurrent_rollback_split "seq") or use
+            # equal splits that keep the last 1 + n_rs_seq tokens of a sequence together ("equal")
+            by_seq = embd_all or (self.n_rs_seq > 0 and self.profile.recurrent_rollback_split == "seq")
             ubatches = split_for_memory(balloc, n_ubatch, "recurrent", embd_all=by_seq, n_rs_seq=self.n_rs_seq)
         if ubatches is None:
             raise NoSlotError("the batch cannot be split for the recurrent memory (failed to prepare)")
@@ -645,21 +624,32 @@ class RecurrentMemory:
         return ubatches
 
     def decode(
-        self, batch: Any, n_ubatch: int = 512, *, embd_all: bool = False, balloc: Any = None
+        self,
+        batch: Any,
+        n_ubatch: int = 512,
+        *,
+        embd_all: bool = False,
+        balloc: Any = None,
+        on_ubatch: Callable[[Any, RecurrentSlot], None] | None = None,
     ) -> list[tuple[Any, RecurrentSlot]]:
         """What llama_decode does to this memory: validate the batch, prepare all ubatches (all or nothing:
-        NoSlotError leaves the memory unchanged), then place them one by one."""
+        NoSlotError leaves the memory unchanged), then place them one by one (``on_ubatch(ubatch, slot)``
+        after each)."""
         from .batch import BatchAllocr
         from .kv_cache import decode_seq_bound
 
         if balloc is None:
             balloc = BatchAllocr(self.hparams.n_pos_per_embd())
-        # llama_context::decode's bound on seq ids (kvref.kv_cache.decode_seq_bound: n_seq_max; 2025:
-        # LLAMA_MAX_SEQ with kv_unified)
-        n_seq_max = decode_seq_bound(self.compat, self.kv_unified, self.n_seq_max)
+        # llama_context::decode's bound on seq ids (kvref.kv_cache.decode_seq_bound)
+        n_seq_max = decode_seq_bound(self.profile, self.kv_unified, self.n_seq_max)
         balloc.init(batch, memory=self, n_seq_max=n_seq_max, output_all=embd_all)
         ubatches = self.init_batch(balloc, n_ubatch, embd_all)
-        return [(ub, self.apply_ubatch(ub)) for ub in ubatches]
+        out = []
+        for ub in ubatches:
+            out.append((ub, self.apply_ubatch(ub)))
+            if on_ubatch is not None:
+                on_ubatch(*out[-1])
+        return out
 
     def update(self) -> bool:
         """The recurrent memory never has pending updates (init_update returns NO_UPDATE)."""
@@ -672,9 +662,9 @@ class RecurrentMemory:
         from .state.cells import Cells
         from .state.sections import LayerRows, RecurrentLayer, RecurrentSection, TransposedRows
 
-        # mid-2025 rules, and llama-cpp-python 0.3.17 .. 0.3.23: rows are read from the cell itself; from 0.3.24
-        # (rollback snapshots) from the cell's src in the rollback plane
-        legacy = self.rules == "mid-2025" or not _compat.since(self.compat, _compat.RS_ROLLBACK)
+        # Profile.recurrent_rows_from_src: rows are read from the cell's src in the rollback plane, else from
+        # the cell itself
+        own_rows = not self.profile.recurrent_rows_from_src
         size = self.size
         cells_idx: list[int] = []
         data_rows: list[int] = []
@@ -683,7 +673,7 @@ class RecurrentMemory:
             if not ((seq_id == -1 and c) or seq_id in c):
                 continue
             cells_idx.append(i)
-            if legacy:
+            if own_rows:
                 data_rows.append(i)
                 continue
             plane = 0
@@ -733,8 +723,8 @@ class RecurrentMemory:
             )
             for il in self.layers
         )
-        # mid-2025: no notion of n_seq_max in the restore, only the cell count bounds the ids
-        n_seq_max = self.size if self.rules == "mid-2025" else self.n_seq_max
+        # Profile.recurrent_restore_seq_bound "mem_size": only the cell count bounds the ids
+        n_seq_max = self.size if self.profile.recurrent_restore_seq_bound == "mem_size" else self.n_seq_max
         return RecurrentSpec(self.size, n_seq_max, self.hparams.n_layer, layers)
 
     def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Any]:
@@ -861,6 +851,11 @@ class RecurrentMemory:
             "tail": self.tail[i],
         }
 
+    @property
+    def compat(self) -> str:
+        """The name of the memory's profile (``self.profile.name``)."""
+        return self.profile.name
+
     def __repr__(self) -> str:
         return f"RecurrentMemory(size={self.size}, used={self.used}, head={self.head}, layers={len(self.layers)})"
 
@@ -887,4 +882,4 @@ def _reserve_ubatch(pos: np.ndarray, seq_id: int) -> _ReservedUBatch:
     return _ReservedUBatch(n, np.asarray(pos, np.int32), [[seq_id]] * n)
 
 
-__all__ = ["POS_MAX", "RULES", "RecurrentMemory", "RecurrentSlot"]
+__all__ = ["POS_MAX", "RecurrentMemory", "RecurrentSlot"]

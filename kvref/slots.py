@@ -3,7 +3,7 @@
 The functions take the cache and work through its public surface (``cells(stream)``, ``heads``,
 ``seq_to_stream``, ``n_swa``/``swa_type``, ``seq_rm``); ``KVCache`` exposes them as methods.
 
-Rules (llama-kv-cache.cpp, October 2026; April 2026 differs only where noted):
+Rules (llama-kv-cache.cpp as the default profile's llama.cpp has them; older builds differ only where noted):
 
 - find_slot, per stream of the ubatch's sequences: start at the stream's head, or at 0 when
   ``head > used + 2*n_tokens``; a cell can be used when it is empty, or when it holds exactly one sequence
@@ -30,7 +30,7 @@ import numpy as np
 
 from .cells import LLAMA_MAX_SEQ, TOKEN_NULL
 from .errors import BatchError, CellError, KVRefError
-from .hparams import SWAType
+from .hparams import SWAType, is_masked_swa
 
 if TYPE_CHECKING:
     from .batch import UBatch
@@ -81,19 +81,6 @@ class SlotInfo:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def _masked_swa(n_swa: int, swa_type: int, p0: np.ndarray, p1: np.ndarray) -> np.ndarray:
-    """llama_hparams::is_masked_swa over arrays of key positions p0 and query positions p1."""
-    if swa_type == SWAType.STANDARD:
-        return p1 - p0 >= n_swa
-    if swa_type == SWAType.CHUNKED:
-        return p0 < (p1 // n_swa) * n_swa
-    if swa_type == SWAType.SYMMETRIC:
-        d = p1 - p0
-        half = n_swa // 2
-        return (d < -half) | (d > half)
-    return np.zeros(p0.shape, dtype=bool)
-
-
 def usable_cells(cache: KVCache, stream: int) -> np.ndarray:
     """find_slot's "can use" test for every cell of a stream (bool array).
 
@@ -116,7 +103,7 @@ def usable_cells(cache: KVCache, stream: int) -> np.ndarray:
     seq_ids = w.astype(np.int64) * 64 + bit
     uniq, inv = np.unique(seq_ids, return_inverse=True)
     pos_max = cells.seq_pos_max_many(uniq).astype(np.int64)
-    usable[idx] = _masked_swa(cache.n_swa, cache.swa_type, pos[idx], pos_max[inv] + 1)
+    usable[idx] = is_masked_swa(cache.n_swa, cache.swa_type, pos[idx], pos_max[inv] + 1)
     return usable
 
 
@@ -209,8 +196,9 @@ def apply_ubatch(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch) -> None:
     hp = cache.hparams
     n_tok = int(ubatch.n_tokens)
     pos_all = np.asarray(ubatch.pos, dtype=np.int64)
-    # October 2026 writes ext when the batch has 2-D positions, token ids, or the model has per-layer
-    # embeddings (PLE); April 2026 wrote it for 2-D positions only. Otherwise the cell's ext is left as is.
+    # ext is written when the batch has 2-D positions, token ids, or the model has per-layer embeddings (PLE);
+    # builds with the 8-byte ext (Profile.cell_ext_size) wrote it for 2-D positions only, which their state
+    # never shows (only M-RoPE caches save an ext there). Otherwise the cell's ext is left as is.
     ple_n_heads = int(getattr(hp, "ple_n_heads", 0) or 0)
     write_ext = ubatch.is_pos_2d() or ubatch.token is not None or ple_n_heads > 0
 

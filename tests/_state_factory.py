@@ -14,7 +14,7 @@ from kvref.state import (
     KVSection,
     KVStream,
     LayerRows,
-    Memory,
+    MemorySections,
     Outputs,
     RecurrentLayer,
     RecurrentSection,
@@ -99,7 +99,7 @@ def recurrent_section(
     return RecurrentSection(cells(rng, n, 0, seq_mode, recurrent=True), s_trans, n_layer, r, s)
 
 
-def memory(rng: np.random.Generator, layout: str, seq_mode: bool = False, **kw: Any) -> Memory:
+def memory(rng: np.random.Generator, layout: str, seq_mode: bool = False, **kw: Any) -> MemorySections:
     kv_kw = {k: kw[k] for k in ("ext_size", "v_trans", "has_v", "n_stream_field", "k_type") if k in kw}
     rec_kw = {k: kw[k] for k in ("s_trans", "ple") if k in kw}
     hybrid = "recurrent" in LAYOUTS[layout] and "kv" in LAYOUTS[layout]
@@ -109,7 +109,7 @@ def memory(rng: np.random.Generator, layout: str, seq_mode: bool = False, **kw: 
             sections.append(kv_section(rng, seq_mode=seq_mode, **kv_kw))
         else:
             sections.append(recurrent_section(rng, n_state=2 if hybrid else 4, seq_mode=seq_mode, **rec_kw))
-    return Memory(layout, sections)
+    return MemorySections(layout, sections)
 
 
 def make(kind: str, layout: str, seed: int = 0, *, version: int | None = None, outputs: bool = False, **kw: Any) -> Any:

@@ -48,8 +48,8 @@ def load_hints(path: Path) -> dict:
     return {k: v for k, v in C.artefact_hints(op, case.get("producer")).items() if v is not None}
 
 
-def compat_for(case: dict) -> str:
-    """The kvref.compat generation of the case's producer (llama-cpp-python 0.3.16 -> "2025")."""
+def compat_for(case: dict) -> Any:
+    """The kvref.profile.Profile of the case's producer (llama-cpp-python 0.3.16 -> the "2025" profile)."""
     return C.compat_for(case)
 
 

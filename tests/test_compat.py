@@ -16,10 +16,12 @@ from kvref.memory import context_params, create_memory, kv_pad
 
 
 def test_producer_versions_map_to_a_compat():
-    assert compat.for_llama_cpp_python("0.3.16") == "2025"
-    assert compat.for_llama_cpp_python("0.3.36") == "2026-10"
-    assert compat.for_llama_cpp_python(None) == compat.DEFAULT == "2026-10"
-    assert compat.for_llama_cpp_python("0.3.20") == "0.3.17"  # every release maps (tests/test_compat_versions.py)
+    assert compat.for_llama_cpp_python("0.3.16").compat == "2025"
+    assert compat.for_llama_cpp_python("0.3.36").compat == "2026-10"
+    assert compat.for_llama_cpp_python(None).compat == compat.DEFAULT == "2026-10"
+    # every release maps (tests/test_compat_versions.py)
+    assert compat.for_llama_cpp_python("0.3.20").compat == "0.3.17"
+    assert isinstance(compat.for_llama_cpp_python("0.3.20"), compat.Profile)
     with pytest.raises(KVRefError, match="version"):
         compat.for_llama_cpp_python("latest")
     with pytest.raises(ValueError):

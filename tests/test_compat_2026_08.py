@@ -21,7 +21,7 @@ from kvref.recurrent import RecurrentMemory
 
 
 def test_producer_and_sizes():
-    assert compat.for_llama_cpp_python("0.3.35") == "2026-08"
+    assert compat.for_llama_cpp_python("0.3.35").compat == "2026-08"
     hp = llama()
     # the context pads n_ctx to 256 as in October 2026
     cp = context_params(hp, 256, 3, kv_unified=False, compat="2026-08")
@@ -57,7 +57,9 @@ def _rmem(**kw) -> RecurrentMemory:
 
 def test_recurrent_seq_rm_negative_id_whole_range():
     m = _rmem()
-    assert m.rules == "2026-08"
+    p = m.profile  # the seq_rm rules of 0.3.17 .. 0.3.35
+    assert (p.recurrent_seq_rm_rule, p.recurrent_seq_rm_checks_n_seq_max, p.recurrent_rollback_single_use) == (
+        "cuts_tail", False, False)  # fmt: skip
     m.apply_ubatch(ubatch((0, range(3))))
     assert m.seq_rm(-1, 1, -1) is False  # a negative id: all or nothing
     assert m.seq_rm(-1, -1, -1) is True and m.used == 0
@@ -94,7 +96,7 @@ def test_whole_restore_of_several_streams(c):
 
 def test_2025_07_has_no_streams():
     """llama-cpp-python 0.3.12 (before PR #14363): one cache for every sequence, no u32 n_stream in the state."""
-    assert compat.for_llama_cpp_python("0.3.12") == "2025-07"
+    assert compat.for_llama_cpp_python("0.3.12").compat == "2025-07"
     mem = create_memory(llama(), 256, 3, False, compat="2025-07")
     assert (mem.n_stream, mem.get_size(), mem.n_pad) == (1, 256, 32)
     mem.decode(Batch(tokens=[1, 2], pos=[0, 0], seq_ids=[[0], [7]]))  # ids up to LLAMA_MAX_SEQ

@@ -20,6 +20,7 @@ from kvref.conformance import hparams_from_case
 from kvref.errors import KVRefError, NoSlotError, SequenceError
 from kvref.kv_state import ext_size, has_cell_ext
 from kvref.memory import context_params, create_memory
+from kvref.profile import Profile
 from kvref.recurrent import RecurrentMemory
 
 ERA_MAP = {
@@ -36,20 +37,22 @@ ERA_MAP = {
 
 
 def test_every_release_maps_to_its_era():
-    assert {r: compat.for_llama_cpp_python(r) for r in compat.RELEASES} == ERA_MAP
+    assert {r: compat.for_llama_cpp_python(r).compat for r in compat.RELEASES} == ERA_MAP
     for r in compat.RELEASES:  # every release is a compat value of its own, behaving as its era
         assert compat.check(r) == r
         assert all(compat.since(r, b) == compat.since(ERA_MAP[r], b) for b in compat.BEHAVIOURS)
-    assert compat.for_llama_cpp_python("0.3.16+cu121") == compat.for_llama_cpp_python("v0.3.16") == "2025"
-    assert compat.for_llama_cpp_python("0.3.36.post1") == "2026-10"
+        assert Profile.of(r) == Profile.of(ERA_MAP[r]) == compat.for_llama_cpp_python(r)
+        assert Profile.of(r).compat == r
+    assert compat.for_llama_cpp_python("0.3.16+cu121").compat == compat.for_llama_cpp_python("v0.3.16").compat == "2025"
+    assert compat.for_llama_cpp_python("0.3.36.post1").compat == "2026-10"
 
 
 def test_releases_outside_the_checked_range():
-    assert compat.for_llama_cpp_python("0.3.40") == compat.for_llama_cpp_python("0.4.0") == compat.DEFAULT
+    assert compat.for_llama_cpp_python("0.3.40").compat == compat.for_llama_cpp_python("0.4.0").compat == compat.DEFAULT
     with pytest.warns(compat.CompatWarning, match="older than 0.3.12"):
-        assert compat.for_llama_cpp_python("0.3.9") == "2025-07"
+        assert compat.for_llama_cpp_python("0.3.9").compat == "2025-07"
     with pytest.warns(compat.CompatWarning):
-        assert compat.for_llama_cpp_python("0.2.90") == "2025-07"
+        assert compat.for_llama_cpp_python("0.2.90").compat == "2025-07"
     for bad in ("", "0.3", "latest", "0.3.x"):
         with pytest.raises(KVRefError):
             compat.for_llama_cpp_python(bad)

@@ -5,13 +5,26 @@ Expected values were worked out by hand from the C++ (find_slot, seq_rm, seq_cp,
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from recurrent_helpers import mamba_hparams, ubatch
 
 from kvref.batch import Batch
 from kvref.errors import BatchError, FormatError, NoSlotError, SequenceError
+from kvref.profile import Profile
 from kvref.recurrent import POS_MAX, RecurrentMemory
+
+# the newest profile with the recurrent rules of 2025 (what ``rules="mid-2025"`` selected before profiles)
+MID_2025 = dataclasses.replace(
+    Profile.of("2026-10"),
+    recurrent_seq_rm_rule="any_end_inside",
+    recurrent_seq_rm_checks_n_seq_max=False,
+    recurrent_rollback_single_use=False,
+    recurrent_rows_from_src=False,
+    recurrent_restore_seq_bound="mem_size",
+)
 
 
 def mem(n_seq_max: int = 4, **kw) -> RecurrentMemory:
@@ -199,7 +212,7 @@ def test_seq_rm_negative_or_too_large_ids_are_refused_under_current_rules():
 
 
 def test_seq_rm_mid_2025_rules():
-    m = mem(rules="mid-2025")
+    m = mem(compat=MID_2025)
     m.apply_ubatch(ubatch((0, range(7))))
     m.seq_cp(0, 1)
     m.apply_ubatch(ubatch((1, [7, 8, 9])))
@@ -447,7 +460,7 @@ def test_pos_max_constant():
 
 
 def test_mid_2025_layout_is_the_same_bytes_for_a_model_with_state_in_every_layer():
-    old = mem(rules="mid-2025")
+    old = mem(compat=MID_2025)
     old.apply_ubatch(ubatch((0, range(3))))
     old.seq_cp(0, 2)
     fill_rows(old, 5)
@@ -463,16 +476,24 @@ def test_mid_2025_layout_is_the_same_bytes_for_a_model_with_state_in_every_layer
 
 def test_mid_2025_rules_refuse_what_the_2025_cache_did_not_have():
     with pytest.raises(ValueError):
-        RecurrentMemory(mamba_hparams(), mem_size=2, n_seq_max=2, n_rs_seq=1, rules="mid-2025")
+        RecurrentMemory(mamba_hparams(), mem_size=2, n_seq_max=2, n_rs_seq=1, compat=MID_2025)
     # llama_memory_recurrent of 2025 (llama-cpp-python 0.3.16) had layer filters
-    m = RecurrentMemory(mamba_hparams(), mem_size=2, n_seq_max=2, layer_filter=lambda il: True, rules="mid-2025")
-    assert m.rules == "mid-2025"
+    m = RecurrentMemory(mamba_hparams(), mem_size=2, n_seq_max=2, layer_filter=lambda il: True, compat=MID_2025)
+    assert m.profile is MID_2025 and m.profile.recurrent_seq_rm_rule == "any_end_inside"
 
 
 def test_compat_picks_the_rule_set():
-    assert RecurrentMemory(mamba_hparams(), compat="2025").rules == "mid-2025"
-    assert RecurrentMemory(mamba_hparams()).rules == "current"
-    assert RecurrentMemory(mamba_hparams(), compat="2025", rules="current").rules == "current"
+    rules = ("recurrent_seq_rm_rule", "recurrent_seq_rm_checks_n_seq_max", "recurrent_rollback_single_use",
+             "recurrent_rows_from_src", "recurrent_restore_seq_bound")  # fmt: skip
+
+    def rule_set(m: RecurrentMemory) -> tuple:
+        return tuple(getattr(m.profile, f) for f in rules)
+
+    assert rule_set(RecurrentMemory(mamba_hparams(), compat="2025")) == rule_set(mem(compat=MID_2025))
+    assert rule_set(RecurrentMemory(mamba_hparams())) == ("cuts_tail", True, True, True, "n_seq_max")
+    # a custom profile overrides the rules of a named generation (what ``rules=`` did)
+    current = dataclasses.replace(Profile.of("2025"), **{f: getattr(Profile.of("2026-10"), f) for f in rules})
+    assert rule_set(RecurrentMemory(mamba_hparams(), compat=current)) == rule_set(RecurrentMemory(mamba_hparams()))
     with pytest.raises(ValueError):
         RecurrentMemory(mamba_hparams(), compat="2024")
 
@@ -484,7 +505,7 @@ def test_whole_restore_bounds_seq_ids():
     current = RecurrentMemory(mamba_hparams(), mem_size=4, n_seq_max=3)  # ids must be < n_seq_max
     with pytest.raises(FormatError, match="seq_id"):
         current.state_read(blob)
-    old = RecurrentMemory(mamba_hparams(), mem_size=4, n_seq_max=3, rules="mid-2025")  # < cell count only
+    old = RecurrentMemory(mamba_hparams(), mem_size=4, n_seq_max=3, compat=MID_2025)  # < cell count only
     old.state_read(blob)
     assert old.tail[3] == 0
 

@@ -208,3 +208,26 @@ def test_rows_with_an_impossible_row_size_is_a_format_error():
 
     with pytest.raises(FormatError, match="too large"):
         Rows("k_data", lambda env: (0, 2**64 - 1)).read(Reader(b""), {})
+
+
+def test_a_lying_layer_count_is_refused_before_any_walk() -> None:
+    """12 bytes claiming 2**31 - 1 layers once made the PLE layer scan loop forever; llama.cpp models have at
+    most LLAMA_MAX_LAYERS layers, so the count is refused before anything walks over it (child process: a
+    regression fails by timeout instead of hanging the run)."""
+    import os
+    import subprocess
+    import sys
+
+    code = (
+        "import struct, kvref.state as S\n"
+        "from kvref.errors import FormatError\n"
+        "try:\n"
+        "    S.load(struct.pack('<III', 0, 0, 0x7FFFFFFF), kind='seq_state', layout='recurrent',"
+        " seq_header=False, ple=True)\n"
+        "except FormatError as e:\n"
+        "    print(e.field, e.offset, e)\n"
+    )
+    env = {**os.environ, "PYTHONSAFEPATH": "1"}  # the installed kvref, not a checkout's kvref/ in cwd
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60, env=env)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith("n_layer 8 n_layer 2147483647 exceeds LLAMA_MAX_LAYERS (512)")

@@ -125,5 +125,5 @@ def test_mixed_seq_counts_use_the_walk() -> None:
         )
         if back is not None:
             assert back.streams[0].cells == cells and end == len(blob)
-        obj = S.StateBlob("llama", None, S.Memory("kv", [sec]))
+        obj = S.StateBlob("llama", None, S.MemorySections("kv", [sec]))
         assert S.load(obj.to_bytes(), kind="state", layout="kv", has_v=False, ext_size=0).to_bytes() == obj.to_bytes()

@@ -15,7 +15,8 @@ History (details, with sources, in docs/state-format.md):
 - PR #14363 "llama : add high-throughput mode" (merged July 2025) added ``u32 n_stream`` in front of the KV
   section and one cell table per stream, without a version bump: version-9 sessions and version-2 sequence
   files exist with and without it (``n_stream_field=``).
-- Late 2025: M-RoPE models started to save a cell ext (``i32 x, y``) after ``n_seq_id`` (``ext_size=8``).
+- M-RoPE models started to save a cell ext (``i32 x, y``) after ``n_seq_id`` (``ext_size=8``; the release is
+  ``kvref.profile.TABLE["cell_ext_size"]``'s).
 - PR #18862 "llama : remove write/read of output ids/logits/embeddings" (opened 2026-01-15, approved
   2026-02-19) dropped the v9 output block (``n_outputs``, ``output_pos``, logits, embeddings) from the context
   state, again without a version bump (``outputs=``).
@@ -82,7 +83,16 @@ from .cells import Cells, SeqRange
 from .constants import FIELDS, LAYOUTS, SEQ_VERSION, SESSION_VERSION, Magic
 from .files import Outputs, SeqFile, SeqStateBlob, SessionFile, StateBlob, StateObject, save
 from .load import KINDS, detect_kind, load
-from .sections import KVData, KVSection, KVStream, LayerRows, Memory, RecurrentLayer, RecurrentSection, TransposedRows
+from .sections import (
+    KVData,
+    KVSection,
+    KVStream,
+    LayerRows,
+    MemorySections,
+    RecurrentLayer,
+    RecurrentSection,
+    TransposedRows,
+)
 from .summary import summarize
 
 __all__ = [
@@ -100,7 +110,7 @@ __all__ = [
     "KVStream",
     "LayerRows",
     "Magic",
-    "Memory",
+    "MemorySections",
     "Outputs",
     "RecurrentLayer",
     "RecurrentLayerSpec",

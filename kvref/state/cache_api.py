@@ -49,7 +49,7 @@ class KVSpec:
     n_seq_max: int
     v_trans: bool
     layers: tuple[KVLayerSpec, ...]
-    ext_size: int = 0  # 0 (no ext), 8 (x, y: April 2026), 12 (x, y, tok: October 2026)
+    ext_size: int = 0  # 0 (no ext), 8 (x, y), 12 (x, y, tok): kvref.profile.Profile.cell_ext_size
     has_n_stream: bool = True  # False to read sections written before llama.cpp PR #14363
 
     @property

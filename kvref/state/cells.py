@@ -1,7 +1,7 @@
 """Cell metadata of one stream, columnar: the ``pos / n_seq_id / ext / seq_id[]`` records of state_write_meta.
 
-Per cell llama.cpp writes ``i32 pos``, ``u32 n_seq_id``, the cell ext when the cache has one (2 x i32 x, y in
-April 2026; 3 x i32 x, y, tok in October 2026), then ``i32 seq_id[n_seq_id]``. `Cells` keeps those as NumPy
+Per cell llama.cpp writes ``i32 pos``, ``u32 n_seq_id``, the cell ext when the cache has one (2 x i32 x, y or
+3 x i32 x, y, tok: ``Profile.cell_ext_size``), then ``i32 seq_id[n_seq_id]``. `Cells` keeps those as NumPy
 columns (the seq ids in CSR form) because a multi-GiB state has hundreds of thousands of cells and the
 accessors (position ranges per sequence) are vectorised. `CellTable` is the DSL field that reads and writes it.
 The common case (every cell with the same ``n_seq_id``) is parsed as one structured-array view; a mixed table
@@ -17,9 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from ..constants import LLAMA_MAX_SEQ
 from ..errors import FormatError
 from .codec import Reader, Writer
-from .constants import LLAMA_MAX_SEQ
 from .dsl import Env, Field
 
 

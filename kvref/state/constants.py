@@ -23,7 +23,6 @@ SESSION_VERSION = 10
 SEQ_VERSIONS = (2, 3)
 SEQ_VERSION = 3
 
-LLAMA_MAX_SEQ = 256  # seq ids are 0 .. 255; llama_kv_cells keeps them in a std::bitset<LLAMA_MAX_SEQ>
 
 # Cell ext: llama_kv_cell_ext {x, y} (M-RoPE 2-D position), later {x, y, tok} (PLE n-gram hash).
 EXT_SIZES = (0, 8, 12)
@@ -84,29 +83,4 @@ FIELDS = (
     "io_seq_id",
     "layout",
     "trailing",
-)
-
-# Which memory family an architecture uses (llm_arch_is_recurrent / llm_arch_is_hybrid, October 2026). Only a
-# tie-breaker for load(layout="auto"): a pre-#14363 KV section and a recurrent section have the same shape.
-RECURRENT_ARCHS = frozenset({"mamba", "mamba2", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"})
-HYBRID_ARCHS = frozenset(
-    {
-        "jamba",
-        "falcon-h1",
-        "plamo2",
-        "granitehybrid",
-        "lfm2",
-        "lfm2moe",
-        "nemotron_h",
-        "nemotron_h_moe",
-        "qwen3next",
-        "kimi-linear",
-        "qwen35",
-        "qwen35moe",
-        "qwen4exp",
-        "minimax-01",
-        "bailingmoe3",
-        "glm5-next",
-        "kimi-k3",
-    }
 )

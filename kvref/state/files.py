@@ -30,7 +30,7 @@ import numpy as np
 from .codec import Writer
 from .constants import SEQ_VERSIONS, SESSION_VERSIONS, Magic
 from .dsl import I32, U32, U64, Array, Param, Record, Str, Struct, When, write_root
-from .sections import MEMORY, Memory
+from .sections import MEMORY, MemorySections
 
 
 def _check_magic(want: Magic) -> Any:
@@ -53,7 +53,7 @@ class StateObject(Record):
     """What every container offers: bytes, streaming save, and a summary (see `kvref.state.summary`)."""
 
     kind: str
-    memory: Memory
+    memory: MemorySections
 
     def to_bytes(self) -> bytes:
         """The container's encoding, as bytes (what llama.cpp writes)."""
@@ -98,7 +98,7 @@ class SessionFile(StateObject):
     tokens: np.ndarray
     arch: str
     outputs: Outputs | None
-    memory: Memory
+    memory: MemorySections
     magic: int = Magic.SESSION
 
     kind = "session"
@@ -110,7 +110,7 @@ class SeqFile(StateObject):
 
     version: int
     tokens: np.ndarray
-    memory: Memory
+    memory: MemorySections
     magic: int = Magic.STATE_SEQ
 
     kind = "seq"
@@ -122,7 +122,7 @@ class StateBlob(StateObject):
 
     arch: str
     outputs: Outputs | None
-    memory: Memory
+    memory: MemorySections
 
     kind = "state"
 
@@ -131,7 +131,7 @@ class StateBlob(StateObject):
 class SeqStateBlob(StateObject):
     """``seq_id`` is the id the blob was saved from (None for blobs without the io_magic prefix)."""
 
-    memory: Memory
+    memory: MemorySections
     seq_id: int | None = None
     has_header: bool = True
 

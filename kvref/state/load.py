@@ -16,8 +16,9 @@ import mmap
 import os
 from typing import Any
 
+from ..archs import HYBRID_ARCHS, RECURRENT_ARCHS
 from ..errors import FormatError
-from .constants import HYBRID_ARCHS, LAYOUTS, RECURRENT_ARCHS, Magic
+from .constants import LAYOUTS, Magic
 from .dsl import read_root
 from .files import STRUCTS, StateObject
 from .sections import KVSection, RecurrentSection

@@ -19,8 +19,8 @@ Wire layout (see docs/state-format.md for the history of each field):
 
 The recurrent section is written even when it has no cells (its layer headers then carry no rows); a KV
 stream with no cells is just its zero ``cell_count``. The 2025 recurrent cache (``llama_kv_cache_recurrent``,
-seed 002) wrote the same bytes under the names K/V and ``v_trans`` with every layer present; it reads as a
-recurrent section with ``n_state_layers = n_layer``.
+llama-cpp-python 0.3.12 .. 0.3.16) wrote the same bytes under the names K/V and ``v_trans`` with every layer
+present; it reads as a recurrent section with ``n_state_layers = n_layer``.
 """
 
 from __future__ import annotations
@@ -30,12 +30,13 @@ from typing import Any
 
 import numpy as np
 
+from ..constants import LLAMA_MAX_LAYERS, LLAMA_MAX_SEQ
 from ..errors import FormatError
 from ..ggml import TYPE_TRAITS, GGMLType, type_name
 from . import mismatch
 from .cells import Cells, CellTable
 from .codec import Reader, Writer
-from .constants import LAYOUTS, LLAMA_MAX_SEQ
+from .constants import LAYOUTS
 from .dsl import I32, U32, U64, Env, Field, List, Param, Record, Rows, Struct, Switch, When
 
 _KNOWN_TYPES = {int(t) for t in TYPE_TRAITS}
@@ -179,7 +180,7 @@ class RecurrentSection(Record):
 
 
 @dataclass(eq=False)
-class Memory:
+class MemorySections:
     """The memory part of a state: ``layout`` names the composition, ``sections`` are in write order."""
 
     layout: str
@@ -243,10 +244,17 @@ def _cache_layer(env: Env, prefix: str) -> Any:
     return spec.layers[cursor[prefix]] if 0 <= cursor[prefix] < len(spec.layers) else None
 
 
+def _check_n_layer(v: int, env: Env) -> str | None:
+    # every llama.cpp model has at most LLAMA_MAX_LAYERS layers (its per-layer hparams are arrays of that size),
+    # so no state it writes has more; checking first also bounds every walk over the layer records
+    return None if v <= LLAMA_MAX_LAYERS else f"n_layer {v} exceeds LLAMA_MAX_LAYERS ({LLAMA_MAX_LAYERS})"
+
+
 def _check_cache_n_layer(v: int, env: Env) -> str | None:
+    msg = _check_n_layer(v, env)
     spec = env.get("cache_spec")
-    if spec is None:
-        return None
+    if msg or spec is None:
+        return msg
     env["_cache_il"].update(k=-1, v=-1)  # a new stream's data: layer cursors start again
     return None if v == len(spec.layers) else f"n_layer {v}, the cache has {len(spec.layers)}"
 
@@ -465,7 +473,7 @@ RECURRENT_SECTION = Struct(
     # a sequence save writes n_seq_id = 0 for every recurrent cell
     CellTable("cells", lambda env: env["cell_count"], lambda env: 0, lambda env: 0 if env.get("seq_scope") else None),
     U32("s_trans", check=_check_flag),
-    U32("n_layer"),
+    U32("n_layer", check=_check_n_layer),
     Param("ple", derive=lambda o, env: any(layer.p_data is not None for layer in o.r)),
     Param("n_state_layers", derive=lambda o, env: len(o.r)),
     List("r", R_LAYER, _n_state_layers, blame="n_layer"),
@@ -491,16 +499,16 @@ class MemoryField(Field):
     def __init__(self) -> None:
         self.name = self.attr = "memory"
 
-    def read(self, r: Reader, env: Env) -> Memory:
+    def read(self, r: Reader, env: Env) -> MemorySections:
         layout = env["layout"]
         kinds = LAYOUTS[layout]
         sections = []
         for i, k in enumerate(kinds):
             env["section_last"] = i == len(kinds) - 1  # lets the recurrent layer scan know where it must end
             sections.append(_SECTION_STRUCTS[k].read(r, env))
-        return Memory(layout, sections)
+        return MemorySections(layout, sections)
 
-    def write(self, w: Writer, mem: Memory, env: Env) -> None:
+    def write(self, w: Writer, mem: MemorySections, env: Env) -> None:
         kinds = tuple(s.kind for s in mem.sections)
         if LAYOUTS.get(mem.layout) != kinds:
             raise FormatError(f"layout {mem.layout!r} does not match sections {kinds}", field="layout", offset=w.n)
@@ -520,7 +528,7 @@ __all__ = [
     "KVSection",
     "KVStream",
     "LayerRows",
-    "Memory",
+    "MemorySections",
     "RecurrentLayer",
     "RecurrentSection",
     "TransposedRows",
