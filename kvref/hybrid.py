@@ -14,7 +14,8 @@ from typing import Any, Literal, NamedTuple
 from .errors import NoSlotError
 from .hparams import SWAType
 from .kv_cache import KVCache
-from .memory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, PairedMemory, read_parts
+from .kv_cache_iswa import KVCacheISWA
+from .memory_base import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, PairedMemory, read_parts
 from .profile import DEFAULT, Profile, resolve
 from .recurrent import RecurrentMemory, RecurrentSlot
 
@@ -66,8 +67,6 @@ class HybridMemory(PairedMemory):
         self.kind: Literal["hybrid", "hybrid_iswa"] = "hybrid_iswa" if swa else "hybrid"
         self.attn: Any
         if swa:
-            from .kv_cache_iswa import KVCacheISWA
-
             self.attn = KVCacheISWA(
                 hparams,
                 type_k,

@@ -29,6 +29,7 @@ from .errors import KVRefError, NoSlotError, SequenceError
 from .ggml import GGMLType, ggml_type, row_size, traits
 from .hparams import RopeType, SWAType
 from .kshift import ROPE_NEOX, RopeParams, shift_k_rows
+from .memory_base import decode_seq_bound
 from .profile import DEFAULT, Profile, first_release, resolve
 from .rows import from_f32, typed
 from .slots import SlotInfo
@@ -43,18 +44,6 @@ class CacheLayer:
     il: int
     k: np.ndarray  # uint8 (n_stream, size, k row bytes)
     v: np.ndarray | None  # uint8, layout per v_trans; None for MLA (no V cache)
-
-
-def decode_seq_bound(compat: Profile | str, unified: bool, n_seq_max: int) -> int:
-    """The bound llama_decode's batch validation puts on sequence ids (``Profile.decode_seq_id_bound``).
-
-    ``"n_seq_max"``: the context's n_seq_max, unified or not (llama_batch_ext takes llama_n_seq_max(ctx)).
-    ``"llama_max_seq_if_unified"`` (llama_batch_allocr::init got ``kv_unified ? LLAMA_MAX_SEQ : n_seq_max``):
-    LLAMA_MAX_SEQ for a unified cache, n_seq_max otherwise.
-    """
-    if resolve(compat).decode_seq_id_bound == "llama_max_seq_if_unified" and unified:
-        return LLAMA_MAX_SEQ
-    return int(n_seq_max)
 
 
 def _norm_range(p0: int, p1: int) -> tuple[int, int]:

@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 from .errors import NoSlotError
 from .hparams import SWAType
 from .kv_cache import KVCache
-from .memory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, PairedMemory, read_parts
+from .memory_base import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, PairedMemory, read_parts
 from .profile import DEFAULT, Profile, resolve
 
 SWA_PAD = 256  # the SWA cache padding of llama.cpp issue #17037 (Profile.swa_size_pad; kept for callers)

@@ -59,6 +59,7 @@ from .cells import KVCells
 from .errors import CellError, FormatError, NoSlotError
 from .ggml import traits
 from .hparams import SWAType, is_masked_swa
+from .memory_base import clear_seq, read_parts
 from .slots import SlotInfo, apply_ubatch, find_slot
 
 if TYPE_CHECKING:
@@ -390,7 +391,6 @@ def state_read(cache: KVCache, data: Any, seq_id: int = -1, flags: int = 0, *, a
 
     On failure the cache is untouched, or with ``atomic=False`` left as llama.cpp leaves it
     (``state_read_failed``)."""
-    from .memory import read_parts
 
     return read_parts([cache], data, seq_id, flags, atomic=atomic)
 
@@ -400,7 +400,6 @@ def state_read_failed(cache: KVCache, seq_id: int, exc: Exception) -> None:
     (and a bad destination id is an assert there); past it, a whole restore has cleared the cache and a
     sequence restore ends in state_clear, which removes the destination sequence."""
     from .errors import SequenceError
-    from .memory import clear_seq
 
     if isinstance(exc, SequenceError) or getattr(exc, "field", None) == "n_stream":
         return

@@ -50,6 +50,7 @@ import numpy as np
 from .constants import POS_MAX
 from .errors import CellError, FormatError, KVRefError, NoSlotError, SequenceError
 from .ggml import GGMLType, ggml_type, row_size
+from .memory_base import clear_seq, decode_seq_bound, read_parts
 from .profile import DEFAULT, Profile, resolve
 
 log = logging.getLogger("kvref.recurrent")
@@ -636,11 +637,10 @@ class RecurrentMemory:
         NoSlotError leaves the memory unchanged), then place them one by one (``on_ubatch(ubatch, slot)``
         after each)."""
         from .batch import BatchAllocr
-        from .kv_cache import decode_seq_bound
 
         if balloc is None:
             balloc = BatchAllocr(self.hparams.n_pos_per_embd())
-        # llama_context::decode's bound on seq ids (kvref.kv_cache.decode_seq_bound)
+        # llama_context::decode's bound on seq ids (kvref.memory_base.decode_seq_bound)
         n_seq_max = decode_seq_bound(self.profile, self.kv_unified, self.n_seq_max)
         balloc.init(batch, memory=self, n_seq_max=n_seq_max, output_all=embd_all)
         ubatches = self.init_batch(balloc, n_ubatch, embd_all)
@@ -828,14 +828,12 @@ class RecurrentMemory:
         ``atomic=False`` left as llama.cpp leaves it (``state_read_failed``: the sequence removed, or the
         whole memory cleared).
         """
-        from .memory import read_parts
 
         return read_parts([self], data, seq_id, flags, atomic=atomic)
 
     def state_read_failed(self, seq_id: int, exc: Exception) -> None:
         """llama_memory_recurrent::state_read after a failure: state_clear removes the destination sequence
         (clears everything for seq_id -1); rows are not zeroed here."""
-        from .memory import clear_seq
 
         clear_seq(self, seq_id)
 

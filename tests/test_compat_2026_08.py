@@ -14,9 +14,10 @@ from test_memory_factory import llama
 from kvref import compat
 from kvref.batch import Batch
 from kvref.conformance import hparams_from_case
-from kvref.kv_cache import LLAMA_MAX_SEQ, decode_seq_bound
+from kvref.constants import LLAMA_MAX_SEQ
 from kvref.kv_state import ext_size, has_cell_ext
 from kvref.memory import context_params, create_memory
+from kvref.memory_base import decode_seq_bound
 from kvref.recurrent import RecurrentMemory
 
 

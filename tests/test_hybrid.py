@@ -127,7 +127,7 @@ def test_stage_parts_is_all_or_nothing():
     # the composites restore through stage_parts: a bad second section leaves the first part untouched
     from recurrent_helpers import mamba_hparams, ubatch
 
-    from kvref.memory import read_all, stage_parts
+    from kvref.memory_base import read_all, stage_parts
     from kvref.recurrent import RecurrentMemory
 
     a, b = (RecurrentMemory(mamba_hparams(), mem_size=2, n_seq_max=2) for _ in range(2))
