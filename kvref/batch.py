@@ -9,7 +9,7 @@ The flow mirrors llama.cpp (October 2026, ``src/llama-batch.cpp``):
    only output), then what ``llama_batch_allocr::init`` does (validate rule by rule, compute the
    per-sequence bookkeeping). Every rejection raises ``BatchError`` with llama.cpp's reason.
 3. ``split_simple`` / ``split_equal`` / ``split_seq`` cut the batch into ``UBatch`` es exactly like
-   llama.cpp; ``split_for_memory`` picks the splitter the way each memory's ``init_batch`` does.
+   llama.cpp; ``split_whole`` runs the splitter a memory's ``init_batch`` picks.
 
 Sequence-id order inside a token: llama.cpp stores a token's sequence ids in a
 ``std::unordered_set<llama_seq_id>``, so ``ubatch.seq_id[i]`` lists them in that set's iteration
@@ -585,7 +585,7 @@ class BatchAllocr:
     ) -> list[UBatch]:
         """``split_reset`` then split with ``kind`` until an empty ubatch, as init_batch loops.
 
-        The list may not cover the batch (see ``get_n_used``); ``split_for_memory`` checks that.
+        The list may not cover the batch (see ``get_n_used``); ``split_whole`` checks that.
         """
         self.split_reset()
         res: list[UBatch] = []
@@ -601,6 +601,19 @@ class BatchAllocr:
             if ub.n_tokens == 0:
                 return res
             res.append(ub)
+
+    def split_whole(
+        self,
+        kind: Literal["simple", "equal", "seq"],
+        n_ubatch: int,
+        *,
+        sequential: bool = False,
+        n_keep_tail: int = 0,
+    ) -> list[UBatch] | None:
+        """`split_all`, or ``None`` when the ubatches do not use every token: llama.cpp's "failed to find a
+        suitable split", which makes a memory's init_batch fail to prepare. Each memory picks ``kind``."""
+        res = self.split_all(kind, n_ubatch, sequential=sequential, n_keep_tail=n_keep_tail)
+        return None if self.get_n_used() < self.get_n_tokens() else res
 
     def ubatch_reserve(self, n_seq_tokens: int, n_seqs: int) -> UBatch:
         """A zero-filled ubatch of ``n_seqs`` x ``n_seq_tokens`` (llama.cpp uses it to restore state).
@@ -693,63 +706,6 @@ class BatchAllocr:
 MemoryKind = Literal["kv", "iswa", "recurrent", "hybrid", "hybrid_iswa"]
 
 
-def split_for_memory(
-    allocr: BatchAllocr,
-    n_ubatch: int,
-    kind: MemoryKind = "kv",
-    *,
-    n_stream: int = 1,
-    embd_all: bool = False,
-    n_rs_seq: int = 0,
-    attempt: Literal["simple", "equal"] = "simple",
-) -> list[UBatch] | None:
-    """Split the whole batch the way ``<memory>::init_batch`` does; ``None`` when it cannot.
-
-    - ``"kv"`` (llama_kv_cache): ``split_simple`` for one stream, else ``split_equal(sequential)``;
-    - ``"iswa"`` (llama_kv_cache_iswa): tries ``attempt="simple"`` first (one stream only; ``None``
-      otherwise), and when the caches cannot place that, ``attempt="equal"``:
-      ``split_equal(sequential = n_stream > 1)``;
-    - ``"recurrent"``: ``split_seq`` when every token is an output (``embd_all``), else
-      ``split_equal(sequential=True)``;
-    - ``"hybrid"`` / ``"hybrid_iswa"``: ``split_seq`` when ``embd_all``, else
-      ``split_equal(sequential = n_stream > 1)``.
-    Recurrent and hybrid splits keep the last ``n_rs_seq + 1`` tokens of each sequence together when
-    rollback snapshots are kept (``n_rs_seq > 0``). ``None`` means llama.cpp's "failed to find a
-    suitable split" (the split did not use every token), which makes init_batch fail to prepare.
-    """
-    keep_tail = n_rs_seq + 1 if n_rs_seq > 0 else 0
-    if kind == "kv":
-        res = (
-            allocr.split_all("simple", n_ubatch)
-            if n_stream == 1
-            else allocr.split_all("equal", n_ubatch, sequential=True)
-        )
-    elif kind == "iswa":
-        if attempt == "simple":
-            if n_stream != 1:
-                return None  # several streams need equal splits
-            res = allocr.split_all("simple", n_ubatch)
-        else:
-            res = allocr.split_all("equal", n_ubatch, sequential=n_stream != 1)
-    elif kind == "recurrent":
-        res = (
-            allocr.split_all("seq", n_ubatch)
-            if embd_all
-            else allocr.split_all("equal", n_ubatch, sequential=True, n_keep_tail=keep_tail)
-        )
-    elif kind in ("hybrid", "hybrid_iswa"):
-        res = (
-            allocr.split_all("seq", n_ubatch)
-            if embd_all
-            else allocr.split_all("equal", n_ubatch, sequential=n_stream != 1, n_keep_tail=keep_tail)
-        )
-    else:
-        raise ValueError(f"unknown memory kind {kind!r}")
-    if allocr.get_n_used() < allocr.get_n_tokens():
-        return None
-    return res
-
-
 def allocr_for(hparams: Any) -> BatchAllocr:
     """A ``BatchAllocr`` with the model's positions per embedding (as llama_context creates it)."""
     return BatchAllocr(hparams.n_pos_per_embd())
@@ -764,6 +720,5 @@ __all__ = [
     "SeqPosMemory",
     "UBatch",
     "allocr_for",
-    "split_for_memory",
     "unordered_set_order",
 ]

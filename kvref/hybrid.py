@@ -144,11 +144,13 @@ class HybridMemory(PairedMemory):
         """llama_memory_hybrid::init_batch: by sequence when every token is an output, else equal splits
         (sequential only with several streams, keeping ``1 + n_rs_seq`` trailing tokens together); the
         recurrent part is prepared first, then the attention part."""
-        from .batch import split_for_memory
-
-        ubatches = split_for_memory(
-            balloc, n_ubatch, self.kind, n_stream=self.get_n_stream(), embd_all=embd_all, n_rs_seq=self.recr.n_rs_seq
-        )
+        n_rs_seq = self.recr.n_rs_seq
+        if embd_all:
+            ubatches = balloc.split_whole("seq", n_ubatch)
+        else:
+            keep_tail = n_rs_seq + 1 if n_rs_seq > 0 else 0
+            sequential = self.get_n_stream() != 1
+            ubatches = balloc.split_whole("equal", n_ubatch, sequential=sequential, n_keep_tail=keep_tail)
         if ubatches is None:
             raise NoSlotError("the batch cannot be split for the hybrid memory (failed to prepare)")
         if not self.recr.prepare(ubatches):

@@ -421,14 +421,11 @@ class KVCache:
         llama.cpp returns a context with status FAILED_PREPARE; kvref raises instead.
         """
         del embd_all  # unused by llama_kv_cache too
-        balloc.split_reset()
-        ubatches = []
-        while True:
-            ub = balloc.split_simple(n_ubatch) if self.n_stream == 1 else balloc.split_equal(n_ubatch, True, 0)
-            if ub is None or ub.n_tokens == 0:
-                break
-            ubatches.append(ub)
-        if balloc.get_n_used() < balloc.get_n_tokens():
+        if self.n_stream == 1:
+            ubatches = balloc.split_whole("simple", n_ubatch)
+        else:
+            ubatches = balloc.split_whole("equal", n_ubatch, sequential=True)
+        if ubatches is None:
             raise NoSlotError("the batch could not be split into ubatches for this cache")
         sinfos = self.prepare(ubatches)
         if not sinfos:

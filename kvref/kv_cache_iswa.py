@@ -184,10 +184,11 @@ class KVCacheISWA(PairedMemory):
     def init_batch(self, balloc: Any, n_ubatch: int, embd_all: bool = False) -> list[tuple[Any, ISWASlot]]:
         """llama_kv_cache_iswa::init_batch: a simple split first (one stream only), then an equal split
         (sequential with several streams); each tried split must fit in both caches."""
-        from .batch import split_for_memory
-
-        for attempt in ("simple", "equal"):
-            ubatches = split_for_memory(balloc, n_ubatch, "iswa", n_stream=self.get_n_stream(), attempt=attempt)
+        several = self.get_n_stream() != 1
+        for kind in ("simple", "equal"):
+            if kind == "simple" and several:
+                continue  # several streams need equal splits
+            ubatches = balloc.split_whole(kind, n_ubatch, sequential=several)
             if ubatches is None:
                 continue
             slots = self.prepare(ubatches)

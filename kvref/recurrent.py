@@ -607,17 +607,15 @@ class RecurrentMemory:
         Split by sequence when every token is an output (``embd_all``), else equal sequential splits
         that keep the last ``1 + n_rs_seq`` tokens of a sequence together (rollback snapshots).
         """
-        from .batch import split_for_memory
-
-        if not embd_all and not self.profile.recurrent_split_sequential:
-            # split_equal(n_ubatch, sequential=false)
-            res = balloc.split_all("equal", n_ubatch, sequential=False)
-            ubatches = None if balloc.get_n_used() < balloc.get_n_tokens() else res
+        # with rollback snapshots (n_rs_seq > 0) split by sequence (recurrent_rollback_split "seq") or use
+        # equal splits that keep the last 1 + n_rs_seq tokens of a sequence together ("equal")
+        by_seq = embd_all or (self.n_rs_seq > 0 and self.profile.recurrent_rollback_split == "seq")
+        if by_seq:
+            ubatches = balloc.split_whole("seq", n_ubatch)
         else:
-            # with rollback snapshots (n_rs_seq > 0) split by sequence (recurrent_rollback_split "seq") or use
-            # equal splits that keep the last 1 + n_rs_seq tokens of a sequence together ("equal")
-            by_seq = embd_all or (self.n_rs_seq > 0 and self.profile.recurrent_rollback_split == "seq")
-            ubatches = split_for_memory(balloc, n_ubatch, "recurrent", embd_all=by_seq, n_rs_seq=self.n_rs_seq)
+            sequential = self.profile.recurrent_split_sequential
+            keep_tail = self.n_rs_seq + 1 if self.n_rs_seq > 0 else 0
+            ubatches = balloc.split_whole("equal", n_ubatch, sequential=sequential, n_keep_tail=keep_tail)
         if ubatches is None:
             raise NoSlotError("the batch cannot be split for the recurrent memory (failed to prepare)")
         if not self.prepare(ubatches):

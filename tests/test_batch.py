@@ -18,7 +18,6 @@ from kvref.batch import (
     Batch,
     BatchAllocr,
     UBatch,
-    split_for_memory,
     unordered_set_order,
 )
 from kvref.errors import BatchError, KVRefError
@@ -305,8 +304,8 @@ def test_split_equal_sequential_needs_consecutive_ids():
 def test_split_equal_sequential_refuses_coupled_sequences():
     a = init(Batch(tokens=[1, 2], seq_ids=[[0, 1], [0, 1]], pos=[0, 1]))
     assert a.split_equal(8, True).n_tokens == 0
-    assert split_for_memory(a, 8, "kv", n_stream=2) is None  # "failed to find a suitable split"
-    assert idxs(split_for_memory(a, 8, "kv", n_stream=1)) == [[0, 1]]
+    assert a.split_whole("equal", 8, sequential=True) is None  # "failed to find a suitable split"
+    assert idxs(a.split_whole("simple", 8)) == [[0, 1]]
 
 
 def test_split_equal_shared_sets():
@@ -382,18 +381,14 @@ def test_embedding_without_positions_gets_zero_extra_sections():
     assert a.pos.tolist() == [0, 1, 0, 0, 0, 0, 0, 0]
 
 
-def test_split_for_memory_choices():
+def test_split_whole_runs_the_splitter_a_memory_picks():
     b = Batch(tokens=[1, 2, 3, 4], seq_ids=[[0], [1], [0], [1]], pos=[0, 0, 1, 1], logits=[1, 1, 1, 1])
     a = init(b)
-    assert idxs(split_for_memory(a, 8, "kv")) == [[0, 1, 2, 3]]
-    assert idxs(split_for_memory(a, 8, "kv", n_stream=4)) == [[0, 2, 1, 3]]
-    assert split_for_memory(a, 8, "iswa", n_stream=4) is None
-    assert idxs(split_for_memory(a, 8, "iswa", attempt="equal")) == [[0, 2, 1, 3]]
-    assert idxs(split_for_memory(a, 8, "recurrent", embd_all=True)) == [[0, 2], [1, 3]]
-    assert idxs(split_for_memory(a, 8, "recurrent")) == [[0, 2, 1, 3]]
-    assert idxs(split_for_memory(a, 8, "hybrid")) == [[0, 2, 1, 3]]
+    assert idxs(a.split_whole("simple", 8)) == [[0, 1, 2, 3]]  # one-stream KV cache, iSWA's first try
+    assert idxs(a.split_whole("equal", 8, sequential=True)) == [[0, 2, 1, 3]]  # several streams
+    assert idxs(a.split_whole("seq", 8)) == [[0, 2], [1, 3]]  # recurrent / hybrid with every token an output
     # n_rs_seq = 1 keeps the last 2 tokens of each sequence together
-    assert idxs(split_for_memory(a, 3, "hybrid", n_rs_seq=1)) == [[0, 2], [1, 3]]
+    assert idxs(a.split_whole("equal", 3, sequential=False, n_keep_tail=2)) == [[0, 2], [1, 3]]
 
 
 def test_ubatch_reserve():
