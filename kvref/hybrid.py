@@ -15,7 +15,7 @@ from .errors import NoSlotError
 from .hparams import SWAType
 from .kv_cache import KVCache
 from .kv_cache_iswa import KVCacheISWA
-from .memory_base import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, PairedMemory, read_parts
+from .memory_base import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, ContextParams, PairedMemory, read_parts
 from .profile import DEFAULT, Profile, resolve
 from .recurrent import RecurrentMemory, RecurrentSlot
 
@@ -36,6 +36,7 @@ class HybridMemory(PairedMemory):
     def __init__(
         self,
         hparams: Any,
+        *,
         type_k: Any = "f16",
         type_v: Any = "f16",
         v_trans: bool = True,
@@ -47,8 +48,7 @@ class HybridMemory(PairedMemory):
         type_s: Any = "f32",
         rs_size: int = 1,
         n_seq_max: int = 1,
-        unified: bool = True,
-        *,
+        kv_unified: bool = True,
         filter_attn: Callable[[int], bool] | None = None,
         filter_recr: Callable[[int], bool] | None = None,
         n_rs_seq: int = 0,
@@ -56,9 +56,11 @@ class HybridMemory(PairedMemory):
         swa_full: bool = False,
         n_ubatch: int = 512,
         compat: Profile | str = DEFAULT,
+        cparams: ContextParams | None = None,
     ) -> None:
         self.hparams = hparams
-        self.unified = bool(unified)
+        self.kv_unified = bool(kv_unified)
+        self.cparams = cparams  # the context create_memory built this for (None when built directly)
         self.profile = resolve(compat)
         if filter_attn is None:
             filter_attn = lambda il: not hparams.is_recurrent(il)  # noqa: E731
@@ -69,27 +71,45 @@ class HybridMemory(PairedMemory):
         if swa:
             self.attn = KVCacheISWA(
                 hparams,
-                type_k,
-                type_v,
-                v_trans,
-                swa_full,
-                unified,
-                kv_size,
-                n_seq_max,
-                n_ubatch,
-                n_pad,
+                type_k=type_k,
+                type_v=type_v,
+                v_trans=v_trans,
+                swa_full=swa_full,
+                kv_unified=kv_unified,
+                kv_size=kv_size,
+                n_seq_max=n_seq_max,
+                n_ubatch=n_ubatch,
+                n_pad=n_pad,
                 layer_filter=filter_attn,
                 compat=self.profile,
             )
         else:
             self.attn = KVCache(
-                hparams, type_k, type_v, v_trans, unified, kv_size, n_seq_max, n_pad, n_swa, swa_type, filter_attn,
-                None, compat=self.profile,
-            )  # fmt: skip
+                hparams,
+                type_k=type_k,
+                type_v=type_v,
+                v_trans=v_trans,
+                kv_unified=kv_unified,
+                kv_size=kv_size,
+                n_seq_max=n_seq_max,
+                n_pad=n_pad,
+                n_swa=n_swa,
+                swa_type=swa_type,
+                layer_filter=filter_attn,
+                layer_reuse=None,
+                compat=self.profile,
+            )
         self.recr = RecurrentMemory(
-            hparams, type_r, type_s, rs_size, n_seq_max, filter_recr, n_rs_seq=n_rs_seq, compat=self.profile
+            hparams,
+            type_r=type_r,
+            type_s=type_s,
+            rs_size=rs_size,
+            n_seq_max=n_seq_max,
+            kv_unified=kv_unified,
+            layer_filter=filter_recr,
+            n_rs_seq=n_rs_seq,
+            compat=self.profile,
         )
-        self.recr.kv_unified = self.unified
 
     def get_mem_attn(self) -> Any:
         """The attention part: a KVCache, or a KVCacheISWA for hybrid_iswa (llama_memory_hybrid::get_mem_attn)."""

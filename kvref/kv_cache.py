@@ -29,7 +29,7 @@ from .errors import KVRefError, NoSlotError, SequenceError
 from .ggml import GGMLType, ggml_type, row_size, traits
 from .hparams import RopeType, SWAType
 from .kshift import ROPE_NEOX, RopeParams, shift_k_rows
-from .memory_base import decode_seq_bound
+from .memory_base import ContextParams, decode_seq_bound
 from .profile import DEFAULT, Profile, first_release, resolve
 from .rows import from_f32, typed
 from .slots import SlotInfo
@@ -59,11 +59,12 @@ class KVCache:
     def __init__(
         self,
         hparams: Any,
+        *,
         type_k: GGMLType | int | str = "f16",
         type_v: GGMLType | int | str = "f16",
         v_trans: bool = True,
-        unified: bool = True,
-        size: int = 256,
+        kv_unified: bool = True,
+        kv_size: int = 256,
         n_seq_max: int = 1,
         n_pad: int = 1,
         n_swa: int = 0,
@@ -71,10 +72,10 @@ class KVCache:
         layer_filter: Callable[[int], bool] | None = None,
         layer_reuse: Callable[[int], int] | None = None,
         cells_cls: type | None = None,
-        *,
         compat: Profile | str = DEFAULT,
+        cparams: ContextParams | None = None,
     ) -> None:
-        size, n_seq_max, n_pad = int(size), int(n_seq_max), int(n_pad)
+        size, n_seq_max, n_pad = int(kv_size), int(n_seq_max), int(n_pad)
         # what the llama.cpp to reproduce does where llama.cpp builds differ (kvref.profile)
         self.profile = resolve(compat)
         if n_pad <= 0 or size % n_pad:
@@ -86,8 +87,9 @@ class KVCache:
         self.type_v = ggml_type(type_v)
         self.v_trans = bool(v_trans)
         self.n_seq_max = n_seq_max
-        self.unified = bool(unified)  # the context's kv_unified (n_stream is 1 either way when n_seq_max is 1)
-        self.n_stream = 1 if unified else n_seq_max
+        self.kv_unified = bool(kv_unified)  # n_stream is 1 either way when n_seq_max is 1
+        self.n_stream = 1 if kv_unified else n_seq_max
+        self.cparams = cparams  # the context create_memory built this for (None when built directly)
         self.n_pad = n_pad
         self.n_swa = int(n_swa)
         self.swa_type = SWAType(int(swa_type))
@@ -457,7 +459,7 @@ class KVCache:
             balloc = BatchAllocr(n_pos_per_embd=self.hparams.n_pos_per_embd())
         # llama_context::decode: batch validation (positions from seq_pos_max + 1) comes first,
         # then memory_update() applies pending shifts/copies, then init_batch places the ubatches
-        balloc.init(batch, memory=self, n_seq_max=decode_seq_bound(self.profile, self.unified, self.n_seq_max))
+        balloc.init(batch, memory=self, n_seq_max=decode_seq_bound(self.profile, self.kv_unified, self.n_seq_max))
         self.update()
         placed = self.init_batch(balloc, n_ubatch)
         for ub, sinfo in placed:

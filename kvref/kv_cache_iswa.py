@@ -13,7 +13,7 @@ from typing import Any, NamedTuple
 from .errors import NoSlotError
 from .hparams import SWAType
 from .kv_cache import KVCache
-from .memory_base import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, PairedMemory, read_parts
+from .memory_base import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, ContextParams, PairedMemory, read_parts
 from .profile import DEFAULT, Profile, resolve
 
 SWA_PAD = 256  # the SWA cache padding of llama.cpp issue #17037 (Profile.swa_size_pad; kept for callers)
@@ -46,22 +46,24 @@ class KVCacheISWA(PairedMemory):
     def __init__(
         self,
         hparams: Any,
+        *,
         type_k: Any = "f16",
         type_v: Any = "f16",
         v_trans: bool = True,
         swa_full: bool = False,
-        unified: bool = True,
+        kv_unified: bool = True,
         kv_size: int = 256,
         n_seq_max: int = 1,
         n_ubatch: int = 512,
         n_pad: int = 1,
-        *,
         layer_filter: Callable[[int], bool] | None = None,
         layer_reuse: Callable[[int], int] | None = None,
         compat: Profile | str = DEFAULT,
+        cparams: ContextParams | None = None,
     ) -> None:
         self.hparams = hparams
-        self.unified = bool(unified)
+        self.kv_unified = bool(kv_unified)
+        self.cparams = cparams  # the context create_memory built this for (None when built directly)
         self.profile = resolve(compat)
         self.swa_full = bool(swa_full)
 
@@ -75,35 +77,35 @@ class KVCacheISWA(PairedMemory):
         size_base = int(kv_size)
         # Profile.swa_size_pad: the SWA size is padded to it (0: to the cache's n_pad)
         pad = self.profile.swa_size_pad or int(n_pad)
-        size_swa = swa_cache_size(size_base, hparams.n_swa, n_seq_max, n_ubatch, self.unified, self.swa_full, pad)
+        size_swa = swa_cache_size(size_base, hparams.n_swa, n_seq_max, n_ubatch, self.kv_unified, self.swa_full, pad)
         self.base = KVCache(
             hparams,
-            type_k,
-            type_v,
-            v_trans,
-            unified,
-            size_base,
-            n_seq_max,
-            n_pad,
-            0,
-            SWAType.NONE,
-            filter_base,
-            layer_reuse,
+            type_k=type_k,
+            type_v=type_v,
+            v_trans=v_trans,
+            kv_unified=kv_unified,
+            kv_size=size_base,
+            n_seq_max=n_seq_max,
+            n_pad=n_pad,
+            n_swa=0,
+            swa_type=SWAType.NONE,
+            layer_filter=filter_base,
+            layer_reuse=layer_reuse,
             compat=self.profile,
         )
         self.swa = KVCache(
             hparams,
-            type_k,
-            type_v,
-            v_trans,
-            unified,
-            size_swa,
-            n_seq_max,
-            n_pad,
-            hparams.n_swa,
-            hparams.swa_type,
-            filter_swa,
-            layer_reuse,
+            type_k=type_k,
+            type_v=type_v,
+            v_trans=v_trans,
+            kv_unified=kv_unified,
+            kv_size=size_swa,
+            n_seq_max=n_seq_max,
+            n_pad=n_pad,
+            n_swa=hparams.n_swa,
+            swa_type=hparams.swa_type,
+            layer_filter=filter_swa,
+            layer_reuse=layer_reuse,
             compat=self.profile,
         )
 

@@ -7,7 +7,6 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 from .archs import NO_MEMORY_ARCHS, UNSUPPORTED_ARCHS
@@ -22,6 +21,7 @@ from .memory_base import (
     LLAMA_STATE_SEQ_FLAGS_ON_DEVICE,
     LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY,
     LLAMA_STATE_SEQ_FLAGS_SWA_ONLY,
+    ContextParams,
     Memory,
     PairedMemory,
 )
@@ -39,21 +39,6 @@ def _pad(x: int, n: int) -> int:
 
 # llm_arch_supports_rs_rollback (RS_ROLLBACK_ARCHS, and its older list RS_ROLLBACK_ARCHS_2026_08) live in
 # kvref.profile: a memory asks its Profile.rs_rollback_archs
-
-
-@dataclass(frozen=True)
-class ContextParams:
-    """The resolved context parameters the memory is built from (llama_cparams, the relevant part)."""
-
-    n_ctx: int
-    n_ctx_seq: int
-    n_batch: int
-    n_ubatch: int
-    n_seq_max: int
-    n_rs_seq: int
-    kv_unified: bool
-    flash_attn: bool
-    swa_full: bool
 
 
 def kv_pad(flash_attn: bool, compat: Profile | str = DEFAULT) -> int:
@@ -207,27 +192,34 @@ def create_memory(
     mem: Any
     if hparams.is_recurrent_arch():
         mem = RecurrentMemory(
-            hparams, "f32", "f32", max(1, cp.n_seq_max), cp.n_seq_max, n_rs_seq=cp.n_rs_seq, compat=profile
+            hparams,
+            type_r="f32",
+            type_s="f32",
+            rs_size=max(1, cp.n_seq_max),
+            n_seq_max=cp.n_seq_max,
+            kv_unified=cp.kv_unified,
+            n_rs_seq=cp.n_rs_seq,
+            compat=profile,
+            cparams=cp,
         )
-        mem.kv_unified = cp.kv_unified
     elif hparams.is_hybrid_arch():
         if arch == "qwen4exp" and getattr(hparams, "indexer_head_size", 0):
             raise KVRefError("qwen4exp with an indexer uses llama_memory_hybrid_idx, which kvref does not model")
 
         mem = HybridMemory(
             hparams,
-            type_k,
-            type_v,
-            v_trans,
-            cp.n_ctx_seq,
-            n_pad,
-            hparams.n_swa,
-            hparams.swa_type,
-            "f32",
-            "f32",
-            max(1, cp.n_seq_max),
-            cp.n_seq_max,
-            cp.kv_unified,
+            type_k=type_k,
+            type_v=type_v,
+            v_trans=v_trans,
+            kv_size=cp.n_ctx_seq,
+            n_pad=n_pad,
+            n_swa=hparams.n_swa,
+            swa_type=hparams.swa_type,
+            type_r="f32",
+            type_s="f32",
+            rs_size=max(1, cp.n_seq_max),
+            n_seq_max=cp.n_seq_max,
+            kv_unified=cp.kv_unified,
             filter_attn=hparams.attn_layer_filter,
             filter_recr=hparams.recr_layer_filter,
             n_rs_seq=cp.n_rs_seq,
@@ -235,6 +227,7 @@ def create_memory(
             swa_full=cp.swa_full,
             n_ubatch=cp.n_ubatch,
             compat=profile,
+            cparams=cp,
         )
     else:
         layer_filter = None
@@ -259,36 +252,37 @@ def create_memory(
         if hparams.swa_type != SWAType.NONE:
             mem = KVCacheISWA(
                 hparams,
-                type_k,
-                type_v,
-                v_trans,
-                cp.swa_full,
-                cp.kv_unified,
-                cp.n_ctx_seq,
-                cp.n_seq_max,
-                cp.n_ubatch,
-                n_pad,
+                type_k=type_k,
+                type_v=type_v,
+                v_trans=v_trans,
+                swa_full=cp.swa_full,
+                kv_unified=cp.kv_unified,
+                kv_size=cp.n_ctx_seq,
+                n_seq_max=cp.n_seq_max,
+                n_ubatch=cp.n_ubatch,
+                n_pad=n_pad,
                 layer_filter=layer_filter,
                 layer_reuse=layer_reuse,
                 compat=profile,
+                cparams=cp,
             )
         else:
             mem = KVCache(
                 hparams,
-                type_k,
-                type_v,
-                v_trans,
-                cp.kv_unified,
-                cp.n_ctx_seq,
-                cp.n_seq_max,
-                n_pad,
-                hparams.n_swa,
-                hparams.swa_type,
-                layer_filter,
-                layer_reuse,
+                type_k=type_k,
+                type_v=type_v,
+                v_trans=v_trans,
+                kv_unified=cp.kv_unified,
+                kv_size=cp.n_ctx_seq,
+                n_seq_max=cp.n_seq_max,
+                n_pad=n_pad,
+                n_swa=hparams.n_swa,
+                swa_type=hparams.swa_type,
+                layer_filter=layer_filter,
+                layer_reuse=layer_reuse,
                 compat=profile,
+                cparams=cp,
             )
-    mem.cparams = cp
     return mem
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
@@ -25,6 +26,21 @@ LLAMA_STATE_SEQ_FLAGS_NONE = 0
 LLAMA_STATE_SEQ_FLAGS_SWA_ONLY = 1  # the old name of PARTIAL_ONLY: same bit
 LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY = 1  # iSWA: only the SWA cache; hybrid: only the recurrent part
 LLAMA_STATE_SEQ_FLAGS_ON_DEVICE = 2
+
+
+@dataclass(frozen=True)
+class ContextParams:
+    """The resolved context parameters the memory is built from (llama_cparams, the relevant part)."""
+
+    n_ctx: int
+    n_ctx_seq: int
+    n_batch: int
+    n_ubatch: int
+    n_seq_max: int
+    n_rs_seq: int
+    kv_unified: bool
+    flash_attn: bool
+    swa_full: bool
 
 
 @runtime_checkable
@@ -270,7 +286,7 @@ class PairedMemory:
         ``on_ubatch(ubatch, slot)`` is called after each ubatch is applied (when llama.cpp computes its graph)."""
         if balloc is None:
             balloc = BatchAllocr(self.hparams.n_pos_per_embd())  # type: ignore[attr-defined]
-        n_seq_max = decode_seq_bound(self.profile, self.unified, self._decode_n_seq_max())  # type: ignore[attr-defined]
+        n_seq_max = decode_seq_bound(self.profile, self.kv_unified, self._decode_n_seq_max())  # type: ignore[attr-defined]
         balloc.init(batch, memory=self, n_seq_max=n_seq_max, output_all=embd_all)
         self.update()  # type: ignore[attr-defined]
         out = []
@@ -294,6 +310,7 @@ __all__ = [
     "LLAMA_STATE_SEQ_FLAGS_ON_DEVICE",
     "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY",
     "LLAMA_STATE_SEQ_FLAGS_SWA_ONLY",
+    "ContextParams",
     "Memory",
     "PairedMemory",
     "clear_seq",

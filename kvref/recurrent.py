@@ -50,7 +50,7 @@ import numpy as np
 from .constants import POS_MAX
 from .errors import CellError, FormatError, KVRefError, NoSlotError, SequenceError
 from .ggml import GGMLType, ggml_type, row_size
-from .memory_base import clear_seq, decode_seq_bound, read_parts
+from .memory_base import ContextParams, clear_seq, decode_seq_bound, read_parts
 from .profile import DEFAULT, Profile, resolve
 
 log = logging.getLogger("kvref.recurrent")
@@ -99,18 +99,20 @@ class RecurrentMemory:
     def __init__(
         self,
         hparams: Any,
+        *,
         type_r: GGMLType | int | str = "f32",
         type_s: GGMLType | int | str = "f32",
-        mem_size: int = 1,
+        rs_size: int = 1,
         n_seq_max: int = 1,
+        kv_unified: bool = True,
         layer_filter: Callable[[int], bool] | None = None,
-        *,
         n_rs_seq: int = 0,
         compat: Profile | str = DEFAULT,
+        cparams: ContextParams | None = None,
     ) -> None:
         self.profile = resolve(compat)
-        if mem_size < 1:
-            raise ValueError(f"mem_size must be >= 1, got {mem_size}")
+        if rs_size < 1:
+            raise ValueError(f"rs_size must be >= 1, got {rs_size}")
         if self.profile.recurrent_seq_rm_rule == "any_end_inside" and n_rs_seq:
             # that seq_rm rule belongs to a memory without rollback snapshots
             raise ValueError("recurrent_seq_rm_rule='any_end_inside' does not support n_rs_seq")
@@ -119,12 +121,13 @@ class RecurrentMemory:
         self.hparams = hparams
         self.type_r = ggml_type(type_r)
         self.type_s = ggml_type(type_s)
-        self.size = int(mem_size)
+        self.size = int(rs_size)  # llama_memory_recurrent's mem_size
         self.n_seq_max = int(n_seq_max)
         self.n_rs_seq = int(n_rs_seq)
         # the context's kv_unified: only bounds the seq ids llama_decode accepts under
-        # Profile.decode_seq_id_bound "llama_max_seq_if_unified" (create_memory sets it)
-        self.kv_unified = True
+        # Profile.decode_seq_id_bound "llama_max_seq_if_unified"
+        self.kv_unified = bool(kv_unified)
+        self.cparams = cparams  # the context create_memory built this for (None when built directly)
         self.head = 0
         self.used = 0
         self.n = 0  # cells head .. head+n are the ones the last find_slot touched

@@ -53,7 +53,7 @@ def test_rollback_archs():
 
 
 def _rmem(**kw) -> RecurrentMemory:
-    return RecurrentMemory(mamba_hparams(), mem_size=2, n_seq_max=2, compat="2026-08", **kw)
+    return RecurrentMemory(mamba_hparams(), rs_size=2, n_seq_max=2, compat="2026-08", **kw)
 
 
 def test_recurrent_seq_rm_negative_id_whole_range():

@@ -123,7 +123,7 @@ def test_0_3_17_recurrent_seq_rm_tail_rule():
     accepted and leaves the state alone)."""
     got = {}
     for release in ("0.3.16", "0.3.17"):
-        m = RecurrentMemory(mamba_hparams(), mem_size=2, n_seq_max=2, compat=compat.for_llama_cpp_python(release))
+        m = RecurrentMemory(mamba_hparams(), rs_size=2, n_seq_max=2, compat=compat.for_llama_cpp_python(release))
         m.apply_ubatch(ubatch((0, range(5))))  # tail pos 4
         got[release] = (m.seq_rm(0, 0, 3), m.seq_rm(0, 2, -1), m.pos[0])
     assert got == {"0.3.16": (False, False, 4), "0.3.17": (True, False, 4)}
@@ -134,7 +134,7 @@ def test_0_3_17_recurrent_equal_splits_become_sequential():
     ``balloc.split_equal(n_ubatch, true)``: sequences 0 and 2 (not consecutive) share a ubatch only before."""
     n_ubatches = {}
     for release in ("0.3.16", "0.3.17"):
-        m = RecurrentMemory(mamba_hparams(), mem_size=3, n_seq_max=3, compat=compat.for_llama_cpp_python(release))
+        m = RecurrentMemory(mamba_hparams(), rs_size=3, n_seq_max=3, compat=compat.for_llama_cpp_python(release))
         out = m.decode(Batch(tokens=[1, 2, 3, 4], pos=[0, 1, 0, 1], seq_ids=[[0], [0], [2], [2]]))
         n_ubatches[release] = len(out)
         assert (m.seq_pos_max(0), m.seq_pos_max(2)) == (1, 1)
@@ -194,8 +194,8 @@ def test_0_3_24_rollback_exists_from_0_3_24():
            for r in ("0.3.23", "0.3.24")}  # fmt: skip
     assert got == {"0.3.23": 0, "0.3.24": 2}
     with pytest.raises(ValueError, match="n_rs_seq"):
-        RecurrentMemory(mamba_hparams(), mem_size=2, n_seq_max=2, n_rs_seq=2, compat="0.3.23")
-    m = RecurrentMemory(mamba_hparams(), mem_size=2, n_seq_max=2, n_rs_seq=2, compat="0.3.24")
+        RecurrentMemory(mamba_hparams(), rs_size=2, n_seq_max=2, n_rs_seq=2, compat="0.3.23")
+    m = RecurrentMemory(mamba_hparams(), rs_size=2, n_seq_max=2, n_rs_seq=2, compat="0.3.24")
     m.apply_ubatch(ubatch((0, range(5))))
     assert m.seq_rm(0, 4, -1) is True and (m.pos[0], m.rs_idx[0]) == (3, 1)
 
@@ -205,7 +205,7 @@ def test_0_3_24_recurrent_state_rows_come_from_src():
     ``cell_id = rs_idx_cur * size + (cell.src >= 0 ? cell.src : i)`` into ``cell_ranges_data``."""
     rows = {}
     for release in ("0.3.23", "0.3.24"):
-        m = RecurrentMemory(mamba_hparams(), mem_size=2, n_seq_max=2, compat=compat.for_llama_cpp_python(release))
+        m = RecurrentMemory(mamba_hparams(), rs_size=2, n_seq_max=2, compat=compat.for_llama_cpp_python(release))
         m.apply_ubatch(ubatch((0, range(2))))
         cell = m.tail[0]
         for il in m.layers:
@@ -245,8 +245,9 @@ def test_0_3_34_rollback_splits():
     got = {}
     for release in ("0.3.33", "0.3.34"):
         for n_rs_seq in (0, 1):
-            m = RecurrentMemory(mamba_hparams(), mem_size=2, n_seq_max=2, n_rs_seq=n_rs_seq,
-                                compat=compat.for_llama_cpp_python(release))  # fmt: skip
+            m = RecurrentMemory(
+                mamba_hparams(), rs_size=2, n_seq_max=2, n_rs_seq=n_rs_seq, compat=compat.for_llama_cpp_python(release)
+            )
             out = m.decode(Batch(tokens=[1, 2, 3, 4], pos=[0, 1, 0, 1], seq_ids=[[0], [0], [1], [1]]))
             got[release, n_rs_seq] = len(out)
     assert got == {("0.3.33", 0): 1, ("0.3.33", 1): 2, ("0.3.34", 0): 1, ("0.3.34", 1): 1}

@@ -11,8 +11,8 @@ from kvref.hybrid import HybridMemory
 from kvref.memory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, create_memory
 
 
-def hybrid(n_seq_max: int = 3, unified: bool = True, n_ctx: int = 256, **kw) -> HybridMemory:
-    return create_memory(jamba(), n_ctx, n_seq_max, unified, **kw)
+def hybrid(n_seq_max: int = 3, kv_unified: bool = True, n_ctx: int = 256, **kw) -> HybridMemory:
+    return create_memory(jamba(), n_ctx, n_seq_max, kv_unified, **kw)
 
 
 def test_parts_and_filters():
@@ -88,7 +88,7 @@ def test_a_batch_the_recurrent_part_cannot_place_changes_nothing():
 @pytest.mark.parametrize("unified", [True, False])
 def test_decode_bounds_seq_ids_by_n_seq_max(unified):
     # October 2026: llama_decode refuses (-1) seq ids >= the context's n_seq_max, unified or not
-    mem = hybrid(n_seq_max=2, unified=unified)
+    mem = hybrid(n_seq_max=2, kv_unified=unified)
     mem.decode(Batch(tokens=list(range(4)), seq_ids=[[0]] * 4))
     with pytest.raises(BatchError, match="seq_id"):
         mem.decode(Batch(tokens=[1], pos=[0], seq_ids=[[2]]))
@@ -130,11 +130,11 @@ def test_stage_parts_is_all_or_nothing():
     from kvref.memory_base import read_all, stage_parts
     from kvref.recurrent import RecurrentMemory
 
-    a, b = (RecurrentMemory(mamba_hparams(), mem_size=2, n_seq_max=2) for _ in range(2))
+    a, b = (RecurrentMemory(mamba_hparams(), rs_size=2, n_seq_max=2) for _ in range(2))
     a.apply_ubatch(ubatch((0, [0, 1])))
     b.apply_ubatch(ubatch((1, [0, 1, 2])))
     blob = a.state_write() + b.state_write()
-    x, y = (RecurrentMemory(mamba_hparams(), mem_size=2, n_seq_max=2) for _ in range(2))
+    x, y = (RecurrentMemory(mamba_hparams(), rs_size=2, n_seq_max=2) for _ in range(2))
     assert read_all(lambda d, s, f, o: stage_parts([x, y], d, s, f, o), blob, -1, 0) == len(blob)
     assert (x.seq_pos_max(0), y.seq_pos_max(1)) == (1, 2)
     x.clear()

@@ -12,10 +12,10 @@ from kvref.memory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, create_memory
 
 
 def iswa(
-    n_ctx: int = 512, n_seq_max: int = 1, unified: bool = True, n_swa: int = 4, n_ubatch: int = 32, **kw
+    n_ctx: int = 512, n_seq_max: int = 1, kv_unified: bool = True, n_swa: int = 4, n_ubatch: int = 32, **kw
 ) -> KVCacheISWA:
     return create_memory(
-        gemma2(n_swa, n_layer=2), n_ctx, n_seq_max, unified, False, "f16", "f16", n_ubatch=n_ubatch, **kw
+        gemma2(n_swa, n_layer=2), n_ctx, n_seq_max, kv_unified, False, "f16", "f16", n_ubatch=n_ubatch, **kw
     )
 
 
@@ -75,7 +75,7 @@ def test_can_shift_needs_equal_sizes():
 
 
 def test_not_unified_uses_equal_splits():
-    mem = iswa(n_ctx=512, n_seq_max=2, unified=False)
+    mem = iswa(n_ctx=512, n_seq_max=2, kv_unified=False)
     placed = mem.decode(Batch(tokens=[1, 2, 3, 4], pos=[0, 1, 0, 1], seq_ids=[[0], [0], [1], [1]]))
     assert all(u.equal_seqs for u, _ in placed)
     assert (mem.seq_pos_max(0), mem.seq_pos_max(1)) == (1, 1)

@@ -67,7 +67,7 @@ def expected_k(
 
 
 def filled_cache(hp: HP, type_k: str, size: int = 8, n_tokens: int = 6, seed: int = 0) -> KVCache:
-    c = KVCache(hp, type_k, "f32", v_trans=False, size=size)
+    c = KVCache(hp, type_k=type_k, type_v="f32", v_trans=False, kv_size=size)
     s = place(c, seq_run(0, 0, n_tokens))
     rng = np.random.default_rng(seed)
     for il in range(hp.n_layer):
@@ -156,7 +156,7 @@ def test_rope_none_resets_shift_without_touching_k():
 
 def test_quantized_k_shift_refused_cache_untouched():
     hp = HP(n_layer=1, n_head_kv=1, n_embd_head=32, n_rot=32)
-    c = KVCache(hp, "q8_0", "f16", v_trans=False, size=4)
+    c = KVCache(hp, type_k="q8_0", type_v="f16", v_trans=False, kv_size=4)
     place(c, seq_run(0, 0, 2))
     c.seq_add(0, 0, -1, 1)
     before, k = snapshot(c), c.layers[0].k.copy()
@@ -167,7 +167,7 @@ def test_quantized_k_shift_refused_cache_untouched():
 
 def test_cross_stream_copy_is_applied_before_the_shift():
     hp = HP(n_layer=1, n_head_kv=1, n_embd_head=4, n_rot=4)
-    c = KVCache(hp, "f32", "f32", unified=False, n_seq_max=2, size=4)
+    c = KVCache(hp, type_k="f32", type_v="f32", kv_unified=False, n_seq_max=2, kv_size=4)
     s = place(c, seq_run(0, 0, 2))
     c.cpy_k(0, np.arange(8, dtype=np.float32).reshape(2, 4) + 1, s)
     before = c.get_k(0, 4)[0].copy()

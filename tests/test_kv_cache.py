@@ -20,7 +20,7 @@ from kvref.kv_cache import KVCache
 def test_uses_selected_cells_backend():
     from kvref.cells import KVCells
 
-    assert type(KVCache(HP(), size=4).cells(0)) is KVCells
+    assert type(KVCache(HP(), kv_size=4).cells(0)) is KVCells
     assert kvref.backend() in ("python", "cython")
 
 
@@ -31,7 +31,7 @@ def pad32(n: int) -> int:
 
 def test_sizes_f16_unified():
     hp = HP(n_layer=3, n_head_kv=1, n_embd_head=3)
-    c = KVCache(hp, "f16", "f16", size=5)
+    c = KVCache(hp, type_k="f16", type_v="f16", kv_size=5)
     # ggml_nbytes of a [n_embd, size, n_stream] tensor: 3 values * 2 bytes * 5 cells, per layer
     assert c.size_k_bytes() == 3 * (3 * 2 * 5)
     assert c.size_v_bytes() == 3 * (3 * 2 * 5)
@@ -42,7 +42,16 @@ def test_sizes_f16_unified():
 
 def test_sizes_multi_stream_quantized_k_and_layer_selection():
     hp = HP(n_layer=4, n_head_kv=2, n_embd_head=32, kv_from_start=3)
-    c = KVCache(hp, "q8_0", "f32", v_trans=False, unified=False, size=8, n_seq_max=3, layer_filter=lambda il: il != 1)
+    c = KVCache(
+        hp,
+        type_k="q8_0",
+        type_v="f32",
+        v_trans=False,
+        kv_unified=False,
+        kv_size=8,
+        n_seq_max=3,
+        layer_filter=lambda il: il != 1,
+    )
     # layer 1 filtered out, layer 3 has no KV (n_layer_kv_from_start = 3): layers 0 and 2, 3 streams each
     assert c.get_layer_ids() == [0, 2]
     k_layer = row_size("q8_0", 64) * 8 * 3
@@ -55,30 +64,35 @@ def test_sizes_multi_stream_quantized_k_and_layer_selection():
 def test_layer_reuse_shares_buffers():
     hp = HP(n_layer=4)
     c = KVCache(
-        hp, "f32", "f32", size=4, layer_filter=lambda il: il < 2, layer_reuse=lambda il: il - 2 if il >= 2 else -1
+        hp,
+        type_k="f32",
+        type_v="f32",
+        kv_size=4,
+        layer_filter=lambda il: il < 2,
+        layer_reuse=lambda il: il - 2 if il >= 2 else -1,
     )
     # a reused layer that fails the filter is not mapped (llama.cpp checks the filter again)
     assert c.get_layer_ids() == [0, 1]
     assert c.map_layer_ids == {0: 0, 1: 1}
-    c2 = KVCache(hp, "f32", "f32", size=4, layer_reuse=lambda il: 0 if il == 3 else -1)
+    c2 = KVCache(hp, type_k="f32", type_v="f32", kv_size=4, layer_reuse=lambda il: 0 if il == 3 else -1)
     assert c2.map_layer_ids[3] == 0 and c2.get_layer_ids() == [0, 1, 2, 3]
     with pytest.raises(KVRefError):
-        KVCache(hp, size=4, layer_filter=lambda il: il != 0, layer_reuse=lambda il: 0 if il == 1 else -1)
+        KVCache(hp, kv_size=4, layer_filter=lambda il: il != 0, layer_reuse=lambda il: 0 if il == 1 else -1)
 
 
 def test_v_trans_uses_max_v_width_and_rejects_quantized_v():
     hp = HP(n_layer=2, n_head_kv=2, n_embd_head=4, n_embd_head_v=6)
-    c = KVCache(hp, "f16", "f16", v_trans=True, size=4)
+    c = KVCache(hp, type_k="f16", type_v="f16", v_trans=True, kv_size=4)
     assert c.layers[0].v.shape == (1, 12, 4 * 2)
     with pytest.raises(KVRefError):
-        KVCache(hp, "f16", "q8_0", v_trans=True, size=4)
+        KVCache(hp, type_k="f16", type_v="q8_0", v_trans=True, kv_size=4)
     with pytest.raises(KVRefError):
-        KVCache(hp, size=6, n_pad=4)
+        KVCache(hp, kv_size=6, n_pad=4)
 
 
 # ---------------------------------------------------------------------------------------------- seq_rm
 def test_seq_rm_ranges_and_head():
-    c = KVCache(HP(), size=8)
+    c = KVCache(HP(), kv_size=8)
     place(c, seq_run(0, 0, 4) + seq_run(1, 0, 2))
     assert c.heads == [6]
     assert c.seq_rm(0, 1, 3) is True
@@ -92,7 +106,7 @@ def test_seq_rm_ranges_and_head():
 
 
 def test_seq_rm_shared_cell_keeps_other_sequence():
-    c = KVCache(HP(), size=4)
+    c = KVCache(HP(), kv_size=4)
     place(c, [([0, 1], 0), ([0, 1], 1)])
     c.seq_rm(0, -1, -1)
     assert layout(c) == ["0:1", "1:1", ".", "."]
@@ -101,7 +115,7 @@ def test_seq_rm_shared_cell_keeps_other_sequence():
 
 @pytest.mark.parametrize("seq", [-2, 256, 1000])
 def test_seq_rm_rejects_bad_ids_unchanged(seq):
-    c = KVCache(HP(), size=4)
+    c = KVCache(HP(), kv_size=4)
     place(c, seq_run(0, 0, 2))
     before = snapshot(c)
     with pytest.raises(SequenceError):
@@ -111,13 +125,13 @@ def test_seq_rm_rejects_bad_ids_unchanged(seq):
 
 def test_unified_accepts_any_seq_id_below_max_seq():
     # seq_to_stream has LLAMA_MAX_SEQ entries in a unified cache, so ids >= n_seq_max pass llama.cpp's check
-    c = KVCache(HP(), size=4, n_seq_max=1)
+    c = KVCache(HP(), kv_size=4, n_seq_max=1)
     c.seq_rm(200, -1, -1)
     assert c.seq_pos_max(200) == -1
 
 
 def test_multi_stream_bounds_seq_ids_by_n_seq_max():
-    c = KVCache(HP(), size=4, n_seq_max=2, unified=False)
+    c = KVCache(HP(), kv_size=4, n_seq_max=2, kv_unified=False)
     before = snapshot(c)
     for op in (
         lambda: c.seq_rm(2, -1, -1),
@@ -134,7 +148,7 @@ def test_multi_stream_bounds_seq_ids_by_n_seq_max():
 
 # ---------------------------------------------------------------------------------------------- seq_cp / keep
 def test_seq_cp_same_stream_is_metadata_only():
-    c = KVCache(HP(), size=6)
+    c = KVCache(HP(), kv_size=6)
     place(c, seq_run(0, 0, 4))
     c.seq_cp(0, 1, 1, 3)
     assert layout(c) == ["0:0", "1:0,1", "2:0,1", "3:0", ".", "."]
@@ -145,7 +159,7 @@ def test_seq_cp_same_stream_is_metadata_only():
 
 
 def test_seq_keep():
-    c = KVCache(HP(), size=6)
+    c = KVCache(HP(), kv_size=6)
     place(c, [*seq_run(0, 0, 2), ([0, 2], 2), *seq_run(1, 0, 2)])
     c.heads[0] = 5
     c.seq_keep(0)
@@ -155,7 +169,7 @@ def test_seq_keep():
 
 # ---------------------------------------------------------------------------------------------- seq_add / div
 def test_seq_add_shifts_and_frees_below_zero():
-    c = KVCache(HP(), size=6)
+    c = KVCache(HP(), kv_size=6)
     place(c, seq_run(0, 0, 4) + seq_run(1, 0, 2))
     c.seq_add(0, 2, -1, -3)  # pos 2 -> -1 (freed), pos 3 -> 0
     assert layout(c) == ["0:0", "1:0", ".", "0:0", "0:1", "1:1"]
@@ -168,7 +182,7 @@ def test_seq_add_shifts_and_frees_below_zero():
 
 
 def test_seq_add_early_returns_keep_head():
-    c = KVCache(HP(), size=6)
+    c = KVCache(HP(), kv_size=6)
     place(c, seq_run(0, 0, 3))
     before = snapshot(c)
     c.seq_add(0, 0, -1, 0)  # shift 0
@@ -180,7 +194,7 @@ def test_seq_add_early_returns_keep_head():
 
 
 def test_seq_add_large_negative_frees_everything():
-    c = KVCache(HP(), size=4)
+    c = KVCache(HP(), kv_size=4)
     place(c, seq_run(0, 0, 4))
     c.seq_add(0, -1, -1, -(2**31 - 10))
     assert layout(c) == ["."] * 4 and c.heads == [0]
@@ -188,7 +202,7 @@ def test_seq_add_large_negative_frees_everything():
 
 
 def test_seq_div():
-    c = KVCache(HP(), size=6)
+    c = KVCache(HP(), kv_size=6)
     place(c, seq_run(0, 0, 6))
     c.seq_div(0, 2, 5, 2)
     assert layout(c) == ["0:0", "1:0", "1:0", "1:0", "2:0", "5:0"]
@@ -202,7 +216,7 @@ def test_seq_div():
 
 
 def test_seq_add_div_refused_for_mrope():
-    c = KVCache(HP(n_pos=4), size=4)
+    c = KVCache(HP(n_pos=4), kv_size=4)
     place(c, seq_run(0, 0, 2))
     before = snapshot(c)
     with pytest.raises(SequenceError):
@@ -214,7 +228,7 @@ def test_seq_add_div_refused_for_mrope():
 
 
 def test_seq_pos_min_max():
-    c = KVCache(HP(), size=6)
+    c = KVCache(HP(), kv_size=6)
     assert c.seq_pos_min(0) == -1 and c.seq_pos_max(0) == -1
     place(c, [(0, 5), (0, 3), (1, 9)])
     assert (c.seq_pos_min(0), c.seq_pos_max(0), c.seq_pos_max(1)) == (3, 5, 9)
@@ -222,7 +236,7 @@ def test_seq_pos_min_max():
 
 # ---------------------------------------------------------------------------------------------- streams
 def multi(size: int = 4, n_seq: int = 3, **kw) -> KVCache:
-    return KVCache(HP(n_layer=1), "f32", "f32", unified=False, size=size, n_seq_max=n_seq, **kw)
+    return KVCache(HP(n_layer=1), type_k="f32", type_v="f32", kv_unified=False, kv_size=size, n_seq_max=n_seq, **kw)
 
 
 def test_streams_map_one_sequence_each():
@@ -305,5 +319,5 @@ def test_clear_keeps_queued_copies():
 
 
 def test_swa_params_are_kept():
-    c = KVCache(HP(), size=4, n_swa=3, swa_type=SWAType.CHUNKED)
+    c = KVCache(HP(), kv_size=4, n_swa=3, swa_type=SWAType.CHUNKED)
     assert c.n_swa == 3 and c.swa_type == SWAType.CHUNKED

@@ -17,7 +17,7 @@ from kvref.kv_cache import KVCache, SlotInfo
 
 
 def cache(size: int = 8, **kw) -> KVCache:
-    return KVCache(HP(n_layer=1), "f32", "f32", size=size, **kw)
+    return KVCache(HP(n_layer=1), type_k="f32", type_v="f32", kv_size=size, **kw)
 
 
 # ---------------------------------------------------------------------------------------------- find_slot
@@ -175,7 +175,7 @@ def test_prepare_keeps_swa_purge_outside_the_slot():
 def test_prepare_restores_head_by_stream_index():
     # llama.cpp restores head[strm[s]] from the saved v_heads[s]: for a ubatch living in stream 1
     # only, stream 1 gets stream 0's old head
-    c = cache(size=4, unified=False, n_seq_max=2)
+    c = cache(size=4, kv_unified=False, n_seq_max=2)
     place(c, seq_run(0, 0, 2))
     place(c, seq_run(1, 0, 3))
     assert c.heads == [2, 3]
@@ -187,7 +187,7 @@ def test_prepare_restores_head_by_stream_index():
 # ---------------------------------------------------------------------------------------------- multi-stream
 def test_multi_stream_slot_and_indices():
     hp = HP(n_layer=1, n_head_kv=1, n_embd_head=2)
-    c = KVCache(hp, "f32", "f32", v_trans=True, unified=False, size=4, n_seq_max=3)
+    c = KVCache(hp, type_k="f32", type_v="f32", v_trans=True, kv_unified=False, kv_size=4, n_seq_max=3)
     place(c, [(2, 0)])
     u = ub([(0, 0), (0, 1), (2, 1), (2, 2)])
     s = c.find_slot(u)
@@ -201,14 +201,14 @@ def test_multi_stream_slot_and_indices():
 
 
 def test_get_n_kv_padding():
-    c = KVCache(HP(n_layer=1), "f32", "f32", size=1024, n_pad=1)
+    c = KVCache(HP(n_layer=1), type_k="f32", type_v="f32", kv_size=1024, n_pad=1)
     s = place(c, seq_run(0, 0, 3))
     assert c.get_n_kv(s) == 256  # padded to max(n_pad, 256)
     s = place(c, seq_run(0, 3, 297))
     assert c.cells(0).used_max_p1() == 300 and c.get_n_kv(s) == 512
     small = cache(size=8)
     assert small.get_n_kv(place(small, [(0, 0)])) == 8  # at most the cache size
-    big_pad = KVCache(HP(n_layer=1), "f32", "f32", size=1024, n_pad=512)
+    big_pad = KVCache(HP(n_layer=1), type_k="f32", type_v="f32", kv_size=1024, n_pad=512)
     assert big_pad.get_n_kv(place(big_pad, [(0, 0)])) == 512
 
 
@@ -223,7 +223,7 @@ def test_decode_positions_continue_and_split_simple():
 
 
 def test_decode_multi_stream_split_equal():
-    c = cache(size=4, unified=False, n_seq_max=2)
+    c = cache(size=4, kv_unified=False, n_seq_max=2)
     placed = c.decode(Batch(tokens=[1, 2, 3, 4], seq_ids=[[0], [1], [0], [1]]), n_ubatch=4)
     ((u, s),) = placed
     assert s.strm == [0, 1] and s.idxs == [[0, 1], [0, 1]]
@@ -233,7 +233,7 @@ def test_decode_multi_stream_split_equal():
 
 def test_decode_stores_rows_in_batch_order():
     hp = HP(n_layer=2, n_head_kv=1, n_embd_head=2)
-    c = KVCache(hp, "f32", "f32", v_trans=True, unified=False, size=4, n_seq_max=2)
+    c = KVCache(hp, type_k="f32", type_v="f32", v_trans=True, kv_unified=False, kv_size=4, n_seq_max=2)
     k = np.arange(8, dtype=np.float32).reshape(4, 2)
     c.decode(Batch(tokens=[1, 2, 3, 4], seq_ids=[[0], [1], [0], [1]]), k={1: k}, v={1: k + 100})
     got = c.get_k(1, 2)
@@ -303,7 +303,7 @@ def test_prepare_refuses_pending_shift_in_target_and_restores():
 def test_multi_stream_ubatch_must_be_grouped():
     from kvref.errors import BatchError
 
-    c = cache(size=4, unified=False, n_seq_max=2)
+    c = cache(size=4, kv_unified=False, n_seq_max=2)
     with pytest.raises(BatchError):
         c.find_slot(ub([(0, 0), (1, 0), (0, 1)]))
     with pytest.raises(BatchError):
@@ -312,7 +312,7 @@ def test_multi_stream_ubatch_must_be_grouped():
 
 def test_rows_in_and_out():
     hp = HP(n_layer=2, n_head_kv=1, n_embd_head=2, n_embd_head_v=2)
-    c = KVCache(hp, "bf16", "f16", v_trans=True, size=4)
+    c = KVCache(hp, type_k="bf16", type_v="f16", v_trans=True, kv_size=4)
     s = place(c, seq_run(0, 0, 2))
     c.cpy_k(0, np.array([[1.0, 2.0], [3.0, 1.0 / 3.0]], np.float32), s)
     # bf16 is returned as its bit pattern; 1/3 rounds to nearest even: 0x3EAB
@@ -341,7 +341,7 @@ def test_transposed_v_pads_narrow_layers_with_zeros():
         swa_type=SWAType.STANDARD,
         n_swa=4,
     )
-    c = KVCache(hp, "f32", "f32", v_trans=True, size=4)
+    c = KVCache(hp, type_k="f32", type_v="f32", v_trans=True, kv_size=4)
     assert c.layers[1].v.shape == (1, 4, 16)  # every layer padded to n_embd_v_gqa_max = 4
     c.layers[1].v.fill(0xFF)
     s = place(c, [(0, 0)])

@@ -24,11 +24,20 @@ TWINS = [_cells_py.KVCells] + ([_cells_c.KVCells] if _cells_c is not None else [
 TWIN_IDS = ["py"] + (["c"] if _cells_c is not None else [])
 
 
-def make(types=("f16", "f16"), v_trans=True, unified=True, n_seq_max=4, size=32, cells_cls=None, hp=None, **kw):
+def make(types=("f16", "f16"), v_trans=True, kv_unified=True, n_seq_max=4, size=32, cells_cls=None, hp=None, **kw):
     if hp is None:
         hp = HP(n_embd_head=32) if "q8_0" in types else HP()  # q8_0 rows need whole 32-element blocks
-    return KVCache(hp, type_k=types[0], type_v=types[1], v_trans=v_trans, unified=unified, size=size,
-                   n_seq_max=n_seq_max, cells_cls=cells_cls, **kw)  # fmt: skip
+    return KVCache(
+        hp,
+        type_k=types[0],
+        type_v=types[1],
+        v_trans=v_trans,
+        kv_unified=kv_unified,
+        kv_size=size,
+        n_seq_max=n_seq_max,
+        cells_cls=cells_cls,
+        **kw,
+    )
 
 
 def fill(cache: KVCache, seed: int = 0) -> None:
@@ -191,11 +200,11 @@ def test_sequence_restore_into_a_fresh_cache_uses_the_first_cells():
 
 @pytest.mark.parametrize("v_trans", [True, False])
 def test_multistream_round_trips(v_trans):
-    cache = make(unified=False, n_seq_max=3, v_trans=v_trans)
+    cache = make(kv_unified=False, n_seq_max=3, v_trans=v_trans)
     populate(cache)
     blob = cache.state_write()
     assert struct.unpack_from("<I", blob)[0] == 3
-    other = make(unified=False, n_seq_max=3, v_trans=v_trans)
+    other = make(kv_unified=False, n_seq_max=3, v_trans=v_trans)
     other.state_read(blob)
     assert other.state_write() == blob
     # a sequence artefact lists every stream; restore it into another stream
@@ -372,8 +381,8 @@ def test_sequence_restore_into_a_stream_with_seq_div_shifts():
         ({"v_trans": False}, {"v_trans": True}, "flash attention on; build the memory with flash_attn=True"),
         ({"types": ("f32", "f16")}, {}, "written with type_k='f32'"),
         ({"types": ("f16", "f32")}, {}, "written with type_v='f32'"),
-        ({"unified": False}, {}, "a context with kv_unified=False and n_seq_max=4"),
-        ({}, {"unified": False}, "a context with kv_unified=True"),
+        ({"kv_unified": False}, {}, "a context with kv_unified=False and n_seq_max=4"),
+        ({}, {"kv_unified": False}, "a context with kv_unified=True"),
         ({"size": 32}, {"size": 8}, "build the memory with a larger n_ctx (at least 11 cells per stream)"),
     ],
 )  # fmt: skip

@@ -50,7 +50,7 @@ def check_against_oracle(cache: KVCache, ub, sinfo, out: np.ndarray, **kw) -> No
 
 
 def test_two_prompts_in_a_unified_cache(glue):
-    cache = KVCache(hp(), size=512, n_seq_max=2, unified=True)
+    cache = KVCache(hp(), kv_size=512, n_seq_max=2, kv_unified=True)
     cache.decode(Batch(tokens=[1, 2, 3, 4], seq_ids=[[0]] * 4))
     ((ub, sinfo),) = cache.decode(Batch(tokens=[5, 6, 7], seq_ids=[[1]] * 3))
     m = glue.fill_kq_mask(cache, ub, sinfo=sinfo)
@@ -64,7 +64,7 @@ def test_two_prompts_in_a_unified_cache(glue):
 
 
 def test_shared_prefix_and_reused_out_buffer(glue):
-    cache = KVCache(hp(), size=256, n_seq_max=2, unified=True)
+    cache = KVCache(hp(), kv_size=256, n_seq_max=2, kv_unified=True)
     cache.decode(Batch(tokens=[1, 2, 3], seq_ids=[[0, 1]] * 3))  # a prompt both sequences see
     ((ub, sinfo),) = cache.decode(Batch(tokens=[4, 5], seq_ids=[[0], [1]], logits=[1, 1]))
     out = np.empty((1, 2, 256), np.float16)
@@ -74,7 +74,7 @@ def test_shared_prefix_and_reused_out_buffer(glue):
 
 
 def test_multi_stream_ubatch_layout(glue):
-    cache = KVCache(hp(), size=256, n_seq_max=2, unified=False)
+    cache = KVCache(hp(), kv_size=256, n_seq_max=2, kv_unified=False)
     placed = cache.decode(Batch(tokens=[1, 2, 3, 4, 5, 6], seq_ids=[[0], [0], [0], [1], [1], [1]]))
     ((ub, sinfo),) = placed
     assert ub.n_seqs_unq == 2 and sinfo.strm == [0, 1]
@@ -87,7 +87,7 @@ def test_multi_stream_ubatch_layout(glue):
 
 
 def test_swa_cache_and_non_causal(glue):
-    cache = KVCache(hp(), size=256, n_seq_max=1, unified=True, n_swa=2, swa_type=SWAType.STANDARD)
+    cache = KVCache(hp(), kv_size=256, n_seq_max=1, kv_unified=True, n_swa=2, swa_type=SWAType.STANDARD)
     ((ub, sinfo),) = cache.decode(Batch(tokens=[1, 2, 3, 4]))
     m = glue.fill_kq_mask(cache, ub, sinfo=sinfo)
     assert same_bits(m[0, :, :4], np.array([[0, X, X, X], [0, 0, X, X], [X, 0, 0, X], [X, X, 0, 0]], np.float32))
@@ -100,7 +100,7 @@ def test_swa_cache_and_non_causal(glue):
 def test_random_decode_scenario_matches_oracle(glue):
     rng = np.random.default_rng(3)
     for unified in (True, False):
-        cache = KVCache(hp(), size=512, n_seq_max=4, unified=unified)
+        cache = KVCache(hp(), kv_size=512, n_seq_max=4, kv_unified=unified)
         for step in range(12):
             seqs = rng.choice(4, rng.integers(1, 4), replace=False)
             n_per = int(rng.integers(1, 9))
@@ -117,7 +117,7 @@ def test_random_decode_scenario_matches_oracle(glue):
 
 
 def test_k_shift_input_matches_the_cache(glue):
-    cache = KVCache(hp(), size=256, n_seq_max=2, unified=True)
+    cache = KVCache(hp(), kv_size=256, n_seq_max=2, kv_unified=True)
     cache.decode(Batch(tokens=[1, 2, 3, 4, 5], seq_ids=[[0]] * 5))
     cache.seq_add(0, 2, -1, 3)
     got = glue.k_shift_input(cache)
@@ -128,7 +128,7 @@ def test_k_shift_input_matches_the_cache(glue):
 
 
 def test_pos_bucket_with_and_without_cache(glue):
-    cache = KVCache(hp(), size=256, n_seq_max=1, unified=True)
+    cache = KVCache(hp(), kv_size=256, n_seq_max=1, kv_unified=True)
     ((ub, _),) = cache.decode(Batch(tokens=[1, 2, 3]))
     b = glue.fill_pos_bucket(cache, ub, n_buckets=32)
     assert b.shape == (3, 256)
@@ -138,7 +138,7 @@ def test_pos_bucket_with_and_without_cache(glue):
 
 
 def test_k_v_idxs_are_the_caches(glue):
-    cache = KVCache(hp(), size=256, n_seq_max=2, unified=False, v_trans=True)
+    cache = KVCache(hp(), kv_size=256, n_seq_max=2, kv_unified=False, v_trans=True)
     ((ub, sinfo),) = cache.decode(Batch(tokens=[1, 2, 3, 4], seq_ids=[[0], [0], [1], [1]]))
     assert glue.k_idxs(cache, ub, sinfo).tolist() == [0, 1, 256, 257]
     v = glue.v_idxs(cache, ub, sinfo)
@@ -148,7 +148,7 @@ def test_k_v_idxs_are_the_caches(glue):
 def test_mrope_image_tokens_attend_in_raster_order(glue):
     from kvref.hparams import RopeType
 
-    cache = KVCache(hp(rope_type=RopeType.MROPE, n_embd=4), size=256)
+    cache = KVCache(hp(rope_type=RopeType.MROPE, n_embd=4), kv_size=256)
     cache.decode(Batch(tokens=[1, 2, 3, 4, 5]))  # text at positions 0..4
     # a 2x2 image at t = 5: position blocks t, y, x, (unused); tokens in raster order
     pos = np.array([5, 5, 5, 5, 0, 0, 1, 1, 0, 1, 0, 1, 0, 0, 0, 0], np.int32)

@@ -28,7 +28,9 @@ MID_2025 = dataclasses.replace(
 
 
 def mem(n_seq_max: int = 4, **kw) -> RecurrentMemory:
-    return RecurrentMemory(mamba_hparams(), "f32", "f32", max(1, n_seq_max), n_seq_max, **kw)
+    return RecurrentMemory(
+        mamba_hparams(), type_r="f32", type_s="f32", rs_size=max(1, n_seq_max), n_seq_max=n_seq_max, **kw
+    )
 
 
 def cells(m: RecurrentMemory) -> list[tuple[int, list[int], int]]:
@@ -57,7 +59,7 @@ def test_sizes_follow_the_constructor():
 
 
 def test_layer_filter_and_rollback_planes_widen_the_tensors():
-    m = RecurrentMemory(mamba_hparams(3), mem_size=2, n_seq_max=2, layer_filter=lambda il: il != 1, n_rs_seq=3)
+    m = RecurrentMemory(mamba_hparams(3), rs_size=2, n_seq_max=2, layer_filter=lambda il: il != 1, n_rs_seq=3)
     assert m.layers == [0, 2]
     assert m.r_l[1] is None and m.s_l[1] is None
     assert m.r_l[0].shape == (2 * (1 + 3), 768)  # mem_size * (1 + n_rs_seq) rows
@@ -67,7 +69,7 @@ def test_layer_filter_and_rollback_planes_widen_the_tensors():
 def test_total_size_pads_each_tensor_to_32_bytes():
     hp = mamba_hparams()
     hp.ssm_d_inner = 3  # n_embd_r = 9 floats = 36 bytes -> padded to 64 per 1-cell tensor
-    m = RecurrentMemory(hp, mem_size=1, n_seq_max=1)
+    m = RecurrentMemory(hp, rs_size=1, n_seq_max=1)
     assert m.size_r_bytes() == 2 * 36
     assert m.total_size() == 2 * 64 + 2 * 96  # S: 8*3 floats = 96 bytes, already aligned
 
@@ -440,7 +442,7 @@ def _with_seq(blob: bytes, seq: int) -> bytes:
 def test_state_read_refuses_a_layer_mismatch():
     m = three_sequences()
     blob = m.state_write()
-    other = RecurrentMemory(mamba_hparams(3), mem_size=4, n_seq_max=4)
+    other = RecurrentMemory(mamba_hparams(3), rs_size=4, n_seq_max=4)
     with pytest.raises(FormatError, match="n_layer"):
         other.state_read(blob)
 
@@ -476,9 +478,9 @@ def test_mid_2025_layout_is_the_same_bytes_for_a_model_with_state_in_every_layer
 
 def test_mid_2025_rules_refuse_what_the_2025_cache_did_not_have():
     with pytest.raises(ValueError):
-        RecurrentMemory(mamba_hparams(), mem_size=2, n_seq_max=2, n_rs_seq=1, compat=MID_2025)
+        RecurrentMemory(mamba_hparams(), rs_size=2, n_seq_max=2, n_rs_seq=1, compat=MID_2025)
     # llama_memory_recurrent of 2025 (llama-cpp-python 0.3.16) had layer filters
-    m = RecurrentMemory(mamba_hparams(), mem_size=2, n_seq_max=2, layer_filter=lambda il: True, compat=MID_2025)
+    m = RecurrentMemory(mamba_hparams(), rs_size=2, n_seq_max=2, layer_filter=lambda il: True, compat=MID_2025)
     assert m.profile is MID_2025 and m.profile.recurrent_seq_rm_rule == "any_end_inside"
 
 
@@ -502,10 +504,10 @@ def test_whole_restore_bounds_seq_ids():
     m = mem(4)
     m.apply_ubatch(ubatch((3, [0])))
     blob = m.state_write()
-    current = RecurrentMemory(mamba_hparams(), mem_size=4, n_seq_max=3)  # ids must be < n_seq_max
+    current = RecurrentMemory(mamba_hparams(), rs_size=4, n_seq_max=3)  # ids must be < n_seq_max
     with pytest.raises(FormatError, match="seq_id"):
         current.state_read(blob)
-    old = RecurrentMemory(mamba_hparams(), mem_size=4, n_seq_max=3, compat=MID_2025)  # < cell count only
+    old = RecurrentMemory(mamba_hparams(), rs_size=4, n_seq_max=3, compat=MID_2025)  # < cell count only
     old.state_read(blob)
     assert old.tail[3] == 0
 

@@ -29,9 +29,14 @@ def test_replay_matches_llama_cpp(case_id):
     n_seq_max = case["observed_context"]["n_seq_max"]
     # llama_model::create_memory: f32 R and S, max(1, n_seq_max) cells
     mem = RecurrentMemory(
-        hp, "f32", "f32", max(1, n_seq_max), n_seq_max, n_rs_seq=case["context"].get("n_rs_seq", 0),
+        hp,
+        type_r="f32",
+        type_s="f32",
+        rs_size=max(1, n_seq_max),
+        n_seq_max=n_seq_max,
+        n_rs_seq=case["context"].get("n_rs_seq", 0),
         compat=compat_for(case),
-    )  # fmt: skip
+    )
     mem.kv_unified = case["context"]["kv_unified"]
     logged = case["observed_context"]["memory_log"]["caches"][0]
     assert (mem.size, len(mem.layers)) == (logged["cells"], logged["layers"])
