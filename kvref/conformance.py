@@ -368,7 +368,7 @@ def inject_rows(leaves: list[Any], mine: list[Any], theirs: list[Any], seq_id: i
     KV caches get the rows in their buffers (so state_write's gather is checked); recurrent sections get
     them substituted in the section objects (the recurrent memory's row bookkeeping is its own concern).
     """
-    from .kv_state import _copy_rows, written_cells
+    from .kv_state import copy_rows, written_cells
     from .state import KVSection
 
     out = []
@@ -376,7 +376,7 @@ def inject_rows(leaves: list[Any], mine: list[Any], theirs: list[Any], seq_id: i
         if isinstance(b, KVSection):
             for s, st in enumerate(b.streams):
                 if st.cells is not None:
-                    _copy_rows(leaf, s, written_cells(leaf, s, seq_id), st.data)
+                    copy_rows(leaf, s, written_cells(leaf, s, seq_id), st.data)
             out.extend(leaf.state_sections(seq_id, 0))
         else:
             a = copy.copy(a)

@@ -111,6 +111,10 @@ class HybridMemory(PairedMemory):
             compat=self.profile,
         )
 
+    def attention_cache(self, sinfo: HybridSlot | None = None, *, swa: bool = False) -> tuple[KVCache, Any]:
+        """The cache a KQ mask is built over: the attention part's (its base or SWA cache for hybrid_iswa)."""
+        return self.attn.attention_cache(None if sinfo is None else sinfo.attn, swa=swa)
+
     def get_mem_attn(self) -> Any:
         """The attention part: a KVCache, or a KVCacheISWA for hybrid_iswa (llama_memory_hybrid::get_mem_attn)."""
         return self.attn

@@ -16,7 +16,8 @@ State files: ``state_write`` / ``state_read`` / ``stage_state`` / ``state_sectio
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import copy
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,7 +30,7 @@ from .errors import KVRefError, NoSlotError, SequenceError
 from .ggml import GGMLType, ggml_type, row_size, traits
 from .hparams import RopeType, SWAType
 from .kshift import ROPE_NEOX, RopeParams, shift_k_rows
-from .memory_base import ContextParams, decode_seq_bound
+from .memory_base import ContextParams, decode_batch
 from .profile import DEFAULT, Profile, first_release, resolve
 from .rows import from_f32, typed
 from .slots import SlotInfo
@@ -177,13 +178,33 @@ class KVCache:
 
     def get_cells(self, seq_id: int) -> KVCells:
         """The cells of the stream that holds ``seq_id``."""
-        return self._cells[self.seq_to_stream[self._check_seq(seq_id)]]
+        return self._cells[self.seq_to_stream[self.check_seq(seq_id)]]
+
+    def attention_cache(self, sinfo: Any = None, *, swa: bool = False) -> tuple[KVCache, Any]:
+        """The cache a KQ mask is built over, with its slot info: this cache (it has no separate SWA cache)."""
+        if swa:
+            raise KVRefError("swa=True needs an iSWA memory: a KVCache has one mask")
+        return self, sinfo
 
     def get_stream(self, seq_id: int) -> int:
         """The stream that holds ``seq_id`` (llama.cpp's ``seq_to_stream``)."""
-        return self.seq_to_stream[self._check_seq(seq_id)]
+        return self.seq_to_stream[self.check_seq(seq_id)]
 
-    def _check_seq(self, seq_id: int) -> int:
+    def fork(self, streams: Iterable[int] | None = None) -> KVCache:
+        """A copy to try placements on (a sequence restore's trial): its cells of ``streams`` (default: all),
+        its heads and its queued stream copies are its own. Its K/V buffers are this cache's own arrays, so
+        placements may be tried on it but rows must not be written to it."""
+        fork = copy.copy(self)
+        fork._cells = list(self._cells)
+        for s in range(self.n_stream) if streams is None else streams:
+            fork._cells[s] = _kv_state.clone_cells(self._cells[s])
+        fork.heads = list(self.heads)
+        fork._sc_src, fork._sc_dst = list(self._sc_src), list(self._sc_dst)
+        return fork
+
+    def check_seq(self, seq_id: int) -> int:
+        """``seq_id`` as an int when this cache can hold it (below LLAMA_MAX_SEQ when unified, else below
+        n_seq_max); SequenceError otherwise."""
         seq_id = int(seq_id)
         if not 0 <= seq_id < len(self.seq_to_stream):
             raise SequenceError(f"seq_id {seq_id} is outside [0, {len(self.seq_to_stream)})")
@@ -213,7 +234,7 @@ class KVCache:
         """Remove ``seq_id`` (every sequence when -1) from the cells with p0 <= pos < p1. Always True."""
         seq_id = int(seq_id)
         if seq_id != -1:
-            self._check_seq(seq_id)
+            self.check_seq(seq_id)
         elif self.profile.kv_seq_rm_all_asserts:
             # GGML_ASSERT(seq_id >= 0 && ...) came first: an abort
             first = first_release("kv_seq_rm_all_asserts", True)
@@ -233,7 +254,7 @@ class KVCache:
         the destination stream is emptied, given the source's cells of that sequence (with their pending
         shifts) and its head, and the K/V buffers of the stream are copied at the next ``update()``.
         """
-        src, dst = self._check_seq(seq_id_src), self._check_seq(seq_id_dst)
+        src, dst = self.check_seq(seq_id_src), self.check_seq(seq_id_dst)
         s0, s1 = self.seq_to_stream[src], self.seq_to_stream[dst]
         if s0 == s1:
             if src != dst:
@@ -261,7 +282,7 @@ class KVCache:
 
     def seq_keep(self, seq_id: int) -> None:
         """Drop every other sequence from the stream of ``seq_id`` (cells of no sequence stay as they are)."""
-        s = self.seq_to_stream[self._check_seq(seq_id)]
+        s = self.seq_to_stream[self.check_seq(seq_id)]
         self._lower_head(s, self._cells[s].seq_keep_all(seq_id))
 
     def _check_pos_ops(self, what: str) -> None:
@@ -273,7 +294,7 @@ class KVCache:
 
         The head moves to the first freed cell, or to 0 when none was freed.
         """
-        s = self.seq_to_stream[self._check_seq(seq_id)]
+        s = self.seq_to_stream[self.check_seq(seq_id)]
         self._check_pos_ops("seq_add")
         if shift == 0:
             return
@@ -286,7 +307,7 @@ class KVCache:
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
         """Integer-divide the positions of ``seq_id`` in [p0, p1) by ``d``."""
-        s = self.seq_to_stream[self._check_seq(seq_id)]
+        s = self.seq_to_stream[self.check_seq(seq_id)]
         self._check_pos_ops("seq_div")
         if d == 1:
             return
@@ -442,36 +463,26 @@ class KVCache:
         k: Mapping[int, np.ndarray] | None = None,
         v: Mapping[int, np.ndarray] | None = None,
         balloc: Any = None,
+        embd_all: bool = False,
         on_ubatch: Callable[[Any, SlotInfo], None] | None = None,
     ) -> list[tuple[Any, SlotInfo]]:
-        """What llama_decode does to the memory: validate, apply pending updates, place every ubatch.
+        """What llama_decode does to the memory (`kvref.memory_base.decode_batch`): validate, apply pending
+        updates, place every ubatch; ``k`` / ``v`` rows are stored at the placed cells. Raises NoSlotError when
+        the batch does not fit; the cells and heads are then as prepare() leaves them after a failure: the
+        pending update applied and, with SWA, any purge done while trying earlier ubatches kept (as in
+        llama.cpp)."""
+        return decode_batch(self, batch, n_ubatch, k=k, v=v, balloc=balloc, embd_all=embd_all, on_ubatch=on_ubatch)
 
-        ``k`` / ``v`` optionally map a layer id to its rows for the whole batch (n_tokens, n_embd_gqa),
-        in batch order; they are stored at the placed cells. Raises NoSlotError when the batch does not
-        fit; the cells and heads are then as prepare() leaves them after a failure: the pending update
-        applied and, with SWA, any purge done while trying earlier ubatches kept (as in llama.cpp).
-        ``on_ubatch(ubatch, slot)`` is called after each ubatch is placed, when llama.cpp would compute its
-        graph (the graph inputs, ``kvref.mask``, are those of that moment).
-        """
-        if balloc is None:
-            from .batch import BatchAllocr  # the splitter lives with the batch
+    # decode_batch's steps
+    def _decode_n_seq_max(self) -> int:
+        return self.n_seq_max
 
-            balloc = BatchAllocr(n_pos_per_embd=self.hparams.n_pos_per_embd())
-        # llama_context::decode: batch validation (positions from seq_pos_max + 1) comes first,
-        # then memory_update() applies pending shifts/copies, then init_batch places the ubatches
-        balloc.init(batch, memory=self, n_seq_max=decode_seq_bound(self.profile, self.kv_unified, self.n_seq_max))
-        self.update()
-        placed = self.init_batch(balloc, n_ubatch)
-        for ub, sinfo in placed:
-            self.apply_ubatch(sinfo, ub)
-            rows = np.asarray(ub.batch_idxs)
-            for il, data in (k or {}).items():
-                self.cpy_k(il, np.asarray(data)[rows], sinfo)
-            for il, data in (v or {}).items():
-                self.cpy_v(il, np.asarray(data)[rows], sinfo)
-            if on_ubatch is not None:
-                on_ubatch(ub, sinfo)
-        return placed
+    def _apply(self, sinfo: SlotInfo, ubatch: Any) -> SlotInfo:
+        self.apply_ubatch(sinfo, ubatch)
+        return sinfo
+
+    def _owner(self, il: int, sinfo: SlotInfo) -> tuple[KVCache, SlotInfo]:
+        return self, sinfo
 
     # ------------------------------------------------------------------ graph inputs and K/V rows
     def get_n_kv(self, sinfo: SlotInfo) -> int:

@@ -119,6 +119,13 @@ class KVCacheISWA(PairedMemory):
 
     # --- sizes ---------------------------------------------------------------------------------------------
 
+    def attention_cache(self, sinfo: ISWASlot | None = None, *, swa: bool = False) -> tuple[KVCache, Any]:
+        """The cache a KQ mask is built over, with its part of ``sinfo``: the base cache (llama.cpp's
+        ``kq_mask``), or with ``swa=True`` the SWA cache (``kq_mask_swa``)."""
+        if swa:
+            return self.swa, None if sinfo is None else sinfo.swa
+        return self.base, None if sinfo is None else sinfo.base
+
     def get_base(self) -> KVCache:
         """The full-attention cache (llama_kv_cache_iswa::get_base)."""
         return self.base

@@ -158,7 +158,7 @@ def state_section(cache: KVCache, seq_id: int = -1, flags: int = 0) -> KVSection
     del flags
     seq_id = int(seq_id)
     if seq_id != -1:
-        cache._check_seq(seq_id)
+        cache.check_seq(seq_id)
     n_ext = ext_size(cache) // 4
     streams = []
     for s in range(cache.n_stream):
@@ -233,17 +233,6 @@ def clone_cells(cells: KVCells) -> KVCells:
     return out
 
 
-def _trial(cache: KVCache, streams: list[int]) -> Any:
-    """A shallow copy of the cache whose cells of ``streams`` and heads are private copies."""
-    trial = object.__new__(type(cache))
-    trial.__dict__.update(cache.__dict__)
-    trial._cells = list(cache._cells)
-    for s in streams:
-        trial._cells[s] = clone_cells(cache._cells[s])
-    trial.heads = list(cache.heads)
-    return trial
-
-
 def _reserve_ubatch(cache: KVCache, cells: Any, dest: int, has_ext: bool) -> Any:
     """ubatch_reserve(cell_count, 1) filled as state_read_meta fills it."""
     n = cells.n
@@ -289,7 +278,8 @@ def _empty_cells_like(cache: KVCache, size: int) -> KVCells:
     return type(cache.cells(0))(size)
 
 
-def _copy_rows(cache: KVCache, strm: int, idxs: np.ndarray, data: Any) -> None:
+def copy_rows(cache: KVCache, strm: int, idxs: np.ndarray, data: Any) -> None:
+    """Write a section's K/V rows (``data``: a ``kvref.state.KVData``) into cells ``idxs`` of stream ``strm``."""
     size = cache.get_size()
     for layer, k in zip(cache.layers, data.k, strict=True):
         layer.k[strm][idxs] = k.data
@@ -313,7 +303,7 @@ def stage_state(
     del flags
     seq_id = int(seq_id)
     if seq_id != -1:
-        cache._check_seq(seq_id)
+        cache.check_seq(seq_id)
     buf = memoryview(data).cast("B")
     if len(buf) >= offset + 4 and cache.profile.kv_streams:
         # llama.cpp compares n_stream before it reads anything else: blame it even when the rest is garbage
@@ -339,7 +329,7 @@ def stage_state(
                 n = st.cells.n
                 cache.cells(s).set(0, new_cells[s].cp(0, n))
                 cache.heads[s] = 0
-                _copy_rows(cache, s, np.arange(n), st.data)
+                copy_rows(cache, s, np.arange(n), st.data)
 
         return commit_whole, end
 
@@ -353,7 +343,7 @@ def stage_state(
     # cont=true) and the stream's head is moved back to its first cell; else they are placed cell by cell and
     # the head stays where apply_ubatch put it (after the last cell)
     contiguous = cache.profile.seq_restore_contiguous
-    trial = _trial(cache, [strm])
+    trial = cache.fork([strm])
     steps: list[tuple[SlotInfo, Any, Any]] = []
     for _, st in streams:
         trial.seq_rm(seq_id, -1, -1)
@@ -376,7 +366,7 @@ def stage_state(
             if has_ext:
                 for i, idx in enumerate(idxs.tolist()):
                     cells.ext_set(idx, *_ext_xyt(st.cells.ext, i))
-            _copy_rows(cache, strm, idxs, st.data)
+            copy_rows(cache, strm, idxs, st.data)
             if contiguous:
                 cache.heads[strm] = sinfo.head()
 
@@ -409,6 +399,7 @@ def state_read_failed(cache: KVCache, seq_id: int, exc: Exception) -> None:
 __all__ = [
     "CELL_EXT_SIZE",
     "clone_cells",
+    "copy_rows",
     "ext_size",
     "has_cell_ext",
     "spec",

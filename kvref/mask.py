@@ -38,16 +38,11 @@ def attention_cache(memory: Any, sinfo: Any = None, *, swa: bool = False) -> tup
     ``kq_mask`` over the base cache and ``kq_mask_swa`` over the SWA cache (``swa=True``). The slot infos
     that ``decode`` returns for those memories (HybridSlot, ISWASlot) are unwrapped the same way.
     """
-    mem = memory
-    if hasattr(mem, "attn") and hasattr(mem, "recr"):  # HybridMemory
-        mem, sinfo = mem.attn, getattr(sinfo, "attn", sinfo)
-    if hasattr(mem, "base") and hasattr(mem, "swa"):  # KVCacheISWA
-        return (mem.swa, getattr(sinfo, "swa", sinfo)) if swa else (mem.base, getattr(sinfo, "base", sinfo))
-    if swa:
-        raise KVRefError(f"swa=True needs an iSWA memory, not {type(memory).__name__}")
-    if not hasattr(mem, "cells"):
+    own = getattr(memory, "attention_cache", None)  # every memory with attention layers says which cache
+    if own is None:
         raise KVRefError(f"{type(memory).__name__} has no attention cache, so no KQ mask")
-    return mem, sinfo
+    cache, part = own(sinfo, swa=swa)
+    return cache, part
 
 
 def _mask_streams(cache: Any, ubatch: Any, sinfo: Any) -> list[int]:

@@ -208,6 +208,52 @@ def decode_seq_bound(compat: Profile | str, unified: bool, n_seq_max: int) -> in
     return int(n_seq_max)
 
 
+def decode_batch(
+    memory: Any,
+    batch: Any,
+    n_ubatch: int = 512,
+    *,
+    k: Mapping[int, Any] | None = None,
+    v: Mapping[int, Any] | None = None,
+    balloc: Any = None,
+    embd_all: bool = False,
+    on_ubatch: Callable[[Any, Any], None] | None = None,
+) -> list[tuple[Any, Any]]:
+    """What llama_decode does to a memory, the one implementation every memory's ``decode`` runs.
+
+    llama_context::decode validates the batch first (positions from seq_pos_max + 1, seq ids below
+    `decode_seq_bound`), then ``memory_update()`` applies pending shifts and copies, then ``init_batch`` splits
+    and prepares every ubatch (NoSlotError when it cannot: llama_decode returns 1), then each ubatch is applied
+    in turn. ``k`` / ``v`` map a layer id to its rows for the whole batch (n_tokens, n_embd_gqa), in batch
+    order; they are stored at the placed cells of the cache that owns the layer. ``on_ubatch(ubatch, slot)`` is
+    called after each ubatch is applied, when llama.cpp computes its graph. Returns ``[(ubatch, slot), ...]``.
+
+    The memory supplies the steps that differ: ``_decode_n_seq_max()`` (the n_seq_max the bound uses),
+    ``init_batch(balloc, n_ubatch, embd_all)`` (``[(ubatch, prepared), ...]``), ``_apply(prepared, ubatch)``
+    (the slot) and ``_owner(il, slot)`` (the cache and slot info that hold layer ``il``).
+    """
+    if balloc is None:
+        balloc = BatchAllocr(memory.hparams.n_pos_per_embd())
+    n_seq_max = decode_seq_bound(memory.profile, memory.kv_unified, memory._decode_n_seq_max())
+    balloc.init(batch, memory=memory, n_seq_max=n_seq_max, output_all=embd_all)
+    memory.update()
+    out = []
+    for ub, prepared in memory.init_batch(balloc, n_ubatch, embd_all):
+        slot = memory._apply(prepared, ub)
+        if k or v:
+            rows = np.asarray(ub.batch_idxs)
+            for il, data in (k or {}).items():
+                cache, sinfo = memory._owner(il, slot)
+                cache.cpy_k(il, np.asarray(data)[rows], sinfo)
+            for il, data in (v or {}).items():
+                cache, sinfo = memory._owner(il, slot)
+                cache.cpy_v(il, np.asarray(data)[rows], sinfo)
+        if on_ubatch is not None:
+            on_ubatch(ub, slot)
+        out.append((ub, slot))
+    return out
+
+
 class PairedMemory:
     """What llama_kv_cache_iswa and llama_memory_hybrid share: two memories that every sequence operation
     reaches in turn (``_pair()``, in llama.cpp's order), and a state made of their sections one after the
@@ -280,29 +326,9 @@ class PairedMemory:
         embd_all: bool = False,
         on_ubatch: Callable[[Any, Any], None] | None = None,
     ) -> list[tuple[Any, Any]]:
-        """What llama_decode does to the memory: validate the batch, apply the pending update, split and
-        prepare, then apply every ubatch; ``k`` / ``v`` rows (per layer, in batch order) are stored in the
-        attention cache that owns each layer. Raises NoSlotError, changing nothing, when the batch does not fit.
-        ``on_ubatch(ubatch, slot)`` is called after each ubatch is applied (when llama.cpp computes its graph)."""
-        if balloc is None:
-            balloc = BatchAllocr(self.hparams.n_pos_per_embd())  # type: ignore[attr-defined]
-        n_seq_max = decode_seq_bound(self.profile, self.kv_unified, self._decode_n_seq_max())  # type: ignore[attr-defined]
-        balloc.init(batch, memory=self, n_seq_max=n_seq_max, output_all=embd_all)
-        self.update()  # type: ignore[attr-defined]
-        out = []
-        for ub, prepared in self.init_batch(balloc, n_ubatch, embd_all):  # type: ignore[attr-defined]
-            slot = self._apply(prepared, ub)
-            rows = np.asarray(ub.batch_idxs)
-            for il, data in (k or {}).items():
-                cache, sinfo = self._owner(il, slot)
-                cache.cpy_k(il, np.asarray(data)[rows], sinfo)
-            for il, data in (v or {}).items():
-                cache, sinfo = self._owner(il, slot)
-                cache.cpy_v(il, np.asarray(data)[rows], sinfo)
-            if on_ubatch is not None:
-                on_ubatch(ub, slot)
-            out.append((ub, slot))
-        return out
+        """What llama_decode does to the memory (`decode_batch`); ``k`` / ``v`` rows go to the attention cache
+        that owns each layer."""
+        return decode_batch(self, batch, n_ubatch, k=k, v=v, balloc=balloc, embd_all=embd_all, on_ubatch=on_ubatch)
 
 
 __all__ = [
@@ -314,6 +340,7 @@ __all__ = [
     "Memory",
     "PairedMemory",
     "clear_seq",
+    "decode_batch",
     "decode_seq_bound",
     "read_all",
     "read_parts",

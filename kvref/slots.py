@@ -145,7 +145,7 @@ def find_slot(cache: KVCache, ubatch: UBatch, cont: bool = False) -> SlotInfo | 
     res = SlotInfo()
     for s in range(n_seqs):
         seq_id = int(ubatch.seq_id_unq[s])
-        cache._check_seq(seq_id)
+        cache.check_seq(seq_id)
         # a multi-stream ubatch comes from split_equal: groups of n_tokens tokens, one sequence each
         if cache.get_n_stream() > 1 and (
             ubatch.n_seq_id[s * n_tokens] != 1 or ubatch.seq_id[s * n_tokens][0] != seq_id
@@ -191,7 +191,7 @@ def apply_ubatch(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch) -> None:
                 raise CellError(f"apply_ubatch: cell {idx} is shared by several sequences")
         for i in range(s * size, (s + 1) * size):
             for sid in ubatch.seq_id[i]:
-                cache._check_seq(int(sid))
+                cache.check_seq(int(sid))
 
     hp = cache.hparams
     n_tok = int(ubatch.n_tokens)

@@ -11,6 +11,7 @@ import pytest
 from kv_cache_helpers import HP, layout, place, seq_run, snapshot
 
 import kvref
+from kvref.batch import Batch
 from kvref.errors import KVRefError, SequenceError
 from kvref.ggml import row_size
 from kvref.hparams import SWAType
@@ -321,3 +322,15 @@ def test_clear_keeps_queued_copies():
 def test_swa_params_are_kept():
     c = KVCache(HP(), kv_size=4, n_swa=3, swa_type=SWAType.CHUNKED)
     assert c.n_swa == 3 and c.swa_type == SWAType.CHUNKED
+
+
+def test_fork_has_its_own_bookkeeping():
+    c = KVCache(HP(), kv_size=8, n_seq_max=2, kv_unified=False)
+    c.decode(Batch(tokens=[1, 2, 3], seq_ids=[[0]] * 3))
+    f = c.fork()
+    f.seq_rm(0, -1, -1)
+    f.decode(Batch(tokens=[4, 5], seq_ids=[[1]] * 2))
+    f.seq_cp(1, 0, -1, -1)  # a cross-stream copy: queued on the fork only
+    assert c.seq_pos_max(0) == 2 and c.seq_pos_max(1) == -1 and c.heads == [3, 0]
+    assert c.pending_stream_copies() == [] and f.pending_stream_copies() != []
+    assert f.layers[0].k is c.layers[0].k  # rows are shared: a fork is for trying placements

@@ -1,0 +1,479 @@
+"""kvref against llama.cpp's own code, in the same run: ``python benchmarks/bench_vs_llama.py [--quick]``.
+
+llama.cpp's functions are cut from the llama-cpp-python 0.3.36 sdist at run time and compiled with the system
+g++ (``benchmarks/llama_ref.py`` says exactly what is cut and what is stubbed); each row runs kvref (its public
+API) and llama.cpp alternately, ABBA, on identical cache contents, and reports the ratio of medians
+(kvref / llama.cpp) with both sides' median and p10. The state rows use llama-cpp-python's real
+``llama_state_*`` functions (the installed ``llama_cpp`` wheel) on ``conformance/models/llama-tiny.gguf``:
+llama.cpp's state read/write go through ggml backend buffers and io objects that are not worth stubbing.
+
+When the sdist, a compiler or the wheel is missing the script says so and exits 0: it is not part of CI.
+Under pytest (``pytest benchmarks/bench_vs_llama.py --benchmark-only``) the quick run happens in one test that
+skips with the reason when llama.cpp's side cannot be built. ``KVREF_LLAMA_SRC`` uses an unpacked llama.cpp
+tree instead of the sdist.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
+
+import argparse
+import ctypes
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import llama_ref
+
+import kvref
+import kvref.state as S
+from kvref.mask import fill_kq_mask
+
+ROOT = Path(__file__).resolve().parent.parent
+MODEL = ROOT / "conformance" / "models" / "llama-tiny.gguf"
+ROWS: list[tuple[str, str]] = []  # (label, formatted line)
+NOTES: list[str] = []
+_LOG_CB = None  # keeps the ctypes log callback alive
+
+
+def _hparams() -> kvref.HParams:
+    # one small layer: the memory work does not depend on the K/V row size
+    return kvref.HParams(arch="llama", n_layer=1, n_embd=8, n_head=1, n_ctx_train=1 << 20)
+
+
+def _pct(xs: list[float], q: float) -> float:
+    return float(np.percentile(np.asarray(xs), q))
+
+
+def report(label: str, a: list[float], b: list[float] | None, unit: float = 1e3, note: str = "") -> None:
+    """One row: kvref's and llama.cpp's medians and p10 (ms), and kvref / llama.cpp of both."""
+    ma, pa = statistics.median(a) * unit, _pct(a, 10) * unit
+    if b:
+        mb, pb = statistics.median(b) * unit, _pct(b, 10) * unit
+        line = f"{label:<54} {ma:>11.4f} {pa:>11.4f} {mb:>11.4f} {pb:>11.4f} {ma / mb:>9.3g}x {pa / pb:>9.3g}x  {note}"
+    else:
+        line = f"{label:<54} {ma:>11.4f} {pa:>11.4f} {'-':>11} {'-':>11} {'-':>10} {'-':>10}  {note}"
+    ROWS.append((label, line))
+    print(line, flush=True)
+
+
+def report_ratio(label: str, a: list[float], b: list[float], what: str) -> None:
+    """A kvref-only ratio row: ``a`` over ``b`` (medians and p10)."""
+    ma, mb = statistics.median(a), statistics.median(b)
+    line = (
+        f"{label:<54} {ma * 1e3:>11.4f} {_pct(a, 10) * 1e3:>11.4f} {mb * 1e3:>11.4f} {_pct(b, 10) * 1e3:>11.4f} "
+        f"{ma / mb:>9.2f}x {_pct(a, 10) / _pct(b, 10):>9.2f}x  ({what})"
+    )
+    ROWS.append((label, line))
+    print(line, flush=True)
+
+
+def header(title: str) -> None:
+    print(f"\n{title}", flush=True)
+    print(
+        f"{'row':<54} {'kvref med':>11} {'kvref p10':>11} {'llama med':>11} {'llama p10':>11} "
+        f"{'med ratio':>10} {'p10 ratio':>10}",
+        flush=True,
+    )
+
+
+def abba(rounds: int, a: Callable[[int], float], b: Callable[[int], float]) -> tuple[list[float], list[float]]:
+    """Run a and b alternately (ABBA); each returns its own elapsed seconds for step r."""
+    ta, tb = [], []
+    r = 0
+    while r < rounds:
+        if r % 2 == 0:
+            ta.append(a(r))
+            tb.append(b(r))
+        else:
+            tb.append(b(r))
+            ta.append(a(r))
+        r += 1
+    return ta, tb
+
+
+# ----------------------------------------------------------------------------------------- cache pairs
+class Pair:
+    """A kvref KVCache and llama.cpp's stand-in cache with the same cells."""
+
+    def __init__(self, size: int, n_seq: int) -> None:
+        self.mem = kvref.create_memory(_hparams(), n_ctx=size, n_seq_max=n_seq, kv_unified=True)
+        assert self.mem.get_size() == size, self.mem.get_size()
+        self.ref = llama_ref.LlamaRef(size, 1, n_seq, self.mem.n_pad)
+        self.last: list = []
+
+    def fill(self, n_seq: int, per_seq: int) -> None:
+        """Sequences interleaved cell by cell, per_seq positions each, as a server's parallel slots leave them."""
+        n = n_seq * per_seq
+        idx = np.arange(n, dtype=np.int32)
+        pos, seq = idx // n_seq, idx % n_seq
+        cells = self.mem.cells(0)
+        cells.pos_set_many(idx.astype(np.int64), pos.astype(np.int64))
+        cells.seq_add_many(idx.astype(np.int64), seq.astype(np.int64))
+        self.mem.heads[0] = n
+        self.ref.fill(0, idx, pos, seq, n)
+        assert cells.get_used() == self.ref.used() == n
+
+    def batch(self, seqs: np.ndarray, n_per_seq: int) -> tuple[kvref.Batch, tuple[np.ndarray, ...]]:
+        """The next n_per_seq positions of each sequence in ``seqs`` (kvref positions, as both agree)."""
+        pos, seq = [], []
+        for s in seqs.tolist():
+            p0 = self.mem.seq_pos_max(s) + 1
+            pos.extend(range(p0, p0 + n_per_seq))
+            seq.extend([s] * n_per_seq)
+        pos_a, seq_a = np.asarray(pos, np.int32), np.asarray(seq, np.int32)
+        tok = (np.arange(len(pos)) % 100).astype(np.int32)
+        b = kvref.Batch(tokens=tok, pos=pos_a, seq_ids=[[int(s)] for s in seq])
+        return b, (tok, pos_a, seq_a)
+
+    def kv_decode(self, b: kvref.Batch) -> float:
+        t = time.perf_counter()
+        self.last = self.mem.decode(b, n_ubatch=512)
+        return time.perf_counter() - t
+
+    def check_slot(self) -> None:
+        _ub, sinfo = self.last[-1]
+        mine = np.concatenate([np.asarray(x) for x in sinfo.idxs])
+        if not np.array_equal(mine, self.ref.last_idxs()):
+            raise AssertionError("kvref and llama.cpp placed the ubatch in different cells")
+
+
+def decode_rows(size: int, n_tokens: int, rounds: int) -> None:
+    """Rows 1-2: one sequence almost filling a cache of `size` cells, decode n_tokens per step."""
+    pair = Pair(size, 1)
+    margin = max(4096, n_tokens * (rounds + 4))
+    pair.fill(1, size - margin)
+    # the batch follows kvref's seq_pos_max, so it is built before either side runs its step
+    ta, tb = [], []
+    for r in range(rounds):
+        b, arrs = pair.batch(np.array([0]), n_tokens)
+        if r % 2 == 0:
+            ta.append(pair.kv_decode(b))
+            tb.append(pair.ref.decode(*arrs))
+        else:
+            tb.append(pair.ref.decode(*arrs))
+            ta.append(pair.kv_decode(b))
+        if r == 0:
+            pair.check_slot()
+    assert pair.mem.cells(0).get_used() == pair.ref.used()
+    report(f"1/2 decode {n_tokens:>3} tok, {size >> 10}k cells (split+slot+apply)", ta, tb)
+
+
+def server_rows(size: int, n_seq: int, per_seq: int, rounds: int) -> Pair:
+    """Row 3: n_seq sequences interleaved in `size` cells; every step decodes one token per sequence and builds
+    the f32 KQ mask of that ubatch."""
+    pair = Pair(size, n_seq)
+    pair.fill(n_seq, per_seq)
+    seqs = np.arange(n_seq)
+    td_a, td_b, tm_a, tm_b = [], [], [], []
+    out: dict[tuple, np.ndarray] = {}
+    for r in range(rounds):
+        b, arrs = pair.batch(seqs, 1)
+
+        def kv_step(b=b) -> tuple[float, float]:
+            td = pair.kv_decode(b)
+            ub, sinfo = pair.last[-1]
+            t = time.perf_counter()
+            m = fill_kq_mask(pair.mem, ub, sinfo=sinfo)
+            tm = time.perf_counter() - t
+            out["kv"] = m
+            return td, tm
+
+        def ll_step(arrs=arrs) -> tuple[float, float]:
+            td = pair.ref.decode(*arrs)
+            tm, _ = pair.ref.mask(False)
+            return td, tm
+
+        first, second = (kv_step, ll_step) if r % 2 == 0 else (ll_step, kv_step)
+        x, y = first(), second()
+        (ka, kb), (la, lb) = (x, y) if r % 2 == 0 else (y, x)
+        td_a.append(ka)
+        tm_a.append(kb)
+        td_b.append(la)
+        tm_b.append(lb)
+        if r == 0:
+            pair.check_slot()
+            m = out["kv"]
+            if pair.ref.mask_bytes(m.nbytes) != m.tobytes():
+                raise AssertionError("kvref's and llama.cpp's KQ masks differ")
+    tot_a = [x + y for x, y in zip(td_a, tm_a, strict=True)]
+    tot_b = [x + y for x, y in zip(td_b, tm_b, strict=True)]
+    lab = f"3 server {n_seq} seq x 1 tok, {size >> 10}k cells"
+    report(lab + ": decode+mask", tot_a, tot_b)
+    report(lab + ":   decode part", td_a, td_b)
+    report(lab + ":   mask part (f32)", tm_a, tm_b)
+    return pair
+
+
+def mask_rows(pair: Pair, label: str, rounds: int) -> None:
+    """Row 8: the mask of the pair's last ubatch, f32 and f16: kvref vs llama.cpp and kvref vs the memory floor."""
+    ub, sinfo = pair.last[-1]
+    for f16 in (False, True):
+        dt = np.float16 if f16 else np.float32
+        m0 = fill_kq_mask(pair.mem, ub, sinfo=sinfo, dtype=dt)
+        buf = np.empty_like(m0)
+        pair.ref.mask(f16)
+        if pair.ref.mask_bytes(m0.nbytes) != m0.tobytes():
+            raise AssertionError(f"kvref's and llama.cpp's {dt.__name__} masks differ")
+        ninf = dt(-np.inf)
+
+        def kv(_r: int, buf=buf) -> float:
+            t = time.perf_counter()
+            fill_kq_mask(pair.mem, ub, out=buf, sinfo=sinfo)
+            return time.perf_counter() - t
+
+        def floor(_r: int, buf=buf, ninf=ninf) -> float:
+            t = time.perf_counter()
+            buf.fill(ninf)
+            return time.perf_counter() - t
+
+        def ll(_r: int, f16=f16) -> float:
+            return pair.ref.mask(f16)[0]
+
+        ta, tb = abba(rounds, kv, ll)
+        tf = [floor(0) for _ in range(rounds)]
+        name = "f16" if f16 else "f32"
+        shape = "x".join(map(str, m0.shape))
+        report(f"8 mask {label} {name} ({shape})", ta, tb)
+        report_ratio(f"8 mask {label} {name} / memory floor", ta, tf, "kvref fill / numpy fill of the same buffer")
+
+
+def prefill_mask_pair(n_cells: int, n_tok: int) -> Pair:
+    pair = Pair(n_cells, 1)
+    pair.fill(1, n_cells - n_tok)
+    b, arrs = pair.batch(np.array([0]), n_tok)
+    pair.kv_decode(b)
+    pair.ref.decode(*arrs)
+    pair.check_slot()
+    return pair
+
+
+def micro_rows(pair: Pair, n_seq: int, rounds: int) -> None:
+    """Row 9: seq_rm of a sequence's last 8 positions (each round another sequence), and get_n_kv."""
+    ta, tb = [], []
+    for r in range(rounds):
+        s = r % n_seq
+        p0 = pair.mem.seq_pos_max(s) - 7
+        if p0 != pair.ref.seq_pos_max(s) - 7:
+            raise AssertionError("kvref and llama.cpp disagree on seq_pos_max")
+
+        def kv(_r: int, s=s, p0=p0) -> float:
+            t = time.perf_counter()
+            pair.mem.seq_rm(s, p0, -1)
+            return time.perf_counter() - t
+
+        def ll(_r: int, s=s, p0=p0) -> float:
+            return pair.ref.seq_rm(s, p0, -1)
+
+        x, y = (kv(r), ll(r)) if r % 2 == 0 else (ll(r), kv(r))
+        ta.append(x if r % 2 == 0 else y)
+        tb.append(y if r % 2 == 0 else x)
+    assert pair.mem.cells(0).get_used() == pair.ref.used()
+    size = pair.mem.get_size()
+    report(f"9 seq_rm(s, max-7, -1), {n_seq} seq, {size >> 10}k cells", ta, tb)
+
+    _, sinfo = pair.last[-1]
+    iters = 2000
+    ta, tb = [], []
+    for _r in range(max(5, rounds // 10)):
+        t = time.perf_counter()
+        for _ in range(iters):
+            n_kv = pair.mem.get_n_kv(sinfo)
+        ta.append((time.perf_counter() - t) / iters)
+        t_ll, n_ll = pair.ref.get_n_kv(0, iters)
+        tb.append(t_ll)
+        if n_kv != n_ll:
+            raise AssertionError(f"get_n_kv: kvref {n_kv}, llama.cpp {n_ll}")
+    report(f"9 get_n_kv (per call, {iters} calls), {size >> 10}k cells", ta, tb, unit=1e6, note="(us per call)")
+
+
+# ----------------------------------------------------------------------------------------- state rows
+def _llama_cpp():
+    try:
+        import llama_cpp
+    except Exception as exc:
+        return None, f"the llama_cpp wheel cannot be imported ({exc})"
+    if not MODEL.is_file():
+        return None, f"{MODEL} is missing"
+    return llama_cpp, ""
+
+
+def state_rows(n_ctx: int, n_seq: int, rounds: int) -> None:
+    """Rows 4-7 with llama-cpp-python's real llama_state_* on llama-tiny.gguf; the llama.cpp context is
+    filled by llama_state_set_data of a blob kvref writes (decoding 100k+ tokens would take minutes)."""
+    L, why = _llama_cpp()
+    if L is None:
+        NOTES.append(f"rows 4-6 skipped: {why}")
+        print(f"rows 4-6 skipped: {why}")
+        return
+    L.llama_backend_init()
+    global _LOG_CB
+    _LOG_CB = L.llama_log_callback(lambda _level, _text, _ud: None)  # llama.cpp's log is silenced
+    L.llama_log_set(_LOG_CB, None)
+    mp = L.llama_model_default_params()
+    model = L.llama_model_load_from_file(str(MODEL).encode(), mp)
+    cp = L.llama_context_default_params()
+    # a small ubatch keeps the compute buffer (n_ctx x n_ubatch mask) small: only 4 tokens are ever decoded
+    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, 64, 64, n_seq
+    cp.kv_unified = True
+    cp.flash_attn_type = 0  # disabled: V transposed, as kvref's default
+    cp.n_threads = cp.n_threads_batch = 1
+    ctx = L.llama_init_from_model(model, cp)
+    if not ctx:
+        NOTES.append("rows 4-6 skipped: llama_init_from_model failed")
+        return
+    try:
+        _state_rows(L, ctx, n_ctx, n_seq, rounds)
+    finally:
+        L.llama_free(ctx)
+        L.llama_model_free(model)
+
+
+def _state_rows(L, ctx, n_ctx: int, n_seq: int, rounds: int) -> None:
+    hp = kvref.HParams.from_gguf(MODEL)
+    mem = kvref.create_memory(hp, n_ctx=n_ctx, n_seq_max=n_seq, kv_unified=True)
+    # a small real state from llama.cpp gives the blob's header (arch, outputs); kvref fills the memory
+    toks = (ctypes.c_int32 * 4)(1, 2, 3, 4)
+    if L.llama_decode(ctx, L.llama_batch_get_one(toks, 4)) != 0:
+        raise RuntimeError("llama_decode failed")
+    size0 = L.llama_state_get_size(ctx)
+    small = (ctypes.c_uint8 * size0)()
+    L.llama_state_get_data(ctx, small, size0)
+    blob_obj = S.load(bytes(small), kind="state")
+    n_used = mem.get_size() - 256
+    per_seq = n_used // n_seq
+    idx = np.arange(per_seq * n_seq, dtype=np.int64)
+    cells = mem.cells(0)
+    cells.pos_set_many(idx, idx // n_seq)
+    cells.seq_add_many(idx, idx % n_seq)
+    mem.heads[0] = int(idx.size)
+    rng = np.random.default_rng(0)
+    for layer in mem.layers:
+        layer.k[...] = rng.integers(0, 256, layer.k.shape, dtype=np.uint8)
+        layer.v[...] = rng.integers(0, 256, layer.v.shape, dtype=np.uint8)
+    blob_obj.memory = S.MemorySections("kv", mem.state_sections())
+    blob = blob_obj.to_bytes()
+    cbuf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
+    if L.llama_state_set_data(ctx, cbuf, len(blob)) != len(blob):
+        raise RuntimeError("llama_state_set_data refused kvref's blob")
+    if L.llama_memory_seq_pos_max(L.llama_get_memory(ctx), 0) != per_seq - 1:
+        raise RuntimeError("llama.cpp did not restore the cells kvref wrote")
+    kv_state = mem.state_write()
+    mib = len(kv_state) / (1 << 20)
+    ll_size = L.llama_state_get_size(ctx)
+    ll_buf = (ctypes.c_uint8 * ll_size)()
+
+    def timed(fn: Callable[[], object]) -> float:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    # 6: save
+    ta, tb = abba(
+        rounds,
+        lambda _r: timed(mem.state_write),
+        lambda _r: timed(lambda: L.llama_state_get_data(ctx, ll_buf, ll_size)),
+    )
+    assert bytes(ll_buf)[-len(kv_state) :] == kv_state, "llama.cpp's state does not end with kvref's memory section"
+    report(f"6 state_write vs llama_state_get_data ({mib:.0f} MiB)", ta, tb)
+    # 4: whole-state restore
+    ta, tb = abba(
+        rounds,
+        lambda _r: timed(lambda: mem.state_read(kv_state)),
+        lambda _r: timed(lambda: L.llama_state_set_data(ctx, ll_buf, ll_size)),
+    )
+    report(f"4 state_read vs llama_state_set_data ({mib:.0f} MiB)", ta, tb)
+    # 5: one sequence's restore (1/n_seq of the cells)
+    seq_kv = mem.state_write(1)
+    seq_size = L.llama_state_seq_get_size(ctx, 1)
+    seq_buf = (ctypes.c_uint8 * seq_size)()
+    L.llama_state_seq_get_data(ctx, seq_buf, seq_size, 1)
+    ta, tb = abba(
+        rounds,
+        lambda _r: timed(lambda: mem.state_read(seq_kv, 1)),
+        lambda _r: timed(lambda: L.llama_state_seq_set_data(ctx, seq_buf, seq_size, 1)),
+    )
+    assert mem.seq_pos_max(1) == L.llama_memory_seq_pos_max(L.llama_get_memory(ctx), 1)
+    report(f"5 seq state_read(seq 1) vs seq_set_data ({len(seq_kv) / (1 << 20):.0f} MiB)", ta, tb)
+    # 7: kvref.state.load(path) auto-detected vs told the kind and layout (kvref only), on llama.cpp's file
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "state.ggsn")
+        ntok = (ctypes.c_int32 * 4)(1, 2, 3, 4)
+        if not L.llama_state_save_file(ctx, path.encode(), ntok, 4):
+            raise RuntimeError("llama_state_save_file failed")
+        auto = lambda: S.load(path)  # noqa: E731
+        given = lambda: S.load(path, kind="session", layout="kv")  # noqa: E731
+        ta, tb = abba(rounds, lambda _r: timed(auto), lambda _r: timed(given))
+        report_ratio("7 state.load(path) auto / layout given", ta, tb, "kvref only; llama.cpp file")
+
+
+# ----------------------------------------------------------------------------------------- main
+SIZES = {
+    "full": dict(big=1 << 20, dec_rounds=41, server=(32768, 64, 448), server_rounds=41, prefill=(8192, 512),
+                 mask_rounds=41, micro_rounds=200, state=(393216, 4), state_rounds=7),
+    "quick": dict(big=1 << 18, dec_rounds=15, server=(8192, 16, 448), server_rounds=15, prefill=(4096, 256),
+                  mask_rounds=15, micro_rounds=60, state=(32768, 4), state_rounds=3),
+}  # fmt: skip
+
+
+def run(quick: bool) -> int:
+    cfg = SIZES["quick" if quick else "full"]
+    try:
+        lib = llama_ref.prepare()
+    except llama_ref.Unavailable as exc:
+        print(f"bench_vs_llama: llama.cpp's side is unavailable, nothing measured:\n  {exc}")
+        return 0
+    print(f"kvref {kvref.__version__} ({kvref.backend()} backend) vs llama.cpp from llama-cpp-python "
+          f"{llama_ref.LLAMA_CPP_PYTHON} ({lib})")  # fmt: skip
+    print("times in ms; ratio = kvref / llama.cpp (>1: kvref slower); ABBA-interleaved, same run")
+    t0 = time.perf_counter()
+    header("decode steps (kvref mem.decode vs llama_batch_allocr::init + split + prepare + apply_ubatch)")
+    for n_tok in (1, 256):
+        decode_rows(cfg["big"], n_tok, cfg["dec_rounds"])
+    header("server loop, KQ mask, micro-ops")
+    size, n_seq, per_seq = cfg["server"]
+    pair = server_rows(size, n_seq, per_seq, cfg["server_rounds"])
+    mask_rows(pair, f"server {n_seq}x1 tok", cfg["mask_rounds"])
+    n_cells, n_tok = cfg["prefill"]
+    mask_rows(prefill_mask_pair(n_cells, n_tok), f"prefill {n_tok} tok", cfg["mask_rounds"])
+    micro_rows(pair, n_seq, cfg["micro_rounds"])
+    header("state (llama-cpp-python's llama_state_* on llama-tiny.gguf, n_seq_max 4, unified)")
+    n_ctx, n_seq_state = cfg["state"]
+    state_rows(n_ctx, n_seq_state, cfg["state_rounds"])
+    for note in NOTES:
+        print("note:", note)
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="smaller caches and fewer rounds (under 2 minutes)")
+    args = ap.parse_args(argv)
+    return run(args.quick)
+
+
+def test_vs_llama_quick(benchmark, request) -> None:  # pragma: no cover - a benchmark, not a test
+    """pytest entry: the quick run once, skipped with the reason when llama.cpp's side cannot be built."""
+    import pytest
+
+    if not request.config.getoption("benchmark_only", False):
+        pytest.skip("benchmark: run with --benchmark-only")
+    try:
+        llama_ref.prepare()
+    except llama_ref.Unavailable as exc:
+        pytest.skip(f"llama.cpp reference unavailable: {exc}")
+    benchmark.pedantic(run, args=(True,), rounds=1, iterations=1)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
