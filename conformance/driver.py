@@ -5,7 +5,8 @@ This module is the only place in conformance/ that talks to llama.cpp.  A ``Run`
 one model and one context; each method performs one llama.cpp call and appends one
 operation to ``run.trace`` in the case.json format (see case.schema.json).  Save
 operations also write the artefact into the case directory and describe which memory
-layout it holds, so a reader can be told what to expect without guessing.
+layout it holds, so a reader can be told what to expect without guessing.  ``Run.apply``
+performs an op given in that same vocabulary (how fuzz.py runs its plans).
 """
 
 from __future__ import annotations
@@ -635,3 +636,55 @@ class Run:
             lines,
         )
         return ret
+
+    # -------------------------------------------------------------- one op of case.json's vocabulary
+
+    def apply(self, op: dict):
+        """Perform ``op``, given in case.json's vocabulary with the fields a trace op has before llama.cpp
+        answers (no ``ret`` / ``observed`` / ``graph``; a save names no ``file``: the recorder does), and record
+        it; returns what the llama.cpp call returned. ``init`` is the constructor, not an op to apply."""
+        return _APPLY[op["op"]](self, op)
+
+
+def _apply_save(r: Run, op: dict):
+    kind = op["kind"]
+    if kind == "session":
+        return r.save_session(op.get("tokens", []))
+    if kind == "seq":
+        return r.save_seq(op["seq_id"], op.get("tokens", []))
+    if kind == "state_data":
+        return r.save_state_data()
+    if kind == "seq_data":
+        return r.save_seq_data(op["seq_id"], op.get("flags", 0))
+    raise ValueError(f"save: unknown kind {kind!r}")
+
+
+def _apply_state_load(r: Run, op: dict):
+    if op["kind"] == "session":
+        return r.load_session(op["file"], op.get("n_token_capacity", 4096))
+    if op["kind"] == "state_data":
+        return r.set_state_data(op["file"])
+    raise ValueError(f"state_load: unknown kind {op['kind']!r}")
+
+
+def _apply_seq_restore(r: Run, op: dict):
+    if op["kind"] == "seq":
+        return r.load_seq(op["file"], op["dest_seq_id"], op.get("n_token_capacity", 4096))
+    if op["kind"] == "seq_data":
+        return r.set_seq_data(op["file"], op["dest_seq_id"], op.get("flags", 0))
+    raise ValueError(f"seq_restore: unknown kind {op['kind']!r}")
+
+
+# case.json op -> the Run method that performs and records it (every op of case.schema.json but init)
+_APPLY = {
+    "decode": lambda r, op: r.decode(op["tokens"], op["pos"], op["seq_ids"], op.get("logits")),
+    "seq_rm": lambda r, op: r.seq_rm(op["seq_id"], op["p0"], op["p1"]),
+    "seq_cp": lambda r, op: r.seq_cp(op["seq_id_src"], op["seq_id_dst"], op["p0"], op["p1"]),
+    "seq_keep": lambda r, op: r.seq_keep(op["seq_id"]),
+    "seq_add": lambda r, op: r.seq_add(op["seq_id"], op["p0"], op["p1"], op["delta"]),
+    "seq_div": lambda r, op: r.seq_div(op["seq_id"], op["p0"], op["p1"], op["d"]),
+    "clear": lambda r, op: r.clear(op.get("data", True)),
+    "save": _apply_save,
+    "state_load": _apply_state_load,
+    "seq_restore": _apply_seq_restore,
+}

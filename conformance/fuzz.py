@@ -3,12 +3,13 @@
 in ../shared/wheels; see .ci/run).
 
 A seeded random *plan* of memory operations (decodes of random multi-sequence batches, seq_rm / seq_cp /
-seq_keep / seq_add / seq_div / clear, cache-overflowing batches, state saves and restores) runs in the real
-llama.cpp through driver.Run, which records every return value and seq_pos_min/max after every op; the
-result is a case directory in the golden format (case.json + artefacts), which kvref then replays
-(kvref.conformance.run_case: parse, replay, graph, restore). Positions are resolved while the plan runs, from
-llama.cpp's own seq_pos_max, so any subset of a plan is again a valid plan: that is how failures are
-minimised (--keep).
+seq_keep / seq_add / seq_div / clear, cache-overflowing and invalid batches, state saves and restores) is a
+trace without results: ops of case.json's vocabulary (case.schema.json), so the one llama.cpp-side interpreter
+(driver.Run.apply) runs it and records every return value and seq_pos_min/max after every op, and the one
+kvref-side interpreter (kvref.conformance.replay_trace, through run_case: parse, replay, graph, restore)
+replays the resulting case directory (golden format: case.json + artefacts). Positions and restored files are
+resolved while the plan runs (PLAN_KEYS), from llama.cpp's own seq_pos_max, so any subset of a plan is again
+a valid plan: that is how failures are minimised (--keep).
 
     python conformance/fuzz.py --models all --seeds 0-39            # fuzz; report mismatches
     python conformance/fuzz.py --models every --seeds 0-19 --minimise   # CI's live campaign (.ci/run)
@@ -66,12 +67,29 @@ MODELS: dict[str, tuple[str, dict]] = {
 N_VOCAB = 128
 UBATCHES = (3, 5, 8, 16, 32, 256)
 
+# A plan is a trace without results: ops of case.json's vocabulary (case.schema.json, conformance/README.md) with
+# the fields the call takes, run by driver.Run.apply. What depends on the state the plan meets (so that any
+# subset of a plan is a plan) is resolved at run time (``resolve``), from llama.cpp's seq_pos_min / seq_pos_max
+# and the saves made so far; these plan-only keys say how, and never reach the trace:
+#   decode without pos   each token continues its first sequence: seq_pos_max + 1, or ``start`` (default 0)
+#                        when the sequence is empty, plus ``jump`` (default 0, M-RoPE) once per batch; a token
+#                        of several sequences keeps those in the first's state (same seq_pos_min / max) and is
+#                        left out when fewer than two are, and the others then continue one past the first;
+#                        the kept tokens take their ids from ``tokens`` in order
+#   decode with after    ``pos`` counts from max(seq_pos_max(after) + 1, 0)
+#   state_load,          without ``file``: the plan's last save of that ``kind`` (a seq_data restore takes its
+#   seq_restore          flags); left out when there is none; ``rm_first``: seq_rm(dest_seq_id, -1, -1) first
+PLAN_KEYS = ("start", "jump", "after", "rm_first")
+# the whole-state save --check-every adds after every N plan ops
+CHECK_POINT = {"op": "save", "kind": "state_data"}
+
 
 # ------------------------------------------------------------------ plans (pure, no llama.cpp)
 
 
 def make_plan(model: str, seed: int, n_ops: tuple[int, int] = (20, 60)) -> dict:
-    """A seeded plan: context params and a list of abstract ops (positions resolved at run time)."""
+    """A seeded plan: context params and a list of ops in case.json's vocabulary, without results (see PLAN_KEYS
+    for what is resolved at run time)."""
     arch, extra = MODELS[model]
     rng = random.Random(f"{model}:{seed}")
     n_seq = extra["n_seq_max"]
@@ -100,6 +118,31 @@ def make_plan(model: str, seed: int, n_ops: tuple[int, int] = (20, 60)) -> dict:
     def toks(n):
         return [rng.randrange(4, N_VOCAB) for _ in range(n)]
 
+    def decode(seqs, n, shared, start, jump, order, pool):
+        """A decode whose positions are resolved at run time: ``shared`` tokens of all ``seqs``, then ``n[i]``
+        tokens of ``seqs[i]`` in an order shuffled by ``order``."""
+        rest = [s for s, k in zip(seqs, n, strict=True) for _ in range(k)]
+        random.Random(order).shuffle(rest)
+        seq_ids = [list(seqs)] * shared + [[s] for s in rest]
+        op = {"op": "decode", "tokens": pool[: len(seq_ids)], "seq_ids": seq_ids}
+        op["logits"] = [0] * (len(seq_ids) - 1) + [1]
+        if start:
+            op["start"] = start
+        if jump:
+            op["jump"] = jump
+        return op
+
+    def bad(s, how):
+        """An invalid batch: a gap, a decrease, a bad seq id or token id (positions after ``s``'s last)."""
+        op = {"op": "decode", "tokens": [5, 6], "pos": [0, 2], "seq_ids": [[s], [s]], "logits": [0, 1], "after": s}
+        if how == "decrease":
+            op["pos"] = [1, 0]
+        elif how == "seq_id":
+            op = {"op": "decode", "tokens": [5], "pos": [0], "seq_ids": [[n_seq]], "logits": [1]}
+        elif how == "token":
+            op = {"op": "decode", "tokens": [N_VOCAB + 3], "pos": [0], "seq_ids": [[s]], "logits": [1], "after": s}
+        return op
+
     ops: list[dict] = []
     weights = {
         "decode": 40,
@@ -115,69 +158,66 @@ def make_plan(model: str, seed: int, n_ops: tuple[int, int] = (20, 60)) -> dict:
         "bad": 2,
     }
     kinds, w = zip(*weights.items(), strict=True)
+    # the draws below (their order included) are what a seed has always meant: keep them so seeds replay
     for _ in range(rng.randint(*n_ops)):
         k = rng.choices(kinds, w)[0]
         if k == "decode":
             seqs = rng.sample(range(n_seq), rng.choice([1, 1, 1, 2, 2, 3][: 2 * n_seq]) if n_seq > 1 else 1)
-            ops.append(
-                {
-                    "op": "decode",
-                    "seqs": seqs,
-                    "n": [rng.randint(1, 12) for _ in seqs],
-                    "shared": rng.randint(1, 4) if len(seqs) > 1 and rng.random() < 0.35 else 0,
-                    "start": 0 if rng.random() < 0.7 else rng.randrange(0, 30),
-                    "jump": rng.randrange(0, 5) if mrope and rng.random() < 0.3 else 0,
-                    "order": rng.randrange(1 << 30),
-                    "tokens": toks(64),
-                }
-            )
-        elif k == "big":
-            ops.append(
-                {
-                    "op": "decode",
-                    "seqs": [seq()],
-                    "n": [rng.randint(60, 250)],
-                    "shared": 0,
-                    "start": 0,
-                    "jump": 0,
-                    "order": 0,
-                    "tokens": toks(256),
-                }
-            )
-        elif k == "bad":  # an invalid batch: a gap, a decrease, a bad seq id or token id
-            ops.append({"op": "bad", "seq": seq(), "how": rng.choice(["gap", "decrease", "seq_id", "token"])})
+            n = [rng.randint(1, 12) for _ in seqs]
+            shared = rng.randint(1, 4) if len(seqs) > 1 and rng.random() < 0.35 else 0
+            start = 0 if rng.random() < 0.7 else rng.randrange(0, 30)
+            jump = rng.randrange(0, 5) if mrope and rng.random() < 0.3 else 0
+            order = rng.randrange(1 << 30)
+            ops.append(decode(seqs, n, shared, start, jump, order, toks(64)))
+        elif k == "big":  # a batch that may overflow the cache
+            s = seq()
+            ops.append(decode([s], [rng.randint(60, 250)], 0, 0, 0, 0, toks(256)))
+        elif k == "bad":
+            s = seq()
+            ops.append(bad(s, rng.choice(["gap", "decrease", "seq_id", "token"])))
         elif k == "seq_rm":
-            ops.append({"op": "seq_rm", "seq": seq(neg=True), "p0": p(), "p1": p()})
+            s = seq(neg=True)
+            p0 = p()
+            ops.append({"op": "seq_rm", "seq_id": s, "p0": p0, "p1": p()})
         elif k == "seq_cp":
-            ops.append({"op": "seq_cp", "src": seq(), "dst": seq(), "p0": p(), "p1": p()})
+            src, dst = seq(), seq()
+            p0, p1 = p(), p()
+            if not cp["kv_unified"] and src != dst:
+                p0 = p1 = -1  # llama.cpp asserts on partial cross-stream copies
+            ops.append({"op": "seq_cp", "seq_id_src": src, "seq_id_dst": dst, "p0": p0, "p1": p1})
         elif k == "seq_keep":
-            ops.append({"op": "seq_keep", "seq": seq()})
+            ops.append({"op": "seq_keep", "seq_id": seq()})
         elif k == "seq_add":
+            s, p0, p1 = seq(), p(), p()
             ops.append(
-                {"op": "seq_add", "seq": seq(), "p0": p(), "p1": p(), "delta": rng.choice([-1, 1]) * rng.randint(1, 12)}
+                {"op": "seq_add", "seq_id": s, "p0": p0, "p1": p1, "delta": rng.choice([-1, 1]) * rng.randint(1, 12)}
             )
         elif k == "seq_div":
-            ops.append({"op": "seq_div", "seq": seq(), "p0": p(), "p1": p(), "d": rng.randint(2, 4)})
+            s, p0, p1 = seq(), p(), p()
+            ops.append({"op": "seq_div", "seq_id": s, "p0": p0, "p1": p1, "d": rng.randint(2, 4)})
         elif k == "clear":
             ops.append({"op": "clear", "data": rng.random() < 0.8})
         elif k == "save":
+            kind = rng.choice(["seq", "seq_data", "seq_data", "session", "state_data"])
+            s = seq()
+            flags = 1 if layered and rng.random() < 0.4 else 0
             ops.append(
-                {
-                    "op": "save",
-                    "kind": rng.choice(["seq", "seqdata", "seqdata", "session", "state"]),
-                    "seq": seq(),
-                    "flags": 1 if layered and rng.random() < 0.4 else 0,
-                }
+                {"op": "save", "kind": kind, "seq_id": s, "tokens": [4, 5, 6]}
+                if kind == "seq"
+                else {"op": "save", "kind": kind, "seq_id": s, "flags": flags}
+                if kind == "seq_data"
+                else {"op": "save", "kind": kind, "tokens": [4, 5]}
+                if kind == "session"
+                else {"op": "save", "kind": kind}
             )
         elif k == "restore":
-            ops.append(
-                {
-                    "op": "restore",
-                    "kind": rng.choice(["seq", "seqdata", "session", "state"]),
-                    "dst": seq(),
-                    "rm_first": rng.random() < 0.6,
-                }
-            )
+            kind = rng.choice(["seq", "seq_data", "session", "state_data"])
+            d = seq()
+            rm_first = rng.random() < 0.6
+            if kind in ("seq", "seq_data"):
+                ops.append({"op": "seq_restore", "kind": kind, "dest_seq_id": d, "rm_first": rm_first})
+            else:
+                ops.append({"op": "state_load", "kind": kind})
     return {"model": model, "seed": seed, "arch": arch, "cparams": cp, "ops": ops}
 
 
@@ -204,11 +244,48 @@ def fmt_ranges(xs: list[int]) -> str:
 # ------------------------------------------------------------------ running a plan in llama.cpp (child side)
 
 
+def resolve(r, op: dict, saved: dict[str, dict]) -> list[dict]:
+    """The case.json ops one plan op stands for, now, on driver.Run ``r`` (see PLAN_KEYS); ``saved``: the last
+    plan save of each kind (its recorded op)."""
+    o = {k: v for k, v in op.items() if k not in PLAN_KEYS}
+    k = o["op"]
+    if k == "decode" and "pos" not in o:
+        nxt: dict[int, int] = {}
+        for ids in o["seq_ids"]:
+            for s in ids:
+                if s not in nxt:
+                    nxt[s] = (r.pos_max(s) + 1 if r.pos_max(s) >= 0 else op.get("start", 0)) + op.get("jump", 0)
+        seq_ids, pos, logits = [], [], []
+        for ids, lg in zip(o["seq_ids"], o["logits"], strict=True):
+            s0 = ids[0]
+            if len(ids) > 1:
+                ids = [s for s in ids if (r.pos_min(s), r.pos_max(s)) == (r.pos_min(s0), r.pos_max(s0))]
+                if len(ids) < 2:
+                    continue
+            seq_ids.append(list(ids))
+            pos.append(nxt[s0])
+            for s in ids:  # the others then continue one past the first (what fuzz.py has always done)
+                nxt[s] = nxt[s0] + 1
+            logits.append(lg)
+        return [{**o, "tokens": o["tokens"][: len(seq_ids)], "pos": pos, "seq_ids": seq_ids, "logits": logits}]
+    if k == "decode" and "after" in op:
+        p = max(r.pos_max(op["after"]) + 1, 0)
+        return [{**o, "pos": [p + x for x in o["pos"]]}]
+    if k in ("state_load", "seq_restore") and "file" not in o:
+        src = saved.get(o["kind"])
+        if src is None:
+            return []  # nothing of this kind saved yet
+        o["file"] = src["file"]
+        if o["kind"] == "seq_data":
+            o["flags"] = src.get("flags", 0)
+        if op.get("rm_first"):
+            return [{"op": "seq_rm", "seq_id": o["dest_seq_id"], "p0": -1, "p1": -1}, o]
+    return [o]
+
+
 def execute(r, plan: dict, keep: list[int] | None, check_every: int) -> list[int]:
     """Run the plan's ops (only ``keep`` when given) on driver.Run ``r``; return, per trace op, its plan index."""
-    n_seq = r.n_seq_max
-    unified = plan["cparams"]["kv_unified"]
-    saved: dict[str, tuple[str, int, int]] = {}  # kind -> (file, seq, flags)
+    saved: dict[str, dict] = {}  # kind -> the recorded op of the plan's last save of that kind
     owner: list[int] = [-1]  # trace[0] is init
     idx = keep if keep is not None else list(range(len(plan["ops"])))
     done = 0
@@ -217,95 +294,20 @@ def execute(r, plan: dict, keep: list[int] | None, check_every: int) -> list[int
         owner.extend([i] * (len(r.trace) - len(owner)))
 
     for i in idx:
-        o = plan["ops"][i]
-        k = o["op"]
-        if k == "decode":
-            seqs = list(o["seqs"])
-            nxt = {s: (r.pos_max(s) + 1 if r.pos_max(s) >= 0 else o["start"]) + o["jump"] for s in seqs}
-            tk = iter(o["tokens"])
-            toks, pos, ids = [], [], []
-            if o["shared"]:
-                s0 = seqs[0]
-                group = [s for s in seqs if (r.pos_min(s), r.pos_max(s)) == (r.pos_min(s0), r.pos_max(s0))]
-                if len(group) > 1:
-                    for _ in range(o["shared"]):
-                        toks.append(next(tk))
-                        pos.append(nxt[s0])
-                        ids.append(list(group))
-                        for s in group:
-                            nxt[s] = nxt[s0] + 1
-            rest = [s for s, n in zip(seqs, o["n"], strict=False) for _ in range(n)]
-            random.Random(o["order"]).shuffle(rest)
-            for s in rest:
-                toks.append(next(tk))
-                pos.append(nxt[s])
-                ids.append([s])
-                nxt[s] += 1
-            logits = [0] * len(toks)
-            logits[-1] = 1
-            r.decode(toks, pos, ids, logits)
-        elif k == "bad":
-            s = o["seq"]
-            p = max(r.pos_max(s) + 1, 0)
-            if o["how"] == "gap":
-                r.decode([5, 6], [p, p + 2], [[s], [s]])
-            elif o["how"] == "decrease":
-                r.decode([5, 6], [p + 1, p], [[s], [s]])
-            elif o["how"] == "seq_id":
-                r.decode([5], [0], [[n_seq]])
-            else:
-                r.decode([N_VOCAB + 3], [p], [[s]])
-        elif k == "seq_rm":
-            r.seq_rm(o["seq"], o["p0"], o["p1"])
-        elif k == "seq_cp":
-            p0, p1 = o["p0"], o["p1"]
-            if not unified and o["src"] != o["dst"]:
-                p0 = p1 = -1  # llama.cpp asserts on partial cross-stream copies
-            r.seq_cp(o["src"], o["dst"], p0, p1)
-        elif k == "seq_keep":
-            r.seq_keep(o["seq"])
-        elif k == "seq_add":
-            r.seq_add(o["seq"], o["p0"], o["p1"], o["delta"])
-        elif k == "seq_div":
-            r.seq_div(o["seq"], o["p0"], o["p1"], o["d"])
-        elif k == "clear":
-            r.clear(o["data"])
-        elif k == "save":
-            s, f = o["seq"], o["flags"]
-            if o["kind"] == "seq":
-                r.save_seq(s, o.get("tokens", [4, 5, 6]))
-                saved["seq"] = (r.latest("seq", s), s, 0)
-            elif o["kind"] == "seqdata":
-                r.save_seq_data(s, f)
-                saved["seqdata"] = (r.latest("seqdata", s, f), s, f)
-            elif o["kind"] == "session":
-                r.save_session([4, 5])
-                saved["session"] = (r.latest("session"), -1, 0)
-            else:
-                r.save_state_data()
-                saved["state"] = (r.latest("state"), -1, 0)
-        elif k == "restore":
-            if o["kind"] not in saved:
-                continue
-            file, _s, f = saved[o["kind"]]
-            d = o["dst"]
-            if o["kind"] in ("seq", "seqdata") and o["rm_first"]:
-                r.seq_rm(d, -1, -1)
-            if o["kind"] == "seq":
-                r.load_seq(file, d)
-            elif o["kind"] == "seqdata":
-                r.set_seq_data(file, d, f)
-            elif o["kind"] == "session":
-                r.load_session(file)
-            else:
-                r.set_state_data(file)
+        ops = resolve(r, plan["ops"][i], saved)
+        if not ops:
+            continue  # a restore with nothing to restore: not an op of the trace
+        for op in ops:
+            r.apply(op)
+            if op["op"] == "save":
+                saved[op["kind"]] = r.trace[-1]
         mark(i)
         done += 1
         if check_every and done % check_every == 0:
-            r.save_state_data()  # a whole-memory cell-table check point for the replay
+            r.apply(CHECK_POINT)  # a whole-memory cell-table check point for the replay
             mark(i)
     if check_every and done % check_every:
-        r.save_state_data()
+        r.apply(CHECK_POINT)
         mark(idx[-1] if idx else -1)
     return owner
 

@@ -37,6 +37,9 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
         help="the memory layout of the state (default: detect)",
     )
     p.add_argument("--ext-size", type=int, choices=[0, 8, 12], default=None, help="cell ext bytes (default: infer)")
+    p.add_argument(
+        "--verbose", action="store_true", help="when no reading parses, list why each one kvref tried failed"
+    )
 
 
 def _fmt_bytes(n: int) -> str:
@@ -68,6 +71,8 @@ def _print_summary(s: dict[str, Any]) -> None:
         print(f"tokens: {s['n_tokens']}  [{', '.join(map(str, s['first_tokens']))}{more}]")
     if "arch" in s:
         print(f"arch: {s['arch']}")
+    if s.get("note"):
+        print(f"note: {s['note']}")
     if s.get("seq_id") is not None:
         print(f"saved from seq_id: {s['seq_id']}")
     if "outputs" in s:
@@ -152,6 +157,13 @@ def main(argv: list[str] | None = None) -> int:
         return args.run(args)
     except KVRefError as e:
         print(f"kvref {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        readings = getattr(e, "readings", [])
+        if readings and getattr(args, "verbose", False):
+            print(f"the {len(readings)} readings tried:", file=sys.stderr)
+            for reading, why in readings:
+                print(f"  {reading}: {why}", file=sys.stderr)
+        elif readings:
+            print(f"({len(readings)} readings tried; --verbose lists them)", file=sys.stderr)
         return 2
     except BrokenPipeError:  # `kvref inspect ... | head`: the reader left; say nothing more
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

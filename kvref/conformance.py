@@ -50,6 +50,11 @@ from .errors import BatchError, KVRefError, NoSlotError
 from .profile import Profile
 
 CHECKS = ("parse", "replay", "graph", "restore")
+# The operations of a trace (case.json's ``trace``, case.schema.json): the one vocabulary conformance/driver.py
+# records (Run.apply performs any of them in llama.cpp), conformance/fuzz.py plans in, and replay_trace
+# interprets on kvref. ``init`` is op 0 only: the context (kvref: create_memory).
+TRACE_OPS = ("init", "decode", "seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "clear", "save", "state_load",
+             "seq_restore")  # fmt: skip
 INVALID_CASE = "invalid"
 PARTIAL_ONLY = 1
 _KIND = {"session": "session", "seq": "seq", "state_data": "state", "seq_data": "seq_state"}
@@ -501,7 +506,8 @@ def check_replay(root: Path, case: dict, arts: Artefacts) -> str:
 def replay_trace(
     case: dict, mem: Any, arts: Artefacts, hp: Any = None, graph: GraphCounts | None = None
 ) -> dict[str, int]:
-    """Run the case's trace (after op 0, init) on ``mem`` and compare every step with what llama.cpp recorded.
+    """Run the case's trace (after op 0, init) on ``mem`` and compare every step with what llama.cpp recorded: the
+    one interpreter of TRACE_OPS on kvref (the replay and graph checks, the tests' golden replays).
 
     Raises CheckFailed at the first difference (Unsupported for an op kvref does not model); returns
     ``{"ops", "saves", "restores"}``. ``hp`` (default: the case's) gives n_vocab for the token-id check. With
@@ -545,8 +551,6 @@ def replay_trace(
             mem.seq_div(op["seq_id"], op["p0"], op["p1"], op["d"])
         elif kind == "clear":
             mem.clear(op.get("data", True))
-        elif kind == "update":
-            mem.update()
         elif kind == "save":
             seq_id, flags = op.get("seq_id", -1), op.get("flags", 0)
             if seq_id is None:
@@ -582,7 +586,7 @@ def replay_trace(
                 mem.state_read(data, seq_id, op.get("flags", 0), atomic=False)
                 restores += 1
         else:
-            raise Unsupported(f"{where}: unknown op")
+            raise Unsupported(f"{where}: not an op of the trace vocabulary (TRACE_OPS after init)")
         if "observed" in op:
             got = _observe(mem, n_seq)
             if got != op["observed"]:
@@ -965,6 +969,7 @@ def main(args: Any) -> int:
 
 __all__ = [
     "CHECKS",
+    "TRACE_OPS",
     "Artefacts",
     "CaseResult",
     "CheckFailed",

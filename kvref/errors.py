@@ -26,6 +26,8 @@ class FormatError(KVRefError, ValueError):
         super().__init__(f"{message} ({', '.join(where)})" if where else message)
         self.field = field
         self.offset = offset
+        # when kvref.state.load tried several readings: (reading, why it failed) for each one
+        self.readings: list[tuple[str, str]] = []
 
 
 class BatchError(KVRefError, ValueError):

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -110,3 +111,70 @@ def test_runner_reports_where_a_replay_differs(monkeypatch: pytest.MonkeyPatch) 
     replay = next(c for c in res.checks if c.name == "replay")
     assert replay.status == "fail"
     assert "03-seq-seq0.ggsq" in replay.detail and "section 1 stream 0" in replay.detail
+
+
+# ---------------------------------------------------------------------------------------------- one op vocabulary
+def _schema_ops() -> dict[str, set[str]]:
+    """case.schema.json: op name -> the fields its op object may have."""
+    defs = json.loads((ROOT / "case.schema.json").read_text())["$defs"]
+    return {name: set(defs[f"op_{name}"]["properties"]) for name in defs["op"]["properties"]["op"]["enum"]}
+
+
+def _fuzz() -> object:
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kvref_conformance_fuzz", ROOT / "fuzz.py")
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_trace_vocabulary_is_one() -> None:
+    """The schema, the README's op table, the replay (kvref.conformance.TRACE_OPS) and the recorder's dispatch
+    (driver.Run.apply: every op but init) name the same operations."""
+    import ast
+    import re
+
+    assert list(_schema_ops()) == list(C.TRACE_OPS)
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("| op | fields | llama.cpp call |") :].split("\n\n")[0]
+    assert re.findall(r"^\| `(\w+)` \|", table, re.M) == list(C.TRACE_OPS)
+    tree = ast.parse((ROOT / "driver.py").read_text())
+    apply = next(
+        n.value for n in ast.walk(tree) if isinstance(n, ast.Assign) and getattr(n.targets[0], "id", "") == "_APPLY"
+    )
+    assert isinstance(apply, ast.Dict)
+    assert [ast.literal_eval(k) for k in apply.keys if k is not None] == list(C.TRACE_OPS[1:])
+
+
+class _State:
+    """What fuzz.resolve reads of a driver.Run: seq_pos_min / seq_pos_max (all sequences empty here)."""
+
+    def pos_min(self, s: int) -> int:
+        return -1
+
+    def pos_max(self, s: int) -> int:
+        return -1
+
+
+def test_fuzz_plans_are_traces_without_results() -> None:
+    """conformance/fuzz.py plans in case.json's ops and fields (plus its plan-only keys), and every plan op resolves
+    to ops of the trace vocabulary that driver.Run.apply takes."""
+    fuzz: Any = _fuzz()
+    ops = _schema_ops()
+    results = {"ret", "observed", "errors", "graph"}
+    saved = {k: {"op": "save", "kind": k, "file": f"x-{k}", "flags": 1} for k in ("seq", "seq_data", "state_data")}
+    for model in fuzz.MODELS:
+        for seed in range(5):
+            plan = fuzz.make_plan(model, seed)
+            assert plan == fuzz.make_plan(model, seed)  # seeded
+            for i, op in enumerate(plan["ops"]):
+                where = f"{model} seed {seed} op {i}"
+                assert op["op"] in C.TRACE_OPS[1:], where
+                assert set(op) <= (ops[op["op"]] - results) | set(fuzz.PLAN_KEYS), (where, op)
+                for r in fuzz.resolve(_State(), op, saved):
+                    assert set(r) <= ops[r["op"]] - results, (where, r)
+                    if r["op"] == "decode":
+                        n = len(r["tokens"])
+                        assert n and len(r["pos"]) == len(r["seq_ids"]) == len(r["logits"]) == n, (where, r)

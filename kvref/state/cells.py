@@ -129,25 +129,25 @@ class CellTable(Field):
         name: str,
         count: Callable[[Env], int],
         ext_size: Callable[[Env], int],
-        n_seq_id: Callable[[Env], int | None] = lambda env: None,
+        n_seq_id: Callable[[Env], tuple[int, ...] | None] = lambda env: None,
     ) -> None:
         self.name = self.attr = name
         self.count = count
         self.ext_size = ext_size
-        self.n_seq_id = n_seq_id  # the one n_seq_id every cell must have, when the container fixes it
+        self.n_seq_id = n_seq_id  # the n_seq_id values a cell may have, when the container fixes them
 
     def read(self, r: Reader, env: Env) -> Cells:
         at = r.pos
         cells = self._read(r, env)
         want = self.n_seq_id(env)
         if want is not None and cells.n:
-            bad = np.flatnonzero(np.diff(cells.seq_start) != want)
+            bad = np.flatnonzero(~np.isin(np.diff(cells.seq_start), want))
             if len(bad):
                 i = int(bad[0])
                 off = at + i * (8 + cells.ext_size) + 4 * int(cells.seq_start[i]) + 4
                 raise FormatError(
                     f"cell {i} has n_seq_id {int(cells.seq_start[i + 1] - cells.seq_start[i])}, "
-                    f"a sequence state has {want} per cell",
+                    f"a sequence state has {' or '.join(map(str, want))} per cell",
                     field="n_seq_id",
                     offset=off,
                 )

@@ -54,6 +54,8 @@ class StateObject(Record):
 
     kind: str
     memory: MemorySections
+    # set by `load` when it had to choose between readings that mean the same (it says which it took)
+    note: str | None = None
 
     def to_bytes(self) -> bytes:
         """The container's encoding, as bytes (what llama.cpp writes)."""

@@ -53,8 +53,21 @@ def _u32(buf: memoryview, at: int) -> int | None:
     return int.from_bytes(buf[at : at + 4], "little") if len(buf) >= at + 4 else None
 
 
+_EXPECTED = (
+    "a state starts with the magic 'ggsn' (0x6767736e, session file) or 'ggsq' (0x67677371, sequence file), "
+    "with io_magic 0xaf143cd8 (llama_state_seq_get_data blob, 2026), or with the arch string's length "
+    "(llama_state_get_data blob)"
+)
+
+
+def _shown(buf: memoryview, n: int = 8) -> str:
+    head = bytes(buf[:n])
+    text = head.decode("latin-1")
+    return f"{head.hex(' ')}" + (f" ({text!r})" if text.isprintable() else "")
+
+
 def detect_kind(buf: memoryview) -> list[str]:
-    """The container kinds worth trying, from the first bytes."""
+    """The container kinds worth trying, from the first bytes (a FormatError when they rule out every kind)."""
     head = _u32(buf, 0)
     if head is None:
         raise FormatError(f"truncated: {len(buf)} bytes cannot hold a state", field="magic", offset=0)
@@ -64,8 +77,24 @@ def detect_kind(buf: memoryview) -> list[str]:
         return ["seq"]
     if head == Magic.SEQ_BLOB:
         return ["seq_state"]
+    if bytes(buf[:4]) == b"GGUF":
+        raise FormatError(
+            "this is a GGUF model file, not a llama.cpp state: pass it as the model (--model) and the session, "
+            "slot or state file as the input",
+            field="magic",
+            offset=0,
+        )
     if head >> 16 == 0x6767 or head & 0xFFFF == 0x6767:  # a 'gg..' llama.cpp magic, but not one of ours
-        raise FormatError(f"bad magic 0x{head:08x}: neither 'ggsn' nor 'ggsq'", field="magic", offset=0)
+        raise FormatError(f"bad magic 0x{head:08x}: {_EXPECTED}", field="magic", offset=0)
+    if (
+        sum(a != b for a, b in zip(head.to_bytes(4, "little"), int(Magic.SEQ_BLOB).to_bytes(4, "little"), strict=True))
+        == 1
+    ):
+        raise FormatError(
+            f"bad io_magic 0x{head:08x}: a llama_state_seq_get_data blob starts with 0x{int(Magic.SEQ_BLOB):08x}",
+            field="io_magic",
+            offset=0,
+        )
     arch = bytes(buf[4 : 4 + head]) if 0 < head <= 64 else b""
     if len(arch) == head and arch.replace(b"_", b"").replace(b"-", b"").replace(b".", b"").isalnum():
         return ["state", "seq_state"]
@@ -157,6 +186,19 @@ def _family(layout: str) -> str:
     return "recurrent" if len(kinds) == 1 else "hybrid"
 
 
+def _arch_family(buf: memoryview, kind: str) -> str | None:
+    """The memory family the arch string names (session files and state blobs carry one), if readable."""
+    at = {"state": 0, "session": None}.get(kind, -1)
+    if at is None:  # after the token list
+        n_tokens = _u32(buf, 8)
+        at = -1 if n_tokens is None else 12 + 4 * n_tokens
+    n = _u32(buf, at) if at >= 0 else None
+    if n is None or not 0 < n <= 64 or len(buf) < at + 4 + n:
+        return None
+    arch = bytes(buf[at + 4 : at + 4 + n]).decode("latin-1")
+    return "recurrent" if arch in RECURRENT_ARCHS else "hybrid" if arch in HYBRID_ARCHS else "attention"
+
+
 def _by_arch(found: dict[Any, tuple[dict[str, Any], StateObject]]) -> dict[Any, tuple[dict[str, Any], StateObject]]:
     """Break a tie with the arch string: a recurrent arch has a recurrent memory, and so on."""
     arch = getattr(next(iter(found.values()))[1], "arch", None)
@@ -179,6 +221,38 @@ def _plausible(found: dict[Any, tuple[dict[str, Any], StateObject]]) -> dict[Any
 
     kept = {k: v for k, v in found.items() if ok(v[1])}
     return kept or found
+
+
+def _empty(obj: StateObject) -> bool:
+    """No section holds a cell: every reading of such bytes restores the same thing (nothing)."""
+    mem = obj.memory
+    kv_empty = all(st.cells is None or st.cells.n == 0 for s in mem.kv_sections for st in s.streams)
+    return kv_empty and all(s.cell_count == 0 for s in mem.recurrent_sections)
+
+
+def _pick_empty(found: dict[Any, tuple[dict[str, Any], StateObject]]) -> StateObject:
+    """Several layouts read these bytes and none holds a cell (say, a sequence saved after it was emptied):
+    they mean the same empty state, so take one. Prefer the reading whose layer records look like its
+    layout's: a recurrent state's R and S rows differ in size, a KV cache's K and V rows usually do not."""
+
+    def looks_right(obj: StateObject) -> bool:
+        for s in obj.memory.sections:
+            if isinstance(s, RecurrentSection):
+                return any(r.row_size != x.row_size for r, x in zip(s.r, s.s, strict=False))
+            for st in s.streams:
+                if st.data is not None:
+                    pairs = zip(st.data.k, st.data.v, strict=False)
+                    return all(getattr(a, "row_size", None) == getattr(b, "row_size", None) for a, b in pairs)
+        return False
+
+    readings = list(found.values())
+    chosen = next((r for r in readings if looks_right(r[1])), readings[0])
+    others = [describe(c) for c, _ in readings if c is not chosen[0]]
+    chosen[1].note = (
+        f"{len(readings)} readings parse and none holds a cell; read as {describe(chosen[0])} "
+        f"(also: {'; '.join(others)}); pass layout= to choose"
+    )
+    return chosen[1]
 
 
 def describe(opts: dict[str, Any]) -> str:
@@ -233,20 +307,63 @@ def load(
         raise ValueError("the options given exclude every reading of this input")
     found: dict[tuple[Any, ...], tuple[dict[str, Any], StateObject]] = {}
     best: FormatError | None = None
+    best_key: tuple[int, int, int, int] = (0, 0, 0, 0)
+    want_family = _arch_family(buf, kinds[0])
+    failures: list[tuple[str, str]] = []
     for c in candidates:
         try:
             obj = read_root(STRUCTS[c["kind"]], buf, c)
         except FormatError as e:
-            if best is None or (e.offset or 0) > (best.offset or 0):
-                best = e
+            failures.append((describe(c), str(e)))
+            # the best-supported explanation: among the likeliest readings (no cell ext, V present: what most
+            # models write), one that did not stumble on a sequence id no llama.cpp can write (the mark of
+            # reading misaligned bytes), the one that got furthest into the input
+            msg = str(e)
+            misaligned = e.field in ("n_seq_id", "seq_id") and ("LLAMA_MAX_SEQ" in msg or "[0, 256)" in msg)
+            family = want_family is None or _family(c["layout"]) == want_family
+            key = (int(family), int(c["ext_size"] == 0 and c["has_v"]), int(not misaligned), e.offset or 0)
+            if best is None or key > best_key:
+                best, best_key = e, key
             continue
         found.setdefault(_signature(obj), (c, obj))
     if len(found) > 1:
         found = _by_arch(_plausible(found))
+    if len(found) > 1 and all(_empty(obj) for _, obj in found.values()):
+        return _pick_empty(found)
     if len(found) == 1:
-        return next(iter(found.values()))[1]
+        c, obj = next(iter(found.values()))
+        if layout == "auto" and want_family == "hybrid" and _family(c["layout"]) != "hybrid":
+            # a hybrid model writes an attention and a recurrent section; the input holds only one of them
+            raise FormatError(
+                f"the arch string names a hybrid model, but the input ends after a {c['layout']} section: the "
+                "other section is missing (a truncated file?); pass layout= to read it anyway",
+                field="cell_count",
+                offset=len(buf),
+            )
+        return obj
     if not found:
         assert best is not None
+        if (
+            kind == "auto"
+            and (best.offset or 0) <= 8
+            and _u32(buf, 0) not in (Magic.SESSION, Magic.STATE_SEQ, Magic.SEQ_BLOB)
+        ):
+            # nothing got past the first fields: the bytes do not start like any state
+            best = FormatError(
+                f"not a llama.cpp state: it starts with {_shown(buf)}; {_EXPECTED}", field="magic", offset=0
+            )
+        version = _u32(buf, 4)
+        if kinds in (["session"], ["seq"]) and best.field == "version" and version is not None:
+            other = _SEQ_VARIANTS if kinds == ["session"] else _SESSION_VARIANTS
+            if version in other:  # the version is right for the other container: its magic was damaged
+                name = "sequence file ('ggsq')" if kinds == ["session"] else "session file ('ggsn')"
+                best = FormatError(
+                    f"magic 0x{_u32(buf, 0):08x} names a {kinds[0]} file, but version {version} is a {name} "
+                    "version: the magic does not match the file",
+                    field="magic",
+                    offset=0,
+                )
+        best.readings = failures
         raise best
     readings = "; ".join(describe(c) for c, _ in found.values())
     raise FormatError(

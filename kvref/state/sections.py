@@ -362,12 +362,13 @@ KV_STREAM = Struct(
     Param("ext_size", derive=lambda o, env: o.cells.ext_size if o.cells is not None else 0),
     When(
         lambda env: env["cell_count"] > 0,
-        # a sequence save writes exactly one id per KV cell (llama.cpp rejects anything else on restore)
+        # a sequence save writes one id per KV cell, or none when the saved id is not below the context's
+        # n_seq_max (state_write_meta lists only ids < n_seq_max); a restore accepts only 1 (cache_api checks)
         CellTable(
             "cells",
             lambda env: env["cell_count"],
             lambda env: env["ext_size"],
-            lambda env: 1 if env.get("seq_scope") else None,
+            lambda env: (0, 1) if env.get("seq_scope") else None,
         ),
     ),
     # before PR #14363 (no n_stream field: llama-cpp-python 0.3.12 .. 0.3.14) state_write_data ran even for zero
@@ -471,7 +472,9 @@ RECURRENT_SECTION = Struct(
     RecurrentSection,
     U32("cell_count", derive=lambda o, env: o.cells.n),
     # a sequence save writes n_seq_id = 0 for every recurrent cell
-    CellTable("cells", lambda env: env["cell_count"], lambda env: 0, lambda env: 0 if env.get("seq_scope") else None),
+    CellTable(
+        "cells", lambda env: env["cell_count"], lambda env: 0, lambda env: (0,) if env.get("seq_scope") else None
+    ),
     U32("s_trans", check=_check_flag),
     U32("n_layer", check=_check_n_layer),
     Param("ple", derive=lambda o, env: any(layer.p_data is not None for layer in o.r)),

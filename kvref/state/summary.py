@@ -83,6 +83,8 @@ def summarize(obj: Any) -> dict[str, Any]:
         o = obj.outputs
         out["outputs"] = {"n_outputs": len(o.output_pos), "logits": len(o.logits), "embeddings": len(o.embeddings)}
     out["layout"] = obj.memory.layout
+    if getattr(obj, "note", None):
+        out["note"] = obj.note
     out["sections"] = [_kv(s) if isinstance(s, KVSection) else _recurrent(s) for s in obj.memory.sections]
     return out
 
