@@ -19,14 +19,13 @@ LLAMA_STATE_SEQ_FLAGS_ON_DEVICE (2026); sequence *files* never carry it.
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass
 from io import BytesIO
-from pathlib import Path
 from typing import Any, BinaryIO
 
 import numpy as np
 
+from .atomic import atomic_write
 from .codec import Writer
 from .constants import SEQ_VERSIONS, SESSION_VERSIONS, Magic
 from .dsl import I32, U32, U64, Array, Param, Record, Str, Struct, When, write_root
@@ -190,21 +189,9 @@ STRUCTS: dict[str, Struct] = {"session": SESSION, "seq": SEQ, "state": STATE, "s
 
 
 def save(obj: StateObject, path: str | os.PathLike[str]) -> int:
-    """Write ``obj`` to ``path`` without assembling it in memory; returns the byte count.
-
-    The bytes go to a temporary file beside ``path`` that replaces it at the end, so saving over the file the
-    object was loaded from (and is still memory-mapped from) is safe.
-    """
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "wb", buffering=1 << 20) as f:
-            n = obj.write_to(f)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
-    return n
+    """Write ``obj`` to ``path`` without assembling it in memory, crash-safe (`kvref.state.atomic`); returns the
+    byte count. Saving over the file the object was loaded from (and is still memory-mapped from) is safe."""
+    return atomic_write(path, obj.write_to)
 
 
 __all__ = [
