@@ -29,13 +29,13 @@ what to do:
   including every negative id, so ``seq_rm(-1, ...)`` is always refused; else a negative id is accepted for
   the whole range (or an empty one) and an id ``>= mem_size`` is refused;
 - ``recurrent_rollback_single_use``: a rollback is refused while one is pending (else the index is replaced);
-- ``recurrent_rows_from_src``: state files take each cell's rows from its ``src`` (and rollback plane), else
-  from the cell itself; layers without state (a layer filter) are skipped in state files either way, so the
-  section layout is the same;
-- ``recurrent_restore_seq_bound``: a whole restore bounds seq ids by ``n_seq_max`` or by the cell count;
 - ``recurrent_split_sequential``: ``init_batch``'s equal splits keep sequences consecutive (or not);
 - ``recurrent_rollback_split``: with ``n_rs_seq > 0``, equal splits (``"equal"``) or by sequence (``"seq"``);
 - ``decode_seq_id_bound``: the bound llama_decode puts on sequence ids (``decode``).
+
+State files: ``state_write`` / ``state_read`` / ``stage_state`` / ``state_sections`` are thin methods over
+``kvref.recurrent_state``, which documents the section and the restore (and the profile fields of state files,
+``recurrent_rows_from_src`` and ``recurrent_restore_seq_bound``).
 """
 
 from __future__ import annotations
@@ -43,15 +43,19 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from . import recurrent_state as _recurrent_state
 from .constants import POS_MAX
-from .errors import CellError, FormatError, KVRefError, NoSlotError, SequenceError
+from .errors import CellError, NoSlotError, SequenceError
 from .ggml import GGMLType, ggml_type, row_size
-from .memory_base import ContextParams, clear_seq, decode_seq_bound, read_parts
+from .memory_base import ContextParams, decode_batch
 from .profile import DEFAULT, Profile, resolve
+
+if TYPE_CHECKING:
+    from .state import RecurrentSection, RecurrentSpec
 
 log = logging.getLogger("kvref.recurrent")
 
@@ -199,33 +203,6 @@ class RecurrentMemory:
     def get_can_shift(self) -> bool:
         """Always True (llama_memory_recurrent::get_can_shift)."""
         return True  # shifting a recurrent state is only moving its pos
-
-    # --- bookkeeping snapshots (prepare and atomic restores put the cells back exactly) ------------------
-
-    def _snapshot(self) -> tuple:
-        return (
-            list(self.pos),
-            list(self.src),
-            list(self.src0),
-            list(self.tail),
-            [set(s) for s in self.seq],
-            self.head,
-            self.used,
-            self.n,
-            self.rs_z,
-            list(self.rs_idx),
-        )
-
-    def _restore(self, snap: tuple) -> None:
-        (self.pos, self.src, self.src0, self.tail, self.seq, self.head, self.used, self.n, self.rs_z, self.rs_idx) = (
-            list(snap[0]),
-            list(snap[1]),
-            list(snap[2]),
-            list(snap[3]),
-            [set(s) for s in snap[4]],
-            *snap[5:9],
-            list(snap[9]),
-        )
 
     def _free(self, c: int) -> None:
         """A cell whose last sequence left: forget its state (it counted as used)."""
@@ -604,8 +581,9 @@ class RecurrentMemory:
                 rows = b[slot.s_copy].copy()
                 b[slot.head : slot.head + slot.n] = rows
 
-    def init_batch(self, balloc: Any, n_ubatch: int, embd_all: bool = False) -> list[Any]:
-        """llama_memory_recurrent::init_batch: split, then prepare; NoSlotError when either fails.
+    def init_batch(self, balloc: Any, n_ubatch: int, embd_all: bool = False) -> list[tuple[Any, None]]:
+        """llama_memory_recurrent::init_batch: split, then prepare; NoSlotError when either fails. Returns
+        ``[(ubatch, None), ...]`` (the slot is found when each ubatch is applied).
 
         Split by sequence when every token is an output (``embd_all``), else equal sequential splits
         that keep the last ``1 + n_rs_seq`` tokens of a sequence together (rollback snapshots).
@@ -623,7 +601,7 @@ class RecurrentMemory:
             raise NoSlotError("the batch cannot be split for the recurrent memory (failed to prepare)")
         if not self.prepare(ubatches):
             raise NoSlotError("the batch does not fit in the recurrent memory (failed to prepare)")
-        return ubatches
+        return [(ub, None) for ub in ubatches]  # nothing is placed before apply_ubatch
 
     def decode(
         self,
@@ -634,209 +612,70 @@ class RecurrentMemory:
         balloc: Any = None,
         on_ubatch: Callable[[Any, RecurrentSlot], None] | None = None,
     ) -> list[tuple[Any, RecurrentSlot]]:
-        """What llama_decode does to this memory: validate the batch, prepare all ubatches (all or nothing:
-        NoSlotError leaves the memory unchanged), then place them one by one (``on_ubatch(ubatch, slot)``
-        after each)."""
-        from .batch import BatchAllocr
+        """What llama_decode does to this memory (`kvref.memory_base.decode_batch`): validate the batch, prepare
+        all ubatches (all or nothing: NoSlotError leaves the memory unchanged), then place them one by one."""
+        return decode_batch(self, batch, n_ubatch, balloc=balloc, embd_all=embd_all, on_ubatch=on_ubatch)
 
-        if balloc is None:
-            balloc = BatchAllocr(self.hparams.n_pos_per_embd())
-        # llama_context::decode's bound on seq ids (kvref.memory_base.decode_seq_bound)
-        n_seq_max = decode_seq_bound(self.profile, self.kv_unified, self.n_seq_max)
-        balloc.init(batch, memory=self, n_seq_max=n_seq_max, output_all=embd_all)
-        ubatches = self.init_batch(balloc, n_ubatch, embd_all)
-        out = []
-        for ub in ubatches:
-            out.append((ub, self.apply_ubatch(ub)))
-            if on_ubatch is not None:
-                on_ubatch(*out[-1])
-        return out
+    # decode_batch's steps
+    def _decode_n_seq_max(self) -> int:
+        return self.n_seq_max
+
+    def _apply(self, prepared: None, ubatch: Any) -> RecurrentSlot:
+        return self.apply_ubatch(ubatch)
 
     def update(self) -> bool:
         """The recurrent memory never has pending updates (init_update returns NO_UPDATE)."""
         return False
 
-    # --- state files -----------------------------------------------------------------------------------
+    # --- state files (kvref.recurrent_state) -----------------------------------------------------------
 
-    def state_section(self, seq_id: int = -1, flags: int = 0) -> Any:
-        """The recurrent section llama_memory_recurrent::state_write would write, as kvref.state objects."""
-        from .state.cells import Cells
-        from .state.sections import LayerRows, RecurrentLayer, RecurrentSection, TransposedRows
-
-        # Profile.recurrent_rows_from_src: rows are read from the cell's src in the rollback plane, else from
-        # the cell itself
-        own_rows = not self.profile.recurrent_rows_from_src
-        size = self.size
-        cells_idx: list[int] = []
-        data_rows: list[int] = []
-        for i in range(size):
-            c = self.seq[i]
-            if not ((seq_id == -1 and c) or seq_id in c):
-                continue
-            cells_idx.append(i)
-            if own_rows:
-                data_rows.append(i)
-                continue
-            plane = 0
-            if self.n_rs_seq:
-                if seq_id != -1:
-                    plane = self.rs_idx[seq_id]
-                else:
-                    planes = {self.rs_idx[s] for s in c}
-                    if len(planes) > 1:
-                        raise KVRefError("cannot write a shared recurrent state with different rollback indices")
-                    plane = planes.pop()
-            data_rows.append(plane * size + (self.src[i] if self.src[i] >= 0 else i))
-
-        cells = Cells.from_lists(
-            [self.pos[i] for i in cells_idx],
-            [sorted(self.seq[i]) if seq_id == -1 else () for i in cells_idx],
-        )
-        rows = np.asarray(data_rows, dtype=np.intp)
-        r_layers: list[RecurrentLayer] = []
-        s_layers: list[LayerRows | TransposedRows] = []
-        for il in self.layers:
-            r, s, p = self._rs(il)
-            r_layers.append(
-                RecurrentLayer(
-                    int(self.type_r),
-                    self.r_row,
-                    r[rows],
-                    self.p_row if p is not None else None,
-                    p[rows] if p is not None else None,
-                )
-            )
-            s_layers.append(LayerRows(int(self.type_s), self.s_row, s[rows]))
-        return RecurrentSection(cells, 0, self.hparams.n_layer, r_layers, s_layers)
-
-    def spec(self) -> Any:
+    def spec(self) -> RecurrentSpec:
         """This memory as kvref.state sees it: what a section must match to be restored here."""
-        from .state import RecurrentLayerSpec, RecurrentSpec
+        return _recurrent_state.spec(self)
 
-        layers = tuple(
-            RecurrentLayerSpec(
-                int(self.type_r),
-                self.r_row,
-                int(self.type_s),
-                self.s_row,
-                self.n_embd_s,
-                self.p_row if self.p_l[il] is not None else None,
-            )
-            for il in self.layers
-        )
-        # Profile.recurrent_restore_seq_bound "mem_size": only the cell count bounds the ids
-        n_seq_max = self.size if self.profile.recurrent_restore_seq_bound == "mem_size" else self.n_seq_max
-        return RecurrentSpec(self.size, n_seq_max, self.hparams.n_layer, layers)
+    def state_section(self, seq_id: int = -1, flags: int = 0) -> RecurrentSection:
+        """The recurrent section llama_memory_recurrent::state_write would write, as kvref.state objects."""
+        return _recurrent_state.state_section(self, seq_id, flags)
 
     def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Any]:
-        """The sections ``state_write`` serializes, in order (one for this memory)."""
-        return [self.state_section(seq_id, flags)]
+        """The sections ``state_write`` serializes, in order: one ``kvref.state.RecurrentSection``."""
+        return [_recurrent_state.state_section(self, seq_id, flags)]
 
     def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes:
         """The bytes of llama_memory_recurrent::state_write (``flags`` do not change them)."""
-        from .state import section_bytes
-
-        return section_bytes(self.state_section(seq_id, flags))
+        return _recurrent_state.state_write(self, seq_id, flags)
 
     def parse_section(self, data: Any, seq_id: int = -1, offset: int = 0) -> tuple[Any, int]:
         """Parse and format-check the recurrent section at ``offset``; returns it and its end offset."""
-        from .state import read_recurrent_section
-
-        return read_recurrent_section(data, self.spec(), seq_id=seq_id, offset=offset)
+        return _recurrent_state.parse_section(self, data, seq_id, offset)
 
     def check_section(self, sec: Any, seq_id: int = -1) -> tuple:
         """Replay state_read_meta on a copy of the bookkeeping; returns the bookkeeping after the restore.
 
         Nothing changes here: a refusal raises FormatError, success hands ``apply_section`` the result.
         """
-        n = sec.cell_count
-        if n > self.size:
-            raise FormatError(f"not enough cells in the recurrent memory ({n} > {self.size})", field="cell_count")
-        snap = self._snapshot()
-        try:
-            if seq_id != -1:
-                self.seq_rm(seq_id, -1, -1)
-                if n:
-                    if (sec.cells.n_seq_id != 0).any():
-                        raise FormatError("invalid seq_id-agnostic cell in a sequence state", field="n_seq_id")
-                    ub = _reserve_ubatch(sec.cells.pos, seq_id)
-                    if not self.find_slot(ub):
-                        raise FormatError(
-                            f"failed to find a recurrent cell for sequence {seq_id}", field="state_seq_id"
-                        )
-                    # llama.cpp asserts the restored cells are head .. head+n: one cell per sequence state
-                    last = self.head + n - 1
-                    if (
-                        last >= self.size
-                        or self.pos[self.head] != sec.cells.pos[0]
-                        or self.pos[last] != sec.cells.pos[-1]
-                    ):
-                        raise FormatError(
-                            f"a sequence state holds {n} recurrent cells, llama.cpp restores one", field="cell_count"
-                        )
-            else:
-                self.clear(False)
-                limit = self.spec().n_seq_max
-                for i in range(n):
-                    self.pos[i] = int(sec.cells.pos[i])
-                    for s in sec.cells.seq_ids(i):
-                        if s < 0 or s >= limit:
-                            raise FormatError(f"invalid seq_id {s}: out of range [0, {limit})", field="seq_id")
-                        self.seq[i].add(s)
-                        if self.tail[s] != -1:
-                            raise FormatError(
-                                f"duplicate tail for seq_id {s} in cells {i} and {self.tail[s]}", field="seq_id"
-                            )
-                        self.tail[s] = i
-                self.head = 0
-                self.used = n
-            for i in range(n):
-                self.src[self.head + i] = self.head + i  # restored states stay where they are put
-            if self.n_rs_seq:
-                self._set_rs_idx(seq_id, 0)
-            return self._snapshot()
-        finally:
-            self._restore(snap)
+        return _recurrent_state.check_section(self, sec, seq_id)
 
     def apply_section(self, sec: Any, after: tuple, seq_id: int = -1) -> None:
         """Commit a section checked by ``check_section`` (``after`` is what it returned)."""
-        if seq_id == -1:
-            self.clear(True)  # a whole restore starts from zeroed buffers (clear(true) in state_read_meta)
-        self._restore(after)
-        n = sec.cell_count
-        head = self.head
-        if n == 0:
-            return
-        for k, il in enumerate(self.layers):
-            r, s, p = self._rs(il)
-            r[head : head + n] = sec.r[k].data
-            if p is not None:
-                p[head : head + n] = sec.r[k].p_data
-            s[head : head + n] = sec.s[k].data
+        _recurrent_state.apply_section(self, sec, after, seq_id)
 
     def stage_state(
         self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
     ) -> tuple[Callable[[], None], int]:
-        """Parse and check the section at ``offset`` without changing anything; returns (commit, end)."""
-        sec, end = self.parse_section(data, seq_id, offset)
-        after = self.check_section(sec, seq_id)
-        return (lambda: self.apply_section(sec, after, seq_id)), end
+        """Parse and check the section at ``offset`` without changing anything; returns ``(commit, end)``."""
+        return _recurrent_state.stage_state(self, data, seq_id, flags, offset)
 
     def state_read(self, data: Any, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
-        """Restore what ``state_write`` wrote; returns the bytes read (trailing bytes are an error).
-
-        Everything is checked before anything changes; on error the memory is untouched, or with
-        ``atomic=False`` left as llama.cpp leaves it (``state_read_failed``: the sequence removed, or the
-        whole memory cleared).
-        """
-
-        return read_parts([self], data, seq_id, flags, atomic=atomic)
+        """Restore a section (see kvref.recurrent_state); returns the bytes read. Everything is checked before
+        anything changes: a failure leaves the memory untouched, or with ``atomic=False`` as llama.cpp leaves it
+        (the sequence removed, or the whole memory cleared)."""
+        return _recurrent_state.state_read(self, data, seq_id, flags, atomic=atomic)
 
     def state_read_failed(self, seq_id: int, exc: Exception) -> None:
-        """llama_memory_recurrent::state_read after a failure: state_clear removes the destination sequence
-        (clears everything for seq_id -1); rows are not zeroed here."""
-
-        clear_seq(self, seq_id)
+        """Leave the memory as llama.cpp does after its section failed to restore: state_clear removes the
+        destination sequence (clears everything for seq_id -1); rows are not zeroed (kvref.recurrent_state)."""
+        _recurrent_state.state_read_failed(self, seq_id, exc)
 
     # --- introspection ---------------------------------------------------------------------------------
 
@@ -863,22 +702,6 @@ def _ple_conv_state(hparams: Any) -> int:
     f = getattr(hparams, "ple_conv_state", None)
     v = f() if callable(f) else f
     return int(v or 0)
-
-
-@dataclass
-class _ReservedUBatch:
-    """llama_batch_allocr::ubatch_reserve(n, 1) as state_read_meta fills it: one sequence, n positions."""
-
-    n_seq_tokens: int
-    pos: np.ndarray
-    seq_id: list[list[int]]
-    n_seqs: int = 1
-    equal_seqs: bool = True
-
-
-def _reserve_ubatch(pos: np.ndarray, seq_id: int) -> _ReservedUBatch:
-    n = len(pos)
-    return _ReservedUBatch(n, np.asarray(pos, np.int32), [[seq_id]] * n)
 
 
 __all__ = ["POS_MAX", "RecurrentMemory", "RecurrentSlot"]

@@ -1,4 +1,5 @@
-"""RecurrentMemory: scenarios derived from llama_memory_recurrent (llama.cpp, October 2026) and the seed 002.
+"""RecurrentMemory: scenarios derived from llama_memory_recurrent (llama.cpp, October 2026) and from its mid-2025
+rules (llama-cpp-python 0.3.12 .. 0.3.16, ``MID_2025`` below).
 
 Expected values were worked out by hand from the C++ (find_slot, seq_rm, seq_cp, ...); each test says which rule.
 """
