@@ -39,6 +39,7 @@ from kvref._mask_py import (
     _check_kq_args,
     is_masked_swa,
 )
+from kvref.errors import ArgumentError, ArgumentTypeError
 
 cnp.import_array()
 
@@ -453,7 +454,7 @@ def fill_kq_mask_raw(
     cdef int s, st, w
     cdef int n_cstream = len(pos)
     if n_cstream > MAX_STREAMS:
-        raise ValueError(f"cell_pos: at most {MAX_STREAMS} streams")
+        raise ArgumentError(f"cell_pos: at most {MAX_STREAMS} streams")
     cdef const int32_t* tposp = a.tok_pos
     cdef const int32_t* tseqp = a.tok_seq
     cdef const int32_t* tstp = _i32_ptr(tst)
@@ -555,9 +556,9 @@ def relative_position_bucket(x, y, n_buckets, bidirectional):
     xb, yb = np.broadcast_arrays(np.asarray(x, dtype=np.int32), np.asarray(y, dtype=np.int32))
     n_buckets = int(n_buckets)
     if n_buckets < 0 or n_buckets >= 2**32:
-        raise ValueError(f"n_buckets: {n_buckets} is outside [0, 2**32)")
+        raise ArgumentError(f"n_buckets: {n_buckets} is outside [0, 2**32)")
     if ((n_buckets >> 1) if bidirectional else n_buckets) >> 1 == 0:
-        raise ValueError("n_buckets: needs at least 2 buckets (4 when bidirectional)")
+        raise ArgumentError("n_buckets: needs at least 2 buckets (4 when bidirectional)")
     cdef cnp.ndarray xa = np.ascontiguousarray(xb), ya = np.ascontiguousarray(yb)
     cdef cnp.ndarray res = np.empty(xb.shape, dtype=np.int32)
     cdef const int32_t* xp = _i32_ptr(xa)
@@ -577,15 +578,15 @@ def fill_pos_bucket_raw(out, key_pos, tok_pos, n_buckets, bidirectional=False):
     key_pos = _as_i32_1d("key_pos", key_pos)
     tok_pos = _as_i32_1d("tok_pos", tok_pos)
     if not isinstance(out, np.ndarray) or out.dtype != np.int32:
-        raise TypeError("out: expected an int32 NumPy array")
+        raise ArgumentTypeError("out: expected an int32 NumPy array")
     if out.shape != (tok_pos.shape[0], key_pos.shape[0]) or not out.flags.c_contiguous or not out.flags.writeable:
         shape = (tok_pos.shape[0], key_pos.shape[0])
-        raise ValueError(f"out: expected a writeable C-contiguous array of shape {shape}")
+        raise ArgumentError(f"out: expected a writeable C-contiguous array of shape {shape}")
     n_buckets = int(n_buckets)
     if n_buckets < 0 or n_buckets >= 2**32:
-        raise ValueError(f"n_buckets: {n_buckets} is outside [0, 2**32)")
+        raise ArgumentError(f"n_buckets: {n_buckets} is outside [0, 2**32)")
     if ((n_buckets >> 1) if bidirectional else n_buckets) >> 1 == 0:
-        raise ValueError("n_buckets: needs at least 2 buckets (4 when bidirectional)")
+        raise ArgumentError("n_buckets: needs at least 2 buckets (4 when bidirectional)")
     cdef cnp.ndarray ka = key_pos, ta = tok_pos, oa = out
     cdef const int32_t* kp = _i32_ptr(ka)
     cdef const int32_t* tp = _i32_ptr(ta)
@@ -605,9 +606,9 @@ def fill_pos_bucket_raw(out, key_pos, tok_pos, n_buckets, bidirectional=False):
 def fill_k_shift_raw(out, cell_pos, cell_shift):
     """set_input_k_shift: ``out[st, j]`` = the pending shift of cell j of stream st, 0 for an empty cell."""
     if not isinstance(out, np.ndarray) or out.dtype != np.int32:
-        raise TypeError("out: expected an int32 NumPy array")
+        raise ArgumentTypeError("out: expected an int32 NumPy array")
     if len(cell_pos) != len(cell_shift) or out.ndim != 2 or out.shape[0] != len(cell_pos):
-        raise ValueError("out: expected shape (n_stream, size) with one cell_pos and cell_shift per stream")
+        raise ArgumentError("out: expected shape (n_stream, size) with one cell_pos and cell_shift per stream")
     cdef int64_t j, n = out.shape[1]
     cdef const int32_t* pp
     cdef const int32_t* sp
@@ -617,12 +618,12 @@ def fill_k_shift_raw(out, cell_pos, cell_shift):
         p = np.asarray(cell_pos[st])
         sh = np.asarray(cell_shift[st])
         if p.dtype != np.int32 or sh.dtype != np.int32 or p.shape != (n,) or sh.shape != p.shape:
-            raise TypeError(f"cell_pos[{st}], cell_shift[{st}]: expected int32 arrays of {n} cells")
+            raise ArgumentTypeError(f"cell_pos[{st}], cell_shift[{st}]: expected int32 arrays of {n} cells")
         pa = np.ascontiguousarray(p)
         sa = np.ascontiguousarray(sh)
         oa = out[st]
         if not oa.flags.c_contiguous or not oa.flags.writeable:
-            raise ValueError("out: expected a writeable C-contiguous array")
+            raise ArgumentError("out: expected a writeable C-contiguous array")
         pp = _i32_ptr(pa)
         sp = _i32_ptr(sa)
         op = <int32_t*>cnp.PyArray_DATA(oa)

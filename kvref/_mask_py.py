@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 from .constants import LLAMA_MAX_SEQ, N_SEQ_WORDS
+from .errors import ArgumentError, ArgumentTypeError
 from .hparams import is_masked_swa
 
 N_SWA_MAX = 2**30  # n_swa beyond this is rejected (llama.cpp's int32 arithmetic on it would wrap)
@@ -59,42 +60,42 @@ _ZERO_STREAMS.flags.writeable = False
 def _as_i32_1d(name: str, a: Any) -> np.ndarray:
     arr = np.asarray(a)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
-        raise ValueError(f"{name}: expected a 1-D integer array")
+        raise ArgumentError(f"{name}: expected a 1-D integer array")
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
 def _check_cells(cell_pos: Sequence[Any], cell_seq: Sequence[Any], cell_ext: Sequence[Any] | None) -> tuple:
     if len(cell_pos) == 0 or len(cell_pos) != len(cell_seq):
-        raise ValueError("cell_pos and cell_seq: expected one array per stream (at least one stream)")
+        raise ArgumentError("cell_pos and cell_seq: expected one array per stream (at least one stream)")
     if cell_ext is not None and len(cell_ext) != len(cell_pos):
-        raise ValueError("cell_ext: expected one array per stream")
+        raise ArgumentError("cell_ext: expected one array per stream")
     pos, seq, ext = [], [], []
     for st in range(len(cell_pos)):
         p = np.asarray(cell_pos[st])
         s = np.asarray(cell_seq[st])
         if p.dtype != np.int32 or p.ndim != 1:
-            raise TypeError(f"cell_pos[{st}]: expected a 1-D int32 array")
+            raise ArgumentTypeError(f"cell_pos[{st}]: expected a 1-D int32 array")
         if s.dtype != np.uint64 or s.shape != (p.shape[0], N_SEQ_WORDS):
-            raise TypeError(f"cell_seq[{st}]: expected a uint64 array of shape ({p.shape[0]}, {N_SEQ_WORDS})")
+            raise ArgumentTypeError(f"cell_seq[{st}]: expected a uint64 array of shape ({p.shape[0]}, {N_SEQ_WORDS})")
         pos.append(np.ascontiguousarray(p))
         seq.append(np.ascontiguousarray(s))
         if cell_ext is not None:
             e = np.asarray(cell_ext[st])
             if e.dtype != np.int32 or e.shape != (p.shape[0], 3):
-                raise TypeError(f"cell_ext[{st}]: expected an int32 array of shape ({p.shape[0]}, 3)")
+                raise ArgumentTypeError(f"cell_ext[{st}]: expected an int32 array of shape ({p.shape[0]}, 3)")
             ext.append(np.ascontiguousarray(e))
     return pos, seq, (ext if cell_ext is not None else None)
 
 
 def _check_out(out: Any, n_tokens: int, dtypes: tuple = (np.float32, np.float16)) -> tuple[int, int]:
     if not isinstance(out, np.ndarray):
-        raise TypeError("out: expected a NumPy array")
+        raise ArgumentTypeError("out: expected a NumPy array")
     if out.dtype not in dtypes:
-        raise TypeError(f"out: dtype {out.dtype} is not one of {', '.join(np.dtype(d).name for d in dtypes)}")
+        raise ArgumentTypeError(f"out: dtype {out.dtype} is not one of {', '.join(np.dtype(d).name for d in dtypes)}")
     if out.ndim != 3 or not out.flags.c_contiguous or not out.flags.writeable:
-        raise ValueError("out: expected a writeable C-contiguous array of shape (n_stream, n_tps, n_kv)")
+        raise ArgumentError("out: expected a writeable C-contiguous array of shape (n_stream, n_tps, n_kv)")
     if out.shape[0] * out.shape[1] != n_tokens:
-        raise ValueError(f"out: n_stream * n_tps = {out.shape[0] * out.shape[1]} != n_tokens = {n_tokens}")
+        raise ArgumentError(f"out: n_stream * n_tps = {out.shape[0] * out.shape[1]} != n_tokens = {n_tokens}")
     return out.shape[0], out.shape[2]
 
 
@@ -116,49 +117,49 @@ def _check_kq_args(
     tok_seq = _as_i32_1d("tok_seq", tok_seq)
     n_tokens = tok_pos.shape[0]
     if tok_seq.shape[0] != n_tokens:
-        raise ValueError(f"tok_seq: {tok_seq.shape[0]} entries for {n_tokens} tokens")
+        raise ArgumentError(f"tok_seq: {tok_seq.shape[0]} entries for {n_tokens} tokens")
     _, n_kv = _check_out(out, n_tokens)
     pos, seq, ext = _check_cells(cell_pos, cell_seq, cell_ext)
     if (tok_x is None) != (tok_y is None):
-        raise ValueError("tok_x and tok_y: give both (2-D positions) or neither")
+        raise ArgumentError("tok_x and tok_y: give both (2-D positions) or neither")
     if tok_x is not None:
         tok_x = _as_i32_1d("tok_x", tok_x)
         tok_y = _as_i32_1d("tok_y", tok_y)
         if tok_x.shape[0] != n_tokens or tok_y.shape[0] != n_tokens:
-            raise ValueError("tok_x, tok_y: expected one entry per token")
+            raise ArgumentError("tok_x, tok_y: expected one entry per token")
         if ext is None:
-            raise ValueError("cell_ext: required with 2-D token positions")
+            raise ArgumentError("cell_ext: required with 2-D token positions")
     tok_stream = _ZERO_STREAMS[:n_tokens]
     if n_tokens:
         if tok_pos.min() < 0:
-            raise ValueError("tok_pos: positions must be >= 0")
+            raise ArgumentError("tok_pos: positions must be >= 0")
         seq_lo, seq_hi = int(tok_seq.min()), int(tok_seq.max())
         if seq_lo < 0 or seq_hi >= LLAMA_MAX_SEQ:
-            raise ValueError(f"tok_seq: sequence ids must be in [0, {LLAMA_MAX_SEQ})")
+            raise ArgumentError(f"tok_seq: sequence ids must be in [0, {LLAMA_MAX_SEQ})")
         if seq_to_stream is not None:
             s2s = _as_i32_1d("seq_to_stream", seq_to_stream)
             if s2s.shape[0] <= seq_hi:
-                raise ValueError(f"seq_to_stream: no entry for sequence {seq_hi}")
+                raise ArgumentError(f"seq_to_stream: no entry for sequence {seq_hi}")
             tok_stream = s2s[tok_seq]
             if tok_stream.min() < 0 or tok_stream.max() >= len(pos):
-                raise ValueError(f"seq_to_stream: stream ids must be in [0, {len(pos)})")
+                raise ArgumentError(f"seq_to_stream: stream ids must be in [0, {len(pos)})")
         elif n_tokens > _ZERO_STREAMS.shape[0]:
             tok_stream = np.zeros(n_tokens, dtype=np.int32)
     # n_kv must fit in every stream a token reads (all streams of a KVCache have the same size)
     if n_tokens and n_kv > min(p.shape[0] for p in pos):
         for st in np.unique(tok_stream):
             if n_kv > pos[st].shape[0]:
-                raise ValueError(f"out: n_kv = {n_kv} exceeds the {pos[st].shape[0]} cells of stream {st}")
+                raise ArgumentError(f"out: n_kv = {n_kv} exceeds the {pos[st].shape[0]} cells of stream {st}")
     swa_type = int(swa_type)
     n_swa = int(n_swa)
     if swa_type not in (0, 1, 2, 3):
-        raise ValueError(f"swa_type: unknown value {swa_type}")
+        raise ArgumentError(f"swa_type: unknown value {swa_type}")
     if not 0 <= n_swa < N_SWA_MAX:
-        raise ValueError(f"n_swa: {n_swa} is outside [0, {N_SWA_MAX})")
+        raise ArgumentError(f"n_swa: {n_swa} is outside [0, {N_SWA_MAX})")
     if swa_type == 2 and n_swa == 0:
-        raise ValueError("n_swa: a chunked window needs n_swa > 0")
+        raise ArgumentError("n_swa: a chunked window needs n_swa > 0")
     if int(non_causal_type) not in (0, 1, 2):
-        raise ValueError(f"non_causal_type: unknown value {int(non_causal_type)}")
+        raise ArgumentError(f"non_causal_type: unknown value {int(non_causal_type)}")
     return tok_pos, tok_seq, tok_stream, tok_x, tok_y, n_kv, pos, seq, ext, n_swa, swa_type
 
 
@@ -290,13 +291,13 @@ def relative_position_bucket(x: Any, y: Any, n_buckets: int, bidirectional: bool
     y = np.asarray(y, dtype=np.int32)
     n_buckets = int(n_buckets)
     if n_buckets < 0 or n_buckets >= 2**32:
-        raise ValueError(f"n_buckets: {n_buckets} is outside [0, 2**32)")
+        raise ArgumentError(f"n_buckets: {n_buckets} is outside [0, 2**32)")
     max_distance = 128
     if bidirectional:
         n_buckets >>= 1
     max_exact = n_buckets >> 1
     if max_exact == 0:
-        raise ValueError("n_buckets: needs at least 2 buckets (4 when bidirectional)")
+        raise ArgumentError("n_buckets: needs at least 2 buckets (4 when bidirectional)")
     rel = x.astype(np.int64) - y.astype(np.int64)
     rel = ((rel + 2**31) % 2**32 - 2**31).astype(np.int64)  # llama.cpp subtracts in int32
     bucket = np.zeros(rel.shape, dtype=np.int64)
@@ -333,10 +334,10 @@ def fill_pos_bucket_raw(
     key_pos = _as_i32_1d("key_pos", key_pos)
     tok_pos = _as_i32_1d("tok_pos", tok_pos)
     if not isinstance(out, np.ndarray) or out.dtype != np.int32:
-        raise TypeError("out: expected an int32 NumPy array")
+        raise ArgumentTypeError("out: expected an int32 NumPy array")
     if out.shape != (tok_pos.shape[0], key_pos.shape[0]) or not out.flags.c_contiguous or not out.flags.writeable:
         shape = (tok_pos.shape[0], key_pos.shape[0])
-        raise ValueError(f"out: expected a writeable C-contiguous array of shape {shape}")
+        raise ArgumentError(f"out: expected a writeable C-contiguous array of shape {shape}")
     out[...] = relative_position_bucket(key_pos[None, :], tok_pos[:, None], n_buckets, bidirectional)
     return out
 
@@ -347,14 +348,14 @@ def fill_pos_bucket_raw(
 def fill_k_shift_raw(out: np.ndarray, cell_pos: Sequence[np.ndarray], cell_shift: Sequence[np.ndarray]) -> np.ndarray:
     """set_input_k_shift: ``out[st, j]`` = the pending shift of cell j of stream st, 0 for an empty cell."""
     if not isinstance(out, np.ndarray) or out.dtype != np.int32:
-        raise TypeError("out: expected an int32 NumPy array")
+        raise ArgumentTypeError("out: expected an int32 NumPy array")
     if len(cell_pos) != len(cell_shift) or out.ndim != 2 or out.shape[0] != len(cell_pos):
-        raise ValueError("out: expected shape (n_stream, size) with one cell_pos and cell_shift per stream")
+        raise ArgumentError("out: expected shape (n_stream, size) with one cell_pos and cell_shift per stream")
     for st in range(len(cell_pos)):
         p = np.asarray(cell_pos[st])
         sh = np.asarray(cell_shift[st])
         if p.dtype != np.int32 or sh.dtype != np.int32 or p.shape != (out.shape[1],) or sh.shape != p.shape:
-            raise TypeError(f"cell_pos[{st}], cell_shift[{st}]: expected int32 arrays of {out.shape[1]} cells")
+            raise ArgumentTypeError(f"cell_pos[{st}], cell_shift[{st}]: expected int32 arrays of {out.shape[1]} cells")
         out[st] = np.where(p == -1, 0, sh)
     return out
 

@@ -27,7 +27,7 @@ from typing import Any, Literal, Protocol
 import numpy as np
 
 from .constants import LLAMA_MAX_SEQ
-from .errors import BatchError
+from .errors import ArgumentError, BatchError
 
 LLAMA_TOKEN_NULL = -1  # a batch entry whose token id is -1 carries no token
 GGML_MROPE_SECTIONS = 4  # positions per entry under M-RoPE
@@ -513,7 +513,7 @@ class BatchAllocr:
 
         if n_keep_tail > 0:
             if n_ubatch <= n_keep_tail:
-                raise ValueError(f"n_ubatch ({n_ubatch}) must exceed n_keep_tail ({n_keep_tail})")
+                raise ArgumentError(f"n_ubatch ({n_ubatch}) must exceed n_keep_tail ({n_keep_tail})")
 
             def remaining(s: int) -> int:
                 return len(lists[s]) - cur_idx[s]
@@ -597,7 +597,7 @@ class BatchAllocr:
             elif kind == "seq":
                 ub = self.split_seq(n_ubatch)
             else:
-                raise ValueError(f"unknown split kind {kind!r}")
+                raise ArgumentError(f"unknown split kind {kind!r}")
             if ub.n_tokens == 0:
                 return res
             res.append(ub)

@@ -49,7 +49,7 @@ from __future__ import annotations
 import re
 import warnings
 
-from .errors import KVRefError
+from .errors import CompatWarning, KVRefError
 from .profile import (
     COMPAT_2025,
     COMPAT_2025_07,
@@ -138,10 +138,6 @@ def era(release: str) -> str:
     """The compat value of a release in RELEASES: the named generation that behaves the same where kvref
     models a difference (equal ``Profile.signature``), else the first release of its era."""
     return name_of(_release_signature(release))
-
-
-class CompatWarning(UserWarning):
-    """A llama-cpp-python release outside the range whose sources kvref was checked against."""
 
 
 def for_llama_cpp_python(version: str | None) -> Profile:

@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from . import about, about_line
-from .errors import BatchError, KVRefError, NoSlotError
+from .errors import BatchError, CheckFailed, KVRefError, NoSlotError, Unsupported
 from .profile import Profile
 
 CHECKS = ("parse", "replay", "graph", "restore")
@@ -58,14 +58,6 @@ TRACE_OPS = ("init", "decode", "seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_d
 INVALID_CASE = "invalid"
 PARTIAL_ONLY = 1
 _KIND = {"session": "session", "seq": "seq", "state_data": "state", "seq_data": "seq_state"}
-
-
-class CheckFailed(AssertionError):
-    """A conformance check found a difference; the message says where."""
-
-
-class Unsupported(Exception):
-    """kvref cannot run this check (yet); the message says why."""
 
 
 @dataclass

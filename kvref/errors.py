@@ -53,6 +53,14 @@ class CompatError(KVRefError, ValueError):
     """A ``compat`` value kvref does not know (not a Profile, named generation or release), or a bad Profile."""
 
 
+class ArgumentError(KVRefError, ValueError):
+    """An argument kvref cannot use (a value out of range, inconsistent shapes); the message names it."""
+
+
+class ArgumentTypeError(KVRefError, TypeError):
+    """An argument of the wrong type (say, a float where llama.cpp takes an integer); the message names it."""
+
+
 class HParamsError(KVRefError, ValueError):
     """Inconsistent hyper-parameters, or a GGUF file llama.cpp would refuse to load (names the key)."""
 
@@ -61,8 +69,20 @@ class GGMLTypeError(KVRefError, ValueError):
     """An unknown ggml type id or name."""
 
 
+class CheckFailed(AssertionError):
+    """A conformance check (``kvref conformance``) found a difference from llama.cpp; the message says where."""
+
+
+class Unsupported(Exception):
+    """A conformance check kvref cannot run (a memory kind it does not model); the message says why."""
+
+
 class BackendError(KVRefError, ImportError):
     """The requested backend cannot be used: an unknown ``KVREF_BACKEND``, or Cython asked for but not built."""
+
+
+class CompatWarning(UserWarning):
+    """A llama-cpp-python release outside the range whose sources kvref was checked against."""
 
 
 class BackendWarning(RuntimeWarning):
@@ -70,15 +90,20 @@ class BackendWarning(RuntimeWarning):
 
 
 __all__ = [
+    "ArgumentError",
+    "ArgumentTypeError",
     "BackendError",
     "BackendWarning",
     "BatchError",
     "CellError",
+    "CheckFailed",
     "CompatError",
+    "CompatWarning",
     "FormatError",
     "GGMLTypeError",
     "HParamsError",
     "KVRefError",
     "NoSlotError",
     "SequenceError",
+    "Unsupported",
 ]

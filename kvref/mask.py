@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from ._backend import select
-from .errors import KVRefError
+from .errors import ArgumentError, KVRefError
 
 _impl = select("mask")
 
@@ -96,7 +96,7 @@ def fill_kq_mask(
     if out is None:
         out = np.empty(shape, dtype=dtype)
     elif out.shape != shape:
-        raise ValueError(f"out: shape {out.shape}, expected {shape}")
+        raise ArgumentError(f"out: shape {out.shape}, expected {shape}")
     pos = np.asarray(ubatch.pos, dtype=np.int32)
     tok_x = tok_y = None
     if ubatch.is_pos_2d():
@@ -138,7 +138,7 @@ def fill_pos_bucket(
         raise KVRefError("position buckets need a ubatch from split_simple (llama.cpp asserts !equal_seqs)")
     if cache is None:
         if n_buckets is None:
-            raise ValueError("n_buckets is required without a cache")
+            raise ArgumentError("n_buckets is required without a cache")
         key_pos, bidirectional = tok_pos, True
     else:
         if cache.n_stream != 1:

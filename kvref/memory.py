@@ -11,7 +11,7 @@ from typing import Any
 
 from .archs import NO_MEMORY_ARCHS, UNSUPPORTED_ARCHS
 from .constants import LLAMA_MAX_SEQ
-from .errors import KVRefError
+from .errors import ArgumentError, KVRefError
 from .hparams import SWAType
 from .hybrid import HybridMemory
 from .kv_cache import KVCache
@@ -96,7 +96,7 @@ def context_params(
             raise KVRefError("n_ctx and hparams.n_ctx_train cannot both be zero")
     if isinstance(flash_attn, str):
         if flash_attn not in ("auto", "enabled", "disabled", "on", "off"):
-            raise ValueError(f"flash_attn must be a bool or 'auto'/'enabled'/'disabled', got {flash_attn!r}")
+            raise ArgumentError(f"flash_attn must be a bool or 'auto'/'enabled'/'disabled', got {flash_attn!r}")
         flash_attn = flash_attn not in ("disabled", "off")
     causal = hparams.causal_attn if causal_attn is None else causal_attn
     n_batch = min(n_ctx, n_batch) if causal else n_batch

@@ -49,7 +49,7 @@ import numpy as np
 
 from . import recurrent_state as _recurrent_state
 from .constants import POS_MAX
-from .errors import CellError, NoSlotError, SequenceError
+from .errors import ArgumentError, CellError, NoSlotError, SequenceError
 from .ggml import GGMLType, ggml_type, row_size
 from .memory_base import ContextParams, decode_batch
 from .profile import DEFAULT, Profile, resolve
@@ -116,12 +116,12 @@ class RecurrentMemory:
     ) -> None:
         self.profile = resolve(compat)
         if rs_size < 1:
-            raise ValueError(f"rs_size must be >= 1, got {rs_size}")
+            raise ArgumentError(f"rs_size must be >= 1, got {rs_size}")
         if self.profile.recurrent_seq_rm_rule == "any_end_inside" and n_rs_seq:
             # that seq_rm rule belongs to a memory without rollback snapshots
-            raise ValueError("recurrent_seq_rm_rule='any_end_inside' does not support n_rs_seq")
+            raise ArgumentError("recurrent_seq_rm_rule='any_end_inside' does not support n_rs_seq")
         if n_rs_seq and not self.profile.rs_rollback_archs:
-            raise ValueError(f"profile {self.profile} has no n_rs_seq (Profile.rs_rollback_archs is empty)")
+            raise ArgumentError(f"profile {self.profile} has no n_rs_seq (Profile.rs_rollback_archs is empty)")
         self.hparams = hparams
         self.type_r = ggml_type(type_r)
         self.type_s = ggml_type(type_s)

@@ -75,3 +75,35 @@ def test_dir_lists_the_lazy_public_names():
     assert set(kvref.__all__) <= listed
     assert {"KVCache", "create_memory", "HParams", "state", "mask"} <= listed
     assert "importlib" not in listed and "Any" not in listed  # implementation imports stay out of the way
+
+
+def test_every_exception_class_lives_in_errors():
+    import importlib
+    import inspect
+    import pkgutil
+
+    import kvref.errors
+
+    homes = {}
+    for mod in pkgutil.walk_packages(kvref.__path__, "kvref."):
+        if mod.name.endswith("_c") or mod.name == "kvref.__main__":
+            continue
+        m = importlib.import_module(mod.name)
+        for name, obj in vars(m).items():
+            if inspect.isclass(obj) and issubclass(obj, BaseException) and obj.__module__.startswith("kvref"):
+                homes[name] = obj.__module__
+    assert set(homes.values()) == {"kvref.errors"}, homes
+    assert set(kvref.errors.__all__) == set(homes)
+
+
+def test_misuse_raises_kvref_errors_that_are_also_builtin_kinds():
+    import numpy as np
+    import pytest
+
+    from kvref.errors import ArgumentError, ArgumentTypeError, KVRefError
+    from kvref.mask import fill_kq_mask_raw
+
+    with pytest.raises(ArgumentTypeError) as e:
+        fill_kq_mask_raw("not an array", [np.zeros(1, np.int32)], [np.zeros((1, 4), np.uint64)], None, [0], [0], [0])
+    assert isinstance(e.value, KVRefError) and isinstance(e.value, TypeError)
+    assert issubclass(ArgumentError, ValueError) and issubclass(ArgumentError, KVRefError)

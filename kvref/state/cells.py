@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 
 from ..constants import LLAMA_MAX_SEQ
-from ..errors import FormatError
+from ..errors import ArgumentError, FormatError
 from .codec import Reader, Writer
 from .dsl import Env, Field
 
@@ -44,9 +44,9 @@ class Cells:
         k = ext_size // 4
         self.ext = np.zeros((len(self.pos), k), np.int32) if ext is None else np.asarray(ext, dtype=np.int32)
         if self.ext.ndim != 2 or self.ext.shape[0] != len(self.pos):
-            raise ValueError(f"ext must have shape (n_cells, k), got {self.ext.shape}")
+            raise ArgumentError(f"ext must have shape (n_cells, k), got {self.ext.shape}")
         if len(self.seq_start) != len(self.pos) + 1 or self.seq_start[-1] != len(self.seq_id):
-            raise ValueError("seq_start must have n_cells + 1 offsets ending at len(seq_id)")
+            raise ArgumentError("seq_start must have n_cells + 1 offsets ending at len(seq_id)")
 
     @classmethod
     def from_lists(

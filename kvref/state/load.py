@@ -17,7 +17,7 @@ import os
 from typing import Any
 
 from ..archs import HYBRID_ARCHS, RECURRENT_ARCHS
-from ..errors import FormatError
+from ..errors import ArgumentError, FormatError
 from .constants import LAYOUTS, Magic
 from .dsl import read_root
 from .files import STRUCTS, StateObject
@@ -286,11 +286,11 @@ def load(
     io_magic prefix of sequence blobs); any left as None is inferred. Raises FormatError.
     """
     if kind != "auto" and kind not in KINDS:
-        raise ValueError(f"kind must be 'auto' or one of {KINDS}, not {kind!r}")
+        raise ArgumentError(f"kind must be 'auto' or one of {KINDS}, not {kind!r}")
     if layout != "auto" and layout not in LAYOUTS:
-        raise ValueError(f"layout must be 'auto' or one of {tuple(LAYOUTS)}, not {layout!r}")
+        raise ArgumentError(f"layout must be 'auto' or one of {tuple(LAYOUTS)}, not {layout!r}")
     if ext_size is not None and ext_size not in (0, 8, 12):
-        raise ValueError(f"ext_size must be 0, 8 or 12, not {ext_size!r}")
+        raise ArgumentError(f"ext_size must be 0, 8 or 12, not {ext_size!r}")
     buf = _open(src)
     opts = {
         "ext_size": ext_size,
@@ -304,7 +304,7 @@ def load(
     kinds = detect_kind(buf) if kind == "auto" else [kind]
     candidates = [c for k in kinds for c in _candidates(k, buf, layout, opts, kind == "auto")]
     if not candidates:
-        raise ValueError("the options given exclude every reading of this input")
+        raise ArgumentError("the options given exclude every reading of this input")
     found: dict[tuple[Any, ...], tuple[dict[str, Any], StateObject]] = {}
     best: FormatError | None = None
     best_key: tuple[int, int, int, int] = (0, 0, 0, 0)
