@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import bisect
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -43,8 +43,13 @@ def _wrap32(v: int) -> int:
     return (v - INT32_MIN) % 2**32 + INT32_MIN
 
 
-def _ro(a: np.ndarray) -> np.ndarray:
-    v = a.view()
+# cell indices: one index, or a list / integer array of them
+CellIndices = int | Sequence[int] | npt.NDArray[np.int64] | npt.NDArray[np.int32]
+_Arr = TypeVar("_Arr", npt.NDArray[np.int32], npt.NDArray[np.uint64])
+
+
+def _ro(a: _Arr) -> _Arr:
+    v: _Arr = a.view()
     v.flags.writeable = False
     return v
 
@@ -114,22 +119,22 @@ class KVCells:
 
     # read-only NumPy views of the arrays
     @property
-    def pos(self) -> np.ndarray:
+    def pos(self) -> npt.NDArray[np.int32]:
         """Read-only int32 (n,) view of the cells' positions, -1 for an empty cell."""
         return _ro(self._pos)
 
     @property
-    def shift(self) -> np.ndarray:
+    def shift(self) -> npt.NDArray[np.int32]:
         """Read-only int32 (n,) view of the cells' pending shifts (accumulated since reset_shift)."""
         return _ro(self._shift)
 
     @property
-    def ext(self) -> np.ndarray:
+    def ext(self) -> npt.NDArray[np.int32]:
         """Read-only int32 (n, 3) view of the cells' ext: x, y (M-RoPE 2-D position) and token."""
         return _ro(self._ext)
 
     @property
-    def seq(self) -> np.ndarray:
+    def seq(self) -> npt.NDArray[np.uint64]:
         """Read-only uint64 (n, 4) view of the cells' sequence sets: bit s % 64 of word s // 64 is sequence s."""
         return _ro(self._seq)
 
@@ -146,7 +151,7 @@ class KVCells:
             raise CellError(f"{what}: cell {i} is empty")
         return i
 
-    def _check_delta(self, what: str, d: int, positions: np.ndarray) -> int:
+    def _check_delta(self, what: str, d: int, positions: npt.NDArray[np.int32]) -> int:
         """Validate a position delta (a llama_pos: int32) for cells at ``positions``: no position may pass POS_MAX."""
         d = int(d)
         if not INT32_MIN <= d <= POS_MAX:
@@ -196,7 +201,7 @@ class KVCells:
         self._n_used -= 1
 
     # ------------------------------------------------------------------ copies (prepare() rollback)
-    def cp(self, i: int | Sequence[int] | np.ndarray, n: int | None = None) -> KVCells:
+    def cp(self, i: CellIndices, n: int | None = None) -> KVCells:
         """Copy cells ``[i, i + n)``, or the cells listed in ``i`` when ``n`` is None, into new cells.
 
         Shifts are not copied: llama.cpp only copies cells with no pending shift (asserted there).
@@ -213,19 +218,19 @@ class KVCells:
             res._seq_pos_add_cell(int(j))
         return res
 
-    def _cp_indices(self, i: Any, n: int | None) -> np.ndarray:
+    def _cp_indices(self, i: CellIndices, n: int | None) -> npt.NDArray[np.int64]:
         size = self._pos.shape[0]
         if n is None:
             idxs = np.asarray(i, dtype=np.int64).reshape(-1)
             if idxs.size and (idxs.min() < 0 or idxs.max() >= size):
                 raise CellError(f"cell index outside [0, {size})")
             return idxs
-        i, n = int(i), int(n)
+        i, n = int(cast(int, i)), int(n)  # with a count, ``i`` is the first cell (cp / set pass an int)
         if i < 0 or n < 0 or i + n > size:
             raise CellError(f"cell range [{i}, {i + n}) is outside [0, {size})")
         return np.arange(i, i + n, dtype=np.int64)
 
-    def set(self, i: int | Sequence[int] | np.ndarray, other: Any) -> None:
+    def set(self, i: CellIndices, other: KVCells) -> None:
         """Overwrite cells ``[i, i + len(other))`` (or the cells listed in ``i``) with ``other``'s cells."""
         other_pos = np.asarray(other.pos)
         n = other_pos.shape[0]
@@ -464,7 +469,7 @@ class KVCells:
         for k in range(ia.size):
             self.seq_add(int(ia[k]), int(sa[k]))
 
-    def pos_add_many(self, idxs: Iterable[int], d: int) -> np.ndarray:
+    def pos_add_many(self, idxs: Iterable[int], d: int) -> npt.NDArray[np.bool_]:
         """``pos_add(i, d)`` for every listed used cell; returns which cells were freed (bool array)."""
         ia = np.asarray(idxs, dtype=np.int64).reshape(-1)
         for k in range(ia.size):

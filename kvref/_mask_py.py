@@ -26,11 +26,11 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from enum import IntEnum
-from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from .constants import LLAMA_MAX_SEQ, N_SEQ_WORDS
 from .errors import ArgumentError, ArgumentTypeError
@@ -39,6 +39,10 @@ from .hparams import is_masked_swa
 N_SWA_MAX = 2**30  # n_swa beyond this is rejected (llama.cpp's int32 arithmetic on it would wrap)
 
 _ROWS_PER_CHUNK_ELEMS = 1 << 20  # the vectorised mask works on blocks of about this many elements
+# the KQ mask: float32, or float16 (the flash-attention mask)
+MaskArray = npt.NDArray[np.float32] | npt.NDArray[np.float16]
+_I32 = npt.NDArray[np.int32]
+_U64 = npt.NDArray[np.uint64]
 
 
 class NonCausalType(IntEnum):
@@ -57,19 +61,23 @@ _ZERO_STREAMS.flags.writeable = False
 # ``is_masked_swa`` from here and writes only its fill loops itself; tests compare raised types and messages.
 
 
-def _as_i32_1d(name: str, a: Any) -> np.ndarray:
+def _as_i32_1d(name: str, a: npt.ArrayLike) -> npt.NDArray[np.int32]:
     arr = np.asarray(a)
     if arr.ndim != 1 or (arr.size and arr.dtype.kind not in "iu"):
         raise ArgumentError(f"{name}: expected a 1-D integer array")
     return np.ascontiguousarray(arr, dtype=np.int32)
 
 
-def _check_cells(cell_pos: Sequence[Any], cell_seq: Sequence[Any], cell_ext: Sequence[Any] | None) -> tuple:
+def _check_cells(
+    cell_pos: Sequence[npt.ArrayLike], cell_seq: Sequence[npt.ArrayLike], cell_ext: Sequence[npt.ArrayLike] | None
+) -> tuple[list[_I32], list[_U64], list[_I32] | None]:
     if len(cell_pos) == 0 or len(cell_pos) != len(cell_seq):
         raise ArgumentError("cell_pos and cell_seq: expected one array per stream (at least one stream)")
     if cell_ext is not None and len(cell_ext) != len(cell_pos):
         raise ArgumentError("cell_ext: expected one array per stream")
-    pos, seq, ext = [], [], []
+    pos: list[_I32] = []
+    seq: list[_U64] = []
+    ext: list[_I32] = []
     for st in range(len(cell_pos)):
         p = np.asarray(cell_pos[st])
         s = np.asarray(cell_seq[st])
@@ -87,7 +95,7 @@ def _check_cells(cell_pos: Sequence[Any], cell_seq: Sequence[Any], cell_ext: Seq
     return pos, seq, (ext if cell_ext is not None else None)
 
 
-def _check_out(out: Any, n_tokens: int, dtypes: tuple = (np.float32, np.float16)) -> tuple[int, int]:
+def _check_out(out: object, n_tokens: int, dtypes: tuple = (np.float32, np.float16)) -> tuple[int, int]:
     if not isinstance(out, np.ndarray):
         raise ArgumentTypeError("out: expected a NumPy array")
     if out.dtype not in dtypes:
@@ -100,19 +108,19 @@ def _check_out(out: Any, n_tokens: int, dtypes: tuple = (np.float32, np.float16)
 
 
 def _check_kq_args(
-    out: Any,
-    cell_pos: Sequence[Any],
-    cell_seq: Sequence[Any],
-    cell_ext: Sequence[Any] | None,
-    seq_to_stream: Any,
-    tok_pos: Any,
-    tok_seq: Any,
-    tok_x: Any,
-    tok_y: Any,
+    out: object,
+    cell_pos: Sequence[npt.ArrayLike],
+    cell_seq: Sequence[npt.ArrayLike],
+    cell_ext: Sequence[npt.ArrayLike] | None,
+    seq_to_stream: npt.ArrayLike | None,
+    tok_pos: npt.ArrayLike,
+    tok_seq: npt.ArrayLike,
+    tok_x: npt.ArrayLike | None,
+    tok_y: npt.ArrayLike | None,
     n_swa: int,
     swa_type: int,
     non_causal_type: int,
-) -> tuple:
+) -> tuple[_I32, _I32, _I32, _I32 | None, _I32 | None, int, list[_I32], list[_U64], list[_I32] | None, int, int]:
     tok_pos = _as_i32_1d("tok_pos", tok_pos)
     tok_seq = _as_i32_1d("tok_seq", tok_seq)
     n_tokens = tok_pos.shape[0]
@@ -122,10 +130,12 @@ def _check_kq_args(
     pos, seq, ext = _check_cells(cell_pos, cell_seq, cell_ext)
     if (tok_x is None) != (tok_y is None):
         raise ArgumentError("tok_x and tok_y: give both (2-D positions) or neither")
-    if tok_x is not None:
-        tok_x = _as_i32_1d("tok_x", tok_x)
-        tok_y = _as_i32_1d("tok_y", tok_y)
-        if tok_x.shape[0] != n_tokens or tok_y.shape[0] != n_tokens:
+    x32: _I32 | None = None
+    y32: _I32 | None = None
+    if tok_x is not None and tok_y is not None:
+        x32 = _as_i32_1d("tok_x", tok_x)
+        y32 = _as_i32_1d("tok_y", tok_y)
+        if x32.shape[0] != n_tokens or y32.shape[0] != n_tokens:
             raise ArgumentError("tok_x, tok_y: expected one entry per token")
         if ext is None:
             raise ArgumentError("cell_ext: required with 2-D token positions")
@@ -160,29 +170,29 @@ def _check_kq_args(
         raise ArgumentError("n_swa: a chunked window needs n_swa > 0")
     if int(non_causal_type) not in (0, 1, 2):
         raise ArgumentError(f"non_causal_type: unknown value {int(non_causal_type)}")
-    return tok_pos, tok_seq, tok_stream, tok_x, tok_y, n_kv, pos, seq, ext, n_swa, swa_type
+    return tok_pos, tok_seq, tok_stream, x32, y32, n_kv, pos, seq, ext, n_swa, swa_type
 
 
 # --------------------------------------------------------------------------------------------- rules
 
 
 def fill_kq_mask_raw(
-    out: np.ndarray,
-    cell_pos: Sequence[np.ndarray],
-    cell_seq: Sequence[np.ndarray],
-    cell_ext: Sequence[np.ndarray] | None,
-    seq_to_stream: Any,
-    tok_pos: Any,
-    tok_seq: Any,
+    out: MaskArray,
+    cell_pos: Sequence[npt.NDArray[np.int32]],
+    cell_seq: Sequence[npt.NDArray[np.uint64]],
+    cell_ext: Sequence[npt.NDArray[np.int32]] | None,
+    seq_to_stream: npt.ArrayLike | None,
+    tok_pos: npt.ArrayLike,
+    tok_seq: npt.ArrayLike,
     *,
-    tok_x: Any = None,
-    tok_y: Any = None,
+    tok_x: npt.ArrayLike | None = None,
+    tok_y: npt.ArrayLike | None = None,
     n_swa: int = 0,
     swa_type: int = 0,
     causal: bool = True,
     non_causal_type: int = 0,
     alibi: bool = False,
-) -> np.ndarray:
+) -> MaskArray:
     """Fill ``out`` (float32 or float16, ``(n_stream, n_tps, n_kv)``) with the KQ mask; return ``out``.
 
     ``cell_pos[st]`` int32[size], ``cell_seq[st]`` uint64[size, 4] and ``cell_ext[st]`` int32[size, 3] are the
@@ -223,7 +233,7 @@ def fill_kq_mask_raw(
         toks = np.flatnonzero(tok_stream == st)
         p0 = pos[st][:n_kv].astype(np.int64)[None, :]
         words = seq[st][:n_kv]
-        if is_2d:
+        if is_2d and ext is not None:  # ext is given with 2-D positions (checked above)
             cx = ext[st][:n_kv, 0][None, :]
             cy = ext[st][:n_kv, 1][None, :]
         for c in range(0, toks.shape[0], step):
@@ -235,7 +245,7 @@ def fill_kq_mask_raw(
             att = (p0 != -1) & (bit != 0)
             if causal:
                 att &= p0 <= p1
-                if is_2d:
+                if tok_x is not None and tok_y is not None:  # is_2d
                     x = tok_x[idx][:, None]
                     y = tok_y[idx][:, None]
                     later = (cy > y) | ((cy == y) & (cx > x))
@@ -255,7 +265,7 @@ def fill_kq_mask_raw(
 # --------------------------------------------------------------------------------------------- T5 buckets
 
 
-def _load_logf() -> Any:
+def _load_logf() -> Callable[[float], float] | None:
     name = ctypes.util.find_library("m")
     try:
         fn = ctypes.CDLL(name).logf if name else None
@@ -269,7 +279,7 @@ def _load_logf() -> Any:
 _LIBM_LOGF = _load_logf()
 
 
-def _logf(x: np.ndarray) -> np.ndarray:
+def _logf(x: npt.NDArray[np.float32]) -> npt.NDArray[np.float32]:
     """The C library's logf, elementwise: llama.cpp's bucket formula calls it, and neither NumPy's float32
     log nor a rounded float64 log agrees with glibc's logf to the last ulp, which can move a bucket."""
     x = np.asarray(x, dtype=np.float32)
@@ -280,7 +290,9 @@ def _logf(x: np.ndarray) -> np.ndarray:
     return res[inv].reshape(x.shape)
 
 
-def relative_position_bucket(x: Any, y: Any, n_buckets: int, bidirectional: bool) -> np.ndarray:
+def relative_position_bucket(
+    x: npt.ArrayLike, y: npt.ArrayLike, n_buckets: int, bidirectional: bool
+) -> npt.NDArray[np.int32]:
     """llama_relative_position_bucket, elementwise: the T5 bucket of key position x seen from query y.
 
     Up to ``max_exact`` (half the buckets, of the half per direction when bidirectional) distances get
@@ -323,8 +335,12 @@ def relative_position_bucket(x: Any, y: Any, n_buckets: int, bidirectional: bool
 
 
 def fill_pos_bucket_raw(
-    out: np.ndarray, key_pos: Any, tok_pos: Any, n_buckets: int, bidirectional: bool = False
-) -> np.ndarray:
+    out: npt.NDArray[np.int32],
+    key_pos: npt.ArrayLike,
+    tok_pos: npt.ArrayLike,
+    n_buckets: int,
+    bidirectional: bool = False,
+) -> npt.NDArray[np.int32]:
     """``out[i, j] = relative_position_bucket(key_pos[j], tok_pos[i], n_buckets, bidirectional)``.
 
     With a cache (set_input_pos_bucket) ``key_pos`` is the cells' positions, -1 for an empty cell, and the
@@ -345,7 +361,9 @@ def fill_pos_bucket_raw(
 # --------------------------------------------------------------------------------------------- K-shift
 
 
-def fill_k_shift_raw(out: np.ndarray, cell_pos: Sequence[np.ndarray], cell_shift: Sequence[np.ndarray]) -> np.ndarray:
+def fill_k_shift_raw(
+    out: npt.NDArray[np.int32], cell_pos: Sequence[npt.NDArray[np.int32]], cell_shift: Sequence[npt.NDArray[np.int32]]
+) -> npt.NDArray[np.int32]:
     """set_input_k_shift: ``out[st, j]`` = the pending shift of cell j of stream st, 0 for an empty cell."""
     if not isinstance(out, np.ndarray) or out.dtype != np.int32:
         raise ArgumentTypeError("out: expected an int32 NumPy array")

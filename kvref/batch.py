@@ -22,12 +22,15 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import numpy as np
 
 from .constants import LLAMA_MAX_SEQ
 from .errors import ArgumentError, BatchError
+
+if TYPE_CHECKING:
+    from .hparams import HParams
 
 LLAMA_TOKEN_NULL = -1  # a batch entry whose token id is -1 carries no token
 GGML_MROPE_SECTIONS = 4  # positions per entry under M-RoPE
@@ -83,6 +86,31 @@ class SeqPosMemory(Protocol):
     def seq_pos_max(self, seq_id: int) -> int: ...
 
 
+def _int32s(values: Any, name: str) -> np.ndarray:
+    """``values`` as int64 after checking they are integers that fit llama.cpp's int32 (BatchError naming
+    ``name[i]`` otherwise)."""
+    arr = np.asarray(values)
+    if arr.size and arr.dtype.kind not in "iu" and not _all_ints(arr):
+        raise BatchError(f"{name}: expected integers, got {arr.dtype} values")
+    arr = arr.astype(np.int64).reshape(-1)
+    bad = np.flatnonzero((arr < -(2**31)) | (arr > 2**31 - 1))
+    if len(bad):
+        i = int(bad[0])
+        raise BatchError(f"{name}[{i}] = {int(arr[i])} is outside int32 (llama.cpp's llama_token / llama_pos)")
+    return arr
+
+
+def _all_ints(arr: np.ndarray) -> bool:
+    # integers too wide for int64 arrive as an object array of Python ints
+    return arr.dtype.kind == "O" and all(isinstance(v, int) and not isinstance(v, bool) for v in arr.flat)
+
+
+def _seq_id(value: Any, i: int, j: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | np.integer):
+        raise BatchError(f"seq_ids[{i}][{j}] = {value!r}: expected an integer sequence id")
+    return int(value)
+
+
 @dataclass
 class Batch:
     """A caller's batch, as llama.cpp's ``llama_batch``; ``None`` fields get llama.cpp's defaults.
@@ -103,7 +131,7 @@ class Batch:
 
     def __post_init__(self) -> None:
         if self.tokens is not None:
-            self.tokens = np.asarray(self.tokens, dtype=np.int64).reshape(-1)
+            self.tokens = _int32s(self.tokens, "tokens")
         if self.embd is not None:
             self.embd = np.asarray(self.embd, dtype=np.float32)
             if self.embd.ndim != 2:
@@ -116,11 +144,17 @@ class Batch:
         if n == 0:
             raise BatchError("n_tokens == 0")  # llama_context::decode rejects empty batches
         if self.pos is not None:
-            self.pos = np.asarray(self.pos, dtype=np.int64).reshape(-1)
+            self.pos = _int32s(self.pos, "pos")
+            bad = np.flatnonzero(self.pos < 0)
+            if len(bad):
+                # llama.cpp's cells hold positions >= 0 (a negative one asserts in the KV cache and reads as an
+                # empty cell in the recurrent memory): refused before any memory sees it
+                i = int(bad[0])
+                raise BatchError(f"pos[{i}] = {int(self.pos[i])}: positions must be >= 0")
             if len(self.pos) < n or len(self.pos) % n:
                 raise BatchError(f"pos has {len(self.pos)} entries, expected a multiple of n_tokens = {n}")
         if self.seq_ids is not None:
-            self.seq_ids = [[int(s) for s in ids] for ids in self.seq_ids]
+            self.seq_ids = [[_seq_id(s, i, j) for j, s in enumerate(ids)] for i, ids in enumerate(self.seq_ids)]
             if len(self.seq_ids) != n:
                 raise BatchError(f"seq_ids has {len(self.seq_ids)} entries, expected n_tokens = {n}")
         if self.logits is not None:
@@ -706,7 +740,7 @@ class BatchAllocr:
 MemoryKind = Literal["kv", "iswa", "recurrent", "hybrid", "hybrid_iswa"]
 
 
-def allocr_for(hparams: Any) -> BatchAllocr:
+def allocr_for(hparams: HParams) -> BatchAllocr:
     """A ``BatchAllocr`` with the model's positions per embedding (as llama_context creates it)."""
     return BatchAllocr(hparams.n_pos_per_embd())
 

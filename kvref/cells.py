@@ -6,12 +6,17 @@ Callers import from here only (``from kvref.cells import KVCells``); ``KVREF_BAC
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from ._backend import select
 from .constants import LLAMA_MAX_SEQ, N_SEQ_WORDS, POS_MAX, TOKEN_NULL
 
 _impl = select("cells")
 
-KVCells = _impl.KVCells
+if TYPE_CHECKING:  # type checkers see the Python twin's class (the twins share one API, see _cells_c.pyi)
+    from ._cells_py import KVCells
+else:
+    KVCells = _impl.KVCells
 BACKEND = "cython" if _impl.__name__.endswith("_c") else "python"
 
 __all__ = ["BACKEND", "LLAMA_MAX_SEQ", "N_SEQ_WORDS", "POS_MAX", "TOKEN_NULL", "KVCells"]

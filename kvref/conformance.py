@@ -41,13 +41,16 @@ import traceback
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from . import about, about_line
 from .errors import BatchError, CheckFailed, KVRefError, NoSlotError, Unsupported
 from .profile import Profile
+
+if TYPE_CHECKING:
+    from .hparams import HParams
 
 CHECKS = ("parse", "replay", "graph", "restore")
 # The operations of a trace (case.json's ``trace``, case.schema.json): the one vocabulary conformance/driver.py
@@ -170,7 +173,7 @@ def hparams_from_case(case: dict) -> Any:
     return HParams(**kw)
 
 
-def _hp_facts(hp: Any) -> dict[str, Any]:
+def _hp_facts(hp: HParams) -> dict[str, Any]:
     """What decides the memory layout, per layer."""
     n = hp.n_layer
     facts: dict[str, Any] = {
@@ -189,10 +192,8 @@ def _hp_facts(hp: Any) -> dict[str, Any]:
     if hp.is_swa_any():
         # K-shift rotates SWA layers with their own base (the full-attention base when the file has none)
         facts["rope_freq_base_swa"] = hp.rope_freq_base if hp.rope_freq_base_swa is None else hp.rope_freq_base_swa
-    for name in ("n_embd_r", "n_embd_s"):
-        f = getattr(hp, name, None)
-        if callable(f):
-            facts[name] = f()
+    facts["n_embd_r"] = hp.n_embd_r()
+    facts["n_embd_s"] = hp.n_embd_s()
     return facts
 
 
@@ -441,7 +442,7 @@ def _observe(mem: Any, n_seq: int) -> dict:
     }
 
 
-def _decode(mem: Any, op: dict, hp: Any, n_ubatch: int, on_ubatch: Callable[[Any, Any], None] | None = None) -> int:
+def _decode(mem: Any, op: dict, hp: HParams, n_ubatch: int, on_ubatch: Callable[[Any, Any], None] | None = None) -> int:
     """llama_decode's return value: 0, 1 (no slot), -1 (invalid batch).
 
     Token ids below n_vocab are checked here (the memories do not know the vocabulary); everything else,
@@ -450,7 +451,7 @@ def _decode(mem: Any, op: dict, hp: Any, n_ubatch: int, on_ubatch: Callable[[Any
     """
     from .batch import Batch
 
-    n_vocab = int(getattr(hp, "n_vocab", 0) or 0)
+    n_vocab = hp.n_vocab
     if any(t < 0 or (n_vocab and t >= n_vocab) for t in op["tokens"]):
         return -1  # llama_batch_allocr::init: invalid token id
     batch = Batch(tokens=op["tokens"], pos=op.get("pos"), seq_ids=op["seq_ids"], logits=op.get("logits"))

@@ -14,6 +14,7 @@ LLAMA_MAX_LAYERS = 512  # per-layer hparam arrays are std::array<uint32_t, LLAMA
 TOKEN_NULL = -1  # LLAMA_TOKEN_NULL: the ext token of a cell made from an embedding
 POS_MAX = 2**31 - 1  # what llama.cpp substitutes for an open upper bound (p1 < 0)
 INT32_MIN = -(2**31)
+UINT32_MAX = 2**32 - 1  # llama_context_params' sizes and counts are uint32_t
 
 
 class SWAType(IntEnum):
@@ -43,6 +44,7 @@ __all__ = [
     "N_SEQ_WORDS",
     "POS_MAX",
     "TOKEN_NULL",
+    "UINT32_MAX",
     "RopeType",
     "SWAType",
 ]

@@ -120,6 +120,20 @@ class HParams:
     n_embd_head_kda: int = 0  # Kimi linear (KDA)
     n_embd_head_la: int = 0  # MiniMax-01 linear attention
     f_max_alibi_bias: float = 0.0
+    # --- optional hparams of llama_hparams (llama-hparams.h) some code paths read; llama.cpp's defaults ---
+    n_rel_attn_bkts: int = 0  # T5 relative-position buckets (fill_pos_bucket's default)
+    n_lora_kv: int = 0  # MLA KV LoRA rank (deepseek2, minicpm3, plm): > 0 keeps K's "nope" dims out of the K-shift
+    non_causal_type: int = 0  # llama_non_causal_type: 0 ALL, 1 SWA_ONLY (gemma4), 2 SWA_FULL (deepseek4)
+    indexer_head_size: int = 0  # DSA / qwen4exp indexer key length
+    router_layer: int = -1  # >= 0: n_layer_nextn counts a router layer, not MTP blocks (granite-switch)
+    dsv4_hc_mult: int = 0  # hyper-connection count (DeepSeek-V4, qwen4exp)
+    # per-layer n-gram embeddings (PLE, qwen4exp); ple_n_heads = (ple_ngram_size - 1) * heads per n-gram
+    ple_ngram_size: int = 0
+    ple_conv_kernel: int = 0
+    ple_n_heads: int = 0
+    ple_eos_token_id: int = 0
+    ple_image_token_id: int = 0  # 0: image positions use ple_eos_token_id
+    ple_layers: bool | Sequence[bool] = False  # llama.cpp's is_ple_impl: layers with a PLE module
 
     def __post_init__(self) -> None:
         n = int(self.n_layer)
@@ -136,6 +150,7 @@ class HParams:
         self.swa_layers = _per_layer("swa_layers", self.swa_layers, n, bool)
         self.recurrent_layers = _per_layer("recurrent_layers", self.recurrent_layers, n, bool)
         self.rope_layers = _per_layer("rope_layers", self.rope_layers, n, bool)
+        self.ple_layers = _per_layer("ple_layers", self.ple_layers, n, bool)
         for il in range(n):
             if self.n_head_l(il) < 0 or self.n_head_kv_l(il) < 0:
                 raise HParamsError(f"layer {il}: negative head count")
@@ -269,6 +284,18 @@ class HParams:
         self._check_il(il)
         return _at(self.rope_layers, il)
 
+    def is_ple(self, il: int) -> bool:
+        """llama_hparams::is_ple(il): layer il has a per-layer n-gram embedding module (``ple_layers``)."""
+        self._check_il(il)
+        return bool(_at(self.ple_layers, il))
+
+    def ple_conv_state(self) -> int:
+        """llama_hparams::ple_conv_state: width of a PLE layer's conv-history row, 0 without a PLE module."""
+        if self.ple_n_heads == 0 or self.ple_conv_kernel == 0:
+            return 0
+        # dilation equals the n-gram size, matching the reference module
+        return (self.ple_conv_kernel - 1) * self.ple_ngram_size * self.dsv4_hc_mult * self.n_embd
+
     def set_swa_pattern(self, n_pattern: int, dense_first: bool = False) -> None:
         """llama_hparams::set_swa_pattern over the trunk layers; MTP blocks are dense."""
         trunk = swa_pattern(self.n_layer_trunk(), n_pattern, dense_first)
@@ -389,29 +416,31 @@ SPECIAL_ARCHS = frozenset({
 })  # fmt: skip
 SUPPORTED_ARCHS = GENERIC_ARCHS | SPECIAL_ARCHS
 
-# keys llama.cpp requires per arch beyond the common ones (values the memory does not use included,
-# so that a file llama.cpp refuses is refused here too)
-_RMS_EPS = "attention.layer_norm_rms_epsilon"
-_ARCH_REQUIRED = {
-    "llama": (_RMS_EPS,), "qwen2": (_RMS_EPS,), "gemma2": (_RMS_EPS,), "gemma3": (_RMS_EPS,),
-    "mamba": ("ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", _RMS_EPS),
-    "mamba2": ("ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank",
-               "ssm.group_count", _RMS_EPS),
-    "jamba": ("ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank", _RMS_EPS),
-    "falcon-h1": (_RMS_EPS, "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank",
-                  "ssm.group_count"),
-    "granitehybrid": (_RMS_EPS, "ssm.conv_kernel", "ssm.inner_size", "ssm.state_size",
-                      "ssm.time_step_rank", "ssm.group_count"),
-    "nemotron_h": ("ssm.conv_kernel", "ssm.inner_size", "ssm.state_size", "ssm.time_step_rank",
-                   "ssm.group_count", "attention.layer_norm_epsilon"),
-    "lfm2": ("shortconv.l_cache", _RMS_EPS),
-    "qwen2vl": ("rope.dimension_sections",),
-    "qwen3vl": ("rope.dimension_sections", _RMS_EPS),
-    "qwen3vlmoe": ("rope.dimension_sections", _RMS_EPS),
-    "rwkv6": ("wkv.head_size",), "rwkv6qwen2": ("wkv.head_size",), "rwkv7": ("wkv.head_size",),
-    "arwkv7": ("wkv.head_size",),
-    "llama4": (_RMS_EPS, "expert_feed_forward_length", "interleave_moe_layer_step"),
-}  # fmt: skip
+
+def _arch_required(arch: str) -> tuple[str, ...]:
+    """The keys llama.cpp requires for ``arch`` beyond the common ones (gguf.Keys templates or arch-relative
+    suffixes): values the memory does not use included, so that a file llama.cpp refuses is refused here too."""
+    from gguf import Keys as K  # imported lazily like the rest of gguf (see _GGUFMeta)
+
+    rms = K.Attention.LAYERNORM_RMS_EPS
+    ssm = (K.SSM.CONV_KERNEL, K.SSM.INNER_SIZE, K.SSM.STATE_SIZE, K.SSM.TIME_STEP_RANK)
+    group = "ssm.group_count"  # gguf 0.16 has no Keys.SSM.GROUP_COUNT
+    l_cache = "shortconv.l_cache"  # gguf 0.16 has no Keys.ShortConv
+    moe_step = "interleave_moe_layer_step"  # gguf 0.16 has no Keys.LLM.INTERLEAVE_MOE_LAYER_STEP
+    sections, wkv = K.Rope.DIMENSION_SECTIONS, K.WKV.HEAD_SIZE
+    # fmt: off
+    table: dict[str, tuple[str, ...]] = {
+        "llama": (rms,), "qwen2": (rms,), "gemma2": (rms,), "gemma3": (rms,),
+        "mamba": (*ssm, rms), "mamba2": (*ssm, group, rms), "jamba": (*ssm, rms),
+        "falcon-h1": (rms, *ssm, group), "granitehybrid": (rms, *ssm, group),
+        "nemotron_h": (*ssm, group, K.Attention.LAYERNORM_EPS),
+        "lfm2": (l_cache, rms),
+        "qwen2vl": (sections,), "qwen3vl": (sections, rms), "qwen3vlmoe": (sections, rms),
+        "rwkv6": (wkv,), "rwkv6qwen2": (wkv,), "rwkv7": (wkv,), "arwkv7": (wkv,),
+        "llama4": (rms, K.LLM.EXPERT_FEED_FORWARD_LENGTH, moe_step),
+    }
+    # fmt: on
+    return table.get(arch, ())
 
 
 class _GGUFMeta:
@@ -435,7 +464,8 @@ class _GGUFMeta:
         self.arch = ""
 
     def key(self, suffix: str) -> str:
-        return f"{self.arch}.{suffix}"
+        """The full key: a gguf.Keys template (``"{arch}.context_length"``) filled in, or ``arch.suffix``."""
+        return suffix.format(arch=self.arch) if "{arch}" in suffix else f"{self.arch}.{suffix}"
 
     def has(self, suffix: str) -> bool:
         return self.key(suffix) in self.fields
@@ -480,7 +510,12 @@ class _GGUFMeta:
 
 def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
     m = _GGUFMeta(path)
-    arch = m.get("general.architecture", "", full_key=True)
+    from gguf import Keys as K  # importable: _GGUFMeta imported gguf
+
+    # keys are gguf.Keys templates; the arch-relative suffixes left as strings are keys gguf 0.16 (the minimum
+    # kvref supports) has no Keys entry for: nextn_predict_layers, the *_swa / *_mla lengths, rope.freq_base_swa,
+    # rope.scale_linear, attention.sliding_window_pattern, ssm.group_count, shortconv.l_cache
+    arch = m.get(K.General.ARCHITECTURE, "", full_key=True)
     if not arch:
         raise HParamsError("unknown model architecture: key general.architecture is missing or empty")
     arch = str(arch)
@@ -494,13 +529,13 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
 
     kw: dict[str, Any] = {"arch": arch}
     # common part of load_hparams
-    kw["n_ctx_train"] = int(m.get("context_length"))
-    n_embd = int(m.get("embedding_length"))
+    kw["n_ctx_train"] = int(m.get(K.LLM.CONTEXT_LENGTH))
+    n_embd = int(m.get(K.LLM.EMBEDDING_LENGTH))
     kw["n_embd"] = n_embd
-    kw["causal_attn"] = bool(m.get("attention.causal", True))
-    n_layer = int(m.get("block_count"))
+    kw["causal_attn"] = bool(m.get(K.Attention.CAUSAL, True))
+    n_layer = int(m.get(K.LLM.BLOCK_COUNT))
     if not 0 < n_layer <= LLAMA_MAX_LAYERS:
-        raise HParamsError(f"key {m.key('block_count')} = {n_layer} must be in [1, {LLAMA_MAX_LAYERS}]")
+        raise HParamsError(f"key {m.key(K.LLM.BLOCK_COUNT)} = {n_layer} must be in [1, {LLAMA_MAX_LAYERS}]")
     kw["n_layer"] = n_layer
     n_nextn = int(m.get("nextn_predict_layers", 0))
     if n_nextn > n_layer:
@@ -508,25 +543,25 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
     kw["n_layer_nextn"] = n_nextn
     n_trunk = n_layer - n_nextn
 
-    n_ff = m.get_key_or_arr("feed_forward_length", n_layer, 0)
+    n_ff = m.get_key_or_arr(K.LLM.FEED_FORWARD_LENGTH, n_layer, 0)
     kw["n_ff"] = n_ff
-    n_head = m.get_key_or_arr("attention.head_count", n_layer, 0)
-    n_head_kv = m.get_key_or_arr("attention.head_count_kv", n_layer, n_head)  # default: n_head
+    n_head = m.get_key_or_arr(K.Attention.HEAD_COUNT, n_layer, 0)
+    n_head_kv = m.get_key_or_arr(K.Attention.HEAD_COUNT_KV, n_layer, n_head)  # default: n_head
     kw["n_head"], kw["n_head_kv"] = n_head, n_head_kv
     head0 = int(n_head[0] if isinstance(n_head, tuple) else n_head)
 
-    kw["rope_freq_base"] = float(m.get("rope.freq_base", 10000.0))
-    ropescale = float(m.get("rope.scaling.factor", 0.0))
+    kw["rope_freq_base"] = float(m.get(K.Rope.FREQ_BASE, 10000.0))
+    ropescale = float(m.get(K.Rope.SCALING_FACTOR, 0.0))
     if ropescale == 0.0:
         ropescale = float(m.get("rope.scale_linear", 0.0))  # the old key name
     kw["rope_freq_scale"] = 1.0 if ropescale == 0.0 else 1.0 / ropescale
 
     if head0 > 0:
-        hk = int(m.get("attention.key_length", n_embd // head0))
-        hv = int(m.get("attention.value_length", n_embd // head0))
-        n_rot = int(m.get("rope.dimension_count", hk))
+        hk = int(m.get(K.Attention.KEY_LENGTH, n_embd // head0))
+        hv = int(m.get(K.Attention.VALUE_LENGTH, n_embd // head0))
+        n_rot = int(m.get(K.Rope.DIMENSION_COUNT, hk))
         if arch in ("llama", "deci", "falcon", "llama-embed") and n_rot != hk:
-            raise HParamsError(f"invalid n_rot: {n_rot}, expected {hk} (key {m.key('rope.dimension_count')})")
+            raise HParamsError(f"invalid n_rot: {n_rot}, expected {hk} (key {m.key(K.Rope.DIMENSION_COUNT)})")
     else:  # non-transformer: no heads
         hk = hv = n_rot = 0
     kw["n_embd_head_k"], kw["n_embd_head_v"], kw["n_rot"] = hk, hv, n_rot
@@ -535,12 +570,16 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
     kw["n_rot_swa"] = int(m.get("rope.dimension_count_swa", n_rot))
     kw["n_embd_head_k_mla"] = int(m.get("attention.key_length_mla", 0))
     kw["n_embd_head_v_mla"] = int(m.get("attention.value_length_mla", 0))
-    if m.has("vocab_size"):
-        kw["n_vocab"] = int(m.get("vocab_size"))
-    elif "tokenizer.ggml.tokens" in m.fields:
-        kw["n_vocab"] = len(m.fields["tokenizer.ggml.tokens"].data)
+    if arch in ("minicpm3", "plm"):  # their load_arch_hparams read the KV LoRA rank (it decides the K-shift)
+        kw["n_lora_kv"] = int(m.get(K.Attention.KV_LORA_RANK, 0))
+    if arch in ("t5", "t5encoder"):  # T5's relative-position bucket count
+        kw["n_rel_attn_bkts"] = int(m.get(K.Attention.REL_BUCKETS_COUNT, 0))
+    if m.has(K.LLM.VOCAB_SIZE):
+        kw["n_vocab"] = int(m.get(K.LLM.VOCAB_SIZE))
+    elif K.Tokenizer.LIST in m.fields:
+        kw["n_vocab"] = len(m.fields[K.Tokenizer.LIST].data)
 
-    for suffix in _ARCH_REQUIRED.get(arch, ()):
+    for suffix in _arch_required(arch):
         if not m.has(suffix):
             raise HParamsError(f"key not found in model: {m.key(suffix)}")
 
@@ -575,13 +614,13 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
         swa_layers = load_swa_pattern(2)
         base_swa, scale_swa = kw["rope_freq_base"], kw["rope_freq_scale"]
         base_swa = float(m.get("rope.freq_base_swa", base_swa))
-        kw["n_swa"] = int(m.get("attention.sliding_window", kw["n_swa"]))
+        kw["n_swa"] = int(m.get(K.Attention.SLIDING_WINDOW, kw["n_swa"]))
     elif arch == "llama4":
         # llama4 refuses a model without experts when it loads the tensors
-        if int(m.get("expert_count", 0)) == 0:
-            raise HParamsError(f"llama4 model cannot have zero experts (key {m.key('expert_count')})")
+        if int(m.get(K.LLM.EXPERT_COUNT, 0)) == 0:
+            raise HParamsError(f"llama4 model cannot have zero experts (key {m.key(K.LLM.EXPERT_COUNT)})")
         # a window key of 0 turns chunked attention off; any other value is ignored: the chunk is 8192
-        if m.has("attention.sliding_window") and int(m.get("attention.sliding_window")) == 0:
+        if m.has(K.Attention.SLIDING_WINDOW) and int(m.get(K.Attention.SLIDING_WINDOW)) == 0:
             kw["swa_type"] = SWAType.NONE
         else:
             kw["swa_type"], kw["n_swa"] = SWAType.CHUNKED, 8192
@@ -589,8 +628,8 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
             base_swa, scale_swa = kw["rope_freq_base"], kw["rope_freq_scale"]
             base_swa = float(m.get("rope.freq_base_swa", base_swa))
     elif arch == "gemma3":
-        n_swa = int(m.get("attention.sliding_window", 0))
-        if m.has("attention.sliding_window") and n_swa > 0:
+        n_swa = int(m.get(K.Attention.SLIDING_WINDOW, 0))
+        if m.has(K.Attention.SLIDING_WINDOW) and n_swa > 0:
             kw["swa_type"], kw["n_swa"] = SWAType.STANDARD, n_swa
             swa_layers = load_swa_pattern(6)
             base_swa = float(m.get("rope.freq_base_swa", 10000.0))  # llama_hparams' own defaults
@@ -598,10 +637,10 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
         else:
             kw["swa_type"] = SWAType.NONE
     elif arch in ("mamba", "mamba2", "jamba", "falcon-h1", "granitehybrid", "nemotron_h"):
-        kw["ssm_d_conv"] = int(m.get("ssm.conv_kernel"))
-        kw["ssm_d_inner"] = int(m.get("ssm.inner_size"))
-        kw["ssm_d_state"] = int(m.get("ssm.state_size"))
-        kw["ssm_dt_rank"] = int(m.get("ssm.time_step_rank"))
+        kw["ssm_d_conv"] = int(m.get(K.SSM.CONV_KERNEL))
+        kw["ssm_d_inner"] = int(m.get(K.SSM.INNER_SIZE))
+        kw["ssm_d_state"] = int(m.get(K.SSM.STATE_SIZE))
+        kw["ssm_dt_rank"] = int(m.get(K.SSM.TIME_STEP_RANK))
         if arch != "mamba" and arch != "jamba":
             kw["ssm_n_group"] = int(m.get("ssm.group_count"))
         if arch in ("jamba", "granitehybrid"):
@@ -616,24 +655,24 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
             )
         if arch == "granitehybrid":
             # granite uses rope_finetuned as the rope switch for every layer, default on
-            kw["rope_layers"] = bool(m.get("rope.scaling.finetuned", True))
+            kw["rope_layers"] = bool(m.get(K.Rope.SCALING_FINETUNED, True))
     elif arch == "lfm2":
         kw["n_shortconv_l_cache"] = int(m.get("shortconv.l_cache"))
         recr = tuple(il < n_trunk and per_layer(n_head_kv, il) == 0 for il in range(n_layer))
-        n_swa = int(m.get("attention.sliding_window", 0))
-        if m.has("attention.sliding_window") and n_swa > 0:
+        n_swa = int(m.get(K.Attention.SLIDING_WINDOW, 0))
+        if m.has(K.Attention.SLIDING_WINDOW) and n_swa > 0:
             kw["swa_type"], kw["n_swa"] = SWAType.STANDARD, n_swa
             swa_layers = tuple(il < n_trunk and not recr[il] for il in range(n_layer))
     elif arch in ("qwen2vl", "qwen3vl", "qwen3vlmoe"):
-        sec = m.get_key_or_arr("rope.dimension_sections", 4, required=True)
+        sec = m.get_key_or_arr(K.Rope.DIMENSION_SECTIONS, 4, required=True)
         rope_sections = tuple(int(x) for x in (sec if isinstance(sec, tuple) else (sec,) * 4))
     elif arch in ("rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"):
-        kw["wkv_head_size"] = int(m.get("wkv.head_size"))
-        kw["token_shift_count"] = int(m.get("token_shift_count", 2))
+        kw["wkv_head_size"] = int(m.get(K.WKV.HEAD_SIZE))
+        kw["token_shift_count"] = int(m.get(K.LLM.TOKEN_SHIFT_COUNT, 2))
     elif arch in ("bloom", "refact", "jina-bert-v2"):
         f_max_alibi_bias = 8.0  # hard-coded in llama.cpp for these archs
     elif arch in ("mpt", "jais"):
-        f_max_alibi_bias = float(m.get("attention.max_alibi_bias", 0.0))
+        f_max_alibi_bias = float(m.get(K.Attention.MAX_ALIBI_BIAS, 0.0))
     elif arch == "baichuan" and n_trunk == 40:
         f_max_alibi_bias = 8.0  # only the 13B variant uses ALiBi
 

@@ -14,14 +14,15 @@ from typing import Any, Literal, NamedTuple
 from .errors import NoSlotError
 from .hparams import SWAType
 from .kv_cache import KVCache
-from .kv_cache_iswa import KVCacheISWA
+from .kv_cache_iswa import ISWASlot, KVCacheISWA
 from .memory_base import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, ContextParams, PairedMemory, read_parts
 from .profile import DEFAULT, Profile, resolve
 from .recurrent import RecurrentMemory, RecurrentSlot
+from .slots import SlotInfo
 
 
 class HybridSlot(NamedTuple):
-    attn: Any  # the KVCache slot (an ISWASlot for hybrid_iswa)
+    attn: SlotInfo | ISWASlot  # the KVCache slot (an ISWASlot for hybrid_iswa)
     recr: RecurrentSlot
 
 
@@ -142,7 +143,9 @@ class HybridMemory(PairedMemory):
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         """The recurrent part first, which may refuse (False, nothing changed), then the attention part."""
-        # the recurrent part goes first because it may refuse, and then nothing has changed
+        # the recurrent part goes first because it may refuse, and then nothing has changed; an argument either
+        # part refuses is refused before either changes
+        seq_id, p0, p1 = self.check_op("seq_rm", seq_id, p0, p1)
         if not self.recr.seq_rm(seq_id, p0, p1):
             return False
         return bool(self.attn.seq_rm(seq_id, p0, p1))

@@ -25,6 +25,7 @@ import numpy as np
 
 from . import kv_state as _kv_state
 from . import slots as _slots
+from .args import args_name, as_int32, as_range, as_seq_id, check_alloc
 from .cells import LLAMA_MAX_SEQ, POS_MAX, KVCells
 from .errors import KVRefError, NoSlotError, SequenceError
 from .ggml import GGMLType, ggml_type, row_size, traits
@@ -116,9 +117,18 @@ class KVCache:
     def _build_layers(self, size: int, layer_filter: Any, layer_reuse: Any) -> None:
         hp = self.hparams
         is_mla = hp.is_mla()  # MLA caches store no V
-        for il in range(hp.n_layer):
-            if not hp.has_kv(il) or (layer_filter is not None and not layer_filter(il)):
-                continue
+        owned = [il for il in range(hp.n_layer) if hp.has_kv(il) and (layer_filter is None or layer_filter(il))]
+        per_cell = sum(
+            row_size(self.type_k, hp.n_embd_k_gqa(il))
+            + (0 if is_mla else row_size(self.type_v, hp.n_embd_v_gqa_max() if self.v_trans else hp.n_embd_v_gqa(il)))
+            for il in owned
+        )
+        check_alloc(
+            self.n_stream * size * per_cell,
+            f"a KV cache of {self.n_stream} x {size} cells over {len(owned)} layers",
+            "lower n_ctx (or the cache types' size)",
+        )
+        for il in owned:
             n_embd_k = hp.n_embd_k_gqa(il)
             n_embd_v = self.hparams.n_embd_v_gqa_max() if self.v_trans else hp.n_embd_v_gqa(il)
             k = np.zeros((self.n_stream, size, row_size(self.type_k, n_embd_k)), dtype=np.uint8)
@@ -202,12 +212,12 @@ class KVCache:
         fork._sc_src, fork._sc_dst = list(self._sc_src), list(self._sc_dst)
         return fork
 
-    def check_seq(self, seq_id: int) -> int:
+    def check_seq(self, seq_id: int, name: str = "seq_id") -> int:
         """``seq_id`` as an int when this cache can hold it (below LLAMA_MAX_SEQ when unified, else below
-        n_seq_max); SequenceError otherwise."""
-        seq_id = int(seq_id)
+        n_seq_max); SequenceError (naming the argument ``name``) otherwise."""
+        seq_id = as_seq_id(seq_id, name)
         if not 0 <= seq_id < len(self.seq_to_stream):
-            raise SequenceError(f"seq_id {seq_id} is outside [0, {len(self.seq_to_stream)})")
+            raise SequenceError(f"{name} {seq_id} is outside [0, {len(self.seq_to_stream)})")
         return seq_id
 
     # ------------------------------------------------------------------ sequence operations
@@ -230,17 +240,45 @@ class KVCache:
         if new_head != self._cells[stream].size() and new_head < self.heads[stream]:
             self.heads[stream] = new_head
 
+    def check_op(self, op: str, *args: Any) -> tuple[Any, ...]:
+        """The arguments of sequence operation ``op`` normalised (`kvref.args`), or the error ``op`` would raise
+        for them (where llama.cpp asserts); changes nothing. Composite memories check every part first."""
+        if op == "seq_rm":
+            seq_id, (p0, p1) = as_seq_id(args[0]), as_range(*args[1:])
+            if seq_id != -1:
+                self.check_seq(seq_id)
+            elif self.profile.kv_seq_rm_all_asserts:
+                # GGML_ASSERT(seq_id >= 0 && ...) came first: an abort
+                first = first_release("kv_seq_rm_all_asserts", True)
+                raise SequenceError(
+                    f"seq_rm(-1) asserts in llama-cpp-python {first} (GGML_ASSERT seq_id >= 0; profile {self.profile})"
+                )
+            return seq_id, p0, p1
+        if op == "seq_cp":
+            src, dst = self.check_seq(args[0], "seq_id_src"), self.check_seq(args[1], "seq_id_dst")
+            p0, p1 = as_range(*args[2:])
+            # llama.cpp's "full range" test for a copy across streams, on the raw arguments: an open end, 0, or
+            # >= size - 1
+            n = self.get_size()
+            s0, s1 = self.seq_to_stream[src], self.seq_to_stream[dst]
+            if s0 != s1 and ((p0 > 0 and p0 + 1 < n) or (p1 > 0 and p1 + 1 < n)):
+                raise SequenceError(
+                    f"seq_cp across streams ({s0} -> {s1}) only copies the full range, got [{p0}, {p1})"
+                )
+            return src, dst, p0, p1
+        if op == "seq_keep":
+            return (self.check_seq(args[0]),)
+        if op in ("seq_add", "seq_div"):
+            seq_id, (p0, p1), x = self.check_seq(args[0]), as_range(*args[1:3]), as_int32(args[3], args_name(op))
+            self._check_pos_ops(op)
+            if op == "seq_div" and x != 1 and x <= 0:
+                raise SequenceError(f"seq_div: divisor {x} is not positive")
+            return seq_id, p0, p1, x
+        raise KVRefError(f"unknown sequence operation {op!r}")
+
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         """Remove ``seq_id`` (every sequence when -1) from the cells with p0 <= pos < p1. Always True."""
-        seq_id = int(seq_id)
-        if seq_id != -1:
-            self.check_seq(seq_id)
-        elif self.profile.kv_seq_rm_all_asserts:
-            # GGML_ASSERT(seq_id >= 0 && ...) came first: an abort
-            first = first_release("kv_seq_rm_all_asserts", True)
-            raise SequenceError(
-                f"seq_rm(-1) asserts in llama-cpp-python {first} (GGML_ASSERT seq_id >= 0; profile {self.profile})"
-            )
+        seq_id, p0, p1 = self.check_op("seq_rm", seq_id, p0, p1)
         p0, p1 = _norm_range(p0, p1)
         streams = range(self.n_stream) if seq_id == -1 else [self.seq_to_stream[seq_id]]
         for s in streams:
@@ -254,16 +292,12 @@ class KVCache:
         the destination stream is emptied, given the source's cells of that sequence (with their pending
         shifts) and its head, and the K/V buffers of the stream are copied at the next ``update()``.
         """
-        src, dst = self.check_seq(seq_id_src), self.check_seq(seq_id_dst)
+        src, dst, p0, p1 = self.check_op("seq_cp", seq_id_src, seq_id_dst, p0, p1)
         s0, s1 = self.seq_to_stream[src], self.seq_to_stream[dst]
         if s0 == s1:
             if src != dst:
                 self._cells[s0].seq_cp_range(src, dst, *_norm_range(p0, p1))
             return
-        # llama.cpp's "full range" test, on the raw arguments: an open end, 0, or >= size - 1
-        n = self.get_size()
-        if (p0 > 0 and p0 + 1 < n) or (p1 > 0 and p1 + 1 < n):
-            raise SequenceError(f"seq_cp across streams ({s0} -> {s1}) only copies the full range, got [{p0}, {p1})")
         self._sc_src.append(s0)
         self._sc_dst.append(s1)
         c_src, c_dst = self._cells[s0], self._cells[s1]
@@ -282,7 +316,8 @@ class KVCache:
 
     def seq_keep(self, seq_id: int) -> None:
         """Drop every other sequence from the stream of ``seq_id`` (cells of no sequence stay as they are)."""
-        s = self.seq_to_stream[self.check_seq(seq_id)]
+        (seq_id,) = self.check_op("seq_keep", seq_id)
+        s = self.seq_to_stream[seq_id]
         self._lower_head(s, self._cells[s].seq_keep_all(seq_id))
 
     def _check_pos_ops(self, what: str) -> None:
@@ -294,25 +329,23 @@ class KVCache:
 
         The head moves to the first freed cell, or to 0 when none was freed.
         """
-        s = self.seq_to_stream[self.check_seq(seq_id)]
-        self._check_pos_ops("seq_add")
+        seq_id, p0, p1, shift = self.check_op("seq_add", seq_id, p0, p1, shift)
+        s = self.seq_to_stream[seq_id]
         if shift == 0:
             return
         p0, p1 = _norm_range(p0, p1)
         if p0 == p1:
             return
         cells = self._cells[s]
-        first = cells.seq_add_range(seq_id, p0, p1, int(shift))
+        first = cells.seq_add_range(seq_id, p0, p1, shift)
         self.heads[s] = first if first != cells.size() else 0
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
         """Integer-divide the positions of ``seq_id`` in [p0, p1) by ``d``."""
-        s = self.seq_to_stream[self.check_seq(seq_id)]
-        self._check_pos_ops("seq_div")
+        seq_id, p0, p1, d = self.check_op("seq_div", seq_id, p0, p1, d)
+        s = self.seq_to_stream[seq_id]
         if d == 1:
             return
-        if d <= 0:
-            raise SequenceError(f"seq_div: divisor {d} is not positive")
         p0, p1 = _norm_range(p0, p1)
         if p0 == p1:
             return
@@ -416,9 +449,8 @@ class KVCache:
                 continue
             p = self._rope_params(il, **yarn)
             n_embd_head_k = hp.n_embd_head_k_l(il)
-            # DeepSeek-style heads keep the rotated dims after the "nope" part (llama.cpp: n_lora_kv > 0);
-            # HParams has no n_lora_kv yet, so kvref reads it from hparams.extra
-            n_embd_nope = n_embd_head_k - p.n_dims if hp.extra.get("n_lora_kv", 0) > 0 else 0
+            # DeepSeek-style heads keep the rotated dims after the "nope" part (llama.cpp: n_lora_kv > 0)
+            n_embd_nope = n_embd_head_k - p.n_dims if hp.n_lora_kv > 0 else 0
             flat = layer.k.reshape(-1, layer.k.shape[-1])  # all streams, as the ggml view spans them
             shift_k_rows(flat, self.type_k, hp.n_head_kv_l(il), n_embd_head_k, shift, p, n_embd_nope)
 

@@ -15,6 +15,7 @@ from .hparams import SWAType
 from .kv_cache import KVCache
 from .memory_base import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, ContextParams, PairedMemory, read_parts
 from .profile import DEFAULT, Profile, resolve
+from .slots import SlotInfo
 
 SWA_PAD = 256  # the SWA cache padding of llama.cpp issue #17037 (Profile.swa_size_pad; kept for callers)
 
@@ -22,8 +23,8 @@ SWA_PAD = 256  # the SWA cache padding of llama.cpp issue #17037 (Profile.swa_si
 class ISWASlot(NamedTuple):
     """Where one ubatch landed in each cache."""
 
-    base: Any
-    swa: Any
+    base: SlotInfo
+    swa: SlotInfo
 
 
 def swa_cache_size(
@@ -159,6 +160,7 @@ class KVCacheISWA(PairedMemory):
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         """seq_rm on both caches (always both, as llama.cpp); True when both succeed."""
+        seq_id, p0, p1 = self.check_op("seq_rm", seq_id, p0, p1)
         res_base = self.base.seq_rm(seq_id, p0, p1)  # both are always called (bitwise and in llama.cpp)
         res_swa = self.swa.seq_rm(seq_id, p0, p1)
         return bool(res_base and res_swa)

@@ -80,7 +80,7 @@ def has_cell_ext(cache: KVCache) -> bool:
     hp = cache.hparams
     if not cache.profile.cell_ext_ple:
         return hp.n_pos_per_embd() > 1
-    return hp.n_pos_per_embd() > 1 or int(getattr(hp, "ple_n_heads", 0) or 0) > 0
+    return hp.n_pos_per_embd() > 1 or hp.ple_n_heads > 0
 
 
 def ext_size(cache: KVCache) -> int:

@@ -13,25 +13,45 @@ The semantics (which cells a token attends) are documented in ``kvref/_mask_py.p
 
 from __future__ import annotations
 
-from types import SimpleNamespace
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
 from ._backend import select
 from .errors import ArgumentError, KVRefError
+from .slots import SlotInfo
+
+if TYPE_CHECKING:
+    from ._mask_py import MaskArray
+    from .batch import UBatch
+    from .hybrid import HybridSlot
+    from .kv_cache import KVCache
+    from .kv_cache_iswa import ISWASlot
+    from .memory_base import Memory
 
 _impl = select("mask")
 
-fill_kq_mask_raw = _impl.fill_kq_mask_raw
-fill_pos_bucket_raw = _impl.fill_pos_bucket_raw
-fill_k_shift_raw = _impl.fill_k_shift_raw
-relative_position_bucket = _impl.relative_position_bucket
-NonCausalType = _impl.NonCausalType
+if TYPE_CHECKING:  # type checkers see the Python twin's functions (the twins share one API, see _mask_c.pyi)
+    from ._mask_py import (
+        NonCausalType,
+        fill_k_shift_raw,
+        fill_kq_mask_raw,
+        fill_pos_bucket_raw,
+        relative_position_bucket,
+    )
+else:
+    fill_kq_mask_raw = _impl.fill_kq_mask_raw
+    fill_pos_bucket_raw = _impl.fill_pos_bucket_raw
+    fill_k_shift_raw = _impl.fill_k_shift_raw
+    relative_position_bucket = _impl.relative_position_bucket
+    NonCausalType = _impl.NonCausalType
 BACKEND = "cython" if _impl.__name__.endswith("_c") else "python"
 
 
-def attention_cache(memory: Any, sinfo: Any = None, *, swa: bool = False) -> tuple[Any, Any]:
+def attention_cache(
+    memory: Memory, sinfo: SlotInfo | ISWASlot | HybridSlot | None = None, *, swa: bool = False
+) -> tuple[KVCache, SlotInfo | None]:
     """The KVCache (and its slot info) whose mask a memory's graph uses.
 
     A hybrid memory masks through its attention part; an iSWA memory has two masks, llama.cpp's
@@ -41,37 +61,39 @@ def attention_cache(memory: Any, sinfo: Any = None, *, swa: bool = False) -> tup
     own = getattr(memory, "attention_cache", None)  # every memory with attention layers says which cache
     if own is None:
         raise KVRefError(f"{type(memory).__name__} has no attention cache, so no KQ mask")
+    cache: KVCache
+    part: SlotInfo | None
     cache, part = own(sinfo, swa=swa)
     return cache, part
 
 
-def _mask_streams(cache: Any, ubatch: Any, sinfo: Any) -> list[int]:
+def _mask_streams(cache: KVCache, ubatch: UBatch, sinfo: SlotInfo | None) -> list[int]:
     """The cache streams the ubatch touches (``sinfo.strm``; derived from the ubatch without a slot)."""
     if sinfo is not None:
         return [int(s) for s in sinfo.strm]
     return sorted({int(cache.seq_to_stream[s]) for s in ubatch.seq_id_unq})
 
 
-def mask_n_kv(cache: Any, ubatch: Any, sinfo: Any = None) -> int:
+def mask_n_kv(cache: KVCache, ubatch: UBatch, sinfo: SlotInfo | None = None) -> int:
     """get_n_kv for the streams of ``sinfo`` (or of the ubatch's sequences): the mask's column count."""
-    return int(cache.get_n_kv(SimpleNamespace(strm=_mask_streams(cache, ubatch, sinfo))))
+    return int(cache.get_n_kv(SlotInfo(strm=_mask_streams(cache, ubatch, sinfo))))
 
 
 def fill_kq_mask(
-    cache: Any,
-    ubatch: Any,
-    out: np.ndarray | None = None,
+    cache: Memory,
+    ubatch: UBatch,
+    out: MaskArray | None = None,
     *,
-    dtype: Any = np.float32,
+    dtype: npt.DTypeLike = np.float32,
     causal: bool | None = None,
-    sinfo: Any = None,
+    sinfo: SlotInfo | ISWASlot | HybridSlot | None = None,
     n_kv: int | None = None,
     n_swa: int | None = None,
     swa_type: int | None = None,
     non_causal_type: int | None = None,
     alibi: bool | None = None,
     swa: bool = False,
-) -> np.ndarray:
+) -> MaskArray:
     """llama_kv_cache::set_input_kq_mask for ``ubatch`` over ``cache``: ``(n_stream, n_tps, n_kv)``.
 
     ``cache`` may be any memory with attention: a hybrid memory's attention part is used, and for an
@@ -81,17 +103,17 @@ def fill_kq_mask(
     ``n_kv`` defaults to ``get_n_kv`` over the slot's streams; ``dtype`` is float32 (or float16, the
     flash-attention mask). ``causal`` defaults to ``hparams.causal_attn``; ``n_swa`` / ``swa_type`` to the
     cache's own window (the SWA half of an iSWA cache has one, the base half none); ``non_causal_type``
-    and ``alibi`` to the hparams (``non_causal_type`` is 0, ALL, when the hparams have none). ``out`` is
+    and ``alibi`` to the hparams (HParams' default ``non_causal_type`` is 0, ALL). ``out`` is
     reused when given: its shape must match, and its dtype (float32 or float16) overrides ``dtype``.
     """
-    cache, sinfo = attention_cache(cache, sinfo, swa=swa)
-    hp = cache.hparams
+    kv, slot = attention_cache(cache, sinfo, swa=swa)
+    hp = kv.hparams
     n_tokens = int(ubatch.n_tokens)
-    n_stream = 1 if cache.n_stream == 1 else int(ubatch.n_seqs_unq)
+    n_stream = 1 if kv.n_stream == 1 else int(ubatch.n_seqs_unq)
     if n_stream == 0 or n_tokens % n_stream:
         raise KVRefError(f"{n_tokens} tokens do not split over {n_stream} streams")
     if n_kv is None:
-        n_kv = mask_n_kv(cache, ubatch, sinfo)
+        n_kv = mask_n_kv(kv, ubatch, slot)
     shape = (n_stream, n_tokens // n_stream, int(n_kv))
     if out is None:
         out = np.empty(shape, dtype=dtype)
@@ -103,28 +125,35 @@ def fill_kq_mask(
         # llama_ubatch keeps the M-RoPE position blocks as (t, y, x, ...), n_tokens each
         tok_y = pos[n_tokens : 2 * n_tokens]
         tok_x = pos[2 * n_tokens : 3 * n_tokens]
-    cells = [cache.cells(s) for s in range(cache.n_stream)]
-    return _impl.fill_kq_mask_raw(
+    cells = [kv.cells(s) for s in range(kv.n_stream)]
+    # through _impl (not the name bound above): tests wrap the twin by replacing kvref.mask._impl
+    mask: MaskArray = _impl.fill_kq_mask_raw(
         out,
         [c.pos for c in cells],
         [c.seq for c in cells],
         [c.ext for c in cells] if tok_x is not None else None,
-        np.asarray(cache.seq_to_stream, dtype=np.int32),
+        np.asarray(kv.seq_to_stream, dtype=np.int32),
         pos[:n_tokens],
         np.fromiter((ids[0] for ids in ubatch.seq_id[:n_tokens]), dtype=np.int32, count=n_tokens),
         tok_x=tok_x,
         tok_y=tok_y,
-        n_swa=cache.n_swa if n_swa is None else n_swa,
-        swa_type=int(cache.swa_type if swa_type is None else swa_type),
+        n_swa=kv.n_swa if n_swa is None else n_swa,
+        swa_type=int(kv.swa_type if swa_type is None else swa_type),
         causal=bool(hp.causal_attn if causal is None else causal),
-        non_causal_type=int(getattr(hp, "non_causal_type", 0) if non_causal_type is None else non_causal_type),
+        non_causal_type=int(hp.non_causal_type if non_causal_type is None else non_causal_type),
         alibi=bool(hp.use_alibi if alibi is None else alibi),
     )
+    return mask
 
 
 def fill_pos_bucket(
-    cache: Any, ubatch: Any, n_buckets: int | None = None, out: np.ndarray | None = None, *, n_kv: int | None = None
-) -> np.ndarray:
+    cache: KVCache | None,
+    ubatch: UBatch,
+    n_buckets: int | None = None,
+    out: npt.NDArray[np.int32] | None = None,
+    *,
+    n_kv: int | None = None,
+) -> npt.NDArray[np.int32]:
     """T5 relative-position buckets, int32 ``(n_tokens, n_kv)``.
 
     With a cache: llama_kv_cache::set_input_pos_bucket (key = cell position, -1 when empty; one-directional;
@@ -150,10 +179,11 @@ def fill_pos_bucket(
         key_pos, bidirectional = np.asarray(cache.cells(0).pos)[:n_kv], False
     if out is None:
         out = np.empty((n_tokens, key_pos.shape[0]), dtype=np.int32)
-    return _impl.fill_pos_bucket_raw(out, key_pos, tok_pos, n_buckets, bidirectional)
+    buckets: npt.NDArray[np.int32] = _impl.fill_pos_bucket_raw(out, key_pos, tok_pos, n_buckets, bidirectional)
+    return buckets
 
 
-def k_shift_input(cache: Any, out: np.ndarray | None = None) -> np.ndarray:
+def k_shift_input(cache: KVCache, out: npt.NDArray[np.int32] | None = None) -> npt.NDArray[np.int32]:
     """llama_kv_cache::set_input_k_shift: int32 ``(n_stream, size)``, each cell's pending shift, 0 when empty.
 
     ``.reshape(-1)`` gives llama.cpp's flat ``[n_stream * size]`` tensor.
@@ -161,15 +191,16 @@ def k_shift_input(cache: Any, out: np.ndarray | None = None) -> np.ndarray:
     cells = [cache.cells(s) for s in range(cache.n_stream)]
     if out is None:
         out = np.empty((len(cells), cache.get_size()), dtype=np.int32)
-    return _impl.fill_k_shift_raw(out, [c.pos for c in cells], [c.shift for c in cells])
+    shift: npt.NDArray[np.int32] = _impl.fill_k_shift_raw(out, [c.pos for c in cells], [c.shift for c in cells])
+    return shift
 
 
-def k_idxs(cache: Any, ubatch: Any, sinfo: Any) -> np.ndarray:
+def k_idxs(cache: KVCache, ubatch: UBatch, sinfo: SlotInfo) -> npt.NDArray[np.int64]:
     """set_input_k_idxs: int64 row of each token in the stream-merged K tensor (the cache's own method)."""
     return cache.k_idxs(ubatch, sinfo)
 
 
-def v_idxs(cache: Any, ubatch: Any, sinfo: Any) -> np.ndarray:
+def v_idxs(cache: KVCache, ubatch: UBatch, sinfo: SlotInfo) -> npt.NDArray[np.int64]:
     """set_input_v_idxs: V rows, or one element index per (token, component) for a transposed V."""
     return cache.v_idxs(ubatch, sinfo)
 

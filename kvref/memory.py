@@ -7,12 +7,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from .archs import NO_MEMORY_ARCHS, UNSUPPORTED_ARCHS
-from .constants import LLAMA_MAX_SEQ
+from .args import as_int
+from .constants import LLAMA_MAX_SEQ, UINT32_MAX
 from .errors import ArgumentError, KVRefError
-from .hparams import SWAType
+from .ggml import GGMLType
+from .hparams import HParams, SWAType
 from .hybrid import HybridMemory
 from .kv_cache import KVCache
 from .kv_cache_iswa import KVCacheISWA
@@ -48,7 +48,7 @@ def kv_pad(flash_attn: bool, compat: Profile | str = DEFAULT) -> int:
 
 
 def context_params(
-    hparams: Any,
+    hparams: HParams,
     n_ctx: int = 0,
     n_seq_max: int = 1,
     *,
@@ -84,6 +84,12 @@ def context_params(
     memory_pads = profile.n_ctx_pad <= 1  # the context does not pad: create_memory pads per stream
     if not profile.kv_streams:
         kv_unified = True  # no streams: every sequence shares the one cache
+    # llama_context_params holds these as uint32_t (n_rs_seq too): a negative value would wrap to a huge one
+    for name, value in (("n_ctx", n_ctx), ("n_seq_max", n_seq_max), ("n_batch", n_batch), ("n_ubatch", n_ubatch)):
+        if not 0 <= as_int(value, name) <= UINT32_MAX:
+            raise ArgumentError(f"{name} = {value} is outside [0, {UINT32_MAX}] (llama_context_params: uint32_t)")
+    if not 0 <= as_int(n_rs_seq, "n_rs_seq") <= UINT32_MAX:
+        raise ArgumentError(f"n_rs_seq = {n_rs_seq} is outside [0, {UINT32_MAX}]")
     n_seq_max = max(1, int(n_seq_max))
     if n_seq_max > LLAMA_MAX_SEQ:
         raise KVRefError(f"n_seq_max must be <= {LLAMA_MAX_SEQ}")
@@ -91,7 +97,7 @@ def context_params(
     if n_rs_seq > 0 and hparams.arch not in profile.rs_rollback_archs:
         n_rs_seq = 0
     if n_ctx == 0:
-        n_ctx = int(getattr(hparams, "n_ctx_train", 0) or 0)
+        n_ctx = hparams.n_ctx_train
         if n_ctx == 0:
             raise KVRefError("n_ctx and hparams.n_ctx_train cannot both be zero")
     if isinstance(flash_attn, str):
@@ -129,13 +135,13 @@ def context_params(
 
 
 def create_memory(
-    hparams: Any,
+    hparams: HParams,
     n_ctx: int = 0,
     n_seq_max: int = 1,
     kv_unified: bool = True,
     flash_attn: bool | str = False,
-    type_k: Any = "f16",
-    type_v: Any = "f16",
+    type_k: GGMLType | int | str = "f16",
+    type_v: GGMLType | int | str = "f16",
     swa_full: bool = False,
     n_ubatch: int = 512,
     *,
@@ -143,7 +149,7 @@ def create_memory(
     n_rs_seq: int = 0,
     causal_attn: bool | None = None,
     compat: Profile | str = DEFAULT,
-) -> Any:
+) -> Memory | None:
     """The memory llama.cpp creates for this model and these context parameters (None: no memory).
 
     Mirrors llama_model::create_memory after llama_context's parameter resolution (`context_params`):
@@ -189,7 +195,7 @@ def create_memory(
         raise KVRefError(f"llama.cpp builds a dedicated memory for {arch!r}, which kvref does not model")
     v_trans = not cp.flash_attn
 
-    mem: Any
+    mem: Memory
     if hparams.is_recurrent_arch():
         mem = RecurrentMemory(
             hparams,
@@ -203,7 +209,7 @@ def create_memory(
             cparams=cp,
         )
     elif hparams.is_hybrid_arch():
-        if arch == "qwen4exp" and getattr(hparams, "indexer_head_size", 0):
+        if arch == "qwen4exp" and hparams.indexer_head_size > 0:
             raise KVRefError("qwen4exp with an indexer uses llama_memory_hybrid_idx, which kvref does not model")
 
         mem = HybridMemory(
@@ -244,7 +250,7 @@ def create_memory(
                 return -1
 
         n_trunk = hparams.n_layer_trunk()
-        if getattr(hparams, "n_layer_nextn", 0) > 0 and n_trunk > 0 and getattr(hparams, "router_layer", -1) < 0:
+        if hparams.n_layer_nextn > 0 and n_trunk > 0 and hparams.router_layer < 0:
 
             def layer_filter(il: int) -> bool:
                 return il < n_trunk  # the trunk context never attends the MTP blocks

@@ -9,9 +9,9 @@ factory that builds a memory for a model (`create_memory`) lives in ``kvref.memo
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 
@@ -20,6 +20,20 @@ from .constants import LLAMA_MAX_SEQ
 from .errors import FormatError, KVRefError
 from .profile import Profile, resolve
 from .state import section_bytes
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer (Python 3.12); only the type checker needs it
+
+    from .batch import Batch, UBatch
+    from .hybrid import HybridSlot
+    from .kv_cache_iswa import ISWASlot
+    from .recurrent import RecurrentSlot
+    from .slots import SlotInfo
+    from .state import KVSection, RecurrentSection
+
+    # what decode places a ubatch in, per memory kind; the sections a memory's state is made of
+    Slot: TypeAlias = "SlotInfo | ISWASlot | HybridSlot | RecurrentSlot"
+    Section: TypeAlias = "KVSection | RecurrentSection"
 
 # llama_state_seq_flags (include/llama.h)
 LLAMA_STATE_SEQ_FLAGS_NONE = 0
@@ -55,7 +69,9 @@ class Memory(Protocol):
     ``offset`` without changing anything and returns ``(commit, end)``.
     """
 
-    kind: str
+    @property
+    def kind(self) -> str:
+        """The memory's kind, as case.json's memory.type names it ("kv", "iswa", "recurrent", "hybrid", ...)."""
 
     def clear(self, data: bool = True) -> None:
         """Like llama_memory_clear: empty the memory; zero its buffers too when ``data``."""
@@ -87,32 +103,32 @@ class Memory(Protocol):
     def get_can_shift(self) -> bool:
         """Like llama_memory_can_shift: can positions be shifted (seq_add / seq_div)."""
 
-    def decode(self, batch: Any, n_ubatch: int = 512) -> list[tuple[Any, Any]]:
+    def decode(self, batch: Batch, n_ubatch: int = 512) -> Sequence[tuple[UBatch, Slot]]:
         """What llama_decode does to the memory: validate, update, split and place ``batch``.
 
         Returns ``[(ubatch, slot), ...]``; raises NoSlotError when the batch does not fit.
         """
 
-    def update(self) -> Any:
+    def update(self) -> bool:
         """Apply pending shifts and stream copies (llama_context::memory_update); True when something was pending."""
 
-    def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Any]:
+    def state_sections(self, seq_id: int = -1, flags: int = 0) -> Sequence[Section]:
         """The sections ``state_write`` serializes, as ``kvref.state`` objects in write order."""
 
     def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes:
         """The bytes of the section(s) llama.cpp's state_write writes (every sequence when ``seq_id`` is -1)."""
 
-    def state_read(self, data: Any, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
+    def state_read(self, data: Buffer, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
         """Restore what ``state_write`` wrote, atomically unless ``atomic=False``; returns the bytes read."""
 
     def stage_state(
-        self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
+        self, data: Buffer, seq_id: int = -1, flags: int = 0, offset: int = 0
     ) -> tuple[Callable[[], None], int]:
         """Parse and check the section(s) at ``offset`` without changing anything; returns ``(commit, end)``."""
 
 
 def stage_parts(
-    parts: list[Any], data: Any, seq_id: int, flags: int, offset: int = 0
+    parts: Sequence[Memory], data: Buffer, seq_id: int, flags: int, offset: int = 0
 ) -> tuple[Callable[[], None], int]:
     """Stage consecutive sections, one per part; nothing changes unless every one of them checks out."""
     commits = []
@@ -130,7 +146,7 @@ def stage_parts(
     return commit_all, offset
 
 
-def clear_seq(part: Any, seq_id: int) -> None:
+def clear_seq(part: Memory, seq_id: int) -> None:
     """What llama.cpp's state_clear leaves in a memory: the sequence removed (everything for seq_id -1)."""
     if seq_id == -1:
         part.clear(True)
@@ -140,7 +156,7 @@ def clear_seq(part: Any, seq_id: int) -> None:
 
 
 def read_parts(
-    parts: list[Any], data: Any, seq_id: int, flags: int, undo_before: bool = False, *, atomic: bool = True
+    parts: Sequence[Memory], data: Buffer, seq_id: int, flags: int, undo_before: bool = False, *, atomic: bool = True
 ) -> int:
     """state_read of consecutive sections, one per part.
 
@@ -154,7 +170,7 @@ def read_parts(
     propagates. Bytes after the last section are kvref's own check: refused before anything changes.
     """
     offset = 0
-    staged: list[tuple[Any, Callable[[], None]]] = []
+    staged: list[tuple[Memory, Callable[[], None]]] = []
     for part in parts:
         try:
             commit, offset = part.stage_state(data, seq_id, flags, offset)
@@ -179,7 +195,9 @@ def read_parts(
     return offset
 
 
-def read_all(stage: Callable[..., tuple[Callable[[], None], int]], data: Any, seq_id: int, flags: int) -> int:
+def read_all(
+    stage: Callable[[Buffer, int, int, int], tuple[Callable[[], None], int]], data: Buffer, seq_id: int, flags: int
+) -> int:
     """state_read from stage_state: the sections must end exactly at the end of ``data``."""
     commit, end = stage(data, seq_id, flags, 0)
     total = memoryview(data).nbytes
@@ -189,8 +207,8 @@ def read_all(stage: Callable[..., tuple[Callable[[], None], int]], data: Any, se
     return end
 
 
-def sections_of(parts: list[Any], seq_id: int, flags: int) -> list[Any]:
-    out: list[Any] = []
+def sections_of(parts: Sequence[Memory], seq_id: int, flags: int) -> list[Section]:
+    out: list[Section] = []
     for part in parts:
         out.extend(part.state_sections(seq_id, flags))
     return out
@@ -266,6 +284,13 @@ class PairedMemory:
     def _state_parts(self, flags: int) -> list[Any]:
         raise NotImplementedError
 
+    def check_op(self, op: str, *args: Any) -> tuple[Any, ...]:
+        """The arguments of sequence operation ``op`` checked against every part (each normalises them as it
+        would, `kvref.args`) before any part changes: a composite refuses as a whole or not at all."""
+        for m in self._pair():
+            args = m.check_op(op, *args)
+        return args
+
     def clear(self, data: bool = True) -> None:
         """Clear both parts, in order (zeroing their buffers too when ``data``)."""
         for m in self._pair():
@@ -273,21 +298,25 @@ class PairedMemory:
 
     def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
         """seq_cp on both parts, in order."""
+        seq_id_src, seq_id_dst, p0, p1 = self.check_op("seq_cp", seq_id_src, seq_id_dst, p0, p1)
         for m in self._pair():
             m.seq_cp(seq_id_src, seq_id_dst, p0, p1)
 
     def seq_keep(self, seq_id: int) -> None:
         """seq_keep on both parts, in order."""
+        (seq_id,) = self.check_op("seq_keep", seq_id)
         for m in self._pair():
             m.seq_keep(seq_id)
 
     def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
         """seq_add on both parts, in order."""
+        seq_id, p0, p1, shift = self.check_op("seq_add", seq_id, p0, p1, shift)
         for m in self._pair():
             m.seq_add(seq_id, p0, p1, shift)
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
         """seq_div on both parts, in order."""
+        seq_id, p0, p1, d = self.check_op("seq_div", seq_id, p0, p1, d)
         for m in self._pair():
             m.seq_div(seq_id, p0, p1, d)
 

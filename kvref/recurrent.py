@@ -46,10 +46,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+import numpy.typing as npt
 
 from . import recurrent_state as _recurrent_state
-from .constants import POS_MAX
-from .errors import ArgumentError, CellError, NoSlotError, SequenceError
+from .args import args_name, as_int32, as_range, as_seq_id, check_alloc
+from .constants import INT32_MIN, POS_MAX
+from .errors import ArgumentError, CellError, KVRefError, NoSlotError, SequenceError
 from .ggml import GGMLType, ggml_type, row_size
 from .memory_base import ContextParams, decode_batch
 from .profile import DEFAULT, Profile, resolve
@@ -76,14 +78,14 @@ class RecurrentSlot:
     n: int
     rs_z: int
     n_seqs: int
-    s_copy: np.ndarray
+    s_copy: npt.NDArray[np.int32]
 
     @property
-    def s_copy_main(self) -> np.ndarray:
+    def s_copy_main(self) -> npt.NDArray[np.int32]:
         return self.s_copy[: self.n_seqs]
 
     @property
-    def s_copy_extra(self) -> np.ndarray:
+    def s_copy_extra(self) -> npt.NDArray[np.int32]:
         return self.s_copy[self.n_seqs :]
 
 
@@ -139,6 +141,15 @@ class RecurrentMemory:
         self.rs_idx = [0] * self.n_seq_max  # per sequence: pending rollback plane
 
         size = self.size
+        n_state = sum(1 for il in range(hparams.n_layer) if layer_filter is None or layer_filter(il))
+        ple_width = hparams.ple_conv_state()
+        per_row = row_size(self.type_r, int(hparams.n_embd_r())) + row_size(self.type_s, int(hparams.n_embd_s()))
+        per_row += row_size(self.type_r, ple_width) if ple_width else 0
+        check_alloc(
+            size * (1 + self.n_rs_seq) * n_state * per_row,
+            f"a recurrent memory of {size} cells x {1 + self.n_rs_seq} snapshots over {n_state} layers",
+            "lower n_seq_max (or n_rs_seq)",
+        )
         self.pos = [-1] * size
         self.src = [-1] * size
         self.src0 = [-1] * size
@@ -148,7 +159,7 @@ class RecurrentMemory:
         n_layer = hparams.n_layer
         self.n_embd_r = int(hparams.n_embd_r())
         self.n_embd_s = int(hparams.n_embd_s())
-        ple = _ple_conv_state(hparams)
+        ple = hparams.ple_conv_state()
         self.n_embd_p = ple
         self.r_row = row_size(self.type_r, self.n_embd_r)
         self.s_row = row_size(self.type_s, self.n_embd_s)
@@ -236,12 +247,33 @@ class RecurrentMemory:
             return
         self.rs_idx[seq_id] = idx
 
+    def check_op(self, op: str, *args: Any) -> tuple[Any, ...]:
+        """The arguments of sequence operation ``op`` normalised (`kvref.args`: int32 ids and positions), or the
+        error ``op`` would raise for them; changes nothing. Composite memories check every part first."""
+        if op == "seq_rm":
+            return (as_seq_id(args[0]), *as_range(*args[1:]))
+        if op == "seq_cp":
+            return (as_seq_id(args[0], "seq_id_src"), as_seq_id(args[1], "seq_id_dst"), *as_range(*args[2:]))
+        if op == "seq_keep":
+            return (as_seq_id(args[0]),)
+        if op in ("seq_add", "seq_div"):
+            seq_id, (p0, p1), x = as_seq_id(args[0]), as_range(*args[1:3]), as_int32(args[3], args_name(op))
+            if op == "seq_div" and x == 0:
+                raise SequenceError("seq_div by 0")
+            if op == "seq_add" and x:
+                t = self._tail_cell_in_range(seq_id, 0 if p0 < 0 else p0, POS_MAX if p1 < 0 else p1)
+                if t >= 0 and not INT32_MIN <= self.pos[t] + x <= POS_MAX:
+                    raise CellError(f"seq_add: position {self.pos[t]} + {x} leaves int32 (llama_pos)")
+            return seq_id, p0, p1, x
+        raise KVRefError(f"unknown sequence operation {op!r}")
+
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         """Remove positions [p0, p1) of a sequence; False where llama.cpp refuses (nothing changes then).
 
         A recurrent state cannot forget its last tokens, so a range that cuts into the tail is refused
         (unless a rollback snapshot covers it); a range that misses the tail, or covers it whole, succeeds.
         """
+        seq_id, p0, p1 = self.check_op("seq_rm", seq_id, p0, p1)
         new_head = self.size
         p0 = 0 if p0 < 0 else p0
         p1 = POS_MAX if p1 < 0 else p1
@@ -301,6 +333,7 @@ class RecurrentMemory:
 
     def seq_cp(self, seq_id_src: int, seq_id_dst: int, p0: int = -1, p1: int = -1) -> None:
         """Make ``dst`` share ``src``'s tail cell (the range is ignored: a state is all or nothing)."""
+        seq_id_src, seq_id_dst, p0, p1 = self.check_op("seq_cp", seq_id_src, seq_id_dst, p0, p1)
         if seq_id_src == seq_id_dst:
             return
         size = self.size
@@ -320,6 +353,7 @@ class RecurrentMemory:
 
     def seq_keep(self, seq_id: int) -> None:
         """llama_memory_recurrent::seq_keep: free the cells without ``seq_id``, leave only ``seq_id`` in the others."""
+        (seq_id,) = self.check_op("seq_keep", seq_id)
         new_head = self.size
         for i in range(self.size):
             if i != seq_id:
@@ -347,6 +381,7 @@ class RecurrentMemory:
 
     def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
         """Shift the tail's pos only (a recurrent state has no per-token positions to rotate)."""
+        seq_id, p0, p1, shift = self.check_op("seq_add", seq_id, p0, p1, shift)
         if shift == 0:
             return
         p0 = 0 if p0 < 0 else p0
@@ -362,10 +397,9 @@ class RecurrentMemory:
 
         Like llama_memory_recurrent::seq_div; ``d == 0`` is a SequenceError.
         """
+        seq_id, p0, p1, d = self.check_op("seq_div", seq_id, p0, p1, d)
         if d == 1:
             return
-        if d == 0:
-            raise SequenceError("seq_div by 0")
         p0 = 0 if p0 < 0 else p0
         p1 = POS_MAX if p1 < 0 else p1
         if p0 == p1:
@@ -696,12 +730,6 @@ class RecurrentMemory:
 
     def __repr__(self) -> str:
         return f"RecurrentMemory(size={self.size}, used={self.used}, head={self.head}, layers={len(self.layers)})"
-
-
-def _ple_conv_state(hparams: Any) -> int:
-    f = getattr(hparams, "ple_conv_state", None)
-    v = f() if callable(f) else f
-    return int(v or 0)
 
 
 __all__ = ["POS_MAX", "RecurrentMemory", "RecurrentSlot"]

@@ -24,11 +24,12 @@ Rules (llama-kv-cache.cpp as the default profile's llama.cpp has them; older bui
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import numpy as np
+import numpy.typing as npt
 
-from .cells import LLAMA_MAX_SEQ, TOKEN_NULL
+from .cells import LLAMA_MAX_SEQ, TOKEN_NULL, KVCells
 from .errors import BatchError, CellError, KVRefError
 from .hparams import SWAType, is_masked_swa
 
@@ -81,14 +82,14 @@ class SlotInfo:
 
 
 # ---------------------------------------------------------------------------------------------- helpers
-def usable_cells(cache: KVCache, stream: int) -> np.ndarray:
+def usable_cells(cache: KVCache, stream: int) -> npt.NDArray[np.bool_]:
     """find_slot's "can use" test for every cell of a stream (bool array).
 
     The test only reads the cells, which find_slot does not modify, so it is computed once per stream.
     """
     cells = cache.cells(stream)
     pos = np.asarray(cells.pos, dtype=np.int64)
-    usable = pos == -1
+    usable: npt.NDArray[np.bool_] = pos == -1
     if cache.swa_type == SWAType.NONE:
         return usable
     seq = np.ascontiguousarray(cells.seq)
@@ -107,7 +108,7 @@ def usable_cells(cache: KVCache, stream: int) -> np.ndarray:
     return usable
 
 
-def _scan(usable: np.ndarray, head: int, n_tokens: int, cont: bool) -> list[int] | None:
+def _scan(usable: npt.NDArray[np.bool_], head: int, n_tokens: int, cont: bool) -> list[int] | None:
     """The search loop of find_slot over one stream; None when the tokens do not fit."""
     size = usable.shape[0]
     if not cont:
@@ -171,7 +172,7 @@ def find_slot(cache: KVCache, ubatch: UBatch, cont: bool = False) -> SlotInfo | 
 
 
 # ---------------------------------------------------------------------------------------------- apply
-def _ubatch_rows(ubatch: UBatch, i0: int, n: int) -> tuple[np.ndarray, list[list[int]]]:
+def _ubatch_rows(ubatch: UBatch, i0: int, n: int) -> tuple[npt.NDArray[np.int64], list[list[int]]]:
     pos = np.asarray(ubatch.pos, dtype=np.int64)[i0 : i0 + n]
     return pos, [list(ubatch.seq_id[i]) for i in range(i0, i0 + n)]
 
@@ -199,7 +200,7 @@ def apply_ubatch(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch) -> None:
     # ext is written when the batch has 2-D positions, token ids, or the model has per-layer embeddings (PLE);
     # builds with the 8-byte ext (Profile.cell_ext_size) wrote it for 2-D positions only, which their state
     # never shows (only M-RoPE caches save an ext there). Otherwise the cell's ext is left as is.
-    ple_n_heads = int(getattr(hp, "ple_n_heads", 0) or 0)
+    ple_n_heads = hp.ple_n_heads
     write_ext = ubatch.is_pos_2d() or ubatch.token is not None or ple_n_heads > 0
 
     seq_pos_max_rm: dict[int, int] = {}  # overwritten sequence -> highest position removed
@@ -224,7 +225,7 @@ def apply_ubatch(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch) -> None:
                     tok = int(ubatch.token[i])
                 elif ple_n_heads > 0:
                     # an embedding batch gets the model's image (or EOS) token for the PLE layers
-                    tok = int(getattr(hp, "ple_image_token_id", 0) or getattr(hp, "ple_eos_token_id", TOKEN_NULL))
+                    tok = hp.ple_image_token_id if hp.ple_image_token_id != 0 else hp.ple_eos_token_id
                 cells.ext_set(idx, x, y, tok)
         cell_of = [idx for ii, idx in enumerate(idxs) for _ in ubatch.seq_id[s * size + ii]]
         seq_of = [int(sid) for i in range(rows.start, rows.stop) for sid in ubatch.seq_id[i]]
@@ -242,7 +243,7 @@ def apply_ubatch(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch) -> None:
 
 
 # ---------------------------------------------------------------------------------------------- prepare
-def prepare(cache: KVCache, ubatches: list[Any]) -> list[SlotInfo]:
+def prepare(cache: KVCache, ubatches: list[UBatch]) -> list[SlotInfo]:
     """Check that all ubatches fit, one after the other; returns their slots, or [] when one does not fit.
 
     The cells and heads are restored afterwards (see the module docstring for what is not restored).
@@ -250,7 +251,7 @@ def prepare(cache: KVCache, ubatches: list[Any]) -> list[SlotInfo]:
     if not ubatches:
         raise KVRefError("prepare: no ubatches")  # llama.cpp asserts on an empty list
     res: list[SlotInfo] = []
-    states: list[tuple[SlotInfo, list[int], list[Any]]] = []
+    states: list[tuple[SlotInfo, list[int], list[KVCells]]] = []
     pending_shift: str | None = None
     for ub in ubatches:
         sinfo = find_slot(cache, ub, False)

@@ -26,7 +26,10 @@ class Reader:
     __slots__ = ("buf", "end", "pos")
 
     def __init__(self, buf: Any, pos: int = 0, end: int | None = None) -> None:
-        mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+        try:
+            mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+        except TypeError:  # None, str, a list ...: a kvref error like every other unreadable input
+            raise FormatError(f"a state is read from a bytes-like object, not {type(buf).__name__}") from None
         self.buf = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
         self.pos = pos
         self.end = len(self.buf) if end is None else end

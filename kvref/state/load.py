@@ -14,16 +14,18 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
-from typing import Any
+from typing import Any, Literal, overload
 
 from ..archs import HYBRID_ARCHS, RECURRENT_ARCHS
 from ..errors import ArgumentError, FormatError
 from .constants import LAYOUTS, Magic
 from .dsl import read_root
-from .files import STRUCTS, StateObject
+from .files import STRUCTS, SeqFile, SeqStateBlob, SessionFile, StateBlob, StateObject
 from .sections import KVSection, RecurrentSection
 
 KINDS = ("session", "seq", "state", "seq_state")
+# what `load` reads: a path (memory-mapped) or the bytes of a blob
+Source = str | os.PathLike[str] | bytes | bytearray | memoryview
 
 # (has_outputs, n_stream_field, ext sizes) per container version, oldest first. Cell ext came after n_stream
 # (July 2025); 12-byte ext with the version bump of #27742; the v9 output block went away with #18862.
@@ -263,8 +265,88 @@ def describe(opts: dict[str, Any]) -> str:
     return " ".join(bits)
 
 
+@overload
 def load(
-    src: str | os.PathLike[str] | bytes | bytearray | memoryview,
+    src: Source,
+    kind: Literal["session"],
+    layout: str = "auto",
+    *,
+    ext_size: int | None = None,
+    n_stream_field: bool | None = None,
+    has_v: bool | None = None,
+    outputs: bool | None = None,
+    ple: bool = False,
+    n_state_layers: int | None = None,
+    seq_header: bool | None = None,
+) -> SessionFile: ...
+
+
+@overload
+def load(
+    src: Source,
+    kind: Literal["seq"],
+    layout: str = "auto",
+    *,
+    ext_size: int | None = None,
+    n_stream_field: bool | None = None,
+    has_v: bool | None = None,
+    outputs: bool | None = None,
+    ple: bool = False,
+    n_state_layers: int | None = None,
+    seq_header: bool | None = None,
+) -> SeqFile: ...
+
+
+@overload
+def load(
+    src: Source,
+    kind: Literal["state"],
+    layout: str = "auto",
+    *,
+    ext_size: int | None = None,
+    n_stream_field: bool | None = None,
+    has_v: bool | None = None,
+    outputs: bool | None = None,
+    ple: bool = False,
+    n_state_layers: int | None = None,
+    seq_header: bool | None = None,
+) -> StateBlob: ...
+
+
+@overload
+def load(
+    src: Source,
+    kind: Literal["seq_state"],
+    layout: str = "auto",
+    *,
+    ext_size: int | None = None,
+    n_stream_field: bool | None = None,
+    has_v: bool | None = None,
+    outputs: bool | None = None,
+    ple: bool = False,
+    n_state_layers: int | None = None,
+    seq_header: bool | None = None,
+) -> SeqStateBlob: ...
+
+
+@overload
+def load(
+    src: Source,
+    kind: str = "auto",
+    layout: str = "auto",
+    *,
+    ext_size: int | None = None,
+    n_stream_field: bool | None = None,
+    has_v: bool | None = None,
+    outputs: bool | None = None,
+    ple: bool = False,
+    n_state_layers: int | None = None,
+    seq_header: bool | None = None,
+) -> StateObject: ...
+
+
+def load(
+    src: Source,
     kind: str = "auto",
     layout: str = "auto",
     *,

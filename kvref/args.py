@@ -1,0 +1,71 @@
+"""Arguments of the memory API, normalised once: ids, positions and shifts are llama.cpp's int32 values.
+
+Every memory's sequence operations start here, so an id or position is taken the same way everywhere: any
+integral type (Python int, NumPy integers: ``operator.index``), never a bool, a float or a string, and never
+outside int32 (llama_seq_id and llama_pos are int32_t; a wider value would wrap in llama.cpp).
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+
+from .constants import INT32_MIN, POS_MAX
+from .errors import ArgumentError, ArgumentTypeError, SequenceError
+
+
+def as_int(value: object, name: str) -> int:
+    """``value`` as a Python int; ArgumentTypeError naming ``name`` for a bool, float, string, None, ..."""
+    if isinstance(value, bool):
+        raise ArgumentTypeError(f"{name}: expected an integer, got the bool {value!r}")
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ArgumentTypeError(f"{name}: expected an integer, got {type(value).__name__} {value!r}") from None
+
+
+def as_int32(value: object, name: str) -> int:
+    """``as_int``, refused (ArgumentError) outside int32."""
+    v = as_int(value, name)
+    if not INT32_MIN <= v <= POS_MAX:
+        raise ArgumentError(f"{name} = {v} is outside int32 (llama.cpp takes it as int32_t)")
+    return v
+
+
+def as_seq_id(value: object, name: str = "seq_id") -> int:
+    """A sequence id as llama.cpp takes it (int32); SequenceError outside int32, so no id can wrap to another."""
+    v = as_int(value, name)
+    if not INT32_MIN <= v <= POS_MAX:
+        raise SequenceError(f"{name} = {v} is outside int32: no llama_seq_id has that value")
+    return v
+
+
+def physical_memory() -> int | None:
+    """Bytes of RAM on this machine (None where the platform does not say)."""
+    try:
+        return int(os.sysconf("SC_PHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
+    except (AttributeError, ValueError, OSError):
+        return None
+
+
+def check_alloc(nbytes: int, what: str, fix: str) -> None:
+    """Refuse, before anything is allocated, a buffer larger than this machine's memory (ArgumentError)."""
+    limit = physical_memory()
+    if limit is not None and nbytes > limit:
+        raise ArgumentError(
+            f"{what} would take {nbytes} bytes ({nbytes / 2**30:.1f} GiB), more than this machine's "
+            f"{limit / 2**30:.1f} GiB of memory; {fix}"
+        )
+
+
+def args_name(op: str) -> str:
+    """The name of the fourth argument of ``seq_add`` / ``seq_div``, as llama.cpp's API calls it."""
+    return "shift" if op == "seq_add" else "d"
+
+
+def as_range(p0: object, p1: object) -> tuple[int, int]:
+    """``p0``, ``p1`` as int32 positions (negative: open ends, as llama.cpp reads them)."""
+    return as_int32(p0, "p0"), as_int32(p1, "p1")
+
+
+__all__ = ["args_name", "as_int", "as_int32", "as_range", "as_seq_id", "check_alloc", "physical_memory"]
