@@ -58,6 +58,23 @@ def check_alloc(nbytes: int, what: str, fix: str) -> None:
         )
 
 
+def as_state_args(seq_id: object, flags: object) -> tuple[int, int]:
+    """``state_write`` / ``state_read`` arguments: an int32 sequence id (-1: all) and uint32 llama_state_seq_flags."""
+    f = as_int(flags, "flags")
+    if not 0 <= f <= 0xFFFFFFFF:
+        raise ArgumentError(f"flags = {f} is outside uint32 (llama_state_seq_flags)")
+    return as_seq_id(seq_id), f
+
+
+def as_buffer(data: object, name: str = "data") -> memoryview:
+    """State bytes as a flat byte view (bytes, bytearray, memoryview, mmap, NumPy arrays: anything with the
+    buffer protocol); ArgumentTypeError for anything else."""
+    try:
+        return memoryview(data).cast("B")  # type: ignore[arg-type]
+    except TypeError:
+        raise ArgumentTypeError(f"{name}: expected bytes-like state data, got {type(data).__name__}") from None
+
+
 def args_name(op: str) -> str:
     """The name of the fourth argument of ``seq_add`` / ``seq_div``, as llama.cpp's API calls it."""
     return "shift" if op == "seq_add" else "d"
@@ -68,4 +85,4 @@ def as_range(p0: object, p1: object) -> tuple[int, int]:
     return as_int32(p0, "p0"), as_int32(p1, "p1")
 
 
-__all__ = ["args_name", "as_int", "as_int32", "as_range", "as_seq_id", "check_alloc", "physical_memory"]
+__all__ = ["args_name", "as_buffer", "as_int", "as_int32", "as_range", "as_seq_id", "check_alloc", "physical_memory"]

@@ -89,10 +89,14 @@ class SeqPosMemory(Protocol):
 def _int32s(values: Any, name: str) -> np.ndarray:
     """``values`` as int64 after checking they are integers that fit llama.cpp's int32 (BatchError naming
     ``name[i]`` otherwise)."""
-    arr = np.asarray(values)
+    arr = np.asarray(values).reshape(-1)
     if arr.size and arr.dtype.kind not in "iu" and not _all_ints(arr):
         raise BatchError(f"{name}: expected integers, got {arr.dtype} values")
-    arr = arr.astype(np.int64).reshape(-1)
+    # compared as Python ints where NumPy could not hold them (object arrays) or would wrap (uint64)
+    for i, v in enumerate(arr.tolist() if arr.dtype.kind in "uO" else []):
+        if not -(2**31) <= v <= 2**31 - 1:
+            raise BatchError(f"{name}[{i}] = {v} is outside int32 (llama.cpp's llama_token / llama_pos)")
+    arr = arr.astype(np.int64)
     bad = np.flatnonzero((arr < -(2**31)) | (arr > 2**31 - 1))
     if len(bad):
         i = int(bad[0])
@@ -298,6 +302,10 @@ class BatchAllocr:
 
         # a token batch has one position per entry (broadcast to every M-RoPE section when a ubatch
         # is built); an embedding batch has n_pos_per_embd blocks of n_tok (section-major)
+        last = max((p for e in entries for p in e.pos), default=0)
+        if last > 2**31 - 1:
+            i = next(i for i, e in enumerate(entries) if max(e.pos) == last)
+            raise BatchError(f"pos[{i}] = {last}: the positions continuing the memory pass int32 (llama_pos)")
         if has_token:
             pos = np.array([e.pos[0] for e in entries], dtype=np.int32)
         else:

@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, Literal, NamedTuple
 
+from .args import as_state_args
 from .errors import NoSlotError
 from .hparams import SWAType
 from .kv_cache import KVCache
@@ -219,6 +220,7 @@ class HybridMemory(PairedMemory):
         read; a failing part is left as llama.cpp leaves it (the sequence removed). When the recurrent part
         fails, ``Profile.hybrid_restore_undo`` clears the restored attention part for the sequence again
         (llama_memory_hybrid::state_read); without it the attention part is kept."""
+        seq_id, flags = as_state_args(seq_id, flags)
         undo = self.profile.hybrid_restore_undo
         return read_parts(self._state_parts(flags), data, seq_id, flags, undo_before=undo, atomic=atomic)
 

@@ -25,7 +25,7 @@ import numpy as np
 
 from . import kv_state as _kv_state
 from . import slots as _slots
-from .args import args_name, as_int32, as_range, as_seq_id, check_alloc
+from .args import args_name, as_int32, as_range, as_seq_id, as_state_args, check_alloc
 from .cells import LLAMA_MAX_SEQ, POS_MAX, KVCells
 from .errors import KVRefError, NoSlotError, SequenceError
 from .ggml import GGMLType, ggml_type, row_size, traits
@@ -626,21 +626,25 @@ class KVCache:
     # ------------------------------------------------------------------ state (kvref.kv_state)
     def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Any]:
         """The sections ``state_write`` serializes, in order: one ``kvref.state.KVSection``."""
+        seq_id, flags = as_state_args(seq_id, flags)
         return [_kv_state.state_section(self, seq_id, flags)]
 
     def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes:
         """The bytes of llama_kv_cache::state_write: every stream, or one sequence's unmasked cells."""
+        seq_id, flags = as_state_args(seq_id, flags)
         return _kv_state.state_write(self, seq_id, flags)
 
     def stage_state(
         self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
     ) -> tuple[Callable[[], None], int]:
         """Parse, validate and dry-run the section at ``offset``; returns ``(commit, end)``. Changes nothing."""
+        seq_id, flags = as_state_args(seq_id, flags)
         return _kv_state.stage_state(self, data, seq_id, flags, offset)
 
     def state_read(self, data: Any, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
         """Restore a section (see kvref.kv_state); returns the bytes read. A failure leaves the cache untouched,
         or with ``atomic=False`` as llama.cpp leaves it."""
+        seq_id, flags = as_state_args(seq_id, flags)
         return _kv_state.state_read(self, data, seq_id, flags, atomic=atomic)
 
     def state_read_failed(self, seq_id: int, exc: Exception) -> None:

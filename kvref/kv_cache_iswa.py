@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
+from .args import as_state_args
 from .errors import NoSlotError
 from .hparams import SWAType
 from .kv_cache import KVCache
@@ -232,6 +233,7 @@ class KVCacheISWA(PairedMemory):
         """Restore both sections; a failure leaves both caches untouched. With ``atomic=False``, as llama.cpp:
         the base section is restored before the SWA one is read; a failing section leaves its cache as
         llama.cpp does (the sequence removed), the other cache keeps what it had read."""
+        seq_id, flags = as_state_args(seq_id, flags)
         return read_parts(self._state_parts(flags), data, seq_id, flags, atomic=atomic)
 
     @property

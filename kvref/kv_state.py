@@ -54,6 +54,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .args import as_buffer
 from .batch import BatchAllocr
 from .cells import KVCells
 from .errors import CellError, FormatError, NoSlotError
@@ -304,7 +305,7 @@ def stage_state(
     seq_id = int(seq_id)
     if seq_id != -1:
         cache.check_seq(seq_id)
-    buf = memoryview(data).cast("B")
+    buf = as_buffer(data)
     if len(buf) >= offset + 4 and cache.profile.kv_streams:
         # llama.cpp compares n_stream before it reads anything else: blame it even when the rest is garbage
         n_stream = int.from_bytes(buf[offset : offset + 4], "little")

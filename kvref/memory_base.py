@@ -15,9 +15,10 @@ from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
 
 import numpy as np
 
+from .args import as_buffer, as_int, as_state_args
 from .batch import BatchAllocr
 from .constants import LLAMA_MAX_SEQ
-from .errors import FormatError, KVRefError
+from .errors import ArgumentError, FormatError, KVRefError
 from .profile import Profile, resolve
 from .state import section_bytes
 
@@ -187,7 +188,7 @@ def read_parts(
                 failed(seq_id, exc)
             raise
         staged.append((part, commit))
-    total = memoryview(data).nbytes
+    total = as_buffer(data).nbytes
     if offset != total:
         raise FormatError(f"{total - offset} trailing bytes after the memory sections", field="trailing", offset=offset)
     for _, c in staged:
@@ -200,7 +201,7 @@ def read_all(
 ) -> int:
     """state_read from stage_state: the sections must end exactly at the end of ``data``."""
     commit, end = stage(data, seq_id, flags, 0)
-    total = memoryview(data).nbytes
+    total = as_buffer(data).nbytes
     if end != total:
         raise FormatError(f"{total - end} trailing bytes after the memory sections", field="trailing", offset=end)
     commit()
@@ -250,6 +251,9 @@ def decode_batch(
     ``init_batch(balloc, n_ubatch, embd_all)`` (``[(ubatch, prepared), ...]``), ``_apply(prepared, ubatch)``
     (the slot) and ``_owner(il, slot)`` (the cache and slot info that hold layer ``il``).
     """
+    n_ubatch = as_int(n_ubatch, "n_ubatch")
+    if n_ubatch < 1:
+        raise ArgumentError(f"n_ubatch = {n_ubatch}: a ubatch holds at least one token")
     if balloc is None:
         balloc = BatchAllocr(memory.hparams.n_pos_per_embd())
     n_seq_max = decode_seq_bound(memory.profile, memory.kv_unified, memory._decode_n_seq_max())
@@ -322,16 +326,19 @@ class PairedMemory:
 
     def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Any]:
         """The sections ``state_write`` serializes: those of the parts ``flags`` selects, in order."""
+        seq_id, flags = as_state_args(seq_id, flags)
         return sections_of(self._state_parts(flags), seq_id, flags)
 
     def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes:
         """The bytes of the parts' sections, one after the other (the parts ``flags`` selects)."""
+        seq_id, flags = as_state_args(seq_id, flags)
         return section_bytes(*self.state_sections(seq_id, flags))
 
     def stage_state(
         self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
     ) -> tuple[Callable[[], None], int]:
         """Stage the parts' sections one after the other (`stage_parts`); returns ``(commit, end)``. Changes nothing."""
+        seq_id, flags = as_state_args(seq_id, flags)
         return stage_parts(self._state_parts(flags), data, seq_id, flags, offset)
 
     # decode's steps that differ: the seq-id limit, applying a prepared slot, which cache holds a layer

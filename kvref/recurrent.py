@@ -49,7 +49,7 @@ import numpy as np
 import numpy.typing as npt
 
 from . import recurrent_state as _recurrent_state
-from .args import args_name, as_int32, as_range, as_seq_id, check_alloc
+from .args import args_name, as_int32, as_range, as_seq_id, as_state_args, check_alloc
 from .constants import INT32_MIN, POS_MAX
 from .errors import ArgumentError, CellError, KVRefError, NoSlotError, SequenceError
 from .ggml import GGMLType, ggml_type, row_size
@@ -673,10 +673,12 @@ class RecurrentMemory:
 
     def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Any]:
         """The sections ``state_write`` serializes, in order: one ``kvref.state.RecurrentSection``."""
+        seq_id, flags = as_state_args(seq_id, flags)
         return [_recurrent_state.state_section(self, seq_id, flags)]
 
     def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes:
         """The bytes of llama_memory_recurrent::state_write (``flags`` do not change them)."""
+        seq_id, flags = as_state_args(seq_id, flags)
         return _recurrent_state.state_write(self, seq_id, flags)
 
     def parse_section(self, data: Any, seq_id: int = -1, offset: int = 0) -> tuple[Any, int]:
@@ -698,12 +700,14 @@ class RecurrentMemory:
         self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
     ) -> tuple[Callable[[], None], int]:
         """Parse and check the section at ``offset`` without changing anything; returns ``(commit, end)``."""
+        seq_id, flags = as_state_args(seq_id, flags)
         return _recurrent_state.stage_state(self, data, seq_id, flags, offset)
 
     def state_read(self, data: Any, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
         """Restore a section (see kvref.recurrent_state); returns the bytes read. Everything is checked before
         anything changes: a failure leaves the memory untouched, or with ``atomic=False`` as llama.cpp leaves it
         (the sequence removed, or the whole memory cleared)."""
+        seq_id, flags = as_state_args(seq_id, flags)
         return _recurrent_state.state_read(self, data, seq_id, flags, atomic=atomic)
 
     def state_read_failed(self, seq_id: int, exc: Exception) -> None:
