@@ -43,6 +43,12 @@ _LAZY = {
     "BatchAllocr": "kvref.batch",
     "Profile": "kvref.profile",
     "HParamsError": "kvref.errors",
+    "restore": "kvref.from_file",
+    "Restored": "kvref.from_file",
+    "save_memory": "kvref.to_file",
+    "convert": "kvref.conversion",
+    "diff": "kvref.state_diff",
+    "check_file": "kvref.load_check",
 }
 _SUBMODULES = ("cells", "mask", "ggml", "state", "batch", "hparams", "kv_cache", "memory", "compat", "conformance")
 

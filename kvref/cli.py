@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+from . import cli_jobs
 from .errors import KVRefError
 
 Subcommand = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
@@ -56,16 +57,23 @@ def _rows_line(name: str, d: dict[str, Any]) -> str:
 
 
 def _print_cells(d: dict[str, Any], indent: str) -> None:
+    from .cli_jobs import plural
+
     print(f"{indent}cells: {d['cell_count']}" + (f", ext {d['ext_size']} B" if d.get("ext_size") else ""))
     for s, r in sorted(d["sequences"].items(), key=lambda kv: int(kv[0])):
-        print(f"{indent}  seq {s:>3}: pos {r['pos_min']}..{r['pos_max']}  ({r['n_cells']} cells)")
+        print(f"{indent}  seq {s:>3}: pos {r['pos_min']}..{r['pos_max']}  ({plural(r['n_cells'], 'cell')})")
 
 
 def _print_summary(s: dict[str, Any]) -> None:
     head = f"{s['format']}"
     if "version" in s:
         head += f" '{s['magic']}' version {s['version']}"
+    if s.get("file_size") is not None:
+        head += f", {_fmt_bytes(s['file_size'])}" + (f" ({s['file_size']} bytes)" if s["file_size"] >= 1024 else "")
     print(head)
+    if "eras" in s:
+        eras = ", ".join(f"{e['era']} (llama-cpp-python {e['llama_cpp_python']})" for e in s["eras"]) or "none"
+        print(f"layout of era: {eras}")
     if "n_tokens" in s:
         more = " ..." if s["n_tokens"] > len(s["first_tokens"]) else ""
         print(f"tokens: {s['n_tokens']}  [{', '.join(map(str, s['first_tokens']))}{more}]")
@@ -81,8 +89,8 @@ def _print_summary(s: dict[str, Any]) -> None:
     print(f"memory layout: {s['layout']}")
     for i, sec in enumerate(s["sections"]):
         if sec["kind"] == "kv":
-            n = "no n_stream field" if sec["n_stream"] is None else f"{sec['n_stream']} stream(s)"
-            print(f"section {i}: attention KV, {n}")
+            n = "no n_stream field" if sec["n_stream"] is None else cli_jobs.plural(sec["n_stream"], "stream")
+            print(f"section {i}: {sec.get('label', 'attention KV')}, {n}")
             for st in sec["streams"]:
                 print(f"  stream {st['stream']}:")
                 _print_cells(st, "    ")
@@ -91,7 +99,7 @@ def _print_summary(s: dict[str, Any]) -> None:
                     print(f"    layer {layer['layer']:>3}: {line}")
         else:
             print(
-                f"section {i}: recurrent, s_trans {sec['s_trans']}, "
+                f"section {i}: {sec.get('label', 'recurrent')}, s_trans {sec['s_trans']}, "
                 f"{sec['n_state_layers']} of {sec['n_layer']} layers with state"
             )
             _print_cells(sec, "  ")
@@ -107,8 +115,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from . import state
 
     source = sys.stdin.buffer.read() if args.file == "-" else args.file
+    from .cli_jobs import enrich_summary
+
     obj = state.load(source, kind=args.kind, layout=args.layout, ext_size=args.ext_size)
-    summary = obj.summary()
+    size = len(source) if isinstance(source, bytes) else os.path.getsize(source)
+    summary = enrich_summary(obj.summary(), obj, size)
     if args.json:
         json.dump(summary, sys.stdout, indent=2)
         print()
@@ -132,6 +143,9 @@ def cmd_conformance(args: argparse.Namespace) -> int:
 SUBCOMMANDS: list[Subcommand] = [
     ("inspect", "summarize a llama.cpp state file or blob", _inspect_args, cmd_inspect),
     ("conformance", "check kvref against the goldens written by llama.cpp", _conformance_args, cmd_conformance),
+    ("convert", "upgrade, cut, merge, remap or restream a state file", cli_jobs.convert_args, cli_jobs.cmd_convert),
+    ("diff", "where two state files differ (exit 0 same, 1 different, 2 error)", cli_jobs.diff_args, cli_jobs.cmd_diff),
+    ("check", "will llama.cpp with this model and context load this file?", cli_jobs.check_args, cli_jobs.cmd_check),
 ]
 
 

@@ -89,6 +89,29 @@ class BackendWarning(RuntimeWarning):
     """kvref fell back to its pure-Python twins although nobody asked for them (the message says how to fix it)."""
 
 
+class ConversionError(KVRefError):
+    """A state cannot be written in the era layout asked for (``kvref.eras``; the message says what that layout
+    cannot hold)."""
+
+
+class EditError(KVRefError):
+    """A state edit (``kvref.edit``: cut, merge, remap, restream) that cannot be made; the message says why."""
+
+
+class ContextMismatch(KVRefError):
+    """The context asked for cannot hold a state file (``kvref.restore``); ``param`` is the parameter to change,
+    ``fix`` its value (both None when no context parameter can fix it: another model wrote the file)."""
+
+    def __init__(self, message: str, param: str | None = None, fix: object = None) -> None:
+        super().__init__(message)
+        self.param = param
+        self.fix = fix
+
+
+class NotYetImplemented(KVRefError):
+    """An option that is planned but not implemented yet (the message says which)."""
+
+
 __all__ = [
     "ArgumentError",
     "ArgumentTypeError",
@@ -99,11 +122,15 @@ __all__ = [
     "CheckFailed",
     "CompatError",
     "CompatWarning",
+    "ContextMismatch",
+    "ConversionError",
+    "EditError",
     "FormatError",
     "GGMLTypeError",
     "HParamsError",
     "KVRefError",
     "NoSlotError",
+    "NotYetImplemented",
     "SequenceError",
     "Unsupported",
 ]

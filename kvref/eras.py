@@ -1,0 +1,287 @@
+"""The state-file layouts of llama.cpp's eras, and conversion of a loaded state between them.
+
+One layout per era (what the containers look like; ``kvref.profile`` says how the memories behave):
+
+=========== ===================== ======= === ======= ======== === ==========
+era         llama-cpp-python      session seq outputs n_stream ext seq prefix
+=========== ===================== ======= === ======= ======== === ==========
+``2025-07`` 0.3.12 .. 0.3.14      9       2   yes     no       0   no
+``2025``    0.3.15 .. 0.3.16      9       2   yes     yes      0   no
+``0.3.17``  0.3.17 .. 0.3.22      9       2   no      yes      8   no
+``2026-08`` 0.3.23 .. 0.3.35      9       2   no      yes      8   yes
+``2026-10`` 0.3.36 (current)      10      3   no      yes      12  yes
+=========== ===================== ======= === ======= ======== === ==========
+
+"ext" is the cell ext a cache with one writes (M-RoPE models; from 0.3.36 also PLE models); "seq prefix" is the
+``io_magic, seq_id`` prefix of llama_state_seq_get_data blobs. `to_era` rewrites a loaded state object into an
+era's layout where that layout can hold the content, and raises a `ConversionError` naming what it cannot hold.
+`matching_eras` says which eras write a given object's layout.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from .archs import ARCH_ROPE_TYPE
+from .constants import RopeType
+from .errors import ConversionError, KVRefError
+from .profile import NAMED, RELEASES, Profile, resolve
+from .state import Cells, KVSection, KVStream, MemorySections, Outputs, RecurrentSection, StateObject
+
+LLAMA_TOKEN_NULL = -1
+
+
+@dataclass(frozen=True)
+class Era:
+    """One era's state-file layout: container versions, the v9 output block, the ``n_stream`` field, the cell ext
+    size of a cache with ext, the sequence-blob prefix, and the oldest and newest llama-cpp-python release."""
+
+    name: str
+    first: str
+    last: str
+    session_version: int
+    seq_version: int
+    outputs: bool
+    n_stream_field: bool
+    ext_size: int
+    seq_header: bool
+
+    @property
+    def releases(self) -> str:
+        """The llama-cpp-python releases of the era, as ``"0.3.15 .. 0.3.16"``."""
+        return self.first if self.first == self.last else f"{self.first} .. {self.last}"
+
+
+ERAS: dict[str, Era] = {
+    e.name: e
+    for e in (
+        Era("2025-07", "0.3.12", "0.3.14", 9, 2, True, False, 0, False),
+        Era("2025", "0.3.15", "0.3.16", 9, 2, True, True, 0, False),
+        Era("0.3.17", "0.3.17", "0.3.22", 9, 2, False, True, 8, False),
+        Era("2026-08", "0.3.23", "0.3.35", 9, 2, False, True, 8, True),
+        Era("2026-10", "0.3.36", "0.3.36", 10, 3, False, True, 12, True),
+    )
+}
+CURRENT = "2026-10"
+
+
+def _key(release: str) -> tuple[int, ...]:
+    return tuple(int(x) for x in release.split("."))
+
+
+def era(which: Era | Profile | str | None = None) -> Era:
+    """The era of ``which``: an era name (`ERAS`), a compat generation (``"2025"``), a llama-cpp-python release
+    (``"0.3.20"``) or a ``Profile`` (by its release; a custom profile by its cell ext size). None: the current."""
+    if which is None:
+        return ERAS[CURRENT]
+    if isinstance(which, Era):
+        return which
+    if isinstance(which, str) and which in ERAS:
+        return ERAS[which]
+    name = which.name if isinstance(which, Profile) else str(which)
+    release = NAMED.get(name, name)
+    if release not in RELEASES:
+        if isinstance(which, Profile):  # a custom profile: its cell ext size says which layout it writes
+            ext = which.cell_ext_size
+            return ERAS[{0: "2025" if which.kv_streams else "2025-07", 8: "2026-08"}.get(ext, CURRENT)]
+        try:
+            return era(resolve(name))
+        except KVRefError:
+            raise ConversionError(
+                f"unknown era {which!r}: expected one of {', '.join(ERAS)}, a compat name or a release "
+                f"{RELEASES[0]} .. {RELEASES[-1]}"
+            ) from None
+    for e in ERAS.values():
+        if _key(e.first) <= _key(release) <= _key(e.last):
+            return e
+    raise ConversionError(f"no era for release {release}")  # pragma: no cover - ERAS covers RELEASES
+
+
+def is_mrope_arch(arch: str | None) -> bool | None:
+    """True / False when ``arch`` is known to use / not use M-RoPE (so its KV cells carry an ext); None: unknown."""
+    if arch is None:
+        return None
+    rope = ARCH_ROPE_TYPE.get(arch)
+    if rope is None:
+        return None
+    return rope in (RopeType.MROPE, RopeType.IMROPE, RopeType.VISION)
+
+
+# ------------------------------------------------------------------------------------------- which eras
+def _ext_sizes(obj: StateObject) -> set[int]:
+    return {st.cells.ext_size for s in obj.memory.kv_sections for st in s.streams if st.cells is not None}
+
+
+def matching_eras(obj: StateObject) -> list[str]:
+    """The eras whose layout is the layout of ``obj`` (oldest first): version, output block, ``n_stream`` field,
+    cell ext size and sequence-blob prefix must all be what the era writes."""
+    out = []
+    exts = _ext_sizes(obj)
+    n_stream = {s.has_n_stream for s in obj.memory.kv_sections}
+    ple = any(layer.p_data is not None for s in obj.memory.recurrent_sections for layer in s.r)
+    for e in ERAS.values():
+        if obj.kind == "session" and getattr(obj, "version", None) != e.session_version:
+            continue
+        if obj.kind == "seq" and getattr(obj, "version", None) != e.seq_version:
+            continue
+        if obj.kind in ("session", "state") and (getattr(obj, "outputs", None) is not None) != e.outputs:
+            continue
+        if obj.kind == "seq_state" and getattr(obj, "has_header", False) != e.seq_header:
+            continue
+        if n_stream and n_stream != {e.n_stream_field}:
+            continue
+        if exts - {0, e.ext_size}:
+            continue
+        if exts == {0} and e.ext_size and is_mrope_arch(getattr(obj, "arch", None)):
+            continue  # an M-RoPE cache of this era writes an ext
+        if (ple or obj.memory.layout == "hybrid_idx") and e.name != CURRENT:
+            continue
+        out.append(e.name)
+    return out
+
+
+# ------------------------------------------------------------------------------------------- conversion
+def _ext_cells(cells: Cells, want: int, where: str, target: Era) -> Cells:
+    """``cells`` with a ``want``-byte ext, or a ConversionError when that ext cannot hold what the cells carry."""
+    have = cells.ext_size
+    if have == want:
+        return cells
+    n = cells.n
+    pos = cells.pos.astype(np.int32)
+    ext = cells.ext
+    if want == 0:
+        if have == 12 and (ext[:, 2] != LLAMA_TOKEN_NULL).any():
+            raise ConversionError(
+                f"{where}: the cells carry token ids in their 12-byte ext; the {target.name} layout "
+                f"({target.releases}) has no cell ext and cannot hold them"
+            )
+        if (ext[:, 0] != pos).any() or (ext[:, 1] != pos).any():
+            raise ConversionError(
+                f"{where}: the cells carry 2-D M-RoPE positions (ext x, y); the {target.name} layout "
+                f"({target.releases}) has no cell ext and cannot hold them"
+            )
+        new = np.zeros((n, 0), np.int32)
+    elif want == 8:
+        if have == 12:
+            if (ext[:, 2] != LLAMA_TOKEN_NULL).any():
+                raise ConversionError(
+                    f"{where}: the cells carry token ids in their 12-byte ext (x, y, tok); the {target.name} layout "
+                    f"({target.releases}) has an 8-byte ext (x, y) and would drop them"
+                )
+            new = ext[:, :2]
+        else:  # from no ext: a text token's 2-D position is (pos, pos)
+            new = np.stack([pos, pos], axis=1)
+    else:
+        tok = np.full((n, 1), LLAMA_TOKEN_NULL, np.int32)
+        new = np.concatenate([ext[:, :2], tok], axis=1) if have == 8 else np.stack([pos, pos, tok[:, 0]], axis=1)
+    return Cells(cells.pos, cells.seq_id, cells.seq_start, np.ascontiguousarray(new, np.int32), want)
+
+
+def convert_sections(
+    mem: MemorySections, target: Era | str, *, has_ext: bool | None = None, where: str = ""
+) -> MemorySections:
+    """The memory sections as ``target`` writes them (rows shared, never copied).
+
+    ``has_ext``: does the cache write a cell ext (M-RoPE)? None: when any cell carries one. Raises
+    ConversionError where the target layout cannot hold the content (several streams or an empty section without
+    its layer headers in the layout before ``n_stream``; ext values an older ext cannot hold; PLE rows; the
+    hybrid_idx layout before 2026-10).
+    """
+    e = era(target)
+    if mem.layout == "hybrid_idx" and e.name != CURRENT:
+        raise ConversionError(f"the hybrid_idx memory exists only in the {CURRENT} layout, not in {e.name}")
+    if has_ext is None:
+        has_ext = any(st.cells is not None and st.cells.ext_size > 0 for s in mem.kv_sections for st in s.streams)
+    want_ext = e.ext_size if has_ext else 0
+    out: list[KVSection | RecurrentSection] = []
+    for i, sec in enumerate(mem.sections):
+        here = f"{where}section {i}"
+        if isinstance(sec, RecurrentSection):
+            if e.name != CURRENT and any(layer.p_data is not None for layer in sec.r):
+                raise ConversionError(f"{here}: PLE rows exist only in the {CURRENT} layout, not in {e.name}")
+            out.append(sec)
+            continue
+        if not e.n_stream_field and sec.n_stream != 1:
+            raise ConversionError(
+                f"{here}: {sec.n_stream} streams; the {e.name} layout ({e.releases}) has one cache for every "
+                "sequence (no n_stream field): convert with streams='unified' first"
+            )
+        streams = []
+        for s, st in enumerate(sec.streams):
+            if st.cells is None:
+                if not e.n_stream_field and st.data is None:
+                    raise ConversionError(
+                        f"{here}: an empty attention section of the {e.name} layout carries the cache's layer "
+                        "headers (types, row sizes), which this state does not have"
+                    )
+                streams.append(KVStream(None, st.data if not e.n_stream_field else None))
+                continue
+            streams.append(KVStream(_ext_cells(st.cells, want_ext, f"{here} stream {s}", e), st.data))
+        out.append(KVSection(streams, has_n_stream=e.n_stream_field))
+    return MemorySections(mem.layout, out)
+
+
+def _empty_outputs() -> Outputs:
+    return Outputs(np.zeros(0, np.int32), np.zeros(0, np.float32), np.zeros(0, np.float32))
+
+
+def to_era(
+    obj: StateObject, target: Era | Profile | str | None = None, *, has_ext: bool | None = None,
+    seq_id: int | None = None,
+) -> StateObject:  # fmt: skip
+    """``obj`` rewritten in the layout of ``target`` (an era, compat name, release or Profile; None: current).
+
+    Versions become the era's; the v9 output block is added (empty: no logits) or dropped (llama.cpp since 0.3.17
+    does not restore logits anyway); the ``n_stream`` field, cell ext and sequence-blob prefix become the era's.
+    ``has_ext`` says whether the cache writes a cell ext (default: the arch string's rope type, else whether any
+    cell carries one); ``seq_id`` is the id written in a sequence-blob prefix (default: the blob's, else 0). The
+    rows are shared with ``obj``. Raises ConversionError where the target layout cannot hold the content.
+    """
+    e = era(target)
+    if has_ext is None:
+        has_ext = is_mrope_arch(getattr(obj, "arch", None))
+    new = copy.copy(obj)
+    new.offsets = {}
+    new.note = None
+    new.memory = convert_sections(obj.memory, e, has_ext=has_ext)
+    if obj.kind == "session":
+        new.version = e.session_version  # type: ignore[attr-defined]
+    elif obj.kind == "seq":
+        new.version = e.seq_version  # type: ignore[attr-defined]
+    if obj.kind in ("session", "state"):
+        outputs = getattr(obj, "outputs", None)
+        new.outputs = (outputs or _empty_outputs()) if e.outputs else None  # type: ignore[attr-defined]
+    if obj.kind == "seq_state":
+        new.has_header = e.seq_header  # type: ignore[attr-defined]
+        sid = getattr(obj, "seq_id", None)
+        new.seq_id = (sid if sid is not None else (seq_id or 0)) if e.seq_header else None  # type: ignore[attr-defined]
+    return new
+
+
+def era_names() -> Sequence[str]:
+    """The era names, oldest first."""
+    return tuple(ERAS)
+
+
+def describe_eras(names: Sequence[str]) -> str:
+    """``names`` as a human line: ``"2025 (0.3.15 .. 0.3.16)"``, joined."""
+    return ", ".join(f"{n} ({ERAS[n].releases})" for n in names) or "none"
+
+
+__all__ = [
+    "CURRENT",
+    "ERAS",
+    "ConversionError",
+    "Era",
+    "convert_sections",
+    "describe_eras",
+    "era",
+    "era_names",
+    "is_mrope_arch",
+    "matching_eras",
+    "to_era",
+]
