@@ -17,6 +17,10 @@ What differs is only how the work is done:
 - bulk and range methods validate everything first, then run in C without touching Python objects.
 
 Every index reaching a C loop has been range-checked before, which is why bounds checks are off.
+
+Threads: every method keeps the GIL for its whole run (its C loops are ``with nogil(False)``: releasing it would let
+another thread resize or re-index the cells under a running loop), so each call is atomic and a KVCells may be
+shared between threads, as the Python twin's lock allows.
 """
 
 from libc.stdint cimport INT64_MAX, INT64_MIN, int32_t, int64_t, uint8_t, uint32_t, uint64_t
@@ -32,8 +36,11 @@ import numpy as np
 
 from kvref.constants cimport LLAMA_MAX_SEQ as MAX_SEQ, N_SEQ_WORDS as N_WORDS
 
-from .constants import INT32_MIN, LLAMA_MAX_SEQ, N_SEQ_WORDS, POS_MAX, TOKEN_NULL
-from .errors import CellError, SequenceError
+from cpython.number cimport PyNumber_Index
+
+from .args import check_alloc
+from .constants import CELL_BYTES, INT32_MIN, LLAMA_MAX_SEQ, N_SEQ_WORDS, POS_MAX, TOKEN_NULL
+from .errors import ArgumentTypeError, CellError, SequenceError
 
 cnp.import_array()
 
@@ -148,8 +155,13 @@ cdef extern from "Python.h":
 
 
 cdef inline object _as_int(object o):
-    """int(o), as the Python twin converts its arguments."""
-    return o if type(o) is int else int(o)
+    """``o`` as a Python int, integers only (operator.index), as the Python twin takes it."""
+    if type(o) is int:
+        return o
+    try:
+        return PyNumber_Index(o)
+    except TypeError:
+        raise ArgumentTypeError(f"expected an integer, got {type(o).__name__} {o!r}") from None
 
 
 cdef inline int64_t _clamp64(object o) except? -1:
@@ -224,6 +236,7 @@ cdef class KVCells:
             raise CellError(f"cannot resize cells to {n}")
         if n > 0xFFFFFFFF:
             raise CellError(f"cannot resize cells to {n} (cell indices are uint32)")
+        check_alloc(n * CELL_BYTES, f"{n} KV cells", "use fewer cells")
         self._pos_arr = np.empty(n, dtype=np.int32)
         self._shift_arr = np.empty(n, dtype=np.int32)
         self._ext_arr = np.empty((n, 3), dtype=np.int32)
@@ -240,7 +253,7 @@ cdef class KVCells:
         """Make every cell empty, with no pending shift and a null ext (llama_kv_cells::reset); the size stays."""
         cdef Py_ssize_t i
         cdef int w, s
-        with nogil:
+        with nogil(False):
             for i in range(self._n):
                 self._pos[i] = -1
                 self._shift[i] = 0
@@ -260,7 +273,7 @@ cdef class KVCells:
         """Zero every cell's pending shift and clear has_shift (llama_kv_cells::reset_shift)."""
         cdef Py_ssize_t i
         self._has_shift = False
-        with nogil:
+        with nogil(False):
             for i in range(self._n):
                 self._shift[i] = 0
 
@@ -301,7 +314,7 @@ cdef class KVCells:
         cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
         cdef Py_ssize_t i, k = 0
         self._tighten()
-        with nogil:
+        with nogil(False):
             for i in range(self._lo, self._hi):
                 if self._pos[i] != -1:
                     o[k] = <int32_t>i
@@ -536,7 +549,7 @@ cdef class KVCells:
                 raise CellError("cp: a copied cell has a pending shift (apply the K-shift first)")
         res = type(self)(k)
         cdef KVCells r = <KVCells?>res
-        with nogil:
+        with nogil(False):
             for j in range(k):
                 idx = iv[j]
                 r._pos[j] = self._pos[idx]
@@ -577,7 +590,7 @@ cdef class KVCells:
         for j in range(n):
             if opos[j] == -1 and (oseq[j, 0] | oseq[j, 1] | oseq[j, 2] | oseq[j, 3]) != 0:
                 raise CellError("set: the other cells hold an empty cell with sequences")
-        with nogil:
+        with nogil(False):
             for j in range(n):
                 idx = iv[j]
                 was = self._pos[idx] != -1
@@ -815,7 +828,7 @@ cdef class KVCells:
         cdef Py_ssize_t k = 0, m = iv.shape[0], n = self._n
         cdef int64_t idx
         cdef int err = 0
-        with nogil:
+        with nogil(False):
             for k in range(m):
                 idx = iv[k]
                 if idx < 0 or idx >= n:
@@ -870,7 +883,7 @@ cdef class KVCells:
         cdef int64_t idx, s
         cdef int err = 0
         cdef uint64_t bit
-        with nogil:
+        with nogil(False):
             # 1. every element, in order: index, used, sequence id, not held yet
             for k in range(m):
                 idx = iv[k]
@@ -918,7 +931,7 @@ cdef class KVCells:
         cdef Py_ssize_t k = 0, m = iv.shape[0], n = self._n
         cdef int64_t idx, max_pos = -1
         cdef int err = 0
-        with nogil:
+        with nogil(False):
             for k in range(m):
                 idx = iv[k]
                 if idx < 0 or idx >= n:
@@ -941,7 +954,7 @@ cdef class KVCells:
         cdef cnp.ndarray out = np.empty(m, dtype=np.bool_)
         cdef uint8_t* o = <uint8_t*>cnp.PyArray_DATA(out)
         cdef vector[uint32_t] cells
-        with nogil:
+        with nogil(False):
             cells.resize(m)
             for k in range(m):
                 cells[k] = <uint32_t>iv[k]
@@ -963,7 +976,7 @@ cdef class KVCells:
         m = sv.shape[0]
         cdef cnp.ndarray out = np.empty(m, dtype=np.int32)
         cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
-        with nogil:
+        with nogil(False):
             for s in range(MAX_SEQ):
                 if self._seq_pos[s].empty():
                     table[s] = -1
@@ -1024,7 +1037,7 @@ cdef class KVCells:
         cdef uint32_t c
         cdef PosSet.iterator it, last, first_it
         if seq_id == -1:
-            with nogil:
+            with nogil(False):
                 for i in range(self._n):
                     p = self._pos[i]
                     if p != -1 and p >= a and p < b:
@@ -1034,7 +1047,7 @@ cdef class KVCells:
                             first = i
             return first
         s = _seq_id(seq_id)
-        with nogil:
+        with nogil(False):
             self._range(s, a, b, &it, &last)
             first_it = it
             while it != last:
@@ -1060,7 +1073,7 @@ cdef class KVCells:
         cdef uint32_t c
         if src == dst:
             return
-        with nogil:
+        with nogil(False):
             self._range(src, a, b, &it, &last)
             while it != last:
                 c = deref(it).second
@@ -1075,7 +1088,7 @@ cdef class KVCells:
         cdef Py_ssize_t i, first = self._n
         cdef int t, w
         cdef uint64_t keep = (<uint64_t>1) << (s & 63)
-        with nogil:
+        with nogil(False):
             # afterwards no cell holds any other sequence, so their indexes end up empty
             for t in range(MAX_SEQ):
                 if t != s:
@@ -1103,7 +1116,7 @@ cdef class KVCells:
             max_pos = self._pos[cells.back()]  # entries come in position order
         dv = self._delta("seq_add_range", delta, max_pos)
         cdef vector[uint8_t] freed
-        with nogil:
+        with nogil(False):
             freed.resize(cells.size())
             self._shift_cells(cells, dv, False, freed.data())
             for k in range(<Py_ssize_t>cells.size()):
@@ -1120,7 +1133,7 @@ cdef class KVCells:
         cdef int64_t a = _clamp64(p0), b = _clamp64(p1)
         cdef vector[uint32_t] cells
         self._collect(s, a, b, cells)
-        with nogil:
+        with nogil(False):
             self._shift_cells(cells, dv, True, NULL)
 
     def __repr__(self):

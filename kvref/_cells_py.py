@@ -19,20 +19,34 @@ validate every element before changing anything.
 from __future__ import annotations
 
 import bisect
-from collections.abc import Iterable, Sequence
-from typing import TypeVar, cast
+import functools
+import operator
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Concatenate, ParamSpec, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
 
-from .constants import INT32_MIN, LLAMA_MAX_SEQ, N_SEQ_WORDS, POS_MAX, TOKEN_NULL
-from .errors import CellError, SequenceError
+from .args import check_alloc
+from .constants import CELL_BYTES, INT32_MIN, LLAMA_MAX_SEQ, N_SEQ_WORDS, POS_MAX, TOKEN_NULL
+from .errors import ArgumentTypeError, CellError, SequenceError
 
 IntArray = npt.NDArray[np.int32]
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _as_int(value: object) -> int:
+    """``value`` as a Python int, integers only (operator.index), as the Cython twin takes it."""
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ArgumentTypeError(f"expected an integer, got {type(value).__name__} {value!r}") from None
 
 
 def _check_seq(seq_id: int) -> int:
-    seq_id = int(seq_id)
+    seq_id = _as_int(seq_id)
     if not 0 <= seq_id < LLAMA_MAX_SEQ:
         raise SequenceError(f"seq_id {seq_id} is outside [0, {LLAMA_MAX_SEQ})")
     return seq_id
@@ -58,14 +72,19 @@ class KVCells:
     """The cells of one KV stream: positions, shifts, ext and sequence sets, with llama.cpp's rules."""
 
     def __init__(self, size: int = 0) -> None:
+        # every public method runs under this lock (see `_atomic_methods`): calls from several threads serialise
+        self._lock = threading.RLock()
         self.resize(size)
 
     # ------------------------------------------------------------------ whole-array state
     def resize(self, n: int) -> None:
         """Give the cells ``n`` slots, all empty (llama.cpp's resize() ends with reset())."""
-        n = int(n)
+        n = _as_int(n)
         if n < 0:
             raise CellError(f"cannot resize cells to {n}")
+        if n > 0xFFFFFFFF:
+            raise CellError(f"cannot resize cells to {n} (cell indices are uint32)")
+        check_alloc(n * CELL_BYTES, f"{n} KV cells", "use fewer cells")
         self._pos = np.empty(n, dtype=np.int32)
         self._shift = np.empty(n, dtype=np.int32)
         self._ext = np.empty((n, 3), dtype=np.int32)
@@ -140,7 +159,7 @@ class KVCells:
 
     # ------------------------------------------------------------------ helpers
     def _check_index(self, i: int) -> int:
-        i = int(i)
+        i = _as_int(i)
         if not 0 <= i < self._pos.shape[0]:
             raise CellError(f"cell index {i} is outside [0, {self._pos.shape[0]})")
         return i
@@ -153,7 +172,7 @@ class KVCells:
 
     def _check_delta(self, what: str, d: int, positions: npt.NDArray[np.int32]) -> int:
         """Validate a position delta (a llama_pos: int32) for cells at ``positions``: no position may pass POS_MAX."""
-        d = int(d)
+        d = _as_int(d)
         if not INT32_MIN <= d <= POS_MAX:
             raise CellError(f"{what}: delta {d} is outside the int32 range")
         if positions.size and int(positions.max()) + d > POS_MAX:
@@ -376,6 +395,7 @@ class KVCells:
 
     def pos_in(self, i: int, p0: int, p1: int) -> bool:
         """True when the cell is used and p0 <= pos < p1."""
+        p0, p1 = _as_int(p0), _as_int(p1)
         p = self._pos[self._check_index(i)]
         return bool(p >= p0 and p < p1 and p != -1)
 
@@ -494,6 +514,7 @@ class KVCells:
     # which is what the cache needs to move its head.
     def seq_rm_range(self, seq_id: int, p0: int, p1: int) -> int:
         """Remove ``seq_id`` (every sequence when -1) from the used cells with p0 <= pos < p1."""
+        seq_id, p0, p1 = _as_int(seq_id), _as_int(p0), _as_int(p1)
         size = self.size()
         first = size
         if seq_id == -1:
@@ -514,6 +535,7 @@ class KVCells:
         A cell that already holds ``seq_dst`` is left as it is (what a release build of llama.cpp does).
         """
         src, dst = _check_seq(seq_src), _check_seq(seq_dst)
+        p0, p1 = _as_int(p0), _as_int(p1)
         if src == dst:
             return
         for i in range(self.size()):
@@ -532,6 +554,7 @@ class KVCells:
     def seq_add_range(self, seq_id: int, p0: int, p1: int, delta: int) -> int:
         """``pos_add(i, delta)`` on every cell of ``seq_id`` with p0 <= pos < p1; all-or-nothing."""
         s = _check_seq(seq_id)
+        p0, p1 = _as_int(p0), _as_int(p1)
         cells = [i for i in range(self.size()) if self.pos_in(i, p0, p1) and self._has(i, s)]
         delta = self._check_delta("seq_add_range", delta, self._pos[np.asarray(cells, dtype=np.int64)])
         first = self.size()
@@ -543,6 +566,7 @@ class KVCells:
     def seq_div_range(self, seq_id: int, p0: int, p1: int, d: int) -> None:
         """``pos_div(i, d)`` on every cell of ``seq_id`` with p0 <= pos < p1."""
         s = _check_seq(seq_id)
+        p0, p1, d = _as_int(p0), _as_int(p1), _as_int(d)
         if d <= 0:
             raise CellError(f"seq_div_range: divisor {d} is not positive")
         for i in range(self.size()):
@@ -551,6 +575,27 @@ class KVCells:
 
     def __repr__(self) -> str:
         return f"KVCells(size={self.size()}, used={self._n_used}, has_shift={self._has_shift})"
+
+
+def _atomic_methods(cls: type) -> type:
+    """Run every public method of ``cls`` under the object's lock: each call is atomic, so a KVCells may be shared
+    between threads (the Cython twin keeps the GIL through each call for the same contract)."""
+
+    def locked(f: Callable[Concatenate[KVCells, _P], _R]) -> Callable[Concatenate[KVCells, _P], _R]:
+        @functools.wraps(f)
+        def run(self: KVCells, *args: _P.args, **kw: _P.kwargs) -> _R:
+            with self._lock:
+                return f(self, *args, **kw)
+
+        return run
+
+    for name, f in list(vars(cls).items()):
+        if not name.startswith("_") and callable(f):
+            setattr(cls, name, locked(f))
+    return cls
+
+
+_atomic_methods(KVCells)
 
 
 __all__ = ["INT32_MIN", "LLAMA_MAX_SEQ", "N_SEQ_WORDS", "POS_MAX", "TOKEN_NULL", "KVCells"]

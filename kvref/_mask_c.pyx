@@ -225,7 +225,7 @@ cdef int _list_members(const int32_t* pos, const uint64_t* seq, int64_t n_kv, co
             m.cap = n_kv
         one = want[w]
         for j in range(n_kv):
-            if pos[j] != -1 and (seq[j * N_WORDS + w] & one):
+            if pos[j] >= 0 and (seq[j * N_WORDS + w] & one):
                 if m.n > 0 and m.keys[m.n - 1] > ((<uint64_t>pos[j] << 32) | <uint64_t>j):
                     m.unsorted = 1
                 m.keys[m.n] = (<uint64_t>pos[j] << 32) | <uint64_t>j
@@ -246,7 +246,7 @@ cdef int _list_members(const int32_t* pos, const uint64_t* seq, int64_t n_kv, co
             bits &= bits - 1
     cdef uint64_t key
     for j in range(n_kv):
-        if pos[j] == -1:
+        if pos[j] < 0:
             continue
         key = (<uint64_t>pos[j] << 32) | <uint64_t>j
         for w in range(n_words):

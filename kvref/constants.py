@@ -15,6 +15,8 @@ TOKEN_NULL = -1  # LLAMA_TOKEN_NULL: the ext token of a cell made from an embedd
 POS_MAX = 2**31 - 1  # what llama.cpp substitutes for an open upper bound (p1 < 0)
 INT32_MIN = -(2**31)
 UINT32_MAX = 2**32 - 1  # llama_context_params' sizes and counts are uint32_t
+# what kvref's KVCells keep per cell: pos, shift, ext (3 x i32), the sequence bitset
+CELL_BYTES = 4 + 4 + 12 + 8 * N_SEQ_WORDS
 
 
 class SWAType(IntEnum):
@@ -38,6 +40,7 @@ class RopeType(IntEnum):
 
 
 __all__ = [
+    "CELL_BYTES",
     "INT32_MIN",
     "LLAMA_MAX_LAYERS",
     "LLAMA_MAX_SEQ",

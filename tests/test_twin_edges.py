@@ -1,0 +1,74 @@
+"""The twins agree at the edges too: one contract, one result (issue: hardening, item 10).
+
+Every case runs on both twins of the module it concerns and compares result and error class and message."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import CELLS_C
+from mask_helpers import MASK_C, seq_bits
+
+from kvref import _cells_py, _mask_py
+from kvref.errors import KVRefError
+
+CELL_TWINS = [pytest.param(_cells_py.KVCells, id="py")] + (
+    [pytest.param(CELLS_C.KVCells, id="c")] if CELLS_C is not None else []
+)
+MASK_TWINS = [pytest.param(_mask_py, id="py")] + ([pytest.param(MASK_C, id="c")] if MASK_C is not None else [])
+
+
+def outcome(f):
+    try:
+        return ("ok", f())
+    except KVRefError as e:
+        return (type(e).__name__, str(e))
+
+
+def cells(cls) -> object:
+    c = cls(8)
+    for i in range(4):
+        c.pos_set(i, i)
+        c.seq_add(i, 0)
+    return c
+
+
+@pytest.mark.parametrize(
+    "call",
+    [
+        lambda c: c.seq_rm_range(0, 1.5, 3),
+        lambda c: c.seq_cp_range(0, 1, 0, 2.5),
+        lambda c: c.seq_add_range(0, 0.5, -1, 1),
+        lambda c: c.seq_div_range(0, 0, -1, float("nan")),
+        lambda c: c.seq_div_range(0, 5, 5, float("nan")),  # an empty range: the argument is still refused
+        lambda c: c.pos_in(0, 0.5, 2),
+        lambda c: c.seq_keep_all(None),
+    ],
+)
+def test_non_integer_arguments_are_refused_by_both_cell_twins(call) -> None:
+    results = [outcome(lambda cls=p.values[0]: call(cells(cls))) for p in CELL_TWINS]
+    assert results[0][0] == "ArgumentTypeError" and len(set(results)) == 1, results
+
+
+@pytest.mark.parametrize("n", [2**32, 2**40, -1])
+def test_impossible_sizes_are_the_same_cell_error(n: int) -> None:
+    results = [outcome(lambda cls=p.values[0]: cls(n)) for p in CELL_TWINS]
+    assert results[0][0] == "CellError" and len(set(results)) == 1, results
+
+
+def test_a_size_beyond_memory_is_refused_before_allocating(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvref import args
+
+    monkeypatch.setattr(args, "physical_memory", lambda: 1 << 20)
+    results = [outcome(lambda cls=p.values[0]: cls(1 << 20)) for p in CELL_TWINS]
+    assert results[0][0] == "ArgumentError" and len(set(results)) == 1, results
+
+
+@pytest.mark.parametrize("twin", MASK_TWINS)
+def test_a_negative_cell_position_is_an_empty_cell(twin) -> None:
+    """llama.cpp marks an empty cell with -1; both twins read any negative position as empty (masked)."""
+    pos = np.array([0, -5, 2, -1], np.int32)
+    seq = seq_bits([{0}, {0}, {0}, {0}])
+    out = np.empty((1, 1, 4), np.float32)
+    twin.fill_kq_mask_raw(out, [pos], [seq], None, [0], np.array([3], np.int64), np.array([0], np.int64))
+    assert out[0, 0].tolist() == [0.0, float("-inf"), 0.0, float("-inf")]
