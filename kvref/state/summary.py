@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..errors import FormatError
 from .cells import Cells
 from .constants import Magic
 from .sections import KVSection, LayerRows, RecurrentSection, TransposedRows
@@ -68,6 +69,22 @@ def _recurrent(sec: RecurrentSection) -> dict[str, Any]:
     }
 
 
+def _token_field(tokens: Any) -> dict[str, Any]:
+    """Which form the token field has (a plain list, or llama-server's packed prompt with media) and its prompt."""
+    from ..server_tokens import read_prompt
+
+    try:
+        p = read_prompt(tokens)
+    except FormatError as e:
+        return {"form": "unreadable llama-server packed prompt", "error": str(e)}
+    out: dict[str, Any] = {"form": p.form}
+    if p.form != "plain":
+        out["n_prompt_tokens"] = len(p.tokens)
+        out["first_prompt_tokens"] = [int(t) for t in p.tokens[:_N_FIRST_TOKENS]]
+        out["media"] = [{"start": s, "bytes": n} for s, n in p.media]
+    return out
+
+
 def summarize(obj: Any) -> dict[str, Any]:
     out: dict[str, Any] = {"format": obj.kind}
     if obj.kind in ("session", "seq"):
@@ -75,6 +92,7 @@ def summarize(obj: Any) -> dict[str, Any]:
         out["version"] = obj.version
         out["n_tokens"] = len(obj.tokens)
         out["first_tokens"] = [int(t) for t in obj.tokens[:_N_FIRST_TOKENS]]
+        out["token_field"] = _token_field(obj.tokens)
     if obj.kind == "seq_state":
         out["seq_id"] = obj.seq_id
     if hasattr(obj, "arch"):
