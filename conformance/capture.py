@@ -13,6 +13,8 @@ KQ mask (FA, f16)      FLASH_ATTN_EXT (K from cache_k_l<il>)  src[3]
 K / V row indices      SET_ROWS into cache_k_l<il> / _v_      src[1]
 token positions        ROPE fed by ``inp_pos``                src[1]
 K-shift                ROPE over a view of cache_k_l<il>      src[1]
+T5 position buckets    GET_ROWS of ``*attn_rel_b.weight``     src[1] (a 1-D view of ``pos_bucket_enc`` /
+                                                              ``pos_bucket_dec``: the view's source is read)
 =====================  =====================================  ==========
 
 The base and the SWA mask (and the two caches' indices) carry the same names; the layer index of the
@@ -97,6 +99,7 @@ TYPE_NAMES = {0: "f32", 1: "f16", 26: "i32", 27: "i64"}
 
 _CACHE_RE = re.compile(r"cache_([kv])_l(\d+)")
 _LAYER_RE = re.compile(r"-(\d+)$")
+_BLK_RE = re.compile(r"blk\.(\d+)\.")
 
 
 def _name(t: Any) -> str:
@@ -206,6 +209,9 @@ class Capture:
         op = t.op
         if op == OP_GET_ROWS and t.src[0] and _name(t.src[0].contents) == "token_embd.weight":
             return ("graph",)
+        if op == OP_GET_ROWS and t.src[0] and t.src[1] and "attn_rel_b" in _name(t.src[0].contents):
+            m = _BLK_RE.search(_name(t.src[0].contents))
+            return ("pos_bucket", int(m.group(1)) if m else -1, 1)
         if op == OP_SOFT_MAX and _name(t).startswith("kq_soft_max"):
             m = _LAYER_RE.search(_name(t))
             if m is None or not t.src[1]:
@@ -263,6 +269,8 @@ class Capture:
         kind, il, src = what
         swa = self._swa(kind, il)
         s = t.src[src].contents
+        if kind == "pos_bucket" and s.view_src:
+            s = s.view_src.contents  # build_pos_bias reshapes the input to 1-D: read the input itself
         data = read_tensor(s)
         if kind == "k_shift":
             self.shifts.append({"swa": swa, "layer": il, "data": data})
@@ -294,7 +302,7 @@ def encode(graphs: dict) -> dict:
             else:
                 d["data"] = encode_ints(e["data"])
             ins.append(d)
-        ins.sort(key=lambda d: (d["swa"], ("kq_mask", "k_idxs", "v_idxs", "pos").index(d["tensor"])))
+        ins.sort(key=lambda d: (d["swa"], ("kq_mask", "k_idxs", "v_idxs", "pos", "pos_bucket").index(d["tensor"])))
         ubs.append({"inputs": ins})
     out: dict = {"ubatches": ubs}
     if shifts:

@@ -382,6 +382,47 @@ class Run:
         self._push(op, lines)
         return ret
 
+    def encode(self, tokens, pos, seq_ids) -> int:
+        """llama_encode (an encoder-decoder model's encoder: one ubatch, non-causal, no memory touched); its
+        ``graph`` keeps only the inputs kvref computes for a cache-less graph (T5's ``pos_bucket``)."""
+        n = len(tokens)
+        n_seq = max(len(s) for s in seq_ids)
+        b = L.llama_batch_init(n, 0, max(n_seq, 1))
+        b.n_tokens = n
+        for i in range(n):
+            b.token[i] = int(tokens[i])
+            b.pos[i] = int(pos[i])
+            b.n_seq_id[i] = len(seq_ids[i])
+            for j, s in enumerate(seq_ids[i]):
+                b.seq_id[i][j] = int(s)
+            b.logits[i] = 1
+        _take_log()
+        if self.capture is not None:
+            self.capture.take()
+        ret = int(L.llama_encode(self.ctx, b))
+        lines = _take_log()
+        L.llama_batch_free(b)
+        op = {
+            "op": "encode",
+            "tokens": [int(t) for t in tokens],
+            "pos": [int(p) for p in pos],
+            "seq_ids": [[int(s) for s in ss] for ss in seq_ids],
+            "ret": ret,
+        }
+        if self.capture is not None:
+            if self.capture.error is not None:
+                raise RuntimeError(f"reading llama.cpp's graph inputs failed: {self.capture.error!r}")
+            graphs = self.capture.take()
+            for u in graphs["ubatches"]:
+                # the cache-less encoder mask (llm_graph_input_attn_no_cache) is not a KV cache's input
+                u["inputs"] = [e for e in u["inputs"] if e["tensor"] == "pos_bucket"]
+            if ret == 0 or graphs["ubatches"]:
+                import capture
+
+                op["graph"] = capture.encode(graphs)
+        self._push(op, lines)
+        return ret
+
     def decode_seq(self, seq_id: int, tokens, start: int | None = None, also=()) -> int:
         """Decode ``tokens`` for one sequence (optionally shared with ``also``), positions
         continuing after the sequence's current maximum unless ``start`` is given."""
@@ -421,6 +462,13 @@ class Run:
     def clear(self, data=True):
         L.llama_memory_clear(self.mem, data)
         self._push({"op": "clear", "data": data})
+
+    def set_causal(self, causal: bool):
+        """llama_set_causal_attn: the following decodes build their KQ masks causally or not (the image path of
+        vision models decodes with causal false; llama.cpp then asserts n_ubatch >= the batch's tokens)."""
+        _take_log()
+        L.llama_set_causal_attn(self.ctx, bool(causal))
+        self._push({"op": "set_causal", "causal": bool(causal)}, _take_log())
 
     # -------------------------------------------------------------- saves
 
@@ -687,4 +735,6 @@ _APPLY = {
     "save": _apply_save,
     "state_load": _apply_state_load,
     "seq_restore": _apply_seq_restore,
+    "set_causal": lambda r, op: r.set_causal(op["causal"]),
+    "encode": lambda r, op: r.encode(op["tokens"], op["pos"], op["seq_ids"]),
 }

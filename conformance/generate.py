@@ -50,7 +50,20 @@ SCHEMA_VERSION = 1
 COMMIT_MODEL_MAX = 200 * 1024
 # committed under conformance/models/ (each < COMMIT_MODEL_MAX) for HParams.from_gguf tests;
 # the others are only written to the model cache
-COMMITTED_MODELS = ("llama", "mamba", "qwen2vl", "gemma3", "qwen3", "llama4", "mamba2", "rwkv6", "lfm2", "lfm2-swa")
+COMMITTED_MODELS = (
+    "llama",
+    "mamba",
+    "qwen2vl",
+    "gemma3",
+    "qwen3",
+    "llama4",
+    "mamba2",
+    "rwkv6",
+    "lfm2",
+    "lfm2-swa",
+    "bloom",
+    "t5",
+)
 
 
 # ------------------------------------------------------------------ case table
@@ -431,6 +444,60 @@ def s_arch(r, tok):
     r.save_all({0: kept, 2: hist[1]})
 
 
+def s_non_causal(r, tok):
+    """llama_set_causal_attn(false) between causal decodes, as the image path of a vision model does: a prompt,
+    an "image" batch decoded non-causally (its tokens attend each other both ways), two sequences in one
+    non-causal batch, a context shift whose K-shift is applied by a non-causal decode, then causal again."""
+    hist = {0: tok(5)}
+    r.decode_seq(0, hist[0])
+    r.set_causal(False)
+    img = tok(6)
+    hist[0] += img
+    r.decode_seq(0, img)
+    r.seq_cp(0, 1, 0, 3)
+    a, b = tok(4), tok(2)
+    hist[1] = hist[0][:3] + a
+    hist[0] += b
+    p1, p0 = r.pos_max(1) + 1, r.pos_max(0) + 1
+    # interleaved: seq 1 gets 4 tokens, seq 0 two
+    toks = [a[0], b[0], a[1], b[1], a[2], a[3]]
+    pos = [p1, p0, p1 + 1, p0 + 1, p1 + 2, p1 + 3]
+    ids = [[1], [0], [1], [0], [1], [1]]
+    r.decode(toks, pos, ids, [0, 0, 0, 1, 0, 1])
+    r.set_causal(True)
+    t = tok(3)
+    hist[0] += t
+    r.decode_seq(0, t)
+    r.save_all(hist)
+    # drop positions [2, 5) of seq 0 and shift the rest back: the next (non-causal) decode applies the K-shift
+    r.seq_rm(0, 2, 5)
+    r.seq_add(0, 5, -1, -3)
+    r.set_causal(False)
+    r.decode_seq(0, tok(4))
+    r.set_causal(True)
+    r.decode_seq(0, tok(1))
+    r.save_session([])
+
+
+def s_t5(r, tok):
+    """llama_encode of a 30-token source (bidirectional buckets, distances past max_exact), then the decoder:
+    the start token and 24 more in batches, a tail removal and more tokens into the freed cells."""
+    src = tok(30)
+    r.encode(src, list(range(30)), [[0]] * 30)
+    hist = {0: [0]}
+    r.decode_seq(0, [0])  # decoder_start_token_id
+    for n in (10, 1, 13):
+        t = tok(n)
+        hist[0] += t
+        r.decode_seq(0, t)
+    r.save_all(hist)
+    r.seq_rm(0, 12, -1)
+    t = tok(6)
+    hist[0] = hist[0][:12] + t
+    r.decode_seq(0, t)
+    r.save_all(hist)
+
+
 def s_init_refused(r, tok):
     # nothing to do: the context was refused
     pass
@@ -723,6 +790,64 @@ CASES: list[Case] = [
         ],
         s_arch,
         n_seq_max=3,
+    ),
+    # ---- non-causal decodes (llama_set_causal_attn), ALiBi
+    Case(
+        "llama-non-causal",
+        "llama",
+        "llama_set_causal_attn(false) between causal decodes (the image path of vision models): an 'image' batch "
+        "whose tokens attend each other both ways, two sequences interleaved in one non-causal batch, a K-shift "
+        "applied by a non-causal decode, then causal again; every KQ mask captured.",
+        ["non-causal", "multi-seq", "seq-cp", "seq-rm", "seq-add", "k-shift"],
+        s_non_causal,
+        n_seq_max=2,
+    ),
+    Case(
+        "gemma2-non-causal-swa",
+        "gemma2",
+        "The llama-non-causal operations on gemma2's iSWA cache (window 4, non_causal_type ALL): the base mask "
+        "attends the whole sequence both ways, the SWA mask keeps the window behind a token (p1 - p0 < 4) and "
+        "everything after it.",
+        ["non-causal", "iswa", "swa-masked", "multi-seq", "seq-cp", "seq-rm", "seq-add", "k-shift"],
+        s_non_causal,
+        n_seq_max=2,
+    ),
+    Case(
+        "gemma4-non-causal-swa-only",
+        "gemma4",
+        "The llama-non-causal operations on gemma4 (non_causal_type SWA_ONLY, window 4, 3 SWA layers + 1 full): "
+        "with set_causal false only the SWA cache's mask is bidirectional, the base cache's stays causal.",
+        ["non-causal", "iswa", "swa-masked", "multi-seq", "seq-cp", "seq-rm", "seq-add", "k-shift"],
+        s_non_causal,
+        n_seq_max=2,
+    ),
+    Case(
+        "bloom-alibi",
+        "bloom",
+        "bloom (ALiBi: f_max_alibi_bias 8, no rope): the f32 KQ mask holds -|p0 - p1| for attended cells; two "
+        "sequences, partial seq_rm, a sequence file restored into a third sequence.",
+        ["arch", "alibi", "seq-cp", "seq-rm", "seq-restore"],
+        s_arch,
+        n_seq_max=3,
+    ),
+    Case(
+        "bloom-alibi-fa-non-causal",
+        "bloom",
+        "The llama-non-causal operations on bloom with flash attention: the f16 ALiBi mask holds -|p0 - p1| "
+        "for cells before and after a token.",
+        ["alibi", "flash-attn", "non-causal", "multi-seq", "seq-cp", "seq-rm", "seq-add"],
+        s_non_causal,
+        n_seq_max=2,
+        flash_attn=True,
+    ),
+    Case(
+        "t5-pos-bucket",
+        "t5",
+        "T5 encoder-decoder: llama_encode fills the bidirectional pos_bucket_enc (32 buckets, distances past "
+        "max_exact), the decoder's KV cache set_input_pos_bucket (one-directional, key = cell position); a tail "
+        "removal and more tokens into the freed cells.",
+        ["arch", "encoder-decoder", "pos-bucket", "seq-rm"],
+        s_t5,
     ),
     Case(
         "qwen2vl-mrope",

@@ -625,6 +625,130 @@ def build_lfm2_swa(out: Path) -> TinyModel:
     return build_lfm2(out, n_swa=4)
 
 
+# ---------------------------------------------------------------- bloom (ALiBi)
+
+
+def build_bloom(out: Path) -> TinyModel:
+    """2 layers, n_embd 64, 4 heads of dim 16 (no GQA), no rope: llama.cpp hard-codes f_max_alibi_bias 8 for
+    bloom, so use_alibi is set and the KQ mask holds -|p0 - p1| (the per-head slopes come in soft_max_ext)."""
+    d = _Dims(n_layer=2, n_embd=64, n_head=4, n_head_kv=4, hd=16, n_ff=64)
+    n_embd, n_ff = d.n_embd, d.n_ff
+    b = _Builder("bloom", seed=1012)
+    b.mat("token_embd.weight", N_VOCAB, n_embd)
+    b.vec("token_embd_norm.weight", n_embd, 1.0)
+    b.vec("token_embd_norm.bias", n_embd, 0.0)
+    b.vec("output_norm.weight", n_embd, 1.0)
+    b.vec("output_norm.bias", n_embd, 0.0)
+    for i in range(d.n_layer):
+        p = f"blk.{i}."
+        b.vec(p + "attn_norm.weight", n_embd, 1.0)
+        b.vec(p + "attn_norm.bias", n_embd, 0.0)
+        b.mat(p + "attn_qkv.weight", 3 * n_embd, n_embd)
+        b.vec(p + "attn_qkv.bias", 3 * n_embd)
+        b.mat(p + "attn_output.weight", n_embd, n_embd)
+        b.vec(p + "attn_output.bias", n_embd)
+        b.vec(p + "ffn_norm.weight", n_embd, 1.0)
+        b.vec(p + "ffn_norm.bias", n_embd, 0.0)
+        b.mat(p + "ffn_up.weight", n_ff, n_embd)
+        b.vec(p + "ffn_up.bias", n_ff)
+        b.mat(p + "ffn_down.weight", n_embd, n_ff)
+        b.vec(p + "ffn_down.bias", n_embd)
+
+    def meta(w):
+        _common_meta(w, d, key_length=False)
+        w.add_layer_norm_eps(1e-5)
+
+    hp = _attn_hparams("bloom", d, rope_type="none", f_max_alibi_bias=8.0)
+    return b.finish(out, "bloom-tiny", meta, hp)
+
+
+# ---------------------------------------------------------------- t5 (encoder-decoder, relative position buckets)
+
+
+def build_t5(out: Path) -> TinyModel:
+    """2 encoder + 2 decoder layers, n_embd 32, 2 heads of dim 16, no rope, 32 relative-position buckets (the
+    bias table only in layer 0, as T5 stores it): llama_encode fills the cache-less, bidirectional
+    ``pos_bucket_enc``; the decoder's KV cache fills ``pos_bucket_dec`` (set_input_pos_bucket)."""
+    d = _Dims(n_layer=2, n_embd=32, n_head=2, n_head_kv=2, hd=16, n_ff=32)
+    n_embd, n_ff, n_bkts = d.n_embd, d.n_ff, 32
+    b = _Builder("t5", seed=1013)
+    b.mat("token_embd.weight", N_VOCAB, n_embd)
+    b.vec("enc.output_norm.weight", n_embd, 1.0)
+    b.vec("dec.output_norm.weight", n_embd, 1.0)
+    for i in range(d.n_layer):
+        for side in ("enc", "dec"):
+            p = f"{side}.blk.{i}."
+            b.vec(p + "attn_norm.weight", n_embd, 1.0)
+            if i == 0:
+                b.mat(p + "attn_rel_b.weight", n_bkts, d.n_head, dtype=np.float32)
+            for n in ("q", "k", "v", "o"):
+                b.mat(p + f"attn_{n}.weight", n_embd, n_embd)
+            if side == "dec":
+                b.vec(p + "cross_attn_norm.weight", n_embd, 1.0)
+                for n in ("q", "k", "v", "o"):
+                    b.mat(p + f"cross_attn_{n}.weight", n_embd, n_embd)
+            b.vec(p + "ffn_norm.weight", n_embd, 1.0)
+            b.mat(p + "ffn_up.weight", n_ff, n_embd)
+            b.mat(p + "ffn_down.weight", n_embd, n_ff)
+
+    def meta(w):
+        _common_meta(w, d)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_relative_attn_buckets_count(n_bkts)
+        w.add_decoder_start_token_id(0)
+
+    hp = _attn_hparams("t5", d, rope_type="none", n_rel_attn_bkts=n_bkts)
+    return b.finish(out, "t5-tiny", meta, hp)
+
+
+# ---------------------------------------------------------------- gemma4 (iSWA, non_causal_type SWA_ONLY)
+
+
+def build_gemma4(out: Path) -> TinyModel:
+    """4 layers (sliding_window_pattern [SWA, SWA, SWA, full]), n_embd 32, 2 heads of dim 16 over 1 KV head
+    (same head dim for SWA layers), window 4, no per-layer embeddings: llama.cpp sets non_causal_type SWA_ONLY
+    for gemma4, so set_causal false makes only the SWA cache's mask bidirectional."""
+    d = _Dims(n_layer=4, n_embd=32, n_head=2, n_head_kv=1, hd=16, n_ff=32)
+    n_swa, pattern = 4, [True, True, True, False]
+    b = _Builder("gemma4", seed=1014)
+    b.mat("token_embd.weight", N_VOCAB, d.n_embd)
+    b.vec("output_norm.weight", d.n_embd, 1.0)
+    b.vec("rope_freqs.weight", d.hd // 2, 1.0)
+    for i in range(d.n_layer):
+        p = f"blk.{i}."
+        b.vec(p + "attn_norm.weight", d.n_embd, 1.0)
+        _attn_proj(b, p, d, d.n_head_kv)
+        b.vec(p + "attn_q_norm.weight", d.hd, 1.0)
+        b.vec(p + "attn_k_norm.weight", d.hd, 1.0)
+        b.vec(p + "post_attention_norm.weight", d.n_embd, 1.0)
+        _ffn(b, p, d)
+        b.vec(p + "post_ffw_norm.weight", d.n_embd, 1.0)
+
+    def meta(w):
+        _common_meta(w, d)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_sliding_window(n_swa)
+        w.add_sliding_window_pattern(pattern)
+        w.add_key_length_swa(d.hd)
+        w.add_value_length_swa(d.hd)
+        w.add_embedding_length_per_layer_input(0)
+        w.add_rope_freq_base(1000000.0)
+        w.add_rope_freq_base_swa(10000.0)
+
+    swa = dict(n_swa=n_swa, swa_type="standard", swa_layers=pattern)
+    hp = _attn_hparams(
+        "gemma4",
+        d,
+        rope_type="neox",
+        freq_base=1000000.0,
+        **swa,
+        rope_freq_base_swa=10000.0,
+        non_causal_type=1,
+        n_layer_kv_from_start=d.n_layer,  # no shared-KV layers (attention.shared_kv_layers absent)
+    )
+    return b.finish(out, "gemma4-tiny", meta, hp)
+
+
 BUILDERS = {
     "llama": build_llama,
     "mamba": build_mamba,
@@ -638,4 +762,7 @@ BUILDERS = {
     "rwkv6": build_rwkv6,
     "lfm2": build_lfm2,
     "lfm2-swa": build_lfm2_swa,
+    "bloom": build_bloom,
+    "t5": build_t5,
+    "gemma4": build_gemma4,
 }

@@ -22,9 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import TYPE_CHECKING, Literal, Protocol
 
 import numpy as np
+import numpy.typing as npt
 
 from .constants import LLAMA_MAX_SEQ
 from .errors import ArgumentError, BatchError
@@ -54,15 +55,15 @@ class UBatch:
     n_seqs: int
     n_seqs_unq: int
     n_pos: int
-    token: np.ndarray | None  # int32[n_tokens]
-    embd: np.ndarray | None  # float32[n_tokens, n_embd]
-    pos: np.ndarray  # int32[n_tokens * n_pos]
-    n_seq_id: np.ndarray  # int32[n_tokens]
+    token: npt.NDArray[np.int32] | None  # int32[n_tokens]
+    embd: npt.NDArray[np.float32] | None  # float32[n_tokens, n_embd]
+    pos: npt.NDArray[np.int32]  # int32[n_tokens * n_pos]
+    n_seq_id: npt.NDArray[np.int32]  # int32[n_tokens]
     seq_id: list[list[int]]
     seq_id_unq: list[int]
-    seq_idx: np.ndarray  # int32[LLAMA_MAX_SEQ]
-    output: np.ndarray  # int8[n_tokens]
-    batch_idxs: np.ndarray  # int32[n_tokens]: index of each token in the original batch
+    seq_idx: npt.NDArray[np.int32]  # int32[LLAMA_MAX_SEQ]
+    output: npt.NDArray[np.int8]  # int8[n_tokens]
+    batch_idxs: npt.NDArray[np.int32]  # int32[n_tokens]: index of each token in the original batch
 
     def is_pos_2d(self) -> bool:
         """llama_ubatch::is_pos_2d: the positions carry the M-RoPE 2-D blocks (n_pos >= 3)."""
@@ -86,7 +87,7 @@ class SeqPosMemory(Protocol):
     def seq_pos_max(self, seq_id: int) -> int: ...
 
 
-def _int32s(values: Any, name: str) -> np.ndarray:
+def _int32s(values: npt.ArrayLike, name: str) -> npt.NDArray[np.int64]:
     """``values`` as int64 after checking they are integers that fit llama.cpp's int32 (BatchError naming
     ``name[i]`` otherwise)."""
     arr = np.asarray(values).reshape(-1)
@@ -104,12 +105,12 @@ def _int32s(values: Any, name: str) -> np.ndarray:
     return arr
 
 
-def _all_ints(arr: np.ndarray) -> bool:
+def _all_ints(arr: npt.NDArray[np.generic[object]]) -> bool:
     # integers too wide for int64 arrive as an object array of Python ints
     return arr.dtype.kind == "O" and all(isinstance(v, int) and not isinstance(v, bool) for v in arr.flat)
 
 
-def _seq_id(value: Any, i: int, j: int) -> int:
+def _seq_id(value: object, i: int, j: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int | np.integer):
         raise BatchError(f"seq_ids[{i}][{j}] = {value!r}: expected an integer sequence id")
     return int(value)
@@ -127,11 +128,11 @@ class Batch:
     - ``logits``: per entry, whether it is an output (default: only the last entry).
     """
 
-    tokens: Sequence[int] | np.ndarray | None = None
-    embd: Sequence[Sequence[float]] | np.ndarray | None = None
-    pos: Sequence[int] | np.ndarray | None = None
+    tokens: Sequence[int] | npt.NDArray[np.generic[int]] | None = None
+    embd: Sequence[Sequence[float]] | npt.NDArray[np.generic[float]] | None = None
+    pos: Sequence[int] | npt.NDArray[np.generic[int]] | None = None
     seq_ids: Sequence[Sequence[int]] | None = None
-    logits: Sequence[int] | np.ndarray | None = None
+    logits: Sequence[int] | npt.NDArray[np.generic[int]] | None = None
 
     def __post_init__(self) -> None:
         if self.tokens is not None:
@@ -237,8 +238,8 @@ class BatchAllocr:
     ``seq_id_unq``, ``seq_idx``, ``n_outputs``, ``out_ids``, ``used``, ``n_used``.
     """
 
-    token: np.ndarray | None
-    embd: np.ndarray | None
+    token: npt.NDArray[np.int32] | None
+    embd: npt.NDArray[np.float32] | None
     seq_id: list[list[int]]
     out_ids: list[int]
 

@@ -77,6 +77,14 @@ def _print_summary(s: dict[str, Any]) -> None:
     if "n_tokens" in s:
         more = " ..." if s["n_tokens"] > len(s["first_tokens"]) else ""
         print(f"tokens: {s['n_tokens']}  [{', '.join(map(str, s['first_tokens']))}{more}]")
+        tf = s.get("token_field", {})
+        if tf.get("form", "plain") != "plain":
+            media = tf.get("media", [])
+            print(
+                f"token field: {tf['form']}"
+                + (f": {tf['n_prompt_tokens']} prompt tokens, {len(media)} media chunk(s)" if "media" in tf else "")
+                + (f" ({tf['error']})" if "error" in tf else "")
+            )
     if "arch" in s:
         print(f"arch: {s['arch']}")
     if s.get("note"):
@@ -91,6 +99,8 @@ def _print_summary(s: dict[str, Any]) -> None:
         if sec["kind"] == "kv":
             n = "no n_stream field" if sec["n_stream"] is None else cli_jobs.plural(sec["n_stream"], "stream")
             print(f"section {i}: {sec.get('label', 'attention KV')}, {n}")
+            if sec.get("rotation"):
+                print(f"  note: {sec['rotation']}")
             for st in sec["streams"]:
                 print(f"  stream {st['stream']}:")
                 _print_cells(st, "    ")
@@ -146,6 +156,8 @@ SUBCOMMANDS: list[Subcommand] = [
     ("convert", "upgrade, cut, merge, remap or restream a state file", cli_jobs.convert_args, cli_jobs.cmd_convert),
     ("diff", "where two state files differ (exit 0 same, 1 different, 2 error)", cli_jobs.diff_args, cli_jobs.cmd_diff),
     ("check", "will llama.cpp with this model and context load this file?", cli_jobs.check_args, cli_jobs.cmd_check),
+    ("export", "K/V/R/S tensors of a state file as .npz / .safetensors", cli_jobs.export_args, cli_jobs.cmd_export),
+    ("plot", "draw which cells each sequence holds (kvref[plot])", cli_jobs.plot_args, cli_jobs.cmd_plot),
 ]
 
 

@@ -41,6 +41,9 @@ def enrich_summary(summary: dict[str, Any], obj: Any, size: int | None) -> dict[
     labels = SECTION_LABELS.get(obj.memory.layout, ())
     for i, sec in enumerate(summary.get("sections", [])):
         sec["label"] = labels[i] if i < len(labels) else sec["kind"]
+        note = rotation_note(obj.memory.sections[i], eras) if sec["kind"] == "kv" else None
+        if note:
+            sec["rotation"] = note
     if hasattr(obj, "tokens"):
         summary["tokens"] = [int(t) for t in obj.tokens]
     return summary
@@ -69,8 +72,10 @@ def convert_args(p: argparse.ArgumentParser) -> None:
                    help="the container to write (default: the input's; --seq: seq; --merge: session)")  # fmt: skip
     p.add_argument("--arch", default=None, help="the arch string of a session made by --merge")
     p.add_argument("--model", default=None, help="the GGUF model (its arch; its sha256 for --sidecar)")
-    p.add_argument("--type-k", default=None, help="retype K (not yet implemented)")
-    p.add_argument("--type-v", default=None, help="retype V (not yet implemented)")
+    p.add_argument("--type-k", default=None,
+                   help="retype K (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1); --model gives the head size "
+                   "llama.cpp's attention rotation depends on")  # fmt: skip
+    p.add_argument("--type-v", default=None, help="retype V (the same types; quantized V needs flash attention)")
     p.add_argument("--sidecar", action="store_true", help="also write OUTPUT.kvref.json (see docs/recipes.md)")
 
 
@@ -171,8 +176,73 @@ __all__ = [
     "cmd_check",
     "cmd_convert",
     "cmd_diff",
+    "cmd_export",
+    "cmd_plot",
     "convert_args",
     "diff_args",
     "enrich_summary",
+    "export_args",
+    "plot_args",
     "plural",
+    "rotation_note",
 ]
+
+
+# ------------------------------------------------------------------------------------------- export, plot
+def export_args(p: argparse.ArgumentParser) -> None:
+    """``kvref export IN OUT [--model M.gguf | --head-dim N] [--no-unrotate]``."""
+    p.add_argument("input", help="the state file")
+    p.add_argument("output", help="OUT.npz or OUT.safetensors (kvref[export])")
+    p.add_argument("--model", default=None, help="the GGUF model: head sizes, layer ids, R/S shapes")
+    p.add_argument("--head-dim", type=int, default=None, help="the head size, when no --model is given")
+    p.add_argument("--no-unrotate", dest="unrotate", action="store_false", default=True,
+                   help="keep llama.cpp's attention rotation in quantized K/V (default: undo it)")  # fmt: skip
+
+
+def cmd_export(args: argparse.Namespace) -> int:
+    """Run ``kvref export``; prints what was written."""
+    from .export import export
+
+    arrays = export(args.input, args.output, model=args.model, head_dim=args.head_dim, unrotate=args.unrotate)
+    n = sum(a.nbytes for a in arrays.values())
+    print(f"wrote {args.output}: {plural(len(arrays), 'array')}, {n} bytes")
+    return 0
+
+
+def plot_args(p: argparse.ArgumentParser) -> None:
+    """``kvref plot IN -o OUT.png [--model M.gguf]``."""
+    p.add_argument("input", help="the state file")
+    p.add_argument("-o", "--output", required=True, help="the picture to write (.png, .svg, .pdf)")
+    p.add_argument("--model", default=None, help="the GGUF model (marks the SWA window)")
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    """Run ``kvref plot``."""
+    from .plot import plot
+
+    print(f"wrote {plot(args.input, args.output, model=args.model)}")
+    return 0
+
+
+def rotation_note(sec: Any, eras: list[str]) -> str | None:
+    """``kvref inspect``'s line on llama.cpp's attention rotation for a KV section (None when it cannot apply)."""
+    from .ggml import traits
+    from .tensors import ROTATING_ERAS
+
+    data = next((st.data for st in sec.streams if st.data is not None and st.data.k), None)
+    if data is None or not any(e in ROTATING_ERAS for e in eras):
+        return None
+    parts = []
+    for name, rows in (("K", data.k[0]), ("V", data.v[0] if data.v else None)):
+        if rows is None or not traits(rows.type).is_quantized:
+            continue
+        n = rows.row_size // traits(rows.type).type_size * traits(rows.type).block_size
+        if n % 64 == 0:
+            parts.append(f"{name} ({rows.type_name})")
+    if not parts:
+        return None
+    sure = "probably" if eras[0] in ROTATING_ERAS else "possibly"
+    return (
+        f"{' and '.join(parts)} {sure} written with llama.cpp's attention rotation (quantized, rows a multiple of "
+        "64 values, era 0.3.36+; applies when the head size is a multiple of 64): kvref export undoes it"
+    )

@@ -57,7 +57,7 @@ CHECKS = ("parse", "replay", "graph", "restore")
 # records (Run.apply performs any of them in llama.cpp), conformance/fuzz.py plans in, and replay_trace
 # interprets on kvref. ``init`` is op 0 only: the context (kvref: create_memory).
 TRACE_OPS = ("init", "decode", "seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "clear", "save", "state_load",
-             "seq_restore")  # fmt: skip
+             "seq_restore", "set_causal", "encode")  # fmt: skip
 INVALID_CASE = "invalid"
 PARTIAL_ONLY = 1
 _KIND = {"session": "session", "seq": "seq", "state_data": "state", "seq_data": "seq_state"}
@@ -165,7 +165,9 @@ def hparams_from_case(case: dict) -> Any:
     if h.get("n_rot"):
         kw["n_rot"] = h["n_rot"]
     # what decides the recurrent row widths of RWKV and LFM2, and the SWA layers' rope base
-    for name in ("wkv_head_size", "token_shift_count", "n_shortconv_l_cache", "rope_freq_base_swa"):
+    # (and what set_causal false, ALiBi and T5's position buckets do to the graph inputs)
+    for name in ("wkv_head_size", "token_shift_count", "n_shortconv_l_cache", "rope_freq_base_swa",
+                 "non_causal_type", "f_max_alibi_bias", "n_rel_attn_bkts", "n_layer_kv_from_start"):  # fmt: skip
         if h.get(name) is not None:
             kw[name] = h[name]
     if h.get("rope_sections"):
@@ -187,6 +189,10 @@ def _hp_facts(hp: HParams) -> dict[str, Any]:
         "has_kv": [hp.has_kv(il) for il in range(n)],
         "rope_type": int(hp.rope_type),
         "rope_freq_base": hp.rope_freq_base,
+        # what the KQ mask holds (ALiBi distances) and what set_causal false means for a windowed model
+        "use_alibi": hp.use_alibi,
+        "non_causal_type": int(hp.non_causal_type),
+        "n_rel_attn_bkts": hp.n_rel_attn_bkts,
         "n_rot": [hp.n_rot_l(il) for il in range(n)] if hp.rope_type >= 0 else None,
     }
     if hp.is_swa_any():
@@ -373,7 +379,7 @@ def inject_rows(leaves: list[Any], mine: list[Any], theirs: list[Any], seq_id: i
     for leaf, a, b in zip(leaves, mine, theirs, strict=True):
         if isinstance(b, KVSection):
             for s, st in enumerate(b.streams):
-                if st.cells is not None:
+                if st.cells is not None and st.data is not None:  # a stream with cells always has its rows
                     copy_rows(leaf, s, written_cells(leaf, s, seq_id), st.data)
             out.extend(leaf.state_sections(seq_id, 0))
         else:
@@ -467,6 +473,23 @@ def _decode(mem: Any, op: dict, hp: HParams, n_ubatch: int, on_ubatch: Callable[
     return 0
 
 
+def _encode(op: dict, hp: Any, n_seq: int, inputs: bool) -> tuple[int, list[tuple[Any, Any, dict]]]:
+    """llama_encode's return value (0, or -1 for a batch llama_batch_allocr::init refuses) and, with ``inputs``,
+    the cache-less graph inputs of its one ubatch (``[(ubatch, None, {(tensor, swa): array})]``)."""
+    from .batch import Batch, allocr_for
+
+    batch = Batch(tokens=op["tokens"], pos=op.get("pos"), seq_ids=op["seq_ids"])
+    balloc = allocr_for(hp)
+    try:
+        balloc.init(batch, None, n_vocab=hp.n_vocab or None, n_seq_max=n_seq, output_all=True)
+    except BatchError:
+        return -1, []
+    ub = balloc.split_simple(balloc.get_n_tokens())
+    if not inputs:
+        return 0, []
+    return 0, [(ub, None, graph_inputs(None, ub, None, op["graph"], hp))]
+
+
 def _capacity_refused(op: dict, arts: Artefacts) -> bool:
     """llama_state_load_file / llama_state_seq_load_file refuse files with more tokens than the capacity."""
     cap = op.get("n_token_capacity")
@@ -512,6 +535,7 @@ def replay_trace(
     n_seq = case["observed_context"]["n_seq_max"]
     n_ubatch = case["observed_context"]["n_ubatch"]
     saves = restores = 0
+    causal: bool | None = None  # llama_set_causal_attn (set_causal); None: the model's causal_attn
     for k, op in enumerate(trace[1:], start=1):
         kind = op["op"]
         where = f"op {k} ({kind}{' ' + op['file'] if op.get('file') else ''})"
@@ -519,8 +543,8 @@ def replay_trace(
             shifts = expected_shifts(mem)
             placed: list[tuple[Any, Any, dict]] = []
 
-            def on_ubatch(ub: Any, slot: Any, g: dict = op["graph"], out: list = placed) -> None:
-                out.append((ub, slot, graph_inputs(mem, ub, slot, g, hp)))
+            def on_ubatch(ub: Any, slot: Any, g: dict = op["graph"], out: list = placed, c: Any = causal) -> None:
+                out.append((ub, slot, graph_inputs(mem, ub, slot, g, hp, c)))
 
             ret = _decode(mem, op, hp, n_ubatch, on_ubatch)
             if ret != op["ret"]:
@@ -544,6 +568,15 @@ def replay_trace(
             mem.seq_div(op["seq_id"], op["p0"], op["p1"], op["d"])
         elif kind == "clear":
             mem.clear(op.get("data", True))
+        elif kind == "encode":
+            # llama_encode: the encoder's one ubatch (split_simple of the whole batch); the memory is untouched
+            ret, placed = _encode(op, hp, n_seq, graph is not None and "graph" in op)
+            if ret != op["ret"]:
+                raise CheckFailed(f"{where}: encode returned {ret}, llama.cpp {op['ret']}")
+            if graph is not None and "graph" in op:
+                compare_graph_inputs(f"{case['id']}: {where}", op["graph"], [], placed, graph)
+        elif kind == "set_causal":
+            causal = bool(op["causal"])  # a context setting: only the masks of later decodes change
         elif kind == "save":
             seq_id, flags = op.get("seq_id", -1), op.get("flags", 0)
             if seq_id is None:
@@ -666,10 +699,12 @@ def _pos_input(ub: Any, hp: Any) -> np.ndarray:
     return pos[: n * npe]
 
 
-def graph_inputs(mem: Any, ub: Any, slot: Any, graph: dict, hp: Any) -> dict:
+def graph_inputs(mem: Any, ub: Any, slot: Any, graph: dict, hp: Any, causal: bool | None = None) -> dict:
     """kvref's value of every input llama.cpp captured for the decode's ubatches, right after ``ub`` is placed:
-    ``{(tensor, swa): array}`` (masks shaped (n_stream, n_tps, n_kv))."""
-    from .mask import attention_cache, fill_kq_mask
+    ``{(tensor, swa): array}`` (masks shaped (n_stream, n_tps, n_kv)). ``causal``: the context's causal_attn
+    (the trace's last ``set_causal``; None: the model's). ``mem`` None: a cache-less graph (llama_encode), whose
+    only input kvref computes is T5's ``pos_bucket``."""
+    from .mask import attention_cache, fill_kq_mask, fill_pos_bucket
 
     out: dict = {}
     wanted = {(e["tensor"], e["swa"], e.get("type")) for u in graph.get("ubatches", []) for e in u["inputs"]}
@@ -677,12 +712,19 @@ def graph_inputs(mem: Any, ub: Any, slot: Any, graph: dict, hp: Any) -> dict:
         try:
             if tensor == "kq_mask":
                 dtype = np.float16 if typ == "f16" else np.float32
-                out[(tensor, swa)] = fill_kq_mask(mem, ub, sinfo=slot, swa=swa, dtype=dtype)
+                out[(tensor, swa)] = fill_kq_mask(mem, ub, sinfo=slot, swa=swa, dtype=dtype, causal=causal)
             elif tensor in ("k_idxs", "v_idxs"):
                 cache, sinfo = attention_cache(mem, slot, swa=swa)
                 out[(tensor, swa)] = np.asarray(getattr(cache, tensor)(ub, sinfo), dtype=np.int64)
             elif tensor == "pos":
                 out[(tensor, swa)] = _pos_input(ub, hp)
+            elif tensor == "pos_bucket":
+                # T5: set_input_pos_bucket of the decoder's cache, or (mem None: llama_encode) the cache-less input
+                if mem is None:
+                    buckets = fill_pos_bucket(None, ub, n_buckets=hp.n_rel_attn_bkts)
+                else:
+                    buckets = fill_pos_bucket(attention_cache(mem, slot, swa=swa)[0], ub)
+                out[(tensor, swa)] = buckets.reshape(-1).astype(np.int64)
         except KVRefError as e:
             out[(tensor, swa)] = e
     return out

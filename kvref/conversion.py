@@ -11,7 +11,7 @@ function of ``kvref.edit`` / ``kvref.eras``::
     kvref.convert("s.ggsn", "t.ggsn", seq_map={0: 3}, streams="per-seq", n_stream=4)
     kvref.convert("new.ggsn", "old.ggsn", era="2025")                   # write 0.3.16's layout, where it can
 
-Retyping K/V (``type_k=`` / ``type_v=``) is not implemented yet.
+    kvref.convert("f16.ggsn", "q8.ggsn", type_k="q8_0", type_v="q8_0", model="m.gguf")  # retype K/V
 """
 
 from __future__ import annotations
@@ -58,6 +58,20 @@ def _arch(arch: str | None, model: Any, obj: Any) -> str | None:
     return getattr(obj, "arch", None)
 
 
+def _era_rotates(obj: Any) -> bool:
+    from .tensors import _era_rotates as rotates
+
+    return rotates(obj)
+
+
+def _hparams_of(model: Any) -> Any:
+    if model is None:
+        return None
+    from .hparams import HParams
+
+    return model if isinstance(model, HParams) else HParams.from_gguf(model)
+
+
 def _container(kind: str, memory: Any, *, tokens: Any, arch: str | None, seq_id: int | None) -> Any:
     from . import state
 
@@ -84,6 +98,7 @@ def convert(
     merge: Sequence[Any] = (), seq_map: Mapping[int, int] | str | None = None, streams: str | None = None,
     n_stream: int | None = None, kind: str | None = None, tokens: Sequence[int] | None = None,
     arch: str | None = None, model: Any = None, type_k: Any = None, type_v: Any = None, sidecar: bool = False,
+    head_dim: int | None = None, progress: bool | None = None,
 ) -> Any:  # fmt: skip
     """Rewrite the state ``src`` (a path, bytes or loaded state) and write it to ``dst`` (when given); returns the
     new state object.
@@ -98,22 +113,22 @@ def convert(
       same scope (session <-> state, seq <-> seq_state);
     - ``sidecar``: write ``<dst>.kvref.json`` too (``model``: the GGUF file, for its sha256).
 
-    Raises NotYetImplemented for ``type_k`` / ``type_v``; ConversionError / EditError when the edit or the era
+    - ``type_k`` / ``type_v``: retype the K / V rows (`kvref.retype`: dequantize, undo / apply llama.cpp's
+      attention rotation, quantize); ``model=`` (or ``head_dim=``) gives the head size a rotation needs;
+      ``progress``: a bar on stderr (None: when it is a terminal).
+
+    Raises QuantError for a type kvref cannot write; ConversionError / EditError when the edit or the era
     cannot hold the content.
     """
     from . import state as st
     from .edit import extract_sequence, merge_sequences, remap_sequences, restream, sequences
     from .eras import CURRENT, is_mrope_arch, to_era
 
-    if type_k is not None or type_v is not None:
-        raise NotYetImplemented(
-            "retyping K/V (--type-k / --type-v) is not implemented yet (issue 13 part B): restore the file "
-            "with the types it was written with"
-        )
     if merge and seq is not None:
         raise ArgumentError("merge= and seq= exclude each other: extract first, then merge")
     obj = _load(src)
     the_arch = _arch(arch, model, obj)
+    src_rotates = _era_rotates(obj)  # the era of the input, before any container change
     if merge:
         objs = [obj, *(_load(m) for m in merge)]
         for o in objs:
@@ -148,6 +163,15 @@ def convert(
             obj.seq_id = mapping.get(obj.seq_id, obj.seq_id)
     if streams is not None and not (merge and streams == "per-seq"):
         obj.memory = restream(obj.memory, streams, n_stream)
+    if type_k is not None or type_v is not None:
+        from .eras import era as era_of
+        from .retype import retype
+        from .tensors import ROTATING_ERAS
+
+        hp = _hparams_of(model)
+        dst_rotates = era_of(era if era is not None else CURRENT).name in ROTATING_ERAS
+        obj = retype(obj, type_k=type_k, type_v=type_v, src_rotates=src_rotates, dst_rotates=dst_rotates,
+                     hparams=hp, head_dim=head_dim, progress=progress)  # fmt: skip
     out = to_era(obj, era if era is not None else CURRENT, has_ext=is_mrope_arch(the_arch))
     if dst is not None:
         st.save(out, dst)

@@ -108,6 +108,10 @@ class ContextMismatch(KVRefError):
         self.fix = fix
 
 
+class QuantError(KVRefError):
+    """A type kvref cannot (de)quantize (kvref.quant), or rows that are not a whole number of its blocks."""
+
+
 class NotYetImplemented(KVRefError):
     """An option that is planned but not implemented yet (the message says which)."""
 
@@ -131,6 +135,7 @@ __all__ = [
     "KVRefError",
     "NoSlotError",
     "NotYetImplemented",
+    "QuantError",
     "SequenceError",
     "Unsupported",
 ]

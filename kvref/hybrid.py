@@ -8,18 +8,25 @@ The state is the attention section(s) followed by the recurrent section.
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, Literal, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Literal, NamedTuple, cast
 
 from .args import as_state_args
 from .errors import NoSlotError
-from .hparams import SWAType
-from .kv_cache import KVCache
+from .ggml import GGMLType
+from .hparams import HParams, SWAType
+from .kv_cache import KVCache, YarnParams
 from .kv_cache_iswa import ISWASlot, KVCacheISWA
 from .memory_base import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, ContextParams, PairedMemory, read_parts
 from .profile import DEFAULT, Profile, resolve
 from .recurrent import RecurrentMemory, RecurrentSlot
 from .slots import SlotInfo
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer, Unpack
+
+    from .batch import BatchAllocr, UBatch
+    from .memory_base import MemoryPart
 
 
 class HybridSlot(NamedTuple):
@@ -27,7 +34,7 @@ class HybridSlot(NamedTuple):
     recr: RecurrentSlot
 
 
-class HybridMemory(PairedMemory):
+class HybridMemory(PairedMemory[SlotInfo | ISWASlot, HybridSlot]):
     """llama_memory_hybrid (``swa=False``) / llama_memory_hybrid_iswa (``swa=True``).
 
     Constructor arguments follow llama.cpp's: attention (types, v_trans, kv_size, n_pad, n_swa, swa_type),
@@ -37,17 +44,17 @@ class HybridMemory(PairedMemory):
 
     def __init__(
         self,
-        hparams: Any,
+        hparams: HParams,
         *,
-        type_k: Any = "f16",
-        type_v: Any = "f16",
+        type_k: GGMLType | int | str = "f16",
+        type_v: GGMLType | int | str = "f16",
         v_trans: bool = True,
         kv_size: int = 256,
         n_pad: int = 1,
         n_swa: int = 0,
         swa_type: SWAType | int = SWAType.NONE,
-        type_r: Any = "f32",
-        type_s: Any = "f32",
+        type_r: GGMLType | int | str = "f32",
+        type_s: GGMLType | int | str = "f32",
         rs_size: int = 1,
         n_seq_max: int = 1,
         kv_unified: bool = True,
@@ -69,7 +76,7 @@ class HybridMemory(PairedMemory):
         if filter_recr is None:
             filter_recr = hparams.is_recurrent
         self.kind: Literal["hybrid", "hybrid_iswa"] = "hybrid_iswa" if swa else "hybrid"
-        self.attn: Any
+        self.attn: KVCache | KVCacheISWA
         if swa:
             self.attn = KVCacheISWA(
                 hparams,
@@ -113,15 +120,19 @@ class HybridMemory(PairedMemory):
             compat=self.profile,
         )
 
-    def attention_cache(self, sinfo: HybridSlot | None = None, *, swa: bool = False) -> tuple[KVCache, Any]:
+    def attention_cache(self, sinfo: HybridSlot | None = None, *, swa: bool = False) -> tuple[KVCache, SlotInfo | None]:
         """The cache a KQ mask is built over: the attention part's (its base or SWA cache for hybrid_iswa)."""
-        return self.attn.attention_cache(None if sinfo is None else sinfo.attn, swa=swa)
+        aslot = None if sinfo is None else sinfo.attn
+        # the attention part's slot is the one it placed: a SlotInfo for a KVCache, an ISWASlot for a KVCacheISWA
+        if isinstance(self.attn, KVCache):
+            return self.attn.attention_cache(cast("SlotInfo | None", aslot), swa=swa)
+        return self.attn.attention_cache(cast("ISWASlot | None", aslot), swa=swa)
 
-    def get_mem_attn(self) -> Any:
+    def get_mem_attn(self) -> KVCache | KVCacheISWA:
         """The attention part: a KVCache, or a KVCacheISWA for hybrid_iswa (llama_memory_hybrid::get_mem_attn)."""
         return self.attn
 
-    def _pair(self) -> list[Any]:
+    def _pair(self) -> Sequence[MemoryPart]:
         return [self.attn, self.recr]
 
     def get_mem_recr(self) -> RecurrentMemory:
@@ -162,13 +173,15 @@ class HybridMemory(PairedMemory):
 
     # --- batches -------------------------------------------------------------------------------------------
 
-    def update(self, **kw: Any) -> Any:
+    def update(self, **kw: Unpack[YarnParams]) -> bool:
         """Apply the parts' pending updates (the recurrent part has none); returns the attention part's result."""
         res = self.attn.update(**kw)
         self.recr.update()
         return res
 
-    def init_batch(self, balloc: Any, n_ubatch: int, embd_all: bool = False) -> list[tuple[Any, HybridSlot]]:
+    def init_batch(
+        self, balloc: BatchAllocr, n_ubatch: int, embd_all: bool = False
+    ) -> list[tuple[UBatch, SlotInfo | ISWASlot]]:
         """llama_memory_hybrid::init_batch: by sequence when every token is an output, else equal splits
         (sequential only with several streams, keeping ``1 + n_rs_seq`` trailing tokens together); the
         recurrent part is prepared first, then the attention part."""
@@ -191,29 +204,32 @@ class HybridMemory(PairedMemory):
     def _decode_n_seq_max(self) -> int:
         return self.recr.n_seq_max
 
-    def _apply(self, aslot: Any, ubatch: Any) -> HybridSlot:
+    def _apply(self, aslot: SlotInfo | ISWASlot, ubatch: UBatch) -> HybridSlot:
         # llama_memory_hybrid_context::apply: attention, then recurrent
-        self.attn.apply_ubatch(aslot, ubatch)
+        if isinstance(self.attn, KVCache):
+            self.attn.apply_ubatch(cast(SlotInfo, aslot), ubatch)
+        else:
+            self.attn.apply_ubatch(cast(ISWASlot, aslot), ubatch)
         return HybridSlot(aslot, self.recr.apply_ubatch(ubatch))
 
-    def _owner(self, il: int, slot: HybridSlot) -> tuple[KVCache, Any]:
+    def _owner(self, il: int, slot: HybridSlot) -> tuple[KVCache, SlotInfo]:
         return self._attn_cache(il, slot.attn)
 
-    def _attn_cache(self, il: int, aslot: Any) -> tuple[KVCache, Any]:
+    def _attn_cache(self, il: int, aslot: SlotInfo | ISWASlot) -> tuple[KVCache, SlotInfo]:
         if isinstance(self.attn, KVCache):
-            return self.attn, aslot
-        return self.attn._owner(il, aslot)
+            return self.attn, cast(SlotInfo, aslot)
+        return self.attn._owner(il, cast(ISWASlot, aslot))
 
     # --- state ---------------------------------------------------------------------------------------------
 
-    def _state_parts(self, flags: int) -> list[Any]:
+    def _state_parts(self, flags: int) -> Sequence[MemoryPart]:
         if self.kind == "hybrid_iswa":
             # llama_memory_hybrid_iswa hands the flags to the iSWA cache (which then skips its base)
             return [self.attn, self.recr]
         # PARTIAL_ONLY: the recurrent part alone
         return [self.recr] if flags & LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY else [self.attn, self.recr]
 
-    def state_read(self, data: Any, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
+    def state_read(self, data: Buffer, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
         """Restore both sections; a failure leaves both parts untouched.
 
         With ``atomic=False``, as llama.cpp: the attention part is restored before the recurrent section is

@@ -19,22 +19,44 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 import numpy as np
+import numpy.typing as npt
 
 from . import kv_state as _kv_state
+from . import rotation as _rotation
 from . import slots as _slots
 from .args import args_name, as_int32, as_range, as_seq_id, as_state_args, check_alloc
 from .cells import LLAMA_MAX_SEQ, POS_MAX, KVCells
 from .errors import KVRefError, NoSlotError, SequenceError
 from .ggml import GGMLType, ggml_type, row_size, traits
-from .hparams import RopeType, SWAType
+from .hparams import HParams, RopeType, SWAType
 from .kshift import ROPE_NEOX, RopeParams, shift_k_rows
 from .memory_base import ContextParams, decode_batch
 from .profile import DEFAULT, Profile, first_release, resolve
 from .rows import from_f32, typed
 from .slots import SlotInfo
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer, Unpack
+
+    from .batch import Batch, BatchAllocr, UBatch
+    from .state import KVSection
+
+# what get_k / get_v return: float32, float16, bf16 bits (uint16), or raw bytes for a quantized type
+CellRows = npt.NDArray[np.float32] | npt.NDArray[np.float16] | npt.NDArray[np.uint16] | npt.NDArray[np.uint8]
+
+
+class YarnParams(TypedDict, total=False):
+    """The context's YaRN parameters ``update`` hands the K-shift (cparams.yarn_*, `kvref.kshift.RopeParams`)."""
+
+    ext_factor: float
+    attn_factor: float
+    beta_fast: float
+    beta_slow: float
+    n_ctx_orig: int
+
 
 TENSOR_ALIGNMENT = 32  # ggml-cpu buffer alignment: each tensor's allocation is padded to it
 
@@ -44,8 +66,8 @@ class CacheLayer:
     """The K and V tensors of one model layer (``llama_kv_cache::kv_layer``)."""
 
     il: int
-    k: np.ndarray  # uint8 (n_stream, size, k row bytes)
-    v: np.ndarray | None  # uint8, layout per v_trans; None for MLA (no V cache)
+    k: npt.NDArray[np.uint8]  # uint8 (n_stream, size, k row bytes)
+    v: npt.NDArray[np.uint8] | None  # uint8, layout per v_trans; None for MLA (no V cache)
 
 
 def _norm_range(p0: int, p1: int) -> tuple[int, int]:
@@ -60,7 +82,7 @@ class KVCache:
 
     def __init__(
         self,
-        hparams: Any,
+        hparams: HParams,
         *,
         type_k: GGMLType | int | str = "f16",
         type_v: GGMLType | int | str = "f16",
@@ -73,7 +95,7 @@ class KVCache:
         swa_type: SWAType | int = SWAType.NONE,
         layer_filter: Callable[[int], bool] | None = None,
         layer_reuse: Callable[[int], int] | None = None,
-        cells_cls: type | None = None,
+        cells_cls: type[KVCells] | None = None,
         compat: Profile | str = DEFAULT,
         cparams: ContextParams | None = None,
     ) -> None:
@@ -114,7 +136,9 @@ class KVCache:
         self._build_layers(size, layer_filter, layer_reuse)
 
     # ------------------------------------------------------------------ construction and sizes
-    def _build_layers(self, size: int, layer_filter: Any, layer_reuse: Any) -> None:
+    def _build_layers(
+        self, size: int, layer_filter: Callable[[int], bool] | None, layer_reuse: Callable[[int], int] | None
+    ) -> None:
         hp = self.hparams
         is_mla = hp.is_mla()  # MLA caches store no V
         owned = [il for il in range(hp.n_layer) if hp.has_kv(il) and (layer_filter is None or layer_filter(il))]
@@ -190,7 +214,7 @@ class KVCache:
         """The cells of the stream that holds ``seq_id``."""
         return self._cells[self.seq_to_stream[self.check_seq(seq_id)]]
 
-    def attention_cache(self, sinfo: Any = None, *, swa: bool = False) -> tuple[KVCache, Any]:
+    def attention_cache(self, sinfo: SlotInfo | None = None, *, swa: bool = False) -> tuple[KVCache, SlotInfo | None]:
         """The cache a KQ mask is built over, with its slot info: this cache (it has no separate SWA cache)."""
         if swa:
             raise KVRefError("swa=True needs an iSWA memory: a KVCache has one mask")
@@ -212,7 +236,7 @@ class KVCache:
         fork._sc_src, fork._sc_dst = list(self._sc_src), list(self._sc_dst)
         return fork
 
-    def check_seq(self, seq_id: int, name: str = "seq_id") -> int:
+    def check_seq(self, seq_id: object, name: str = "seq_id") -> int:
         """``seq_id`` as an int when this cache can hold it (below LLAMA_MAX_SEQ when unified, else below
         n_seq_max); SequenceError (naming the argument ``name``) otherwise."""
         seq_id = as_seq_id(seq_id, name)
@@ -240,7 +264,7 @@ class KVCache:
         if new_head != self._cells[stream].size() and new_head < self.heads[stream]:
             self.heads[stream] = new_head
 
-    def check_op(self, op: str, *args: Any) -> tuple[Any, ...]:
+    def check_op(self, op: str, *args: object) -> tuple[int, ...]:
         """The arguments of sequence operation ``op`` normalised (`kvref.args`), or the error ``op`` would raise
         for them (where llama.cpp asserts); changes nothing. Composite memories check every part first."""
         if op == "seq_rm":
@@ -423,13 +447,13 @@ class KVCache:
                 c.reset_shift()
         return True
 
-    def k_shift_input(self) -> np.ndarray:
+    def k_shift_input(self) -> npt.NDArray[np.int32]:
         """set_input_k_shift: int32 [n_stream * size], each cell's pending shift, 0 for empty cells."""
         from .mask import k_shift_input
 
         return k_shift_input(self).reshape(-1)
 
-    def _rope_params(self, il: int, **yarn: Any) -> RopeParams:
+    def _rope_params(self, il: int, **yarn: Unpack[YarnParams]) -> RopeParams:
         hp = self.hparams
         swa = hp.is_swa(il)
         base = hp.rope_freq_base_swa if swa and hp.rope_freq_base_swa is not None else hp.rope_freq_base
@@ -438,7 +462,7 @@ class KVCache:
         mode = ROPE_NEOX if hp.rope_type in (RopeType.MROPE, RopeType.IMROPE) else int(hp.rope_type)
         return RopeParams(n_dims=hp.n_rot_l(il), mode=mode, freq_base=base, freq_scale=scale, **yarn)
 
-    def _k_shift(self, yarn: dict[str, Any]) -> None:
+    def _k_shift(self, yarn: YarnParams) -> None:
         """build_graph_shift: rope every layer's K (all streams, all cells) by the cells' shifts."""
         hp = self.hparams
         shift = self.k_shift_input()
@@ -455,22 +479,22 @@ class KVCache:
             shift_k_rows(flat, self.type_k, hp.n_head_kv_l(il), n_embd_head_k, shift, p, n_embd_nope)
 
     # ------------------------------------------------------------------ slots
-    def find_slot(self, ubatch: Any, cont: bool = False) -> SlotInfo | None:
+    def find_slot(self, ubatch: UBatch, cont: bool = False) -> SlotInfo | None:
         """Cells for the ubatch (None when it does not fit); nothing is changed."""
         return _slots.find_slot(self, ubatch, cont)
 
-    def apply_ubatch(self, sinfo: SlotInfo, ubatch: Any) -> None:
+    def apply_ubatch(self, sinfo: SlotInfo, ubatch: UBatch) -> None:
         """Write the ubatch's tokens into the cells of ``sinfo`` (llama_kv_cache::apply_ubatch).
 
         The cells and heads change here; ``cpy_k`` / ``cpy_v`` store the K/V rows.
         """
         _slots.apply_ubatch(self, sinfo, ubatch)
 
-    def prepare(self, ubatches: Sequence[Any]) -> list[SlotInfo]:
+    def prepare(self, ubatches: Sequence[UBatch]) -> list[SlotInfo]:
         """Slots for all ubatches, or [] when one does not fit (as llama.cpp); cells/heads restored."""
         return _slots.prepare(self, list(ubatches))
 
-    def init_batch(self, balloc: Any, n_ubatch: int, embd_all: bool = False) -> list[tuple[Any, SlotInfo]]:
+    def init_batch(self, balloc: BatchAllocr, n_ubatch: int, embd_all: bool = False) -> list[tuple[UBatch, SlotInfo]]:
         """Split the allocator's batch and prepare it: ``[(ubatch, slot), ...]``; NoSlotError when it fails.
 
         llama.cpp returns a context with status FAILED_PREPARE; kvref raises instead.
@@ -489,15 +513,15 @@ class KVCache:
 
     def decode(
         self,
-        batch: Any,
+        batch: Batch,
         n_ubatch: int = 512,
         *,
-        k: Mapping[int, np.ndarray] | None = None,
-        v: Mapping[int, np.ndarray] | None = None,
-        balloc: Any = None,
+        k: Mapping[int, npt.ArrayLike] | None = None,
+        v: Mapping[int, npt.ArrayLike] | None = None,
+        balloc: BatchAllocr | None = None,
         embd_all: bool = False,
-        on_ubatch: Callable[[Any, SlotInfo], None] | None = None,
-    ) -> list[tuple[Any, SlotInfo]]:
+        on_ubatch: Callable[[UBatch, SlotInfo], None] | None = None,
+    ) -> list[tuple[UBatch, SlotInfo]]:
         """What llama_decode does to the memory (`kvref.memory_base.decode_batch`): validate, apply pending
         updates, place every ubatch; ``k`` / ``v`` rows are stored at the placed cells. Raises NoSlotError when
         the batch does not fit; the cells and heads are then as prepare() leaves them after a failure: the
@@ -509,7 +533,7 @@ class KVCache:
     def _decode_n_seq_max(self) -> int:
         return self.n_seq_max
 
-    def _apply(self, sinfo: SlotInfo, ubatch: Any) -> SlotInfo:
+    def _apply(self, sinfo: SlotInfo, ubatch: UBatch) -> SlotInfo:
         self.apply_ubatch(sinfo, ubatch)
         return sinfo
 
@@ -528,12 +552,12 @@ class KVCache:
             result = max(min(c.size(), max(n_pad_cur, padded)), result)
         return result
 
-    def k_idxs(self, ubatch: Any, sinfo: SlotInfo) -> np.ndarray:
+    def k_idxs(self, ubatch: UBatch, sinfo: SlotInfo) -> npt.NDArray[np.int64]:
         """set_input_k_idxs: int64 row index of each token in the stream-merged K tensor."""
         self._check_slot_tokens(ubatch, sinfo)
         return self._flat_idxs(sinfo)
 
-    def v_idxs(self, ubatch: Any, sinfo: SlotInfo) -> np.ndarray:
+    def v_idxs(self, ubatch: UBatch, sinfo: SlotInfo) -> npt.NDArray[np.int64]:
         """set_input_v_idxs: rows like K, or with a transposed V one element index per (token, component)."""
         if not self.v_trans:
             return self.k_idxs(ubatch, sinfo)
@@ -546,7 +570,7 @@ class KVCache:
             out.append((strm * size * n_embd + np.arange(n_embd)[None, :] * size + idx[:, None]).reshape(-1))
         return np.concatenate(out)
 
-    def _check_slot_tokens(self, ubatch: Any, sinfo: SlotInfo) -> None:
+    def _check_slot_tokens(self, ubatch: UBatch, sinfo: SlotInfo) -> None:
         if int(ubatch.n_tokens) != sinfo.size() * sinfo.n_stream():
             raise KVRefError(f"slot holds {sinfo.size() * sinfo.n_stream()} cells for {ubatch.n_tokens} tokens")
 
@@ -556,7 +580,7 @@ class KVCache:
         except KeyError:
             raise KVRefError(f"layer {il} has no KV cache") from None
 
-    def _rows_as_type(self, rows: np.ndarray, t: GGMLType, n_embd: int) -> np.ndarray:
+    def _rows_as_type(self, rows: npt.ArrayLike, t: GGMLType, n_embd: int) -> npt.NDArray[np.uint8]:
         """Rows given as floats (converted) or as raw bytes of the cache type (taken as they are)."""
         rows = np.asarray(rows)
         if rows.dtype == np.uint8:
@@ -567,14 +591,14 @@ class KVCache:
             raise KVRefError(f"rows of {rows.shape[-1]} values, expected {n_embd}")
         return from_f32(rows, t)
 
-    def cpy_k(self, il: int, k_cur: np.ndarray, sinfo: SlotInfo) -> None:
+    def cpy_k(self, il: int, k_cur: npt.ArrayLike, sinfo: SlotInfo) -> None:
         """Store a ubatch's K rows (n_tokens, n_embd_k_gqa) at the slot's cells (ggml_set_rows)."""
         layer = self._layer(il)
         rows = self._rows_as_type(k_cur, self.type_k, self.hparams.n_embd_k_gqa(il))
         flat = layer.k.reshape(-1, layer.k.shape[-1])
         flat[self._flat_idxs(sinfo)] = rows
 
-    def cpy_v(self, il: int, v_cur: np.ndarray, sinfo: SlotInfo) -> None:
+    def cpy_v(self, il: int, v_cur: npt.ArrayLike, sinfo: SlotInfo) -> None:
         """Store a ubatch's V rows; transposed V gets one element per (component, cell), zero-padded."""
         layer = self._layer(il)
         if layer.v is None:
@@ -597,23 +621,23 @@ class KVCache:
         for s, strm in enumerate(sinfo.strm):
             view[strm][:, sinfo.idxs[s]] = elements[s * n : (s + 1) * n].T
 
-    def _flat_idxs(self, sinfo: SlotInfo) -> np.ndarray:
+    def _flat_idxs(self, sinfo: SlotInfo) -> npt.NDArray[np.int64]:
         size = self.get_size()
         parts = [
             strm * size + np.asarray(idxs, dtype=np.int64) for strm, idxs in zip(sinfo.strm, sinfo.idxs, strict=True)
         ]
         return np.concatenate(parts)
 
-    def _streams(self, sinfo: SlotInfo | None) -> slice:
+    def _streams(self, sinfo: SlotInfo | None) -> slice[int, int, None]:
         return slice(0, self.n_stream) if sinfo is None else slice(sinfo.s0, sinfo.s1 + 1)
 
-    def get_k(self, il: int, n_kv: int, sinfo: SlotInfo | None = None) -> np.ndarray:
+    def get_k(self, il: int, n_kv: int, sinfo: SlotInfo | None = None) -> CellRows:
         """View of the first n_kv cells' K rows, (streams, n_kv, row): float32/float16 (bf16 as uint16 bits),
         raw bytes for quantized types. Streams s0..s1 of the slot, or all."""
         k = self._layer(il).k[self._streams(sinfo), :n_kv]
         return k if traits(self.type_k).is_quantized else typed(k, self.type_k)
 
-    def get_v(self, il: int, n_kv: int, sinfo: SlotInfo | None = None) -> np.ndarray:
+    def get_v(self, il: int, n_kv: int, sinfo: SlotInfo | None = None) -> CellRows:
         """Like get_k; a transposed V gives (streams, n_embd_v_gqa_max, n_kv)."""
         layer = self._layer(il)
         if layer.v is None:
@@ -624,7 +648,7 @@ class KVCache:
         return v if traits(self.type_v).is_quantized else typed(v, self.type_v)
 
     # ------------------------------------------------------------------ state (kvref.kv_state)
-    def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Any]:
+    def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[KVSection]:
         """The sections ``state_write`` serializes, in order: one ``kvref.state.KVSection``."""
         seq_id, flags = as_state_args(seq_id, flags)
         return [_kv_state.state_section(self, seq_id, flags)]
@@ -635,13 +659,13 @@ class KVCache:
         return _kv_state.state_write(self, seq_id, flags)
 
     def stage_state(
-        self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
+        self, data: Buffer, seq_id: int = -1, flags: int = 0, offset: int = 0
     ) -> tuple[Callable[[], None], int]:
         """Parse, validate and dry-run the section at ``offset``; returns ``(commit, end)``. Changes nothing."""
         seq_id, flags = as_state_args(seq_id, flags)
         return _kv_state.stage_state(self, data, seq_id, flags, offset)
 
-    def state_read(self, data: Any, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
+    def state_read(self, data: Buffer, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
         """Restore a section (see kvref.kv_state); returns the bytes read. A failure leaves the cache untouched,
         or with ``atomic=False`` as llama.cpp leaves it."""
         seq_id, flags = as_state_args(seq_id, flags)
@@ -650,6 +674,21 @@ class KVCache:
     def state_read_failed(self, seq_id: int, exc: Exception) -> None:
         """Leave the cache as llama.cpp does after its section failed to restore (kvref.kv_state)."""
         _kv_state.state_read_failed(self, seq_id, exc)
+
+    @property
+    def attn_rot_k(self) -> bool:
+        """Does llama.cpp rotate this cache's K rows (Walsh-Hadamard, `kvref.rotation`)? Quantized ``type_k``,
+        one head size over the cache's layers, layer 0's a multiple of 64, LLAMA_ATTN_ROT_DISABLE unset."""
+        hp = self.hparams
+        sizes = [hp.n_embd_head_k_l(layer.il) for layer in self.layers]
+        return _rotation.attn_rot(self.type_k, _rotation.shared_head_size(sizes), hp.n_embd_head_k_l(0))
+
+    @property
+    def attn_rot_v(self) -> bool:
+        """Like `attn_rot_k` for V (never for an MLA cache, which stores no V)."""
+        hp = self.hparams
+        sizes = [] if hp.is_mla() else [hp.n_embd_head_v_l(layer.il) for layer in self.layers]
+        return _rotation.attn_rot(self.type_v, _rotation.shared_head_size(sizes), hp.n_embd_head_v_l(0))
 
     @property
     def compat(self) -> str:

@@ -7,16 +7,22 @@ operations go to both; the state is the base section followed by the SWA section
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any, NamedTuple
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, NamedTuple
 
 from .args import as_state_args
 from .errors import NoSlotError
-from .hparams import SWAType
-from .kv_cache import KVCache
+from .ggml import GGMLType
+from .hparams import HParams, SWAType
+from .kv_cache import KVCache, YarnParams
 from .memory_base import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, ContextParams, PairedMemory, read_parts
 from .profile import DEFAULT, Profile, resolve
 from .slots import SlotInfo
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer, Unpack
+
+    from .batch import BatchAllocr, UBatch
 
 SWA_PAD = 256  # the SWA cache padding of llama.cpp issue #17037 (Profile.swa_size_pad; kept for callers)
 
@@ -40,17 +46,17 @@ def swa_cache_size(
     return (want + n_pad - 1) // n_pad * n_pad
 
 
-class KVCacheISWA(PairedMemory):
+class KVCacheISWA(PairedMemory[ISWASlot, ISWASlot]):
     """llama_kv_cache_iswa. ``kv_size`` is the base size (llama.cpp passes ``n_ctx_seq``)."""
 
     kind = "iswa"
 
     def __init__(
         self,
-        hparams: Any,
+        hparams: HParams,
         *,
-        type_k: Any = "f16",
-        type_v: Any = "f16",
+        type_k: GGMLType | int | str = "f16",
+        type_v: GGMLType | int | str = "f16",
         v_trans: bool = True,
         swa_full: bool = False,
         kv_unified: bool = True,
@@ -121,7 +127,7 @@ class KVCacheISWA(PairedMemory):
 
     # --- sizes ---------------------------------------------------------------------------------------------
 
-    def attention_cache(self, sinfo: ISWASlot | None = None, *, swa: bool = False) -> tuple[KVCache, Any]:
+    def attention_cache(self, sinfo: ISWASlot | None = None, *, swa: bool = False) -> tuple[KVCache, SlotInfo | None]:
         """The cache a KQ mask is built over, with its part of ``sinfo``: the base cache (llama.cpp's
         ``kq_mask``), or with ``swa=True`` the SWA cache (``kq_mask_swa``)."""
         if swa:
@@ -177,13 +183,13 @@ class KVCacheISWA(PairedMemory):
 
     # --- batches -------------------------------------------------------------------------------------------
 
-    def update(self, **kw: Any) -> Any:
+    def update(self, **kw: Unpack[YarnParams]) -> bool:
         """init_update on both caches (K-shift, stream copies)."""
         res_base = self.base.update(**kw)
         res_swa = self.swa.update(**kw)
         return res_base or res_swa
 
-    def prepare(self, ubatches: list[Any]) -> list[ISWASlot]:
+    def prepare(self, ubatches: Sequence[UBatch]) -> list[ISWASlot]:
         """Slots in both caches, or [] when either cannot place the ubatches (cells restored)."""
         sb = self.base.prepare(ubatches)
         if not sb:
@@ -193,7 +199,7 @@ class KVCacheISWA(PairedMemory):
             return []
         return [ISWASlot(b, s) for b, s in zip(sb, ss, strict=True)]
 
-    def init_batch(self, balloc: Any, n_ubatch: int, embd_all: bool = False) -> list[tuple[Any, ISWASlot]]:
+    def init_batch(self, balloc: BatchAllocr, n_ubatch: int, embd_all: bool = False) -> list[tuple[UBatch, ISWASlot]]:
         """llama_kv_cache_iswa::init_batch: a simple split first (one stream only), then an equal split
         (sequential with several streams); each tried split must fit in both caches."""
         several = self.get_n_stream() != 1
@@ -208,7 +214,7 @@ class KVCacheISWA(PairedMemory):
                 return list(zip(ubatches, slots, strict=True))
         raise NoSlotError("the batch does not fit in the iSWA caches (failed to prepare)")
 
-    def apply_ubatch(self, slot: ISWASlot, ubatch: Any) -> None:
+    def apply_ubatch(self, slot: ISWASlot, ubatch: UBatch) -> None:
         """Write the ubatch into both caches at the slot's cells (base, then SWA)."""
         self.base.apply_ubatch(slot.base, ubatch)
         self.swa.apply_ubatch(slot.swa, ubatch)
@@ -216,11 +222,11 @@ class KVCacheISWA(PairedMemory):
     def _decode_n_seq_max(self) -> int:
         return self.base.get_n_seq_max()
 
-    def _apply(self, slot: ISWASlot, ubatch: Any) -> ISWASlot:
+    def _apply(self, slot: ISWASlot, ubatch: UBatch) -> ISWASlot:
         self.apply_ubatch(slot, ubatch)
         return slot
 
-    def _owner(self, il: int, slot: ISWASlot) -> tuple[KVCache, Any]:
+    def _owner(self, il: int, slot: ISWASlot) -> tuple[KVCache, SlotInfo]:
         return (self.swa, slot.swa) if self.hparams.is_swa(il) else (self.base, slot.base)
 
     # --- state ---------------------------------------------------------------------------------------------
@@ -229,7 +235,7 @@ class KVCacheISWA(PairedMemory):
         # PARTIAL_ONLY (formerly SWA_ONLY): only the SWA cache is written / read
         return [self.swa] if flags & LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY else [self.base, self.swa]
 
-    def state_read(self, data: Any, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
+    def state_read(self, data: Buffer, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
         """Restore both sections; a failure leaves both caches untouched. With ``atomic=False``, as llama.cpp:
         the base section is restored before the SWA one is read; a failing section leaves its cache as
         llama.cpp does (the sequence removed), the other cache keeps what it had read."""

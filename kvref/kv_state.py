@@ -50,13 +50,15 @@ count or the destination id is wrong). Rows of cells no sequence holds any more 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, TypeVar, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from .args import as_buffer
 from .batch import BatchAllocr
 from .cells import KVCells
+from .constants import LLAMA_MAX_SEQ, N_SEQ_WORDS, TOKEN_NULL
 from .errors import CellError, FormatError, NoSlotError
 from .ggml import traits
 from .hparams import SWAType, is_masked_swa
@@ -64,7 +66,11 @@ from .memory_base import clear_seq, read_parts
 from .slots import SlotInfo, apply_ubatch, find_slot
 
 if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from .batch import UBatch
     from .kv_cache import KVCache
+    from .state import Cells, KVData, KVSpec, KVStream, TransposedRows
     from .state.sections import KVSection
 
 CELL_EXT_SIZE = 12  # llama_kv_cell_ext with a token: i32 x, y, tok (Profile.cell_ext_size)
@@ -89,7 +95,7 @@ def ext_size(cache: KVCache) -> int:
     return cache.profile.cell_ext_size if has_cell_ext(cache) else 0
 
 
-def _ext_xyt(ext: Any, i: int) -> tuple[int, int, int]:
+def _ext_xyt(ext: npt.NDArray[np.int32], i: int) -> tuple[int, int, int]:
     """Cell i's ext as (x, y, tok); an 8-byte ext has no token: LLAMA_TOKEN_NULL."""
     row = ext[i]
     return int(row[0]), int(row[1]), (int(row[2]) if len(row) > 2 else -1)
@@ -99,7 +105,7 @@ def _v_width(cache: KVCache, il: int) -> int:
     return int(cache.hparams.n_embd_v_gqa(il))
 
 
-def spec(cache: KVCache) -> Any:
+def spec(cache: KVCache) -> KVSpec:
     """The cache as ``kvref.state`` sees it: what a section must match to be restored here."""
     from .state import KVLayerSpec, KVSpec
 
@@ -124,13 +130,33 @@ def spec(cache: KVCache) -> Any:
 
 
 # ---------------------------------------------------------------------------------------------- write
-def _seq_bits(cells: KVCells, idx: np.ndarray) -> np.ndarray:
-    """(len(idx), N_SEQ_WORDS * 64) bool: bit s of a row is set when the cell holds sequence s."""
-    words = np.ascontiguousarray(np.asarray(cells.seq)[idx], dtype="<u8")
-    return np.unpackbits(words.view(np.uint8), axis=1, bitorder="little").astype(bool)
+def _seq_bits(cells: KVCells, idx: npt.NDArray[np.intp], n_seq: int) -> npt.NDArray[np.bool_]:
+    """(len(idx), n_seq) bool: bit s of a row is set when the cell holds sequence s (only s < n_seq)."""
+    n_bytes = -(-n_seq // 8)
+    words = np.ascontiguousarray(_take(np.asarray(cells.seq), idx)[:, : -(-n_bytes // 8)], dtype="<u8")
+    bits = np.unpackbits(words.view(np.uint8)[:, :n_bytes], axis=1, bitorder="little")
+    return bits[:, :n_seq].astype(bool)
 
 
-def written_cells(cache: KVCache, stream: int, seq_id: int = -1) -> np.ndarray:
+def _run(idx: npt.NDArray[np.intp] | npt.NDArray[np.int64]) -> slice[int, int, None] | None:
+    """``idx`` as a slice when it is a run of consecutive ascending cells (the rows are then one block)."""
+    if idx.size and int(idx[-1]) - int(idx[0]) + 1 == idx.size and (idx.size < 3 or bool((np.diff(idx) == 1).all())):
+        return slice(int(idx[0]), int(idx[-1]) + 1)
+    return None
+
+
+_G = TypeVar("_G", bound="np.generic[object]")
+
+
+def _take(a: npt.NDArray[_G], idx: npt.NDArray[np.intp], axis: int = 0) -> npt.NDArray[_G]:
+    """``a``'s entries ``idx`` along ``axis``: a view when they are one run of cells, else a gathered copy."""
+    run = _run(idx)
+    if run is None:
+        return np.take(a, idx, axis=axis)
+    return a[(slice(None),) * axis + (run,)]
+
+
+def written_cells(cache: KVCache, stream: int, seq_id: int = -1) -> npt.NDArray[np.intp]:
     """Indices of the cells state_write writes for ``stream`` (ascending)."""
     cells = cache.cells(stream)
     pos = np.asarray(cells.pos, dtype=np.int64)
@@ -139,20 +165,23 @@ def written_cells(cache: KVCache, stream: int, seq_id: int = -1) -> np.ndarray:
         return idx
     w, b = divmod(int(seq_id), 64)
     seq = np.asarray(cells.seq)
-    has = ((seq[idx, w] >> np.uint64(b)) & np.uint64(1)).astype(bool)
+    has: npt.NDArray[np.bool_] = ((seq[idx, w] >> np.uint64(b)) & np.uint64(1)).astype(bool)
     idx = idx[has]
     # Profile.seq_save_keeps_masked_swa: every non-empty cell of the sequence is written, the ones SWA-masked
     # against its last position included; else those are left out
     if idx.size and cache.swa_type != SWAType.NONE and not cache.profile.seq_save_keeps_masked_swa:
         p_max = np.full(idx.size, cells.seq_pos_max(int(seq_id)), dtype=np.int64)
-        idx = idx[~is_masked_swa(cache.n_swa, cache.swa_type, pos[idx], p_max)]
+        masked: npt.NDArray[np.bool_] = is_masked_swa(cache.n_swa, cache.swa_type, pos[idx], p_max)
+        idx = idx[~masked]
     return idx
 
 
-def state_section(cache: KVCache, seq_id: int = -1, flags: int = 0) -> KVSection:
+def state_section(cache: KVCache, seq_id: int = -1, flags: int = 0, *, copy: bool = True) -> KVSection:
     """The section llama_kv_cache::state_write writes, as ``kvref.state`` objects (``flags`` change nothing).
 
-    Rows are copies (fancy indexing), so the section stays valid when the cache changes afterwards.
+    Rows are copies, so the section stays valid when the cache changes afterwards; with ``copy=False`` the
+    rows of a run of consecutive cells are views of the cache's buffers (``state_write`` serializes them at
+    once, so they are copied only into the bytes it returns).
     """
     from .state import Cells, KVSection, KVStream
 
@@ -166,53 +195,79 @@ def state_section(cache: KVCache, seq_id: int = -1, flags: int = 0) -> KVSection
         idx = written_cells(cache, s, seq_id)
         if idx.size == 0:
             # without streams the data header of zero cells is written too
-            streams.append(KVStream(None, None if cache.profile.kv_streams else _kv_data(cache, s, idx)))
+            streams.append(KVStream(None, None if cache.profile.kv_streams else _kv_data(cache, s, idx, copy)))
             continue
         cells = cache.cells(s)
-        bits = _seq_bits(cells, idx)
         if seq_id == -1:
-            bits = bits[:, : cache.n_seq_max]
+            rows, ids = np.nonzero(_seq_bits(cells, idx, cache.n_seq_max))
+            start = np.zeros(idx.size + 1, np.int64)
+            np.cumsum(np.bincount(rows, minlength=idx.size), out=start[1:])
+        elif seq_id < cache.n_seq_max:
+            # every written cell holds seq_id (written_cells), and it is the only id written
+            ids = np.full(idx.size, seq_id, np.int32)
+            start = np.arange(idx.size + 1, dtype=np.int64)
         else:
-            keep = np.zeros_like(bits)
-            if seq_id < cache.n_seq_max:
-                keep[:, seq_id] = bits[:, seq_id]
-            bits = keep
-        rows, ids = np.nonzero(bits)
-        start = np.zeros(idx.size + 1, np.int64)
-        np.cumsum(np.bincount(rows, minlength=idx.size), out=start[1:])
-        ext = np.asarray(cells.ext)[idx, :n_ext] if n_ext else None
-        table = Cells(np.asarray(cells.pos)[idx], ids.astype(np.int32), start, ext, n_ext * 4)
+            ids, start = np.zeros(0, np.int32), np.zeros(idx.size + 1, np.int64)
+        ext = np.array(_take(np.asarray(cells.ext), idx)[:, :n_ext]) if n_ext else None  # copies, not views
+        table = Cells(np.array(_take(np.asarray(cells.pos), idx)), ids.astype(np.int32), start, ext, n_ext * 4)
 
-        streams.append(KVStream(table, _kv_data(cache, s, idx)))
+        streams.append(KVStream(table, _kv_data(cache, s, idx, copy)))
     return KVSection(streams, has_n_stream=cache.profile.kv_streams)
 
 
-def _kv_data(cache: KVCache, s: int, idx: np.ndarray) -> Any:
-    """The K/V rows of cells ``idx`` of stream ``s`` (copies), as ``kvref.state.KVData``."""
+def _kv_data(cache: KVCache, s: int, idx: npt.NDArray[np.intp], copy: bool = True) -> KVData:
+    """The K/V rows of cells ``idx`` of stream ``s`` as ``kvref.state.KVData``: copies, or with ``copy=False``
+    views of the buffers when the cells are one run (a transposed V block is then ``n_embd`` strided rows)."""
     from .state import KVData, LayerRows, TransposedRows
+
+    run = _run(idx)
+
+    def rows(a: npt.NDArray[_G], axis: int = 0) -> npt.NDArray[_G]:
+        if run is None:
+            return np.take(a, idx, axis=axis)  # a gathered copy
+        view = a[(slice(None),) * axis + (run,)]
+        return view.copy() if copy else view
 
     k_rows: list[LayerRows] = []
     v_rows: list[LayerRows | TransposedRows] = []
     size = cache.cells(s).size()
     for layer in cache.layers:
-        k_rows.append(LayerRows(int(cache.type_k), int(layer.k.shape[-1]), layer.k[s][idx]))
+        k_rows.append(LayerRows(int(cache.type_k), int(layer.k.shape[-1]), rows(layer.k[s])))
     for layer in cache.layers:
         if layer.v is None:
             continue
         if not cache.v_trans:
-            v_rows.append(LayerRows(int(cache.type_v), int(layer.v.shape[-1]), layer.v[s][idx]))
+            v_rows.append(LayerRows(int(cache.type_v), int(layer.v.shape[-1]), rows(layer.v[s])))
             continue
         el = traits(cache.type_v).type_size
         n_embd = _v_width(cache, layer.il)
-        comp = layer.v[s][:n_embd].reshape(n_embd, size, el)[:, idx, :]
-        v_rows.append(TransposedRows(int(cache.type_v), el, n_embd, comp.reshape(n_embd, idx.size * el)))
+        comp = _elements(layer.v[s][:n_embd], size, el)
+        v_rows.append(TransposedRows(int(cache.type_v), el, n_embd, _bytes2d(rows(comp, axis=1), n_embd)))
     return KVData(int(cache.v_trans), k_rows, v_rows)
+
+
+_EL_DTYPES = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
+
+
+def _elements(v: npt.NDArray[np.uint8], size: int, el: int) -> npt.NDArray[np.generic[object]]:
+    """A transposed V block ``(n_embd, size * el)`` as one element per cell: ``(n_embd, size)`` of an el-byte
+    unsigned type when there is one (gathers move whole elements), else ``(n_embd, size, el)`` bytes."""
+    dt = _EL_DTYPES.get(el)
+    if dt is not None and v.strides[1] == 1:
+        return v.view(dt)
+    return v.reshape(v.shape[0], size, el)
+
+
+def _bytes2d(comp: npt.NDArray[np.generic[object]], n_embd: int) -> npt.NDArray[np.uint8]:
+    """Elements per cell (`_elements`) back to ``(n_embd, n_cells * el)`` bytes (a view when ``comp`` is one)."""
+    return comp.reshape(n_embd, -1).view(np.uint8)
 
 
 def state_write(cache: KVCache, seq_id: int = -1, flags: int = 0) -> bytes:
     from .state import section_bytes
 
-    return section_bytes(state_section(cache, seq_id, flags))
+    # the rows are serialized straight from the buffers: views, copied once into the bytes returned
+    return section_bytes(state_section(cache, seq_id, flags, copy=False))
 
 
 # ---------------------------------------------------------------------------------------------- read
@@ -220,13 +275,18 @@ def clone_cells(cells: KVCells) -> KVCells:
     """A full copy of one stream's cells, pending shifts included (``cp`` refuses shifted cells)."""
     size = cells.size()
     shift = np.asarray(cells.shift)
-    if not shift.any():
-        out = type(cells)(size)
-        out.set(0, cells.cp(0, size))
-        return out
     out = type(cells)(size)
-    pos, ext = np.asarray(cells.pos), np.asarray(cells.ext)
-    for i in np.flatnonzero(pos != -1).tolist():
+    if not shift.any():
+        out.set(0, cells)  # set() takes the other cells' pos / ext / seq arrays as they are
+        return out
+    pos, ext, seq = np.asarray(cells.pos), np.asarray(cells.ext), np.asarray(cells.seq)
+    used = pos != -1
+    moved = used & (shift != 0)
+    keep = used & ~moved
+    # the cells with no pending shift in one set(); an empty cell keeps the null ext of new cells
+    block = _CellBlock(np.where(keep, pos, -1), np.where(keep[:, None], ext, _NULL_EXT), seq * keep[:, None])
+    out.set(0, block.as_cells())
+    for i in np.flatnonzero(moved).tolist():
         out.pos_set_shifted(i, int(pos[i]), int(shift[i]))  # pos - shift may be negative after a seq_div
         for s in cells.seq_get_all(i):
             out.seq_add(i, s)
@@ -234,16 +294,50 @@ def clone_cells(cells: KVCells) -> KVCells:
     return out
 
 
-def _reserve_ubatch(cache: KVCache, cells: Any, dest: int, has_ext: bool) -> Any:
+_NULL_EXT = np.array([0, 0, TOKEN_NULL], np.int32)  # the ext of an empty cell: x, y, tok
+_SET_CHUNK = 1 << 16  # cells per KVCells.set() of a whole restore (bounds the temporary bit sets)
+
+
+class _CellBlock:
+    """Cells in the form ``KVCells.set`` takes: ``pos (n,)``, ``ext (n, 3)``, ``seq (n, N_SEQ_WORDS)`` bit sets."""
+
+    __slots__ = ("ext", "pos", "seq")
+
+    def __init__(self, pos: npt.NDArray[np.int32], ext: npt.NDArray[np.int32], seq: npt.NDArray[np.uint64]) -> None:
+        self.pos, self.ext, self.seq = pos, ext, seq
+
+    @classmethod
+    def of_section(cls, c: Cells, i0: int, i1: int) -> _CellBlock:
+        """Cells ``[i0, i1)`` of a section as a whole restore places them: positions, ext, the ids as bits."""
+        n = i1 - i0
+        ext = np.empty((n, 3), np.int32)
+        ext[:] = _NULL_EXT
+        k = min(c.ext.shape[1], 3)
+        if k:
+            ext[:, :k] = c.ext[i0:i1, :k]  # an 8-byte ext has no token: LLAMA_TOKEN_NULL
+        counts = np.diff(c.seq_start[i0 : i1 + 1])
+        ids = c.seq_id[int(c.seq_start[i0]) : int(c.seq_start[i1])].astype(np.int64)
+        rows = np.repeat(np.arange(n), counts)
+        seq = np.zeros((n, N_SEQ_WORDS), np.uint64)
+        np.bitwise_or.at(seq, (rows, ids >> 6), np.left_shift(np.uint64(1), (ids & 63).astype(np.uint64)))
+        return cls(c.pos[i0:i1], ext, seq)
+
+    def as_cells(self) -> KVCells:
+        """What ``KVCells.set`` is given: it reads only the other cells' ``pos``, ``ext`` and ``seq`` arrays."""
+        return cast("KVCells", self)
+
+
+def _reserve_ubatch(cache: KVCache, cells: Cells, dest: int, has_ext: bool) -> UBatch:
     """ubatch_reserve(cell_count, 1) filled as state_read_meta fills it."""
     n = cells.n
-    ub: Any = BatchAllocr(cache.hparams.n_pos_per_embd()).ubatch_reserve(n, 1)
+    ub = BatchAllocr(cache.hparams.n_pos_per_embd()).ubatch_reserve(n, 1)
     ub.pos[:n] = cells.pos
     if has_ext:
         if ub.n_pos > 1:
             ub.pos[n : 2 * n] = cells.ext[:, 1]  # y
             ub.pos[2 * n : 3 * n] = cells.ext[:, 0]  # x
         if cells.ext.shape[1] > 2:  # an 8-byte ext: state_read_meta leaves the tokens as reserved
+            assert ub.token is not None  # ubatch_reserve gives the ubatch token ids
             ub.token[:] = cells.ext[:, 2]
     ub.n_seq_id[:] = 1
     ub.seq_id = [[dest] for _ in range(n)]
@@ -253,9 +347,32 @@ def _reserve_ubatch(cache: KVCache, cells: Any, dest: int, has_ext: bool) -> Any
     return ub
 
 
-def _whole_cells(cache: KVCache, st: Any, at: int) -> KVCells:
-    """A stream's cells after a whole restore: cell i holds the i-th cell of the section."""
-    c = st.cells
+def _check_whole_cells(cache: KVCache, st: KVStream, at: int) -> None:
+    """Raise what placing the section's cells one by one (`_whole_cells`) would raise, checked at once: a
+    negative position, or a sequence id listed twice in a cell (the walk then names the first bad cell)."""
+    c, _ = _filled(st)
+    bad = bool((c.pos < 0).any())
+    if not bad and len(c.seq_id):
+        bad = int(c.seq_id.min()) < 0 or int(c.seq_id.max()) >= LLAMA_MAX_SEQ
+        if not bad and int(np.diff(c.seq_start).max()) > 1:
+            key = c.cell_seq().astype(np.int64) * LLAMA_MAX_SEQ + c.seq_id
+            key.sort()
+            bad = bool((key[1:] == key[:-1]).any())
+    if bad:
+        _whole_cells(cache, st, at)
+
+
+def _set_whole_cells(cells: KVCells, c: Cells) -> None:
+    """Cells ``0 .. c.n - 1`` of emptied ``cells`` get the section's cells (checked by `_check_whole_cells`)."""
+    for i0 in range(0, c.n, _SET_CHUNK):
+        i1 = min(i0 + _SET_CHUNK, c.n)
+        cells.set(i0, _CellBlock.of_section(c, i0, i1).as_cells())
+
+
+def _whole_cells(cache: KVCache, st: KVStream, at: int) -> KVCells:
+    """A stream's cells after a whole restore: cell i holds the i-th cell of the section (cell by cell: only to
+    raise the error of the first bad cell, see `_check_whole_cells`)."""
+    c, _ = _filled(st)
     out = _empty_cells_like(cache, cache.get_size())
     pos = c.pos
     has_ext = c.ext_size > 0
@@ -274,29 +391,77 @@ def _whole_cells(cache: KVCache, st: Any, at: int) -> KVCells:
     return out
 
 
+def _put_ext(cells: KVCells, idxs: npt.NDArray[np.int64], c: Cells) -> None:
+    """Cells ``idxs`` (just placed, so holding no pending shift) get the section's ext, its cell ``i`` at
+    ``idxs[i]``: one ``set()`` of the cells as they are with the new ext."""
+    if np.asarray(cells.shift)[idxs].any():  # never after apply_ubatch; the one-by-one form to be sure
+        for i, idx in enumerate(idxs.tolist()):
+            cells.ext_set(idx, *_ext_xyt(c.ext, i))
+        return
+    ext = np.empty((len(idxs), 3), np.int32)
+    ext[:] = _NULL_EXT
+    k = min(c.ext.shape[1], 3)
+    ext[:, :k] = c.ext[:, :k]
+    cells.set(idxs, _CellBlock(np.asarray(cells.pos)[idxs], ext, np.asarray(cells.seq)[idxs]).as_cells())
+
+
+def _filled(st: KVStream) -> tuple[Cells, KVData]:
+    """The cells and rows of a stream that has cells (the reader gives every such stream its K/V rows)."""
+    assert st.cells is not None and st.data is not None
+    return st.cells, st.data
+
+
 def _empty_cells_like(cache: KVCache, size: int) -> KVCells:
     """Empty cells of the same twin as the cache's (so a Python-twin cache stays pure Python)."""
     return type(cache.cells(0))(size)
 
 
-def copy_rows(cache: KVCache, strm: int, idxs: np.ndarray, data: Any) -> None:
+def copy_rows(cache: KVCache, strm: int, idxs: npt.NDArray[np.int64] | npt.NDArray[np.intp], data: KVData) -> None:
     """Write a section's K/V rows (``data``: a ``kvref.state.KVData``) into cells ``idxs`` of stream ``strm``."""
     size = cache.get_size()
+    run = _run(np.asarray(idxs))
+    at = idxs if run is None else run  # a run of cells: one block copy per layer (straight from the input)
     for layer, k in zip(cache.layers, data.k, strict=True):
-        layer.k[strm][idxs] = k.data
+        layer.k[strm][at] = k.data
     v_bufs = [layer.v for layer in cache.layers if layer.v is not None]
     for vbuf, v in zip(v_bufs, data.v, strict=True):
         if not cache.v_trans:
-            vbuf[strm][idxs] = v.data
+            vbuf[strm][at] = v.data
             continue
+        v = cast("TransposedRows", v)  # validated against the cache's spec: a transposed V has transposed rows
         el = v.el_size
         n = len(idxs)
-        view = vbuf[strm][: v.n_embd].reshape(v.n_embd, size, el)
-        view[:, idxs, :] = np.asarray(v.data).reshape(v.n_embd, n, el)
+        src = np.asarray(v.data).reshape(v.n_embd, n * el)
+        block = vbuf[strm][: v.n_embd]
+        if run is not None:
+            block[:, run.start * el : run.stop * el] = src  # per component one run of bytes
+        else:
+            _scatter_elements(_elements(block, size, el), idxs, src, el)
+
+
+def _scatter_elements(
+    dst: npt.NDArray[np.generic[object]], idxs: npt.NDArray[np.intp], src: npt.NDArray[np.uint8], el: int
+) -> None:
+    """``dst[:, idxs] = src`` for a transposed V block in `_elements` form and its ``(n_embd, n * el)`` bytes.
+
+    Many cells: component by component through an aligned buffer (a 2-D scatter, or one from bytes that are
+    unaligned in the input, is several times slower)."""
+    n = len(idxs)
+    if dst.ndim == 3 or n < _SCATTER_ROWWISE:
+        dst[:, idxs] = _elements(src, n, el)
+        return
+    buf = np.empty(src.shape[1], np.uint8)
+    el_buf = buf.view(dst.dtype)
+    for r in range(src.shape[0]):
+        buf[:] = src[r]
+        dst[r][idxs] = el_buf
+
+
+_SCATTER_ROWWISE = 4096  # cells from which `_scatter_elements` goes component by component
 
 
 def stage_state(
-    cache: KVCache, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
+    cache: KVCache, data: Buffer, seq_id: int = -1, flags: int = 0, offset: int = 0
 ) -> tuple[Callable[[], None], int]:
     """Parse, validate and dry-run the section at ``offset``; returns ``(commit, end)``. Changes nothing."""
     from .state import mismatch, read_kv_section
@@ -312,25 +477,26 @@ def stage_state(
         if n_stream != cache.n_stream:
             raise FormatError(mismatch.n_stream(n_stream, cache.n_stream), field="n_stream", offset=offset)
     sec, end = read_kv_section(data, spec(cache), seq_id=seq_id, offset=offset)
-    streams: list[tuple[int, Any]] = [(s, st) for s, st in enumerate(sec.streams) if st.cells is not None]
+    streams = [(s, st) for s, st in enumerate(sec.streams) if st.cells is not None]
 
     if seq_id == -1:
-        new_cells = {s: _whole_cells(cache, st, st.offsets.get("cells", offset)) for s, st in streams}
+        for _, st in streams:
+            _check_whole_cells(cache, st, st.offsets.get("cells", offset))
         if cache.profile.whole_restore_clear == "per_stream":
             # a stream with no cells is skipped and every other stream's read begins with clear(true), which
             # empties (and zeroes) all streams: only the last non-empty stream survives, and a section whose
             # streams are all empty leaves the cache as it was ("once": clear once, up front)
-            streams = [(s, st) for s, st in streams if st.cells.n > 0][-1:]
+            streams = [(s, st) for s, st in streams if st.cell_count > 0][-1:]
             if not streams:
                 return (lambda: None), end
 
         def commit_whole() -> None:
             cache.clear(True)
             for s, st in streams:
-                n = st.cells.n
-                cache.cells(s).set(0, new_cells[s].cp(0, n))
+                cells, data = _filled(st)
+                _set_whole_cells(cache.cells(s), cells)
                 cache.heads[s] = 0
-                copy_rows(cache, s, np.arange(n), st.data)
+                copy_rows(cache, s, np.arange(cells.n), data)
 
         return commit_whole, end
 
@@ -345,29 +511,29 @@ def stage_state(
     # the head stays where apply_ubatch put it (after the last cell)
     contiguous = cache.profile.seq_restore_contiguous
     trial = cache.fork([strm])
-    steps: list[tuple[SlotInfo, Any, Any]] = []
+    steps: list[tuple[SlotInfo, UBatch, Cells, KVData]] = []
     for _, st in streams:
+        st_cells, st_data = _filled(st)
         trial.seq_rm(seq_id, -1, -1)
-        ub = _reserve_ubatch(cache, st.cells, seq_id, has_ext)
+        ub = _reserve_ubatch(cache, st_cells, seq_id, has_ext)
         sinfo = find_slot(trial, ub, contiguous)
         if sinfo is None:
             raise NoSlotError(
-                f"failed to find {st.cells.n} available cells in stream {strm} for sequence {seq_id}: "
+                f"failed to find {st_cells.n} available cells in stream {strm} for sequence {seq_id}: "
                 "free cells (seq_rm) or build the memory with a larger n_ctx"
             )
         apply_ubatch(trial, sinfo, ub)
-        steps.append((sinfo, ub, st))
+        steps.append((sinfo, ub, st_cells, st_data))
 
     def commit_seq() -> None:
-        for sinfo, ub, st in steps:
+        for sinfo, ub, st_cells, st_data in steps:
             cache.seq_rm(seq_id, -1, -1)
             apply_ubatch(cache, sinfo, ub)
             cells = cache.cells(strm)
             idxs = np.asarray(sinfo.idxs[0], dtype=np.int64)
             if has_ext:
-                for i, idx in enumerate(idxs.tolist()):
-                    cells.ext_set(idx, *_ext_xyt(st.cells.ext, i))
-            copy_rows(cache, strm, idxs, st.data)
+                _put_ext(cells, idxs, st_cells)
+            copy_rows(cache, strm, idxs, st_data)
             if contiguous:
                 cache.heads[strm] = sinfo.head()
 
@@ -377,7 +543,7 @@ def stage_state(
     return commit_seq, end
 
 
-def state_read(cache: KVCache, data: Any, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
+def state_read(cache: KVCache, data: Buffer, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
     """Restore what ``state_write`` wrote; returns the bytes read (trailing bytes are a FormatError).
 
     On failure the cache is untouched, or with ``atomic=False`` left as llama.cpp leaves it

@@ -11,9 +11,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Protocol, TypeAlias, runtime_checkable
+from typing import TYPE_CHECKING, Generic, Protocol, TypeAlias, TypeVar, runtime_checkable
 
 import numpy as np
+import numpy.typing as npt
 
 from .args import as_buffer, as_int, as_state_args
 from .batch import BatchAllocr
@@ -26,7 +27,9 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer  # collections.abc.Buffer (Python 3.12); only the type checker needs it
 
     from .batch import Batch, UBatch
+    from .hparams import HParams
     from .hybrid import HybridSlot
+    from .kv_cache import KVCache
     from .kv_cache_iswa import ISWASlot
     from .recurrent import RecurrentSlot
     from .slots import SlotInfo
@@ -35,6 +38,9 @@ if TYPE_CHECKING:
     # what decode places a ubatch in, per memory kind; the sections a memory's state is made of
     Slot: TypeAlias = "SlotInfo | ISWASlot | HybridSlot | RecurrentSlot"
     Section: TypeAlias = "KVSection | RecurrentSection"
+
+_P = TypeVar("_P")  # what a memory's init_batch prepares for each ubatch (decode_batch hands it to _apply)
+_S = TypeVar("_S")  # the slot a memory's _apply returns for a placed ubatch
 
 # llama_state_seq_flags (include/llama.h)
 LLAMA_STATE_SEQ_FLAGS_NONE = 0
@@ -126,6 +132,32 @@ class Memory(Protocol):
         self, data: Buffer, seq_id: int = -1, flags: int = 0, offset: int = 0
     ) -> tuple[Callable[[], None], int]:
         """Parse and check the section(s) at ``offset`` without changing anything; returns ``(commit, end)``."""
+
+
+class MemoryPart(Memory, Protocol):
+    """A memory a composite drives (`PairedMemory`): a `Memory` that checks a sequence operation's arguments."""
+
+    def check_op(self, op: str, *args: object) -> tuple[int, ...]:
+        """The arguments of sequence operation ``op`` normalised, or the error ``op`` would raise; changes nothing."""
+
+
+class Decodable(Protocol[_P, _S]):
+    """What `decode_batch` needs from a memory: its model and profile, the sequence ranges the batch continues,
+    and the steps that differ per memory (``_P``: what ``init_batch`` prepares per ubatch, ``_S``: the slot)."""
+
+    @property
+    def hparams(self) -> HParams: ...
+    @property
+    def profile(self) -> Profile: ...
+    @property
+    def kv_unified(self) -> bool: ...
+    def seq_pos_min(self, seq_id: int) -> int: ...
+    def seq_pos_max(self, seq_id: int) -> int: ...
+    def update(self) -> bool: ...
+    def init_batch(self, balloc: BatchAllocr, n_ubatch: int, embd_all: bool = False) -> list[tuple[UBatch, _P]]: ...
+    def _decode_n_seq_max(self) -> int: ...
+    def _apply(self, prepared: _P, ubatch: UBatch) -> _S: ...
+    def _owner(self, il: int, slot: _S) -> tuple[KVCache, SlotInfo]: ...
 
 
 def stage_parts(
@@ -228,16 +260,16 @@ def decode_seq_bound(compat: Profile | str, unified: bool, n_seq_max: int) -> in
 
 
 def decode_batch(
-    memory: Any,
-    batch: Any,
+    memory: Decodable[_P, _S],
+    batch: Batch,
     n_ubatch: int = 512,
     *,
-    k: Mapping[int, Any] | None = None,
-    v: Mapping[int, Any] | None = None,
-    balloc: Any = None,
+    k: Mapping[int, npt.ArrayLike] | None = None,
+    v: Mapping[int, npt.ArrayLike] | None = None,
+    balloc: BatchAllocr | None = None,
     embd_all: bool = False,
-    on_ubatch: Callable[[Any, Any], None] | None = None,
-) -> list[tuple[Any, Any]]:
+    on_ubatch: Callable[[UBatch, _S], None] | None = None,
+) -> list[tuple[UBatch, _S]]:
     """What llama_decode does to a memory, the one implementation every memory's ``decode`` runs.
 
     llama_context::decode validates the batch first (positions from seq_pos_max + 1, seq ids below
@@ -276,24 +308,26 @@ def decode_batch(
     return out
 
 
-class PairedMemory:
+class PairedMemory(Generic[_P, _S]):
     """What llama_kv_cache_iswa and llama_memory_hybrid share: two memories that every sequence operation
     reaches in turn (``_pair()``, in llama.cpp's order), and a state made of their sections one after the
     other (``_state_parts(flags)``). The subclasses say what differs: ``seq_rm``'s result, which part's
     positions count, how a batch is split, and what a failed restore leaves."""
 
-    def _pair(self) -> list[Any]:
+    def _pair(self) -> Sequence[MemoryPart]:
         raise NotImplementedError
 
-    def _state_parts(self, flags: int) -> list[Any]:
+    def _state_parts(self, flags: int) -> Sequence[MemoryPart]:
         raise NotImplementedError
 
-    def check_op(self, op: str, *args: Any) -> tuple[Any, ...]:
+    def check_op(self, op: str, *args: object) -> tuple[int, ...]:
         """The arguments of sequence operation ``op`` checked against every part (each normalises them as it
         would, `kvref.args`) before any part changes: a composite refuses as a whole or not at all."""
-        for m in self._pair():
-            args = m.check_op(op, *args)
-        return args
+        first, *rest = self._pair()  # always two parts
+        checked = first.check_op(op, *args)
+        for m in rest:
+            checked = m.check_op(op, *checked)
+        return checked
 
     def clear(self, data: bool = True) -> None:
         """Clear both parts, in order (zeroing their buffers too when ``data``)."""
@@ -324,7 +358,7 @@ class PairedMemory:
         for m in self._pair():
             m.seq_div(seq_id, p0, p1, d)
 
-    def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Any]:
+    def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Section]:
         """The sections ``state_write`` serializes: those of the parts ``flags`` selects, in order."""
         seq_id, flags = as_state_args(seq_id, flags)
         return sections_of(self._state_parts(flags), seq_id, flags)
@@ -335,7 +369,7 @@ class PairedMemory:
         return section_bytes(*self.state_sections(seq_id, flags))
 
     def stage_state(
-        self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
+        self, data: Buffer, seq_id: int = -1, flags: int = 0, offset: int = 0
     ) -> tuple[Callable[[], None], int]:
         """Stage the parts' sections one after the other (`stage_parts`); returns ``(commit, end)``. Changes nothing."""
         seq_id, flags = as_state_args(seq_id, flags)
@@ -345,23 +379,23 @@ class PairedMemory:
     def _decode_n_seq_max(self) -> int:
         raise NotImplementedError
 
-    def _apply(self, slot: Any, ubatch: Any) -> Any:
+    def _apply(self, slot: _P, ubatch: UBatch) -> _S:
         raise NotImplementedError
 
-    def _owner(self, il: int, slot: Any) -> tuple[Any, Any]:
+    def _owner(self, il: int, slot: _S) -> tuple[KVCache, SlotInfo]:
         raise NotImplementedError
 
     def decode(
-        self,
-        batch: Any,
+        self: Decodable[_P, _S],
+        batch: Batch,
         n_ubatch: int = 512,
         *,
-        k: Mapping[int, Any] | None = None,
-        v: Mapping[int, Any] | None = None,
-        balloc: Any = None,
+        k: Mapping[int, npt.ArrayLike] | None = None,
+        v: Mapping[int, npt.ArrayLike] | None = None,
+        balloc: BatchAllocr | None = None,
         embd_all: bool = False,
-        on_ubatch: Callable[[Any, Any], None] | None = None,
-    ) -> list[tuple[Any, Any]]:
+        on_ubatch: Callable[[UBatch, _S], None] | None = None,
+    ) -> list[tuple[UBatch, _S]]:
         """What llama_decode does to the memory (`decode_batch`); ``k`` / ``v`` rows go to the attention cache
         that owns each layer."""
         return decode_batch(self, batch, n_ubatch, k=k, v=v, balloc=balloc, embd_all=embd_all, on_ubatch=on_ubatch)
@@ -373,7 +407,9 @@ __all__ = [
     "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY",
     "LLAMA_STATE_SEQ_FLAGS_SWA_ONLY",
     "ContextParams",
+    "Decodable",
     "Memory",
+    "MemoryPart",
     "PairedMemory",
     "clear_seq",
     "decode_batch",

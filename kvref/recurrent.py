@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -53,10 +53,16 @@ from .args import args_name, as_int32, as_range, as_seq_id, as_state_args, check
 from .constants import INT32_MIN, POS_MAX
 from .errors import ArgumentError, CellError, KVRefError, NoSlotError, SequenceError
 from .ggml import GGMLType, ggml_type, row_size
+from .hparams import HParams
 from .memory_base import ContextParams, decode_batch
 from .profile import DEFAULT, Profile, resolve
 
 if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+    from .batch import Batch, BatchAllocr, UBatch
+    from .kv_cache import KVCache
+    from .slots import SlotInfo
     from .state import RecurrentSection, RecurrentSpec
 
 log = logging.getLogger("kvref.recurrent")
@@ -89,6 +95,21 @@ class RecurrentSlot:
         return self.s_copy[self.n_seqs :]
 
 
+class SlotUBatch(Protocol):
+    """What ``find_slot`` reads from a ubatch: a `kvref.batch.UBatch`, or the one a state restore reserves."""
+
+    @property
+    def n_seq_tokens(self) -> int: ...
+    @property
+    def n_seqs(self) -> int: ...
+    @property
+    def equal_seqs(self) -> bool: ...
+    @property
+    def seq_id(self) -> list[list[int]]: ...
+    @property
+    def pos(self) -> npt.NDArray[np.int32]: ...
+
+
 def _pad(x: int, n: int) -> int:
     return (x + n - 1) // n * n
 
@@ -104,7 +125,7 @@ class RecurrentMemory:
 
     def __init__(
         self,
-        hparams: Any,
+        hparams: HParams,
         *,
         type_r: GGMLType | int | str = "f32",
         type_s: GGMLType | int | str = "f32",
@@ -166,9 +187,9 @@ class RecurrentMemory:
         self.p_row = row_size(self.type_r, ple) if ple else 0
         n_rows = size * (1 + self.n_rs_seq)
         # per layer: a (n_rows, row bytes) uint8 buffer, or None for a layer without recurrent state
-        self.r_l: list[np.ndarray | None] = [None] * n_layer
-        self.s_l: list[np.ndarray | None] = [None] * n_layer
-        self.p_l: list[np.ndarray | None] = [None] * n_layer
+        self.r_l: list[npt.NDArray[np.uint8] | None] = [None] * n_layer
+        self.s_l: list[npt.NDArray[np.uint8] | None] = [None] * n_layer
+        self.p_l: list[npt.NDArray[np.uint8] | None] = [None] * n_layer
         for il in range(n_layer):
             if layer_filter is not None and not layer_filter(il):
                 continue
@@ -184,7 +205,7 @@ class RecurrentMemory:
         """The layers with recurrent state."""
         return [il for il, r in enumerate(self.r_l) if r is not None]
 
-    def _rs(self, il: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+    def _rs(self, il: int) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8], npt.NDArray[np.uint8] | None]:
         """R, S (and PLE) buffers of a layer that has recurrent state."""
         r, s = self.r_l[il], self.s_l[il]
         assert r is not None and s is not None
@@ -247,7 +268,7 @@ class RecurrentMemory:
             return
         self.rs_idx[seq_id] = idx
 
-    def check_op(self, op: str, *args: Any) -> tuple[Any, ...]:
+    def check_op(self, op: str, *args: object) -> tuple[int, ...]:
         """The arguments of sequence operation ``op`` normalised (`kvref.args`: int32 ids and positions), or the
         error ``op`` would raise for them; changes nothing. Composite memories check every part first."""
         if op == "seq_rm":
@@ -423,7 +444,7 @@ class RecurrentMemory:
 
     # --- slots -----------------------------------------------------------------------------------------
 
-    def find_slot(self, ub: Any) -> bool:
+    def find_slot(self, ub: SlotUBatch) -> bool:
         """Give every sequence of the ubatch its own cell, contiguous from ``head``; llama.cpp's algorithm.
 
         A sequence keeps its tail cell when it owns it alone; a sequence whose tail is shared (after a
@@ -557,7 +578,7 @@ class RecurrentMemory:
         self.used = sum(1 for c in seq if c)
         return self.n >= n_seqs
 
-    def prepare(self, ubatches: Sequence[Any]) -> bool:
+    def prepare(self, ubatches: Sequence[UBatch]) -> bool:
         """Try placing every ubatch, then put the cells back (llama.cpp restores cells, used and head only)."""
         snap = (
             list(self.pos),
@@ -592,7 +613,7 @@ class RecurrentMemory:
                 self.rs_idx[s] = 0
         return idx * self.size + src0
 
-    def apply_ubatch(self, ub: Any) -> RecurrentSlot:
+    def apply_ubatch(self, ub: UBatch) -> RecurrentSlot:
         """llama_memory_recurrent_context::apply + the graph's state gather for one ubatch.
 
         The rows of cells ``head .. head+n`` are filled from their ``s_copy`` rows after zeroing ``rs_z``
@@ -615,7 +636,7 @@ class RecurrentMemory:
                 rows = b[slot.s_copy].copy()
                 b[slot.head : slot.head + slot.n] = rows
 
-    def init_batch(self, balloc: Any, n_ubatch: int, embd_all: bool = False) -> list[tuple[Any, None]]:
+    def init_batch(self, balloc: BatchAllocr, n_ubatch: int, embd_all: bool = False) -> list[tuple[UBatch, None]]:
         """llama_memory_recurrent::init_batch: split, then prepare; NoSlotError when either fails. Returns
         ``[(ubatch, None), ...]`` (the slot is found when each ubatch is applied).
 
@@ -639,13 +660,13 @@ class RecurrentMemory:
 
     def decode(
         self,
-        batch: Any,
+        batch: Batch,
         n_ubatch: int = 512,
         *,
         embd_all: bool = False,
-        balloc: Any = None,
-        on_ubatch: Callable[[Any, RecurrentSlot], None] | None = None,
-    ) -> list[tuple[Any, RecurrentSlot]]:
+        balloc: BatchAllocr | None = None,
+        on_ubatch: Callable[[UBatch, RecurrentSlot], None] | None = None,
+    ) -> list[tuple[UBatch, RecurrentSlot]]:
         """What llama_decode does to this memory (`kvref.memory_base.decode_batch`): validate the batch, prepare
         all ubatches (all or nothing: NoSlotError leaves the memory unchanged), then place them one by one."""
         return decode_batch(self, batch, n_ubatch, balloc=balloc, embd_all=embd_all, on_ubatch=on_ubatch)
@@ -654,8 +675,12 @@ class RecurrentMemory:
     def _decode_n_seq_max(self) -> int:
         return self.n_seq_max
 
-    def _apply(self, prepared: None, ubatch: Any) -> RecurrentSlot:
+    def _apply(self, prepared: None, ubatch: UBatch) -> RecurrentSlot:
         return self.apply_ubatch(ubatch)
+
+    def _owner(self, il: int, slot: RecurrentSlot) -> tuple[KVCache, SlotInfo]:
+        # decode_batch asks only when given K/V rows, which a recurrent memory's decode does not take
+        raise KVRefError(f"layer {il} has no KV cache (a recurrent memory)")
 
     def update(self) -> bool:
         """The recurrent memory never has pending updates (init_update returns NO_UPDATE)."""
@@ -671,7 +696,7 @@ class RecurrentMemory:
         """The recurrent section llama_memory_recurrent::state_write would write, as kvref.state objects."""
         return _recurrent_state.state_section(self, seq_id, flags)
 
-    def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Any]:
+    def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[RecurrentSection]:
         """The sections ``state_write`` serializes, in order: one ``kvref.state.RecurrentSection``."""
         seq_id, flags = as_state_args(seq_id, flags)
         return [_recurrent_state.state_section(self, seq_id, flags)]
@@ -681,29 +706,29 @@ class RecurrentMemory:
         seq_id, flags = as_state_args(seq_id, flags)
         return _recurrent_state.state_write(self, seq_id, flags)
 
-    def parse_section(self, data: Any, seq_id: int = -1, offset: int = 0) -> tuple[Any, int]:
+    def parse_section(self, data: Buffer, seq_id: int = -1, offset: int = 0) -> tuple[RecurrentSection, int]:
         """Parse and format-check the recurrent section at ``offset``; returns it and its end offset."""
         return _recurrent_state.parse_section(self, data, seq_id, offset)
 
-    def check_section(self, sec: Any, seq_id: int = -1) -> tuple:
+    def check_section(self, sec: RecurrentSection, seq_id: int = -1) -> _recurrent_state.Bookkeeping:
         """Replay state_read_meta on a copy of the bookkeeping; returns the bookkeeping after the restore.
 
         Nothing changes here: a refusal raises FormatError, success hands ``apply_section`` the result.
         """
         return _recurrent_state.check_section(self, sec, seq_id)
 
-    def apply_section(self, sec: Any, after: tuple, seq_id: int = -1) -> None:
+    def apply_section(self, sec: RecurrentSection, after: _recurrent_state.Bookkeeping, seq_id: int = -1) -> None:
         """Commit a section checked by ``check_section`` (``after`` is what it returned)."""
         _recurrent_state.apply_section(self, sec, after, seq_id)
 
     def stage_state(
-        self, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
+        self, data: Buffer, seq_id: int = -1, flags: int = 0, offset: int = 0
     ) -> tuple[Callable[[], None], int]:
         """Parse and check the section at ``offset`` without changing anything; returns ``(commit, end)``."""
         seq_id, flags = as_state_args(seq_id, flags)
         return _recurrent_state.stage_state(self, data, seq_id, flags, offset)
 
-    def state_read(self, data: Any, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
+    def state_read(self, data: Buffer, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
         """Restore a section (see kvref.recurrent_state); returns the bytes read. Everything is checked before
         anything changes: a failure leaves the memory untouched, or with ``atomic=False`` as llama.cpp leaves it
         (the sequence removed, or the whole memory cleared)."""
@@ -717,7 +742,7 @@ class RecurrentMemory:
 
     # --- introspection ---------------------------------------------------------------------------------
 
-    def cell(self, i: int) -> dict:
+    def cell(self, i: int) -> dict[str, int | list[int]]:
         """Cell ``i``'s bookkeeping as a dict: pos, seq (sorted), src, src0 and tail."""
         return {
             "pos": self.pos[i],

@@ -46,9 +46,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from .errors import FormatError, KVRefError
 from .memory_base import clear_seq, read_parts
@@ -57,7 +58,12 @@ from .state.cells import Cells
 from .state.sections import LayerRows, RecurrentLayer, RecurrentSection, TransposedRows
 
 if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
     from .recurrent import RecurrentMemory
+
+# a memory's bookkeeping (no rows): pos, src, src0, tail, seq, head, used, n, rs_z, rs_idx
+Bookkeeping = tuple[list[int], list[int], list[int], list[int], list[set[int]], int, int, int, int, list[int]]
 
 
 # ---------------------------------------------------------------------------------------------- layout
@@ -135,7 +141,7 @@ def state_write(mem: RecurrentMemory, seq_id: int = -1, flags: int = 0) -> bytes
 
 
 # ---------------------------------------------------------------------------------------------- read
-def _snapshot(mem: RecurrentMemory) -> tuple:
+def _snapshot(mem: RecurrentMemory) -> Bookkeeping:
     """A copy of the memory's bookkeeping (cells, head, used, n, rs_z, rollback indices); no rows."""
     return (
         list(mem.pos),
@@ -151,7 +157,7 @@ def _snapshot(mem: RecurrentMemory) -> tuple:
     )
 
 
-def _restore(mem: RecurrentMemory, snap: tuple) -> None:
+def _restore(mem: RecurrentMemory, snap: Bookkeeping) -> None:
     """Put back the bookkeeping ``_snapshot`` took (copies of it: the snapshot stays reusable)."""
     (mem.pos, mem.src, mem.src0, mem.tail, mem.seq, mem.head, mem.used, mem.n, mem.rs_z, mem.rs_idx) = (
         list(snap[0]),
@@ -169,23 +175,25 @@ class _ReservedUBatch:
     """llama_batch_allocr::ubatch_reserve(n, 1) as state_read_meta fills it: one sequence, n positions."""
 
     n_seq_tokens: int
-    pos: np.ndarray
+    pos: npt.NDArray[np.int32]
     seq_id: list[list[int]]
     n_seqs: int = 1
     equal_seqs: bool = True
 
 
-def _reserve_ubatch(pos: np.ndarray, seq_id: int) -> _ReservedUBatch:
+def _reserve_ubatch(pos: npt.NDArray[np.int32], seq_id: int) -> _ReservedUBatch:
     n = len(pos)
     return _ReservedUBatch(n, np.asarray(pos, np.int32), [[seq_id]] * n)
 
 
-def parse_section(mem: RecurrentMemory, data: Any, seq_id: int = -1, offset: int = 0) -> tuple[Any, int]:
+def parse_section(
+    mem: RecurrentMemory, data: Buffer, seq_id: int = -1, offset: int = 0
+) -> tuple[RecurrentSection, int]:
     """Parse and format-check the recurrent section at ``offset``; returns it and its end offset."""
     return read_recurrent_section(data, spec(mem), seq_id=seq_id, offset=offset)
 
 
-def check_section(mem: RecurrentMemory, sec: Any, seq_id: int = -1) -> tuple:
+def check_section(mem: RecurrentMemory, sec: RecurrentSection, seq_id: int = -1) -> Bookkeeping:
     """Replay state_read_meta on a copy of the bookkeeping; returns the bookkeeping after the restore.
 
     Nothing changes here: a refusal raises FormatError, success hands ``apply_section`` the result.
@@ -234,7 +242,7 @@ def check_section(mem: RecurrentMemory, sec: Any, seq_id: int = -1) -> tuple:
         _restore(mem, snap)
 
 
-def apply_section(mem: RecurrentMemory, sec: Any, after: tuple, seq_id: int = -1) -> None:
+def apply_section(mem: RecurrentMemory, sec: RecurrentSection, after: Bookkeeping, seq_id: int = -1) -> None:
     """Commit a section checked by ``check_section`` (``after`` is what it returned)."""
     if seq_id == -1:
         mem.clear(True)  # a whole restore starts from zeroed buffers (clear(true) in state_read_meta)
@@ -247,12 +255,13 @@ def apply_section(mem: RecurrentMemory, sec: Any, after: tuple, seq_id: int = -1
         r, s, p = mem._rs(il)
         r[head : head + n] = sec.r[k].data
         if p is not None:
-            p[head : head + n] = sec.r[k].p_data
+            # validate_recurrent_section matched p_row_size: the section has PLE rows where the memory does
+            p[head : head + n] = cast("npt.NDArray[np.uint8]", sec.r[k].p_data)
         s[head : head + n] = sec.s[k].data
 
 
 def stage_state(
-    mem: RecurrentMemory, data: Any, seq_id: int = -1, flags: int = 0, offset: int = 0
+    mem: RecurrentMemory, data: Buffer, seq_id: int = -1, flags: int = 0, offset: int = 0
 ) -> tuple[Callable[[], None], int]:
     """Parse and check the section at ``offset`` without changing anything; returns ``(commit, end)``."""
     sec, end = parse_section(mem, data, seq_id, offset)
@@ -260,7 +269,7 @@ def stage_state(
     return (lambda: apply_section(mem, sec, after, seq_id)), end
 
 
-def state_read(mem: RecurrentMemory, data: Any, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
+def state_read(mem: RecurrentMemory, data: Buffer, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
     """Restore what ``state_write`` wrote; returns the bytes read (trailing bytes are an error).
 
     Everything is checked before anything changes; on error the memory is untouched, or with

@@ -193,8 +193,11 @@ def test_convert_merge_remap_streams(tmp_path: Path) -> None:
     assert kvref.diff(kvref.convert(remapped, seq_map={0: 2, 2: 0}), kvref.convert(s)).equal
     with pytest.raises(kvref.KVRefError, match="same id"):
         kvref.convert(s, seq_map="0:1")
-    with pytest.raises(kvref.KVRefError, match="not implemented yet"):
-        kvref.convert(s, tmp_path / "x", type_k="q8_0")
+    model = Path(__file__).resolve().parent.parent / "conformance" / "models" / "llama-tiny.gguf"
+    retyped = kvref.convert(s, tmp_path / "x", type_k="q8_0", model=model)  # issue 13 part B: test_tensors.py
+    assert {r.type_name for sec in retyped.memory.kv_sections for st in sec.streams if st.data for r in st.data.k} == {
+        "q8_0"
+    }
 
 
 # ------------------------------------------------------------------------------------------- diff

@@ -12,12 +12,11 @@ from __future__ import annotations
 
 from collections import ChainMap
 from dataclasses import dataclass
-from io import BytesIO
 from typing import Any, BinaryIO
 
 from ..errors import FormatError
 from . import mismatch
-from .codec import Reader, Writer
+from .codec import Reader, Writer, join_bytes
 from .sections import (
     KV_SECTION,
     RECURRENT_SECTION,
@@ -250,10 +249,26 @@ def write_section(sec: KVSection | RecurrentSection, f: BinaryIO) -> int:
     return w.n
 
 
+class _Parts:
+    """A write-only binary file that keeps what it is given (views of the rows included, uncopied) and joins
+    it into one bytes object at the end: the rows are copied once, into the result."""
+
+    def __init__(self) -> None:
+        self.parts: list[Any] = []
+
+    def write(self, b: Any) -> int:
+        self.parts.append(b)
+        return memoryview(b).nbytes
+
+    def getvalue(self) -> bytes:
+        return join_bytes(self.parts)
+
+
 def section_bytes(*sections: KVSection | RecurrentSection) -> bytes:
-    buf = BytesIO()
+    """The bytes of the sections one after the other (what a memory's ``state_write`` returns)."""
+    buf = _Parts()
     for s in sections:
-        write_section(s, buf)
+        write_section(s, buf)  # type: ignore[arg-type]  # a write-only file
     return buf.getvalue()
 
 

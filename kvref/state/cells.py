@@ -233,7 +233,7 @@ class CellTable(Field):
             rec = np.empty(n, _record_dtype(k, int(counts[0])))
             rec["pos"], rec["n"], rec["ext"] = cells.pos, counts, cells.ext
             rec["seq"] = cells.seq_id.reshape(n, int(counts[0]))
-            w.raw(rec.tobytes())
+            w.raw(rec.view(np.uint8))  # its bytes as laid out, no copy
             return
         out = bytearray()
         for i in range(n):

@@ -8,6 +8,7 @@ count in a small input costs nothing, and every error names the field and the ab
 
 from __future__ import annotations
 
+import mmap
 import struct
 from typing import Any, BinaryIO
 
@@ -18,6 +19,7 @@ from ..errors import FormatError
 _U32 = struct.Struct("<I")
 _I32 = struct.Struct("<i")
 _U64 = struct.Struct("<Q")
+_ROW_WRITE_MIN = 4096  # Writer.array writes rows at least this long one by one instead of copying them
 
 
 class Reader:
@@ -121,13 +123,77 @@ class Writer:
     def array(self, arr: np.ndarray, field: str) -> None:
         """Write the array's bytes as they are laid out (views of an mmap stream straight from the page cache)."""
         a = np.asarray(arr)
-        if not a.flags.c_contiguous:
-            a = np.ascontiguousarray(a)
         if a.dtype.byteorder == ">":
             raise FormatError("big-endian arrays cannot be written", field=field, offset=self.n)
+        if not a.flags.c_contiguous:
+            if a.ndim == 2 and a.strides[1] == a.itemsize and a.shape[1] * a.itemsize >= _ROW_WRITE_MIN:
+                # long contiguous rows (a transposed V block of some cells of a cache): row by row, no copy
+                for row in a:
+                    self.f.write(memoryview(row).cast("B"))
+                self.n += a.nbytes
+                return
+            a = np.ascontiguousarray(a)
         if a.nbytes:
             self.f.write(memoryview(a).cast("B"))  # type: ignore[arg-type]  # ndarray is a buffer
             self.n += a.nbytes
 
 
-__all__ = ["Reader", "Writer"]
+def _bytes_api() -> tuple[Any, Any, Any] | None:
+    """CPython's PyBytes_FromStringAndSize / PyBytes_AsString and libc's madvise, when ctypes reaches them."""
+    try:
+        import ctypes
+
+        api = ctypes.pythonapi
+        new, data = api.PyBytes_FromStringAndSize, api.PyBytes_AsString
+        new.restype, new.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
+        data.restype, data.argtypes = ctypes.c_void_p, (ctypes.py_object,)
+        madvise = None
+        if hasattr(mmap, "MADV_HUGEPAGE"):
+            madvise = ctypes.CDLL(None, use_errno=True).madvise
+            madvise.restype, madvise.argtypes = ctypes.c_int, (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
+        return new, data, madvise
+    except (ImportError, AttributeError, OSError):  # not CPython, or no libc to ask
+        return None
+
+
+_BYTES_API: Any = False  # resolved on first use
+_HUGE = 2 << 20  # a transparent huge page
+_JOIN_MAX = 32 << 20  # results up to this size are simply b"".join-ed
+
+
+def join_bytes(parts: list[Any]) -> bytes:
+    """``b"".join(parts)`` (C-contiguous buffers), copying every byte once.
+
+    A large result is made as CPython's own C code makes one (PyBytes_FromStringAndSize(NULL, n), filled before
+    anyone else sees it) with its pages advised as transparent huge pages: fresh 4 KiB pages cost a fault each,
+    which is most of the time of a multi-GiB state's write. Elsewhere (not CPython), it is the plain join.
+    """
+    global _BYTES_API
+    total = sum(memoryview(p).nbytes for p in parts)
+    if total <= _JOIN_MAX:
+        return b"".join(parts)
+    if _BYTES_API is False:
+        _BYTES_API = _bytes_api()
+    if _BYTES_API is None:
+        return b"".join(parts)
+    import ctypes
+
+    new, data, madvise = _BYTES_API
+    out = new(None, total)
+    addr = data(out)
+    if madvise is not None:
+        lo, hi = -(-addr // _HUGE) * _HUGE, (addr + total) // _HUGE * _HUGE
+        if hi > lo:
+            madvise(lo, hi - lo, mmap.MADV_HUGEPAGE)  # advice only: a refusal changes nothing
+    view = np.ctypeslib.as_array((ctypes.c_ubyte * total).from_address(addr))
+    at = 0
+    for p in parts:
+        b = np.frombuffer(p, np.uint8) if memoryview(p).nbytes else None
+        if b is not None:
+            view[at : at + b.size] = b
+            at += b.size
+    assert at == total
+    return out
+
+
+__all__ = ["Reader", "Writer", "join_bytes"]
