@@ -227,10 +227,10 @@ def cmd_plot(args: argparse.Namespace) -> int:
 def rotation_note(sec: Any, eras: list[str]) -> str | None:
     """``kvref inspect``'s line on llama.cpp's attention rotation for a KV section (None when it cannot apply)."""
     from .ggml import traits
-    from .tensors import ROTATING_ERAS
+    from .tensors import era_rotates
 
     data = next((st.data for st in sec.streams if st.data is not None and st.data.k), None)
-    if data is None or not any(e in ROTATING_ERAS for e in eras):
+    if data is None or not any(era_rotates(e) for e in eras):
         return None
     parts = []
     for name, rows in (("K", data.k[0]), ("V", data.v[0] if data.v else None)):
@@ -241,7 +241,7 @@ def rotation_note(sec: Any, eras: list[str]) -> str | None:
             parts.append(f"{name} ({rows.type_name})")
     if not parts:
         return None
-    sure = "probably" if eras[0] in ROTATING_ERAS else "possibly"
+    sure = "probably" if era_rotates(eras[0]) else "possibly"
     return (
         f"{' and '.join(parts)} {sure} written with llama.cpp's attention rotation (quantized, rows a multiple of "
         "64 values, era 0.3.36+; applies when the head size is a multiple of 64): kvref export undoes it"

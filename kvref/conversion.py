@@ -166,10 +166,10 @@ def convert(
     if type_k is not None or type_v is not None:
         from .eras import era as era_of
         from .retype import retype
-        from .tensors import ROTATING_ERAS
+        from .tensors import era_rotates
 
         hp = _hparams_of(model)
-        dst_rotates = era_of(era if era is not None else CURRENT).name in ROTATING_ERAS
+        dst_rotates = era_rotates(era_of(era if era is not None else CURRENT).name)
         obj = retype(obj, type_k=type_k, type_v=type_v, src_rotates=src_rotates, dst_rotates=dst_rotates,
                      hparams=hp, head_dim=head_dim, progress=progress)  # fmt: skip
     out = to_era(obj, era if era is not None else CURRENT, has_ext=is_mrope_arch(the_arch))

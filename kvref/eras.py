@@ -29,7 +29,7 @@ import numpy as np
 from .archs import ARCH_ROPE_TYPE
 from .constants import RopeType
 from .errors import ConversionError, KVRefError
-from .profile import NAMED, RELEASES, Profile, resolve
+from .profile import NAMED, RELEASES, Profile, resolve, value_at
 from .state import Cells, KVSection, KVStream, MemorySections, Outputs, RecurrentSection, StateObject
 
 LLAMA_TOKEN_NULL = -1
@@ -37,8 +37,10 @@ LLAMA_TOKEN_NULL = -1
 
 @dataclass(frozen=True)
 class Era:
-    """One era's state-file layout: container versions, the v9 output block, the ``n_stream`` field, the cell ext
-    size of a cache with ext, the sequence-blob prefix, and the oldest and newest llama-cpp-python release."""
+    """One era's state-file layout: container versions, the v9 output block, the sequence-blob prefix, and the
+    oldest and newest llama-cpp-python release. The ``n_stream`` field and the cell ext size are behaviours the
+    memory's `Profile` already dates (``kv_streams``, ``cell_ext_size``): read from ``kvref.profile.TABLE``, not
+    restated here."""
 
     name: str
     first: str
@@ -46,9 +48,17 @@ class Era:
     session_version: int
     seq_version: int
     outputs: bool
-    n_stream_field: bool
-    ext_size: int
     seq_header: bool
+
+    @property
+    def n_stream_field(self) -> bool:
+        """A ``u32 n_stream`` precedes each KV section (PR #14363)."""
+        return bool(value_at("kv_streams", self.first))
+
+    @property
+    def ext_size(self) -> int:
+        """Bytes of cell ext a cache with one writes (0, 8 or 12)."""
+        return int(value_at("cell_ext_size", self.first))
 
     @property
     def releases(self) -> str:
@@ -59,11 +69,11 @@ class Era:
 ERAS: dict[str, Era] = {
     e.name: e
     for e in (
-        Era("2025-07", "0.3.12", "0.3.14", 9, 2, True, False, 0, False),
-        Era("2025", "0.3.15", "0.3.16", 9, 2, True, True, 0, False),
-        Era("0.3.17", "0.3.17", "0.3.22", 9, 2, False, True, 8, False),
-        Era("2026-08", "0.3.23", "0.3.35", 9, 2, False, True, 8, True),
-        Era("2026-10", "0.3.36", "0.3.36", 10, 3, False, True, 12, True),
+        Era("2025-07", "0.3.12", "0.3.14", 9, 2, True, False),
+        Era("2025", "0.3.15", "0.3.16", 9, 2, True, False),
+        Era("0.3.17", "0.3.17", "0.3.22", 9, 2, False, False),
+        Era("2026-08", "0.3.23", "0.3.35", 9, 2, False, True),
+        Era("2026-10", "0.3.36", "0.3.36", 10, 3, False, True),
     )
 }
 CURRENT = "2026-10"

@@ -681,14 +681,16 @@ class KVCache:
         one head size over the cache's layers, layer 0's a multiple of 64, LLAMA_ATTN_ROT_DISABLE unset."""
         hp = self.hparams
         sizes = [hp.n_embd_head_k_l(layer.il) for layer in self.layers]
-        return _rotation.attn_rot(self.type_k, _rotation.shared_head_size(sizes), hp.n_embd_head_k_l(0))
+        rot = _rotation.attn_rot(self.type_k, _rotation.shared_head_size(sizes), hp.n_embd_head_k_l(0))
+        return self.profile.attn_rotation and rot
 
     @property
     def attn_rot_v(self) -> bool:
         """Like `attn_rot_k` for V (never for an MLA cache, which stores no V)."""
         hp = self.hparams
         sizes = [] if hp.is_mla() else [hp.n_embd_head_v_l(layer.il) for layer in self.layers]
-        return _rotation.attn_rot(self.type_v, _rotation.shared_head_size(sizes), hp.n_embd_head_v_l(0))
+        rot = _rotation.attn_rot(self.type_v, _rotation.shared_head_size(sizes), hp.n_embd_head_v_l(0))
+        return self.profile.attn_rotation and rot
 
     @property
     def compat(self) -> str:

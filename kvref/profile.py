@@ -82,6 +82,9 @@ TABLE: dict[str, tuple[tuple[str, Any], ...]] = {
     "recurrent_rollback_single_use": (("0.3.12", False), ("0.3.36", True)),
     # hybrid memory
     "hybrid_restore_undo": (("0.3.12", False), ("0.3.36", True)),
+    # attention rotation of quantized K/V (llama-kv-cache.cpp attn_rot_k / attn_rot_v): read in 0.3.36's sources;
+    # older releases are taken as not rotating (their sources were not checked for it)
+    "attn_rotation": (("0.3.12", False), ("0.3.36", True)),
 }  # fmt: skip
 
 # the values a field may take, where it is one of a few
@@ -193,6 +196,9 @@ class Profile:
     hybrid_restore_undo: bool = _newest("hybrid_restore_undo")
     """True: when a hybrid restore's recurrent part fails, the attention part just restored is cleared for the
     sequence again; False: it is kept."""
+    attn_rotation: bool = _newest("attn_rotation")
+    """True: a quantized K (V) cache whose head size is a multiple of 64 is stored Walsh-Hadamard rotated unless
+    LLAMA_ATTN_ROT_DISABLE is set (`kvref.rotation`); False: never rotated."""
     name: str = field(default="", compare=False)
     """The named generation or release this profile behaves as, ``"custom"``, or a name of the caller's."""
 

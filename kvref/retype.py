@@ -67,7 +67,7 @@ def retype(
     """A copy of the state ``obj`` with its KV rows in ``type_k`` / ``type_v`` (None: unchanged).
 
     ``src_rotates`` / ``dst_rotates``: does the llama.cpp that wrote / will read the file rotate quantized rows
-    (its era, `kvref.tensors.ROTATING_ERAS`)? ``progress``: a bar on a terminal (None: when stderr is one)."""
+    (its era, `kvref.tensors.era_rotates`)? ``progress``: a bar on a terminal (None: when stderr is one)."""
     from .state import LayerRows, TransposedRows
     from .tensors import _section_shapes
 

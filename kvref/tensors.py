@@ -45,9 +45,15 @@ import numpy as np
 from . import rotation as rot
 from .errors import KVRefError
 from .ggml import GGMLType, traits, type_name
+from .profile import value_at
 from .quant import dequantize, quantize
 
-ROTATING_ERAS = ("2026-10",)  # the eras whose llama.cpp rotates quantized K/V (llama-cpp-python 0.3.36 on)
+
+def era_rotates(name: str) -> bool:
+    """Does the llama.cpp of era ``name`` (`kvref.eras`) rotate quantized K/V (``Profile.attn_rotation``)?"""
+    from .eras import era
+
+    return bool(value_at("attn_rotation", era(name).first))
 
 
 @dataclass
@@ -166,7 +172,7 @@ def _era_rotates(obj: Any) -> bool:
     from .eras import matching_eras
 
     eras = matching_eras(obj) if hasattr(obj, "kind") else []
-    return any(e in ROTATING_ERAS for e in eras) or not eras
+    return any(era_rotates(e) for e in eras) or not eras
 
 
 # ------------------------------------------------------------------------------------------- rows -> arrays
@@ -360,11 +366,11 @@ def encode_rows(x: np.ndarray, t: GGMLType | int | str, *, rotate_n: int | None 
 
 
 __all__ = [
-    "ROTATING_ERAS",
     "KVTensors",
     "RecurrentTensors",
     "Tensors",
     "encode_rows",
+    "era_rotates",
     "memory_tensors",
     "recurrent_shapes",
     "state_tensors",

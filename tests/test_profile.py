@@ -49,6 +49,7 @@ BOUNDARIES = {
     "recurrent_rollback_split": ["0.3.34"],
     "recurrent_rollback_single_use": ["0.3.36"],
     "hybrid_restore_undo": ["0.3.36"],
+    "attn_rotation": ["0.3.36"],
 }
 
 
