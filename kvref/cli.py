@@ -41,6 +41,7 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--verbose", action="store_true", help="when no reading parses, list why each one kvref tried failed"
     )
+    p.add_argument("--model", default=None, help="a GGUF model whose vocabulary turns the tokens back into text")
 
 
 def _fmt_bytes(n: int) -> str:
@@ -85,6 +86,8 @@ def _print_summary(s: dict[str, Any]) -> None:
                 + (f": {tf['n_prompt_tokens']} prompt tokens, {len(media)} media chunk(s)" if "media" in tf else "")
                 + (f" ({tf['error']})" if "error" in tf else "")
             )
+    if "text" in s:
+        print(f"text: {s['text'][:500]!r}" + (" ..." if len(s["text"]) > 500 else ""))
     if "arch" in s:
         print(f"arch: {s['arch']}")
     if s.get("note"):
@@ -130,6 +133,11 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     obj = state.load(source, kind=args.kind, layout=args.layout, ext_size=args.ext_size)
     size = len(source) if isinstance(source, bytes) else os.path.getsize(source)
     summary = enrich_summary(obj.summary(), obj, size)
+    if args.model is not None and "tokens" in summary:
+        from .server_tokens import read_prompt
+        from .vocab import detokenize, vocabulary
+
+        summary["text"] = detokenize(read_prompt(obj.tokens).tokens.tolist(), vocabulary(args.model))
     if args.json:
         json.dump(summary, sys.stdout, indent=2)
         print()

@@ -78,3 +78,15 @@ def test_inspect_reads_stdin() -> None:
     )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["format"] == "seq"
+
+
+def test_inspect_model_turns_tokens_into_text(capsys) -> None:
+    import gguf
+
+    model = Path(__file__).resolve().parent.parent / "conformance" / "models" / "llama-tiny.gguf"
+    path = GOLDEN / "llama-shared-prefix" / "01-session.ggsn"
+    assert main(["inspect", "--json", "--model", str(model), str(path)]) == 0
+    s = json.loads(capsys.readouterr().out)
+    field = gguf.GGUFReader(str(model)).fields["tokenizer.ggml.tokens"]
+    pieces = [bytes(field.parts[i]).decode() for i in field.data]
+    assert s["text"] == "".join(pieces[t] for t in s["tokens"]).replace("\u2581", " ")
