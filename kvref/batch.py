@@ -183,6 +183,8 @@ def unordered_set_order(values: Sequence[int]) -> list[int]:
     before that bucket's first node; a rehash re-inserts the list in order with the same rules.
     Duplicates are dropped.
     """
+    if len(values) == 1:
+        return [values[0]]  # the usual token of one sequence: nothing to order
     order: list[int] = []  # the node list, front first
     head_of: dict[int, int] = {}  # bucket -> its first value in ``order``
     n_bkt = 1

@@ -1,7 +1,10 @@
 """Where a ubatch's tokens land in the KV cache: llama_kv_cache's find_slot, apply_ubatch and prepare.
 
 The functions take the cache and work through its public surface (``cells(stream)``, ``heads``,
-``seq_to_stream``, ``n_swa``/``swa_type``, ``seq_rm``); ``KVCache`` exposes them as methods.
+``seq_to_stream``, ``n_swa``/``swa_type``, ``seq_rm``); ``KVCache`` exposes them as methods. The per-cell
+work (find_slot's walk over one stream, the checks on apply_ubatch's target cells) is done by a twin module
+that ``KVREF_BACKEND`` picks, ``_slots_c`` or ``_slots_py`` (see ``kvref._backend``); ``kvref/_slots_py.py``
+states it in full.
 
 Rules (llama-kv-cache.cpp as the default profile's llama.cpp has them; older builds differ only where noted):
 
@@ -10,7 +13,8 @@ Rules (llama-kv-cache.cpp as the default profile's llama.cpp has them; older bui
   and its position is SWA-masked for a query at that sequence's ``seq_pos_max + 1``. Non-contiguous search
   takes the first ``n_tokens`` usable cells scanning forward with wrap-around over at most ``size`` cells;
   contiguous search (``cont``) needs ``n_tokens`` usable cells in a row, restarting after the first
-  unusable one and skipping the tail that is too short.
+  unusable one and skipping the tail that is too short. The walk stops as soon as it has its cells, so a
+  decode step costs about the tokens it places, not the cache size.
 - apply_ubatch: every used target cell is cleared (remembering, per overwritten sequence, the highest
   position removed), the token's position, ext and sequences are written; then each overwritten sequence
   loses all its positions up to that highest one (``seq_rm``), so every sequence keeps a gap-free range;
@@ -29,13 +33,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from . import _slots_py
+from ._backend import select
 from .cells import LLAMA_MAX_SEQ, TOKEN_NULL, KVCells
-from .errors import BatchError, CellError, KVRefError
-from .hparams import SWAType, is_masked_swa
+from .errors import BatchError, KVRefError
 
 if TYPE_CHECKING:
     from .batch import UBatch
     from .kv_cache import KVCache
+
+_impl = select("slots")
+BACKEND = "cython" if _impl.__name__.endswith("_c") else "python"
 
 
 @dataclass
@@ -83,53 +91,12 @@ class SlotInfo:
 
 # ---------------------------------------------------------------------------------------------- helpers
 def usable_cells(cache: KVCache, stream: int) -> npt.NDArray[np.bool_]:
-    """find_slot's "can use" test for every cell of a stream (bool array).
+    """find_slot's "can use" test for every cell of a stream (bool array), for inspection.
 
-    The test only reads the cells, which find_slot does not modify, so it is computed once per stream.
+    find_slot itself tests only the cells it walks over (see ``kvref/_slots_py.py``).
     """
     cells = cache.cells(stream)
-    pos = np.asarray(cells.pos, dtype=np.int64)
-    usable: npt.NDArray[np.bool_] = pos == -1
-    if cache.swa_type == SWAType.NONE:
-        return usable
-    seq = np.ascontiguousarray(cells.seq)
-    n_seqs = np.unpackbits(seq.view(np.uint8), axis=1).sum(axis=1)  # popcount (numpy 1.x has no bitwise_count)
-    single = (n_seqs == 1) & ~usable
-    idx = np.flatnonzero(single)
-    if idx.size == 0:
-        return usable
-    words = seq[idx]
-    w = np.argmax(words != 0, axis=1)
-    bit = np.log2(words[np.arange(idx.size), w].astype(np.float64)).astype(np.int64)  # exact for 2**k
-    seq_ids = w.astype(np.int64) * 64 + bit
-    uniq, inv = np.unique(seq_ids, return_inverse=True)
-    pos_max = cells.seq_pos_max_many(uniq).astype(np.int64)
-    usable[idx] = is_masked_swa(cache.n_swa, cache.swa_type, pos[idx], pos_max[inv] + 1)
-    return usable
-
-
-def _scan(usable: npt.NDArray[np.bool_], head: int, n_tokens: int, cont: bool) -> list[int] | None:
-    """The search loop of find_slot over one stream; None when the tokens do not fit."""
-    size = usable.shape[0]
-    if not cont:
-        # one cell per step from head, wrapping once: at most `size` cells are tested
-        order = np.concatenate([np.arange(head, size), np.arange(0, head)])
-        found = order[usable[order]]
-        return found[:n_tokens].tolist() if found.size >= n_tokens else None
-    n_tested = 0
-    while True:
-        if head + n_tokens > size:
-            # the tail is too short for the whole ubatch: count it as tested and wrap
-            n_tested += size - head
-            head = 0
-            continue
-        bad = np.flatnonzero(~usable[head : head + n_tokens])
-        if bad.size == 0:
-            return list(range(head, head + n_tokens))
-        head += int(bad[0]) + 1
-        n_tested += int(bad[0]) + 1
-        if n_tested >= size:
-            return None
+    return _slots_py.Usable(cells, cache.n_swa, int(cache.swa_type), cells.size()).can_use(0, cells.size())
 
 
 # ---------------------------------------------------------------------------------------------- find_slot
@@ -157,14 +124,7 @@ def find_slot(cache: KVCache, ubatch: UBatch, cont: bool = False) -> SlotInfo | 
         res.s1 = max(res.s1, strm)
         res.strm.append(strm)
 
-        cells = cache.cells(strm)
-        head = cache.heads[strm]
-        # plenty of free cells before the head: search from the start to fill the cache from the front
-        if head > cells.get_used() + 2 * n_tokens:
-            head = 0
-        if n_tokens > cells.size():
-            return None
-        idxs = _scan(usable_cells(cache, strm), head, n_tokens, cont)
+        idxs = _impl.find_cells(cache.cells(strm), cache.heads[strm], n_tokens, cont, cache.n_swa, int(cache.swa_type))
         if idxs is None:
             return None
         res.idxs.append(idxs)
@@ -172,6 +132,18 @@ def find_slot(cache: KVCache, ubatch: UBatch, cont: bool = False) -> SlotInfo | 
 
 
 # ---------------------------------------------------------------------------------------------- apply
+def _check_seq_ids(cache: KVCache, seq_ids: list[list[int]]) -> None:
+    """``cache.check_seq`` of every sequence id of these tokens (their range is checked in one go first)."""
+    flat = [sid for ids in seq_ids for sid in ids]
+    try:
+        if not flat or (min(flat) >= 0 and max(flat) < len(cache.seq_to_stream)):
+            return
+    except TypeError:
+        pass
+    for sid in flat:
+        cache.check_seq(int(sid))
+
+
 def _ubatch_rows(ubatch: UBatch, i0: int, n: int) -> tuple[npt.NDArray[np.int64], list[list[int]]]:
     pos = np.asarray(ubatch.pos, dtype=np.int64)[i0 : i0 + n]
     return pos, [list(ubatch.seq_id[i]) for i in range(i0, i0 + n)]
@@ -184,15 +156,8 @@ def apply_ubatch(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch) -> None:
         raise BatchError(f"slot holds {sinfo.n_stream() * size} cells for a ubatch of {ubatch.n_tokens} tokens")
     # validate before touching anything: llama.cpp asserts a used target holds exactly one sequence
     for s in range(sinfo.n_stream()):
-        cells = cache.cells(sinfo.strm[s])
-        if len(set(sinfo.idxs[s])) != size:
-            raise CellError("apply_ubatch: a cell index appears twice in the slot")
-        for idx in sinfo.idxs[s]:
-            if not cells.is_empty(idx) and cells.seq_count(idx) != 1:
-                raise CellError(f"apply_ubatch: cell {idx} is shared by several sequences")
-        for i in range(s * size, (s + 1) * size):
-            for sid in ubatch.seq_id[i]:
-                cache.check_seq(int(sid))
+        _impl.used_targets(cache.cells(sinfo.strm[s]), sinfo.idxs[s], size)
+        _check_seq_ids(cache, ubatch.seq_id[s * size : (s + 1) * size])
 
     hp = cache.hparams
     n_tok = int(ubatch.n_tokens)
@@ -207,29 +172,30 @@ def apply_ubatch(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch) -> None:
     for s in range(sinfo.n_stream()):
         cells = cache.cells(sinfo.strm[s])
         idxs = sinfo.idxs[s]
-        for idx in idxs:
-            if not cells.is_empty(idx):
-                sid, p = cells.seq_get(idx), cells.pos_get(idx)
-                seq_pos_max_rm[sid] = max(seq_pos_max_rm.get(sid, -1), p)
-                cells.rm(idx)
+        for idx, sid, p in _impl.used_targets(cells, idxs, size):
+            seq_pos_max_rm[sid] = max(seq_pos_max_rm.get(sid, -1), p)
+            cells.rm(idx)
         rows = slice(s * size, (s + 1) * size)
         cells.pos_set_many(idxs, pos_all[rows])
         if write_ext:
-            for ii, idx in enumerate(idxs):
-                i = s * size + ii
-                x = y = 0
-                tok = TOKEN_NULL
-                if ubatch.is_pos_2d():
-                    x, y = int(pos_all[i + 2 * n_tok]), int(pos_all[i + n_tok])
-                if ubatch.token is not None:
-                    tok = int(ubatch.token[i])
-                elif ple_n_heads > 0:
-                    # an embedding batch gets the model's image (or EOS) token for the PLE layers
-                    tok = hp.ple_image_token_id if hp.ple_image_token_id != 0 else hp.ple_eos_token_id
+            xs = ys = [0] * size
+            if ubatch.is_pos_2d():
+                xs = pos_all[2 * n_tok + rows.start : 2 * n_tok + rows.stop].tolist()
+                ys = pos_all[n_tok + rows.start : n_tok + rows.stop].tolist()
+            toks = [TOKEN_NULL] * size
+            if ubatch.token is not None:
+                toks = np.asarray(ubatch.token)[rows].tolist()
+            elif ple_n_heads > 0:
+                # an embedding batch gets the model's image (or EOS) token for the PLE layers
+                toks = [hp.ple_image_token_id if hp.ple_image_token_id != 0 else hp.ple_eos_token_id] * size
+            for idx, x, y, tok in zip(idxs, xs, ys, toks, strict=True):
                 cells.ext_set(idx, x, y, tok)
-        cell_of = [idx for ii, idx in enumerate(idxs) for _ in ubatch.seq_id[s * size + ii]]
-        seq_of = [int(sid) for i in range(rows.start, rows.stop) for sid in ubatch.seq_id[i]]
-        cells.seq_add_many(cell_of, seq_of)
+        seq_ids = ubatch.seq_id[rows]
+        if all(len(ids) == 1 for ids in seq_ids):
+            cells.seq_add_many(idxs, [ids[0] for ids in seq_ids])
+        else:
+            cell_of = [idx for idx, ids in zip(idxs, seq_ids, strict=True) for _ in ids]
+            cells.seq_add_many(cell_of, [int(sid) for ids in seq_ids for sid in ids])
 
     # keep every sequence's positions gap-free: drop what lies below a position we overwrote
     for sid in sorted(seq_pos_max_rm):

@@ -46,6 +46,6 @@ def test_every_reader_uses_the_one_arch_table() -> None:
 
 
 def test_one_sliding_window_rule() -> None:
-    from kvref import _mask_py, hparams, kv_state, slots
+    from kvref import _mask_py, _slots_py, hparams, kv_state
 
-    assert _mask_py.is_masked_swa is slots.is_masked_swa is kv_state.is_masked_swa is hparams.is_masked_swa
+    assert _mask_py.is_masked_swa is _slots_py.is_masked_swa is kv_state.is_masked_swa is hparams.is_masked_swa
