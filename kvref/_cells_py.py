@@ -9,7 +9,11 @@ speed. Both keep their arrays in NumPy:
 - ``seq``   uint64[n, 4]  bitset of the sequences that see the cell (LLAMA_MAX_SEQ = 256 bits).
 
 Beside them: the number of used cells (pos != -1, with or without sequences) and, per sequence, the
-ordered set of (pos, cell) pairs, which gives min/max positions and ``seq_pos_tok_le`` in O(log n).
+ordered set of (pos, cell) pairs (a sorted list), which gives min/max positions and ``seq_pos_tok_le`` in
+O(log n). A per-cell method updates that list entry by entry (bisect). A bulk or range method finds its cells
+with NumPy, changes the arrays in one go, and brings each touched sequence's list along in one pass: the
+entries of the touched cells are filtered out before the change and merged back, sorted, after it, so no
+method is worse than O(n log n) in the cells it touches (a few entries still go in one by one).
 
 Where llama.cpp only asserts (an index out of range, ``seq_add`` on an empty cell, ``pos_set`` on a used
 cell, ...), both twins raise ``CellError`` / ``SequenceError`` and leave the cells unchanged. Bulk methods
@@ -55,6 +59,33 @@ def _check_seq(seq_id: int) -> int:
 def _wrap32(v: int) -> int:
     """``v`` as an int32 wraps it: the accumulated shift is an int32 in llama.cpp too."""
     return (v - INT32_MIN) % 2**32 + INT32_MIN
+
+
+def _wrap32_all(v: npt.NDArray[np.int64]) -> IntArray:
+    """``_wrap32`` of every element."""
+    return ((v - INT32_MIN) % 2**32 + INT32_MIN).astype(np.int32)
+
+
+def _bits(words: Iterable[int]) -> list[int]:
+    """The sequence ids whose bits are set in a cell's bitset words, ascending."""
+    out = []
+    for w, word in enumerate(words):
+        word = int(word)
+        while word:
+            low = word & -word
+            out.append(w * 64 + low.bit_length() - 1)
+            word ^= low
+    return out
+
+
+def _clamp_bound(p: int) -> int:
+    """A range bound clamped into the int64 range NumPy compares with, where it still orders every int32 the same."""
+    return min(max(p, INT32_MIN - 1), POS_MAX + 1)
+
+
+# a bulk change that touches at most this many entries of a sequence updates its list entry by entry (bisect,
+# each O(log n) plus a memmove); above it, the list is rebuilt in one O(n + m log m) pass
+_FEW = 32
 
 
 # cell indices: one index, or a list / integer array of them
@@ -183,14 +214,19 @@ class KVCells:
         return bool((int(self._seq[i, s >> 6]) >> (s & 63)) & 1)
 
     def _seqs_of(self, i: int) -> list[int]:
-        out = []
-        for w in range(N_SEQ_WORDS):
-            word = int(self._seq[i, w])
-            while word:
-                low = word & -word
-                out.append(w * 64 + low.bit_length() - 1)
-                word ^= low
-        return out
+        return _bits(self._seq[i].tolist())
+
+    def _has_all(self, s: int) -> npt.NDArray[np.bool_]:
+        """For every cell: does it hold sequence s?"""
+        has: npt.NDArray[np.bool_] = (self._seq[:, s >> 6] & np.uint64(1 << (s & 63))) != 0
+        return has
+
+    def _in_range(self, p0: int, p1: int) -> npt.NDArray[np.bool_]:
+        """For every cell: is it used with p0 <= pos < p1? (``pos_in`` of every cell)"""
+        inside: npt.NDArray[np.bool_] = (
+            (self._pos != -1) & (self._pos >= _clamp_bound(p0)) & (self._pos < _clamp_bound(p1))
+        )
+        return inside
 
     def _seq_pos_insert(self, s: int, i: int) -> None:
         bisect.insort(self._seq_pos[s], (int(self._pos[i]), i))
@@ -210,6 +246,42 @@ class KVCells:
         for s in self._seqs_of(i):
             self._seq_pos_insert(s, i)
 
+    # the same for many cells at once: `cells` are distinct cell indices
+    def _by_seq(self, cells: npt.NDArray[np.int64]) -> list[tuple[int, npt.NDArray[np.int64]]]:
+        """(s, the cells of ``cells`` that hold s) for every sequence held by one of ``cells``."""
+        if not cells.size:
+            return []
+        rows = self._seq[cells]
+        held = np.bitwise_or.reduce(rows, axis=0).tolist()
+        return [(s, cells[(rows[:, s >> 6] & np.uint64(1 << (s & 63))) != 0]) for s in _bits(held)]
+
+    def _seq_pos_drop(self, s: int, cells: npt.NDArray[np.int64]) -> None:
+        """Take the entries of ``cells`` (which hold s, at their current positions) out of sequence s's list."""
+        if cells.size <= _FEW:
+            for i in cells.tolist():
+                self._seq_pos_erase(s, i)
+            return
+        gone = set(cells.tolist())
+        self._seq_pos[s] = [e for e in self._seq_pos[s] if e[1] not in gone]
+
+    def _seq_pos_put(self, s: int, cells: npt.NDArray[np.int64]) -> None:
+        """Put the entries of ``cells`` (which hold s, at their current positions) into sequence s's list."""
+        if cells.size <= _FEW:
+            for i in cells.tolist():
+                self._seq_pos_insert(s, i)
+            return
+        lst = self._seq_pos[s]
+        lst += sorted(zip(self._pos[cells].tolist(), cells.tolist(), strict=True))
+        lst.sort()  # two sorted runs: the sort merges them in one linear pass
+
+    def _seq_pos_rm_cells(self, cells: npt.NDArray[np.int64]) -> None:
+        for s, cs in self._by_seq(cells):
+            self._seq_pos_drop(s, cs)
+
+    def _seq_pos_add_cells(self, cells: npt.NDArray[np.int64]) -> None:
+        for s, cs in self._by_seq(cells):
+            self._seq_pos_put(s, cs)
+
     def _free(self, i: int, reset_ext: bool) -> None:
         """Make cell i empty; its per-sequence entries must already be gone."""
         self._seq[i] = 0
@@ -218,6 +290,30 @@ class KVCells:
         if reset_ext:
             self._ext[i] = (0, 0, TOKEN_NULL)
         self._n_used -= 1
+
+    def _free_all(self, cells: npt.NDArray[np.int64], reset_ext: bool) -> None:
+        """``_free`` of every one of ``cells`` (distinct)."""
+        self._seq[cells] = 0
+        self._pos[cells] = -1
+        self._shift[cells] = 0
+        if reset_ext:
+            self._ext[cells] = (0, 0, TOKEN_NULL)
+        self._n_used -= int(cells.size)
+
+    def _pos_add_all(self, cells: npt.NDArray[np.int64], d: int) -> npt.NDArray[np.bool_]:
+        """``pos_add(i, d)`` of every one of ``cells`` (distinct, used, d checked); which ones were freed."""
+        if not cells.size:
+            return np.zeros(0, dtype=bool)
+        self._seq_pos_rm_cells(cells)
+        new_pos = self._pos[cells].astype(np.int64) + d
+        freed = new_pos < 0
+        kept = cells[~freed]
+        self._has_shift = True
+        self._free_all(cells[freed], reset_ext=False)
+        self._pos[kept] = new_pos[~freed]
+        self._shift[kept] = _wrap32_all(self._shift[kept].astype(np.int64) + d)
+        self._seq_pos_add_cells(kept)
+        return freed
 
     # ------------------------------------------------------------------ copies (prepare() rollback)
     def cp(self, i: CellIndices, n: int | None = None) -> KVCells:
@@ -233,8 +329,7 @@ class KVCells:
         res._ext[:] = self._ext[idxs]
         res._seq[:] = self._seq[idxs]
         res._n_used = int(np.count_nonzero(res._pos != -1))
-        for j in np.flatnonzero(res._pos != -1):
-            res._seq_pos_add_cell(int(j))
+        res._seq_pos_add_cells(np.flatnonzero(res._pos != -1))
         return res
 
     def _cp_indices(self, i: CellIndices, n: int | None) -> npt.NDArray[np.int64]:
@@ -268,18 +363,31 @@ class KVCells:
             raise CellError("set: the other cells hold a position outside [-1, 2^31)")
         if np.any(other_seq[other_pos == -1] != 0):
             raise CellError("set: the other cells hold an empty cell with sequences")
-        for j in range(n):
-            idx = int(idxs[j])
-            was_used = self._pos[idx] != -1
-            if was_used:
-                self._seq_pos_rm_cell(idx)
-            self._pos[idx] = other_pos[j]
-            self._ext[idx] = other_ext[j]
-            self._seq[idx] = other_seq[j]
-            now_used = self._pos[idx] != -1
-            if now_used:
-                self._seq_pos_add_cell(idx)
-            self._n_used += int(now_used) - int(was_used)
+        # other cell j is written to cell idxs[j], j = 0, 1, ...: what each target cell holds in the end
+        targets, sources = self._set_sources(idxs, other is self)
+        was = targets[self._pos[targets] != -1]
+        self._seq_pos_rm_cells(was)
+        self._pos[targets] = other_pos[sources]
+        self._ext[targets] = other_ext[sources]
+        self._seq[targets] = other_seq[sources]
+        now = targets[self._pos[targets] != -1]
+        self._seq_pos_add_cells(now)
+        self._n_used += int(now.size) - int(was.size)
+
+    @staticmethod
+    def _set_sources(idxs: npt.NDArray[np.int64], aliased: bool) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """(targets, sources) of set(): cell ``targets[k]`` ends up with what other cell ``sources[k]`` held.
+
+        The last write to a cell listed twice wins. When the other cells are these cells (``c.set(idxs, c)``),
+        the write of cell j reads cell j as the earlier writes left it, so it passes on that cell's source.
+        """
+        last: dict[int, int] = {}  # target cell -> the last j written to it
+        src = np.arange(idxs.size, dtype=np.int64)
+        for j, t in enumerate(idxs.tolist()):
+            if aliased and j in last:
+                src[j] = src[last[j]]
+            last[t] = j
+        return np.fromiter(last.keys(), np.int64, len(last)), src[np.fromiter(last.values(), np.int64, len(last))]
 
     # ------------------------------------------------------------------ per-cell operations
     def is_empty(self, i: int) -> bool:
@@ -473,8 +581,8 @@ class KVCells:
             raise CellError("pos_set_many: a target cell is not empty")
         if ia.size and (pa.min() < 0 or pa.max() > POS_MAX):
             raise CellError("pos_set_many: a position is outside [0, 2^31)")
-        for k in range(ia.size):
-            self.pos_set(int(ia[k]), int(pa[k]))
+        self._pos[ia] = pa  # pos_set of every listed cell, all checked above
+        self._n_used += int(ia.size)
 
     def seq_add_many(self, idxs: Iterable[int], seq_ids: int | Iterable[int]) -> None:
         """``seq_add(idxs[k], seq_ids[k])`` (or one seq id for all); all-or-nothing."""
@@ -486,8 +594,10 @@ class KVCells:
                 raise CellError(f"seq_add_many: cell {i} already holds sequence {s}")
         if len(set(zip(ia.tolist(), sa.tolist(), strict=True))) != ia.size:
             raise CellError("seq_add_many: a (cell, sequence) pair appears twice")
-        for k in range(ia.size):
-            self.seq_add(int(ia[k]), int(sa[k]))
+        for s in np.unique(sa).tolist():
+            cells = ia[sa == s]
+            self._seq[cells, s >> 6] |= np.uint64(1 << (s & 63))
+            self._seq_pos_put(s, cells)
 
     def pos_add_many(self, idxs: Iterable[int], d: int) -> npt.NDArray[np.bool_]:
         """``pos_add(i, d)`` for every listed used cell; returns which cells were freed (bool array)."""
@@ -497,7 +607,7 @@ class KVCells:
         if np.unique(ia).size != ia.size:
             raise CellError("pos_add_many: a cell index appears twice")
         d = self._check_delta("pos_add_many", d, self._pos[ia])
-        return np.array([self.pos_add(int(i), d) for i in ia], dtype=bool)
+        return self._pos_add_all(ia, d)
 
     def seq_pos_min_many(self, seq_ids: Iterable[int]) -> IntArray:
         """``seq_pos_min`` of every listed sequence, as an int32 array."""
@@ -516,18 +626,18 @@ class KVCells:
         """Remove ``seq_id`` (every sequence when -1) from the used cells with p0 <= pos < p1."""
         seq_id, p0, p1 = _as_int(seq_id), _as_int(p0), _as_int(p1)
         size = self.size()
-        first = size
         if seq_id == -1:
-            for i in range(size):
-                if self.pos_in(i, p0, p1):
-                    self.rm(i)
-                    first = min(first, i)
-            return first
+            cells = np.flatnonzero(self._in_range(p0, p1))
+            self._seq_pos_rm_cells(cells)
+            self._free_all(cells, reset_ext=True)
+            return int(cells[0]) if cells.size else size
         s = _check_seq(seq_id)
-        for i in range(size):
-            if self.pos_in(i, p0, p1) and self._has(i, s) and self.seq_rm(i, s):
-                first = min(first, i)
-        return first
+        cells = np.flatnonzero(self._in_range(p0, p1) & self._has_all(s))
+        self._seq_pos_drop(s, cells)
+        self._seq[cells, s >> 6] &= ~np.uint64(1 << (s & 63))
+        emptied = cells[~self._seq[cells].any(axis=1)]
+        self._free_all(emptied, reset_ext=True)
+        return int(emptied[0]) if emptied.size else size
 
     def seq_cp_range(self, seq_src: int, seq_dst: int, p0: int, p1: int) -> None:
         """Add ``seq_dst`` to every cell of ``seq_src`` with p0 <= pos < p1.
@@ -538,30 +648,33 @@ class KVCells:
         p0, p1 = _as_int(p0), _as_int(p1)
         if src == dst:
             return
-        for i in range(self.size()):
-            if self.pos_in(i, p0, p1) and self._has(i, src) and not self._has(i, dst):
-                self.seq_add(i, dst)
+        cells = np.flatnonzero(self._in_range(p0, p1) & self._has_all(src) & ~self._has_all(dst))
+        self._seq[cells, dst >> 6] |= np.uint64(1 << (dst & 63))
+        self._seq_pos_put(dst, cells)
 
     def seq_keep_all(self, seq_id: int) -> int:
         """``seq_keep(i, seq_id)`` on every cell."""
         s = _check_seq(seq_id)
-        first = self.size()
-        for i in range(self.size()):
-            if self.seq_keep(i, s):
-                first = min(first, i)
-        return first
+        keep = self._has_all(s)
+        gone = np.flatnonzero(~keep & self._seq.any(axis=1))
+        only_s = np.zeros(N_SEQ_WORDS, dtype=np.uint64)
+        only_s[s >> 6] = np.uint64(1 << (s & 63))
+        self._seq[keep] = only_s
+        self._free_all(gone, reset_ext=True)
+        # no cell holds another sequence now; sequence s keeps its cells, at their positions
+        for t in range(LLAMA_MAX_SEQ):
+            if t != s:
+                self._seq_pos[t] = []
+        return int(gone[0]) if gone.size else self.size()
 
     def seq_add_range(self, seq_id: int, p0: int, p1: int, delta: int) -> int:
         """``pos_add(i, delta)`` on every cell of ``seq_id`` with p0 <= pos < p1; all-or-nothing."""
         s = _check_seq(seq_id)
         p0, p1 = _as_int(p0), _as_int(p1)
-        cells = [i for i in range(self.size()) if self.pos_in(i, p0, p1) and self._has(i, s)]
-        delta = self._check_delta("seq_add_range", delta, self._pos[np.asarray(cells, dtype=np.int64)])
-        first = self.size()
-        for i in cells:
-            if self.pos_add(i, delta):
-                first = min(first, i)
-        return first
+        cells = np.flatnonzero(self._in_range(p0, p1) & self._has_all(s))
+        delta = self._check_delta("seq_add_range", delta, self._pos[cells])
+        freed = cells[self._pos_add_all(cells, delta)]
+        return int(freed[0]) if freed.size else self.size()
 
     def seq_div_range(self, seq_id: int, p0: int, p1: int, d: int) -> None:
         """``pos_div(i, d)`` on every cell of ``seq_id`` with p0 <= pos < p1."""
@@ -569,9 +682,15 @@ class KVCells:
         p0, p1, d = _as_int(p0), _as_int(p1), _as_int(d)
         if d <= 0:
             raise CellError(f"seq_div_range: divisor {d} is not positive")
-        for i in range(self.size()):
-            if self.pos_in(i, p0, p1) and self._has(i, s):
-                self.pos_div(i, d)
+        cells = np.flatnonzero(self._in_range(p0, p1) & self._has_all(s))
+        if not cells.size:
+            return
+        self._seq_pos_rm_cells(cells)
+        old = self._pos[cells].astype(np.int64)
+        self._pos[cells] = old // d
+        self._shift[cells] = _wrap32_all(self._shift[cells].astype(np.int64) + old - old // d)
+        self._seq_pos_add_cells(cells)
+        self._has_shift = True
 
     def __repr__(self) -> str:
         return f"KVCells(size={self.size()}, used={self._n_used}, has_shift={self._has_shift})"
