@@ -443,12 +443,188 @@ def _arch_required(arch: str) -> tuple[str, ...]:
     return table.get(arch, ())
 
 
+class _GGUFValue:
+    """One metadata value as stored: its type (``types``: the value type, then an array's element types, as
+    gguf's ReaderField has them), decoded on demand. Arrays are not materialised until asked for."""
+
+    __slots__ = ("_count", "_decoded", "_offset", "_parser", "types")
+
+    def __init__(self, types: list[int], parser: _GGUFParser, offset: int, count: int = 1) -> None:
+        self.types = types
+        self._parser, self._offset, self._count = parser, offset, count
+        self._decoded: Any = _REQUIRED
+
+    @property
+    def n_elements(self) -> int:
+        """An array's element count, nested arrays flattened as gguf does (1 for a scalar)."""
+        return self._count
+
+    def contents(self) -> Any:
+        """The value as gguf's ReaderField.contents() gives it (str, int, float, bool, or a flat list)."""
+        if self._decoded is _REQUIRED:
+            self._decoded = self._parser.decode(self.types, self._offset)
+        return self._decoded
+
+
+# value type -> struct format and size (GGUFValueType: 0 u8 .. 7 bool, 8 string, 9 array, 10 u64 .. 12 f64)
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+
+
+class _GGUFParser:
+    """A GGUF metadata reader: the header and the key/value pairs, nothing else (no tensor infos, no data).
+
+    gguf's GGUFReader builds NumPy views of every value, a 262,144-token vocabulary included; this reads each
+    pair's key and type and notes where its value lies. Arrays are skipped by their byte length: numeric ones
+    in one step, string arrays by their length prefixes. Every count is bounded by the bytes left, so a lying
+    header fails fast instead of allocating or looping."""
+
+    def __init__(self, buf: Any, end: int, order: str = "<") -> None:
+        import struct
+
+        self.buf, self.end, self.order = buf, end, order
+        self._u32 = struct.Struct(order + "I").unpack_from
+        self._u64 = struct.Struct(order + "Q").unpack_from
+        self._struct = struct
+
+    def _need(self, at: int, n: int, what: str) -> None:
+        if n > self.end - at:
+            raise ValueError(
+                f"truncated GGUF metadata: {what} at offset {at} needs {n} bytes, {max(self.end - at, 0)} left"
+            )
+
+    def u32(self, at: int, what: str) -> int:
+        self._need(at, 4, what)
+        v: int = self._u32(self.buf, at)[0]
+        return v
+
+    def u64(self, at: int, what: str) -> int:
+        self._need(at, 8, what)
+        v: int = self._u64(self.buf, at)[0]
+        return v
+
+    def string(self, at: int, what: str) -> tuple[bytes, int]:
+        n = self.u64(at, what)
+        self._need(at + 8, n, what)
+        return bytes(self.buf[at + 8 : at + 8 + n]), at + 8 + n
+
+    def value_type(self, raw: int) -> int:
+        if raw not in _GGUF_SCALARS and raw not in (_GGUF_STRING, _GGUF_ARRAY):
+            raise ValueError(f"Unknown/unhandled field type {raw}")
+        return raw
+
+    def skip(self, vtype: int, at: int, what: str) -> tuple[list[int], int, int]:
+        """Step over one value: (its types, its element count (1 for a scalar), the offset after it)."""
+        if vtype == _GGUF_STRING:
+            n = self.u64(at, what)
+            self._need(at + 8, n, what)
+            return [vtype], 1, at + 8 + n
+        if vtype != _GGUF_ARRAY:
+            size = self._struct.calcsize(_GGUF_SCALARS[vtype])
+            self._need(at, size, what)
+            return [vtype], 1, at + size
+        raw_etype, count = self.u32(at, what), self.u64(at + 4, what)
+        at += 12
+        if count == 0:  # gguf's reader never looks at the element type of an empty array
+            return [_GGUF_ARRAY], 0, at
+        etype = self.value_type(raw_etype)
+        smallest = {_GGUF_STRING: 8, _GGUF_ARRAY: 12}.get(etype) or self._struct.calcsize(_GGUF_SCALARS[etype])
+        if count * smallest > self.end - at:
+            raise ValueError(f"array {what} of {count} elements does not fit in the {self.end - at} bytes left")
+        types = [_GGUF_ARRAY, etype]
+        if etype == _GGUF_STRING:
+            u64, buf, end = self._u64, self.buf, self.end
+            for _ in range(count):
+                if at + 8 > end:
+                    self._need(at, 8, what)
+                at += 8 + u64(buf, at)[0]
+                if at > end:
+                    self._need(at, 0, what)
+                    raise ValueError(f"truncated GGUF metadata: a string of {what} runs past the end")
+        elif etype == _GGUF_ARRAY:
+            leaves = 0
+            for i in range(count):  # nested arrays (gguf's reader flattens them): walk each
+                sub, n, at = self.skip(_GGUF_ARRAY, at, what)
+                leaves += n
+                if i == 0:
+                    types += sub[1:]
+            count = leaves
+        else:
+            at += count * smallest
+        return types, count, at
+
+    def decode(self, types: list[int], at: int) -> Any:
+        """The value at ``at`` as gguf's ReaderField.contents() returns it."""
+        vtype = types[0]
+        if vtype == _GGUF_STRING:
+            return self.string(at, "value")[0].decode("utf-8")
+        if vtype != _GGUF_ARRAY:
+            return self._struct.unpack_from(self.order + _GGUF_SCALARS[vtype], self.buf, at)[0]
+        return list(self._elements(at))
+
+    def _elements(self, at: int) -> Any:
+        etype, count = self.u32(at, "array"), self.u64(at + 4, "array")
+        at += 12
+        if count == 0:
+            return
+        if etype == _GGUF_STRING:
+            for _ in range(count):
+                raw, at = self.string(at, "array")
+                yield raw.decode("utf-8")
+        elif etype == _GGUF_ARRAY:
+            for _ in range(count):
+                yield from self._elements(at)
+                at = self.skip(_GGUF_ARRAY, at, "array")[2]
+        else:
+            fmt = self._struct.Struct(f"{self.order}{count}{_GGUF_SCALARS[etype]}")
+            yield from fmt.unpack_from(self.buf, at)
+
+    def read(self) -> dict[str, _GGUFValue]:
+        """The key/value pairs, with gguf's GGUF.version / GGUF.tensor_count / GGUF.kv_count pseudo-keys."""
+        if self.end < 4 or bytes(self.buf[:4]) != b"GGUF":
+            raise ValueError("GGUF magic invalid")
+        version = self.u32(4, "version")
+        if version & 0xFFFF == 0:  # written for the other byte order (gguf's reader swaps it)
+            swapped = _GGUFParser(self.buf, self.end, ">" if self.order == "<" else "<")
+            swapped_version = swapped.u32(4, "version")
+            if swapped_version in (2, 3):
+                return swapped.read()
+            version = swapped_version
+        if version not in (2, 3):
+            raise ValueError(f"Sorry, file appears to be version {version} which we cannot handle")
+        fields: dict[str, _GGUFValue] = {"GGUF.version": _GGUFValue([4], self, 4)}
+        fields["GGUF.tensor_count"] = _GGUFValue([10], self, 8)
+        fields["GGUF.kv_count"] = _GGUFValue([10], self, 16)
+        n_kv = self.u64(16, "kv_count")
+        at = 24
+        if n_kv * 13 > self.end - at:  # every pair takes at least a key length, a type and one byte of value
+            raise ValueError(f"kv_count {n_kv} cannot fit in the {self.end - at} bytes left")
+        for _ in range(n_kv):
+            start = at
+            raw, at = self.string(at, "key")
+            key = raw.decode("utf-8")
+            vtype = self.value_type(self.u32(at, key))
+            types, count, after = self.skip(vtype, at + 4, key)
+            if key in fields:
+                raise KeyError(f"Duplicate {key} already in list at offset {start}")
+            fields[key] = _GGUFValue(types, self, at + 4, count)
+            at = after
+        align = fields.get("general.alignment")
+        if align is not None:
+            if align.types != [4]:
+                raise ValueError("Bad type for general.alignment field")
+            a = align.contents()
+            if a == 0 or a & (a - 1):
+                raise ValueError("Invalid alignment: must be a non-zero power of two")
+        return fields
+
+
 class _GGUFMeta:
     """The metadata of a GGUF file with llama_model_loader's get_key / get_arr / get_key_or_arr rules."""
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         try:
-            from gguf import GGUFReader, GGUFValueType
+            from gguf import GGUFValueType
         except ImportError as e:  # gguf is a dependency; name what is really missing (gguf or one of its imports)
             raise HParamsError(
                 f"HParams.from_gguf cannot import the 'gguf' package: {type(e).__name__}: {e} "
@@ -456,7 +632,7 @@ class _GGUFMeta:
             ) from e
         self._array = GGUFValueType.ARRAY
         try:
-            self.fields = GGUFReader(os.fspath(path), "r").fields
+            self.fields = _read_gguf_metadata(os.fspath(path))
         except (ValueError, IndexError, OSError, KeyError) as e:
             if isinstance(e, FileNotFoundError):
                 raise
@@ -506,6 +682,18 @@ class _GGUFMeta:
                 raise HParamsError(f"key {key} has wrong array length; expected {n}, got {len(vals)}")
             return tuple(vals)
         return self.get(suffix)
+
+
+def _read_gguf_metadata(path: str) -> dict[str, _GGUFValue]:
+    """The key/value metadata of the GGUF file at ``path`` (memory-mapped; values are read when asked for)."""
+    import mmap
+
+    with open(path, "rb") as f:
+        size = os.fstat(f.fileno()).st_size
+        if size == 0:
+            raise ValueError("cannot mmap an empty file")
+        buf = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))
+    return _GGUFParser(buf, len(buf)).read()
 
 
 def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
@@ -577,7 +765,7 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
     if m.has(K.LLM.VOCAB_SIZE):
         kw["n_vocab"] = int(m.get(K.LLM.VOCAB_SIZE))
     elif K.Tokenizer.LIST in m.fields:
-        kw["n_vocab"] = len(m.fields[K.Tokenizer.LIST].data)
+        kw["n_vocab"] = m.fields[K.Tokenizer.LIST].n_elements  # the token count only: the strings stay unread
 
     for suffix in _arch_required(arch):
         if not m.has(suffix):

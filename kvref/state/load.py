@@ -3,10 +3,11 @@
 Nothing in the bytes says which memory layout follows, whether cells carry an ext, whether a version-9
 session still has its output block or whether its KV sections start with ``n_stream``. The caller may say
 so; whatever it leaves open is *inferred*: every remaining combination is parsed (metadata only, the rows are
-views) and exactly one must consume the input to its last byte. Candidates that are indistinguishable in the
-bytes they describe (say, ext sizes when no cell is present) count as one. Two genuinely different
-readings raise a FormatError on field ``layout`` that names them; none raises the error of the reading that
-got furthest.
+views) and exactly one must consume the input to its last byte. (A sniff of the header fields first rules out,
+without parsing them, the combinations that cannot: usually all but one; see `_Sniff`.) Candidates that are
+indistinguishable in the bytes they describe (say, ext sizes when no cell is present) count as one. Two genuinely
+different readings raise a FormatError on field ``layout`` that names them; none raises the error of the reading
+that got furthest.
 """
 
 from __future__ import annotations
@@ -14,14 +15,28 @@ from __future__ import annotations
 import itertools
 import mmap
 import os
+import struct
+import sys
 from typing import Any, Literal, overload
 
+import numpy as np
+
 from ..archs import HYBRID_ARCHS, RECURRENT_ARCHS
+from ..constants import LLAMA_MAX_LAYERS, LLAMA_MAX_SEQ
 from ..errors import ArgumentError, FormatError
-from .constants import LAYOUTS, Magic
-from .dsl import read_root
-from .files import STRUCTS, SeqFile, SeqStateBlob, SessionFile, StateBlob, StateObject
-from .sections import KVSection, RecurrentSection
+from .constants import LAYOUTS, SEQ_VERSIONS, SESSION_VERSIONS, Magic
+from .dsl import _MAX_DIM, Str, read_root
+from .files import STATE, STRUCTS, SeqFile, SeqStateBlob, SessionFile, StateBlob, StateObject
+from .sections import (
+    _KNOWN_TYPES,
+    KV_DATA,
+    KV_STREAM,
+    R_LAYER,
+    RECURRENT_SECTION,
+    KVSection,
+    RecurrentSection,
+    _type_size,
+)
 
 KINDS = ("session", "seq", "state", "seq_state")
 # what `load` reads: a path (memory-mapped) or the bytes of a blob
@@ -103,9 +118,12 @@ def detect_kind(buf: memoryview) -> list[str]:
     return ["seq_state", "state"]
 
 
-def _candidates(
-    kind: str, buf: memoryview, layout: str, opts: dict[str, Any], auto_kind: bool = True
-) -> list[dict[str, Any]]:
+# One way to read the input: (kind, layout, has_outputs, n_stream_field, ext_size, has_v, ple, n_state_layers,
+# seq_header); `_as_options` spells it out as the read options of `read_root`.
+Reading = tuple[str, str, bool, bool, int, bool, bool, Any, bool]
+
+
+def _readings(kind: str, buf: memoryview, layout: str, opts: dict[str, Any], auto_kind: bool = True) -> list[Reading]:
     table = _SESSION_VARIANTS if kind in ("session", "state") else _SEQ_VARIANTS
     every = list(dict.fromkeys(v for vs in table.values() for v in vs))
     # files say their version; blobs do not. Explicit options win over the version table (a caller who says
@@ -124,6 +142,7 @@ def _candidates(
     headers = [True] if kind != "seq_state" or auto_kind is False else [_u32(buf, 0) == Magic.SEQ_BLOB]
     if opts["seq_header"] is not None:
         headers = [opts["seq_header"]]
+    ple = bool(opts["ple"])
     out = []
     for (has_outputs, n_stream_field, exts), lay, header in itertools.product(variants, layouts, headers):
         if not _matches((has_outputs, n_stream_field, exts), opts):
@@ -140,21 +159,24 @@ def _candidates(
         if n_state is None and "recurrent" in kinds:
             n_state = "scan"
         for ext, has_v in itertools.product(exts, has_vs):
-            out.append(
-                {
-                    "kind": kind,
-                    "layout": lay,
-                    "has_outputs": has_outputs,
-                    "n_stream_field": n_stream_field,
-                    "ext_size": ext,
-                    "has_v": has_v,
-                    "ple": bool(opts["ple"]),
-                    "n_state_layers": n_state,
-                    "seq_header": header,
-                    "seq_scope": kind in ("seq", "seq_state"),
-                }
-            )
+            out.append((kind, lay, has_outputs, n_stream_field, ext, has_v, ple, n_state, header))
     return out
+
+
+def _as_options(r: Reading) -> dict[str, Any]:
+    kind, lay, has_outputs, n_stream_field, ext, has_v, ple, n_state, header = r
+    return {
+        "kind": kind,
+        "layout": lay,
+        "has_outputs": has_outputs,
+        "n_stream_field": n_stream_field,
+        "ext_size": ext,
+        "has_v": has_v,
+        "ple": ple,
+        "n_state_layers": n_state,
+        "seq_header": header,
+        "seq_scope": kind in ("seq", "seq_state"),
+    }
 
 
 def _matches(variant: tuple[bool, bool, tuple[int, ...]], opts: dict[str, Any]) -> bool:
@@ -263,6 +285,428 @@ def describe(opts: dict[str, Any]) -> str:
         bits.append(f"outputs={opts['has_outputs']}")
     bits += [f"n_stream_field={opts['n_stream_field']}", f"ext_size={opts['ext_size']}", f"has_v={opts['has_v']}"]
     return " ".join(bits)
+
+
+# --- sniffing: which readings can parse at all, decided from a few header fields --------------------------------
+# Parsing every candidate reading in full costs a walk of every cell table per reading (a wrong cell ext size
+# often reads a uniform table as half as many wider cells, then walks the second half cell by cell before it
+# fails). `_Sniff` follows the same wire layout as the DSL (sections.py, files.py) without building anything:
+# it only answers "can this reading parse?", sharing what readings have in common (the container header, each
+# section at a given offset, each cell table) and jumping over runs of equal cells with NumPy instead of walking
+# them. It is conservative: a reading is dropped only when the parser would fail on its own path. Only the kept
+# readings are parsed (usually one); when none of them parses, every reading is parsed as before, so the error
+# raised (the best-supported failure, with ``readings``) does not depend on the sniff.
+#
+# One shortcut: a cell table whose first, middle and last cells agree is *assumed* uniform (its end computed
+# from cell_count, ext size and n_seq_id) rather than checked cell by cell. After the kept readings are parsed,
+# every assumed table is confirmed: by a parsed reading that read that very table and found it ending there (the
+# usual case: the right reading and its has_v=False twin share the table), else by checking it cell by cell;
+# should one be wrong, the dropped readings are sniffed again without assumptions. So the table every reading
+# shares is checked once, by the parser.
+
+_U32S = struct.Struct("<I")
+_I32S = struct.Struct("<i")
+_U64S = struct.Struct("<Q")
+_ROW_HEAD = struct.Struct("<iQ")  # type, row_size
+_TRANS_HEAD = struct.Struct("<iII")  # type, el_size, n_embd
+_TYPE_SIZE = {t: _type_size(t) for t in _KNOWN_TYPES}
+
+
+def _item_min(container: Any, name: str) -> dict[bool, int]:
+    """The smallest encoding of one element of the list field ``name`` (per Switch case when it is one)."""
+    f = next(x for x in container.fields if x.name == name)
+    cases = getattr(f, "cases", {False: f})
+    return {k: v.item.min_size for k, v in cases.items()}
+
+
+_STREAM_MIN = KV_STREAM.min_size
+_K_MIN = _item_min(KV_DATA, "k")[False]
+_V_MIN = _item_min(KV_DATA, "v")
+_R_MIN = R_LAYER.min_size
+_S_MIN = _item_min(RECURRENT_SECTION, "s")
+_ARCH_MAX = next(f.max_len for f in STATE.fields if isinstance(f, Str))
+_GALLOP = 8  # equal cells walked one by one before the rest of the run is checked in NumPy blocks
+_ASSUME_MIN = 256  # smaller tables are checked cell by cell right away (cheaper than confirming them later)
+
+Table = tuple[str, int, int, int]  # ("cells", offset, cell_count, ext_size)
+
+
+class _Sniff:
+    """Cheap, shared, conservative "can this reading parse?" over one input (see above). With ``exact``, no
+    cell table is assumed uniform."""
+
+    def __init__(self, buf: memoryview, exact: bool = False) -> None:
+        self.buf = buf
+        self.end = len(buf)
+        self.exact = exact
+        self.memo: dict[tuple[Any, ...], Any] = {}
+        self.assumed: dict[Table, tuple[int, frozenset[int]]] = {}  # the tables assumed uniform, as assumed
+
+    def viable(self, r: Reading) -> bool:
+        """False when the parse of reading ``r`` is certain to fail (given the tables assumed uniform are)."""
+        try:
+            return self._viable(*r)
+        except Exception:  # anything unforeseen: keep the reading, the parser decides
+            return True
+
+    def confirm(self, read: dict[Table, int]) -> bool:
+        """Whether every table assumed uniform is: ``read`` holds where the parser found tables to end."""
+        exact = _Sniff(self.buf, exact=True)
+        return all(read.get(t) == got[0] or exact._cells(*t[1:]) == got for t, got in self.assumed.items())
+
+    def _viable(
+        self,
+        kind: str,
+        layout: str,
+        outputs: bool,
+        n_stream_field: bool,
+        ext: int,
+        has_v: bool,
+        ple: bool,
+        ns: Any,
+        hdr: bool,
+    ) -> bool:
+        memo = self.memo
+        key: tuple[Any, ...] = ("head", kind, outputs, hdr)
+        at = memo[key] if key in memo else self._memo(key, self._header, kind, outputs, hdr)
+        scope = kind in ("seq", "seq_state")
+        parts = LAYOUTS[layout]
+        for i, part in enumerate(parts):
+            if at is None:
+                return False
+            if part == "kv":
+                key = ("kv", at, n_stream_field, ext, has_v, scope)
+                at = (
+                    memo[key]
+                    if key in memo
+                    else self._memo(key, self._kv_section, at, n_stream_field, ext, has_v, scope)
+                )
+            else:
+                last = i == len(parts) - 1
+                key = ("rec", at, ple, ns, scope, last)
+                at = memo[key] if key in memo else self._memo(key, self._rec_section, at, ple, ns, scope, last)
+        return at == self.end  # else: trailing bytes, or a failure (None)
+
+    def _memo(self, key: tuple[Any, ...], fn: Any, *args: Any) -> Any:
+        if key not in self.memo:
+            self.memo[key] = fn(*args)
+        return self.memo[key]
+
+    # scalars: None when the field does not fit (the parser's "truncated")
+    def _u32(self, at: int) -> int | None:
+        return _U32S.unpack_from(self.buf, at)[0] if at + 4 <= self.end else None
+
+    def _u64(self, at: int) -> int | None:
+        return _U64S.unpack_from(self.buf, at)[0] if at + 8 <= self.end else None
+
+    def _array(self, at: int, count: int | None, width: int) -> int | None:
+        """A count prefix of ``width`` bytes then ``count`` 4-byte elements: the offset after them."""
+        if count is None:
+            return None
+        at += width
+        return None if count * 4 > self.end - at else at + count * 4
+
+    def _header(self, kind: str, has_outputs: bool, seq_header: bool) -> int | None:
+        """Where the memory starts (files.py: magic, version, tokens, arch, the v9 output block, io_magic)."""
+        at: int | None = 0
+        if kind in ("session", "seq"):
+            magic, versions = (
+                (Magic.SESSION, SESSION_VERSIONS) if kind == "session" else (Magic.STATE_SEQ, SEQ_VERSIONS)
+            )
+            if self._u32(0) != magic or self._u32(4) not in versions:
+                return None
+            at = self._array(8, self._u32(8), 4)  # n_token_count, tokens
+        elif kind == "seq_state" and seq_header:
+            if self._u32(0) != Magic.SEQ_BLOB or self.end < 8:  # io_magic, io_seq_id
+                return None
+            at = 8
+        if at is not None and kind in ("session", "state"):
+            n = self._u32(at)
+            if n is None or n > _ARCH_MAX or n > self.end - at - 4:
+                return None
+            at += 4 + n
+            if has_outputs:
+                at = self._array(at, self._u32(at), 4)  # n_outputs, output_pos
+                at = None if at is None else self._array(at, self._u64(at), 8)  # logits_size, logits
+                at = None if at is None else self._array(at, self._u64(at), 8)  # embd_size, embeddings
+        return at
+
+    def _kv_section(self, at: int, n_stream_field: bool, ext: int, has_v: bool, scope: bool) -> int | None:
+        n_stream = 1
+        if n_stream_field:
+            n = self._u32(at)
+            if n is None or not 1 <= n <= LLAMA_MAX_SEQ:
+                return None
+            n_stream, at = n, at + 4
+        if n_stream * _STREAM_MIN > self.end - at:
+            return None
+        for _ in range(n_stream):
+            cell_count = self._u32(at)
+            if cell_count is None:
+                return None
+            at += 4
+            if cell_count > 0:
+                table = self._memo(("cells", at, cell_count, ext), self._cells, at, cell_count, ext)
+                if table is None or (scope and not table[1] <= {0, 1}):
+                    return None
+                at = table[0]
+            if cell_count > 0 or not n_stream_field:
+                at = self._memo(("data", at, cell_count, has_v), self._kv_data, at, cell_count, has_v)
+                if at is None:
+                    return None
+        return at
+
+    def _kv_data(self, at: int, cell_count: int, has_v: bool) -> int | None:
+        head = self._memo(("k", at, cell_count), self._kv_k, at, cell_count)
+        if head is None:
+            return None
+        v_trans, n_layer, at = head
+        n_v = n_layer if has_v else 0
+        if n_v * _V_MIN[bool(v_trans)] > self.end - at:
+            return None
+        return self._transposed(at, cell_count, n_v) if v_trans else self._rows(at, cell_count, n_v)
+
+    def _kv_k(self, at: int, cell_count: int) -> tuple[int, int, int] | None:
+        v_trans, n_layer = self._u32(at), self._u32(at + 4)
+        if v_trans not in (0, 1) or n_layer is None or n_layer > LLAMA_MAX_LAYERS:
+            return None
+        at += 8
+        if n_layer * _K_MIN > self.end - at:
+            return None
+        end = self._rows(at, cell_count, n_layer)
+        return None if end is None else (v_trans, n_layer, end)
+
+    def _rows(self, at: int, n_rows: int, count: int, ple: bool = False) -> int | None:
+        """``count`` records of ``i32 type, u64 row_size, rows`` (with ``u64 p_row_size, p rows`` when ``ple``)."""
+        end, buf, sizes = self.end, self.buf, _TYPE_SIZE
+        for _ in range(count):
+            if at + 12 > end:
+                return None
+            t, row = _ROW_HEAD.unpack_from(buf, at)
+            size = sizes.get(t)
+            if size is None or row % size:
+                return None
+            at += 12
+            if n_rows * row > end - at or row > _MAX_DIM or n_rows > _MAX_DIM:
+                return None
+            at += n_rows * row
+            if ple:
+                p = self._u64(at)
+                if p is None:
+                    return None
+                at += 8
+                if n_rows * p > end - at or p > _MAX_DIM or n_rows > _MAX_DIM:
+                    return None
+                at += n_rows * p
+        return at
+
+    def _transposed(self, at: int, n_cells: int, count: int) -> int | None:
+        """``count`` records of ``i32 type, u32 el_size, u32 n_embd, n_embd rows of n_cells * el_size``."""
+        end, buf = self.end, self.buf
+        for _ in range(count):
+            if at + 12 > end:
+                return None
+            t, el, n_embd = _TRANS_HEAD.unpack_from(buf, at)
+            if el != _TYPE_SIZE.get(t):
+                return None
+            at += 12
+            cols = n_cells * el
+            if n_embd * cols > end - at or max(n_embd, cols) > _MAX_DIM:
+                return None
+            at += n_embd * cols
+        return at
+
+    def _rec_section(self, at: int, ple: bool, n_state: Any, scope: bool, last: bool) -> int | None:
+        cell_count = self._u32(at)
+        if cell_count is None:
+            return None
+        at += 4
+        table = self._memo(("cells", at, cell_count, 0), self._cells, at, cell_count, 0)
+        if table is None or (scope and cell_count and not table[1] <= {0}):
+            return None
+        at = table[0]
+        s_trans, n_layer = self._u32(at), self._u32(at + 4)
+        if s_trans not in (0, 1) or n_layer is None or n_layer > LLAMA_MAX_LAYERS:
+            return None
+        at += 8
+        if n_state is None:
+            n_state = n_layer
+        elif n_state == "scan":
+            n_state = self._scan(at, n_layer, cell_count, s_trans, ple, last)
+        elif n_state > n_layer:
+            return None
+        if n_state * _R_MIN > self.end - at:
+            return None
+        after = self._rows(at, cell_count, n_state, ple)
+        if after is None or n_state * _S_MIN[bool(s_trans)] > self.end - after:
+            return None
+        return self._transposed(after, cell_count, n_state) if s_trans else self._rows(after, cell_count, n_state)
+
+    def _scan(self, at: int, n_layer: int, cell_count: int, s_trans: int, ple: bool, last: bool) -> int:
+        """sections._scan_state_layers (how many layers carry state), with struct reads instead of NumPy ones."""
+        if s_trans:
+            return n_layer
+        end = self.end
+        if ple:
+            fits = []
+            for k in range(n_layer, -1, -1):
+                k_r, pos = self._records(at, cell_count, True, k)
+                if k_r != k:
+                    continue
+                k_s, stop = self._records(pos, cell_count, False, k)
+                if k_s == k:
+                    fits.append((stop != end, k))
+            exact = [k for at_end, k in fits if not at_end]
+            if last:
+                return exact[0] if exact else n_layer
+            return max(k for _, k in fits) if fits else n_layer
+        count, pos = self._records(at, cell_count, False, 2 * n_layer)
+        if count % 2 or (last and pos != end) or (not last and count == 0):
+            return n_layer
+        return count // 2
+
+    def _records(self, pos: int, cell_count: int, with_p: bool, limit: int) -> tuple[int, int]:
+        """sections._walk_records: consecutive ``type, row_size, rows [, p_row_size, p rows]`` records that fit."""
+        count, end, buf = 0, self.end, self.buf
+        while count < limit and pos + 12 <= end:
+            t, row = _ROW_HEAD.unpack_from(buf, pos)
+            size = _TYPE_SIZE.get(t)
+            if size is None:
+                break
+            nxt = pos + 12 + row * cell_count
+            if row % size or nxt > end:
+                break
+            if with_p:
+                if nxt + 8 > end:
+                    break
+                nxt += 8 + _U64S.unpack_from(buf, nxt)[0] * cell_count
+                if nxt > end:
+                    break
+            pos, count = nxt, count + 1
+        return count, pos
+
+    def _cells(self, at: int, n: int, ext_size: int) -> tuple[int, frozenset[int]] | None:
+        """The end of a cell table and the n_seq_id values it holds (cells.py: the uniform view, else the walk).
+        The values are exact only as far as a rejection needs: the first cell's is always among them."""
+        if n * (8 + ext_size) > self.end - at:
+            return None
+        if n == 0:
+            return at, frozenset()
+        k, words = ext_size // 4, (self.end - at) // 4
+        first = self._u32(at + 4)
+        if words < 2 or first is None or first > LLAMA_MAX_SEQ:
+            return None
+        stride = 2 + k + first
+        if n * stride <= words:  # the reader's fast path: every cell like the first
+            rec = np.frombuffer(self.buf, "<u4", n * stride, at).reshape(n, stride)
+            probe = rec[[0, n // 2, n - 1]]
+            if (probe[:, 1] == first).all() and (probe[:, 2 + k :] < LLAMA_MAX_SEQ).all():
+                out = at + 4 * n * stride, frozenset((first,))
+                if not self.exact and n >= _ASSUME_MIN:
+                    self.assumed["cells", at, n, ext_size] = out
+                    return out
+                if (rec[:, 1] == first).all() and (first == 0 or rec[:, 2 + k :].max() < LLAMA_MAX_SEQ):
+                    return out
+        return self._walk(at, n, k, words)
+
+    def _walk(self, at: int, n: int, k: int, words: int) -> tuple[int, frozenset[int]] | None:
+        """The reader's per-cell walk (each n_seq_id at most LLAMA_MAX_SEQ, each seq id in [0, LLAMA_MAX_SEQ), each
+        cell within the input); a run of equal cells is checked in NumPy blocks of growing size."""
+        w32 = self.buf[at : at + 4 * words].cast("I")
+        arr: np.ndarray | None = None
+        w = i = rep = 0
+        prev = -1
+        seen: set[int] = set()
+        while i < n:
+            if w + 2 > words:
+                return None
+            m = w32[w + 1]
+            step = 2 + k + m
+            if m > LLAMA_MAX_SEQ or w + step > words:
+                return None
+            if m and (w32[w + 2 + k] if m == 1 else max(w32[w + 2 + k : w + step])) >= LLAMA_MAX_SEQ:
+                return None  # ids are u32 here: a negative i32 id is >= LLAMA_MAX_SEQ too
+            w, i = w + step, i + 1
+            if m != prev:
+                seen.add(m)
+                prev, rep = m, 1
+                continue
+            rep += 1
+            if rep >= _GALLOP and i < n:
+                if arr is None:
+                    arr = np.frombuffer(self.buf, "<u4", words, at)
+                run = _run(arr, w, step, k, m, min(n - i, (words - w) // step))
+                w, i, rep = w + run * step, i + run, 0
+        return at + 4 * w, frozenset(seen)
+
+
+def _run(arr: np.ndarray, w: int, step: int, k: int, m: int, limit: int) -> int:
+    """How many cells from word ``w`` on (at most ``limit``) have ``n_seq_id == m`` and valid seq ids."""
+    j, block = 0, 512
+    while j < limit:
+        b = min(block, limit - j)
+        rec = arr[w + j * step : w + (j + b) * step].reshape(b, step)
+        bad_n = rec[:, 1] != m
+        ids = rec[:, 2 + k] if m == 1 else rec[:, 2 + k : 2 + k + m]
+        if not bad_n.any() and (m == 0 or ids.max() < LLAMA_MAX_SEQ):
+            j, block = j + b, block * 4
+            continue
+        good = int(np.argmax(bad_n)) if bad_n.any() else b  # cells before the first other n_seq_id ...
+        if m:
+            bad_id = np.asarray(ids[:good] >= LLAMA_MAX_SEQ)
+            if m > 1:
+                bad_id = np.asarray(bad_id.any(axis=1))
+            if bad_id.any():  # ... and before the first bad seq id
+                good = int(np.argmax(bad_id))
+        return j + good
+    return j
+
+
+def _tables_read(objs: list[StateObject]) -> dict[Table, int]:
+    """Where each cell table the parser read ends: ("cells", offset, cell_count, ext_size) -> end offset."""
+    out: dict[Table, int] = {}
+    for obj in objs:
+        for sec in obj.memory.sections:
+            parts = sec.streams if isinstance(sec, KVSection) else [sec]
+            for part in parts:
+                cells, at = part.cells, part.offsets.get("cells")
+                if cells is not None and at is not None:
+                    key = ("cells", at, cells.n, cells.ext_size)
+                    out[key] = at + cells.n * (8 + cells.ext_size) + 4 * len(cells.seq_id)
+    return out
+
+
+def _parse(r: Reading, buf: memoryview) -> StateObject | None:
+    """Reading ``r`` of ``buf``, or None when it does not parse (its error is not kept: see `_parsed`)."""
+    try:
+        obj: StateObject = read_root(STRUCTS[r[0]], buf, _as_options(r))
+    except FormatError:
+        return None
+    return obj
+
+
+def _parsed(buf: memoryview, readings: list[Reading]) -> list[StateObject | None] | None:
+    """Each reading's object when it parses (None when it does not, or cannot), or None when no reading parses
+    or there is nothing to sniff: then `load` parses every reading in turn, as it always did, for its error."""
+    if len(readings) < 2 or sys.byteorder != "little":  # the sniff reads native u32 words
+        return None
+    sniff = _Sniff(buf)
+    verdict: dict[Reading, bool] = {}
+    done: dict[Reading, StateObject | None] = {}  # blob variants overlap: a reading can repeat
+    for r in readings:
+        if r not in verdict:
+            verdict[r] = sniff.viable(r)
+            if verdict[r]:
+                done[r] = _parse(r, buf)
+    parsed = [o for o in done.values() if o is not None]
+    if not parsed:
+        return None
+    if sniff.assumed and not sniff.confirm(_tables_read(parsed)):
+        exact = _Sniff(buf, exact=True)  # an assumed table was not uniform: sniff again, assuming nothing
+        for r in verdict:
+            if r not in done and exact.viable(r):
+                done[r] = _parse(r, buf)
+    return [done.get(r) for r in readings]
 
 
 @overload
@@ -384,29 +828,38 @@ def load(
         "seq_header": seq_header,
     }
     kinds = detect_kind(buf) if kind == "auto" else [kind]
-    candidates = [c for k in kinds for c in _candidates(k, buf, layout, opts, kind == "auto")]
-    if not candidates:
+    readings = [r for k in kinds for r in _readings(k, buf, layout, opts, kind == "auto")]
+    if not readings:
         raise ArgumentError("the options given exclude every reading of this input")
     found: dict[tuple[Any, ...], tuple[dict[str, Any], StateObject]] = {}
     best: FormatError | None = None
     best_key: tuple[int, int, int, int] = (0, 0, 0, 0)
     want_family = _arch_family(buf, kinds[0])
     failures: list[tuple[str, str]] = []
-    for c in candidates:
-        try:
-            obj = read_root(STRUCTS[c["kind"]], buf, c)
-        except FormatError as e:
-            failures.append((describe(c), str(e)))
-            # the best-supported explanation: among the likeliest readings (no cell ext, V present: what most
-            # models write), one that did not stumble on a sequence id no llama.cpp can write (the mark of
-            # reading misaligned bytes), the one that got furthest into the input
-            msg = str(e)
-            misaligned = e.field in ("n_seq_id", "seq_id") and ("LLAMA_MAX_SEQ" in msg or "[0, 256)" in msg)
-            family = want_family is None or _family(c["layout"]) == want_family
-            key = (int(family), int(c["ext_size"] == 0 and c["has_v"]), int(not misaligned), e.offset or 0)
-            if best is None or key > best_key:
-                best, best_key = e, key
-            continue
+    # the sniff's pick (usually one reading); when none of its readings parses, every reading, as before
+    objs = _parsed(buf, readings)
+    for i, r in enumerate(readings):
+        if objs is not None:
+            obj = objs[i]
+            if obj is None:
+                continue  # does not parse (or cannot: dropped by the sniff), and another reading does
+            c = _as_options(r)
+        else:
+            c = _as_options(r)
+            try:
+                obj = read_root(STRUCTS[c["kind"]], buf, c)
+            except FormatError as e:
+                failures.append((describe(c), str(e)))
+                # the best-supported explanation: among the likeliest readings (no cell ext, V present: what
+                # most models write), one that did not stumble on a sequence id no llama.cpp can write (the mark
+                # of reading misaligned bytes), the one that got furthest into the input
+                msg = str(e)
+                misaligned = e.field in ("n_seq_id", "seq_id") and ("LLAMA_MAX_SEQ" in msg or "[0, 256)" in msg)
+                family = want_family is None or _family(c["layout"]) == want_family
+                key = (int(family), int(c["ext_size"] == 0 and c["has_v"]), int(not misaligned), e.offset or 0)
+                if best is None or key > best_key:
+                    best, best_key = e, key
+                continue
         found.setdefault(_signature(obj), (c, obj))
     if len(found) > 1:
         found = _by_arch(_plausible(found))
@@ -447,9 +900,9 @@ def load(
                 )
         best.readings = failures
         raise best
-    readings = "; ".join(describe(c) for c, _ in found.values())
+    which = "; ".join(describe(c) for c, _ in found.values())
     raise FormatError(
-        f"cannot decide how to read this input, {len(found)} readings parse: {readings}; pass kind=/layout=/options",
+        f"cannot decide how to read this input, {len(found)} readings parse: {which}; pass kind=/layout=/options",
         field="layout",
         offset=0,
     )
