@@ -340,13 +340,11 @@ class Run:
 
     # -------------------------------------------------------------- decode
 
-    def decode(self, tokens, pos, seq_ids, logits=None) -> int:
+    def _run_batch(self, call, tokens, pos, seq_ids, logits) -> tuple[int, list[str]]:
+        """``call(ctx, batch)`` (llama_decode / llama_encode) on a llama_batch of these entries; returns its
+        result and what llama.cpp logged meanwhile (the capture's previous graphs are dropped first)."""
         n = len(tokens)
-        assert len(pos) == n and len(seq_ids) == n
-        if logits is None:
-            logits = [0] * (n - 1) + [1]
-        n_seq = max(len(s) for s in seq_ids)
-        b = L.llama_batch_init(n, 0, max(n_seq, 1))
+        b = L.llama_batch_init(n, 0, max(max(len(s) for s in seq_ids), 1))
         b.n_tokens = n
         for i in range(n):
             b.token[i] = int(tokens[i])
@@ -358,9 +356,17 @@ class Run:
         _take_log()
         if self.capture is not None:
             self.capture.take()
-        ret = int(L.llama_decode(self.ctx, b))
+        ret = int(call(self.ctx, b))
         lines = _take_log()
         L.llama_batch_free(b)
+        return ret, lines
+
+    def decode(self, tokens, pos, seq_ids, logits=None) -> int:
+        n = len(tokens)
+        assert len(pos) == n and len(seq_ids) == n
+        if logits is None:
+            logits = [0] * (n - 1) + [1]
+        ret, lines = self._run_batch(L.llama_decode, tokens, pos, seq_ids, logits)
         graphs = None
         if self.capture is not None:
             if self.capture.error is not None:
@@ -385,23 +391,7 @@ class Run:
     def encode(self, tokens, pos, seq_ids) -> int:
         """llama_encode (an encoder-decoder model's encoder: one ubatch, non-causal, no memory touched); its
         ``graph`` keeps only the inputs kvref computes for a cache-less graph (T5's ``pos_bucket``)."""
-        n = len(tokens)
-        n_seq = max(len(s) for s in seq_ids)
-        b = L.llama_batch_init(n, 0, max(n_seq, 1))
-        b.n_tokens = n
-        for i in range(n):
-            b.token[i] = int(tokens[i])
-            b.pos[i] = int(pos[i])
-            b.n_seq_id[i] = len(seq_ids[i])
-            for j, s in enumerate(seq_ids[i]):
-                b.seq_id[i][j] = int(s)
-            b.logits[i] = 1
-        _take_log()
-        if self.capture is not None:
-            self.capture.take()
-        ret = int(L.llama_encode(self.ctx, b))
-        lines = _take_log()
-        L.llama_batch_free(b)
+        ret, lines = self._run_batch(L.llama_encode, tokens, pos, seq_ids, [1] * len(tokens))
         op = {
             "op": "encode",
             "tokens": [int(t) for t in tokens],

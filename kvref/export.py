@@ -24,12 +24,15 @@ from __future__ import annotations
 
 import json
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from .errors import KVRefError
 from .progress import Progress
+
+if TYPE_CHECKING:
+    from .tensors import KVTensors, RecurrentTensors
 
 
 def _seq_mask(seq_id: np.ndarray, seq_start: np.ndarray) -> np.ndarray:
@@ -59,6 +62,16 @@ def export_arrays(
     arrays: dict[str, np.ndarray] = {}
     meta: dict[str, Any] = {"layout": obj.memory.layout, "kind": obj.kind, "unrotate": unrotate, "tensors": {}}
     layers: dict[str, list[int]] = {}
+
+    def cells(base: str, t: KVTensors | RecurrentTensors) -> None:
+        # the cell metadata of a section (and stream) once, the model layer of every tensor of it
+        if f"{base}.pos" not in arrays:
+            arrays[f"{base}.pos"] = t.pos
+            arrays[f"{base}.seq_id"] = t.seq_id
+            arrays[f"{base}.seq_start"] = t.seq_start
+            arrays[f"{base}.seq_mask"] = _seq_mask(t.seq_id, t.seq_start)
+        layers.setdefault(f"{base}.layer", []).append(-1 if t.il is None else t.il)
+
     for t in ts.kv:
         base = f"kv.{t.section}.s{t.stream}"
         arrays[f"{base}.l{t.layer}.k"] = t.k
@@ -66,24 +79,14 @@ def export_arrays(
         if t.v is not None:
             arrays[f"{base}.l{t.layer}.v"] = t.v
             meta["tensors"][f"{base}.l{t.layer}.v"] = {"type": t.type_v, "unrotated": t.unrotated_v}
-        if f"{base}.pos" not in arrays:
-            arrays[f"{base}.pos"] = t.pos
-            arrays[f"{base}.seq_id"] = t.seq_id
-            arrays[f"{base}.seq_start"] = t.seq_start
-            arrays[f"{base}.seq_mask"] = _seq_mask(t.seq_id, t.seq_start)
-        layers.setdefault(f"{base}.layer", []).append(-1 if t.il is None else t.il)
+        cells(base, t)
     for rt in ts.recurrent:
         base = f"rs.{rt.section}"
         arrays[f"{base}.l{rt.layer}.r"] = rt.r
         arrays[f"{base}.l{rt.layer}.s"] = rt.s
         meta["tensors"][f"{base}.l{rt.layer}.r"] = {"type": rt.type_r}
         meta["tensors"][f"{base}.l{rt.layer}.s"] = {"type": rt.type_s}
-        if f"{base}.pos" not in arrays:
-            arrays[f"{base}.pos"] = rt.pos
-            arrays[f"{base}.seq_id"] = rt.seq_id
-            arrays[f"{base}.seq_start"] = rt.seq_start
-            arrays[f"{base}.seq_mask"] = _seq_mask(rt.seq_id, rt.seq_start)
-        layers.setdefault(f"{base}.layer", []).append(-1 if rt.il is None else rt.il)
+        cells(base, rt)
     for name, ils in layers.items():
         arrays[name] = np.asarray(ils, np.int32)
     return {k: np.ascontiguousarray(v) for k, v in arrays.items()}, meta
