@@ -13,9 +13,9 @@ from __future__ import annotations
 import struct
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..constants import LLAMA_MAX_SEQ
 from ..errors import ArgumentError, FormatError
@@ -36,8 +36,19 @@ class Cells:
     """The cells of one stream as written: ``pos (n,)``, ``ext (n, k)``, ``seq_id`` flat with ``seq_start (n+1,)``."""
 
     __slots__ = ("ext", "pos", "seq_id", "seq_start")
+    pos: npt.NDArray[np.int32]
+    seq_id: npt.NDArray[np.int32]
+    seq_start: npt.NDArray[np.int64]
+    ext: npt.NDArray[np.int32]
 
-    def __init__(self, pos: Any, seq_id: Any, seq_start: Any, ext: Any = None, ext_size: int = 0) -> None:
+    def __init__(
+        self,
+        pos: npt.ArrayLike,
+        seq_id: npt.ArrayLike,
+        seq_start: npt.ArrayLike,
+        ext: npt.ArrayLike | None = None,
+        ext_size: int = 0,
+    ) -> None:
         self.pos = np.asarray(pos, dtype=np.int32)
         self.seq_id = np.asarray(seq_id, dtype=np.int32)
         self.seq_start = np.asarray(seq_start, dtype=np.int64)
@@ -50,17 +61,21 @@ class Cells:
 
     @classmethod
     def from_lists(
-        cls, pos: Sequence[int], seq_ids: Iterable[Iterable[int]], ext: Any = None, ext_size: int | None = None
+        cls,
+        pos: Sequence[int],
+        seq_ids: Iterable[Iterable[int]],
+        ext: npt.ArrayLike | None = None,
+        ext_size: int | None = None,
     ) -> Cells:
         """Build from per-cell seq id lists (the order is kept: it is the order written)."""
         lists = [list(s) for s in seq_ids]
         start = np.zeros(len(lists) + 1, np.int64)
         np.cumsum([len(s) for s in lists], out=start[1:])
         flat = np.fromiter((x for s in lists for x in s), np.int32, count=int(start[-1]))
-        if ext is not None:
-            ext = np.asarray(ext, np.int32).reshape(len(lists), -1)
-            ext_size = ext.shape[1] * 4
-        return cls(pos, flat, start, ext, ext_size or 0)
+        if ext is None:
+            return cls(pos, flat, start, None, ext_size or 0)
+        ext_rows = np.asarray(ext, np.int32).reshape(len(lists), -1)
+        return cls(pos, flat, start, ext_rows, ext_rows.shape[1] * 4)
 
     @property
     def n(self) -> int:
@@ -70,10 +85,10 @@ class Cells:
     @property
     def ext_size(self) -> int:
         """Bytes of ext per cell: 0, 8 (x, y) or 12 (x, y, tok)."""
-        return self.ext.shape[1] * 4
+        return int(self.ext.shape[1]) * 4
 
     @property
-    def n_seq_id(self) -> np.ndarray:
+    def n_seq_id(self) -> npt.NDArray[np.uint32]:
         """Every cell's ``n_seq_id``, uint32 (n,)."""
         return np.diff(self.seq_start).astype(np.uint32)
 
@@ -85,7 +100,7 @@ class Cells:
         """Cell ``i``'s sequence ids, as a set."""
         return frozenset(self.seq_ids(i))
 
-    def cell_seq(self) -> np.ndarray:
+    def cell_seq(self) -> npt.NDArray[np.intp]:
         """For every entry of ``seq_id``, the index of its cell."""
         return np.repeat(np.arange(self.n), np.diff(self.seq_start))
 
@@ -94,7 +109,7 @@ class Cells:
         if not len(self.seq_id):
             return {}
         p = self.pos[self.cell_seq()]
-        out = {}
+        out: dict[int, SeqRange] = {}
         for s in np.unique(self.seq_id):
             m = self.seq_id == s
             out[int(s)] = SeqRange(int(p[m].min()), int(p[m].max()), int(m.sum()))
@@ -117,11 +132,11 @@ class Cells:
 _CELL_HEAD = struct.Struct("<iI")
 
 
-def _record_dtype(ext_k: int, n_seq: int) -> np.dtype:
+def _record_dtype(ext_k: int, n_seq: int) -> np.dtype[np.void]:
     return np.dtype([("pos", "<i4"), ("n", "<u4"), ("ext", "<i4", (ext_k,)), ("seq", "<i4", (n_seq,))])
 
 
-class CellTable(Field):
+class CellTable(Field[object]):
     """The DSL field for a stream's cell metadata. ``count(env)`` and ``ext_size(env)`` come from the header."""
 
     def __init__(
@@ -219,7 +234,9 @@ class CellTable(Field):
             start[i + 1] = len(ids)
         return Cells(pos, np.array(ids, np.int32), start, ext)
 
-    def write(self, w: Writer, cells: Cells, env: Env) -> None:
+    def write(self, w: Writer, cells: object, env: Env) -> None:
+        if not isinstance(cells, Cells):
+            raise FormatError(f"expected Cells, got {type(cells).__name__}", field=self.name, offset=w.n)
         n, ext_size = self.count(env), self.ext_size(env)
         if cells.n != n:
             raise FormatError(f"{cells.n} cells, but cell_count says {n}", field="cell_count", offset=w.n)

@@ -19,30 +19,37 @@ LLAMA_STATE_SEQ_FLAGS_ON_DEVICE (2026); sequence *files* never carry it.
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from io import BytesIO
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
+import numpy.typing as npt
 
 from .atomic import atomic_write
 from .codec import Writer
 from .constants import SEQ_VERSIONS, SESSION_VERSIONS, Magic
-from .dsl import I32, U32, U64, Array, Param, Record, Str, Struct, When, write_root
+from .dsl import I32, U32, U64, Array, Env, Field, Param, Record, Str, Struct, When, env_flag, write_root
 from .sections import MEMORY, MemorySections
 
+if TYPE_CHECKING:
+    from .summary import Summary
 
-def _check_magic(want: Magic) -> Any:
+Check = Callable[[int, Env], str | None]
+
+
+def _check_magic(want: Magic) -> Check:
     tag = want.to_bytes(4, "big").decode("latin-1")
 
-    def check(v: int, env: Any) -> str | None:
+    def check(v: int, env: Env) -> str | None:
         return None if v == want else f"bad magic: expected 0x{int(want):08x} ({tag!r}), found 0x{v:08x}"
 
     return check
 
 
-def _check_version(known: tuple[int, ...]) -> Any:
-    def check(v: int, env: Any) -> str | None:
+def _check_version(known: tuple[int, ...]) -> Check:
+    def check(v: int, env: Env) -> str | None:
         return None if v in known else f"unknown version {v}, expected one of {known}"
 
     return check
@@ -72,7 +79,7 @@ class StateObject(Record):
         """Write the container to ``path`` through a temporary file (`kvref.state.save`); returns the byte count."""
         return save(self, path)
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> Summary:
         """A JSON-ready description (`kvref.state.summary.summarize`): what ``kvref inspect --json`` prints."""
         from .summary import summarize
 
@@ -83,9 +90,9 @@ class StateObject(Record):
 class Outputs(Record):
     """The v9 output block: which batch positions had outputs, and their logits and embeddings."""
 
-    output_pos: np.ndarray
-    logits: np.ndarray
-    embeddings: np.ndarray
+    output_pos: npt.NDArray[np.int32]
+    logits: npt.NDArray[np.float32]
+    embeddings: npt.NDArray[np.float32]
 
 
 @dataclass(eq=False)
@@ -96,7 +103,7 @@ class SessionFile(StateObject):
     """
 
     version: int
-    tokens: np.ndarray
+    tokens: npt.NDArray[np.int32]
     arch: str
     outputs: Outputs | None
     memory: MemorySections
@@ -110,7 +117,7 @@ class SeqFile(StateObject):
     """A sequence file (llama_state_seq_save_file, magic 'ggsq'): version, tokens, then one sequence's memory."""
 
     version: int
-    tokens: np.ndarray
+    tokens: npt.NDArray[np.int32]
     memory: MemorySections
     magic: int = Magic.STATE_SEQ
 
@@ -141,17 +148,21 @@ class SeqStateBlob(StateObject):
 
 OUTPUTS = Struct(
     Outputs,
-    Array("output_pos", "<i4", U32("n_outputs")),
-    Array("logits", "<f4", U64("logits_size")),
-    Array("embeddings", "<f4", U64("embd_size")),
+    Array("output_pos", np.int32, U32("n_outputs")),
+    Array("logits", np.float32, U64("logits_size")),
+    Array("embeddings", np.float32, U64("embd_size")),
 )
 
 
-def _context_fields() -> tuple[Any, ...]:
+def _has_outputs(o: SessionFile | StateBlob, env: Env) -> bool:
+    return o.outputs is not None
+
+
+def _context_fields() -> tuple[Field[SessionFile | StateBlob], ...]:
     return (
         Str("arch", max_len=1 << 16),
-        Param("has_outputs", derive=lambda o, env: o.outputs is not None),
-        When(lambda env: env["has_outputs"], OUTPUTS.named("outputs")),
+        Param("has_outputs", derive=_has_outputs),
+        When(lambda env: env_flag(env, "has_outputs"), OUTPUTS.named("outputs")),
         MEMORY,
     )
 
@@ -160,7 +171,7 @@ SESSION = Struct(
     SessionFile,
     U32("magic", check=_check_magic(Magic.SESSION)),
     U32("version", check=_check_version(SESSION_VERSIONS)),
-    Array("tokens", "<i4", U32("n_token_count")),
+    Array("tokens", np.int32, U32("n_token_count")),
     *_context_fields(),
 )
 
@@ -168,7 +179,7 @@ SEQ = Struct(
     SeqFile,
     U32("magic", check=_check_magic(Magic.STATE_SEQ)),
     U32("version", check=_check_version(SEQ_VERSIONS)),
-    Array("tokens", "<i4", U32("n_token_count")),
+    Array("tokens", np.int32, U32("n_token_count")),
     MEMORY,
 )
 
@@ -178,14 +189,14 @@ SEQ_STATE = Struct(
     SeqStateBlob,
     Param("seq_header", attr="has_header"),
     When(
-        lambda env: env["seq_header"],
+        lambda env: env_flag(env, "seq_header"),
         U32("io_magic", derive=lambda o, env: Magic.SEQ_BLOB, check=_check_magic(Magic.SEQ_BLOB)),
     ),
-    When(lambda env: env["seq_header"], I32("io_seq_id", attr="seq_id")),
+    When(lambda env: env_flag(env, "seq_header"), I32("io_seq_id", attr="seq_id")),
     MEMORY,
 )
 
-STRUCTS: dict[str, Struct] = {"session": SESSION, "seq": SEQ, "state": STATE, "seq_state": SEQ_STATE}
+STRUCTS: dict[str, Struct[StateObject]] = {"session": SESSION, "seq": SEQ, "state": STATE, "seq_state": SEQ_STATE}
 
 
 def save(obj: StateObject, path: str | os.PathLike[str]) -> int:

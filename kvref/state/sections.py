@@ -25,10 +25,11 @@ present; it reads as a recurrent section with ``n_state_layers = n_layer``.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 
 from ..constants import LLAMA_MAX_LAYERS, LLAMA_MAX_SEQ
 from ..errors import FormatError
@@ -37,7 +38,10 @@ from . import mismatch
 from .cells import Cells, CellTable
 from .codec import Reader, Writer
 from .constants import LAYOUTS
-from .dsl import I32, U32, U64, Env, Field, List, Param, Record, Rows, Struct, Switch, When
+from .dsl import I32, U32, U64, Env, Field, List, Param, Record, Rows, Struct, Switch, When, env_flag, env_int
+from .specs import KVLayerSpec, KVSpec
+
+Check = Callable[[int, Env], str | None]
 
 _KNOWN_TYPES = {int(t) for t in TYPE_TRAITS}
 
@@ -53,7 +57,7 @@ class _TypedRows(Record):
     """What LayerRows and TransposedRows share: a ggml type and a uint8 ``data`` array."""
 
     type: int
-    data: np.ndarray
+    data: npt.NDArray[np.uint8]
 
     @property
     def type_name(self) -> str:
@@ -72,7 +76,7 @@ class LayerRows(_TypedRows):
 
     type: int
     row_size: int
-    data: np.ndarray  # (n_cells, row_size) uint8, a view into the file when loaded
+    data: npt.NDArray[np.uint8]  # (n_cells, row_size), a view into the file when loaded
 
 
 @dataclass(eq=False)
@@ -82,7 +86,7 @@ class TransposedRows(_TypedRows):
     type: int
     el_size: int
     n_embd: int
-    data: np.ndarray  # (n_embd, n_cells * el_size) uint8
+    data: npt.NDArray[np.uint8]  # (n_embd, n_cells * el_size)
 
     @property
     def row_size(self) -> int:
@@ -96,9 +100,9 @@ class RecurrentLayer(Record):
 
     type: int
     row_size: int
-    data: np.ndarray
+    data: npt.NDArray[np.uint8]
     p_row_size: int | None = None
-    p_data: np.ndarray | None = None
+    p_data: npt.NDArray[np.uint8] | None = None
 
     @property
     def type_name(self) -> str:
@@ -204,20 +208,20 @@ def _check_type(v: int, env: Env) -> str | None:
     return None if v in _KNOWN_TYPES else f"unknown ggml type id {v}"
 
 
-def _check_row_size(prefix: str) -> Any:
+def _check_row_size(prefix: str) -> Check:
     def check(v: int, env: Env) -> str | None:
-        ts = _type_size(env[f"{prefix}_type"])
-        if v % ts:
-            return f"row size {v} is not a whole number of {type_name(env[f'{prefix}_type'])} blocks ({ts} bytes)"
-        return None
+        t = env_int(env, f"{prefix}_type")
+        ts = _type_size(t)
+        return f"row size {v} is not a whole number of {type_name(t)} blocks ({ts} bytes)" if v % ts else None
 
     return check
 
 
-def _check_el_size(prefix: str) -> Any:
+def _check_el_size(prefix: str) -> Check:
     def check(v: int, env: Env) -> str | None:
-        ts = _type_size(env[f"{prefix}_type"])
-        return None if v == ts else f"element size {v} != {ts} (ggml_type_size of {type_name(env[f'{prefix}_type'])})"
+        t = env_int(env, f"{prefix}_type")
+        ts = _type_size(t)
+        return None if v == ts else f"element size {v} != {ts} (ggml_type_size of {type_name(t)})"
 
     return check
 
@@ -236,12 +240,24 @@ def _check_n_stream(v: int, env: Env) -> str | None:
 # blames even when the mismatch makes the rest of the section unparseable.
 
 
-def _cache_layer(env: Env, prefix: str) -> Any:
+def _cache_spec(env: Env) -> KVSpec | None:
     spec = env.get("cache_spec")
+    return spec if isinstance(spec, KVSpec) else None
+
+
+def _cursor(env: Env) -> dict[str, int]:
+    """The index of the layer whose K (``"k"``) / V (``"v"``) header is being read."""
+    cursor = env["_cache_il"]
+    assert isinstance(cursor, dict)
+    return cursor
+
+
+def _cache_layer(env: Env, prefix: str) -> KVLayerSpec | None:
+    spec = _cache_spec(env)
     if spec is None or prefix not in ("k", "v"):
         return None
-    cursor = env["_cache_il"]
-    return spec.layers[cursor[prefix]] if 0 <= cursor[prefix] < len(spec.layers) else None
+    il = _cursor(env)[prefix]
+    return spec.layers[il] if 0 <= il < len(spec.layers) else None
 
 
 def _check_n_layer(v: int, env: Env) -> str | None:
@@ -252,66 +268,66 @@ def _check_n_layer(v: int, env: Env) -> str | None:
 
 def _check_cache_n_layer(v: int, env: Env) -> str | None:
     msg = _check_n_layer(v, env)
-    spec = env.get("cache_spec")
+    spec = _cache_spec(env)
     if msg or spec is None:
         return msg
-    env["_cache_il"].update(k=-1, v=-1)  # a new stream's data: layer cursors start again
+    _cursor(env).update(k=-1, v=-1)  # a new stream's data: layer cursors start again
     return None if v == len(spec.layers) else f"n_layer {v}, the cache has {len(spec.layers)}"
 
 
 def _check_cache_v_trans(v: int, env: Env) -> str | None:
     msg = _check_flag(v, env)
-    spec = env.get("cache_spec")
+    spec = _cache_spec(env)
     if msg or spec is None:
         return msg
     return None if bool(v) == spec.v_trans else mismatch.v_trans(v, spec.v_trans)
 
 
-def _check_layer_type(prefix: str) -> Any:
+def _check_layer_type(prefix: str) -> Check:
     def check(v: int, env: Env) -> str | None:
         msg = _check_type(v, env)
-        if msg or env.get("cache_spec") is None or prefix not in ("k", "v"):
+        if msg or _cache_spec(env) is None or prefix not in ("k", "v"):
             return msg
-        env["_cache_il"][prefix] += 1
+        _cursor(env)[prefix] += 1
         ls = _cache_layer(env, prefix)
-        want = None if ls is None else getattr(ls, f"{prefix}_type")
+        want = None if ls is None else ls.k_type if prefix == "k" else ls.v_type
         if want is not None and v != want:
-            return mismatch.layer_type(env["_cache_il"][prefix], prefix, v, want)
+            return mismatch.layer_type(_cursor(env)[prefix], prefix, v, want)
         return None
 
     return check
 
 
-def _check_layer_row_size(prefix: str) -> Any:
+def _check_layer_row_size(prefix: str) -> Check:
     base = _check_row_size(prefix)
 
     def check(v: int, env: Env) -> str | None:
         msg = base(v, env)
         ls = _cache_layer(env, prefix)
-        want = None if ls is None else getattr(ls, f"{prefix}_row_size")
+        want = None if ls is None else ls.k_row_size if prefix == "k" else ls.v_row_size
         if msg or want is None or v == want:
             return msg
-        return mismatch.row_size(env["_cache_il"][prefix], prefix, v, want)
+        return mismatch.row_size(_cursor(env)[prefix], prefix, v, want)
 
     return check
 
 
-def _check_layer_n_embd(prefix: str) -> Any:
+def _check_layer_n_embd(prefix: str) -> Check:
     def check(v: int, env: Env) -> str | None:
         ls = _cache_layer(env, prefix)
         want = None if ls is None else ls.n_embd_v_gqa
         if want is None or v == want:
             return None
-        return f"layer {env['_cache_il'][prefix]}: n_embd_v_gqa {v}, the cache has {want}"
+        return f"layer {_cursor(env)[prefix]}: n_embd_v_gqa {v}, the cache has {want}"
 
     return check
 
 
 def _cells_rows(env: Env, name: str) -> tuple[int, int]:
-    return env["cell_count"], env[name]
+    return env_int(env, "cell_count"), env_int(env, name)
 
 
-def _row_struct(prefix: str) -> Struct:
+def _row_struct(prefix: str) -> Struct[LayerRows]:
     """``i32 type, u64 row_size, rows``: K, row-wise V and row-wise S share it under their own field names."""
     return Struct(
         LayerRows,
@@ -321,14 +337,16 @@ def _row_struct(prefix: str) -> Struct:
     )
 
 
-def _transposed_struct(prefix: str, n_embd_name: str) -> Struct:
+def _transposed_struct(prefix: str, n_embd_name: str) -> Struct[TransposedRows]:
     return Struct(
         TransposedRows,
         I32(f"{prefix}_type", attr="type", check=_check_layer_type(prefix)),
         U32(f"{prefix}_el_size", attr="el_size", check=_check_el_size(prefix)),
         U32(n_embd_name, attr="n_embd", check=_check_layer_n_embd(prefix)),
         Rows(
-            f"{prefix}_data", lambda env: (env[n_embd_name], env["cell_count"] * env[f"{prefix}_el_size"]), attr="data"
+            f"{prefix}_data",
+            lambda env: (env_int(env, n_embd_name), env_int(env, "cell_count") * env_int(env, f"{prefix}_el_size")),
+            attr="data",
         ),
     )
 
@@ -337,18 +355,22 @@ def _transposed_struct(prefix: str, n_embd_name: str) -> Struct:
 
 
 def _n_v_layers(env: Env) -> int:
-    return env["n_layer"] if env["has_v"] else 0
+    return env_int(env, "n_layer") if env_flag(env, "has_v") else 0
+
+
+def _has_cells(env: Env) -> bool:
+    return env_int(env, "cell_count") > 0
 
 
 KV_DATA = Struct(
     KVData,
     U32("v_trans", check=_check_cache_v_trans),
     U32("n_layer", derive=lambda o, env: len(o.k), check=_check_cache_n_layer),
-    List("k", _row_struct("k"), lambda env: env["n_layer"], blame="n_layer"),
+    List("k", _row_struct("k"), lambda env: env_int(env, "n_layer"), blame="n_layer"),
     Param("has_v", derive=lambda o, env: bool(o.v)),
     Switch(
         "v",
-        lambda env: bool(env["v_trans"]),
+        lambda env: env_flag(env, "v_trans"),
         {
             False: List("v", _row_struct("v"), _n_v_layers, blame="n_layer"),
             True: List("v", _transposed_struct("v", "n_embd_v_gqa"), _n_v_layers, blame="n_layer"),
@@ -361,28 +383,34 @@ KV_STREAM = Struct(
     U32("cell_count", derive=lambda o, env: o.cell_count),
     Param("ext_size", derive=lambda o, env: o.cells.ext_size if o.cells is not None else 0),
     When(
-        lambda env: env["cell_count"] > 0,
+        _has_cells,
         # a sequence save writes one id per KV cell, or none when the saved id is not below the context's
         # n_seq_max (state_write_meta lists only ids < n_seq_max); a restore accepts only 1 (cache_api checks)
         CellTable(
             "cells",
-            lambda env: env["cell_count"],
-            lambda env: env["ext_size"],
-            lambda env: (0, 1) if env.get("seq_scope") else None,
+            lambda env: env_int(env, "cell_count"),
+            lambda env: env_int(env, "ext_size"),
+            lambda env: (0, 1) if env_flag(env, "seq_scope") else None,
         ),
     ),
     # before PR #14363 (no n_stream field: llama-cpp-python 0.3.12 .. 0.3.14) state_write_data ran even for zero
     # cells: an empty section still carries v_trans, n_layer and every layer's type / row size (no rows)
-    When(lambda env: env["cell_count"] > 0 or not env.get("n_stream_field", True), KV_DATA.named("data")),
+    When(lambda env: _has_cells(env) or not env_flag(env, "n_stream_field", True), KV_DATA.named("data")),
 )
 
 KV_SECTION = Struct(
     KVSection,
     Param("n_stream_field", attr="has_n_stream"),
     When(
-        lambda env: env["n_stream_field"], U32("n_stream", derive=lambda o, env: len(o.streams), check=_check_n_stream)
+        lambda env: env_flag(env, "n_stream_field"),
+        U32("n_stream", derive=lambda o, env: len(o.streams), check=_check_n_stream),
     ),
-    List("streams", KV_STREAM, lambda env: env["n_stream"] if env["n_stream_field"] else 1, blame="n_stream"),
+    List(
+        "streams",
+        KV_STREAM,
+        lambda env: env_int(env, "n_stream") if env_flag(env, "n_stream_field") else 1,
+        blame="n_stream",
+    ),
 )
 
 
@@ -421,11 +449,13 @@ def _scan_state_layers(env: Env) -> int:
     when the section is the last one. Falls back to ``n_layer`` when the walk is inconclusive; the parse that
     follows checks the answer either way.
     """
-    r: Reader = env["_reader"]
-    n_layer, cell_count = env["n_layer"], env["cell_count"]
-    if env["s_trans"]:
+    r = env["_reader"]
+    assert isinstance(r, Reader)
+    n_layer, cell_count = env_int(env, "n_layer"), env_int(env, "cell_count")
+    section_last = env_flag(env, "section_last")
+    if env_flag(env, "s_trans"):
         return n_layer
-    if env["ple"]:
+    if env_flag(env, "ple"):
         # R records (with their p rows) differ in shape from S records: try every R count, prefer the one
         # whose k S records end exactly at the end of the input
         fits = []
@@ -437,26 +467,38 @@ def _scan_state_layers(env: Env) -> int:
             if k_s == k:
                 fits.append((end != r.end, k))
         exact = [k for at_end, k in fits if not at_end]
-        if env["section_last"]:
+        if section_last:
             return exact[0] if exact else n_layer
         return max(k for _, k in fits) if fits else n_layer
     count, pos = _walk_records(r, r.pos, cell_count, False, 2 * n_layer)
-    if count % 2 or (env["section_last"] and pos != r.end) or (not env["section_last"] and count == 0):
+    if count % 2 or (section_last and pos != r.end) or (not section_last and count == 0):
         return n_layer
     return count // 2
 
 
 def _n_state_layers(env: Env) -> int:
+    """The ``n_state_layers`` read option: a count, None (every layer) or ``"scan"`` (`_scan_state_layers`)."""
     v = env["n_state_layers"]
+    n_layer = env_int(env, "n_layer")
     if v is None:
-        return env["n_layer"]
+        return n_layer
     if v == "scan":
         return _scan_state_layers(env)
-    if v > env["n_layer"]:
+    n = env_int(env, "n_state_layers")
+    if n > n_layer:
+        r = env["_reader"]
         raise FormatError(
-            f"{v} layers with state, but n_layer is {env['n_layer']}", field="n_layer", offset=env["_reader"].pos
+            f"{n} layers with state, but n_layer is {n_layer}",
+            field="n_layer",
+            offset=r.pos if isinstance(r, Reader) else None,
         )
-    return v
+    return n
+
+
+def _n_r_layers(env: Env) -> int:
+    r = env["r"]
+    assert isinstance(r, list)
+    return len(r)
 
 
 R_LAYER = Struct(
@@ -464,8 +506,8 @@ R_LAYER = Struct(
     I32("r_type", attr="type", check=_check_type),
     U64("r_row_size", attr="row_size", check=_check_row_size("r")),
     Rows("r_data", lambda env: _cells_rows(env, "r_row_size"), attr="data"),
-    When(lambda env: env["ple"], U64("p_row_size")),
-    When(lambda env: env["ple"], Rows("p_data", lambda env: _cells_rows(env, "p_row_size"))),
+    When(lambda env: env_flag(env, "ple"), U64("p_row_size")),
+    When(lambda env: env_flag(env, "ple"), Rows("p_data", lambda env: _cells_rows(env, "p_row_size"))),
 )
 
 RECURRENT_SECTION = Struct(
@@ -473,7 +515,10 @@ RECURRENT_SECTION = Struct(
     U32("cell_count", derive=lambda o, env: o.cells.n),
     # a sequence save writes n_seq_id = 0 for every recurrent cell
     CellTable(
-        "cells", lambda env: env["cell_count"], lambda env: 0, lambda env: (0,) if env.get("seq_scope") else None
+        "cells",
+        lambda env: env_int(env, "cell_count"),
+        lambda env: 0,
+        lambda env: (0,) if env_flag(env, "seq_scope") else None,
     ),
     U32("s_trans", check=_check_flag),
     U32("n_layer", check=_check_n_layer),
@@ -482,10 +527,10 @@ RECURRENT_SECTION = Struct(
     List("r", R_LAYER, _n_state_layers, blame="n_layer"),
     Switch(
         "s",
-        lambda env: bool(env["s_trans"]),
+        lambda env: env_flag(env, "s_trans"),
         {
-            False: List("s", _row_struct("s"), lambda env: len(env["r"]), blame="n_layer"),
-            True: List("s", _transposed_struct("s", "n_embd_s"), lambda env: len(env["r"]), blame="n_layer"),
+            False: List("s", _row_struct("s"), _n_r_layers, blame="n_layer"),
+            True: List("s", _transposed_struct("s", "n_embd_s"), _n_r_layers, blame="n_layer"),
         },
     ),
 )
@@ -493,10 +538,10 @@ RECURRENT_SECTION = Struct(
 
 # --- the memory as a whole ------------------------------------------------------------------------------------
 
-_SECTION_STRUCTS = {"kv": KV_SECTION, "recurrent": RECURRENT_SECTION}
+_SECTION_STRUCTS: dict[str, Struct[KVSection | RecurrentSection]] = {"kv": KV_SECTION, "recurrent": RECURRENT_SECTION}
 
 
-class MemoryField(Field):
+class MemoryField(Field[object]):
     """The sections of ``env["layout"]`` one after the other (iSWA: base then SWA; hybrid: attention then recurrent)."""
 
     def __init__(self) -> None:
@@ -504,14 +549,17 @@ class MemoryField(Field):
 
     def read(self, r: Reader, env: Env) -> MemorySections:
         layout = env["layout"]
+        assert isinstance(layout, str), "the layout read option names a composition"
         kinds = LAYOUTS[layout]
-        sections = []
+        sections: list[KVSection | RecurrentSection] = []
         for i, k in enumerate(kinds):
             env["section_last"] = i == len(kinds) - 1  # lets the recurrent layer scan know where it must end
             sections.append(_SECTION_STRUCTS[k].read(r, env))
         return MemorySections(layout, sections)
 
-    def write(self, w: Writer, mem: MemorySections, env: Env) -> None:
+    def write(self, w: Writer, mem: object, env: Env) -> None:
+        if not isinstance(mem, MemorySections):
+            raise FormatError(f"expected MemorySections, got {type(mem).__name__}", field="memory", offset=w.n)
         kinds = tuple(s.kind for s in mem.sections)
         if LAYOUTS.get(mem.layout) != kinds:
             raise FormatError(f"layout {mem.layout!r} does not match sections {kinds}", field="layout", offset=w.n)

@@ -5,17 +5,26 @@ Only metadata is touched (cell tables, layer headers); tensor rows are reported 
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
 
 from ..errors import FormatError
 from .cells import Cells
 from .constants import Magic
 from .sections import KVSection, LayerRows, RecurrentSection, TransposedRows
 
+if TYPE_CHECKING:
+    from .files import StateObject
+
+Json: TypeAlias = "bool | int | float | str | list[Json] | dict[str, Json] | None"
+Summary: TypeAlias = "dict[str, Json]"
+
 _N_FIRST_TOKENS = 16
 
 
-def _cells(cells: Cells | None) -> dict[str, Any]:
+def _cells(cells: Cells | None) -> Summary:
     if cells is None:
         return {"cell_count": 0, "sequences": {}}
     seqs = cells.sequences()
@@ -30,32 +39,40 @@ def _cells(cells: Cells | None) -> dict[str, Any]:
     }
 
 
-def _rows(x: LayerRows | TransposedRows) -> dict[str, Any]:
-    d: dict[str, Any] = {"type": x.type_name, "row_size": x.row_size, "bytes": x.nbytes}
+def _rows(x: LayerRows | TransposedRows) -> Summary:
+    d: Summary = {"type": x.type_name, "row_size": x.row_size, "bytes": x.nbytes}
     if isinstance(x, TransposedRows):
         d.update(transposed=True, el_size=x.el_size, n_embd=x.n_embd)
     return d
 
 
-def _kv(sec: KVSection) -> dict[str, Any]:
-    streams = []
+def _kv_layer(il: int, k: LayerRows, v: LayerRows | TransposedRows | None) -> Summary:
+    out: Summary = {"layer": il, "k": _rows(k)}
+    if v is not None:
+        out["v"] = _rows(v)
+    return out
+
+
+def _kv(sec: KVSection) -> Summary:
+    streams: list[Json] = []
     for i, st in enumerate(sec.streams):
-        d = {"stream": i, **_cells(st.cells)}
+        d: Summary = {"stream": i, **_cells(st.cells)}
         if st.data is not None:
             d["v_trans"] = st.data.v_trans
             d["n_layer"] = st.data.n_layer
-            d["layers"] = [
-                {"layer": il, "k": _rows(k), **({"v": _rows(st.data.v[il])} if st.data.v else {})}
-                for il, k in enumerate(st.data.k)
-            ]
+            d["layers"] = [_kv_layer(il, k, st.data.v[il] if st.data.v else None) for il, k in enumerate(st.data.k)]
         streams.append(d)
     return {"kind": "kv", "n_stream": sec.n_stream if sec.has_n_stream else None, "streams": streams}
 
 
-def _recurrent(sec: RecurrentSection) -> dict[str, Any]:
-    layers = []
+def _recurrent(sec: RecurrentSection) -> Summary:
+    layers: list[Json] = []
     for i, (r, s) in enumerate(zip(sec.r, sec.s, strict=False)):
-        d = {"index": i, "r": {"type": r.type_name, "row_size": r.row_size, "bytes": int(r.data.nbytes)}, "s": _rows(s)}
+        d: Summary = {
+            "index": i,
+            "r": {"type": r.type_name, "row_size": r.row_size, "bytes": int(r.data.nbytes)},
+            "s": _rows(s),
+        }
         if r.p_data is not None:
             d["p"] = {"row_size": r.p_row_size, "bytes": int(r.p_data.nbytes)}
         layers.append(d)
@@ -69,7 +86,7 @@ def _recurrent(sec: RecurrentSection) -> dict[str, Any]:
     }
 
 
-def _token_field(tokens: Any) -> dict[str, Any]:
+def _token_field(tokens: npt.NDArray[np.int32]) -> Summary:
     """Which form the token field has (a plain list, or llama-server's packed prompt with media) and its prompt."""
     from ..server_tokens import read_prompt
 
@@ -77,7 +94,7 @@ def _token_field(tokens: Any) -> dict[str, Any]:
         p = read_prompt(tokens)
     except FormatError as e:
         return {"form": "unreadable llama-server packed prompt", "error": str(e)}
-    out: dict[str, Any] = {"form": p.form}
+    out: Summary = {"form": p.form}
     if p.form != "plain":
         out["n_prompt_tokens"] = len(p.tokens)
         out["first_prompt_tokens"] = [int(t) for t in p.tokens[:_N_FIRST_TOKENS]]
@@ -85,21 +102,24 @@ def _token_field(tokens: Any) -> dict[str, Any]:
     return out
 
 
-def summarize(obj: Any) -> dict[str, Any]:
-    out: dict[str, Any] = {"format": obj.kind}
-    if obj.kind in ("session", "seq"):
+def summarize(obj: StateObject) -> Summary:
+    """The JSON-ready description of a session file, sequence file or blob (see the module docstring)."""
+    from .files import SeqFile, SeqStateBlob, SessionFile, StateBlob
+
+    out: Summary = {"format": obj.kind}
+    if isinstance(obj, SessionFile | SeqFile):
         out["magic"] = Magic(obj.magic).to_bytes(4, "big").decode("latin-1")
         out["version"] = obj.version
         out["n_tokens"] = len(obj.tokens)
         out["first_tokens"] = [int(t) for t in obj.tokens[:_N_FIRST_TOKENS]]
         out["token_field"] = _token_field(obj.tokens)
-    if obj.kind == "seq_state":
+    if isinstance(obj, SeqStateBlob):
         out["seq_id"] = obj.seq_id
-    if hasattr(obj, "arch"):
+    if isinstance(obj, SessionFile | StateBlob):
         out["arch"] = obj.arch
-    if getattr(obj, "outputs", None) is not None:
         o = obj.outputs
-        out["outputs"] = {"n_outputs": len(o.output_pos), "logits": len(o.logits), "embeddings": len(o.embeddings)}
+        if o is not None:
+            out["outputs"] = {"n_outputs": len(o.output_pos), "logits": len(o.logits), "embeddings": len(o.embeddings)}
     out["layout"] = obj.memory.layout
     if getattr(obj, "note", None):
         out["note"] = obj.note
@@ -107,4 +127,4 @@ def summarize(obj: Any) -> dict[str, Any]:
     return out
 
 
-__all__ = ["summarize"]
+__all__ = ["Json", "Summary", "summarize"]
