@@ -184,6 +184,30 @@ def test_writer_refuses_inconsistent_objects() -> None:
     assert ei.value.field == "layout"
 
 
+@pytest.mark.parametrize(
+    ("edit", "field", "message"),
+    [
+        (lambda o: setattr(o, "version", "10"), "version", "expected an integer, got str"),
+        (lambda o: setattr(o, "arch", b"llama"), "arch", "expected a str, got bytes"),
+        (lambda o: setattr(o.memory.sections[0], "streams", None), "n_stream", "cannot compute it from the record"),
+        (lambda o: o.memory.sections[0].streams.append(object()), "KVStream", "expected a KVStream, got object"),
+        (lambda o: setattr(o.memory.sections[0].streams[0], "cells", [1, 2]), "cell_count", "cannot compute it"),
+        (lambda o: setattr(o.memory.sections[0].streams[0].data, "k", 3), "n_layer", "cannot compute it"),
+        (lambda o: setattr(o, "tokens", None), "tokens", "not an array of int32"),
+        (lambda o: setattr(o, "tokens", [[1]]), "tokens", "expected a 1-D array"),
+        (lambda o: setattr(o.memory.sections[0].streams[0].data.k[0], "data", [b"x"]), "k_data", "expected a NumPy"),
+        (lambda o: setattr(o, "memory", {}), "memory", "expected MemorySections, got dict"),
+    ],
+)
+def test_writer_names_the_field_of_a_value_of_the_wrong_type(edit, field: str, message: str) -> None:
+    # objects are plain dataclasses a user may edit: a wrong type is a FormatError naming the field, not a crash
+    obj = make("session", "kv", 0)
+    edit(obj)
+    with pytest.raises(FormatError, match=message) as ei:
+        obj.to_bytes()
+    assert ei.value.field == field
+
+
 def test_empty_and_tiny_inputs() -> None:
     for blob in (b"", b"\x01", b"ggs", b"\xff" * 7):
         with pytest.raises(FormatError) as ei:

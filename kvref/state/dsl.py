@@ -71,7 +71,10 @@ class _Derivable(Field[R]):
 
     def get(self, obj: R, env: Env) -> object:
         if self.derive is not None:
-            return self.derive(obj, env)
+            try:
+                return self.derive(obj, env)
+            except (AttributeError, TypeError) as e:  # an edited record whose attributes have the wrong type
+                raise FormatError(f"cannot compute it from the record: {e}", field=self.name) from None
         assert self.attr is not None, f"{self.name}: a field without attr must derive its value"
         return getattr(obj, self.attr)
 
@@ -190,7 +193,10 @@ class Array(Field[object], Generic[S]):
         return r.array(self.dtype, self.count(env), self.name)
 
     def write(self, w: Writer, value: object, env: Env) -> None:
-        a = np.asarray(value, dtype=self.dtype)
+        try:
+            a = np.asarray(value, dtype=self.dtype)
+        except (TypeError, ValueError, OverflowError) as e:
+            raise FormatError(f"not an array of {self.dtype.name}: {e}", field=self.name, offset=w.n) from None
         if a.ndim != 1:
             raise FormatError(f"expected a 1-D array, got shape {a.shape}", field=self.name, offset=w.n)
         prefix = _prefix(self.count)
@@ -224,7 +230,11 @@ class Rows(Field[object]):
         return r.array(np.dtype(np.uint8), rows * cols, self.name).reshape(rows, cols)
 
     def write(self, w: Writer, value: object, env: Env) -> None:
-        a = np.asarray(value)
+        if not isinstance(value, np.ndarray) or value.dtype.hasobject:
+            raise FormatError(
+                f"expected a NumPy array of rows, got {type(value).__name__}", field=self.name, offset=w.n
+            )
+        a = value
         want = self.shape(env)
         if a.dtype != np.uint8:
             a = a.reshape(a.shape[0], -1).view(np.uint8) if a.ndim else a
