@@ -17,15 +17,18 @@ import mmap
 import os
 import struct
 import sys
-from typing import Any, Literal, overload
+from collections.abc import Callable
+from functools import partial
+from typing import Literal, TypedDict, TypeVar, overload
 
 import numpy as np
+import numpy.typing as npt
 
 from ..archs import HYBRID_ARCHS, RECURRENT_ARCHS
 from ..constants import LLAMA_MAX_LAYERS, LLAMA_MAX_SEQ
 from ..errors import ArgumentError, FormatError
 from .constants import LAYOUTS, SEQ_VERSIONS, SESSION_VERSIONS, Magic
-from .dsl import _MAX_DIM, Str, read_root
+from .dsl import _MAX_DIM, List, Record, Str, Struct, Switch, read_root
 from .files import STATE, STRUCTS, SeqFile, SeqStateBlob, SessionFile, StateBlob, StateObject
 from .sections import (
     _KNOWN_TYPES,
@@ -34,6 +37,7 @@ from .sections import (
     R_LAYER,
     RECURRENT_SECTION,
     KVSection,
+    KVStream,
     RecurrentSection,
     _type_size,
 )
@@ -56,7 +60,37 @@ _SEQ_VARIANTS: dict[int, list[Variant]] = {
 }
 
 
-def _open(src: Any) -> memoryview:
+NState = int | Literal["scan"] | None  # layers with recurrent state: a count, every layer (None), or scanned
+
+
+class Asked(TypedDict):
+    """What the caller of `load` pinned down (None: infer it)."""
+
+    ext_size: int | None
+    n_stream_field: bool | None
+    has_v: bool | None
+    outputs: bool | None
+    ple: bool
+    n_state_layers: int | None
+    seq_header: bool | None
+
+
+class Options(TypedDict):
+    """One reading spelled out as the read options of `read_root` (the DSL's env at the root)."""
+
+    kind: str
+    layout: str
+    has_outputs: bool
+    n_stream_field: bool
+    ext_size: int
+    has_v: bool
+    ple: bool
+    n_state_layers: NState
+    seq_header: bool
+    seq_scope: bool
+
+
+def _open(src: Source) -> memoryview:
     if isinstance(src, bytes | bytearray | memoryview):
         return memoryview(src).cast("B")
     with open(os.fspath(src), "rb") as f:
@@ -120,10 +154,12 @@ def detect_kind(buf: memoryview) -> list[str]:
 
 # One way to read the input: (kind, layout, has_outputs, n_stream_field, ext_size, has_v, ple, n_state_layers,
 # seq_header); `_as_options` spells it out as the read options of `read_root`.
-Reading = tuple[str, str, bool, bool, int, bool, bool, Any, bool]
+Reading = tuple[str, str, bool, bool, int, bool, bool, NState, bool]
+# readings with the same signature describe the input identically: one entry per signature
+Found = dict[tuple[object, ...], tuple[Options, StateObject]]
 
 
-def _readings(kind: str, buf: memoryview, layout: str, opts: dict[str, Any], auto_kind: bool = True) -> list[Reading]:
+def _readings(kind: str, buf: memoryview, layout: str, opts: Asked, auto_kind: bool = True) -> list[Reading]:
     table = _SESSION_VARIANTS if kind in ("session", "state") else _SEQ_VARIANTS
     every = list(dict.fromkeys(v for vs in table.values() for v in vs))
     # files say their version; blobs do not. Explicit options win over the version table (a caller who says
@@ -140,22 +176,25 @@ def _readings(kind: str, buf: memoryview, layout: str, opts: dict[str, Any], aut
     # blobs of the current format carry the io_magic prefix; asked for a seq_state, assume it (a corrupt magic
     # is then reported as such) unless the bytes are being guessed (kind "auto") and do not start with it
     headers = [True] if kind != "seq_state" or auto_kind is False else [_u32(buf, 0) == Magic.SEQ_BLOB]
-    if opts["seq_header"] is not None:
-        headers = [opts["seq_header"]]
+    asked_header = opts["seq_header"]
+    if asked_header is not None:
+        headers = [asked_header]
     ple = bool(opts["ple"])
-    out = []
+    out: list[Reading] = []
     for (has_outputs, n_stream_field, exts), lay, header in itertools.product(variants, layouts, headers):
         if not _matches((has_outputs, n_stream_field, exts), opts):
             continue
         if header and kind == "seq_state" and not n_stream_field and opts["n_stream_field"] is None:
             continue  # the io_magic prefix (2026) is younger than n_stream (July 2025)
         kinds = LAYOUTS[lay]
-        if opts["ext_size"] is not None:
-            exts = (opts["ext_size"],)
+        asked_ext = opts["ext_size"]
+        if asked_ext is not None:
+            exts = (asked_ext,)
         elif "kv" not in kinds:
             exts = (0,)
-        has_vs = [opts["has_v"]] if opts["has_v"] is not None else ([True, False] if "kv" in kinds else [True])
-        n_state = opts["n_state_layers"]
+        asked_v = opts["has_v"]
+        has_vs = [asked_v] if asked_v is not None else ([True, False] if "kv" in kinds else [True])
+        n_state: NState = opts["n_state_layers"]
         if n_state is None and "recurrent" in kinds:
             n_state = "scan"
         for ext, has_v in itertools.product(exts, has_vs):
@@ -163,7 +202,7 @@ def _readings(kind: str, buf: memoryview, layout: str, opts: dict[str, Any], aut
     return out
 
 
-def _as_options(r: Reading) -> dict[str, Any]:
+def _as_options(r: Reading) -> Options:
     kind, lay, has_outputs, n_stream_field, ext, has_v, ple, n_state, header = r
     return {
         "kind": kind,
@@ -179,16 +218,16 @@ def _as_options(r: Reading) -> dict[str, Any]:
     }
 
 
-def _matches(variant: tuple[bool, bool, tuple[int, ...]], opts: dict[str, Any]) -> bool:
+def _matches(variant: Variant, opts: Asked) -> bool:
     has_outputs, n_stream_field, _ = variant
     return (opts["outputs"] is None or has_outputs == opts["outputs"]) and (
         opts["n_stream_field"] is None or n_stream_field == opts["n_stream_field"]
     )
 
 
-def _signature(obj: StateObject) -> tuple[Any, ...]:
+def _signature(obj: StateObject) -> tuple[object, ...]:
     """What a reading says about the bytes; readings with equal signatures describe the input identically."""
-    sig: list[Any] = [obj.kind, getattr(obj, "outputs", None) is not None]
+    sig: list[object] = [obj.kind, getattr(obj, "outputs", None) is not None]
     for s in obj.memory.sections:
         if isinstance(s, KVSection):
             sig.append(("kv", s.has_n_stream, tuple(_stream_sig(st) for st in s.streams)))
@@ -197,8 +236,8 @@ def _signature(obj: StateObject) -> tuple[Any, ...]:
     return tuple(sig)
 
 
-def _stream_sig(st: Any) -> tuple[Any, ...]:
-    if st.cells is None:
+def _stream_sig(st: KVStream) -> tuple[int, ...]:
+    if st.cells is None or st.data is None:
         return (0,)
     return (st.cells.n, st.cells.ext_size, st.data.v_trans, len(st.data.k), len(st.data.v))
 
@@ -223,7 +262,7 @@ def _arch_family(buf: memoryview, kind: str) -> str | None:
     return "recurrent" if arch in RECURRENT_ARCHS else "hybrid" if arch in HYBRID_ARCHS else "attention"
 
 
-def _by_arch(found: dict[Any, tuple[dict[str, Any], StateObject]]) -> dict[Any, tuple[dict[str, Any], StateObject]]:
+def _by_arch(found: Found) -> Found:
     """Break a tie with the arch string: a recurrent arch has a recurrent memory, and so on."""
     arch = getattr(next(iter(found.values()))[1], "arch", None)
     if arch is None:
@@ -233,7 +272,7 @@ def _by_arch(found: dict[Any, tuple[dict[str, Any], StateObject]]) -> dict[Any, 
     return kept or found
 
 
-def _plausible(found: dict[Any, tuple[dict[str, Any], StateObject]]) -> dict[Any, tuple[dict[str, Any], StateObject]]:
+def _plausible(found: Found) -> Found:
     """Break a tie with what llama.cpp never writes: a used KV cell always belongs to a sequence."""
 
     def ok(obj: StateObject) -> bool:
@@ -254,7 +293,7 @@ def _empty(obj: StateObject) -> bool:
     return kv_empty and all(s.cell_count == 0 for s in mem.recurrent_sections)
 
 
-def _pick_empty(found: dict[Any, tuple[dict[str, Any], StateObject]]) -> StateObject:
+def _pick_empty(found: Found) -> StateObject:
     """Several layouts read these bytes and none holds a cell (say, a sequence saved after it was emptied):
     they mean the same empty state, so take one. Prefer the reading whose layer records look like its
     layout's: a recurrent state's R and S rows differ in size, a KV cache's K and V rows usually do not."""
@@ -279,7 +318,8 @@ def _pick_empty(found: dict[Any, tuple[dict[str, Any], StateObject]]) -> StateOb
     return chosen[1]
 
 
-def describe(opts: dict[str, Any]) -> str:
+def describe(opts: Options) -> str:
+    """One reading in words, as errors and notes name it."""
     bits = [opts["kind"], f"layout={opts['layout']}"]
     if opts["kind"] in ("session", "state"):
         bits.append(f"outputs={opts['has_outputs']}")
@@ -312,11 +352,11 @@ _TRANS_HEAD = struct.Struct("<iII")  # type, el_size, n_embd
 _TYPE_SIZE = {t: _type_size(t) for t in _KNOWN_TYPES}
 
 
-def _item_min(container: Any, name: str) -> dict[bool, int]:
+def _item_min(container: Struct[Record], name: str) -> dict[bool, int]:
     """The smallest encoding of one element of the list field ``name`` (per Switch case when it is one)."""
     f = next(x for x in container.fields if x.name == name)
-    cases = getattr(f, "cases", {False: f})
-    return {k: v.item.min_size for k, v in cases.items()}
+    cases = f.cases if isinstance(f, Switch) else {False: f}
+    return {k: v.item.min_size for k, v in cases.items() if isinstance(v, List)}
 
 
 _STREAM_MIN = KV_STREAM.min_size
@@ -329,6 +369,14 @@ _GALLOP = 8  # equal cells walked one by one before the rest of the run is check
 _ASSUME_MIN = 256  # smaller tables are checked cell by cell right away (cheaper than confirming them later)
 
 Table = tuple[str, int, int, int]  # ("cells", offset, cell_count, ext_size)
+CellsEnd = tuple[int, frozenset[int]]  # where a cell table ends, and the n_seq_id values it holds
+V = TypeVar("V")
+
+
+def _once(memo: dict[tuple[object, ...], V], key: tuple[object, ...], make: Callable[[], V]) -> V:
+    if key not in memo:
+        memo[key] = make()
+    return memo[key]
 
 
 class _Sniff:
@@ -339,7 +387,10 @@ class _Sniff:
         self.buf = buf
         self.end = len(buf)
         self.exact = exact
-        self.memo: dict[tuple[Any, ...], Any] = {}
+        # what readings share, computed once: where a part ends (header, section, K/V data), cell tables, K heads
+        self.ends: dict[tuple[object, ...], int | None] = {}
+        self.tables: dict[tuple[object, ...], CellsEnd | None] = {}
+        self.heads: dict[tuple[object, ...], tuple[int, int, int] | None] = {}
         self.assumed: dict[Table, tuple[int, frozenset[int]]] = {}  # the tables assumed uniform, as assumed
 
     def viable(self, r: Reading) -> bool:
@@ -363,12 +414,12 @@ class _Sniff:
         ext: int,
         has_v: bool,
         ple: bool,
-        ns: Any,
+        ns: NState,
         hdr: bool,
     ) -> bool:
-        memo = self.memo
-        key: tuple[Any, ...] = ("head", kind, outputs, hdr)
-        at = memo[key] if key in memo else self._memo(key, self._header, kind, outputs, hdr)
+        ends = self.ends
+        key: tuple[object, ...] = ("head", kind, outputs, hdr)
+        at = ends[key] if key in ends else _once(ends, key, partial(self._header, kind, outputs, hdr))
         scope = kind in ("seq", "seq_state")
         parts = LAYOUTS[layout]
         for i, part in enumerate(parts):
@@ -377,20 +428,17 @@ class _Sniff:
             if part == "kv":
                 key = ("kv", at, n_stream_field, ext, has_v, scope)
                 at = (
-                    memo[key]
-                    if key in memo
-                    else self._memo(key, self._kv_section, at, n_stream_field, ext, has_v, scope)
+                    ends[key]
+                    if key in ends
+                    else _once(ends, key, partial(self._kv_section, at, n_stream_field, ext, has_v, scope))
                 )
             else:
                 last = i == len(parts) - 1
                 key = ("rec", at, ple, ns, scope, last)
-                at = memo[key] if key in memo else self._memo(key, self._rec_section, at, ple, ns, scope, last)
+                at = (
+                    ends[key] if key in ends else _once(ends, key, partial(self._rec_section, at, ple, ns, scope, last))
+                )
         return at == self.end  # else: trailing bytes, or a failure (None)
-
-    def _memo(self, key: tuple[Any, ...], fn: Any, *args: Any) -> Any:
-        if key not in self.memo:
-            self.memo[key] = fn(*args)
-        return self.memo[key]
 
     # scalars: None when the field does not fit (the parser's "truncated")
     def _u32(self, at: int) -> int | None:
@@ -446,18 +494,19 @@ class _Sniff:
                 return None
             at += 4
             if cell_count > 0:
-                table = self._memo(("cells", at, cell_count, ext), self._cells, at, cell_count, ext)
+                table = _once(self.tables, ("cells", at, cell_count, ext), partial(self._cells, at, cell_count, ext))
                 if table is None or (scope and not table[1] <= {0, 1}):
                     return None
                 at = table[0]
             if cell_count > 0 or not n_stream_field:
-                at = self._memo(("data", at, cell_count, has_v), self._kv_data, at, cell_count, has_v)
-                if at is None:
+                end = _once(self.ends, ("data", at, cell_count, has_v), partial(self._kv_data, at, cell_count, has_v))
+                if end is None:
                     return None
+                at = end
         return at
 
     def _kv_data(self, at: int, cell_count: int, has_v: bool) -> int | None:
-        head = self._memo(("k", at, cell_count), self._kv_k, at, cell_count)
+        head = _once(self.heads, ("k", at, cell_count), partial(self._kv_k, at, cell_count))
         if head is None:
             return None
         v_trans, n_layer, at = head
@@ -516,12 +565,12 @@ class _Sniff:
             at += n_embd * cols
         return at
 
-    def _rec_section(self, at: int, ple: bool, n_state: Any, scope: bool, last: bool) -> int | None:
+    def _rec_section(self, at: int, ple: bool, n_state: NState, scope: bool, last: bool) -> int | None:
         cell_count = self._u32(at)
         if cell_count is None:
             return None
         at += 4
-        table = self._memo(("cells", at, cell_count, 0), self._cells, at, cell_count, 0)
+        table = _once(self.tables, ("cells", at, cell_count, 0), partial(self._cells, at, cell_count, 0))
         if table is None or (scope and cell_count and not table[1] <= {0}):
             return None
         at = table[0]
@@ -585,7 +634,7 @@ class _Sniff:
             pos, count = nxt, count + 1
         return count, pos
 
-    def _cells(self, at: int, n: int, ext_size: int) -> tuple[int, frozenset[int]] | None:
+    def _cells(self, at: int, n: int, ext_size: int) -> CellsEnd | None:
         """The end of a cell table and the n_seq_id values it holds (cells.py: the uniform view, else the walk).
         The values are exact only as far as a rejection needs: the first cell's is always among them."""
         if n * (8 + ext_size) > self.end - at:
@@ -609,11 +658,11 @@ class _Sniff:
                     return out
         return self._walk(at, n, k, words)
 
-    def _walk(self, at: int, n: int, k: int, words: int) -> tuple[int, frozenset[int]] | None:
+    def _walk(self, at: int, n: int, k: int, words: int) -> CellsEnd | None:
         """The reader's per-cell walk (each n_seq_id at most LLAMA_MAX_SEQ, each seq id in [0, LLAMA_MAX_SEQ), each
         cell within the input); a run of equal cells is checked in NumPy blocks of growing size."""
         w32 = self.buf[at : at + 4 * words].cast("I")
-        arr: np.ndarray | None = None
+        arr: npt.NDArray[np.uint32] | None = None
         w = i = rep = 0
         prev = -1
         seen: set[int] = set()
@@ -640,7 +689,7 @@ class _Sniff:
         return at + 4 * w, frozenset(seen)
 
 
-def _run(arr: np.ndarray, w: int, step: int, k: int, m: int, limit: int) -> int:
+def _run(arr: npt.NDArray[np.uint32], w: int, step: int, k: int, m: int, limit: int) -> int:
     """How many cells from word ``w`` on (at most ``limit``) have ``n_seq_id == m`` and valid seq ids."""
     j, block = 0, 512
     while j < limit:
@@ -818,7 +867,7 @@ def load(
     if ext_size is not None and ext_size not in (0, 8, 12):
         raise ArgumentError(f"ext_size must be 0, 8 or 12, not {ext_size!r}")
     buf = _open(src)
-    opts = {
+    opts: Asked = {
         "ext_size": ext_size,
         "n_stream_field": n_stream_field,
         "has_v": has_v,
@@ -831,7 +880,7 @@ def load(
     readings = [r for k in kinds for r in _readings(k, buf, layout, opts, kind == "auto")]
     if not readings:
         raise ArgumentError("the options given exclude every reading of this input")
-    found: dict[tuple[Any, ...], tuple[dict[str, Any], StateObject]] = {}
+    found: Found = {}
     best: FormatError | None = None
     best_key: tuple[int, int, int, int] = (0, 0, 0, 0)
     want_family = _arch_family(buf, kinds[0])
