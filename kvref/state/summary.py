@@ -5,7 +5,7 @@ Only metadata is touched (cell tables, layer headers); tensor rows are reported 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypeAlias
+from typing import TYPE_CHECKING, TypeAlias, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -16,7 +16,7 @@ from .constants import Magic
 from .sections import KVSection, LayerRows, RecurrentSection, TransposedRows
 
 if TYPE_CHECKING:
-    from .files import StateObject
+    from .files import SeqFile, SeqStateBlob, SessionFile, StateBlob, StateObject
 
 Json: TypeAlias = "bool | int | float | str | list[Json] | dict[str, Json] | None"
 Summary: TypeAlias = "dict[str, Json]"
@@ -104,20 +104,21 @@ def _token_field(tokens: npt.NDArray[np.int32]) -> Summary:
 
 def summarize(obj: StateObject) -> Summary:
     """The JSON-ready description of a session file, sequence file or blob (see the module docstring)."""
-    from .files import SeqFile, SeqStateBlob, SessionFile, StateBlob
-
+    # narrowed by the container's ``kind`` (files.py imports this module, so no isinstance on its classes here)
     out: Summary = {"format": obj.kind}
-    if isinstance(obj, SessionFile | SeqFile):
-        out["magic"] = Magic(obj.magic).to_bytes(4, "big").decode("latin-1")
-        out["version"] = obj.version
-        out["n_tokens"] = len(obj.tokens)
-        out["first_tokens"] = [int(t) for t in obj.tokens[:_N_FIRST_TOKENS]]
-        out["token_field"] = _token_field(obj.tokens)
-    if isinstance(obj, SeqStateBlob):
-        out["seq_id"] = obj.seq_id
-    if isinstance(obj, SessionFile | StateBlob):
-        out["arch"] = obj.arch
-        o = obj.outputs
+    if obj.kind in ("session", "seq"):
+        f = cast("SessionFile | SeqFile", obj)
+        out["magic"] = Magic(f.magic).to_bytes(4, "big").decode("latin-1")
+        out["version"] = f.version
+        out["n_tokens"] = len(f.tokens)
+        out["first_tokens"] = [int(t) for t in f.tokens[:_N_FIRST_TOKENS]]
+        out["token_field"] = _token_field(f.tokens)
+    if obj.kind == "seq_state":
+        out["seq_id"] = cast("SeqStateBlob", obj).seq_id
+    if obj.kind in ("session", "state"):
+        c = cast("SessionFile | StateBlob", obj)
+        out["arch"] = c.arch
+        o = c.outputs
         if o is not None:
             out["outputs"] = {"n_outputs": len(o.output_pos), "logits": len(o.logits), "embeddings": len(o.embeddings)}
     out["layout"] = obj.memory.layout
