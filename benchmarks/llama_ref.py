@@ -16,9 +16,10 @@ instead (a directory with ``src/`` and ``include/``; ``ggml/include`` or the ggm
   model is built;
 - these member functions are cut out of ``src/llama-kv-cache.cpp`` by name, verbatim: ``seq_rm``,
   ``seq_pos_min``, ``seq_pos_max``, ``get_size``, ``get_n_kv``, ``prepare``, ``find_slot``, ``apply_ubatch``,
-  and ``set_input_kq_mask`` with ``args_set_input_kq_mask`` and its ``set_input_kq_mask_impl`` templates;
-- ``src/llama-batch.cpp`` (``llama_batch_allocr``: init, split_simple, split_equal, ...; ``llama_batch_ext``)
-  is compiled whole, as its own object;
+  and ``set_input_kq_mask`` with ``args_set_input_kq_mask`` and its ``set_input_kq_mask_impl`` templates; and
+  ``llama_memory_seq_pos_max`` out of ``src/llama-context.cpp``;
+- ``src/llama-batch.cpp`` (``llama_batch_allocr``: init, split_simple, split_equal, ...; ``llama_batch_ext`` and
+  ``llama_batch_compat``) is compiled whole, as its own object;
 - stubs: ``llama_log_internal`` (silent), ``ggml_backend_buffer_is_host`` (true: the mask buffer is host
   memory), ``ggml_fp32_to_fp16`` / ``ggml_fp16_to_fp32``; every other symbol the two objects reference but
   never reach on these paths (llama_context, vocab, model, ggml graph functions used by other functions of
@@ -153,6 +154,9 @@ def cut_sources(root: Path) -> dict[str, str]:
         for name in ("seq_rm", "seq_pos_min", "seq_pos_max", "get_size", "get_n_kv", "find_slot", "apply_ubatch")
     ]
     funcs.append(_function(kv_cpp, "llama_kv_cache::prepare", what="llama-kv-cache.cpp"))
+    # llama_batch_compat::init (llama_decode's first step) asks the memory through this C API function
+    ctx_cpp = (root / "src" / "llama-context.cpp").read_text()
+    funcs.append(_function(ctx_cpp, "llama_memory_seq_pos_max", what="llama-context.cpp"))
     start = kv_cpp.find("struct args_set_input_kq_mask {")
     if start < 0:
         raise Unavailable("llama-kv-cache.cpp: struct args_set_input_kq_mask not found")
@@ -288,6 +292,13 @@ struct kb_ctx {
     llama_kv_cache::slot_info_vec_t sinfos;
     std::vector<uint8_t> mask;
     int64_t mask_ne[4] = {0, 0, 0, 0};
+    // the caller's llama_batch (arrays allocated once, as llama_batch_init does; one sequence id per token)
+    std::vector<llama_token> b_tok;
+    std::vector<llama_pos> b_pos;
+    std::vector<int32_t> b_n_seq_id;
+    std::vector<llama_seq_id> b_seq_store;
+    std::vector<llama_seq_id *> b_seq_id;
+    std::vector<int8_t> b_logits;
     uint32_t n_seq_max = 1;
     alignas(8) char vocab_storage[64] = {0};  // llama_batch_allocr::init keeps a pointer; never read here
 };
@@ -319,22 +330,38 @@ void kb_fill(void * p, uint32_t stream, int64_t n, const int32_t * idx, const in
     c->kv->v_heads[stream] = head;
 }
 
-// llama_decode's memory work for one batch: llama_batch_allocr::init, the split (init_batch), prepare,
-// then apply_ubatch for every ubatch. The batch (llama_batch_ext) is built before the clock starts.
+// One decode step as a program calling llama_decode does it, without the graph: fill the llama_batch from the
+// step's arrays, then llama_decode's memory work: llama_batch_compat (the llama_batch as a llama_batch_ext),
+// llama_batch_allocr::init, the split (init_batch), prepare, then apply_ubatch for every ubatch. Only the
+// batch's arrays are allocated before the clock starts (once, as a caller's llama_batch_init does).
 int kb_decode(void * p, int32_t n, const int32_t * tok, const int32_t * pos, const int32_t * seq, uint32_t n_ubatch,
               double * t) {
     auto * c = (kb_ctx *) p;
-    llama_batch_ext b((size_t) n, 0, 0, (llama_seq_id) c->n_seq_max, &c->mem, 1 << 30, 1);
-    for (int32_t i = 0; i < n; ++i) {
-        const int32_t k = b.add_token(seq[i]);
-        if (k < 0) return -10;
-        b.set_token_id(k, tok[i]);
-        b.set_token_pos(k, &pos[i]);
-        b.set_output(k, i == n - 1);
+    if ((int32_t) c->b_tok.size() < n) {
+        c->b_tok.resize(n);
+        c->b_pos.resize(n);
+        c->b_n_seq_id.resize(n);
+        c->b_seq_store.resize(n);
+        c->b_seq_id.resize(n);
+        c->b_logits.resize(n);
+        for (int32_t i = 0; i < n; ++i) c->b_seq_id[i] = &c->b_seq_store[i];
     }
     const llama_vocab & vocab = *reinterpret_cast<const llama_vocab *>(c->vocab_storage);
     const auto t0 = clk::now();
-    if (!c->balloc.init(b, vocab, false)) return -1;
+    llama_batch batch = {n, c->b_tok.data(), nullptr, c->b_pos.data(), c->b_n_seq_id.data(), c->b_seq_id.data(),
+                         c->b_logits.data()};
+    for (int32_t i = 0; i < n; ++i) {
+        batch.token[i] = tok[i];
+        batch.pos[i] = pos[i];
+        batch.n_seq_id[i] = 1;
+        batch.seq_id[i][0] = seq[i];
+        batch.logits[i] = i == n - 1;
+    }
+    // llama_context::decode(llama_batch): a llama_batch_compat news the llama_batch_ext and deletes it on return
+    auto b = std::make_unique<llama_batch_ext>((size_t) 1 << 30, 0, 0, (llama_seq_id) c->n_seq_max, &c->mem,
+                                               1 << 30, 1);
+    llama_batch_compat::init(*b, batch);
+    if (!c->balloc.init(*b, vocab, false)) return -1;
     c->balloc.split_reset();
     c->ubatches.clear();
     while (true) {
@@ -346,6 +373,7 @@ int kb_decode(void * p, int32_t n, const int32_t * tok, const int32_t * pos, con
     c->sinfos = c->kv->prepare(c->ubatches);
     if (c->sinfos.empty()) return -3;
     for (size_t i = 0; i < c->ubatches.size(); ++i) c->kv->apply_ubatch(c->sinfos[i], c->ubatches[i]);
+    b.reset();
     *t = secs(t0, clk::now());
     return (int) c->ubatches.size();
 }

@@ -196,6 +196,47 @@ cdef inline int32_t _clamp_key(int64_t p) noexcept nogil:
     return <int32_t>p
 
 
+cdef bint _to_i64(object a, vector[int64_t]& out, Py_ssize_t n) except -1:
+    """Fill ``out`` with ``a`` as int64 values, as ``np.asarray(a, dtype=np.int64)`` reads it: flattened when
+    ``n`` < 0, else broadcast to ``n`` values (one value repeated). False when that conversion fails."""
+    cdef int overflow = 0
+    cdef long long v
+    cdef Py_ssize_t k, m
+    cdef cnp.ndarray arr
+    cdef const int64_t* d
+    out.clear()
+    if type(a) is int:
+        v = PyLong_AsLongLongAndOverflow(a, &overflow)
+        if overflow:
+            return False
+        out.assign(1 if n < 0 else n, v)
+        return True
+    if type(a) is list:  # plain ints read directly (anything else goes through NumPy below)
+        m = len(<list>a)
+        if n < 0 or m == n:
+            out.reserve(m)
+            for k in range(m):
+                o = (<list>a)[k]
+                if type(o) is not int:
+                    break
+                v = PyLong_AsLongLongAndOverflow(o, &overflow)
+                if overflow:
+                    return False
+                out.push_back(v)
+            if <Py_ssize_t>out.size() == m:
+                return True
+            out.clear()
+    try:
+        arr = np.asarray(a, dtype=np.int64)
+        if not (arr.ndim == 1 and (n < 0 or arr.shape[0] == n) and cnp.PyArray_IS_C_CONTIGUOUS(arr)):
+            arr = np.ascontiguousarray(arr.reshape(-1) if n < 0 else np.broadcast_to(arr, (n,)))
+    except (TypeError, ValueError, OverflowError):
+        return False
+    d = <const int64_t*>cnp.PyArray_DATA(arr)
+    out.assign(d, d + arr.shape[0])
+    return True
+
+
 cdef inline cnp.ndarray _ro(cnp.ndarray a):
     v = a.view()
     v.flags.writeable = False
@@ -924,6 +965,97 @@ cdef class KVCells:
         if err == 5:
             raise CellError("seq_add_many: a (cell, sequence) pair appears twice")
 
+    def ext_set_many(self, idxs, xs, ys, toks):
+        """``ext_set(idxs[k], xs[k], ys[k], toks[k])`` for every k (a single value applies to all); all-or-nothing.
+
+        The first element that ``ext_set`` would refuse (an index outside the cells, a value outside int32) is
+        named in the error, and no cell changes.
+        """
+        ia = np.ascontiguousarray(np.asarray(idxs, dtype=np.int64).reshape(-1))
+        xa = np.broadcast_to(np.asarray(xs, dtype=np.int64), ia.shape)
+        ya = np.broadcast_to(np.asarray(ys, dtype=np.int64), ia.shape)
+        ta = np.broadcast_to(np.asarray(toks, dtype=np.int64), ia.shape)
+        cdef const int64_t[::1] iv = ia
+        cdef const int64_t[:] xv = xa
+        cdef const int64_t[:] yv = ya
+        cdef const int64_t[:] tv = ta
+        cdef Py_ssize_t k = 0, m = iv.shape[0], n = self._n
+        cdef int64_t idx
+        cdef int err = 0
+        with nogil(False):
+            for k in range(m):
+                idx = iv[k]
+                if idx < 0 or idx >= n:
+                    err = 1
+                    break
+                if not (C_INT32_MIN <= xv[k] <= C_POS_MAX and C_INT32_MIN <= yv[k] <= C_POS_MAX
+                        and C_INT32_MIN <= tv[k] <= C_POS_MAX):
+                    err = 2
+                    break
+            if not err:
+                for k in range(m):
+                    idx = iv[k]
+                    self._ext[3 * idx] = <int32_t>xv[k]
+                    self._ext[3 * idx + 1] = <int32_t>yv[k]
+                    self._ext[3 * idx + 2] = <int32_t>tv[k]
+        if err == 1:
+            raise CellError(f"cell index {iv[k]} is outside [0, {n})")
+        if err == 2:
+            raise CellError(f"ext_set_many: {(xv[k], yv[k], tv[k])} has a value outside the int32 range")
+
+    def place(self, idxs, positions, seq_ids, ext=None, check=False):
+        """apply_ubatch's writes of tokens of one sequence each into empty cells, in one call; all-or-nothing.
+
+        True when the writes are done (or, with ``check``, would be); False, and nothing changes, when one of them
+        would be refused (see the Python twin).
+        """
+        cdef vector[int64_t] iv, pv, sv, xv, yv, tv
+        cdef bint with_ext = ext is not None
+        if not (_to_i64(idxs, iv, -1) and _to_i64(positions, pv, -1) and _to_i64(seq_ids, sv, -1)):
+            return False
+        cdef Py_ssize_t k, m = iv.size(), n = self._n
+        if <Py_ssize_t>pv.size() != m or <Py_ssize_t>sv.size() != m:
+            return False
+        if with_ext:
+            if len(ext) != 3:
+                return False
+            if not (_to_i64(ext[0], xv, m) and _to_i64(ext[1], yv, m) and _to_i64(ext[2], tv, m)):
+                return False
+        cdef int64_t idx, s
+        cdef uint8_t* mark = self._mark.data()
+        cdef bint ok = True
+        with nogil(False):
+            for k in range(m):
+                idx = iv[k]
+                if idx < 0 or idx >= n or self._pos[idx] != -1 or self._any(idx) or mark[idx]:
+                    ok = False
+                    break
+                mark[idx] = 1
+                if pv[k] < 0 or pv[k] > C_POS_MAX or sv[k] < 0 or sv[k] >= MAX_SEQ:
+                    ok = False
+                    break
+                if with_ext and not (C_INT32_MIN <= xv[k] <= C_POS_MAX and C_INT32_MIN <= yv[k] <= C_POS_MAX
+                                     and C_INT32_MIN <= tv[k] <= C_POS_MAX):
+                    ok = False
+                    break
+            for k in range(m):  # _mark back to all zero (only cells in range were marked)
+                idx = iv[k]
+                if 0 <= idx < n:
+                    mark[idx] = 0
+            if ok and not check:
+                for k in range(m):
+                    idx = iv[k]
+                    s = sv[k]
+                    self._pos[idx] = <int32_t>pv[k]
+                    self._on_used(idx)
+                    if with_ext:
+                        self._ext[3 * idx] = <int32_t>xv[k]
+                        self._ext[3 * idx + 1] = <int32_t>yv[k]
+                        self._ext[3 * idx + 2] = <int32_t>tv[k]
+                    self._seq[N_WORDS * idx + (s >> 6)] |= (<uint64_t>1) << (s & 63)
+                    ps_insert(self._seq_pos[s], <int32_t>pv[k], <uint32_t>idx)
+        return ok
+
     def pos_add_many(self, idxs, d):
         """``pos_add(i, d)`` for every listed used cell; returns which cells were freed (bool array)."""
         ia = np.ascontiguousarray(np.asarray(idxs, dtype=np.int64).reshape(-1))
@@ -968,6 +1100,31 @@ cdef class KVCells:
         cdef Py_ssize_t k, m
         cdef int64_t v
         cdef int bad = -1
+        cdef int overflow = 0
+        cdef long long q
+        cdef list lst
+        cdef cnp.ndarray res
+        cdef int32_t* r
+        if type(seq_ids) is list:  # plain ints in range: read directly (anything else takes the general path)
+            lst = <list>seq_ids
+            m = len(lst)
+            res = np.empty(m, dtype=np.int32)
+            r = <int32_t*>cnp.PyArray_DATA(res)
+            for k in range(m):
+                item = lst[k]
+                if type(item) is not int:
+                    break
+                q = PyLong_AsLongLongAndOverflow(item, &overflow)
+                if overflow or q < 0 or q >= MAX_SEQ:
+                    break
+                if self._seq_pos[q].empty():
+                    r[k] = -1
+                elif last:
+                    r[k] = deref(self._seq_pos[q].rbegin()).first
+                else:
+                    r[k] = deref(self._seq_pos[q].begin()).first
+            else:
+                return res
         arr = np.asarray(seq_ids).reshape(-1)
         if arr.dtype.kind not in "biu":
             arr = np.array([_seq_id(x) for x in arr], dtype=np.int64)

@@ -599,6 +599,77 @@ class KVCells:
             self._seq[cells, s >> 6] |= np.uint64(1 << (s & 63))
             self._seq_pos_put(s, cells)
 
+    def ext_set_many(
+        self, idxs: Iterable[int], xs: int | Iterable[int], ys: int | Iterable[int], toks: int | Iterable[int]
+    ) -> None:
+        """``ext_set(idxs[k], xs[k], ys[k], toks[k])`` for every k (a single value applies to all); all-or-nothing.
+
+        The first element that ``ext_set`` would refuse (an index outside the cells, a value outside int32) is
+        named in the error, and no cell changes.
+        """
+        ia = np.asarray(idxs, dtype=np.int64).reshape(-1)
+        vals = [np.broadcast_to(np.asarray(v, dtype=np.int64), ia.shape) for v in (xs, ys, toks)]
+        bad = (ia < 0) | (ia >= self.size())
+        for v in vals:
+            bad |= (v < INT32_MIN) | (v > POS_MAX)
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            self._check_index(int(ia[k]))  # an index outside the cells is named first
+            raise CellError(f"ext_set_many: {tuple(int(v[k]) for v in vals)} has a value outside the int32 range")
+        # a cell listed twice gets its last (x, y, tok), as ext_set one after the other leaves it
+        last = ia.size - 1 - np.unique(ia[::-1], return_index=True)[1]
+        self._ext[ia[last]] = np.stack([v[last] for v in vals], axis=1)
+
+    def place(
+        self,
+        idxs: Iterable[int],
+        positions: Iterable[int],
+        seq_ids: Iterable[int],
+        ext: tuple[int | Iterable[int], int | Iterable[int], int | Iterable[int]] | None = None,
+        check: bool = False,
+    ) -> bool:
+        """apply_ubatch's writes of tokens of one sequence each into empty cells, in one call: ``pos_set(idxs[k],
+        positions[k])``, ``ext_set(idxs[k], *ext[k])`` when ``ext`` (x, y, tok; a single value applies to all) is
+        given, ``seq_add(idxs[k], seq_ids[k])``; all-or-nothing. With ``check`` nothing is written.
+
+        True when the writes are done (or, with ``check``, would be); False, and nothing changes, when one of them
+        would be refused: an index outside the cells or listed twice, a target cell that is not empty, a position
+        outside ``[0, POS_MAX]``, an ext value outside int32, a sequence id outside ``[0, LLAMA_MAX_SEQ)``, or
+        values that are not integers. The caller then makes the writes one kind at a time, which raise the error.
+        """
+        if ext is not None and len(ext) != 3:
+            return False
+        try:
+            ia = np.asarray(idxs, dtype=np.int64).reshape(-1)
+            pa = np.asarray(positions, dtype=np.int64).reshape(-1)
+            sa = np.asarray(seq_ids, dtype=np.int64).reshape(-1)
+            vals = [np.broadcast_to(np.asarray(v, dtype=np.int64), ia.shape) for v in ext] if ext is not None else []
+        except (TypeError, ValueError, OverflowError):
+            return False
+        if pa.shape != ia.shape or sa.shape != ia.shape:
+            return False
+        if ia.size == 0:
+            return True
+        if ia.min() < 0 or ia.max() >= self.size() or np.unique(ia).size != ia.size:
+            return False
+        if np.any(self._pos[ia] != -1) or np.any(self._seq[ia] != 0):
+            return False
+        if pa.min() < 0 or pa.max() > POS_MAX or sa.min() < 0 or sa.max() >= LLAMA_MAX_SEQ:
+            return False
+        if any(v.min() < INT32_MIN or v.max() > POS_MAX for v in vals):
+            return False
+        if check:
+            return True
+        self._pos[ia] = pa  # pos_set of every cell
+        self._n_used += int(ia.size)
+        if vals:
+            self._ext[ia] = np.stack(vals, axis=1)
+        for s in np.unique(sa).tolist():  # seq_add of every cell
+            cells = ia[sa == s]
+            self._seq[cells, s >> 6] |= np.uint64(1 << (s & 63))
+            self._seq_pos_put(s, cells)
+        return True
+
     def pos_add_many(self, idxs: Iterable[int], d: int) -> npt.NDArray[np.bool_]:
         """``pos_add(i, d)`` for every listed used cell; returns which cells were freed (bool array)."""
         ia = np.asarray(idxs, dtype=np.int64).reshape(-1)
@@ -687,6 +758,7 @@ class KVCells:
             return
         self._seq_pos_rm_cells(cells)
         old = self._pos[cells].astype(np.int64)
+        d = min(d, POS_MAX + 1)  # positions are below 2^31: a larger divisor gives 0 all the same (and fits int64)
         self._pos[cells] = old // d
         self._shift[cells] = _wrap32_all(self._shift[cells].astype(np.int64) + old - old // d)
         self._seq_pos_add_cells(cells)

@@ -10,6 +10,9 @@ tests about as many cells as it places tokens, whatever the cache size. The SWA 
 ``used_targets`` checks the slot in C when every index is a plain int; anything unusual (a repeated or
 out-of-range index, a shared target cell, an index that is not an int) is handed to the Python twin, which
 changes nothing and raises the error it states.
+
+The batch allocator's kernels (``plain_seq_ids``, ``single_seq_ids``, ``single_seq_batch``, ``seq_lists``,
+``seq_flat``) read Python lists and NumPy buffers in one C pass each, with the answers of the Python twin.
 """
 
 from libc.stdint cimport INT64_MIN, int32_t, int64_t, uint64_t
@@ -41,6 +44,7 @@ cdef extern from "Python.h":
 # the clamped one does, and the arithmetic below cannot overflow
 cdef int64_t SWA_CLAMP = 1LL << 40
 cdef int64_t UNKNOWN = INT64_MIN
+cdef int64_t POS_MAX_C = 2147483647  # llama_pos's largest value (kvref.constants.POS_MAX)
 
 
 cdef inline int64_t _floordiv(int64_t a, int64_t b) noexcept nogil:
@@ -206,4 +210,224 @@ def used_targets(cells, idxs, size):
     return used
 
 
-__all__ = ["find_cells", "used_targets"]
+# ------------------------------------------------------------------------------ the batch allocator's per-token work
+# Same functions as in _slots_py.py (which states the rules): None whenever the batch is not of the one-sequence
+# shape or breaks a rule, so the allocator's general path raises llama.cpp's error.
+
+def plain_seq_ids(seq_ids):
+    """A Batch's ``seq_ids`` copied as a list of lists, when it is a list (or tuple) of lists (or tuples) of plain
+    ``int``; None otherwise (see _slots_py.py)."""
+    if type(seq_ids) is not list and type(seq_ids) is not tuple:
+        return None
+    cdef Py_ssize_t i, j, n = len(seq_ids), m
+    cdef list out = [None] * n, row
+    for i in range(n):
+        ids = seq_ids[i]
+        if type(ids) is not list and type(ids) is not tuple:
+            return None
+        m = len(ids)
+        row = [None] * m
+        for j in range(m):
+            o = ids[j]
+            if type(o) is not int:
+                return None
+            row[j] = o
+        out[i] = row
+    return out
+
+
+def single_seq_ids(seq_ids, n_tokens, n_seq_max):
+    """The one sequence id of every token as int32[n_tokens], the distinct ids ascending and ``seq_idx`` (see
+    _slots_py.py)."""
+    cdef Py_ssize_t n = n_tokens, i
+    cdef int64_t bound = n_seq_max
+    cdef int overflow = 0
+    cdef long long v
+    cdef list outer, ids
+    cdef bint seen[MAX_SEQ]
+    cdef int s
+    if n <= 0:
+        return None
+    if seq_ids is None:
+        return (np.zeros(n, np.int32), [0], _seq_index(seen, 0)) if bound >= 1 else None
+    if type(seq_ids) is not list or len(<list>seq_ids) != n:
+        return None
+    outer = <list>seq_ids
+    if bound > MAX_SEQ:
+        bound = MAX_SEQ
+    cdef cnp.ndarray out = np.empty(n, dtype=np.int32)
+    cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
+    for s in range(MAX_SEQ):
+        seen[s] = False
+    for i in range(n):
+        item = outer[i]
+        if type(item) is not list:
+            return None
+        ids = <list>item
+        if len(ids) != 1 or type(ids[0]) is not int:
+            return None
+        v = PyLong_AsLongLongAndOverflow(ids[0], &overflow)
+        if overflow or v < 0 or v >= bound:
+            return None
+        o[i] = <int32_t>v
+        seen[v] = True
+    return out, [s for s in range(MAX_SEQ) if seen[s]], _seq_index(seen, -1)
+
+
+cdef cnp.ndarray _seq_index(bint* seen, int only):
+    """seq_idx of the sequences marked in ``seen`` (or of sequence ``only`` alone when it is >= 0)."""
+    cdef cnp.ndarray seq_idx = np.empty(MAX_SEQ, dtype=np.int32)
+    cdef int32_t* x = <int32_t*>cnp.PyArray_DATA(seq_idx)
+    cdef int s, k = 0
+    for s in range(MAX_SEQ):
+        if (s == only) if only >= 0 else seen[s]:
+            x[s] = k
+            k += 1
+        else:
+            x[s] = -1
+    return seq_idx
+
+
+def single_seq_batch(tokens, pos, seq, present, mem_pos_max, n_vocab, mrope):
+    """The positions of a token batch whose tokens have one sequence id each, when it passes llama_batch_allocr::init
+    (see _slots_py.py); None when any rule fails."""
+    cdef const int32_t[::1] sv = np.ascontiguousarray(seq, dtype=np.int32)
+    cdef const int64_t[::1] tv = np.ascontiguousarray(tokens, dtype=np.int64)
+    cdef Py_ssize_t n = sv.shape[0], i, k
+    cdef int64_t vocab = n_vocab
+    cdef bint c_mrope = bool(mrope)
+    cdef bint given = pos is not None
+    cdef const int64_t[::1] pv
+    if n == 0 or tv.shape[0] != n:
+        return None
+    if given:
+        pv = np.ascontiguousarray(pos, dtype=np.int64)
+        if pv.shape[0] < n:
+            return None
+    cdef int64_t last[MAX_SEQ]      # the memory's seq_pos_max
+    cdef int64_t nxt[MAX_SEQ]       # the next automatic position
+    cdef int64_t lo[MAX_SEQ]        # smallest position in the batch (-1: the sequence has no token yet)
+    cdef int64_t cur[MAX_SEQ]       # last position met along the batch
+    cdef int64_t distinct[MAX_SEQ]
+    cdef int s
+    cdef int64_t p
+    for s in range(MAX_SEQ):
+        last[s] = -1
+        lo[s] = -1
+        distinct[s] = 0
+    if len(present) != len(mem_pos_max):
+        return None
+    for k in range(len(present)):
+        s = present[k]
+        if s < 0 or s >= MAX_SEQ:
+            return None
+        last[s] = mem_pos_max[k]
+    for s in range(MAX_SEQ):
+        nxt[s] = last[s] + 1
+    cdef cnp.ndarray out = np.empty(n, dtype=np.int32)
+    cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
+    for i in range(n):
+        if tv[i] < 0 or (vocab >= 0 and tv[i] >= vocab):
+            return None
+        s = sv[i]
+        if s < 0 or s >= MAX_SEQ:
+            return None
+        if given:
+            p = pv[i]
+        else:
+            p = nxt[s]
+            nxt[s] += 1
+        if p < 0 or p > POS_MAX_C:
+            return None
+        if lo[s] < 0:
+            lo[s] = p
+            distinct[s] = 1
+        elif p < cur[s]:
+            return None  # a sequence's positions decrease
+        elif p != cur[s]:
+            distinct[s] += 1
+        cur[s] = p
+        o[i] = <int32_t>p
+    for s in range(MAX_SEQ):
+        if lo[s] < 0:
+            continue
+        if c_mrope:
+            if last[s] >= 0 and last[s] >= lo[s]:
+                return None
+        elif (last[s] >= 0 and lo[s] != last[s] + 1) or cur[s] - lo[s] + 1 > distinct[s]:
+            return None
+    return out
+
+
+def seq_lists(seq):
+    """``[[s] for s in seq]`` (a ubatch's ``seq_id`` when every token has one sequence), the distinct ids ascending
+    (``seq_id_unq``), and ``seq_idx``: int32[LLAMA_MAX_SEQ], each id's index in that list, -1 for the others."""
+    cdef const int32_t[::1] sv = np.ascontiguousarray(seq, dtype=np.int32)
+    cdef Py_ssize_t n = sv.shape[0], i
+    cdef list out = [None] * n
+    cdef list unq = []
+    cdef cnp.ndarray seq_idx = np.empty(MAX_SEQ, dtype=np.int32)
+    cdef int32_t* x = <int32_t*>cnp.PyArray_DATA(seq_idx)
+    cdef int s, k = 0
+    cdef int32_t v
+    for s in range(MAX_SEQ):
+        x[s] = -1
+    for i in range(n):
+        v = sv[i]
+        out[i] = [v]
+        if 0 <= v < MAX_SEQ:
+            x[v] = 0
+    for s in range(MAX_SEQ):
+        if x[s] == 0:
+            x[s] = k
+            k += 1
+            unq.append(s)
+    return out, unq, seq_idx
+
+
+def seq_flat(seq_ids):
+    """A ubatch's sequence ids for apply_ubatch: (ids per token, all ids in token order, the smallest id, the largest
+    id, whether every token has exactly one id); None unless ``seq_ids`` is a list of lists of plain ``int``."""
+    if type(seq_ids) is not list:
+        return None
+    cdef list outer = <list>seq_ids, ids
+    cdef Py_ssize_t n = len(outer), i, j, total = 0
+    cdef int overflow = 0
+    cdef long long v, lo = 0, hi = -1
+    cdef bint single = True
+    for i in range(n):
+        item = outer[i]
+        if type(item) is not list:
+            return None
+        total += len(<list>item)
+    cdef cnp.ndarray counts = np.empty(n, dtype=np.int64)
+    cdef cnp.ndarray flat = np.empty(total, dtype=np.int64)
+    cdef int64_t* c = <int64_t*>cnp.PyArray_DATA(counts)
+    cdef int64_t* f = <int64_t*>cnp.PyArray_DATA(flat)
+    cdef Py_ssize_t k = 0
+    for i in range(n):
+        ids = <list>outer[i]
+        if len(ids) + k > total:
+            return None  # a list grew while it was read
+        c[i] = len(ids)
+        if c[i] != 1:
+            single = False
+        for j in range(len(ids)):
+            o = ids[j]
+            if type(o) is not int:
+                return None
+            v = PyLong_AsLongLongAndOverflow(o, &overflow)
+            if overflow:
+                return None
+            if k == 0 or v < lo:
+                lo = v
+            if k == 0 or v > hi:
+                hi = v
+            f[k] = v
+            k += 1
+    if k != total:
+        return None
+    return counts, flat, lo, hi, single
+
+
+__all__ = ["find_cells", "plain_seq_ids", "seq_flat", "seq_lists", "single_seq_batch", "single_seq_ids", "used_targets"]

@@ -20,6 +20,10 @@ its ``n_tokens`` cells, so its cost grows with the cells it tests, not with the 
   when, after a failed run, the tested count (runs plus skipped tails) reaches ``size``;
 - ``n_tokens > size`` fits nowhere (None); ``n_tokens == 0`` gets an empty list (kvref's rule: llama.cpp's
   loop has no defined answer for an empty ubatch).
+
+The module also holds the per-token work of a decode step's other parts, so that the Cython twin can do it in C:
+the batch allocator's checks of a batch whose tokens have one sequence id each (``kvref.batch`` takes its general
+path whenever these answer None), and the reading of a ubatch's sequence ids for apply_ubatch (``seq_flat``).
 """
 
 from __future__ import annotations
@@ -29,12 +33,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from .constants import LLAMA_MAX_SEQ, POS_MAX
 from .errors import CellError
 from .hparams import SWAType, is_masked_swa
 
 if TYPE_CHECKING:
     from ._cells_py import KVCells
 
+IntArray = npt.NDArray[np.int32]
 _BLOCK = 256  # cells whose usability is computed together (the walk reads it from the current block)
 
 
@@ -139,4 +145,141 @@ def used_targets(cells: KVCells, idxs: list[int], size: int) -> list[tuple[int, 
     return used
 
 
-__all__ = ["find_cells", "used_targets"]
+# ------------------------------------------------------------------------------ the batch allocator's per-token work
+# llama_batch_allocr::init (kvref.batch.BatchAllocr) states every rule of a batch in Python. The common batch, where
+# every token has exactly one sequence id, is checked here in one pass instead: these functions answer None
+# whenever that batch is not of that shape or breaks any rule, and the allocator then takes its general path, which
+# raises the error llama.cpp gives. They never raise for a bad batch and never change their arguments.
+
+
+def plain_seq_ids(seq_ids: object) -> list[list[int]] | None:
+    """A Batch's ``seq_ids`` copied as a list of lists, when it is a list (or tuple) of lists (or tuples) of plain
+    ``int``; None otherwise (the Batch then checks and converts each id)."""
+    if type(seq_ids) is not list and type(seq_ids) is not tuple:
+        return None
+    out = []
+    for ids in seq_ids:
+        if (type(ids) is not list and type(ids) is not tuple) or any(type(s) is not int for s in ids):
+            return None
+        out.append(list(ids))
+    return out
+
+
+def single_seq_ids(
+    seq_ids: list[list[int]] | None, n_tokens: int, n_seq_max: int
+) -> tuple[IntArray, list[int], IntArray] | None:
+    """The one sequence id of every token as int32[n_tokens], the distinct ids ascending (``seq_id_unq``) and
+    ``seq_idx`` (int32[LLAMA_MAX_SEQ]: each id's index in that list, -1 for the others).
+
+    ``seq_ids`` None means sequence 0 for every token (llama_batch_compat's default). None when a token has not
+    exactly one id, when an id is not a plain ``int`` in a one-element list, or is outside ``[0, n_seq_max)``.
+    """
+    if n_tokens <= 0:
+        return None
+    if seq_ids is None:
+        return (np.zeros(n_tokens, np.int32), [0], _seq_index([0])) if n_seq_max >= 1 else None
+    if type(seq_ids) is not list or len(seq_ids) != n_tokens:
+        return None
+    flat = []
+    for ids in seq_ids:
+        if type(ids) is not list or len(ids) != 1 or type(ids[0]) is not int:
+            return None
+        flat.append(ids[0])
+    if min(flat) < 0 or max(flat) >= n_seq_max:
+        return None
+    unq = sorted(set(flat))
+    return np.array(flat, dtype=np.int32), unq, _seq_index(unq)
+
+
+def _seq_index(unq: list[int]) -> IntArray:
+    seq_idx = np.full(LLAMA_MAX_SEQ, -1, dtype=np.int32)
+    seq_idx[unq] = np.arange(len(unq), dtype=np.int32)
+    return seq_idx
+
+
+def single_seq_batch(
+    tokens: npt.NDArray[np.int64],
+    pos: npt.NDArray[np.int64] | None,
+    seq: IntArray,
+    present: list[int],
+    mem_pos_max: list[int],
+    n_vocab: int,
+    mrope: bool,
+) -> IntArray | None:
+    """The positions of a token batch whose tokens have one sequence id each, when it passes llama_batch_allocr::init.
+
+    ``tokens`` are the ids (each must be in ``[0, n_vocab)``; ``n_vocab`` -1: no upper bound); ``pos`` the given
+    positions (its first ``n_tokens`` entries), or None to continue each sequence after ``mem_pos_max`` (the
+    memory's ``seq_pos_max`` of each sequence of ``present``, -1 for none): the k-th token of sequence s gets
+    ``mem_pos_max[s] + 1 + k``. The rules, per sequence s with y its smallest and x the memory's last position:
+    positions never decrease along the batch and fit int32; without M-RoPE ``y == x + 1`` (when x >= 0) and no
+    position in ``[y, max]`` is missing; under M-RoPE ``x < y`` (when x >= 0). None when any rule fails.
+    """
+    n = int(seq.shape[0])
+    if n == 0 or tokens.shape[0] != n or tokens.min() < 0 or (n_vocab >= 0 and tokens.max() >= n_vocab):
+        return None
+    last = np.full(LLAMA_MAX_SEQ, -1, dtype=np.int64)
+    last[present] = mem_pos_max
+    # the tokens grouped by sequence, in batch order within each group
+    order = np.argsort(seq, kind="stable")
+    s_sorted = seq[order].astype(np.int64)
+    first = np.ones(n, dtype=bool)
+    first[1:] = s_sorted[1:] != s_sorted[:-1]
+    group = np.cumsum(first) - 1
+    if pos is None:
+        rank = np.arange(n) - np.flatnonzero(first)[group]  # k: the token is its sequence's k-th in the batch
+        p = np.empty(n, dtype=np.int64)
+        p[order] = last[s_sorted] + 1 + rank
+    else:
+        if pos.shape[0] < n:
+            return None
+        p = pos[:n].astype(np.int64)
+    if p.min() < 0 or p.max() > POS_MAX:
+        return None
+    p_sorted = p[order]
+    if np.any(~first[1:] & (p_sorted[1:] < p_sorted[:-1])):
+        return None  # a sequence's positions decrease
+    starts = np.flatnonzero(first)
+    ends = np.append(starts[1:], n) - 1
+    y, y_max, x = p_sorted[starts], p_sorted[ends], last[s_sorted[starts]]
+    if mrope:
+        return None if np.any((x >= 0) & (x >= y)) else p.astype(np.int32)
+    new = first.copy()
+    new[1:] |= p_sorted[1:] != p_sorted[:-1]  # a position not seen before in its sequence
+    distinct = np.add.reduceat(new.astype(np.int64), starts)
+    if np.any((x >= 0) & (y != x + 1)) or np.any(y_max - y + 1 > distinct):
+        return None
+    return p.astype(np.int32)
+
+
+def seq_lists(seq: IntArray) -> tuple[list[list[int]], list[int], IntArray]:
+    """``[[s] for s in seq]`` (a ubatch's ``seq_id`` when every token has one sequence), the distinct ids ascending
+    (``seq_id_unq``), and ``seq_idx``: int32[LLAMA_MAX_SEQ], each id's index in that list, -1 for the others."""
+    flat = seq.tolist()
+    unq = sorted(set(flat))
+    return [[s] for s in flat], unq, _seq_index(unq)
+
+
+def seq_flat(
+    seq_ids: list[list[int]],
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int, int, bool] | None:
+    """A ubatch's sequence ids for apply_ubatch: (ids per token, all ids in token order, the smallest id, the largest
+    id, whether every token has exactly one id); int64 arrays, (0, -1) as the bounds of no id. None unless
+    ``seq_ids`` is a list of lists of plain ``int`` (apply_ubatch then checks them one by one)."""
+    if type(seq_ids) is not list:
+        return None
+    counts, flat = [], []
+    for ids in seq_ids:
+        if type(ids) is not list or any(type(s) is not int for s in ids):
+            return None
+        counts.append(len(ids))
+        flat.extend(ids)
+    try:
+        c, f = np.array(counts, dtype=np.int64), np.array(flat, dtype=np.int64)
+    except OverflowError:
+        return None
+    lo, hi = (min(flat), max(flat)) if flat else (0, -1)
+    return c, f, lo, hi, all(k == 1 for k in counts)
+
+
+__all__ = ["find_cells", "plain_seq_ids", "seq_flat", "seq_lists", "single_seq_batch", "single_seq_ids", "used_targets"]

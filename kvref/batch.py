@@ -11,6 +11,11 @@ The flow mirrors llama.cpp (October 2026, ``src/llama-batch.cpp``):
 3. ``split_simple`` / ``split_equal`` / ``split_seq`` cut the batch into ``UBatch`` es exactly like
    llama.cpp; ``split_whole`` runs the splitter a memory's ``init_batch`` picks.
 
+The common batch (token ids, one sequence id per token) is checked in one pass by the slots twins' kernels
+(``kvref._slots_py`` states them: ``single_seq_ids``, ``single_seq_batch``, ``seq_lists``); any other batch, and
+any batch that breaks a rule, goes through the general path below, which states every rule in order and raises
+llama.cpp's reason. Both paths leave the allocator in the same state.
+
 Sequence-id order inside a token: llama.cpp stores a token's sequence ids in a
 ``std::unordered_set<llama_seq_id>``, so ``ubatch.seq_id[i]`` lists them in that set's iteration
 order, not in the caller's order, and duplicates collapse. ``seq_id[i][0]`` matters downstream (the
@@ -27,6 +32,7 @@ from typing import TYPE_CHECKING, Literal, Protocol
 import numpy as np
 import numpy.typing as npt
 
+from . import slots as _slots
 from .constants import LLAMA_MAX_SEQ
 from .errors import ArgumentError, BatchError
 
@@ -37,6 +43,8 @@ LLAMA_TOKEN_NULL = -1  # a batch entry whose token id is -1 carries no token
 GGML_MROPE_SECTIONS = 4  # positions per entry under M-RoPE
 
 _ALL_SEQS = (1 << LLAMA_MAX_SEQ) - 1  # std::bitset<LLAMA_MAX_SEQ>::set()
+_NO_SEQ_IDX = np.full(LLAMA_MAX_SEQ, -1, np.int32)  # seq_idx of no sequence (copied, never written)
+_NO_SEQ_IDX.flags.writeable = False
 
 
 @dataclass
@@ -87,10 +95,15 @@ class SeqPosMemory(Protocol):
     def seq_pos_max(self, seq_id: int) -> int: ...
 
 
+_NARROW_INTS = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.uint8, np.uint16))
+
+
 def _int32s(values: npt.ArrayLike, name: str) -> npt.NDArray[np.int64]:
     """``values`` as int64 after checking they are integers that fit llama.cpp's int32 (BatchError naming
     ``name[i]`` otherwise)."""
     arr = np.asarray(values).reshape(-1)
+    if arr.dtype in _NARROW_INTS:
+        return arr.astype(np.int64)  # every value fits
     if arr.size and arr.dtype.kind not in "iu" and not _all_ints(arr):
         raise BatchError(f"{name}: expected integers, got {arr.dtype} values")
     # compared as Python ints where NumPy could not hold them (object arrays) or would wrap (uint64)
@@ -150,16 +163,20 @@ class Batch:
             raise BatchError("n_tokens == 0")  # llama_context::decode rejects empty batches
         if self.pos is not None:
             self.pos = _int32s(self.pos, "pos")
-            bad = np.flatnonzero(self.pos < 0)
-            if len(bad):
+            if self.pos.size and self.pos.min() < 0:
                 # llama.cpp's cells hold positions >= 0 (a negative one asserts in the KV cache and reads as an
                 # empty cell in the recurrent memory): refused before any memory sees it
-                i = int(bad[0])
+                i = int(np.flatnonzero(self.pos < 0)[0])
                 raise BatchError(f"pos[{i}] = {int(self.pos[i])}: positions must be >= 0")
             if len(self.pos) < n or len(self.pos) % n:
                 raise BatchError(f"pos has {len(self.pos)} entries, expected a multiple of n_tokens = {n}")
         if self.seq_ids is not None:
-            self.seq_ids = [[_seq_id(s, i, j) for j, s in enumerate(ids)] for i, ids in enumerate(self.seq_ids)]
+            plain = _slots.kernels.plain_seq_ids(self.seq_ids)  # lists of plain ints: copied at C speed
+            self.seq_ids = (
+                plain
+                if plain is not None
+                else [[_seq_id(s, i, j) for j, s in enumerate(ids)] for i, ids in enumerate(self.seq_ids)]
+            )
             if len(self.seq_ids) != n:
                 raise BatchError(f"seq_ids has {len(self.seq_ids)} entries, expected n_tokens = {n}")
         if self.logits is not None:
@@ -242,8 +259,16 @@ class BatchAllocr:
 
     token: npt.NDArray[np.int32] | None
     embd: npt.NDArray[np.float32] | None
-    seq_id: list[list[int]]
     out_ids: list[int]
+    seq_id_unq: list[int]
+    # after a one-sequence-per-token init (`_init_single`): token i's sequence id; the per-token bookkeeping below
+    # (None) is then built when first read (the properties ``seq_id``, ``seq_pos``, ...)
+    _seq1: npt.NDArray[np.int32] | None
+    _seq_id: list[list[int]] | None
+    _seq_pos: list[set[int]] | None
+    _seq_cpl: npt.NDArray[np.bool_] | None
+    _seq_set: list[int] | None
+    _seq_set_map: dict[int, list[int]] | None
 
     def __init__(self, n_pos_per_embd: int = 1) -> None:
         self.n_pos_per_embd = int(n_pos_per_embd)
@@ -273,6 +298,12 @@ class BatchAllocr:
         """
         self._clear()
         self.n_seq_max = int(n_seq_max)
+        if self._init_single(batch, memory, n_vocab, n_embd, output_all):
+            return
+        self._clear()
+        self._seq_pos = [set() for _ in range(LLAMA_MAX_SEQ)]
+        self._seq_cpl = np.zeros((LLAMA_MAX_SEQ, LLAMA_MAX_SEQ), dtype=bool)
+        self._seq_set, self._seq_set_map = [], {}
         entries = self._compat_entries(batch, memory, seq_id_order)
         n_tok = len(entries)
 
@@ -319,7 +350,8 @@ class BatchAllocr:
         self.pos = pos
 
         self.n_seq_id = np.array([len(e.seq_ids) for e in entries], dtype=np.int32)
-        self.seq_id = [list(e.seq_ids) for e in entries]
+        self._seq_id = [list(e.seq_ids) for e in entries]
+        self._n_tokens = n_tok
         for i, ids in enumerate(self.seq_id):
             for s, sid in enumerate(ids):
                 if sid < 0 or sid >= self.n_seq_max:
@@ -334,6 +366,59 @@ class BatchAllocr:
         self._compute_stats(n_tok)
         self._check_consistency(n_tok, memory)
         self.split_reset()
+
+    def _init_single(
+        self, batch: Batch, memory: SeqPosMemory | None, n_vocab: int | None, n_embd: int | None, output_all: bool
+    ) -> bool:
+        """``init`` of the common batch in one pass: token ids, one sequence id per token, given or automatic
+        positions. False (nothing done) when the batch is of another shape or breaks any rule: ``init``'s general
+        path below then states every rule and raises llama.cpp's error. The bookkeeping that only the other
+        splitters and inspection read (``seq_id``, ``seq_pos``, ``seq_cpl``, ``seq_set``, ``seq_set_map``) is
+        built when first read."""
+        tokens, pos, logits = batch.tokens, batch.pos, batch.logits
+        if (
+            batch.embd is not None
+            or type(tokens) is not np.ndarray
+            or not (pos is None or type(pos) is np.ndarray)
+            or self.n_seq_max > LLAMA_MAX_SEQ
+            or not (n_vocab is None or (type(n_vocab) is int and n_vocab > 0))
+        ):
+            return False
+        n = tokens.shape[0]
+        if not (logits is None or (type(logits) is np.ndarray and logits.dtype == np.bool_ and logits.shape == (n,))):
+            return False
+        ids = _slots.kernels.single_seq_ids(batch.seq_ids, n, self.n_seq_max)
+        if ids is None:
+            return False
+        seq, present, seq_idx = ids
+        try:
+            mem_pos_max = [-1] * len(present) if memory is None else _seq_pos_max_all(memory, present)
+        except Exception:
+            return False  # the general path asks the memory again, where llama.cpp would
+        p = _slots.kernels.single_seq_batch(tokens, pos, seq, present, mem_pos_max, -1 if n_vocab is None else n_vocab,
+                                self.n_pos_per_embd > 1)  # fmt: skip
+        if p is None:
+            return False
+        self.token = tokens.astype(np.int32)
+        self.n_embd = int(n_embd or 0)
+        self.pos = p
+        self.n_seq_id = np.ones(n, dtype=np.int32)
+        self._seq1 = seq
+        self._seq_id = None
+        self._n_tokens = n
+        if logits is None:
+            out = np.zeros(n, dtype=np.int8)
+            out[-1] = 1
+        else:
+            out = logits.astype(np.int8)
+        if output_all:
+            out[:] = 1
+        self.output = out
+        self.n_outputs = int(np.count_nonzero(out))
+        self.seq_id_unq = present
+        self.seq_idx = seq_idx
+        self.split_reset()
+        return True
 
     def _compat_entries(self, batch: Batch, memory: SeqPosMemory | None, seq_id_order: str) -> list[_Entry]:
         """llama_batch_compat::init: one record per entry, with llama.cpp's defaults filled in."""
@@ -459,7 +544,54 @@ class BatchAllocr:
 
     def get_n_tokens(self) -> int:
         """Tokens in the batch given to ``init`` (llama_batch_allocr::get_n_tokens)."""
-        return len(self.seq_id)
+        return self._n_tokens
+
+    # the per-token bookkeeping, built when first read after a one-sequence-per-token init (see `_init_single`)
+    @property
+    def seq_id(self) -> list[list[int]]:
+        """``seq_id[i]``: the sequence ids of token i (in the order ``seq_id_order`` gives)."""
+        if self._seq_id is None:
+            self._seq_id = _slots.kernels.seq_lists(self._single())[0]
+        return self._seq_id
+
+    @property
+    def seq_pos(self) -> list[set[int]]:
+        """``seq_pos[s]``: the set of positions of sequence s in the batch."""
+        if self._seq_pos is None:
+            self._seq_pos = [set() for _ in range(LLAMA_MAX_SEQ)]
+            seq = self._single()
+            order = np.argsort(seq, kind="stable")
+            starts = np.flatnonzero(np.diff(seq[order], prepend=-1))
+            for grp in np.split(order, starts[1:]):
+                if grp.size:
+                    self._seq_pos[int(seq[grp[0]])] = set(self.pos[grp].tolist())
+        return self._seq_pos
+
+    @property
+    def seq_cpl(self) -> npt.NDArray[np.bool_]:
+        """``seq_cpl[s1, s0]``: s1 shares a token with that token's first sequence s0 (they are coupled)."""
+        if self._seq_cpl is None:
+            self._seq_cpl = np.zeros((LLAMA_MAX_SEQ, LLAMA_MAX_SEQ), dtype=bool)  # one sequence per token: none
+        return self._seq_cpl
+
+    @property
+    def seq_set(self) -> list[int]:
+        """``seq_set[i]``: the sequence set of token i, as an int bitmask."""
+        if self._seq_set is None:
+            self._seq_set = [1 << s for s in self._single().tolist()]
+        return self._seq_set
+
+    @property
+    def seq_set_map(self) -> dict[int, list[int]]:
+        """Sequence set (bitmask) -> the indices of the tokens that have it, ascending."""
+        if self._seq_set_map is None:
+            self._seq_set_map = {}
+            for i, cur in enumerate(self.seq_set):
+                self._seq_set_map.setdefault(cur, []).append(i)
+        return self._seq_set_map
+
+    def _single(self) -> npt.NDArray[np.int32]:
+        return self._seq1 if self._seq1 is not None else np.zeros(0, np.int32)
 
     def get_n_outputs(self) -> int:
         """Tokens of the batch that produce an output (llama_batch_allocr::get_n_outputs)."""
@@ -488,21 +620,18 @@ class BatchAllocr:
         self.out_ids = []
         self.n_used = 0
         self.used = [False] * self.get_n_tokens()
+        self._unused_from = 0  # no token before this one is unused (the splitters keep it so: no rescans)
 
     def split_simple(self, n_ubatch: int) -> UBatch:
         """The next up to ``n_ubatch`` unused tokens in batch order (one stream)."""
         cur = self._first_unused()
         if cur is None:
             return UBatch.empty()
-        idxs = []
-        while True:
-            idxs.append(cur)
-            self.used[cur] = True
-            self.n_used += 1
-            cur += 1
-            if cur >= len(self.used) or len(idxs) >= n_ubatch:
-                break
-        return self._ubatch_add(idxs, len(idxs), equal_seqs=False)
+        # from the first unused token on, the next tokens in batch order (used or not, as llama.cpp takes them)
+        end = min(cur + max(n_ubatch, 1), len(self.used))
+        self.used[cur:end] = [True] * (end - cur)
+        self.n_used += end - cur
+        return self._ubatch_add(range(cur, end), end - cur, equal_seqs=False)
 
     def split_equal(self, n_ubatch: int, sequential: bool, n_keep_tail: int = 0) -> UBatch:
         """Equal-length runs of several non-overlapping sequence sets.
@@ -583,7 +712,9 @@ class BatchAllocr:
                         cur_idx[0] += 1
                 else:
                     while remaining(0) < n_keep_tail:
-                        self.used[idxs.pop()] = False
+                        idx = idxs.pop()
+                        self.used[idx] = False
+                        self._unused_from = min(self._unused_from, idx)
                         self.n_used -= 1
                         cur_idx[0] -= 1
                 n_keep = 1
@@ -591,6 +722,7 @@ class BatchAllocr:
             for s in range(n_keep, n_seqs):  # the deferred sets go back to the pool
                 for idx in idxs_per_seq[s]:
                     self.used[idx] = False
+                    self._unused_from = min(self._unused_from, idx)
                     self.n_used -= 1
             n_seqs = n_keep
 
@@ -635,6 +767,11 @@ class BatchAllocr:
         self.split_reset()
         res: list[UBatch] = []
         while True:
+            if self._first_unused() is None:
+                # every splitter answers an empty ubatch once every token is used: stop without building it
+                if kind not in ("simple", "equal", "seq"):
+                    raise ArgumentError(f"unknown split kind {kind!r}")
+                return res
             if kind == "simple":
                 ub = self.split_simple(n_ubatch)
             elif kind == "equal":
@@ -686,48 +823,59 @@ class BatchAllocr:
         self.embd = None
         self.pos = np.zeros(0, np.int32)
         self.n_seq_id = np.zeros(0, np.int32)
-        self.seq_id = []
-        self.seq_id_unq: list[int] = []
-        self.seq_idx = np.full(LLAMA_MAX_SEQ, -1, np.int32)
+        self.seq_id_unq = []
+        self.seq_idx = _NO_SEQ_IDX.copy()
         self.output = np.zeros(0, np.int8)
         self.has_cpl = False
-        self.seq_pos: list[set[int]] = [set() for _ in range(LLAMA_MAX_SEQ)]
-        self.seq_cpl = np.zeros((LLAMA_MAX_SEQ, LLAMA_MAX_SEQ), dtype=bool)
-        self.seq_set: list[int] = []
-        self.seq_set_map: dict[int, list[int]] = {}
+        self._n_tokens = 0
+        self._seq1 = None
+        self._seq_id = []
+        self._seq_pos = None
+        self._seq_cpl = None
+        self._seq_set = None
+        self._seq_set_map = None
 
     def _first_unused(self) -> int | None:
-        for i, u in enumerate(self.used):
-            if not u:
-                return i
-        return None
+        try:
+            self._unused_from = self.used.index(False, self._unused_from)
+        except ValueError:
+            self._unused_from = len(self.used)
+            return None
+        return self._unused_from
 
-    def _ubatch_add(self, idxs: list[int], n_seqs: int, equal_seqs: bool) -> UBatch:
+    def _ubatch_add(self, idxs: Sequence[int], n_seqs: int, equal_seqs: bool) -> UBatch:
         """Gather the tokens ``idxs`` (in this order) into a ubatch of ``n_seqs`` sequence sets."""
         n_tokens = len(idxs)
-        ix = np.asarray(idxs, dtype=np.int64)
-        n_batch = self.get_n_tokens()
+        # the tokens' batch indices: a run of consecutive tokens (split_simple) is sliced, any other list gathered
+        ix: slice[int, int, None] | npt.NDArray[np.int64]
+        if isinstance(idxs, range):
+            ix = slice(idxs.start, idxs.stop)
+            batch_idxs = np.arange(idxs.start, idxs.stop, dtype=np.int32)
+        else:
+            ix = np.asarray(idxs, dtype=np.int64)
+            batch_idxs = ix.astype(np.int32)
         npe = self.n_pos_per_embd
-        pos = np.empty(n_tokens * npe, np.int32)
-        for j in range(npe):
-            # a token batch broadcasts its single position to every M-RoPE section; an embedding
-            # batch copies each section as given
-            src_off = 0 if self.token is not None else j * n_batch
-            pos[j * n_tokens : (j + 1) * n_tokens] = self.pos[src_off + ix]
+        if self.token is not None:
+            # a token batch broadcasts its single position to every M-RoPE section
+            pos = self.pos[ix].copy() if npe == 1 else np.tile(self.pos[ix], npe)
+        else:
+            # an embedding batch copies each section as given
+            pos = self.pos.reshape(npe, self.get_n_tokens())[:, ix].reshape(-1).copy()
 
-        seq_set_unq = 0
-        for i in idxs:
-            for sid in self.seq_id[i]:
-                seq_set_unq |= 1 << sid
-            if self.output[i]:
-                self.out_ids.append(i)
+        output = self.output[ix].copy()
+        self.out_ids.extend(batch_idxs[output != 0].tolist())
 
-        seq_id_unq: list[int] = []
-        seq_idx = np.full(LLAMA_MAX_SEQ, -1, np.int32)
-        for s in range(self.n_seq_max):
-            if seq_set_unq >> s & 1:
-                seq_idx[s] = len(seq_id_unq)
-                seq_id_unq.append(s)
+        if self._seq1 is not None:
+            seq_id, seq_id_unq, seq_idx = _slots.kernels.seq_lists(self._seq1[ix])
+        else:
+            seq_set_unq = 0
+            for i in idxs:
+                for sid in self.seq_id[i]:
+                    seq_set_unq |= 1 << sid
+            seq_id_unq = [s for s in range(self.n_seq_max) if seq_set_unq >> s & 1]
+            seq_id = [list(self.seq_id[i]) for i in idxs]
+            seq_idx = _NO_SEQ_IDX.copy()
+            _index_seqs(seq_idx, seq_id_unq)
 
         return UBatch(
             equal_seqs=equal_seqs,
@@ -736,16 +884,34 @@ class BatchAllocr:
             n_seqs=n_seqs,
             n_seqs_unq=len(seq_id_unq),
             n_pos=npe,
-            token=self.token[ix].astype(np.int32) if self.token is not None else None,
+            token=self.token[ix].copy() if self.token is not None else None,
             embd=self.embd[ix].copy() if self.embd is not None else None,
             pos=pos,
-            n_seq_id=self.n_seq_id[ix].astype(np.int32),
-            seq_id=[list(self.seq_id[i]) for i in idxs],
+            n_seq_id=self.n_seq_id[ix].copy(),
+            seq_id=seq_id,
             seq_id_unq=seq_id_unq,
             seq_idx=seq_idx,
-            output=self.output[ix].astype(np.int8),
-            batch_idxs=ix.astype(np.int32),
+            output=output,
+            batch_idxs=batch_idxs,
         )
+
+
+def _seq_pos_max_all(memory: SeqPosMemory, seq_ids: list[int]) -> Sequence[int]:
+    """``memory.seq_pos_max(s)`` of every listed sequence, in one call when the memory has ``seq_pos_max_many``."""
+    many = getattr(memory, "seq_pos_max_many", None)
+    if many is not None:
+        res: Sequence[int] = many(seq_ids)
+        return res
+    return [memory.seq_pos_max(s) for s in seq_ids]
+
+
+def _index_seqs(seq_idx: npt.NDArray[np.int32], seq_id_unq: list[int]) -> None:
+    """``seq_idx[s]`` = the index of s in ``seq_id_unq`` (ascending ids), for every listed sequence."""
+    if len(seq_id_unq) <= 4:
+        for k, s in enumerate(seq_id_unq):
+            seq_idx[s] = k
+    else:
+        seq_idx[seq_id_unq] = np.arange(len(seq_id_unq), dtype=np.int32)
 
 
 MemoryKind = Literal["kv", "iswa", "recurrent", "hybrid", "hybrid_iswa"]

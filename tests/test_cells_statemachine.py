@@ -301,6 +301,32 @@ class CellsTwins(RuleBasedStateMachine):
     def ext_set(self, data: st.DataObject, x: int, y: int, tok: int) -> None:
         self.both("ext_set", self.index(data), x, y, tok)
 
+    @rule(data=st.data())
+    def ext_set_many(self, data: st.DataObject) -> None:
+        k = data.draw(st.integers(0, 4))
+        idxs = [self.index(data) for _ in range(k)]
+        vals = [data.draw(st.one_of(ext_values, st.lists(ext_values, min_size=k, max_size=k))) for _ in range(3)]
+        self.both("ext_set_many", idxs, *vals)
+
+    @rule(data=st.data(), check=st.booleans(), with_ext=st.booleans())
+    def place(self, data: st.DataObject, check: bool, with_ext: bool) -> None:
+        empty = self.empty_cells()
+        k = data.draw(st.integers(0, min(6, len(empty)) if empty else 3))
+        if empty and data.draw(st.integers(0, 3)):
+            idxs = data.draw(st.lists(st.sampled_from(empty), unique=True, min_size=k, max_size=k))
+        else:
+            idxs = [self.index(data) for _ in range(k)]
+        pos = data.draw(st.lists(positions, min_size=k, max_size=k))
+        seqs = data.draw(st.lists(seq_ids, min_size=k, max_size=k))
+        ext = None
+        if with_ext:
+            one = st.one_of(ext_values, st.lists(ext_values, min_size=k, max_size=k))
+            ext = tuple(data.draw(one) for _ in range(3))
+        before = full_state(self.py)
+        res = self.both("place", idxs, pos, seqs, ext, check)
+        if res is not None and (check or not res[0]):
+            assert_same_state(before, full_state(self.py), "place changed the cells without placing")
+
     @rule(data=st.data(), d=deltas)
     def pos_add(self, data: st.DataObject, d: int) -> None:
         self.both("pos_add", self.index(data, used=True), d)

@@ -162,7 +162,7 @@ def run_script(mod, n_seq, unified, steps, swa_type, n_swa, size, n_ubatch):
         type_v="f32",
     )  # fmt: skip
     saved = slots._impl
-    slots._impl = mod
+    slots._impl = slots.kernels = mod
     log = []
     try:
         for kind, seq, n in steps:
@@ -181,7 +181,7 @@ def run_script(mod, n_seq, unified, steps, swa_type, n_swa, size, n_ubatch):
             log.append((np.asarray(c.pos).tolist(), np.asarray(c.seq).tolist(), np.asarray(c.ext).tolist()))
         log.append(list(cache.heads))
     finally:
-        slots._impl = saved
+        slots._impl = slots.kernels = saved
     return log
 
 
@@ -225,3 +225,94 @@ def test_a_decode_step_tests_few_cells_in_a_large_cache() -> None:
     finally:
         _slots_py.Usable = saved
     assert sum(seen) <= 256
+
+
+# ------------------------------------------------------------------------------------------ the allocator's kernels
+def same(a, b) -> bool:
+    """Equal answers of the same types (arrays: same dtype and values), element by element."""
+    if isinstance(a, np.ndarray) or isinstance(b, np.ndarray):
+        return isinstance(a, np.ndarray) and isinstance(b, np.ndarray) and a.dtype == b.dtype and np.array_equal(a, b)
+    if isinstance(a, (list, tuple)):
+        return type(a) is type(b) and len(a) == len(b) and all(same(x, y) for x, y in zip(a, b, strict=True))
+    return type(a) is type(b) and a == b
+
+
+odd_ids = st.sampled_from([-1, 256, 2**70, True, 1.0, np.int32(2), "0", None])
+seq_lists_st = st.lists(
+    st.one_of(
+        st.lists(st.integers(0, 5), min_size=1, max_size=1),
+        st.lists(st.integers(0, 5), min_size=1, max_size=1),
+        st.lists(st.integers(0, 255), min_size=0, max_size=3),
+        st.lists(st.one_of(st.integers(0, 5), odd_ids), min_size=1, max_size=2),
+        st.tuples(st.integers(0, 5)),
+    ),
+    min_size=0,
+    max_size=12,
+)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(seq_ids=st.one_of(st.none(), seq_lists_st, st.tuples(st.lists(st.integers(0, 3), max_size=2))), data=st.data())
+def test_batch_seq_id_kernels_agree(seq_ids, data) -> None:
+    """plain_seq_ids, single_seq_ids, seq_flat: the same answer from both twins, None exactly together."""
+    mods = twins()
+    n = len(seq_ids) if seq_ids is not None else data.draw(st.integers(0, 5))
+    n_tokens = data.draw(st.sampled_from([n, n, n + 1, max(n - 1, 0)]))
+    n_seq_max = data.draw(st.sampled_from([1, 3, 6, 256, 300, 0]))
+    for f, args in (
+        ("plain_seq_ids", (seq_ids,)),
+        ("single_seq_ids", (seq_ids, n_tokens, n_seq_max)),
+        ("seq_flat", (seq_ids,)),
+    ):
+        a, b = (getattr(m, f)(*args) for m in mods)
+        assert same(a, b), (f, args, a, b)
+    single = _slots_py.single_seq_ids(seq_ids, n_tokens, n_seq_max)
+    if single is not None:
+        seq, unq, seq_idx = single
+        assert unq == sorted(set(seq.tolist())) and seq_idx.tolist() == [
+            unq.index(s) if s in unq else -1 for s in range(256)
+        ]
+    if seq_ids is not None:
+        plain = _slots_py.plain_seq_ids(seq_ids)
+        if plain is not None:  # a copy of the lists, with the same ints
+            assert plain == [list(ids) for ids in seq_ids] and all(
+                p is not q for p, q in zip(plain, seq_ids, strict=True)
+            )
+        flat = _slots_py.seq_flat(seq_ids)
+        if flat is not None:
+            counts, ids, lo, hi, single = flat
+            want = [s for row in seq_ids for s in row]
+            assert ids.tolist() == want and counts.tolist() == [len(r) for r in seq_ids]
+            assert (lo, hi) == ((min(want), max(want)) if want else (0, -1))
+            assert single == all(len(r) == 1 for r in seq_ids)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(
+    seq=st.lists(st.integers(0, 4), min_size=0, max_size=10),
+    data=st.data(),
+)
+def test_single_seq_batch_twins_agree(seq, data) -> None:
+    """single_seq_batch and seq_lists answer alike on both twins, positions given or automatic, with or without
+    a memory before them, under M-RoPE or not."""
+    mods = twins()
+    n = len(seq)
+    seq_a = np.asarray(seq, dtype=np.int32)
+    tokens = np.asarray(data.draw(st.lists(st.integers(-2, 9), min_size=n, max_size=n)), dtype=np.int64)
+    present = sorted(set(seq))
+    mem = data.draw(st.lists(st.integers(-1, 6), min_size=len(present), max_size=len(present)))
+    pos = data.draw(
+        st.one_of(
+            st.none(),
+            st.lists(st.integers(-1, 9), min_size=n, max_size=n + 2),
+            st.lists(st.sampled_from([0, 2**31 - 1, 2**31]), min_size=n, max_size=n),
+        )
+    )
+    pos_a = None if pos is None else np.asarray(pos, dtype=np.int64)
+    n_vocab = data.draw(st.sampled_from([-1, 5, 10]))
+    mrope = data.draw(st.booleans())
+    a, b = (m.single_seq_batch(tokens, pos_a, seq_a, present, mem, n_vocab, mrope) for m in mods)
+    assert same(a, b), (a, b)
+    a, b = (m.seq_lists(seq_a) for m in mods)
+    assert same(a, b) and a[:2] == ([[s] for s in seq], present)
+    assert [int(a[2][s]) for s in present] == list(range(len(present))) and int((a[2] >= 0).sum()) == len(present)

@@ -1,0 +1,382 @@
+"""The decode step's fast paths change no answer.
+
+- ``BatchAllocr.init`` checks the common batch (one sequence id per token) in one pass (``_init_single``, over the
+  slots twins' kernels) and falls back to its general path for anything else: with the fast path or forced onto
+  the general path, the allocator ends in the same state (every public field), splits the same ubatches and
+  raises the same errors, with the same messages.
+- ``Batch`` copies plain-int sequence ids at C speed: the same lists, or the same error, as its general check.
+- ``prepare`` only checks the last ubatch when its apply would fill empty cells (the restore would undo it):
+  with or without that shortcut, decode and prepare leave the same cells and heads and raise the same errors.
+- ``apply_ubatch`` writes one-sequence tokens into empty cells with ``KVCells.place`` (all-or-nothing, else the
+  writes one kind at a time): ``place`` is exactly ``pos_set_many`` + ``ext_set_many`` + ``seq_add_many``.
+
+Each runs against both slots twins (the kernels) and both cell twins.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import numpy as np
+import pytest
+from conftest import CELLS_C, NOT_BUILT
+from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import strategies as st
+
+import kvref
+from kvref import _cells_py, _slots_py, slots
+from kvref._backend import _load_compiled
+from kvref.batch import Batch, BatchAllocr, UBatch
+from kvref.errors import KVRefError
+
+SLOTS_C = _load_compiled("slots")
+EXAMPLES = int(os.environ.get("KVREF_HYPOTHESIS_EXAMPLES", "200"))
+
+
+@pytest.fixture(params=["py", "c"])
+def kernels(request: pytest.FixtureRequest) -> Any:
+    """Plug one slots twin in as the kernels of kvref.slots and kvref.batch for the test."""
+    mod = _slots_py if request.param == "py" else SLOTS_C
+    if mod is None:
+        pytest.skip(NOT_BUILT)
+    saved = slots._impl, slots.kernels
+    slots._impl = slots.kernels = mod
+    yield mod
+    slots._impl, slots.kernels = saved
+
+
+def outcome(f: Any) -> tuple:
+    try:
+        return ("ok", f())
+    except KVRefError as exc:
+        return (type(exc).__name__, str(exc))
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, np.ndarray):
+        return (str(v.dtype), v.shape, v.tolist())
+    if isinstance(v, UBatch):
+        return {k: _plain(x) for k, x in vars(v).items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if isinstance(v, dict):
+        return {k: _plain(x) for k, x in sorted(v.items())}
+    if isinstance(v, set):
+        return sorted(v)
+    return v
+
+
+def allocr_state(a: BatchAllocr) -> dict:
+    """Every public field of the allocator after init, and what each splitter makes of the batch."""
+    state = {
+        name: _plain(getattr(a, name))
+        for name in (
+            "token", "embd", "pos", "n_seq_id", "seq_id", "output", "n_outputs", "seq_id_unq", "seq_idx", "has_cpl",
+            "seq_set", "seq_set_map", "n_embd", "used", "n_used", "out_ids",
+        )
+    }  # fmt: skip
+    state["seq_pos"] = [sorted(p) for p in a.seq_pos]
+    state["seq_cpl"] = np.argwhere(a.seq_cpl).tolist()
+    state["n_tokens"] = a.get_n_tokens()
+    state["seq_pos_min_max"] = [(a.seq_pos_min(s), a.seq_pos_max(s)) for s in range(8)]
+    for kind, kw in (("simple", {}), ("equal", {"sequential": False}), ("equal", {"sequential": True}), ("seq", {})):
+        for n_ubatch in (1, 3, 512):
+            res = outcome(lambda kind=kind, kw=kw, n_ubatch=n_ubatch: a.split_whole(kind, n_ubatch, **kw))
+            state[f"{kind}{kw}{n_ubatch}"] = (_plain(res), list(a.out_ids), a.get_n_used())
+    return state
+
+
+@st.composite
+def batches(draw: st.DrawFn) -> dict:
+    n = draw(st.integers(1, 8))
+    single = draw(st.booleans())
+    seq_id = st.integers(0, 4) if draw(st.booleans()) else st.sampled_from([0, 1, 3, 5, 255, 256, -1])
+    seq_ids = draw(
+        st.one_of(
+            st.none(),
+            st.lists(st.lists(seq_id, min_size=1, max_size=1) if single else st.lists(seq_id, max_size=3),
+                     min_size=n, max_size=n),
+        )
+    )  # fmt: skip
+    token = st.one_of(st.integers(0, 20), st.sampled_from([-1, 99, 2**31 - 1]))
+    tokens = draw(st.lists(token, min_size=n, max_size=n))
+    pos = draw(
+        st.one_of(
+            st.none(),
+            st.lists(st.integers(0, 12), min_size=n, max_size=n),
+            st.builds(lambda p0, gaps: list(np.cumsum([p0, *gaps])), st.integers(0, 9),
+                      st.lists(st.sampled_from([0, 1, 1, 1, 2, -1]), min_size=n - 1, max_size=n - 1)),
+            st.lists(st.sampled_from([0, 2**31 - 2, 2**31 - 1]), min_size=n, max_size=n),
+        )
+    )  # fmt: skip
+    logits = draw(st.one_of(st.none(), st.lists(st.booleans(), min_size=n, max_size=n)))
+    return dict(tokens=np.asarray(tokens, dtype=draw(st.sampled_from(["int32", "int64"]))), pos=pos, seq_ids=seq_ids,
+                logits=logits)  # fmt: skip
+
+
+def _memory(draw: st.DrawFn) -> Any:
+    kind = draw(st.sampled_from(["none", "kv", "kv", "kv_streams"]))
+    if kind == "none":
+        return None
+    hp = kvref.HParams(arch="llama", n_layer=1, n_embd=4, n_head=1, n_ctx_train=1 << 16)
+    n_seq = 5
+    mem = kvref.KVCache(hp, kv_size=64, n_seq_max=n_seq, kv_unified=kind == "kv", type_k="f32", type_v="f32")
+    for s in range(n_seq):
+        k = draw(st.integers(0, 4))
+        if k:
+            mem.decode(Batch(tokens=[1] * k, seq_ids=[[s]] * k))
+    return mem
+
+
+@settings(
+    max_examples=EXAMPLES,
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(spec=batches(), data=st.data())
+def test_allocr_fast_path_equals_the_general_path(kernels: Any, spec: dict, data: st.DataObject) -> None:
+    made = outcome(lambda: Batch(**spec))
+    assume(made[0] == "ok")
+    batch = made[1]
+    memory = _memory(data.draw)
+    kw = dict(
+        n_vocab=data.draw(st.sampled_from([None, None, 21, 100, 0])),
+        n_seq_max=data.draw(st.sampled_from([1, 2, 5, 5, 256, 257])),
+        output_all=data.draw(st.booleans()),
+    )
+    npe = data.draw(st.sampled_from([1, 1, 4]))
+    results = []
+    for general in (False, True):
+        a = BatchAllocr(npe)
+        if general:
+            a._init_single = lambda *args: False  # type: ignore[method-assign]
+        res = outcome(lambda a=a: a.init(batch, memory, **kw))
+        results.append(res if res[0] != "ok" else ("ok", allocr_state(a)))
+    assert results[0] == results[1]
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    seq_ids=st.lists(
+        st.one_of(
+            st.lists(st.integers(0, 300), max_size=3),
+            st.tuples(st.integers(0, 3)),
+            st.lists(st.sampled_from([True, 1.5, np.int64(3), np.int8(-1), "1", 2**70]), min_size=1, max_size=2),
+        ),
+        min_size=1,
+        max_size=6,
+    ),
+    outer=st.sampled_from([list, tuple]),
+)
+def test_batch_seq_ids_copy_equals_the_check(kernels: Any, seq_ids: list, outer: type) -> None:
+    from kvref.batch import _seq_id
+
+    n = len(seq_ids)
+    got = outcome(lambda: Batch(tokens=[1] * n, seq_ids=outer(seq_ids)).seq_ids)
+    want = outcome(lambda: [[_seq_id(s, i, j) for j, s in enumerate(ids)] for i, ids in enumerate(seq_ids)])
+    assert got == want
+    if got[0] == "ok":
+        assert all(type(s) is int for ids in got[1] for s in ids)
+
+
+# ------------------------------------------------------------------------------- prepare's shortcut
+@st.composite
+def decode_steps(draw: st.DrawFn) -> list:
+    steps = []
+    for _ in range(draw(st.integers(1, 10))):
+        kind = draw(st.sampled_from(["decode", "decode", "decode", "seq_rm", "odd"]))
+        steps.append((kind, draw(st.integers(0, 2)), draw(st.integers(1, 9)), draw(st.integers(0, 3))))
+    return steps
+
+
+def run_steps(steps: list, shortcut: bool, cells_cls: type, swa_type: int, n_swa: int, size: int, unified: bool,
+              n_ubatch: int) -> list:  # fmt: skip
+    hp = kvref.HParams(arch="llama", n_layer=1, n_embd=4, n_head=1, n_ctx_train=1 << 16)
+    cache = kvref.KVCache(
+        hp, kv_size=size, n_seq_max=3, kv_unified=unified, n_swa=n_swa, swa_type=swa_type, type_k="f32",
+        type_v="f32", cells_cls=cells_cls,
+    )  # fmt: skip
+    saved = slots._writes_cannot_fail
+    if not shortcut:
+        slots._writes_cannot_fail = lambda *args: False  # type: ignore[assignment]
+    log: list = []
+    try:
+        for kind, seq, n, twist in steps:
+            if kind == "seq_rm":
+                p = cache.seq_pos_max(seq)
+                log.append(outcome(lambda seq=seq, p=p, n=n: cache.seq_rm(seq, max(p - n, 0), -1)))
+                continue
+            p0 = cache.seq_pos_max(seq) + 1
+            if kind == "decode":
+                batch = kvref.Batch(tokens=[1] * n, pos=list(range(p0, p0 + n)), seq_ids=[[seq]] * n)
+                placed = outcome(lambda batch=batch: cache.decode(batch, n_ubatch=n_ubatch))
+                if placed[0] == "ok":
+                    placed = ("ok", [(list(s.strm), [list(x) for x in s.idxs]) for _, s in placed[1]])
+                log.append(placed)
+                continue
+            # prepare of hand-made ubatches: the last one is odd in some way (apply refuses it part-way, or it
+            # carries several sequences per token), so the shortcut must step aside exactly when apply would differ
+            a = BatchAllocr()
+            a.init(kvref.Batch(tokens=[1] * n, pos=list(range(p0, p0 + n)), seq_ids=[[seq]] * n), None, n_seq_max=3)
+            ubs = a.split_all("simple", max(1, n // 2))
+            last = ubs[-1]
+            if twist == 1:
+                last.pos = last.pos.astype(np.int64) - 10**6  # negative positions: pos_set_many refuses
+            elif twist == 2:
+                last.seq_id = [[seq, (seq + 1) % 3] for _ in last.seq_id]  # two sequences per token
+                last.n_seq_id = np.full(last.n_tokens, 2, np.int32)
+            elif twist == 3:
+                last.seq_id = [[7] for _ in last.seq_id]  # outside a non-unified cache's sequences
+            prepared = outcome(lambda ubs=ubs: cache.prepare(ubs))
+            if prepared[0] == "ok":
+                prepared = ("ok", [(list(s.strm), [list(x) for x in s.idxs]) for s in prepared[1]])
+            log.append(prepared)
+        for s in range(cache.n_stream):
+            c = cache.cells(s)
+            log.append((np.asarray(c.pos).tolist(), np.asarray(c.seq).tolist(), np.asarray(c.ext).tolist(),
+                        c.get_used(), [c.seq_pos_get(q) for q in range(3)]))  # fmt: skip
+        log.append(list(cache.heads))
+    finally:
+        slots._writes_cannot_fail = saved
+    return log
+
+
+@settings(
+    max_examples=max(30, EXAMPLES // 2),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    steps=decode_steps(),
+    swa_type=st.integers(0, 3),
+    n_swa=st.integers(1, 6),
+    size=st.sampled_from([8, 16, 24]),
+    unified=st.booleans(),
+    n_ubatch=st.integers(1, 8),
+)
+def test_prepare_shortcut_changes_nothing(
+    kernels: Any, cells_cls: type, steps: list, swa_type: int, n_swa: int, size: int, unified: bool, n_ubatch: int
+) -> None:
+    args = (cells_cls, swa_type, n_swa, size, unified, n_ubatch)
+    assert run_steps(steps, True, *args) == run_steps(steps, False, *args)
+
+
+# ------------------------------------------------------------------------------- KVCells.place / ext_set_many
+CELL_CLASSES = [_cells_py.KVCells] + ([CELLS_C.KVCells] if CELLS_C is not None else [])
+
+
+def cells_state(c: Any) -> tuple:
+    return (np.asarray(c.pos).tolist(), np.asarray(c.seq).tolist(), np.asarray(c.ext).tolist(), c.get_used(),
+            c.used_min(), c.used_max_p1(), [c.seq_pos_get(s) for s in range(6)] + [c.seq_pos_get(255)])  # fmt: skip
+
+
+def filled(cls: type, used: list[tuple[int, int]]) -> Any:
+    c = cls(12)
+    for i, s in used:
+        if c.is_empty(i):
+            c.pos_set(i, i + 3)
+        if not c.seq_has(i, s):
+            c.seq_add(i, s)
+    return c
+
+
+values = st.one_of(st.integers(-3, 40), st.sampled_from([-(2**31), 2**31 - 1, 2**31, -(2**31) - 1]))
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(
+    used=st.lists(st.tuples(st.integers(0, 11), st.integers(0, 5)), max_size=6),
+    idxs=st.lists(st.one_of(st.integers(0, 11), st.sampled_from([-1, 12, 2**40])), max_size=5),
+    data=st.data(),
+)
+def test_place_is_the_three_bulk_writes(used, idxs, data) -> None:
+    k = len(idxs)
+    pos = data.draw(st.lists(st.one_of(st.integers(0, 50), st.sampled_from([-1, 2**31 - 1, 2**31])), min_size=k,
+                             max_size=k))  # fmt: skip
+    seqs = data.draw(st.lists(st.one_of(st.integers(0, 5), st.sampled_from([255, 256, -1])), min_size=k, max_size=k))
+    ext = data.draw(st.one_of(st.none(), st.tuples(*[st.one_of(values, st.lists(values, min_size=k, max_size=k))] * 3)))
+    check = data.draw(st.booleans())
+    answers = []
+    for cls in CELL_CLASSES:
+        ref, c = filled(cls, used), filled(cls, used)
+        before = cells_state(c)
+        ok = c.place(idxs, pos, seqs, ext, check)
+        steps = [lambda ref=ref: ref.pos_set_many(idxs, pos), lambda ref=ref: ref.seq_add_many(idxs, seqs)]
+        if ext is not None:
+            steps.insert(1, lambda ref=ref: ref.ext_set_many(idxs, *ext))
+        try:
+            for step in steps:
+                step()
+            ref_ok = True
+        except (KVRefError, ValueError, TypeError, OverflowError):
+            ref_ok = False
+        assert ok is ref_ok, (cls, ok, ref_ok)
+        if ok and not check:
+            assert cells_state(c) == cells_state(ref)
+        else:
+            assert cells_state(c) == before
+        answers.append((ok, cells_state(c)))
+    assert all(a == answers[0] for a in answers)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(
+    idxs=st.lists(st.one_of(st.integers(0, 11), st.sampled_from([-1, 12, 2**40])), max_size=5),
+    data=st.data(),
+)
+def test_ext_set_many_is_ext_set_in_turn(idxs, data) -> None:
+    k = len(idxs)
+    xs, ys, toks = (data.draw(st.one_of(values, st.lists(values, min_size=k, max_size=k))) for _ in range(3))
+    answers = []
+    for cls in CELL_CLASSES:
+        c, ref = cls(12), cls(12)
+        got = outcome(lambda c=c: c.ext_set_many(idxs, xs, ys, toks))
+
+        def in_turn(ref: Any = ref) -> None:
+            for j, i in enumerate(idxs):
+                ref.ext_set(i, *(v[j] if isinstance(v, list) else v for v in (xs, ys, toks)))
+
+        want = outcome(in_turn)
+        assert (got[0] == "ok") == (want[0] == "ok"), (got, want)
+        if got[0] == "ok":
+            assert np.asarray(c.ext).tolist() == np.asarray(ref.ext).tolist()
+        else:
+            assert np.asarray(c.ext).tolist() == np.asarray(cls(12).ext).tolist()  # nothing written
+            if "outside [0," in want[1]:
+                assert got == want  # the same index named
+        answers.append((got, np.asarray(c.ext).tolist()))
+    assert all(a == answers[0] for a in answers)
+
+
+def _naive_first_unused(self: BatchAllocr) -> int | None:
+    return next((i for i, u in enumerate(self.used) if not u), None)
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    seqs=st.lists(st.lists(st.integers(0, 3), min_size=1, max_size=2), min_size=1, max_size=14),
+    n_ubatch=st.integers(1, 6),
+    n_keep_tail=st.integers(0, 3),
+)
+def test_splitters_resume_where_a_rescan_would(seqs: list, n_ubatch: int, n_keep_tail: int) -> None:
+    """The splitters remember the first token that can still be unused (``_unused_from``, lowered when split_equal
+    hands tokens back): every split is the one a scan of ``used`` from the start gives."""
+    batch = Batch(tokens=[1] * len(seqs), pos=list(range(len(seqs))), seq_ids=seqs)
+    runs = []
+    for naive in (False, True):
+        a = BatchAllocr()
+        outcome(lambda a=a: a.init(batch, None, n_seq_max=4))
+        if naive:
+            a._first_unused = _naive_first_unused.__get__(a)  # type: ignore[method-assign]
+        got = []
+        for kind, kw in (
+            ("simple", {}),
+            ("seq", {}),
+            ("equal", {"sequential": False, "n_keep_tail": n_keep_tail}),
+            ("equal", {"sequential": True}),
+        ):
+            res = outcome(lambda a=a, kind=kind, kw=kw: a.split_whole(kind, n_ubatch, **kw))
+            got.append((_plain(res), list(a.out_ids), a.get_n_used()))
+        runs.append(got)
+    assert runs[0] == runs[1]
