@@ -21,10 +21,12 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
 import ctypes
+import mmap
 import statistics
 import sys
 import tempfile
 import time
+import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
 
@@ -123,8 +125,9 @@ class Pair:
         self.ref.fill(0, idx, pos, seq, n)
         assert cells.get_used() == self.ref.used() == n
 
-    def batch(self, seqs: np.ndarray, n_per_seq: int) -> tuple[kvref.Batch, tuple[np.ndarray, ...]]:
-        """The next n_per_seq positions of each sequence in ``seqs`` (kvref positions, as both agree)."""
+    def batch(self, seqs: np.ndarray, n_per_seq: int) -> tuple[dict, tuple[np.ndarray, ...]]:
+        """The next n_per_seq positions of each sequence in ``seqs`` (kvref positions, as both agree): the arguments
+        of kvref's Batch and llama.cpp's arrays."""
         pos, seq = [], []
         for s in seqs.tolist():
             p0 = self.mem.seq_pos_max(s) + 1
@@ -132,12 +135,14 @@ class Pair:
             seq.extend([s] * n_per_seq)
         pos_a, seq_a = np.asarray(pos, np.int32), np.asarray(seq, np.int32)
         tok = (np.arange(len(pos)) % 100).astype(np.int32)
-        b = kvref.Batch(tokens=tok, pos=pos_a, seq_ids=[[int(s)] for s in seq])
+        b = dict(tokens=tok, pos=pos_a, seq_ids=[[int(s)] for s in seq])
         return b, (tok, pos_a, seq_a)
 
-    def kv_decode(self, b: kvref.Batch) -> float:
+    def kv_decode(self, b: dict) -> float:
+        """A decode step as a kvref user writes it: the Batch from the step's arrays, then decode (llama.cpp's side
+        fills its llama_batch from the same arrays inside its clock too)."""
         t = time.perf_counter()
-        self.last = self.mem.decode(b, n_ubatch=512)
+        self.last = self.mem.decode(kvref.Batch(**b), n_ubatch=512)
         return time.perf_counter() - t
 
     def check_slot(self) -> None:
@@ -240,11 +245,13 @@ def mask_rows(pair: Pair, label: str, rounds: int) -> None:
             return pair.ref.mask(f16)[0]
 
         ta, tb = abba(rounds, kv, ll)
-        tf = [floor(0) for _ in range(rounds)]
+        # the floor interleaved with kvref (ABBA), apart from llama.cpp's runs, whose own buffer would evict
+        # kvref's between its calls but not the floor's
+        tk, tf = abba(rounds, kv, floor)
         name = "f16" if f16 else "f32"
         shape = "x".join(map(str, m0.shape))
         report(f"8 mask {label} {name} ({shape})", ta, tb)
-        report_ratio(f"8 mask {label} {name} / memory floor", ta, tf, "kvref fill / numpy fill of the same buffer")
+        report_ratio(f"8 mask {label} {name} / memory floor", tk, tf, "kvref fill / numpy fill of the same buffer")
 
 
 def prefill_mask_pair(n_cells: int, n_tok: int) -> Pair:
@@ -377,14 +384,23 @@ def _state_rows(L, ctx, n_ctx: int, n_seq: int, rounds: int) -> None:
         fn()
         return time.perf_counter() - t
 
-    # 6: save
+    # 6: save into a buffer the caller allocated once (llama_state_get_size + llama_state_get_data), like for like;
+    # 6b: state_write(), which returns a new bytes object each time
+    kv_buf = bytearray(mem.state_size())
+    ta, tb = abba(
+        rounds,
+        lambda _r: timed(lambda: mem.state_write_into(kv_buf)),
+        lambda _r: timed(lambda: L.llama_state_get_data(ctx, ll_buf, ll_size)),
+    )
+    assert bytes(ll_buf)[-len(kv_state) :] == kv_state, "llama.cpp's state does not end with kvref's memory section"
+    assert kv_buf == kv_state, "state_write_into wrote other bytes than state_write"
+    report(f"6 state_write_into(buf) vs llama_state_get_data ({mib:.0f} MiB)", ta, tb)
     ta, tb = abba(
         rounds,
         lambda _r: timed(mem.state_write),
         lambda _r: timed(lambda: L.llama_state_get_data(ctx, ll_buf, ll_size)),
     )
-    assert bytes(ll_buf)[-len(kv_state) :] == kv_state, "llama.cpp's state does not end with kvref's memory section"
-    report(f"6 state_write vs llama_state_get_data ({mib:.0f} MiB)", ta, tb)
+    report(f"6b state_write() -> new bytes vs llama_state_get_data ({mib:.0f} MiB)", ta, tb)
     # 4: whole-state restore
     ta, tb = abba(
         rounds,
@@ -404,6 +420,8 @@ def _state_rows(L, ctx, n_ctx: int, n_seq: int, rounds: int) -> None:
     )
     assert mem.seq_pos_max(1) == L.llama_memory_seq_pos_max(L.llama_get_memory(ctx), 1)
     report(f"5 seq state_read(seq 1) vs seq_set_data ({len(seq_kv) / (1 << 20):.0f} MiB)", ta, tb)
+    # 5m / 4m: what a restore allocates beyond the blob it reads, the blob a memory-mapped file (kvref only)
+    memory_rows(mem, [("5m seq state_read(seq 1)", seq_kv, 1), ("4m state_read (whole)", kv_state, -1)])
     # 7: kvref.state.load(path) auto-detected vs told the kind and layout (kvref only), on llama.cpp's file
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "state.ggsn")
@@ -414,6 +432,34 @@ def _state_rows(L, ctx, n_ctx: int, n_seq: int, rounds: int) -> None:
         given = lambda: S.load(path, kind="session", layout="kv")  # noqa: E731
         ta, tb = abba(rounds, lambda _r: timed(auto), lambda _r: timed(given))
         report_ratio("7 state.load(path) auto / layout given", ta, tb, "kvref only; llama.cpp file")
+
+
+def memory_rows(mem, cases: list[tuple[str, bytes, int]]) -> None:
+    """Peak Python allocations (tracemalloc: NumPy's buffers included) of ``mem.state_read`` from a read-only
+    mapping of the blob, over the blob's size; the best of three restores."""
+    with tempfile.TemporaryDirectory() as d:
+        for label, blob, seq_id in cases:
+            path = os.path.join(d, "blob.bin")
+            with open(path, "wb") as f:
+                f.write(blob)
+            peaks = []
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+                view = memoryview(m)
+                for _ in range(3):
+                    tracemalloc.start()
+                    base = tracemalloc.get_traced_memory()[0]
+                    mem.state_read(view, seq_id)
+                    peaks.append(tracemalloc.get_traced_memory()[1] - base)
+                    tracemalloc.stop()
+                view.release()
+            peak = min(peaks)
+            mib, blob_mib = peak / (1 << 20), len(blob) / (1 << 20)
+            line = (
+                f"{label + ': peak memory / mapped blob':<54} {mib:>9.2f} MiB of {blob_mib:.0f} MiB {'':>21} "
+                f"{peak / len(blob):>9.3f}x  (kvref only; tracemalloc peak beyond the mapping)"
+            )
+            ROWS.append((label, line))
+            print(line, flush=True)
 
 
 # ----------------------------------------------------------------------------------------- main
@@ -436,7 +482,10 @@ def run(quick: bool) -> int:
           f"{llama_ref.LLAMA_CPP_PYTHON} ({lib})")  # fmt: skip
     print("times in ms; ratio = kvref / llama.cpp (>1: kvref slower); ABBA-interleaved, same run")
     t0 = time.perf_counter()
-    header("decode steps (kvref mem.decode vs llama_batch_allocr::init + split + prepare + apply_ubatch)")
+    header(
+        "decode steps (kvref: mem.decode(Batch(...)); llama.cpp: fill a llama_batch, llama_batch_compat, "
+        "llama_batch_allocr::init, split, prepare, apply_ubatch)"
+    )
     for n_tok in (1, 256):
         decode_rows(cfg["big"], n_tok, cfg["dec_rounds"])
     header("server loop, KQ mask, micro-ops")

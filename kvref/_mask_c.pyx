@@ -4,8 +4,13 @@
 The rules are stated in ``_mask_py.py``. This twin gets its speed from the shape of the problem rather
 than from a faster per-cell test:
 
-- for each sequence of the ubatch, one pass over the cells lists its member cells as (pos, cell) keys,
-  sorted by position (usually already sorted: then no sort);
+- a sequence with one token in the ubatch (a decode step: one token per sequence) needs no sorted list: its
+  row is filled with -inf, then one pass over the stream's cells writes the attended ones in place (the
+  cell's position against the token's interval, the 2-D rule at the token's own position, the ALiBi value);
+  when the rows are a multiple of 64 KiB long (their starts share cache sets, so rows written column by column
+  evict each other) the pass lists the attended cells instead and each row is written in one go;
+- for every other sequence of the ubatch, the same pass lists its member cells as (pos, cell) keys, sorted by
+  position (usually already sorted: then no sort);
 - every rule (causal, the three windows, the SWA_FULL span) attends an *interval* of positions, so a
   token's attended cells are a contiguous range of that sorted list, found by binary search; only the
   M-RoPE 2-D rule cuts holes, and only among the cells at exactly the token's position;
@@ -166,7 +171,7 @@ cdef inline int _is_2d_later(const int32_t* ext, int64_t cell, int32_t x, int32_
     return cy > y or (cy == y and cx > x)
 
 
-# ------------------------------------------------------------------------------------------ members
+# ------------------------------------------------------------------------------------------ the cell pass
 
 cdef struct Members:
     # one sequence's member cells as keys pos << 32 | cell, sorted by key once listed
@@ -174,6 +179,16 @@ cdef struct Members:
     int64_t n
     int64_t cap
     int unsorted
+
+
+cdef struct Direct:
+    # a sequence with one token in the ubatch: the cell pass writes (or lists) only the cells that token attends
+    int64_t lo  # the attended interval of positions [lo, hi]
+    int64_t hi
+    int64_t row  # offset of the token's row in the output
+    int32_t p1  # the token's position and 2-D position
+    int32_t x
+    int32_t y
 
 
 cdef inline int _push(Members* m, uint64_t key) noexcept nogil:
@@ -192,82 +207,186 @@ cdef inline int _push(Members* m, uint64_t key) noexcept nogil:
     return 1
 
 
-cdef int _list_members(const int32_t* pos, const uint64_t* seq, int64_t n_kv, const uint64_t* want,
-                       Members* mem) noexcept nogil:
-    """One pass over a stream's cells: each used cell goes to the lists of the wanted sequences it holds.
+cdef inline void _interval(const KQArgs* a, int64_t p1, int64_t pos_min,
+                           int64_t* lo_out, int64_t* hi_out) noexcept nogil:
+    # the interval [lo, hi] of positions a token at p1 attends (empty when hi < lo)
+    cdef int64_t lo = 0, hi = POS_INF - 1, wlo, whi, half
+    if a.causal:
+        hi = p1
+    if a.swa_type != 0:
+        whi = POS_INF - 1
+        if a.swa_type == 1:
+            wlo = p1 - a.n_swa + 1
+        elif a.swa_type == 2:
+            wlo = (p1 // a.n_swa) * a.n_swa
+        else:
+            half = a.n_swa // 2
+            wlo = p1 - half
+            whi = p1 + half
+        if a.span:
+            # non-causal SWA_FULL: the window cannot hide the ubatch's own positions, and
+            # p1 + half >= pos_min, so the union is still one interval
+            if pos_min < wlo:
+                wlo = pos_min
+            whi = POS_INF - 1
+        if wlo > lo:
+            lo = wlo
+        if whi < hi:
+            hi = whi
+    lo_out[0] = lo
+    hi_out[0] = hi
+
+
+cdef inline int _put(elem_t* out, Members* m, const Direct* t, const int32_t* ext, int64_t j, int32_t p0,
+                     int check_2d, int alibi) noexcept nogil:
+    """Cell j (position p0) of a one-token sequence, when the token attends it: written into the token's row
+    (``out``), or without ``out`` appended to the sequence's list. 0 when out of memory."""
+    cdef elem_t KEEP = 0
+    if p0 < t.lo or p0 > t.hi:
+        return 1
+    if check_2d and p0 == t.p1 and _is_2d_later(ext, j, t.x, t.y):
+        return 1
+    if out != NULL:
+        out[t.row + j] = _alibi_value(KEEP, <int64_t>p0 - t.p1) if alibi else KEEP
+        return 1
+    if m.n < m.cap:
+        m.keys[m.n] = (<uint64_t>p0 << 32) | <uint64_t>j
+        m.n += 1
+        return 1
+    return _push(m, (<uint64_t>p0 << 32) | <uint64_t>j)
+
+
+cdef int _cell_pass(elem_t* out, const KQArgs* a, const int32_t* pos, const uint64_t* seq, const int32_t* ext,
+                    const uint64_t* direct, const uint64_t* listed, const Direct* d, Members* mem) noexcept nogil:
+    """One pass over a stream's cells: each cell goes to the key lists of the ``listed`` sequences it holds; for
+    the one-token sequences (``direct``) the cells their token attends are written into its row (``out``, filled
+    with -inf beforehand) or, without ``out``, listed too.
 
     Keys are appended in cell order, so cells laid out by position need no sort. Returns 0 when out of
     memory.
     """
-    cdef int64_t j
-    cdef int w, s, n_words = 0, n_want = 0
+    cdef int64_t n_kv = a.n_kv
+    cdef int64_t j, cap
+    cdef int w, k, s, n_words = 0, n_listed = 0, n_all = 0
     cdef int words[N_WORDS]
-    cdef uint64_t bits, one
+    cdef uint64_t bits, b, key
     cdef uint64_t* grown
-    cdef int64_t cap
+    cdef int32_t p0
+    cdef int check_2d = a.is_2d and a.causal
     cdef Members* m
+    cdef int64_t lo[64]
+    cdef int64_t row[64]
+    cdef uint64_t span[64]
     for w in range(N_WORDS):
-        if want[w]:
+        if direct[w] | listed[w]:
             words[n_words] = w
             n_words += 1
-            n_want += kvref_popcount64(want[w])
-    if n_want == 1:
-        # the usual case (one sequence per stream, or one sequence in the ubatch): one bit to test,
-        # and at most n_kv members, so one allocation
-        w = words[0]
-        s = w * 64 + kvref_ctz64(want[w])
-        m = &mem[s]
-        if m.cap < n_kv:
-            grown = <uint64_t*>realloc(m.keys, <size_t>max(n_kv, 1) * sizeof(uint64_t))
-            if grown == NULL:
-                return 0
-            m.keys = grown
-            m.cap = n_kv
-        one = want[w]
-        for j in range(n_kv):
-            if pos[j] >= 0 and (seq[j * N_WORDS + w] & one):
-                if m.n > 0 and m.keys[m.n - 1] > ((<uint64_t>pos[j] << 32) | <uint64_t>j):
-                    m.unsorted = 1
-                m.keys[m.n] = (<uint64_t>pos[j] << 32) | <uint64_t>j
-                m.n += 1
-        return 1
-    # several sequences share the stream: start each list at its share of the cells
-    cap = n_kv // n_want + 64
-    for w in range(n_words):
-        bits = want[words[w]]
+            n_listed += kvref_popcount64(listed[w])
+            n_all += kvref_popcount64(direct[w] | listed[w])
+    # each list starts with room for its share of the cells (all of them when there is one sequence)
+    if out != NULL:
+        n_all = n_listed
+    cap = n_kv if n_all == 1 else n_kv // max(n_all, 1) + 64
+    for k in range(n_words):
+        bits = (direct[words[k]] if out == NULL else 0) | listed[words[k]]
         while bits:
-            m = &mem[words[w] * 64 + kvref_ctz64(bits)]
+            m = &mem[words[k] * 64 + kvref_ctz64(bits)]
             if m.cap < cap:
-                grown = <uint64_t*>realloc(m.keys, <size_t>cap * sizeof(uint64_t))
+                grown = <uint64_t*>realloc(m.keys, <size_t>max(cap, 1) * sizeof(uint64_t))
                 if grown == NULL:
                     return 0
                 m.keys = grown
                 m.cap = cap
             bits &= bits - 1
-    cdef uint64_t key
-    for j in range(n_kv):
-        if pos[j] < 0:
-            continue
-        key = (<uint64_t>pos[j] << 32) | <uint64_t>j
-        for w in range(n_words):
-            bits = seq[j * N_WORDS + words[w]] & want[words[w]]
+    if n_words == 1 and n_listed == 0 and out != NULL and not check_2d and not a.alibi:
+        # only one-token sequences, all in one word, written in place, 0 or -inf (a decode step): the tightest loop
+        w = words[0]
+        bits = direct[w]
+        for k in range(64):
+            # p0 is attended when p0 - lo, read unsigned, is at most hi - lo; an empty interval (or no token) gets
+            # lo = 2^31, above every position, so that p0 - lo is negative: never
+            lo[k] = POS_INF
+            span[k] = 0
+            row[k] = 0
+            if (bits >> k) & 1 and d[w * 64 + k].hi >= d[w * 64 + k].lo:
+                lo[k] = d[w * 64 + k].lo
+                span[k] = <uint64_t>(d[w * 64 + k].hi - d[w * 64 + k].lo)
+                row[k] = d[w * 64 + k].row
+        for j in range(n_kv):
+            b = seq[j * N_WORDS + w] & bits
+            if b == 0:
+                continue
+            p0 = pos[j]
+            if p0 < 0:
+                continue
+            while b:
+                k = kvref_ctz64(b)
+                b &= b - 1
+                if <uint64_t>(p0 - lo[k]) <= span[k]:
+                    out[row[k] + j] = 0
+        return 1
+    if n_words == 1 and n_listed == 0:
+        # only one-token sequences, all in one word (a decode step of up to 64 sequences)
+        w = words[0]
+        for j in range(n_kv):
+            bits = seq[j * N_WORDS + w] & direct[w]
             if bits == 0:
                 continue
-            if (bits & (bits - 1)) == 0 and mem[words[w] * 64 + kvref_ctz64(bits)].n < cap:
-                # one wanted sequence in this word and room in its list (the usual case): plain append
-                m = &mem[words[w] * 64 + kvref_ctz64(bits)]
-                m.keys[m.n] = key
-                m.n += 1
+            p0 = pos[j]
+            if p0 < 0:
                 continue
             while bits:
-                if not _push(&mem[words[w] * 64 + kvref_ctz64(bits)], key):
+                s = w * 64 + kvref_ctz64(bits)
+                bits &= bits - 1
+                if not _put(out, &mem[s], &d[s], ext, j, p0, check_2d, a.alibi):
+                    return 0
+        return 1
+    if n_words == 1 and n_listed == 1 and direct[words[0]] == 0:
+        # one listed sequence (a prompt): one bit to test, and room for every cell
+        w = words[0]
+        m = &mem[w * 64 + kvref_ctz64(listed[w])]
+        bits = listed[w]
+        for j in range(n_kv):
+            p0 = pos[j]
+            if p0 >= 0 and (seq[j * N_WORDS + w] & bits):
+                key = (<uint64_t>p0 << 32) | <uint64_t>j
+                if m.n > 0 and m.keys[m.n - 1] > key:
+                    m.unsorted = 1
+                m.keys[m.n] = key
+                m.n += 1
+        return 1
+    for j in range(n_kv):
+        p0 = pos[j]
+        if p0 < 0:
+            continue
+        for k in range(n_words):
+            w = words[k]
+            b = seq[j * N_WORDS + w]
+            bits = b & direct[w]
+            while bits:
+                s = w * 64 + kvref_ctz64(bits)
+                bits &= bits - 1
+                if not _put(out, &mem[s], &d[s], ext, j, p0, check_2d, a.alibi):
+                    return 0
+            bits = b & listed[w]
+            if bits == 0:
+                continue
+            key = (<uint64_t>p0 << 32) | <uint64_t>j
+            s = w * 64 + kvref_ctz64(bits)
+            if (bits & (bits - 1)) == 0 and mem[s].n < mem[s].cap:
+                # one listed sequence in this word and room in its list (the usual case): plain append
+                mem[s].keys[mem[s].n] = key
+                mem[s].n += 1
+                continue
+            while bits:
+                if not _push(&mem[w * 64 + kvref_ctz64(bits)], key):
                     return 0
                 bits &= bits - 1
     # keys went in by cell; a list needs sorting only when its positions go down somewhere
-    for w in range(n_words):
-        bits = want[words[w]]
+    for k in range(n_words):
+        bits = listed[words[k]]
         while bits:
-            m = &mem[words[w] * 64 + kvref_ctz64(bits)]
+            m = &mem[words[k] * 64 + kvref_ctz64(bits)]
             for j in range(1, m.n):
                 if m.keys[j - 1] > m.keys[j]:
                     m.unsorted = 1
@@ -278,8 +397,9 @@ cdef int _list_members(const int32_t* pos, const uint64_t* seq, int64_t n_kv, co
 
 # ------------------------------------------------------------------------------------------ rows
 
-cdef void _kq_rows(elem_t* out, const KQArgs* a, const Members* mem,
+cdef void _kq_rows(elem_t* out, const KQArgs* a, const Members* mem, const int32_t* n_tok, int direct_written,
                    const int32_t** cext, const int32_t* seq_stream, const int64_t* pos_min) noexcept nogil:
+    # the rows from the key lists (the one-token rows too, unless the cell pass wrote them: direct_written)
     cdef elem_t KEEP = 0
     cdef elem_t DROP
     if elem_t is uint32_t:
@@ -292,7 +412,8 @@ cdef void _kq_rows(elem_t* out, const KQArgs* a, const Members* mem,
     cdef int64_t prev_b[MAX_SEQ]
     cdef int64_t prev_e[MAX_SEQ]  # start of the previous token's 2-D exception range
     cdef int64_t first_cell[MAX_SEQ]  # when the sorted list is cells c, c+1, c+2, ...: c; else -1
-    cdef int64_t i, k, m, lo, hi, wlo, whi, ra, rb, e0, half, p1
+    cdef int64_t i, k, m, ra, rb, e0, p1
+    cdef int64_t lo = 0, hi = -1
     cdef int s
     cdef int check_2d = a.is_2d and a.causal
     cdef const uint64_t* ks
@@ -310,36 +431,24 @@ cdef void _kq_rows(elem_t* out, const KQArgs* a, const Members* mem,
         ks = mem[s].keys
         m = mem[s].n
         row = out + i * n_kv
+        if n_tok[s] == 1:
+            if direct_written:
+                continue
+            # the only token of its sequence: the list holds exactly the cells it attends
+            _fill(row, n_kv, DROP)
+            if a.alibi:
+                for k in range(m):
+                    row[_cell(ks[k])] = _alibi_value(KEEP, <int64_t>(ks[k] >> 32) - p1)
+            else:
+                for k in range(m):
+                    row[_cell(ks[k])] = KEEP
+            continue
         if check_2d:
             ext = cext[seq_stream[s]]
             x = a.tok_x[i]
             y = a.tok_y[i]
 
-        # the interval [lo, hi] of attended positions
-        lo = 0
-        hi = POS_INF - 1
-        if a.causal:
-            hi = p1
-        if a.swa_type != 0:
-            whi = POS_INF - 1
-            if a.swa_type == 1:
-                wlo = p1 - a.n_swa + 1
-            elif a.swa_type == 2:
-                wlo = (p1 // a.n_swa) * a.n_swa
-            else:
-                half = a.n_swa // 2
-                wlo = p1 - half
-                whi = p1 + half
-            if a.span:
-                # non-causal SWA_FULL: the window cannot hide the ubatch's own positions, and
-                # p1 + half >= pos_min, so the union is still one interval
-                if pos_min[s] < wlo:
-                    wlo = pos_min[s]
-                whi = POS_INF - 1
-            if wlo > lo:
-                lo = wlo
-            if whi < hi:
-                hi = whi
+        _interval(a, p1, pos_min[s], &lo, &hi)
         if hi < lo:
             ra = rb = 0
         else:
@@ -389,6 +498,68 @@ cdef void _kq_rows(elem_t* out, const KQArgs* a, const Members* mem,
         prev_a[s] = ra
         prev_b[s] = rb
         prev_e[s] = e0
+
+
+cdef int _kq_mask(elem_t* out, const KQArgs* a, int n_cstream, const int32_t** cpos, const uint64_t** cseq,
+                  const int32_t** cext, const uint64_t* want, const int32_t* n_tok, const int32_t* seq_stream,
+                  const int64_t* pos_min, Members* mem) noexcept nogil:
+    """The whole mask: the cell pass per stream, then the rows from the key lists. Returns 0 when out of memory.
+
+    The rows of one-token sequences are filled with -inf and written during the pass, unless rows that far
+    apart share cache sets (a row of a multiple of 64 KiB: many rows written column by column then evict each
+    other); then their attended cells are listed and written row by row like the others."""
+    cdef elem_t DROP
+    if elem_t is uint32_t:
+        DROP = <uint32_t>0xFF800000u
+    else:
+        DROP = 0xFC00
+    cdef Direct d[MAX_SEQ]
+    cdef uint64_t direct[MAX_STREAMS * N_WORDS]
+    cdef uint64_t listed[MAX_STREAMS * N_WORDS]
+    cdef int64_t i, i0, n_direct = 0
+    cdef uint64_t row_bytes = <uint64_t>a.n_kv * sizeof(elem_t)
+    cdef uint64_t apart = 65536 // min(row_bytes & (~row_bytes + 1), <uint64_t>65536)  # distinct row starts mod 64 KiB
+    cdef int s, st, w, write_direct
+    for w in range(n_cstream * N_WORDS):
+        direct[w] = 0
+        listed[w] = want[w]
+    for i in range(a.n_tokens):
+        s = a.tok_seq[i]
+        if n_tok[s] != 1:
+            continue
+        n_direct += 1
+        st = seq_stream[s]
+        direct[st * N_WORDS + (s >> 6)] |= (<uint64_t>1) << (s & 63)
+        listed[st * N_WORDS + (s >> 6)] &= ~((<uint64_t>1) << (s & 63))
+        d[s].p1 = a.tok_pos[i]
+        d[s].row = i * a.n_kv
+        d[s].x = a.tok_x[i] if a.is_2d else 0
+        d[s].y = a.tok_y[i] if a.is_2d else 0
+        _interval(a, d[s].p1, pos_min[s], &d[s].lo, &d[s].hi)
+    write_direct = n_direct > 0 and <uint64_t>n_direct <= 8 * apart
+    if write_direct:
+        # the one-token rows start as -inf; consecutive ones are one fill
+        i0 = -1
+        for i in range(a.n_tokens + 1):
+            if i < a.n_tokens and n_tok[a.tok_seq[i]] == 1:
+                if i0 < 0:
+                    i0 = i
+            elif i0 >= 0:
+                _fill(out + i0 * a.n_kv, (i - i0) * a.n_kv, DROP)
+                i0 = -1
+    for st in range(n_cstream):
+        w = st * N_WORDS
+        if want[w] | want[w + 1] | want[w + 2] | want[w + 3]:
+            if not _cell_pass(out if write_direct else <elem_t*>NULL, a, cpos[st], cseq[st], cext[st], &direct[w],
+                              &listed[w], d, mem):
+                return 0
+    if write_direct and n_direct == a.n_tokens:
+        return 1
+    for s in range(MAX_SEQ):
+        if mem[s].unsorted:
+            sort(mem[s].keys, mem[s].keys + mem[s].n)
+    _kq_rows(out, a, mem, n_tok, write_direct, cext, seq_stream, pos_min)
+    return 1
 
 
 cdef inline const int32_t* _i32_ptr(cnp.ndarray arr):
@@ -448,6 +619,7 @@ def fill_kq_mask_raw(
 
     cdef int64_t pos_min[MAX_SEQ]
     cdef int32_t seq_stream[MAX_SEQ]
+    cdef int32_t n_tok[MAX_SEQ]  # tokens of each sequence in the ubatch
     cdef uint64_t want[MAX_STREAMS * N_WORDS]  # per stream: the ubatch's sequences it holds
     cdef Members mem[MAX_SEQ]
     cdef int64_t i
@@ -461,6 +633,7 @@ def fill_kq_mask_raw(
     for s in range(MAX_SEQ):
         pos_min[s] = POS_INF
         seq_stream[s] = 0
+        n_tok[s] = 0
         mem[s].keys = NULL
         mem[s].n = 0
         mem[s].cap = 0
@@ -472,6 +645,7 @@ def fill_kq_mask_raw(
         if tposp[i] < pos_min[s]:
             pos_min[s] = tposp[i]
         seq_stream[s] = tstp[i]
+        n_tok[s] += 1
         want[tstp[i] * N_WORDS + (s >> 6)] |= (<uint64_t>1) << (s & 63)
 
     # pointers to each stream's cells (the arrays stay referenced by pos / seq / ext)
@@ -495,19 +669,10 @@ def fill_kq_mask_raw(
     cdef int ok = 1
     try:
         with nogil:
-            for st in range(n_cstream):
-                if want[st * N_WORDS] | want[st * N_WORDS + 1] | want[st * N_WORDS + 2] | want[st * N_WORDS + 3]:
-                    if not _list_members(cpos[st], cseq[st], a.n_kv, &want[st * N_WORDS], mem):
-                        ok = 0
-                        break
-            if ok:
-                for s in range(MAX_SEQ):
-                    if mem[s].unsorted:
-                        sort(mem[s].keys, mem[s].keys + mem[s].n)
-                if f16:
-                    _kq_rows(<uint16_t*>outp, &a, mem, cext, seq_stream, pos_min)
-                else:
-                    _kq_rows(<uint32_t*>outp, &a, mem, cext, seq_stream, pos_min)
+            if f16:
+                ok = _kq_mask(<uint16_t*>outp, &a, n_cstream, cpos, cseq, cext, want, n_tok, seq_stream, pos_min, mem)
+            else:
+                ok = _kq_mask(<uint32_t*>outp, &a, n_cstream, cpos, cseq, cext, want, n_tok, seq_stream, pos_min, mem)
     finally:
         for s in range(MAX_SEQ):
             free(mem[s].keys)

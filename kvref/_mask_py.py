@@ -86,8 +86,8 @@ def _check_cells(
             raise ArgumentTypeError(f"cell_pos[{st}]: expected a 1-D int32 array")
         if s.dtype != np.uint64 or s.shape != (p.shape[0], N_SEQ_WORDS):
             raise ArgumentTypeError(f"cell_seq[{st}]: expected a uint64 array of shape ({p.shape[0]}, {N_SEQ_WORDS})")
-        pos.append(np.ascontiguousarray(p))
-        seq.append(np.ascontiguousarray(s))
+        pos.append(p if p.flags.c_contiguous else np.ascontiguousarray(p))
+        seq.append(s if s.flags.c_contiguous else np.ascontiguousarray(s))
         if cell_ext is not None:
             e = np.asarray(cell_ext[st])
             if e.dtype != np.int32 or e.shape != (p.shape[0], 3):
@@ -144,15 +144,16 @@ def _check_kq_args(
     if n_tokens:
         if tok_pos.min() < 0:
             raise ArgumentError("tok_pos: positions must be >= 0")
-        seq_lo, seq_hi = int(tok_seq.min()), int(tok_seq.max())
-        if seq_lo < 0 or seq_hi >= LLAMA_MAX_SEQ:
+        # one reduction per range check: read as unsigned, a negative id is larger than any valid one
+        seq_hi = int(tok_seq.view(np.uint32).max())
+        if seq_hi >= LLAMA_MAX_SEQ:
             raise ArgumentError(f"tok_seq: sequence ids must be in [0, {LLAMA_MAX_SEQ})")
         if seq_to_stream is not None:
             s2s = _as_i32_1d("seq_to_stream", seq_to_stream)
             if s2s.shape[0] <= seq_hi:
                 raise ArgumentError(f"seq_to_stream: no entry for sequence {seq_hi}")
             tok_stream = s2s[tok_seq]
-            if tok_stream.min() < 0 or tok_stream.max() >= len(pos):
+            if int(tok_stream.view(np.uint32).max()) >= len(pos):
                 raise ArgumentError(f"seq_to_stream: stream ids must be in [0, {len(pos)})")
         elif n_tokens > _ZERO_STREAMS.shape[0]:
             tok_stream = np.zeros(n_tokens, dtype=np.int32)
@@ -229,6 +230,10 @@ def fill_kq_mask_raw(
     np.minimum.at(pos_min, tok_seq, tok_pos.astype(np.int64))
 
     rows = out.reshape(n_tokens, n_kv)
+    # 0 and -inf are written as their bit patterns (float32 0xFF800000, float16 0xFC00): no float is computed
+    # or converted for them; only ALiBi values go through float32 (then float16, rounded to nearest even)
+    bits = rows.view(np.uint16 if out.dtype == np.float16 else np.uint32)
+    keep, drop = np.zeros(1, out.dtype).view(bits.dtype)[0], np.full(1, -np.inf, out.dtype).view(bits.dtype)[0]
     step = max(1, _ROWS_PER_CHUNK_ELEMS // max(1, n_kv))
     for st in np.unique(tok_stream):
         toks = np.flatnonzero(tok_stream == st)
@@ -256,8 +261,11 @@ def fill_kq_mask_raw(
                 if span:
                     masked &= ~(p0 >= pos_min[s][:, None])
                 att &= ~masked
+            if not alibi:
+                bits[idx] = np.where(att, keep, drop)
+                continue
             # ALiBi: llama.cpp converts the int distance to float, then (f16 mask) the float to half
-            val = (-np.abs(p0 - p1)).astype(np.float32) if alibi else np.float32(0.0)
+            val = (-np.abs(p0 - p1)).astype(np.float32)
             with np.errstate(over="ignore"):  # ALiBi distances beyond float16's range become -inf
                 rows[idx] = np.where(att, val, np.float32(-np.inf)).astype(out.dtype)
     return out

@@ -14,8 +14,9 @@ default SWA cache), and the era (``compat``). The rest comes from the model: ``m
 
 from __future__ import annotations
 
+import mmap
 import os
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -360,8 +361,51 @@ def restore(
     if mem is None:
         raise KVRefError(f"a {hp.arch!r} model has no memory: there is nothing to restore into")
     sections = convert_sections(obj.memory, era(mem.profile), has_ext=memory_has_ext(mem)).sections
-    mem.state_read(section_bytes(*sections), dest, flags)
+    data = _memory_bytes(source, obj.memory.sections, sections)
+    mem.state_read(section_bytes(*sections) if data is None else data, dest, flags)
     return Restored(mem, obj, dest, flags, ctx)
+
+
+def _unchanged(old: Sequence[Any], new: Sequence[Any]) -> bool:
+    """Are the converted sections the loaded ones as they are (same layout: cells, rows and n_stream field)?"""
+    if len(old) != len(new):
+        return False
+    for a, b in zip(old, new, strict=True):
+        if a is b:
+            continue
+        if type(a) is not type(b) or getattr(a, "has_n_stream", None) != getattr(b, "has_n_stream", None):
+            return False
+        streams_a, streams_b = getattr(a, "streams", None), getattr(b, "streams", None)
+        if streams_a is None or streams_b is None or len(streams_a) != len(streams_b):
+            return False
+        if any(x.cells is not y.cells or x.data is not y.data for x, y in zip(streams_a, streams_b, strict=True)):
+            return False
+    return True
+
+
+def _memory_bytes(source: Any, old: Sequence[Any], new: Sequence[Any]) -> memoryview | None:
+    """The loaded file's own memory bytes when they are restored as they are: a view of the bytes given, or of a
+    read-only mapping of the file (the memory is the last part of every state file and blob). None when the
+    sections changed on the way (another era's layout) or the source is an object: they are then serialized."""
+    from . import state
+
+    if not new or not _unchanged(old, new) or isinstance(source, state.StateObject):
+        return None
+    offsets = old[0].offsets  # where the loaded sections start in the file
+    if not offsets:
+        return None
+    start = min(offsets.values())
+    if isinstance(source, str | os.PathLike):
+        with open(source, "rb") as f:
+            if os.fstat(f.fileno()).st_size <= start:
+                return None
+            view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))  # lives as long as its views
+    else:
+        try:
+            view = memoryview(source).cast("B")
+        except TypeError:
+            return None
+    return view[start:]
 
 
 __all__ = [

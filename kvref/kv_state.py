@@ -50,13 +50,13 @@ count or the destination id is wrong). Rows of cells no sequence holds any more 
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, TypeVar, cast
+from typing import TYPE_CHECKING, BinaryIO, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
 
 from .args import as_buffer
-from .batch import BatchAllocr
+from .batch import UBatch
 from .cells import KVCells
 from .constants import LLAMA_MAX_SEQ, N_SEQ_WORDS, TOKEN_NULL
 from .errors import CellError, FormatError, NoSlotError
@@ -68,7 +68,6 @@ from .slots import SlotInfo, apply_ubatch, find_slot
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-    from .batch import UBatch
     from .kv_cache import KVCache
     from .state import Cells, KVData, KVSpec, KVStream, TransposedRows
     from .state.sections import KVSection
@@ -126,6 +125,7 @@ def spec(cache: KVCache) -> KVSpec:
         layers=tuple(layers),
         ext_size=ext_size(cache),
         has_n_stream=cache.profile.kv_streams,  # no u32 n_stream without streams
+        seq_cell_ids=1 if cache.profile.kv_seq_save_ids else 0,
     )
 
 
@@ -136,6 +136,22 @@ def _seq_bits(cells: KVCells, idx: npt.NDArray[np.intp], n_seq: int) -> npt.NDAr
     words = np.ascontiguousarray(_take(np.asarray(cells.seq), idx)[:, : -(-n_bytes // 8)], dtype="<u8")
     bits = np.unpackbits(words.view(np.uint8)[:, :n_bytes], axis=1, bitorder="little")
     return bits[:, :n_seq].astype(bool)
+
+
+def _cell_ids(
+    cells: KVCells, idx: npt.NDArray[np.intp], n_seq: int
+) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.int64]]:
+    """The sequence ids (``< n_seq``) of cells ``idx`` as a CSR table: ``ids`` and ``start`` (``n + 1``)."""
+    if n_seq <= 64:
+        # the usual case, one id per cell (checked first): the index of the word's one bit, its log2 (exact for
+        # a power of two)
+        w = _take(np.asarray(cells.seq), idx)[:, 0] & np.uint64((1 << n_seq) - 1)
+        if bool(w.all()) and not (w & (w - np.uint64(1))).any():
+            return np.log2(w).astype(np.int32), np.arange(idx.size + 1, dtype=np.int64)
+    rows, ids = np.nonzero(_seq_bits(cells, idx, n_seq))
+    start = np.zeros(idx.size + 1, np.int64)
+    np.cumsum(np.bincount(rows, minlength=idx.size), out=start[1:])
+    return ids.astype(np.int32), start
 
 
 def _run(idx: npt.NDArray[np.intp] | npt.NDArray[np.int64]) -> slice[int, int, None] | None:
@@ -199,11 +215,9 @@ def state_section(cache: KVCache, seq_id: int = -1, flags: int = 0, *, copy: boo
             continue
         cells = cache.cells(s)
         if seq_id == -1:
-            rows, ids = np.nonzero(_seq_bits(cells, idx, cache.n_seq_max))
-            start = np.zeros(idx.size + 1, np.int64)
-            np.cumsum(np.bincount(rows, minlength=idx.size), out=start[1:])
-        elif seq_id < cache.n_seq_max:
-            # every written cell holds seq_id (written_cells), and it is the only id written
+            ids, start = _cell_ids(cells, idx, cache.n_seq_max)
+        elif seq_id < cache.n_seq_max and cache.profile.kv_seq_save_ids:
+            # every written cell holds seq_id (written_cells), and it is the only id written (none in 2024)
             ids = np.full(idx.size, seq_id, np.int32)
             start = np.arange(idx.size + 1, dtype=np.int64)
         else:
@@ -270,6 +284,21 @@ def state_write(cache: KVCache, seq_id: int = -1, flags: int = 0) -> bytes:
     return section_bytes(state_section(cache, seq_id, flags, copy=False))
 
 
+def state_size(cache: KVCache, seq_id: int = -1, flags: int = 0) -> int:
+    """The byte count of what ``state_write`` writes (llama_state_get_size's share for this cache)."""
+    from .state import sections_size
+
+    return sections_size(state_section(cache, seq_id, flags, copy=False))
+
+
+def state_write_into(cache: KVCache, dst: Buffer | BinaryIO, seq_id: int = -1, flags: int = 0) -> int:
+    """``state_write`` into a caller's writable buffer (or a binary file): each row block is copied once, from
+    the cache's buffers into ``dst``; returns the byte count."""
+    from .state import write_sections_into
+
+    return write_sections_into(dst, state_section(cache, seq_id, flags, copy=False))
+
+
 # ---------------------------------------------------------------------------------------------- read
 def clone_cells(cells: KVCells) -> KVCells:
     """A full copy of one stream's cells, pending shifts included (``cp`` refuses shifted cells)."""
@@ -295,7 +324,7 @@ def clone_cells(cells: KVCells) -> KVCells:
 
 
 _NULL_EXT = np.array([0, 0, TOKEN_NULL], np.int32)  # the ext of an empty cell: x, y, tok
-_SET_CHUNK = 1 << 16  # cells per KVCells.set() of a whole restore (bounds the temporary bit sets)
+_SET_CHUNK = 1 << 14  # cells per KVCells.set() of a whole restore (bounds the temporary bit sets)
 
 
 class _CellBlock:
@@ -328,23 +357,64 @@ class _CellBlock:
 
 
 def _reserve_ubatch(cache: KVCache, cells: Cells, dest: int, has_ext: bool) -> UBatch:
-    """ubatch_reserve(cell_count, 1) filled as state_read_meta fills it."""
+    """ubatch_reserve(cell_count, 1) filled as state_read_meta fills it (built at once: every token's
+    ``seq_id`` is the same one-element list, which nothing changes)."""
     n = cells.n
-    ub = BatchAllocr(cache.hparams.n_pos_per_embd()).ubatch_reserve(n, 1)
-    ub.pos[:n] = cells.pos
+    n_pos = cache.hparams.n_pos_per_embd()
+    pos = np.zeros(n * n_pos, np.int32)
+    token = np.zeros(n, np.int32)
+    pos[:n] = cells.pos
     if has_ext:
-        if ub.n_pos > 1:
-            ub.pos[n : 2 * n] = cells.ext[:, 1]  # y
-            ub.pos[2 * n : 3 * n] = cells.ext[:, 0]  # x
+        if n_pos > 1:
+            pos[n : 2 * n] = cells.ext[:, 1]  # y
+            pos[2 * n : 3 * n] = cells.ext[:, 0]  # x
         if cells.ext.shape[1] > 2:  # an 8-byte ext: state_read_meta leaves the tokens as reserved
-            assert ub.token is not None  # ubatch_reserve gives the ubatch token ids
-            ub.token[:] = cells.ext[:, 2]
-    ub.n_seq_id[:] = 1
-    ub.seq_id = [[dest] for _ in range(n)]
-    ub.seq_id_unq = [dest]
-    ub.seq_idx[:] = -1
-    ub.seq_idx[dest] = 0
-    return ub
+            token[:] = cells.ext[:, 2]
+    seq_idx = np.full(LLAMA_MAX_SEQ, -1, np.int32)
+    seq_idx[dest] = 0
+    return UBatch(
+        equal_seqs=True, n_tokens=n, n_seq_tokens=n, n_seqs=1, n_seqs_unq=1, n_pos=n_pos, token=token, embd=None,
+        pos=pos, n_seq_id=np.ones(n, np.int32), seq_id=[[dest]] * n, seq_id_unq=[dest], seq_idx=seq_idx,
+        output=np.zeros(n, np.int8), batch_idxs=np.zeros(0, np.int32),
+    )  # fmt: skip
+
+
+def _slot_after_seq_rm(cache: KVCache, strm: int, seq_id: int, ub: UBatch, cont: bool) -> SlotInfo | None:
+    """find_slot for ``ub`` as it runs once ``seq_id`` is removed from its stream, without copying the stream's
+    cells: the destination's cells are removed from the cache itself and put back exactly as they were (pos,
+    ext, sequence bits, the head) before returning. None when the ubatch does not fit."""
+    cells = cache.cells(strm)
+    w, b = divmod(seq_id, 64)
+    bit = np.uint64(1) << np.uint64(b)
+    held = np.flatnonzero(np.asarray(cells.seq)[:, w] & bit)
+    if held.size == 0:
+        return find_slot(cache, ub, cont)  # nothing to remove: the cache as it is
+    if np.asarray(cells.shift)[held].any():
+        # a pending shift (which KVCells.set cannot put back): try the placement on a copy of the stream
+        trial = cache.fork([strm])
+        trial.seq_rm(seq_id, -1, -1)
+        return find_slot(trial, ub, cont)
+    pos, ext, head = np.asarray(cells.pos)[held], np.asarray(cells.ext)[held], cache.heads[strm]
+    null_ext = not (ext != _NULL_EXT).any()
+    if null_ext:
+        ext = np.broadcast_to(_NULL_EXT, (_UNDO_CHUNK, 3))  # the ext of cells without one: nothing to keep
+    cache.seq_rm(seq_id, -1, -1)
+    try:
+        return find_slot(cache, ub, cont)
+    finally:
+        # the removed cells come back with what they held: their pos and ext, the sequences they still hold
+        # plus seq_id (set() recomputes the cells' bookkeeping, the used count and the per-sequence positions)
+        for i0 in range(0, held.size, _UNDO_CHUNK):
+            part = held[i0 : i0 + _UNDO_CHUNK]
+            seq = np.array(np.asarray(cells.seq)[part])
+            seq[:, w] |= bit
+            part_ext = ext[: part.size] if null_ext else ext[i0 : i0 + _UNDO_CHUNK]
+            block = _CellBlock(pos[i0 : i0 + _UNDO_CHUNK], part_ext, seq)
+            cells.set(part, block.as_cells())
+        cache.heads[strm] = head
+
+
+_UNDO_CHUNK = 1 << 14  # cells per KVCells.set() when a trial placement is undone (bounds its temporaries)
 
 
 def _check_whole_cells(cache: KVCache, st: KVStream, at: int) -> None:
@@ -510,19 +580,33 @@ def stage_state(
     # cont=true) and the stream's head is moved back to its first cell; else they are placed cell by cell and
     # the head stays where apply_ubatch put it (after the last cell)
     contiguous = cache.profile.seq_restore_contiguous
-    trial = cache.fork([strm])
     steps: list[tuple[SlotInfo, UBatch, Cells, KVData]] = []
+    # every placement is tried first; one stream with cells (what llama.cpp writes) is tried on the cache itself
+    # and undone (`_slot_after_seq_rm`), several (a crafted section) one after the other on a copy of the stream
+    trial = cache.fork([strm]) if len(streams) > 1 else None
     for _, st in streams:
         st_cells, st_data = _filled(st)
-        trial.seq_rm(seq_id, -1, -1)
+        if st_cells.n and int(st_cells.pos.min()) < 0:
+            # what placing the cells would refuse, said before anything changes
+            i = int(np.argmax(st_cells.pos < 0))
+            raise FormatError(
+                f"cell {i}: position {int(st_cells.pos[i])} is outside [0, 2^31)",
+                field="pos",
+                offset=st.offsets.get("cells", offset),
+            )
         ub = _reserve_ubatch(cache, st_cells, seq_id, has_ext)
-        sinfo = find_slot(trial, ub, contiguous)
+        if trial is None:
+            sinfo = _slot_after_seq_rm(cache, strm, seq_id, ub, contiguous)
+        else:
+            trial.seq_rm(seq_id, -1, -1)
+            sinfo = find_slot(trial, ub, contiguous)
         if sinfo is None:
             raise NoSlotError(
                 f"failed to find {st_cells.n} available cells in stream {strm} for sequence {seq_id}: "
                 "free cells (seq_rm) or build the memory with a larger n_ctx"
             )
-        apply_ubatch(trial, sinfo, ub)
+        if trial is not None:
+            apply_ubatch(trial, sinfo, ub)
         steps.append((sinfo, ub, st_cells, st_data))
 
     def commit_seq() -> None:
@@ -574,6 +658,8 @@ __all__ = [
     "state_read",
     "state_read_failed",
     "state_section",
+    "state_size",
     "state_write",
+    "state_write_into",
     "written_cells",
 ]

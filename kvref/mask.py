@@ -126,15 +126,20 @@ def fill_kq_mask(
         tok_y = pos[n_tokens : 2 * n_tokens]
         tok_x = pos[2 * n_tokens : 3 * n_tokens]
     cells = [kv.cells(s) for s in range(kv.n_stream)]
+    if len(ubatch.seq_id_unq) == 1:  # one sequence: every token's (only) id
+        tok_seq = np.full(n_tokens, ubatch.seq_id_unq[0], dtype=np.int32)
+    else:
+        tok_seq = np.fromiter((ids[0] for ids in ubatch.seq_id[:n_tokens]), dtype=np.int32, count=n_tokens)
     # through _impl (not the name bound above): tests wrap the twin by replacing kvref.mask._impl
     mask: MaskArray = _impl.fill_kq_mask_raw(
         out,
         [c.pos for c in cells],
         [c.seq for c in cells],
         [c.ext for c in cells] if tok_x is not None else None,
-        np.asarray(kv.seq_to_stream, dtype=np.int32),
+        # one stream holds every sequence: no map to read
+        np.asarray(kv.seq_to_stream, dtype=np.int32) if kv.n_stream > 1 else None,
         pos[:n_tokens],
-        np.fromiter((ids[0] for ids in ubatch.seq_id[:n_tokens]), dtype=np.int32, count=n_tokens),
+        tok_seq,
         tok_x=tok_x,
         tok_y=tok_y,
         n_swa=kv.n_swa if n_swa is None else n_swa,

@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Generic, Protocol, TypeAlias, TypeVar, runtime_checkable
+from typing import TYPE_CHECKING, BinaryIO, Generic, Protocol, TypeAlias, TypeVar, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -19,7 +19,7 @@ import numpy.typing as npt
 from .args import as_buffer, as_int, as_state_args
 from .batch import BatchAllocr
 from .constants import LLAMA_MAX_SEQ
-from .errors import ArgumentError, FormatError, KVRefError
+from .errors import ArgumentError, ArgumentTypeError, FormatError, KVRefError
 from .profile import Profile, resolve
 from .state import section_bytes
 
@@ -124,6 +124,13 @@ class Memory(Protocol):
 
     def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes:
         """The bytes of the section(s) llama.cpp's state_write writes (every sequence when ``seq_id`` is -1)."""
+
+    def state_size(self, seq_id: int = -1, flags: int = 0) -> int:
+        """The byte count of ``state_write(seq_id, flags)`` (llama_state_get_size's share of the memory)."""
+
+    def state_write_into(self, dst: Buffer | BinaryIO, seq_id: int = -1, flags: int = 0) -> int:
+        """``state_write`` into a writable buffer of at least ``state_size()`` bytes, or a binary file (as
+        llama_state_get_data fills the buffer its caller allocated); returns the byte count."""
 
     def state_read(self, data: Buffer, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
         """Restore what ``state_write`` wrote, atomically unless ``atomic=False``; returns the bytes read."""
@@ -367,6 +374,36 @@ class PairedMemory(Generic[_P, _S]):
         """The bytes of the parts' sections, one after the other (the parts ``flags`` selects)."""
         seq_id, flags = as_state_args(seq_id, flags)
         return section_bytes(*self.state_sections(seq_id, flags))
+
+    def state_size(self, seq_id: int = -1, flags: int = 0) -> int:
+        """The byte count of ``state_write(seq_id, flags)``: the parts' sizes added."""
+        seq_id, flags = as_state_args(seq_id, flags)
+        return sum(part.state_size(seq_id, flags) for part in self._state_parts(flags))
+
+    def state_write_into(self, dst: Buffer | BinaryIO, seq_id: int = -1, flags: int = 0) -> int:
+        """The parts' sections into ``dst`` one after the other, each part writing its own (`Memory.state_write_into`);
+        returns the byte count."""
+        seq_id, flags = as_state_args(seq_id, flags)
+        parts = self._state_parts(flags)
+        if hasattr(dst, "write"):
+            return sum(part.state_write_into(dst, seq_id, flags) for part in parts)
+        try:
+            mv = memoryview(dst)  # not a file: a buffer, or a TypeError
+        except TypeError:
+            raise ArgumentTypeError(f"dst: a writable buffer or a binary file, not {type(dst).__name__}") from None
+        if not mv.c_contiguous:
+            raise ArgumentTypeError("dst: expected a writable C-contiguous buffer")
+        mv = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
+        n = 0
+        try:
+            for part in parts:
+                n += part.state_write_into(mv[n:], seq_id, flags)
+        except ArgumentError:
+            need = self.state_size(seq_id, flags)
+            if need > mv.nbytes:  # a part ran out of room: name the size of the whole state
+                raise ArgumentError(f"dst: {mv.nbytes} bytes, the state needs {need}") from None
+            raise
+        return n
 
     def stage_state(
         self, data: Buffer, seq_id: int = -1, flags: int = 0, offset: int = 0

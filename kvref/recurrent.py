@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, BinaryIO, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -56,6 +56,7 @@ from .ggml import GGMLType, ggml_type, row_size
 from .hparams import HParams
 from .memory_base import ContextParams, decode_batch
 from .profile import DEFAULT, Profile, resolve
+from .state import sections_size, write_sections_into
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -705,6 +706,15 @@ class RecurrentMemory:
         """The bytes of llama_memory_recurrent::state_write (``flags`` do not change them)."""
         seq_id, flags = as_state_args(seq_id, flags)
         return _recurrent_state.state_write(self, seq_id, flags)
+
+    def state_size(self, seq_id: int = -1, flags: int = 0) -> int:
+        """The byte count of ``state_write(seq_id, flags)``."""
+        return sections_size(*self.state_sections(seq_id, flags))
+
+    def state_write_into(self, dst: Buffer | BinaryIO, seq_id: int = -1, flags: int = 0) -> int:
+        """``state_write`` into a writable buffer of at least ``state_size()`` bytes (or a binary file); returns
+        the byte count."""
+        return write_sections_into(dst, *self.state_sections(seq_id, flags))
 
     def parse_section(self, data: Buffer, seq_id: int = -1, offset: int = 0) -> tuple[RecurrentSection, int]:
         """Parse and format-check the recurrent section at ``offset``; returns it and its end offset."""

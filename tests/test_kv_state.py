@@ -349,6 +349,40 @@ def test_sequence_that_does_not_fit_removes_the_destination(atomic):
         np.testing.assert_array_equal(x.data, y.data)
 
 
+@pytest.mark.parametrize("cells_cls", TWINS, ids=TWIN_IDS)
+@pytest.mark.parametrize("shifted", [False, True], ids=["no-shift", "pending-shift"])
+def test_refused_sequence_restore_leaves_every_cell_as_it_was(cells_cls, shifted):
+    """A sequence restore tries its placement on the cache itself with the destination removed, then puts the
+    destination's cells back (or, with a pending shift, tries it on a copy): after a refusal nothing observable
+    differs, cells shared with other sequences, M-RoPE ext and heads included."""
+    hp = HP() if shifted else HP(n_pos=4)  # seq_add (the pending shift) needs one position per token
+    src = make(hp=hp, size=32, cells_cls=cells_cls)
+    src.decode(Batch(tokens=list(range(4, 24)), seq_ids=[[0]] * 20))
+    blob = src.state_write(0)
+    target = make(hp=hp, size=32, cells_cls=cells_cls)
+    target.decode(Batch(tokens=[5, 6, 7], seq_ids=[[1, 2]] * 3))  # shared by the destination and seq 1
+    target.decode(Batch(tokens=list(range(4, 16)), seq_ids=[[1]] * 12))
+    target.decode(Batch(tokens=[8, 9, 10, 11], seq_ids=[[2]] * 4))
+    if not shifted:
+        target.cells(0).ext_set(17, 7, 9, 5)  # a destination cell with an image token's ext
+    if shifted:
+        target.seq_add(2, 0, -1, 3)
+    fill(target, 3)
+    target.heads[0] = 5
+    before = snapshot(target)
+    ranges = [(target.seq_pos_min(q), target.seq_pos_max(q)) for q in range(4)]
+    with pytest.raises(NoSlotError):
+        target.state_read(blob, 2)  # 32 - 15 (seq 1) = 17 cells once seq 2 is removed, 20 needed
+    assert_same(snapshot(target), before)
+    assert [(target.seq_pos_min(q), target.seq_pos_max(q)) for q in range(4)] == ranges
+    target.seq_rm(1, 5, -1)  # now 25 free: it fits, and the same blob restores
+    target.state_read(blob, 2)
+    a, b = src.state_sections(0)[0].streams[0], target.state_sections(2)[0].streams[0]
+    assert a.cells.pos.tolist() == b.cells.pos.tolist() and a.cells.ext.tolist() == b.cells.ext.tolist()
+    for x, y in zip(a.data.k + a.data.v, b.data.k + b.data.v, strict=True):
+        np.testing.assert_array_equal(x.data, y.data)
+
+
 def test_mismatching_cache_types_are_refused():
     cache = make(("f16", "f16"))
     populate(cache)

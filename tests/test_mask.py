@@ -280,6 +280,51 @@ def test_matches_oracle_on_a_mixed_case(mk, dtype):
         assert same_bits(out, ref), kw
 
 
+@pytest.mark.parametrize(
+    ("n_kv", "dtype"),
+    [(40, np.float16), (16384, np.float32), (32768, np.float16)],
+    ids=["small", "f32-rows-64KiB-apart", "f16-rows-64KiB-apart"],
+)
+def test_one_token_sequences_match_the_oracle(mk, n_kv, dtype):
+    """A decode step: one token for each of 12 sequences, beside a sequence with several tokens, cells shared
+    by several sequences, empty cells, 2-D positions. The Cython twin writes the one-token rows during its pass
+    over the cells, or lists their cells first when the rows are a multiple of 64 KiB long (they would evict
+    each other); every mode must give the oracle's mask either way."""
+    rng = np.random.default_rng(11)
+    n_used = min(160, n_kv)  # the rest of the n_kv cells are empty
+    pos = np.full(n_kv, -1, np.int32)
+    pos[:n_used] = rng.integers(0, 30, n_used)
+    pos[rng.choice(n_used, n_used // 8, replace=False)] = -1
+    seqs: list[set[int]] = [set() for _ in range(n_kv)]
+    for j in range(n_used):
+        if pos[j] != -1:
+            seqs[j] = set(rng.choice(14, rng.integers(1, 4), replace=False).tolist())
+    ext = [(int(x), int(y)) for x, y in rng.integers(0, 3, (n_kv, 2))]
+    c = cells(pos.tolist(), seqs, ext)
+    toks = [(s, int(rng.integers(0, 34))) for s in range(12)] + [(13, 5), (13, 20), (13, 29)]
+    xy = [(int(rng.integers(0, 3)), int(rng.integers(0, 3))) for _ in toks]
+    modes = (
+        dict(),
+        dict(causal=False),
+        dict(n_swa=8, swa_type=1),
+        dict(n_swa=0, swa_type=1),  # a window of 0: every interval empty, every cell masked
+        dict(n_swa=6, swa_type=3, causal=False, non_causal_type=2),
+        dict(alibi=True),
+        dict(xy=xy),
+    )
+    for some in (toks, toks[:12]):  # with a sequence of several tokens, and only one-token sequences
+        for kw in modes:
+            kw = dict(kw, xy=xy[: len(some)]) if "xy" in kw else kw
+            out = run(mk, [c], some, dtype=dtype, **kw)
+            extra = {}
+            if "xy" in kw:
+                extra = dict(tok_x=[x for x, _ in kw["xy"]], tok_y=[y for _, y in kw["xy"]])
+            rest = {k: v for k, v in kw.items() if k != "xy"}
+            tok_pos, tok_seq = [p for _, p in some], [s for s, _ in some]
+            ref = oracle(out.shape, dtype, [c[0]], [c[1]], [c[2]], None, tok_pos, tok_seq, **extra, **rest)
+            assert same_bits(out, ref), (len(some), kw)
+
+
 # ------------------------------------------------------------------------------ argument errors
 
 

@@ -74,12 +74,14 @@ def mask_case(draw):
     n_stream = draw(st.sampled_from(divisors))
     n_kv = draw(st.integers(0, size))
     kw = dict(
-        n_swa=draw(st.integers(1, 12)) * draw(st.sampled_from([1, scale])),
+        n_swa=draw(st.integers(0, 12)) * draw(st.sampled_from([1, scale])),  # 0: empty windows
         swa_type=draw(st.integers(0, 3)),
         causal=draw(st.booleans()),
         non_causal_type=draw(st.integers(0, 2)),
         alibi=draw(st.booleans()),
     )
+    if kw["swa_type"] == 2 and kw["n_swa"] == 0:
+        kw["n_swa"] = 1  # a chunked window needs n_swa > 0 (an ArgumentError, tested elsewhere)
     if draw(st.booleans()):
         kw["tok_x"] = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))
         kw["tok_y"] = draw(st.lists(st.integers(0, 3), min_size=n, max_size=n))

@@ -51,6 +51,7 @@ Cache integration (for KVCache, RecurrentMemory, KVCacheISWA, HybridMemory)::
                                                                       #     n_embd, rows)], [] without V
                                                   ))])
     blob = section_bytes(sec)            # or write_section(sec, f); iSWA/hybrid: section_bytes(a, b)
+    n = write_sections_into(buf, sec)    # into a caller's buffer of sections_size(sec) bytes (or a file)
     # state_read(blob, seq_id): parse AND validate everything first, then apply (atomic)
     spec = KVSpec(n_stream, kv_size, n_seq_max, v_trans, layers=(KVLayerSpec(k_type, k_row_size, v_type,
                   v_row_size, n_embd_v_gqa), ...), ext_size=0)
@@ -75,9 +76,11 @@ from .cache_api import (
     read_recurrent_section,
     read_sections,
     section_bytes,
+    sections_size,
     validate_kv_section,
     validate_recurrent_section,
     write_section,
+    write_sections_into,
 )
 from .cells import Cells, SeqRange
 from .constants import FIELDS, LAYOUTS, SEQ_VERSION, SESSION_VERSION, Magic
@@ -130,8 +133,10 @@ __all__ = [
     "read_sections",
     "save",
     "section_bytes",
+    "sections_size",
     "summarize",
     "validate_kv_section",
     "validate_recurrent_section",
     "write_section",
+    "write_sections_into",
 ]
