@@ -17,6 +17,14 @@ T5 position buckets    GET_ROWS of ``*attn_rel_b.weight``     src[1] (a 1-D view
                                                               ``pos_bucket_dec``: the view's source is read)
 =====================  =====================================  ==========
 
+With ``rows=True`` (the attention-rotation cases) the K and V rows a decode stores are read too, before and
+after llama.cpp's Hadamard rotation: through each ``MUL_MAT`` with the hint ``GGML_HINT_SRC0_IS_HADAMARD`` whose
+src[1] is (a reshape of) ``Kcur-<il>`` / ``Vcur-<il>`` (src[1] before, the node itself after). In a K-shift graph
+of a quantized K cache the same is read at both rotations of each layer: the first takes the dequantized K and
+gives it unrotated (ubatch -1 in the keys), the second takes it roped and gives what is quantized back (-2). There
+the ROPE reads the rotated cast of the cache: the chain to ``cache_k_l<il>`` is followed through src[1] of those
+MUL_MAT nodes.
+
 The base and the SWA mask (and the two caches' indices) carry the same names; the layer index of the
 consumer tells them apart (the caller maps it with the model's SWA layers). Every graph of a model starts
 with the token-embedding lookup (GET_ROWS of ``token_embd.weight``), which is how the ubatches of one
@@ -92,6 +100,9 @@ OP_FLASH_ATTN_EXT = _OP_IDS["FLASH_ATTN_EXT"]
 OP_SET_ROWS = _OP_IDS["SET_ROWS"]
 OP_ROPE = _OP_IDS["ROPE"]
 OP_GET_ROWS = _OP_IDS["GET_ROWS"]
+OP_MUL_MAT = _OP_IDS["MUL_MAT"]
+GGML_HINT_SRC0_IS_HADAMARD = 1  # ggml.h
+_ROWS_RE = re.compile(r"^([KV])cur-(\d+)")
 
 # ggml.h enum ggml_type: the input tensors are of these types
 _DTYPES = {0: np.dtype("<f4"), 1: np.dtype("<f2"), 26: np.dtype("<i4"), 27: np.dtype("<i8")}
@@ -106,14 +117,19 @@ def _name(t: Any) -> str:
     return t.name.decode("utf-8", "replace")
 
 
+def _is_hadamard(t: Any) -> bool:
+    """A MUL_MAT by llama.cpp's rotation matrix (llama_mul_mat_hadamard sets the hint in op_params[1])."""
+    return bool(t.op == OP_MUL_MAT and t.op_params[1] == GGML_HINT_SRC0_IS_HADAMARD)
+
+
 def _cache_of(p: Any, depth: int = 8) -> tuple[str, int] | None:
-    """('k' | 'v', layer) when tensor ``p`` is (a view of, a cast of) a layer's K or V cache."""
+    """('k' | 'v', layer) when tensor ``p`` is (a view of, a cast of, a rotation of) a layer's K or V cache."""
     while p and depth > 0:
         t = p.contents
         m = _CACHE_RE.search(_name(t))
         if m:
             return m.group(1), int(m.group(2))
-        p = t.view_src if t.view_src else t.src[0]
+        p = t.view_src if t.view_src else (t.src[1] if _is_hadamard(t) else t.src[0])
         depth -= 1
     return None
 
@@ -177,8 +193,11 @@ class Capture:
 
     ``swa_layer(il)`` says whether layer il's attention reads the SWA cache (of an iSWA memory)."""
 
-    def __init__(self, swa_layer: Any) -> None:
+    def __init__(self, swa_layer: Any, rows: bool = False) -> None:
         self.swa_layer = swa_layer
+        self.want_rows = rows
+        # rows=True: per decode, ("k" | "v", layer, ubatch, pre-rotation f32, post-rotation f32) in graph order
+        self.rows: list[tuple[str, int, int, np.ndarray, np.ndarray]] = []
         self.shifts: list[dict] = []
         self.ubatches: list[dict] = []
         self._seen: set = set()
@@ -191,8 +210,9 @@ class Capture:
         cparams.cb_eval_user_data = None
 
     def take(self) -> dict:
-        out = {"shift": self.shifts, "ubatches": self.ubatches}
+        out = {"shift": self.shifts, "ubatches": self.ubatches, "rows": self.rows}
         self.shifts, self.ubatches, self._seen, self._shift_seen = [], [], set(), set()
+        self.rows = []
         return out
 
     def _cb(self, ptr: int, ask: bool, _ud: Any) -> bool:
@@ -227,6 +247,13 @@ class Capture:
             if c is None:
                 return None
             return (f"{c[0]}_idxs", c[1], 1)
+        if self.want_rows and _is_hadamard(t) and t.src[1]:
+            m = _ROWS_RE.search(_name(t.src[1].contents))
+            if m:
+                return ("rows", int(m.group(2)), m.group(1).lower())
+            c = _cache_of(t.src[1], depth=16)
+            if c is not None and c[0] == "k" and not self.ubatches:
+                return ("shift_rows", c[1], "k")
         if op == OP_ROPE and t.src[1]:
             if _name(t.src[1].contents) == "inp_pos":
                 c = _LAYER_RE.search(_name(t))
@@ -250,6 +277,14 @@ class Capture:
                 self.ubatches.append({"inputs": []})
                 self._seen = set()
                 return False
+            if what[0] == "rows":
+                if not self.ubatches:
+                    return False
+                self._want[ptr] = what
+                return True
+            if what[0] == "shift_rows":
+                self._want[ptr] = what
+                return True
             kind, il, _src = what
             key = (kind, self._swa(kind, il))
             if kind == "k_shift":
@@ -265,6 +300,14 @@ class Capture:
             return True
         what = self._want.pop(ptr, None)
         if what is None:
+            return True
+        if what[0] in ("rows", "shift_rows"):
+            pre, post = read_tensor(t.src[1].contents), read_tensor(t)
+            # a K-shift graph rotates twice per layer (undo, then redo): ubatch -1, then -2
+            ub = len(self.ubatches) - 1
+            if what[0] == "shift_rows":
+                ub = -1 - sum(1 for r in self.rows if r[2] < 0 and r[1] == what[1])
+            self.rows.append((what[2], what[1], ub, pre.reshape(-1), post.reshape(-1)))
             return True
         kind, il, src = what
         swa = self._swa(kind, il)

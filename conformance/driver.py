@@ -91,6 +91,22 @@ PRODUCERS = {
         "swa_masked_in_seq": True,
         "whole_restore_last_stream": True,
     },
+    # 0.2.90 (August 2024): session v8 = the 0.3.12 layout plus the sampler's rng string after the arch; no
+    # memory API (generate_legacy.py maps driver's calls onto llama_kv_cache_*); no SWA, no M-RoPE yet
+    "0.2.90": {
+        "llama_cpp_commit": "1d1ccce67613674c75c9c7e3fa4c1e24e428ba48",
+        "llama_cpp_commit_date": None,
+        "session_version": 8,
+        "seq_version": 2,
+        "output_block": True,
+        "seq_data_prefix": False,
+        "cell_ext_size": 0,
+        "swa_masked_in_seq": True,
+        "n_stream_field": False,
+        "rng": True,
+        # a KV sequence save writes n_seq_id 0 per cell (no id), and a sequence restore requires it
+        "seq_kv_ids": False,
+    },
 }
 PRODUCER = PRODUCERS[L.__version__]
 # graph inputs are read through a ctypes struct ggml_tensor declared for this release's ggml.h only
@@ -183,6 +199,9 @@ _KV_SIZE_RE = re.compile(r"^(\w+): size = .*?\(\s*(\d+) cells,\s*(\d+) layers,\s
 # llama_memory_recurrent before PR #14363 (0.3.12) logs its size only in this line
 _RS_OLD_RE = re.compile(r"^(\w+): mem_size = (\d+), n_seq_max = (\d+), .*n_layer = (\d+)")
 _ISWA_RE = re.compile(r"creating\s+(non-SWA|SWA) KV cache, size = (\d+) cells")
+# llama_kv_cache's constructor (0.3.36) after its size line: "attn_rot_k = 1, n_embd_head_k_all = 64" (the V line
+# names its head size n_embd_head_k_all too)
+_ROT_RE = re.compile(r"^(\w+): attn_rot_([kv]) = (\d+), n_embd_head_k_all = (-?\d+)")
 
 
 def _parse_memory_log(lines) -> dict:
@@ -210,6 +229,11 @@ def _parse_memory_log(lines) -> dict:
                     "n_seq_max": int(m.group(3)),
                 }
             )
+        m = _ROT_RE.search(l)
+        if m and out["caches"]:
+            # the cache whose size line came last
+            out["caches"][-1][f"attn_rot_{m.group(2)}"] = bool(int(m.group(3)))
+            out["caches"][-1][f"n_embd_head_{m.group(2)}_all"] = int(m.group(4))
         m = _ISWA_RE.search(l)
         if m:
             out["kv_size_swa" if m.group(1) == "SWA" else "kv_size_base"] = int(m.group(2))
@@ -219,8 +243,11 @@ def _parse_memory_log(lines) -> dict:
 # ------------------------------------------------------------------ the run
 
 
+ROWS_FILE = "rows.npz"  # a case's K/V rows before and after the attention rotation (capture_rows)
+
+
 class Run:
-    def __init__(self, case_dir: Path, model_path: Path, hp: dict, cparams: dict):
+    def __init__(self, case_dir: Path, model_path: Path, hp: dict, cparams: dict, capture_rows: bool = False):
         init_backend()
         self.dir = case_dir
         self.hp = hp
@@ -236,7 +263,9 @@ class Run:
             import capture
 
             swa_cache = self.kind in ("iswa", "hybrid_iswa")
-            self.capture = capture.Capture(lambda il: swa_cache and bool(hp["swa_layers"][il]))
+            self.capture = capture.Capture(lambda il: swa_cache and bool(hp["swa_layers"][il]), rows=capture_rows)
+        # op index -> [(k | v, layer, ubatch, pre, post)]: written to ROWS_FILE by close()
+        self.rows: dict[int, list] = {}
 
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = 0
@@ -310,6 +339,17 @@ class Run:
     # -------------------------------------------------------------- helpers
 
     def close(self):
+        if self.rows:
+            import numpy as np
+
+            arrays = {
+                (f"op{k}-ub{ub}-" if ub >= 0 else f"op{k}-shift{-ub}-") + f"{which}{il}-{stage}": a
+                for k, entries in self.rows.items()
+                for which, il, ub, pre, post in entries
+                for stage, a in (("pre", pre), ("post", post))
+            }
+            np.savez_compressed(self.dir / ROWS_FILE, **arrays)
+            self.rows = {}
         if self.ctx:
             L.llama_free(self.ctx)
             self.ctx = None
@@ -372,6 +412,8 @@ class Run:
             if self.capture.error is not None:
                 raise RuntimeError(f"reading llama.cpp's graph inputs failed: {self.capture.error!r}")
             graphs = self.capture.take()
+            if graphs["rows"]:
+                self.rows[len(self.trace)] = graphs["rows"]
         op = {
             "op": "decode",
             "tokens": [int(t) for t in tokens],

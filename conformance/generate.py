@@ -4,6 +4,7 @@
     python conformance/generate.py                 # all cases
     python conformance/generate.py -k llama-f16    # cases whose id contains the text
     python conformance/generate.py --list          # ids and descriptions
+    python conformance/generate.py --crashes       # only conformance/crashes/ (configurations llama.cpp dies in)
 
 Needs llama-cpp-python 0.3.36 (the llama.cpp it vendors writes the goldens) and gguf.
 Tiny random-weight models are written into a cache directory (default
@@ -24,7 +25,7 @@ import shutil
 import sys
 import zlib
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -63,6 +64,9 @@ COMMITTED_MODELS = (
     "lfm2-swa",
     "bloom",
     "t5",
+    "llama-h64",
+    "qwen3-h128",
+    "stablelm-rot32",
 )
 
 
@@ -87,6 +91,7 @@ class Case:
     swa_full: bool = False
     n_rs_seq: int = 0
     n_threads: int = 1
+    capture_rows: bool = False  # also record the K/V rows before/after the attention rotation (driver.ROWS_FILE)
 
     def cparams(self) -> dict:
         return {
@@ -498,6 +503,34 @@ def s_t5(r, tok):
     r.save_all(hist)
 
 
+def s_rot_kshift(r, tok):
+    """A context shift on a quantized, rotated K cache: whole-state saves before the shift, with it pending (rows
+    not yet moved) and after the decode that applied it, then a seq_div shift the same way. With two streams
+    (n_seq_max 2, not unified) the shift graph ropes the other stream's cells too (shift 0)."""
+    n_seq = r.n_seq_max
+    hist = {0: tok(24)}
+    r.decode_seq(0, hist[0][:16])
+    r.decode_seq(0, hist[0][16:])
+    if n_seq > 1:
+        hist[1] = tok(10)
+        r.decode_seq(1, hist[1])
+    r.save_state_data()
+    r.seq_rm(0, 4, 12)
+    r.seq_add(0, 12, -1, -8)
+    r.save_state_data()  # the shift pending: positions moved, rows not yet
+    t = tok(1)
+    r.decode_seq(0, t)  # the memory update ropes every cell of the K cache, then the token is stored
+    hist[0] = hist[0][:4] + hist[0][12:] + t
+    r.save_state_data()
+    last = n_seq - 1
+    r.seq_div(last, 6, -1, 2)
+    r.save_state_data()
+    t = tok(1)
+    r.decode_seq(last, t)
+    hist[last] = hist[last] + t
+    r.save_all(hist)
+
+
 def s_init_refused(r, tok):
     # nothing to do: the context was refused
     pass
@@ -849,6 +882,34 @@ CASES: list[Case] = [
         ["arch", "encoder-decoder", "pos-bucket", "seq-rm"],
         s_t5,
     ),
+    # ---- attention rotation (head size a multiple of 64, quantized cache) and the quantized K-shift
+    Case(
+        "llama-h64-q8_0-rot-kshift",
+        "llama-h64",
+        "Head size 64 with q8_0 K and V (flash attention): llama.cpp rotates both (attn_rot_k / attn_rot_v, 64-wide "
+        "Walsh-Hadamard). Two streams; a context shift (seq_rm + seq_add -8) and a seq_div, each saved pending and "
+        "after the decode that applies it: the shift dequantizes, unrotates, ropes, rotates and requantizes K. "
+        "rows.npz holds every decode's K/V rows before and after the rotation.",
+        ["q8_0", "flash-attn", "attn-rot", "k-shift", "quantized-k-shift", "multi-stream", "seq-div"],
+        s_rot_kshift,
+        n_seq_max=2,
+        kv_unified=False,
+        flash_attn=True,
+        type_k="q8_0",
+        type_v="q8_0",
+        capture_rows=True,
+    ),
+    Case(
+        "qwen3-h128-q4_0-k-rot-kshift",
+        "qwen3-h128",
+        "Head size 128 (rope neox) with a q4_0 K and an f16 V (flash attention off): K rotated 128 wide, V not. "
+        "The same context shift and seq_div on the quantized K.",
+        ["q4_0", "v_trans", "attn-rot", "k-shift", "quantized-k-shift", "seq-div"],
+        s_rot_kshift,
+        type_k="q4_0",
+        type_v="f16",
+        capture_rows=True,
+    ),
     Case(
         "qwen2vl-mrope",
         "qwen2vl",
@@ -859,6 +920,173 @@ CASES: list[Case] = [
         n_seq_max=2,
     ),
 ]
+
+
+# ------------------------------------------------------------------ crashes
+
+# Configurations where llama.cpp itself dies (a signal or an abort, not an error return): each is run in a child
+# process (`--crash-child`), op by op, and conformance/crashes/<id>.json records the ops it got through, the op it
+# died in, the signal and what it printed (and, when gdb is installed, the innermost frames). kvref refuses these
+# configurations with an error that names the reason (tests/test_kshift_quant.py replays the traces).
+CRASH_DIR = HERE / "crashes"
+
+
+def _crash_kshift_ops(tok) -> list[dict]:
+    """16 tokens of seq 0, a context shift (seq_rm [4, 8), seq_add -4), then one token: the decode's memory
+    update builds the K-shift graph."""
+    toks = tok(17)
+    return [
+        {"op": "decode", "tokens": toks[:16], "pos": list(range(16)), "seq_ids": [[0]] * 16},
+        {"op": "seq_rm", "seq_id": 0, "p0": 4, "p1": 8},
+        {"op": "seq_add", "seq_id": 0, "p0": 8, "p1": -1, "delta": -4},
+        {"op": "decode", "tokens": toks[16:], "pos": [12], "seq_ids": [[0]]},
+    ]
+
+
+@dataclass
+class Crash:
+    id: str
+    model: str
+    description: str
+    ops: Callable
+    env: dict = field(default_factory=dict)
+    context: dict = field(default_factory=dict)  # Case fields overriding the defaults
+
+    def case(self) -> Case:
+        return Case(self.id, self.model, self.description, [], s_init_refused, **self.context)
+
+
+CRASHES: list[Crash] = [
+    Crash(
+        "llama-q8_0-kshift-head32",
+        "llama",
+        "A q8_0 K cache on llama-tiny (head size 32: no attention rotation, attn_rot_k 0) with a context shift: the "
+        "K-shift graph hands a null rotation tensor to llama_mul_mat_hadamard.",
+        _crash_kshift_ops,
+        context={"type_k": "q8_0", "type_v": "f16"},
+    ),
+    Crash(
+        "llama-h64-q8_0-kshift-rot-disabled",
+        "llama-h64",
+        "The same on llama-h64-tiny (head size 64, so the rotation would be on) with LLAMA_ATTN_ROT_DISABLE=1.",
+        _crash_kshift_ops,
+        env={"LLAMA_ATTN_ROT_DISABLE": "1"},
+        context={"type_k": "q8_0", "type_v": "f16"},
+    ),
+    Crash(
+        "stablelm-rot32-q8_0-kshift-partial-rotary",
+        "stablelm-rot32",
+        "A q8_0 K cache on stablelm-rot32-tiny (head size 64, rotation on, but rope over 32 of the 64 dims): the "
+        "shifted view of the K tensor is not contiguous, so ggml-cpu cannot copy the f32 result back into it.",
+        _crash_kshift_ops,
+        context={"type_k": "q8_0", "type_v": "f16"},
+    ),
+    Crash(
+        "llama-bf16-kshift",
+        "llama",
+        "A bf16 K cache on llama-tiny with a context shift: bf16 is not quantized, so the K view is roped in place, "
+        "and ggml-cpu's rope has f32 and f16 kernels only.",
+        _crash_kshift_ops,
+        context={"type_k": "bf16", "type_v": "bf16"},
+    ),
+]
+
+
+def _crash_child(crash_id: str, model_path: Path, progress: Path) -> None:
+    """Run one Crash op by op, appending a JSON line to ``progress`` before each call and after it."""
+    import tempfile
+
+    c = next(x for x in CRASHES if x.id == crash_id)
+    hp = json.loads((progress.parent / f"{crash_id}.hparams.json").read_text())
+    with open(progress, "w") as out, tempfile.TemporaryDirectory() as tmp:
+        r = driver.Run(Path(tmp), model_path, hp, c.case().cparams())
+        out.write(json.dumps({"observed_context": r.observed_ctx}) + "\n")
+        out.write(json.dumps({"done": r.trace[-1]}) + "\n")
+        out.flush()
+        for op in c.ops(Tokens(c.id)):
+            out.write(json.dumps({"calling": op}) + "\n")
+            out.flush()
+            r.apply(op)
+            out.write(json.dumps({"done": r.trace[-1]}) + "\n")
+            out.flush()
+        r.close()
+
+
+def _gdb_frames(argv: list[str], env: dict) -> list[str] | None:
+    """The function names of the innermost frames when the child dies under gdb (None without gdb)."""
+    import re
+    import subprocess
+
+    gdb = shutil.which("gdb")
+    if gdb is None:
+        return None
+    cmd = [gdb, "-q", "-batch", "-ex", "run", "-ex", "bt 8", "--args", *argv]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    frames = []
+    for line in res.stdout.splitlines():
+        m = re.match(r"^#\d+\s+(?:0x[0-9a-f]+ in )?(.+?) \(", line)
+        if m:
+            frames.append(m.group(1))
+    return frames
+
+
+def record_crash(c: Crash, m: tinymodels.TinyModel, vers: dict) -> dict:
+    """Run ``c`` in a child process and write conformance/crashes/<id>.json."""
+    import re
+    import signal
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        progress = Path(tmp) / "progress.jsonl"
+        (Path(tmp) / f"{c.id}.hparams.json").write_text(json.dumps(m.hparams))
+        argv = [sys.executable, str(Path(__file__).resolve()), "--crash-child", c.id, str(m.path), str(progress)]
+        env = {**os.environ, **c.env}
+        res = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=600)
+        lines = [json.loads(x) for x in progress.read_text().splitlines() if x.strip()]
+        frames = _gdb_frames(argv, env)
+    done = [x["done"] for x in lines if "done" in x]
+    calling = [x["calling"] for x in lines if "calling" in x]
+    crashed = calling[-1] if len(calling) >= len(done) and calling else None
+    rc = res.returncode
+    doc = {
+        "id": c.id,
+        "description": c.description,
+        "producer": vers,
+        "model": {
+            "file": m.path.name,
+            "sha256": m.sha256,
+            "committed": m.committed,
+            "path": f"models/{m.path.name}" if m.committed else None,
+            "hparams": m.hparams,
+        },
+        "context": c.case().cparams(),
+        "env": c.env,
+        "observed_context": next((x["observed_context"] for x in lines if "observed_context" in x), None),
+        "trace": done,
+        "crashed_op": crashed,
+        "crashed_op_index": len(done) if crashed is not None else None,
+        "returncode": rc,
+        "signal": signal.Signals(-rc).name if rc < 0 else None,
+        # GGML_ABORT / GGML_ASSERT print "<file>:<line>: <message>" (the build path cut to the llama.cpp tree)
+        "message": next(
+            (
+                re.sub(r"^.*?vendor/llama\.cpp/", "", x)
+                for x in res.stderr.splitlines()
+                if re.search(r"\.(c|cpp|h):\d+: ", x)
+            ),
+            None,
+        ),
+        "stderr": [
+            re.sub(r"^.*?vendor/llama\.cpp/", "", x)
+            for x in res.stderr.splitlines()
+            if re.search(r"\.(c|cpp|h):\d+: |GGML_ASSERT", x)
+        ],
+        "gdb_frames": frames,
+    }
+    CRASH_DIR.mkdir(exist_ok=True)
+    (CRASH_DIR / f"{c.id}.json").write_text(json.dumps(doc, indent=1) + "\n")
+    return doc
 
 
 # ------------------------------------------------------------------ running
@@ -962,7 +1190,7 @@ def run_case(case: Case, m: tinymodels.TinyModel, vers: dict, golden_dir: Path |
     if cdir.exists():
         shutil.rmtree(cdir)
     cdir.mkdir(parents=True)
-    r = driver.Run(cdir, m.path, m.hparams, case.cparams())
+    r = driver.Run(cdir, m.path, m.hparams, case.cparams(), capture_rows=case.capture_rows)
     try:
         if r.ctx is not None:
             case.script(r, Tokens(case.id))
@@ -1026,7 +1254,12 @@ def main(argv=None) -> int:
         type=Path,
         default=Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "kvref-conformance",
     )
+    ap.add_argument("--crash-child", nargs=3, metavar=("ID", "MODEL", "PROGRESS"), help=argparse.SUPPRESS)
+    ap.add_argument("--crashes", action="store_true", help="only (re)record conformance/crashes/ (-k filters)")
     a = ap.parse_args(argv)
+    if a.crash_child:
+        _crash_child(a.crash_child[0], Path(a.crash_child[1]), Path(a.crash_child[2]))
+        return 0
     import llama_cpp
 
     legacy = llama_cpp.__version__ != CURRENT_PRODUCER
@@ -1046,6 +1279,13 @@ def main(argv=None) -> int:
     for m in models.values():
         if m.committed and (HERE / "models" / m.path.name).exists():
             assert m.sha256 == driver.sha256(HERE / "models" / m.path.name), f"{m.name} differs from the committed one"
+    if not legacy:
+        for cr in CRASHES:
+            if a.k in cr.id:
+                doc = record_crash(cr, models[cr.model], vers)
+                print(f"{cr.id:32s} crashed in op {doc['crashed_op_index']} ({doc['signal'] or doc['returncode']})")
+    if a.crashes:
+        return 0
     for c in cases:
         doc = run_case(c, models[c.model], vers)
         n_art = sum(1 for op in doc["trace"] if op["op"] == "save")

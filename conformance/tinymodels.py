@@ -252,8 +252,12 @@ def _swa_hparams(d: _Dims, n_swa, swa_type, pattern) -> dict:
 
 def build_llama(out: Path) -> TinyModel:
     """2 layers, n_embd 64, 4 query heads of dim 32 over 2 KV heads (GQA 2:1)."""
-    d = _Dims(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, hd=32, n_ff=64)
-    b = _Builder("llama", seed=1001)
+    return _llama(out, "llama-tiny", _Dims(n_layer=2, n_embd=64, n_head=4, n_head_kv=2, hd=32, n_ff=64), 1001)
+
+
+def _llama(out: Path, name: str, d: _Dims, seed: int) -> TinyModel:
+    """A llama of shape ``d``: rope norm over the whole head, base 1e4."""
+    b = _Builder("llama", seed=seed)
     _transformer(b, d)
 
     def meta(w):
@@ -262,7 +266,7 @@ def build_llama(out: Path) -> TinyModel:
         w.add_rope_freq_base(10000.0)
         w.add_layer_norm_rms_eps(1e-5)
 
-    return b.finish(out, "llama-tiny", meta, _attn_hparams("llama", d, rope_type="norm"))
+    return b.finish(out, name, meta, _attn_hparams("llama", d, rope_type="norm"))
 
 
 # ---------------------------------------------------------------- mamba (recurrent)
@@ -749,6 +753,62 @@ def build_gemma4(out: Path) -> TinyModel:
     return b.finish(out, "gemma4-tiny", meta, hp)
 
 
+# ---------------------------------------------------------------- head sizes 64 / 128: llama.cpp's attention rotation
+
+
+def build_llama_h64(out: Path) -> TinyModel:
+    """2 layers, n_embd 64, 2 query heads of dim 64 over 1 KV head (key_length 64 = n_embd / 1, not / 2), rope
+    norm: a head size multiple of 64, so a quantized K/V cache is rotated (attn_rot_k / attn_rot_v, size 64)."""
+    return _llama(out, "llama-h64-tiny", _Dims(n_layer=2, n_embd=64, n_head=2, n_head_kv=1, hd=64, n_ff=64), 1015)
+
+
+def build_qwen3_h128(out: Path) -> TinyModel:
+    """2 layers, n_embd 32, 2 query heads of dim 128 over 1 KV head, q/k norms, rope neox (base 1e6): the K
+    rotation is 128 wide (the largest power of two from 64 dividing the head size), the V rotation 64."""
+    d = _Dims(n_layer=2, n_embd=32, n_head=2, n_head_kv=1, hd=128, n_ff=32)
+    b = _Builder("qwen3", seed=1016)
+    _transformer(b, d, qk_norms=True)
+
+    def meta(w):
+        _common_meta(w, d)
+        w.add_rope_freq_base(1000000.0)
+        w.add_layer_norm_rms_eps(1e-6)
+
+    return b.finish(out, "qwen3-h128-tiny", meta, _attn_hparams("qwen3", d, rope_type="neox", freq_base=1000000.0))
+
+
+def build_stablelm_rot32(out: Path) -> TinyModel:
+    """2 layers, n_embd 64, 1 head of dim 64, rope neox over the first 32 dims only (rope.dimension_count 32:
+    partial rotary, which stablelm allows); layer norms with biases and a separate output matrix."""
+    d = _Dims(n_layer=2, n_embd=64, n_head=1, n_head_kv=1, hd=64, n_ff=64)
+    n_rot = 32
+    b = _Builder("stablelm", seed=1017)
+    b.mat("token_embd.weight", N_VOCAB, d.n_embd)
+    b.vec("output_norm.weight", d.n_embd, 1.0)
+    b.vec("output_norm.bias", d.n_embd, 0.0)
+    b.mat("output.weight", N_VOCAB, d.n_embd)
+    for i in range(d.n_layer):
+        p = f"blk.{i}."
+        b.vec(p + "attn_norm.weight", d.n_embd, 1.0)
+        b.vec(p + "attn_norm.bias", d.n_embd, 0.0)
+        _attn_proj(b, p, d, d.n_head_kv)
+        b.vec(p + "ffn_norm.weight", d.n_embd, 1.0)
+        b.vec(p + "ffn_norm.bias", d.n_embd, 0.0)
+        b.mat(p + "ffn_gate.weight", d.n_ff, d.n_embd)
+        b.mat(p + "ffn_up.weight", d.n_ff, d.n_embd)
+        b.mat(p + "ffn_down.weight", d.n_embd, d.n_ff)
+
+    def meta(w):
+        _common_meta(w, d)
+        w.add_rope_dimension_count(n_rot)
+        w.add_rope_freq_base(10000.0)
+        w.add_layer_norm_eps(1e-5)
+
+    hp = _attn_hparams("stablelm", d, rope_type="neox")
+    hp["n_rot"] = n_rot
+    return b.finish(out, "stablelm-rot32-tiny", meta, hp)
+
+
 BUILDERS = {
     "llama": build_llama,
     "mamba": build_mamba,
@@ -765,4 +825,7 @@ BUILDERS = {
     "bloom": build_bloom,
     "t5": build_t5,
     "gemma4": build_gemma4,
+    "llama-h64": build_llama_h64,
+    "qwen3-h128": build_qwen3_h128,
+    "stablelm-rot32": build_stablelm_rot32,
 }

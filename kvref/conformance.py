@@ -38,6 +38,7 @@ import json
 import sys
 import time
 import traceback
+import warnings
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -46,7 +47,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from . import about, about_line
-from .errors import BatchError, CheckFailed, KVRefError, NoSlotError, Unsupported
+from .errors import BatchError, CheckFailed, CompatWarning, KVRefError, NoSlotError, Unsupported
 from .profile import Profile
 
 if TYPE_CHECKING:
@@ -222,7 +223,9 @@ def compat_for(case: dict) -> Profile:
     llama-cpp-python version; the default when the case does not say)."""
     from .compat import for_llama_cpp_python
 
-    return for_llama_cpp_python((case.get("producer") or {}).get("llama_cpp_python"))
+    with warnings.catch_warnings():  # the goldens are what checks a producer older than the releases read
+        warnings.simplefilter("ignore", CompatWarning)
+        return for_llama_cpp_python((case.get("producer") or {}).get("llama_cpp_python"))
 
 
 def create_memory_for(case: dict, hp: Any) -> Any:
@@ -254,6 +257,16 @@ def check_memory_shape(case: dict, mem: Any) -> None:
             if want.get("v_trans") is not None and leaf.v_trans != want["v_trans"]:
                 raise CheckFailed(f"v_trans {leaf.v_trans}, llama.cpp {want['v_trans']}")
     kv = [leaf for leaf in leaves if type(leaf).__name__ == "KVCache"]
+    # llama.cpp's attention rotation flags, as its KV caches logged them (0.3.36 goldens recorded since the rotation
+    # cases; older ones carry no such key), in construction order: base before SWA
+    caches = (case.get("observed_context") or {}).get("memory_log", {}).get("caches", [])
+    logged = [c for c in caches if "attn_rot_k" in c]
+    if logged and len(logged) == len(kv):
+        for c, leaf in zip(logged, kv, strict=True):
+            for which in ("k", "v"):
+                got_rot, want_rot = bool(getattr(leaf, f"attn_rot_{which}")), bool(c[f"attn_rot_{which}"])
+                if got_rot != want_rot:
+                    raise CheckFailed(f"attn_rot_{which} {got_rot}, llama.cpp {want_rot} ({c['module']})")
     sizes = {"kv_size": kv[0].get_size() if kv else None, "kv_size_swa": kv[-1].get_size() if len(kv) > 1 else None}
     for name, got_size in sizes.items():
         if want.get(name) is not None and got_size != want[name]:
@@ -498,6 +511,67 @@ def _capacity_refused(op: dict, arts: Artefacts) -> bool:
     return len(arts.get(op["file"]).tokens) > cap
 
 
+class CarriedRows:
+    """Cells of a plain KV cache whose rows came from llama.cpp (copied in at a save by `inject_rows`) and that
+    only kvref changed since: its K-shift (``update()``). At the next save of such a cell its K and (row-wise) V
+    rows must equal llama.cpp's byte for byte, which checks kvref's K-shift on llama.cpp's own rows. Compared for
+    quantized K caches (`kvref.kshift_quant`; the float K-shift is checked by its own tests). A decode's placed
+    cells, a restore, ``clear`` and a cross-stream ``seq_cp`` (rows copied at the next update) drop the mark.
+    Inactive for composite memories."""
+
+    def __init__(self, mem: Any) -> None:
+        from .ggml import traits
+
+        kv = type(mem).__name__ == "KVCache"
+        self.mem = mem if kv and traits(mem.type_k).is_quantized else None
+        self.flags = None if self.mem is None else np.zeros((mem.n_stream, mem.get_size()), dtype=bool)
+        self.compared = 0  # cells compared
+
+    @property
+    def active(self) -> bool:
+        return self.mem is not None
+
+    def placed(self, _ub: Any, slot: Any) -> None:
+        if self.flags is not None:
+            for strm, idxs in zip(slot.strm, slot.idxs, strict=True):
+                self.flags[strm, np.asarray(idxs, dtype=np.intp)] = False
+
+    def reset(self, stream: int | None = None) -> None:
+        if self.flags is not None:
+            self.flags[slice(None) if stream is None else stream] = False
+
+    def compare_and_mark(self, where: str, seq_id: int, theirs: list[Any]) -> None:
+        """Compare the carried cells a save writes with llama.cpp's rows, then mark every written cell."""
+        if self.mem is None or self.flags is None:
+            return
+        from .kv_state import written_cells
+
+        mem = self.mem
+        for s, st in enumerate(theirs[0].streams):
+            if st.cells is None or st.data is None:
+                continue
+            idxs = written_cells(mem, s, seq_id)
+            keep = self.flags[s, idxs]
+            if keep.any():
+                k_bufs = [layer.k[s] for layer in mem.layers]
+                parts = [("K", li, buf, r) for li, (buf, r) in enumerate(zip(k_bufs, st.data.k, strict=True))]
+                if not mem.v_trans:
+                    v_bufs = [layer.v[s] for layer in mem.layers if layer.v is not None]
+                    parts += [("V", li, buf, r) for li, (buf, r) in enumerate(zip(v_bufs, st.data.v, strict=True))]
+                for name, li, buf, rows in parts:
+                    mine, their = buf[idxs[keep]], np.asarray(rows.data)[keep]
+                    bad = np.flatnonzero((mine != their).any(axis=1))
+                    if bad.size:
+                        cell = int(idxs[keep][bad[0]])
+                        raise CheckFailed(
+                            f"{where}: stream {s} cell {cell} layer {li} {name} row after kvref's K-shift differs from "
+                            f"llama.cpp's in {bad.size} of {int(keep.sum())} carried cells: "
+                            f"{first_difference(mine[bad[0]].tobytes(), their[bad[0]].tobytes())}"
+                        )
+                self.compared += int(keep.sum())
+            self.flags[s, idxs] = True
+
+
 def check_replay(root: Path, case: dict, arts: Artefacts) -> str:
     hp = hparams_from_case(case)
     check_hparams(root, case, hp)
@@ -516,7 +590,8 @@ def check_replay(root: Path, case: dict, arts: Artefacts) -> str:
         raise Unsupported("create_memory returned no memory")
     check_memory_shape(case, mem)
     r = replay_trace(case, mem, arts, hp)
-    return f"{r['ops']} ops, {r['saves']} saves, {r['restores']} restores"
+    rows = f", {r['carried_rows']} shifted rows" if r.get("carried_rows") else ""
+    return f"{r['ops']} ops, {r['saves']} saves, {r['restores']} restores{rows}"
 
 
 def replay_trace(
@@ -535,6 +610,7 @@ def replay_trace(
     n_seq = case["observed_context"]["n_seq_max"]
     n_ubatch = case["observed_context"]["n_ubatch"]
     saves = restores = 0
+    carried = CarriedRows(mem)
     causal: bool | None = None  # llama_set_causal_attn (set_causal); None: the model's causal_attn
     for k, op in enumerate(trace[1:], start=1):
         kind = op["op"]
@@ -545,13 +621,14 @@ def replay_trace(
 
             def on_ubatch(ub: Any, slot: Any, g: dict = op["graph"], out: list = placed, c: Any = causal) -> None:
                 out.append((ub, slot, graph_inputs(mem, ub, slot, g, hp, c)))
+                carried.placed(ub, slot)
 
             ret = _decode(mem, op, hp, n_ubatch, on_ubatch)
             if ret != op["ret"]:
                 raise CheckFailed(f"{where}: decode returned {ret}, llama.cpp {op['ret']}")
             compare_graph_inputs(f"{case['id']}: {where}", op["graph"], shifts if ret != -1 else [], placed, graph)
         elif kind == "decode":
-            ret = _decode(mem, op, hp, n_ubatch)
+            ret = _decode(mem, op, hp, n_ubatch, carried.placed if carried.active else None)
             if ret != op["ret"]:
                 raise CheckFailed(f"{where}: decode returned {ret}, llama.cpp {op['ret']}")
         elif kind == "seq_rm":
@@ -560,6 +637,8 @@ def replay_trace(
                 raise CheckFailed(f"{where}: seq_rm returned {ret}, llama.cpp {op['ret']}")
         elif kind == "seq_cp":
             mem.seq_cp(op["seq_id_src"], op["seq_id_dst"], op["p0"], op["p1"])
+            if carried.active and mem.get_stream(op["seq_id_src"]) != mem.get_stream(op["seq_id_dst"]):
+                carried.reset(mem.get_stream(op["seq_id_dst"]))
         elif kind == "seq_keep":
             mem.seq_keep(op["seq_id"])
         elif kind == "seq_add":
@@ -568,6 +647,7 @@ def replay_trace(
             mem.seq_div(op["seq_id"], op["p0"], op["p1"], op["d"])
         elif kind == "clear":
             mem.clear(op.get("data", True))
+            carried.reset()
         elif kind == "encode":
             # llama_encode: the encoder's one ubatch (split_simple of the whole batch); the memory is untouched
             ret, placed = _encode(op, hp, n_seq, graph is not None and "graph" in op)
@@ -585,12 +665,14 @@ def replay_trace(
             leaves = leaf_parts(mem, flags)
             mine = [s for leaf in leaves for s in leaf.state_sections(seq_id, flags)]
             compare_cells(mine, theirs, where)
+            carried.compare_and_mark(where, seq_id, theirs)
             mine = inject_rows(leaves, mine, theirs, seq_id)
             a, b = section_bytes(mine), section_bytes(theirs)
             if a != b:
                 raise CheckFailed(f"{where}: memory bytes after copying llama.cpp's rows: {first_difference(a, b)}")
             saves += 1
         elif kind in ("state_load", "seq_restore"):
+            carried.reset()
             ok = op["ret"] not in (0, False)
             if _capacity_refused(op, arts):
                 if ok:
@@ -617,7 +699,7 @@ def replay_trace(
             got = _observe(mem, n_seq)
             if got != op["observed"]:
                 raise CheckFailed(f"{where}: observed {got}, llama.cpp {op['observed']}")
-    return {"ops": len(trace), "saves": saves, "restores": restores}
+    return {"ops": len(trace), "saves": saves, "restores": restores, "carried_rows": carried.compared}
 
 
 # ---------------------------------------------------------------------------------------------- graph inputs

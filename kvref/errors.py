@@ -112,6 +112,11 @@ class QuantError(KVRefError):
     """A type kvref cannot (de)quantize (kvref.quant), or rows that are not a whole number of its blocks."""
 
 
+class KShiftError(KVRefError):
+    """A K-shift llama.cpp does not get through (it aborts or crashes: a bf16 K cache, some quantized ones; the
+    message names the reason and the configuration; `kvref.kshift_quant`). Raised before anything changes."""
+
+
 class NotYetImplemented(KVRefError):
     """An option that is planned but not implemented yet (the message says which)."""
 
@@ -132,6 +137,7 @@ __all__ = [
     "FormatError",
     "GGMLTypeError",
     "HParamsError",
+    "KShiftError",
     "KVRefError",
     "NoSlotError",
     "NotYetImplemented",

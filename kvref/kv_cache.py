@@ -19,7 +19,7 @@ from __future__ import annotations
 import copy
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING, BinaryIO, TypedDict
 
 import numpy as np
 import numpy.typing as npt
@@ -32,7 +32,8 @@ from .cells import LLAMA_MAX_SEQ, POS_MAX, KVCells
 from .errors import KVRefError, NoSlotError, SequenceError
 from .ggml import GGMLType, ggml_type, row_size, traits
 from .hparams import HParams, RopeType, SWAType
-from .kshift import ROPE_NEOX, RopeParams, shift_k_rows
+from .kshift import GGML_CPU, ROPE_NEOX, RopeKernel, RopeParams, shift_k_rows
+from .kshift_quant import check_shift_type, shift_quantized_k_rows
 from .memory_base import ContextParams, decode_batch
 from .profile import DEFAULT, Profile, first_release, resolve
 from .rows import from_f32, typed
@@ -122,6 +123,8 @@ class KVCache:
             raise KVRefError("a quantized V cache needs v_trans=False (flash attention)")
 
         self.heads: list[int] = [0] * self.n_stream
+        # (slot, ubatch, checks) of a decode step's only ubatch between init_batch and _apply (see _apply)
+        self._checked: tuple[SlotInfo, UBatch, _slots.ApplyChecks] | None = None
         # cells_cls: a KVCells twin chosen explicitly (cross-backend tests); default: the selector's
         self._cells = [(cells_cls or KVCells)(size) for _ in range(self.n_stream)]
         # unified: every sequence id maps to stream 0 (ids up to LLAMA_MAX_SEQ are accepted);
@@ -233,6 +236,7 @@ class KVCache:
         for s in range(self.n_stream) if streams is None else streams:
             fork._cells[s] = _kv_state.clone_cells(self._cells[s])
         fork.heads = list(self.heads)
+        fork._checked = None
         fork._sc_src, fork._sc_dst = list(self._sc_src), list(self._sc_dst)
         return fork
 
@@ -383,6 +387,20 @@ class KVCache:
         """Like llama_memory_seq_pos_max: the largest position of ``seq_id``, or -1 when it holds no cell."""
         return self.get_cells(seq_id).seq_pos_max(seq_id)
 
+    def seq_pos_max_many(self, seq_ids: Sequence[int]) -> list[int]:
+        """``seq_pos_max`` of every listed sequence, in one call (the batch allocator asks for a batch's sequences)."""
+        try:
+            one_stream = self.n_stream == 1 and (not seq_ids or (min(seq_ids) >= 0 and max(seq_ids) < LLAMA_MAX_SEQ))
+        except TypeError:
+            one_stream = False
+        if one_stream:
+            cells = self._cells[0]
+            if len(seq_ids) <= 8:  # a few sequences: fewer conversions one by one
+                return [cells.seq_pos_max(s) for s in seq_ids]
+            res: list[int] = cells.seq_pos_max_many(seq_ids).tolist()
+            return res
+        return [self.seq_pos_max(s) for s in seq_ids]
+
     # ------------------------------------------------------------------ shifts and stream copies
     def get_can_shift(self) -> bool:
         """llama_kv_cache::get_can_shift: can the K-shift run (not under M-RoPE, nor for step35's
@@ -422,9 +440,9 @@ class KVCache:
         if do_shift and not self.get_can_shift():
             # llama.cpp aborts here; kvref raises before applying anything
             raise KVRefError("the KV cache / model configuration does not support K-shift")
-        if do_shift and self.hparams.rope_type != RopeType.NONE and traits(self.type_k).is_quantized:
-            name = self.type_k.name.lower()
-            raise KVRefError(f"K-shift of a {name} K cache is not implemented (f32, f16, bf16 only)")
+        k_rot = 0  # a quantized K cache's rotation size (kvref.kshift_quant); refused where llama.cpp crashes
+        if do_shift and self.hparams.rope_type != RopeType.NONE:
+            k_rot = check_shift_type(self)
         copies = list(zip(self._sc_src, self._sc_dst, strict=True))
         self._sc_src, self._sc_dst = [], []
         for ssrc, sdst in copies:
@@ -441,7 +459,8 @@ class KVCache:
                         beta_fast=beta_fast,
                         beta_slow=beta_slow,
                         n_ctx_orig=n_ctx_orig,
-                    )
+                    ),
+                    k_rot,
                 )
             for c in self._cells:
                 c.reset_shift()
@@ -453,6 +472,10 @@ class KVCache:
 
         return k_shift_input(self).reshape(-1)
 
+    # how the ggml CPU build that runs the shift rounds (FMA, libm): the 0.3.36 wheel on AVX2/FMA by default; assign
+    # kvref.kshift.RopeKernel(fma=False) on a memory to follow a build without FMA contraction (kvref.kshift)
+    rope_kernel: RopeKernel = GGML_CPU
+
     def _rope_params(self, il: int, **yarn: Unpack[YarnParams]) -> RopeParams:
         hp = self.hparams
         swa = hp.is_swa(il)
@@ -462,7 +485,7 @@ class KVCache:
         mode = ROPE_NEOX if hp.rope_type in (RopeType.MROPE, RopeType.IMROPE) else int(hp.rope_type)
         return RopeParams(n_dims=hp.n_rot_l(il), mode=mode, freq_base=base, freq_scale=scale, **yarn)
 
-    def _k_shift(self, yarn: YarnParams) -> None:
+    def _k_shift(self, yarn: YarnParams, k_rot: int = 0) -> None:
         """build_graph_shift: rope every layer's K (all streams, all cells) by the cells' shifts."""
         hp = self.hparams
         shift = self.k_shift_input()
@@ -476,7 +499,11 @@ class KVCache:
             # DeepSeek-style heads keep the rotated dims after the "nope" part (llama.cpp: n_lora_kv > 0)
             n_embd_nope = n_embd_head_k - p.n_dims if hp.n_lora_kv > 0 else 0
             flat = layer.k.reshape(-1, layer.k.shape[-1])  # all streams, as the ggml view spans them
-            shift_k_rows(flat, self.type_k, hp.n_head_kv_l(il), n_embd_head_k, shift, p, n_embd_nope)
+            if traits(self.type_k).is_quantized:  # dequantize, unrotate, rope, rotate, quantize
+                n_head_kv = hp.n_head_kv_l(il)
+                shift_quantized_k_rows(flat, self.type_k, n_head_kv, n_embd_head_k, shift, p, k_rot, self.rope_kernel)
+                continue
+            shift_k_rows(flat, self.type_k, hp.n_head_kv_l(il), n_embd_head_k, shift, p, n_embd_nope, self.rope_kernel)
 
     # ------------------------------------------------------------------ slots
     def find_slot(self, ubatch: UBatch, cont: bool = False) -> SlotInfo | None:
@@ -506,9 +533,11 @@ class KVCache:
             ubatches = balloc.split_whole("equal", n_ubatch, sequential=True)
         if ubatches is None:
             raise NoSlotError("the batch could not be split into ubatches for this cache")
-        sinfos = self.prepare(ubatches)
+        sinfos, checked = _slots.prepare_checked(self, ubatches)
         if not sinfos:
             raise NoSlotError(f"no KV slot for a batch of {balloc.get_n_tokens()} tokens")
+        # one ubatch, only checked by prepare: decode_batch applies it next, to the cells prepare checked it against
+        self._checked = (sinfos[0], ubatches[0], checked) if checked is not None and len(ubatches) == 1 else None
         return list(zip(ubatches, sinfos, strict=True))
 
     def decode(
@@ -534,7 +563,11 @@ class KVCache:
         return self.n_seq_max
 
     def _apply(self, sinfo: SlotInfo, ubatch: UBatch) -> SlotInfo:
-        self.apply_ubatch(sinfo, ubatch)
+        checked, self._checked = self._checked, None
+        if checked is not None and checked[0] is sinfo and checked[1] is ubatch:
+            _slots.apply_checked(self, sinfo, ubatch, checked[2])  # nothing ran since init_batch checked it
+        else:
+            self.apply_ubatch(sinfo, ubatch)
         return sinfo
 
     def _owner(self, il: int, sinfo: SlotInfo) -> tuple[KVCache, SlotInfo]:
@@ -544,12 +577,22 @@ class KVCache:
     def get_n_kv(self, sinfo: SlotInfo) -> int:
         """Cells the attention looks at: used_max_p1 padded to max(n_pad, ``Profile.get_n_kv_pad``), at most
         size; max over the slot's streams (``Profile.get_n_kv_streams`` ``"slot"``) or every stream (``"all"``)."""
-        n_pad_cur = max(self.n_pad, self.profile.get_n_kv_pad)
+        profile = self.profile
+        n_pad_cur = profile.get_n_kv_pad
+        if self.n_pad > n_pad_cur:  # max(), without the builtin's call cost (get_n_kv runs once per ubatch and layer)
+            n_pad_cur = self.n_pad
         result = 0
-        for s in range(self.n_stream) if self.profile.get_n_kv_streams == "all" else sinfo.strm:
-            c = self._cells[s]
+        cells = self._cells
+        for s in range(self.n_stream) if profile.get_n_kv_streams == "all" else sinfo.strm:
+            c = cells[s]
             padded = -(-c.used_max_p1() // n_pad_cur) * n_pad_cur
-            result = max(min(c.size(), max(n_pad_cur, padded)), result)
+            if padded < n_pad_cur:
+                padded = n_pad_cur
+            size = c.size()
+            if padded > size:
+                padded = size
+            if padded > result:
+                result = padded
         return result
 
     def k_idxs(self, ubatch: UBatch, sinfo: SlotInfo) -> npt.NDArray[np.int64]:
@@ -657,6 +700,17 @@ class KVCache:
         """The bytes of llama_kv_cache::state_write: every stream, or one sequence's unmasked cells."""
         seq_id, flags = as_state_args(seq_id, flags)
         return _kv_state.state_write(self, seq_id, flags)
+
+    def state_size(self, seq_id: int = -1, flags: int = 0) -> int:
+        """The byte count of ``state_write(seq_id, flags)`` (what llama_state_get_size counts for this cache)."""
+        seq_id, flags = as_state_args(seq_id, flags)
+        return _kv_state.state_size(self, seq_id, flags)
+
+    def state_write_into(self, dst: Buffer | BinaryIO, seq_id: int = -1, flags: int = 0) -> int:
+        """``state_write`` into a writable buffer of at least ``state_size()`` bytes (or a binary file), each row
+        block copied once from the cache, as llama_state_get_data fills its caller's buffer; returns the count."""
+        seq_id, flags = as_state_args(seq_id, flags)
+        return _kv_state.state_write_into(self, dst, seq_id, flags)
 
     def stage_state(
         self, data: Buffer, seq_id: int = -1, flags: int = 0, offset: int = 0

@@ -15,6 +15,17 @@ iq4_nl     gguf         none: refused (`QuantError`); no gguf release ships an I
 ========== ============ ==========
 
 Other ggml types (q2_K, ...) are refused too: llama.cpp does not accept them as cache types.
+
+``quantize`` follows the reference quantizers (``quantize_row_*_ref``). Where llama.cpp quantizes inside a graph
+(``ggml_cpy`` / ``ggml_set_rows`` from f32 to a quantized type: the K/V rows a decode stores, the K-shift of a
+quantized K cache) the CPU backend calls its own ``from_float`` instead (ggml-cpu/ggml-cpu.c type traits), which
+differs for q8_0 on x86 with AVX/AVX2 (``quantize_cpu``):
+
+- reference q8_0: ``d = amax / 127``, ``id = 1 / d``, ``q = roundf(x * id)`` (ties away from zero);
+- ggml-cpu q8_0 (arch/x86/quants.c): ``d = amax / 127``, ``id = 127 / amax``, ``q = x * id`` rounded to nearest
+  with ties to even (``_mm256_round_ps``), then packed with signed saturation.
+
+Both store ``d`` as f16 rounded to nearest even. The other types' ggml-cpu ``from_float`` calls the reference.
 """
 
 from __future__ import annotations
@@ -84,10 +95,40 @@ def quantize(x: np.ndarray, t: GGMLType | int | str) -> np.ndarray:
     return np.ascontiguousarray(out, dtype=np.uint8).reshape(*x.shape[:-1], nbytes)
 
 
+def _q8_0_cpu(x: np.ndarray) -> np.ndarray:
+    """ggml-cpu's quantize_row_q8_0 on x86 with AVX/AVX2: rows of float32 -> q8_0 blocks (34 bytes each)."""
+    blocks = x.reshape(-1, 32)
+    amax = np.abs(blocks).max(axis=1)
+    d = (amax / np.float32(127)).astype(np.float32)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        inv = np.where(amax != 0, np.float32(127) / amax, np.float32(0)).astype(np.float32)
+    q = np.rint(blocks * inv[:, None])  # _MM_ROUND_NEAREST: ties to even
+    q = np.clip(q, -128, 127).astype(np.int8)  # _mm256_packs_*: signed saturation
+    out = np.empty((blocks.shape[0], 34), np.uint8)
+    out[:, :2] = d.astype(np.float16).view(np.uint8).reshape(-1, 2)
+    out[:, 2:] = q.view(np.uint8)
+    return out
+
+
+def quantize_cpu(x: np.ndarray, t: GGMLType | int | str) -> np.ndarray:
+    """Like `quantize`, with the quantizer ggml's CPU backend runs in a graph (``from_float`` of ggml-cpu's type
+    traits, x86 AVX2 build): what llama.cpp writes when a decode stores K/V rows or the K-shift requantizes them."""
+    t = _check(t)
+    if t != GGMLType.Q8_0:
+        return quantize(x, t)  # ggml-cpu's from_float is the reference quantizer for the other KV types
+    x = np.ascontiguousarray(x, dtype=np.float32)
+    nbytes = row_size(t, x.shape[-1]) if x.ndim else 0
+    if x.ndim == 0 or x.shape[-1] % 32:
+        raise QuantError(f"rows of {x.shape[-1] if x.ndim else 0} values are not a whole number of q8_0 blocks")
+    if x.size == 0:
+        return np.zeros((*x.shape[:-1], nbytes), np.uint8)
+    return _q8_0_cpu(x).reshape(*x.shape[:-1], nbytes)
+
+
 def can_quantize(t: GGMLType | int | str) -> bool:
     """Can `quantize` write this type?"""
     t = ggml_type(t)
     return t in KV_TYPES and t not in NO_QUANTIZER
 
 
-__all__ = ["KV_TYPES", "QuantError", "can_quantize", "dequantize", "quantize"]
+__all__ = ["KV_TYPES", "QuantError", "can_quantize", "dequantize", "quantize", "quantize_cpu"]

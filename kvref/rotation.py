@@ -15,6 +15,12 @@ What llama.cpp 0.3.36 does (src/llama-kv-cache.cpp, llama-graph.cpp, llama-impl.
   ``quantize(H k)`` and ``quantize(H v)``.
 
 State files do not say whether their rows are rotated. Undoing it is applying ``H`` again (`rotate`).
+
+The CPU backend never multiplies by the matrix: ``ggml_mul_mat`` carries the hint ``GGML_HINT_SRC0_IS_HADAMARD``
+and ggml-cpu runs a fast Walsh-Hadamard transform instead (ggml-cpu/ops.cpp, ``ggml_compute_forward_fwht``): each
+value times ``1.0f / sqrtf(n)`` first, then the butterflies ``(u, v) -> (u + v, u - v)`` on pairs ``len`` apart,
+``len = 1, 2, 4, ... n/2``, all in float32 (the SIMD passes compute ``u - v`` as ``fma(v, -1, u)``, which is exact
+the same). `fwht` reproduces it bit for bit; `rotate` (a float32 matrix product) agrees only up to rounding.
 """
 
 from __future__ import annotations
@@ -102,10 +108,31 @@ def rotate(x: np.ndarray, n: int) -> np.ndarray:
     return np.ascontiguousarray(y.reshape(x.shape), dtype=np.float32)
 
 
+def fwht(x: np.ndarray, n: int) -> np.ndarray:
+    """ggml-cpu's ``ggml_compute_forward_fwht``: every run of ``n`` consecutive values of the last axis
+    transformed as llama.cpp's CPU backend rotates K/V rows (bit-exact float32). Returns a new float32 array."""
+    if n <= 0 or n & (n - 1):
+        raise ValueError(f"the Hadamard size must be a power of two, not {n}")
+    x = np.asarray(x, dtype=np.float32)
+    if x.shape[-1] % n:
+        raise ValueError(f"rows of {x.shape[-1]} values are not a whole number of {n}-element rotation blocks")
+    scale = np.float32(1) / np.sqrt(np.float32(n))
+    y = x.reshape(-1, n) * scale
+    step = 1
+    while step < n:
+        blk = y.reshape(-1, n // (2 * step), 2, step)
+        u, v = blk[:, :, 0, :].copy(), blk[:, :, 1, :]
+        blk[:, :, 0, :] = u + v
+        blk[:, :, 1, :] = u - v
+        step *= 2
+    return np.ascontiguousarray(y.reshape(x.shape), dtype=np.float32)
+
+
 __all__ = [
     "ENV_DISABLE",
     "V_ROT_SIZE",
     "attn_rot",
+    "fwht",
     "hadamard",
     "k_rot_size",
     "rotate",

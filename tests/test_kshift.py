@@ -1,48 +1,68 @@
 """The K-shift (update() after seq_add / seq_div) against a direct scalar RoPE written from ggml's C code.
 
 The reference below follows ggml-cpu/ops.cpp element by element (ggml_rope_cache_init, rope_yarn,
-rotate_pairs) with float32 scalars; kvref.kshift computes the same vectorised. Results must be
-bit-identical.
+rotate_pairs) with float32 scalars, as the 0.3.36 wheel compiles it: the C library's cosf/sinf/powf, and
+``x0 cos - x1 sin`` / ``x0 sin + x1 cos`` contracted to one fma with the x0 product fused (rounded once, computed
+here with exact fractions), except the last pair of an f32 NORM rope with an odd pair count. kvref.kshift computes
+the same vectorised. Results must be bit-identical.
 """
 
 from __future__ import annotations
 
+import ctypes
 import math
+import sys
+from fractions import Fraction
 
 import numpy as np
 import pytest
 from kv_cache_helpers import HP, place, seq_run, snapshot
 
-from kvref.errors import KVRefError
+from kvref.errors import KShiftError, KVRefError
 from kvref.hparams import RopeType
 from kvref.kshift import ROPE_NEOX, ROPE_NORM, RopeParams, cos_sin
 from kvref.kv_cache import KVCache
 
 F = np.float32
 
+if sys.platform.startswith("linux"):
+    _LIBM = ctypes.CDLL("libm.so.6")
+    for _n, _k in (("cosf", 1), ("sinf", 1), ("powf", 2)):
+        getattr(_LIBM, _n).restype, getattr(_LIBM, _n).argtypes = ctypes.c_float, [ctypes.c_float] * _k
+    cosf, sinf, powf = (lambda t: F(_LIBM.cosf(t))), (lambda t: F(_LIBM.sinf(t))), (lambda a, b: F(_LIBM.powf(a, b)))
+else:  # kvref rounds float64 results where it cannot load the C library
+    cosf, sinf, powf = (lambda t: F(math.cos(t))), (lambda t: F(math.sin(t))), (lambda a, b: F(math.pow(a, b)))
 
-def ref_bf16(x: np.float32) -> np.uint16:
-    u = int(np.array([x], np.float32).view(np.uint32)[0])
-    if (u & 0x7FFFFFFF) > 0x7F800000:
-        return np.uint16((u >> 16) | 64)
-    return np.uint16((u + (0x7FFF + ((u >> 16) & 1))) >> 16)
+
+def ref_fma(a: np.float32, b: np.float32, c: np.float32) -> np.float32:
+    """fmaf: a*b + c exactly (fractions), rounded once to the nearest float32, ties to even."""
+    exact = Fraction(float(a)) * Fraction(float(b)) + Fraction(float(c))
+    r = F(float(exact))  # within one float32 step of the correct rounding
+    best = min(
+        (np.nextafter(r, F(-np.inf)), r, np.nextafter(r, F(np.inf))),
+        key=lambda v: (abs(Fraction(float(v)) - exact), int(np.array([v], F).view(np.uint32)[0]) & 1),
+    )
+    return F(best)
 
 
 def ref_rope_head(
-    x: list[np.float32], pos: int, n_rot: int, mode: int, base: float, scale: float, mscale: float = 1.0
-) -> list[np.float32]:
+    x: list[np.float32], pos: int, n_rot: int, mode: int, base: float, scale: float, mscale: float = 1.0,
+    f32_op: bool = True,
+) -> list[np.float32]:  # fmt: skip
     """Rotate one head (first n_rot dims) the way ggml's CPU rope kernel does, one pair at a time."""
     out = list(x)
-    theta_scale = F(math.pow(float(F(base)), float(F(-2.0) / F(n_rot))))
+    theta_scale = powf(float(F(base)), float(F(-2.0) / F(n_rot)))
     theta = F(pos)
     for i0 in range(0, n_rot, 2):
         t = F(scale) * theta
-        c = F(math.cos(float(t))) * F(mscale)
-        s = F(math.sin(float(t))) * F(mscale)
+        c = cosf(float(t)) * F(mscale)
+        s = sinf(float(t)) * F(mscale)
         a, b = (i0, i0 + 1) if mode == ROPE_NORM else (i0 // 2, i0 // 2 + n_rot // 2)
         x0, x1 = F(x[a]), F(x[b])
-        out[a] = F(x0 * c) - F(x1 * s)
-        out[b] = F(x0 * s) + F(x1 * c)
+        if f32_op and mode == ROPE_NORM and (n_rot // 2) % 2 and i0 == n_rot - 2:  # vector loop's unfused tail
+            out[a], out[b] = F(x0 * c) - F(x1 * s), F(x0 * s) + F(x1 * c)
+        else:
+            out[a], out[b] = ref_fma(x0, c, -F(x1 * s)), ref_fma(x0, s, F(x1 * c))
         theta = F(theta * theta_scale)
     return out
 
@@ -55,14 +75,10 @@ def expected_k(
     for cell, sh in enumerate(shifts):
         for h in range(hp.n_head_kv_l(0)):
             lo = h * hp.n_embd_head_k
-            if type_k == "bf16":
-                bits = before[cell, lo : lo + hp.n_embd_head_k]
-                vals = [np.array([int(v) << 16], np.uint32).view(np.float32)[0] for v in bits]
-            else:
-                vals = [F(v) for v in before[cell, lo : lo + hp.n_embd_head_k]]
-            rot = ref_rope_head(vals, sh, n_rot, mode, base, scale)
+            vals = [F(v) for v in before[cell, lo : lo + hp.n_embd_head_k]]
+            rot = ref_rope_head(vals, sh, n_rot, mode, base, scale, f32_op=type_k == "f32")
             for j, v in enumerate(rot):
-                out[cell, lo + j] = ref_bf16(v) if type_k == "bf16" else v
+                out[cell, lo + j] = v
     return out
 
 
@@ -75,8 +91,23 @@ def filled_cache(hp: HP, type_k: str, size: int = 8, n_tokens: int = 6, seed: in
     return c
 
 
-@pytest.mark.parametrize("type_k", ["f32", "f16", "bf16"])
-@pytest.mark.parametrize("mode,n_rot", [(RopeType.NORM, 8), (RopeType.NORM, 4), (RopeType.NEOX, 8), (RopeType.NEOX, 6)])
+def test_kshift_of_a_bf16_k_cache_is_refused_as_llama_cpp_aborts():
+    # ggml-cpu's rope has f32 and f16 kernels only (conformance/crashes/llama-bf16-kshift.json: SIGABRT)
+    hp = HP(n_layer=2, n_head_kv=2, n_embd_head=8, rope_type=RopeType.NORM, n_rot=8, rope_freq_base=10000.0)
+    c = filled_cache(hp, "bf16")
+    c.seq_add(0, 2, 5, 7)
+    before = (np.asarray(c.cells(0).shift).copy(), [c.get_k(il, 8)[0].copy() for il in range(2)])
+    with pytest.raises(KShiftError, match=r"bf16 K cache.*ggml_compute_forward_rope"):
+        c.update()
+    assert c.get_has_shift() and np.array_equal(c.cells(0).shift, before[0])
+    for il in range(2):
+        assert np.array_equal(c.get_k(il, 8)[0].view(np.uint8), before[1][il].view(np.uint8))
+
+
+@pytest.mark.parametrize("type_k", ["f32", "f16"])
+@pytest.mark.parametrize(
+    "mode,n_rot", [(RopeType.NORM, 8), (RopeType.NORM, 6), (RopeType.NORM, 4), (RopeType.NEOX, 8), (RopeType.NEOX, 6)]
+)
 def test_kshift_matches_scalar_reference(type_k, mode, n_rot):
     hp = HP(
         n_layer=2, n_head_kv=2, n_embd_head=8, rope_type=mode, n_rot=n_rot, rope_freq_base=10000.0, rope_freq_scale=0.5
