@@ -97,6 +97,8 @@ def _print_summary(s: dict[str, Any]) -> None:
     if "outputs" in s:
         o = s["outputs"]
         print(f"v9 outputs: {o['n_outputs']} ids, {o['logits']} logits, {o['embeddings']} embeddings")
+    if "rng" in s:
+        print(f"rng: the sampler's std::mt19937 state, {s['rng']['bytes']} bytes of text (session v8)")
     print(f"memory layout: {s['layout']}")
     for i, sec in enumerate(s["sections"]):
         if sec["kind"] == "kv":

@@ -46,6 +46,7 @@ the sequence-blob prefix -- from 0.3.23) is the file layer's business: ``kvref.s
 
 from __future__ import annotations
 
+import dataclasses
 import re
 import warnings
 
@@ -140,12 +141,24 @@ def era(release: str) -> str:
     return name_of(_release_signature(release))
 
 
+# the releases of session version 8 (kvref.eras "2024-08"): only their state files were read (kvref.state.legacy)
+LEGACY_2024 = ("0.2.84", "0.2.90")
+
+
+def profile_2024() -> Profile:
+    """The profile kvref assumes for llama-cpp-python 0.2.84 .. 0.2.90: ``"2025-07"`` but for the one behaviour
+    read in their sources, sequence saves without seq ids in the KV cells (a custom profile: the rest of their
+    behaviour was not read; the ``legacy-0.2.90-*`` goldens replay with it)."""
+    return dataclasses.replace(resolve(COMPAT_2025_07), kv_seq_save_ids=False, name="")
+
+
 def for_llama_cpp_python(version: str | None) -> Profile:
     """The profile of the llama.cpp a llama-cpp-python release vendors (None: the default).
 
     Every release 0.3.12 .. 0.3.36 maps to its era's profile (named by ``era``). A newer release maps to the
     newest generation (the default); an older one to the oldest (``"2025-07"``) with a CompatWarning: kvref
-    never read those sources (llama.cpp before July 2025 may differ in ways kvref does not model). Local
+    never read those sources (llama.cpp before July 2025 may differ in ways kvref does not model), except that
+    0.2.84 .. 0.2.90 get `profile_2024` (their sequence saves, which kvref read, carry no seq ids). Local
     version suffixes ("0.3.16+cu121", "0.3.16.post1") are ignored; anything else that is not
     ``MAJOR.MINOR.PATCH`` is a KVRefError.
     """
@@ -159,6 +172,15 @@ def for_llama_cpp_python(version: str | None) -> Profile:
     if key > _key(RELEASES[-1]):
         return resolve(DEFAULT)
     if key < _key(RELEASES[0]):
+        if _key(LEGACY_2024[0]) <= key <= _key(LEGACY_2024[1]):
+            warnings.warn(
+                f"llama-cpp-python {version}: kvref reads and writes its state files (goldens of 0.2.90) and models "
+                f"its cache as {RELEASES[0]}'s with the sequence saves of 2024 (kv_seq_save_ids=False); only the "
+                "state code of these releases was read, their cache behaviour only replayed on those goldens",
+                CompatWarning,
+                stacklevel=2,
+            )
+            return profile_2024()
         warnings.warn(
             f"llama-cpp-python {version} is older than {RELEASES[0]}, the oldest release kvref was checked "
             f"against; using compat {COMPAT_2025_07!r}",
@@ -183,6 +205,7 @@ __all__ = [
     "GEN_2026_10",
     "KSHIFT_SKIPS_NOPE",
     "KV_SEQ_RM_ALL",
+    "LEGACY_2024",
     "NAMED",
     "RELEASES",
     "RS_ROLLBACK",
@@ -197,6 +220,7 @@ __all__ = [
     "for_llama_cpp_python",
     "kv_seq_rm_all_asserts",
     "no_streams",
+    "profile_2024",
     "release_of",
     "resolve",
     "since",

@@ -5,6 +5,7 @@ One layout per era (what the containers look like; ``kvref.profile`` says how th
 =========== ===================== ======= === ======= ======== === ==========
 era         llama-cpp-python      session seq outputs n_stream ext seq prefix
 =========== ===================== ======= === ======= ======== === ==========
+``2024-08`` 0.2.84 .. 0.2.90      8       2   yes     no       0   no
 ``2025-07`` 0.3.12 .. 0.3.14      9       2   yes     no       0   no
 ``2025``    0.3.15 .. 0.3.16      9       2   yes     yes      0   no
 ``0.3.17``  0.3.17 .. 0.3.22      9       2   no      yes      8   no
@@ -13,14 +14,18 @@ era         llama-cpp-python      session seq outputs n_stream ext seq prefix
 =========== ===================== ======= === ======= ======== === ==========
 
 "ext" is the cell ext a cache with one writes (M-RoPE models; from 0.3.36 also PLE models); "seq prefix" is the
-``io_magic, seq_id`` prefix of llama_state_seq_get_data blobs. `to_era` rewrites a loaded state object into an
-era's layout where that layout can hold the content, and raises a `ConversionError` naming what it cannot hold.
+``io_magic, seq_id`` prefix of llama_state_seq_get_data blobs. In 2024 a context state also carries the sampler's
+rng string (`kvref.state.legacy`), and the KV cells of a sequence save carry no sequence id (``n_seq_id`` 0; the
+restore requires that, where later llama.cpp writes and requires the one id). `to_era` rewrites a loaded state
+object into an era's layout where that layout can hold the content, and raises a `ConversionError` naming what it
+cannot hold.
 `matching_eras` says which eras write a given object's layout.
 """
 
 from __future__ import annotations
 
 import copy
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -31,6 +36,7 @@ from .constants import RopeType
 from .errors import ConversionError, KVRefError
 from .profile import NAMED, RELEASES, Profile, resolve, value_at
 from .state import Cells, KVSection, KVStream, MemorySections, Outputs, RecurrentSection, StateObject
+from .state.legacy import rng_text
 
 LLAMA_TOKEN_NULL = -1
 
@@ -49,6 +55,8 @@ class Era:
     seq_version: int
     outputs: bool
     seq_header: bool
+    rng: bool = False  # session version 8: the sampler's rng string after the arch (`kvref.state.legacy`)
+    seq_kv_ids: bool = True  # the KV cells of a sequence save list the saved id (False: n_seq_id 0, in 2024)
 
     @property
     def n_stream_field(self) -> bool:
@@ -69,6 +77,7 @@ class Era:
 ERAS: dict[str, Era] = {
     e.name: e
     for e in (
+        Era("2024-08", "0.2.84", "0.2.90", 8, 2, True, False, rng=True, seq_kv_ids=False),
         Era("2025-07", "0.3.12", "0.3.14", 9, 2, True, False),
         Era("2025", "0.3.15", "0.3.16", 9, 2, True, False),
         Era("0.3.17", "0.3.17", "0.3.22", 9, 2, False, False),
@@ -94,8 +103,13 @@ def era(which: Era | Profile | str | None = None) -> Era:
         return ERAS[which]
     name = which.name if isinstance(which, Profile) else str(which)
     release = NAMED.get(name, name)
+    older = _older_era(release)
+    if older is not None:
+        return older
     if release not in RELEASES:
         if isinstance(which, Profile):  # a custom profile: its cell ext size says which layout it writes
+            if not which.kv_seq_save_ids:
+                return ERAS["2024-08"]  # kvref.compat.profile_2024
             ext = which.cell_ext_size
             return ERAS[{0: "2025" if which.kv_streams else "2025-07", 8: "2026-08"}.get(ext, CURRENT)]
         try:
@@ -109,6 +123,14 @@ def era(which: Era | Profile | str | None = None) -> Era:
         if _key(e.first) <= _key(release) <= _key(e.last):
             return e
     raise ConversionError(f"no era for release {release}")  # pragma: no cover - ERAS covers RELEASES
+
+
+def _older_era(release: str) -> Era | None:
+    """The era of a release older than the profiles kvref has (`kvref.profile.RELEASES`): only its file layout is
+    known, read off its vendored sources."""
+    if not re.fullmatch(r"\d+\.\d+\.\d+", release) or _key(release) >= _key(RELEASES[0]):
+        return None
+    return next((e for e in ERAS.values() if _key(e.first) <= _key(release) <= _key(e.last)), None)
 
 
 def is_mrope_arch(arch: str | None) -> bool | None:
@@ -140,6 +162,8 @@ def matching_eras(obj: StateObject) -> list[str]:
             continue
         if obj.kind in ("session", "state") and (getattr(obj, "outputs", None) is not None) != e.outputs:
             continue
+        if obj.kind in ("session", "state") and (getattr(obj, "rng", None) is not None) != e.rng:
+            continue
         if obj.kind == "seq_state" and getattr(obj, "has_header", False) != e.seq_header:
             continue
         if n_stream and n_stream != {e.n_stream_field}:
@@ -150,11 +174,48 @@ def matching_eras(obj: StateObject) -> list[str]:
             continue  # an M-RoPE cache of this era writes an ext
         if (ple or obj.memory.layout == "hybrid_idx") and e.name != CURRENT:
             continue
+        # a sequence save's KV cells list the saved id from 2025 on, none in 2024 (llama.cpp since 2025 writes none
+        # only for an id >= n_seq_max, a file its restore refuses: such a file is taken for 2024's)
+        if obj.kind in ("seq", "seq_state") and _kv_cells(obj.memory) and _kv_seq_ids(obj.memory) != e.seq_kv_ids:
+            continue
         out.append(e.name)
     return out
 
 
+def _kv_cells(mem: MemorySections) -> bool:
+    """Does any KV section hold a cell?"""
+    return any(st.cells is not None and st.cells.n for s in mem.kv_sections for st in s.streams)
+
+
+def _kv_seq_ids(mem: MemorySections) -> bool:
+    """Does any KV cell of the memory list a sequence id?"""
+    return any(st.cells is not None and len(st.cells.seq_id) for s in mem.kv_sections for st in s.streams)
+
+
 # ------------------------------------------------------------------------------------------- conversion
+def _seq_cells(mem: MemorySections, seq_id: int | None) -> MemorySections:
+    """A sequence save's KV cells with the one id ``seq_id`` each (None: with none, as in 2024). Cells that
+    already list ids keep them; only cells without any get ``seq_id``."""
+    out: list[KVSection | RecurrentSection] = []
+    for sec in mem.sections:
+        if isinstance(sec, RecurrentSection):
+            out.append(sec)
+            continue
+        streams = []
+        for st in sec.streams:
+            c = st.cells
+            if c is None or (seq_id is not None and len(c.seq_id)) or (seq_id is None and not len(c.seq_id)):
+                streams.append(st)
+                continue
+            if seq_id is None:
+                ids, start = np.zeros(0, np.int32), np.zeros(c.n + 1, np.int64)
+            else:
+                ids, start = np.full(c.n, seq_id, np.int32), np.arange(c.n + 1, dtype=np.int64)
+            streams.append(KVStream(Cells(c.pos, ids, start, c.ext, c.ext_size), st.data))
+        out.append(KVSection(streams, has_n_stream=sec.has_n_stream))
+    return MemorySections(mem.layout, out)
+
+
 def _ext_cells(cells: Cells, want: int, where: str, target: Era) -> Cells:
     """``cells`` with a ``want``-byte ext, or a ConversionError when that ext cannot hold what the cells carry."""
     have = cells.ext_size
@@ -246,7 +307,9 @@ def to_era(
     """``obj`` rewritten in the layout of ``target`` (an era, compat name, release or Profile; None: current).
 
     Versions become the era's; the v9 output block is added (empty: no logits) or dropped (llama.cpp since 0.3.17
-    does not restore logits anyway); the ``n_stream`` field, cell ext and sequence-blob prefix become the era's.
+    does not restore logits anyway); the v8 rng string is kept, written as a freshly seeded generator's, or
+    dropped; the ``n_stream`` field, cell ext and sequence-blob prefix become the era's; the KV cells of a
+    sequence save lose their id (2024) or, when they have none, get ``seq_id``.
     ``has_ext`` says whether the cache writes a cell ext (default: the arch string's rope type, else whether any
     cell carries one); ``seq_id`` is the id written in a sequence-blob prefix (default: the blob's, else 0). The
     rows are shared with ``obj``. Raises ConversionError where the target layout cannot hold the content.
@@ -265,10 +328,15 @@ def to_era(
     if obj.kind in ("session", "state"):
         outputs = getattr(obj, "outputs", None)
         new.outputs = (outputs or _empty_outputs()) if e.outputs else None  # type: ignore[attr-defined]
+        rng = getattr(obj, "rng", None)
+        new.rng = (rng or rng_text()) if e.rng else None  # type: ignore[attr-defined]
     if obj.kind == "seq_state":
         new.has_header = e.seq_header  # type: ignore[attr-defined]
         sid = getattr(obj, "seq_id", None)
         new.seq_id = (sid if sid is not None else (seq_id or 0)) if e.seq_header else None  # type: ignore[attr-defined]
+    if obj.kind in ("seq", "seq_state"):
+        sid = getattr(obj, "seq_id", None)
+        new.memory = _seq_cells(new.memory, (seq_id if seq_id is not None else sid or 0) if e.seq_kv_ids else None)
     return new
 
 

@@ -85,6 +85,10 @@ TABLE: dict[str, tuple[tuple[str, Any], ...]] = {
     # attention rotation of quantized K/V (llama-kv-cache.cpp attn_rot_k / attn_rot_v): read in 0.3.36's sources;
     # older releases are taken as not rotating (their sources were not checked for it)
     "attn_rotation": (("0.3.12", False), ("0.3.36", True)),
+    # a sequence save's KV cells list the saved id (and a sequence restore requires exactly one); llama.cpp of 2024
+    # (llama-cpp-python 0.2.84 .. 0.2.90, and still 0.3.0) wrote none and required none: kvref.compat's profile
+    # for those releases has False (the releases between 0.3.0 and 0.3.12 were not read)
+    "kv_seq_save_ids": (("0.3.12", True),),
 }  # fmt: skip
 
 # the values a field may take, where it is one of a few
@@ -199,6 +203,9 @@ class Profile:
     attn_rotation: bool = _newest("attn_rotation")
     """True: a quantized K (V) cache whose head size is a multiple of 64 is stored Walsh-Hadamard rotated unless
     LLAMA_ATTN_ROT_DISABLE is set (`kvref.rotation`); False: never rotated."""
+    kv_seq_save_ids: bool = _newest("kv_seq_save_ids")
+    """True: the KV cells of a sequence save list the saved id (``n_seq_id`` 1) and a sequence restore requires
+    that; False (llama.cpp of 2024): they list none (``n_seq_id`` 0), and a restore requires none."""
     name: str = field(default="", compare=False)
     """The named generation or release this profile behaves as, ``"custom"``, or a name of the caller's."""
 

@@ -8,6 +8,8 @@ be refactors (no behaviour kvref models changes) are listed in kvref.compat's do
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 from golden import load_case
@@ -52,7 +54,12 @@ def test_releases_outside_the_checked_range():
     with pytest.warns(compat.CompatWarning, match="older than 0.3.12"):
         assert compat.for_llama_cpp_python("0.3.9").compat == "2025-07"
     with pytest.warns(compat.CompatWarning):
-        assert compat.for_llama_cpp_python("0.2.90").compat == "2025-07"
+        assert compat.for_llama_cpp_python("0.2.83").compat == "2025-07"
+    # 0.2.84 .. 0.2.90 (session v8, read for their state files): 2025-07 with the 2024 sequence saves
+    with pytest.warns(compat.CompatWarning, match="kv_seq_save_ids=False"):
+        p = compat.for_llama_cpp_python("0.2.90")
+    assert p == compat.profile_2024() and p.compat == "custom" and not p.kv_seq_save_ids
+    assert dataclasses.replace(p, kv_seq_save_ids=True) == compat.resolve("2025-07")
     for bad in ("", "0.3", "latest", "0.3.x"):
         with pytest.raises(KVRefError):
             compat.for_llama_cpp_python(bad)

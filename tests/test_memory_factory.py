@@ -59,6 +59,7 @@ def test_factory_builds_what_llama_cpp_built(case_id):
         "llama_kv_cache": "KVCache",
         "llama_kv_cache_unified": "KVCache",  # the class's name in 2025 (llama-cpp-python 0.3.16)
         "llama_memory_recurrent": "RecurrentMemory",
+        "llama_kv_cache (recurrent)": "RecurrentMemory",  # 2024 (0.2.90): the recurrent states lived in the KV cache
     }
     assert [type(c).__name__ for c in got] == [module[c["module"]] for c in logged]
     for c, log in zip(got, logged, strict=True):

@@ -50,6 +50,7 @@ BOUNDARIES = {
     "recurrent_rollback_single_use": ["0.3.36"],
     "hybrid_restore_undo": ["0.3.36"],
     "attn_rotation": ["0.3.36"],
+    "kv_seq_save_ids": [],  # False only before 0.3.12 (kvref.compat.profile_2024)
 }
 
 

@@ -16,8 +16,9 @@ class Magic(IntEnum):
     SEQ_BLOB = 0xAF143CD8  # io_magic in llama-context.cpp, in front of llama_state_seq_get_data() blobs
 
 
-# LLAMA_SESSION_VERSION: 9 until the qwen4exp PR (#27742, Aug/Sep 2026) bumped it to 10.
-SESSION_VERSIONS = (9, 10)
+# LLAMA_SESSION_VERSION: 8 from PR #8699 (July 2024) until the sampler refactor (September 2024) dropped the rng
+# string (`kvref.state.legacy`); 9 until the qwen4exp PR (#27742, Aug/Sep 2026) bumped it to 10.
+SESSION_VERSIONS = (8, 9, 10)
 SESSION_VERSION = 10
 # LLAMA_STATE_SEQ_VERSION: 2 until the same PR bumped it to 3.
 SEQ_VERSIONS = (2, 3)
@@ -46,6 +47,8 @@ FIELDS = (
     "tokens",
     "arch_length",
     "arch",
+    "rng_length",
+    "rng",
     "n_outputs",
     "output_pos",
     "logits_size",

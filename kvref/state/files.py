@@ -7,7 +7,7 @@
     state blob     (llama_state_get_data)     context state
     seq state blob (llama_state_seq_get_data) [u32 io_magic 0xaf143cd8, i32 seq_id], memory (of one sequence)
 
-    context state  = string arch, [v9 output block], memory
+    context state  = string arch, [v8 rng string], [v9 output block], memory
     v9 outputs     = u32 n_outputs, i32 output_pos[n_outputs], u64 logits_size, f32 logits[logits_size],
                      u64 embd_size, f32 embeddings[embd_size]
 
@@ -31,6 +31,7 @@ from .atomic import atomic_write
 from .codec import Writer
 from .constants import SEQ_VERSIONS, SESSION_VERSIONS, Magic
 from .dsl import I32, U32, U64, Array, Env, Field, Param, Record, Str, Struct, When, env_flag, write_root
+from .legacy import RNG
 from .sections import MEMORY, MemorySections
 
 if TYPE_CHECKING:
@@ -108,6 +109,7 @@ class SessionFile(StateObject):
     outputs: Outputs | None
     memory: MemorySections
     magic: int = Magic.SESSION
+    rng: str | None = None  # session version 8 only (`kvref.state.legacy`)
 
     kind = "session"
 
@@ -131,6 +133,7 @@ class StateBlob(StateObject):
     arch: str
     outputs: Outputs | None
     memory: MemorySections
+    rng: str | None = None  # the llama.cpp of session version 8 only (`kvref.state.legacy`)
 
     kind = "state"
 
@@ -161,6 +164,7 @@ def _has_outputs(o: SessionFile | StateBlob, env: Env) -> bool:
 def _context_fields() -> tuple[Field[SessionFile | StateBlob], ...]:
     return (
         Str("arch", max_len=1 << 16),
+        RNG,
         Param("has_outputs", derive=_has_outputs),
         When(lambda env: env_flag(env, "has_outputs"), OUTPUTS.named("outputs")),
         MEMORY,

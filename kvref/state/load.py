@@ -30,6 +30,7 @@ from ..errors import ArgumentError, FormatError
 from .constants import LAYOUTS, SEQ_VERSIONS, SESSION_VERSIONS, Magic
 from .dsl import _MAX_DIM, List, Record, Str, Struct, Switch, read_root
 from .files import STATE, STRUCTS, SeqFile, SeqStateBlob, SessionFile, StateBlob, StateObject
+from .legacy import rng_present
 from .sections import (
     _KNOWN_TYPES,
     KV_DATA,
@@ -51,6 +52,7 @@ Source = str | os.PathLike[str] | bytes | bytearray | memoryview
 # (has the v9 output block, has the n_stream field, possible cell ext sizes) per file version
 Variant = tuple[bool, bool, tuple[int, ...]]
 _SESSION_VARIANTS: dict[int, list[Variant]] = {
+    8: [(True, False, (0,))],  # and the rng string after the arch (`legacy.RNG`, which reads it by the version)
     9: [(True, False, (0,)), (True, True, (0, 8)), (False, True, (0, 8))],
     10: [(False, True, (0, 12))],
 }
@@ -273,12 +275,16 @@ def _by_arch(found: Found) -> Found:
 
 
 def _plausible(found: Found) -> Found:
-    """Break a tie with what llama.cpp never writes: a used KV cell always belongs to a sequence."""
+    """Break a tie with what llama.cpp never writes: a used KV cell always belongs to a sequence (but for the
+    sequence saves of 2024, `legacy`, whose KV cells list no id at all)."""
 
     def ok(obj: StateObject) -> bool:
+        seq_scope = obj.kind in ("seq", "seq_state")
         for sec in obj.memory.kv_sections:
             for st in sec.streams:
-                if st.cells is not None and (st.cells.n_seq_id == 0).any():
+                if st.cells is None or not (st.cells.n_seq_id == 0).any():
+                    continue
+                if not (seq_scope and len(st.cells.seq_id) == 0):
                     return False
         return True
 
@@ -293,23 +299,37 @@ def _empty(obj: StateObject) -> bool:
     return kv_empty and all(s.cell_count == 0 for s in mem.recurrent_sections)
 
 
+def _looks_right(obj: StateObject) -> bool:
+    """Do the reading's layer records look like its layout's? A recurrent state's R and S rows differ in size, a
+    KV cache's K and V rows usually do not."""
+    for s in obj.memory.sections:
+        if isinstance(s, RecurrentSection):
+            return any(r.row_size != x.row_size for r, x in zip(s.r, s.s, strict=False))
+        for st in s.streams:
+            if st.data is not None:
+                pairs = zip(st.data.k, st.data.v, strict=False)
+                return all(getattr(a, "row_size", None) == getattr(b, "row_size", None) for a, b in pairs)
+    return False
+
+
+def _by_rows(found: Found) -> Found:
+    """Break a tie between a KV and a recurrent reading of a sequence save of 2024 (no arch string, and no seq
+    id in either's cells) by `_looks_right`; the caller's ``layout=`` decides where the rows do not."""
+    objs = [obj for _, obj in found.values()]
+    if any(o.kind not in ("seq", "seq_state") for o in objs) or any(
+        st.cells is not None and len(st.cells.seq_id) for o in objs for s in o.memory.kv_sections for st in s.streams
+    ):
+        return found
+    kept = {k: v for k, v in found.items() if _looks_right(v[1])}
+    return kept if len(kept) == 1 else found
+
+
 def _pick_empty(found: Found) -> StateObject:
     """Several layouts read these bytes and none holds a cell (say, a sequence saved after it was emptied):
     they mean the same empty state, so take one. Prefer the reading whose layer records look like its
-    layout's: a recurrent state's R and S rows differ in size, a KV cache's K and V rows usually do not."""
-
-    def looks_right(obj: StateObject) -> bool:
-        for s in obj.memory.sections:
-            if isinstance(s, RecurrentSection):
-                return any(r.row_size != x.row_size for r, x in zip(s.r, s.s, strict=False))
-            for st in s.streams:
-                if st.data is not None:
-                    pairs = zip(st.data.k, st.data.v, strict=False)
-                    return all(getattr(a, "row_size", None) == getattr(b, "row_size", None) for a, b in pairs)
-        return False
-
+    layout's (`_looks_right`)."""
     readings = list(found.values())
-    chosen = next((r for r in readings if looks_right(r[1])), readings[0])
+    chosen = next((r for r in readings if _looks_right(r[1])), readings[0])
     others = [describe(c) for c, _ in readings if c is not chosen[0]]
     chosen[1].note = (
         f"{len(readings)} readings parse and none holds a cell; read as {describe(chosen[0])} "
@@ -473,7 +493,10 @@ class _Sniff:
             if n is None or n > _ARCH_MAX or n > self.end - at - 4:
                 return None
             at += 4 + n
-            if has_outputs:
+            if rng_present(self.buf, at, self._u32(4) if kind == "session" else None):
+                n = self._u32(at)
+                at = None if n is None or n > self.end - at - 4 else at + 4 + n
+            if at is not None and has_outputs:
                 at = self._array(at, self._u32(at), 4)  # n_outputs, output_pos
                 at = None if at is None else self._array(at, self._u64(at), 8)  # logits_size, logits
                 at = None if at is None else self._array(at, self._u64(at), 8)  # embd_size, embeddings
@@ -912,6 +935,8 @@ def load(
         found.setdefault(_signature(obj), (c, obj))
     if len(found) > 1:
         found = _by_arch(_plausible(found))
+    if len(found) > 1 and not all(_empty(obj) for _, obj in found.values()):
+        found = _by_rows(found)
     if len(found) > 1 and all(_empty(obj) for _, obj in found.values()):
         return _pick_empty(found)
     if len(found) == 1:

@@ -33,6 +33,7 @@ class KVSpec:
     layers: tuple[KVLayerSpec, ...]
     ext_size: int = 0  # 0 (no ext), 8 (x, y), 12 (x, y, tok): kvref.profile.Profile.cell_ext_size
     has_n_stream: bool = True  # False to read sections written before llama.cpp PR #14363
+    seq_cell_ids: int = 1  # n_seq_id of every cell a sequence restore accepts (0: llama.cpp of 2024)
 
     @property
     def has_v(self) -> bool:

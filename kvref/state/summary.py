@@ -121,6 +121,8 @@ def summarize(obj: StateObject) -> Summary:
         o = c.outputs
         if o is not None:
             out["outputs"] = {"n_outputs": len(o.output_pos), "logits": len(o.logits), "embeddings": len(o.embeddings)}
+        if c.rng is not None:  # session version 8 (2024): the sampler's std::mt19937, as text (state/legacy.py)
+            out["rng"] = {"bytes": len(c.rng)}
     out["layout"] = obj.memory.layout
     if getattr(obj, "note", None):
         out["note"] = obj.note

@@ -1,0 +1,201 @@
+"""Record the legacy goldens of llama.cpp before session version 9 (llama-cpp-python 0.2.84 .. 0.2.90).
+
+Runs under a virtual environment with that llama-cpp-python built from source (see conformance/README.md):
+
+    /tmp/lcp02/bin/python conformance/generate_legacy.py            # every case of LEGACY_02_CASES
+    /tmp/lcp02/bin/python conformance/generate_legacy.py -k mamba   # only matching cases
+    /tmp/lcp02/bin/python conformance/generate_legacy.py --list
+
+Those bindings predate llama.cpp's memory API (``llama_memory_*``, ``llama_model_*``): the cache is the
+context's (``llama_kv_cache_*`` take the context), and there is no ``seq_pos_min``. `install_shim` gives the
+module the names driver.py calls, each one the 2024 call that does the same, so that the cases run the same
+scripts as every other golden (generate.py) and write the same case.json. Two 2024 calls answer differently
+and are replaced: ``llama_kv_cache_seq_pos_max`` gives 0 (not -1) for a sequence without cells, so the
+positions come from the cache view, and ``llama_n_seq_max`` gives the cache size, so it gives the context's
+``n_seq_max`` instead. The context is seeded
+(`RNG_SEED`): the session files of this era carry the sampler's random-number generator, which llama.cpp
+otherwise seeds from the clock, so a rerun writes identical files.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import llama_cpp as L  # noqa: E402
+
+# the cases replayed by the 2024 llama.cpp: one sequence with every artefact and restore, several sequences
+# sharing cells (seq_cp, seq_rm), and a recurrent model
+LEGACY_02_CASES = ("llama-f16-single-seq", "llama-shared-prefix", "mamba-seq-cp-rm")
+RNG_SEED = 1234  # llama_context_params.seed: the state of the rng string in every session file
+
+
+_N_SEQ_MAX: dict[int, int] = {}  # context address -> its n_seq_max
+_CACHES: list[dict] = []  # the cache of the context made last, as its view reports it
+_RECURRENT: dict[int, bool] = {}  # context address -> the model is recurrent
+
+
+def _key(ctx) -> int:
+    return int(ctypes.cast(ctx, ctypes.c_void_p).value)
+
+
+def _seq_pos_min_max(ctx, seq_id: int) -> tuple[int, int]:
+    """The smallest and largest position of ``seq_id`` in the cache (-1, -1 when it holds none), from the
+    cache view (positions include a pending shift: the cases here shift nothing)."""
+    n_seq = _N_SEQ_MAX[_key(ctx)]
+    view = L.llama_kv_cache_view_init(ctx, n_seq)
+    try:
+        L.llama_kv_cache_view_update(ctx, ctypes.byref(view))
+        pos = [
+            view.cells[i].pos
+            for i in range(view.n_cells)
+            if seq_id in view.cells_sequences[i * n_seq : (i + 1) * n_seq]
+        ]
+    finally:
+        L.llama_kv_cache_view_free(ctypes.byref(view))
+    return (min(pos), max(pos)) if pos else (-1, -1)
+
+
+def _meta(model, key: str) -> str | None:
+    """A metadata value of the loaded model as llama.cpp holds it (llama_model_meta_val_str), or None."""
+    buf = ctypes.create_string_buffer(256)
+    n = L.llama_model_meta_val_str(model, key.encode(), buf, len(buf))
+    return buf.value.decode() if n >= 0 else None
+
+
+def _meta_int(model, name: str, default: int) -> int:
+    """``<arch>.<name>`` as an int (these bindings have no llama_model_n_head & co.), or ``default``."""
+    v = _meta(model, f"{_meta(model, 'general.architecture')}.{name}")
+    return int(v) if v is not None else default
+
+
+def install_shim() -> None:
+    """Give the 0.2.x bindings the names driver.py calls (each the call of that era that does the same)."""
+
+    def init_from_model(model, params):
+        params.seed = RNG_SEED
+        ctx = L.llama_new_context_with_model(model, params)
+        if ctx:
+            _N_SEQ_MAX[_key(ctx)] = int(params.n_seq_max)
+            _RECURRENT[_key(ctx)] = bool(L.llama_model_is_recurrent(model))
+            view = L.llama_kv_cache_view_init(ctx, 1)
+            L.llama_kv_cache_view_update(ctx, ctypes.byref(view))
+            _CACHES[:] = [
+                {
+                    # this llama.cpp logs only buffer sizes: the cell count is the view's, the layers the model's
+                    "module": "llama_kv_cache (recurrent)" if _RECURRENT[_key(ctx)] else "llama_kv_cache",
+                    "cells": int(view.n_cells),
+                    "layers": int(L.llama_n_layer(model)),
+                    "n_seq_max": int(params.n_seq_max),
+                }
+            ]
+            L.llama_kv_cache_view_free(ctypes.byref(view))
+        return ctx
+
+    def can_shift(ctx) -> bool:
+        # no such call in 2024: llama_kv_cache_seq_add shifts every cache (a recurrent one: its positions only),
+        # and llama_kv_cache_update K-shifts a RoPE cache, aborting for DeepSeek2 only (no case uses it)
+        return True
+
+    names = {
+        "llama_model_load_from_file": L.llama_load_model_from_file,
+        "llama_model_free": L.llama_free_model,
+        "llama_model_n_layer": L.llama_n_layer,
+        "llama_model_n_embd": L.llama_n_embd,
+        # read off the model's metadata, with llama.cpp's defaults: no heads (Mamba), n_head_kv = n_head, no window
+        "llama_model_n_head": lambda m: _meta_int(m, "attention.head_count", 0),
+        "llama_model_n_head_kv": lambda m: _meta_int(
+            m, "attention.head_count_kv", _meta_int(m, "attention.head_count", 0)
+        ),
+        "llama_model_n_swa": lambda m: _meta_int(m, "attention.sliding_window", 0),
+        "llama_model_rope_type": L.llama_rope_type,
+        "llama_model_n_ctx_train": L.llama_n_ctx_train,
+        "llama_model_get_vocab": lambda m: m,
+        "llama_vocab_n_tokens": L.llama_n_vocab,
+        "llama_init_from_model": init_from_model,
+        "llama_get_memory": lambda ctx: ctx,  # the cache is the context's
+        "llama_memory_can_shift": can_shift,
+        "llama_memory_seq_pos_min": lambda ctx, s: _seq_pos_min_max(ctx, s)[0],
+        "llama_memory_seq_pos_max": lambda ctx, s: _seq_pos_min_max(ctx, s)[1],
+        "llama_memory_seq_rm": L.llama_kv_cache_seq_rm,
+        "llama_memory_seq_cp": L.llama_kv_cache_seq_cp,
+        "llama_memory_seq_keep": L.llama_kv_cache_seq_keep,
+        "llama_memory_seq_add": L.llama_kv_cache_seq_add,
+        "llama_memory_seq_div": L.llama_kv_cache_seq_div,
+        "llama_memory_clear": lambda ctx, data=True: L.llama_kv_cache_clear(ctx),
+    }
+    for name, fn in names.items():
+        assert not hasattr(L, name), f"{name}: these bindings have it, do not replace it"
+        setattr(L, name, fn)
+    L.llama_n_seq_max = lambda ctx: _N_SEQ_MAX[_key(ctx)]
+
+
+def memory_block(case, hp: dict, octx: dict | None) -> dict:
+    """generate.memory_block for 0.2.x: one cache of n_ctx cells (padded by llama.cpp), or max(1, n_seq_max)
+    recurrent cells, as the cache view reports them (that llama.cpp logs only buffer sizes)."""
+    import driver
+
+    kind = driver.memory_kind(hp)
+    mem = {
+        "type": kind,
+        "v_trans": (not case.flash_attn) if kind != "recurrent" else None,
+        "n_stream": 1,
+        "cell_ext": False,
+        "kv_size": None,
+        "kv_size_swa": None,
+        "rs_size": None,
+    }
+    if octx is None:
+        return mem
+    (cache,) = octx["memory_log"]["caches"]
+    if kind == "kv":
+        mem["kv_size"] = cache["cells"]
+        assert cache["cells"] == octx["n_ctx"], (case.id, cache, octx["n_ctx"])
+    elif kind == "recurrent":
+        mem["rs_size"] = cache["cells"]
+        assert cache["cells"] == max(1, case.n_seq_max), (case.id, cache)
+    else:
+        raise ValueError(f"{kind}: llama.cpp of 2024 has no such memory")
+    return mem
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("-k", default="", help="only cases whose id contains this text")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "kvref-conformance-legacy")
+    a = ap.parse_args(argv)
+    if not L.__version__.startswith("0.2."):
+        raise SystemExit(f"run this under llama-cpp-python 0.2.x, not {L.__version__} (generate.py records the others)")
+    install_shim()
+    import driver
+    import generate
+
+    generate.memory_block = memory_block
+    parse_log = driver._parse_memory_log
+    driver._parse_memory_log = lambda lines: {**parse_log(lines), "caches": [*parse_log(lines)["caches"], *_CACHES]}
+    cases = [c for c in generate.CASES if c.id in LEGACY_02_CASES and a.k in c.id]
+    if a.list:
+        for c in cases:
+            print(f"{c.id:32s} {c.description}")
+        return 0
+    pr = driver.PRODUCER
+    vers = {**generate.versions(), "rng": pr["rng"], "rng_seed": RNG_SEED, "seq_kv_ids": pr["seq_kv_ids"]}
+    models = generate.build_models(a.model_dir, copy=False)
+    for m in models.values():
+        if m.committed and (HERE / "models" / m.path.name).exists():
+            assert m.sha256 == driver.sha256(HERE / "models" / m.path.name), f"{m.name} differs from the committed one"
+    for c in cases:
+        doc = generate.run_case(c, models[c.model], vers)
+        n_art = sum(1 for op in doc["trace"] if op["op"] == "save")
+        print(f"legacy-{L.__version__}-{c.id:32s} {len(doc['trace']):3d} ops {n_art:3d} artefacts")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,310 @@
+"""Session version 8 (llama.cpp of July-August 2024, llama-cpp-python 0.2.84 .. 0.2.90): read, write back, detect,
+upgrade.
+
+The goldens ``conformance/golden/legacy-0.2.90-*`` were written by llama-cpp-python 0.2.90 built from source
+(conformance/generate_legacy.py); every expected value here comes from those files and the case.json llama.cpp's
+run wrote beside them, never from kvref. The live tests load the upgraded files into the installed
+llama-cpp-python (0.3.36) and compare what it saves again with kvref's bytes.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import kvref
+from kvref import state
+from kvref.eras import CURRENT, matching_eras, to_era
+from kvref.errors import ConversionError, FormatError
+
+ROOT = Path(__file__).resolve().parent.parent / "conformance"
+GOLDEN = ROOT / "golden"
+CASES = sorted(p.name for p in GOLDEN.glob("legacy-0.2.*") if (p / "case.json").exists())
+KINDS = {"session": "session", "seq": "seq", "state_data": "state", "seq_data": "seq_state"}
+
+
+def _case(cid: str) -> dict[str, Any]:
+    return json.loads((GOLDEN / cid / "case.json").read_text())
+
+
+def _saves(cid: str) -> list[tuple[int, dict[str, Any]]]:
+    return [(i, op) for i, op in enumerate(_case(cid)["trace"]) if op["op"] == "save" and op["ret"]]
+
+
+ARTEFACTS = [pytest.param(cid, i, op, id=f"{cid}/{op['file']}") for cid in CASES for i, op in _saves(cid)]
+
+
+def _path(cid: str, op: dict[str, Any]) -> Path:
+    return GOLDEN / cid / op["file"]
+
+
+def _layout(op: dict[str, Any]) -> str:
+    return str(op["layout"])
+
+
+def _sequences(obj: state.StateObject) -> dict[int, tuple[int, int]]:
+    """seq id -> (pos_min, pos_max) over the cells of every section."""
+    out: dict[int, tuple[int, int]] = {}
+    for sec in obj.memory.sections:
+        for part in sec.streams if isinstance(sec, state.KVSection) else [sec]:
+            for sid, r in ({} if part.cells is None else part.cells.sequences()).items():
+                lo, hi = out.get(sid, (r.pos_min, r.pos_max))
+                out[sid] = (min(lo, r.pos_min), max(hi, r.pos_max))
+    return out
+
+
+def _positions(obj: state.StateObject) -> list[list[int]]:
+    """Every section's cell positions, in file order."""
+    out = []
+    for sec in obj.memory.sections:
+        parts = sec.streams if isinstance(sec, state.KVSection) else [sec]
+        out.append([int(p) for part in parts if part.cells is not None for p in part.cells.pos])
+    return out
+
+
+def _observed(op: dict[str, Any]) -> dict[int, tuple[int, int]]:
+    """What llama.cpp reported for each sequence right after the save (seq_pos_min / seq_pos_max)."""
+    obs = op["observed"]
+    return {
+        s: (lo, hi) for s, (lo, hi) in enumerate(zip(obs["seq_pos_min"], obs["seq_pos_max"], strict=True)) if hi >= 0
+    }
+
+
+def test_goldens_exist_and_name_their_producer() -> None:
+    assert CASES, "no legacy-0.2.* goldens"
+    for cid in CASES:
+        prod = _case(cid)["producer"]
+        assert prod["llama_cpp_python"].startswith("0.2.")
+        assert (prod["session_version"], prod["seq_version"]) == (8, 2)
+        assert prod["rng"] is True and prod["output_block"] is True and prod["n_stream_field"] is False
+
+
+@pytest.mark.parametrize(("cid", "i", "op"), ARTEFACTS)
+def test_reads_with_auto_detection_and_writes_back(cid: str, i: int, op: dict[str, Any]) -> None:
+    path = _path(cid, op)
+    raw = path.read_bytes()
+    assert len(raw) == op["size"]
+    obj = state.load(path)
+    assert obj.kind == KINDS[op["kind"]]
+    assert obj.memory.layout == _layout(op)
+    assert obj.to_bytes() == raw
+    if op["header"] is not None and "version" in op["header"]:
+        assert obj.version == op["header"]["version"]  # type: ignore[attr-defined]
+        assert [int(t) for t in obj.tokens] == op["tokens"]  # type: ignore[attr-defined]
+    if obj.kind in ("session", "state"):
+        assert obj.arch == op["arch"]  # type: ignore[attr-defined]
+        assert obj.rng is not None  # type: ignore[attr-defined]
+        assert obj.outputs is not None  # type: ignore[attr-defined]
+    if op["scope"] == "context":
+        assert _sequences(obj) == _observed(op)
+    else:
+        assert set(_sequences(obj)) <= {op["seq_id"]} or obj.memory.layout == "recurrent"
+
+
+@pytest.mark.parametrize(("cid", "i", "op"), ARTEFACTS)
+def test_reads_with_the_layout_given(cid: str, i: int, op: dict[str, Any]) -> None:
+    path = _path(cid, op)
+    kind = KINDS[op["kind"]]
+    opts: dict[str, Any] = {"n_stream_field": False, "ext_size": 0}
+    if kind in ("session", "state"):
+        opts["outputs"] = True
+    if kind == "seq_state":
+        opts["seq_header"] = False
+    obj = state.load(path, kind, _layout(op), **opts)
+    assert obj.to_bytes() == path.read_bytes()
+    assert obj.to_bytes() == state.load(path).to_bytes()
+
+
+@pytest.mark.parametrize("cid", CASES)
+def test_rng_is_the_seeded_generator(cid: str) -> None:
+    """llama.cpp writes its std::mt19937 as text; no sampling ran, so it is the generator of the context's seed."""
+    from kvref.state.legacy import rng_text
+
+    seed = _case(cid)["producer"]["rng_seed"]
+    for _, op in _saves(cid):
+        if op["kind"] in ("session", "state_data"):
+            raw = _path(cid, op).read_bytes()
+            text = rng_text(seed).encode()
+            assert struct.pack("<I", len(text)) + text in raw
+            assert state.load(_path(cid, op)).rng == text.decode()  # type: ignore[attr-defined]
+
+
+@pytest.mark.parametrize(("cid", "i", "op"), ARTEFACTS)
+def test_detected_era(cid: str, i: int, op: dict[str, Any]) -> None:
+    eras = matching_eras(state.load(_path(cid, op)))
+    if op["kind"] in ("session", "state_data") or op["layout"] == "kv":
+        assert eras == ["2024-08"]
+    else:  # a recurrent sequence save is the same bytes in 0.3.12 .. 0.3.14 (no seq id there either)
+        assert eras[:2] == ["2024-08", "2025-07"]
+
+
+def test_summary_and_inspect_name_the_era() -> None:
+    from kvref.cli_jobs import enrich_summary
+
+    cid = CASES[0]
+    op = next(op for _, op in _saves(cid) if op["kind"] == "session")
+    obj = state.load(_path(cid, op))
+    summary = enrich_summary(obj.summary(), obj, op["size"])
+    assert summary["version"] == 8
+    from kvref.state.legacy import rng_text
+
+    assert summary["rng"] == {"bytes": len(rng_text(_case(cid)["producer"]["rng_seed"]))}
+    assert summary["eras"] == [{"era": "2024-08", "llama_cpp_python": "0.2.84 .. 0.2.90"}]
+    assert kvref.eras.era("0.2.90").name == "2024-08"
+
+
+@pytest.mark.parametrize(("cid", "i", "op"), ARTEFACTS)
+def test_upgrade_then_back(cid: str, i: int, op: dict[str, Any], tmp_path: Path) -> None:
+    """Upgraded, the state has the current layout (version 10/3, n_stream, no rng, no output block) and the same
+    cells and rows; written back in its own era it is the original file, but for the rng of a fresh generator."""
+    path = _path(cid, op)
+    out = tmp_path / "up"
+    up = kvref.convert(path, out)
+    assert matching_eras(state.load(out))[-1] == CURRENT
+    if op["kind"] in ("session", "seq"):
+        assert matching_eras(state.load(out)) == [CURRENT]  # a file says its version; a blob does not
+    orig = state.load(path)
+    assert _positions(up) == _positions(orig)
+    if op["scope"] == "context":
+        assert _sequences(up) == _sequences(orig)
+    elif orig.memory.layout == "kv":
+        # 2024 writes no seq id into a sequence save's KV cells; llama.cpp since 2025 writes one and requires it
+        assert all(not len(st.cells.seq_id) for st in orig.memory.kv_sections[0].streams if st.cells is not None)
+        assert set(_sequences(up)) == {0}
+    raw = path.read_bytes()
+    assert to_era(state.load(path), "2024-08").to_bytes() == raw
+    back = to_era(state.load(out), "2024-08")
+    if op["kind"] in ("session", "state_data"):
+        orig = state.load(path)
+        back.rng = orig.rng  # type: ignore[attr-defined]
+        back.outputs = orig.outputs  # type: ignore[attr-defined]  # the output block is not carried forward
+    assert back.to_bytes() == raw
+
+
+def test_kv_sequence_save_restores_as_its_llama_cpp_restores_it() -> None:
+    """A memory with the 2024 profile (``for_llama_cpp_python("0.2.90")``) restores the 2024 blob, whose KV cells
+    list no seq id, and refuses one whose cells list one, as that llama.cpp does; a 2025 memory the other way
+    round. Either lands at the positions the 2024 llama.cpp reported."""
+    from kvref import conformance as C
+    from kvref.compat import profile_2024
+
+    cid = "legacy-0.2.90-llama-shared-prefix"
+    case = _case(cid)
+    op = next(op for _, op in _saves(cid) if op["kind"] == "seq_data" and op["seq_id"] == 1)
+    obj = state.load(_path(cid, op))
+    with_ids = to_era(obj, "2025-07", seq_id=1).to_bytes()
+    mem = C.create_memory_for(case, C.hparams_from_case(case))  # the replay's profile, without the warning
+    assert mem.profile == profile_2024() and not mem.profile.kv_seq_save_ids
+    with pytest.raises(FormatError) as e:
+        mem.state_read(with_ids, seq_id=1)
+    assert e.value.field == "n_seq_id"
+    mem.state_read(obj.to_bytes(), seq_id=1)
+    assert mem.seq_pos_max(1) == _observed(op)[1][1]
+    assert mem.state_write(seq_id=1) == obj.to_bytes()  # written back as that llama.cpp wrote it
+    hp = C.hparams_from_case(case)
+    new = kvref.create_memory(hp, n_ctx=256, n_seq_max=3, kv_unified=True, flash_attn=False, compat="2025-07")
+    with pytest.raises(FormatError):
+        new.state_read(obj.to_bytes(), seq_id=1)
+    new.state_read(with_ids, seq_id=1)
+    assert new.seq_pos_max(1) == _observed(op)[1][1]
+
+
+def test_negative_controls() -> None:
+    cid = CASES[0]
+    op = next(op for _, op in _saves(cid) if op["kind"] == "session")
+    raw = bytearray(_path(cid, op).read_bytes())
+    # version 7 (llama.cpp before July 2024) is another layout: refused on its version
+    v7 = bytes(raw[:4]) + struct.pack("<I", 7) + bytes(raw[8:])
+    with pytest.raises(FormatError) as e:
+        state.load(v7)
+    assert e.value.field == "version"
+    # the same bytes called version 9 do not parse: the rng string is no output block
+    with pytest.raises(FormatError):
+        state.load(bytes(raw[:4]) + struct.pack("<I", 9) + bytes(raw[8:]))
+    # a damaged rng string is named
+    obj = state.load(bytes(raw))
+    at = obj.offsets["rng"] + 4
+    bad = bytes(raw[:at]) + b"x" + bytes(raw[at + 1 :])
+    with pytest.raises(FormatError) as e:
+        state.load(bad, "session")
+    assert e.value.field == "rng"
+    # a v9 session never carries an rng string, so writing one refuses
+    obj.version = 9  # type: ignore[attr-defined]
+    with pytest.raises(FormatError) as e:
+        obj.to_bytes()
+    assert e.value.field == "rng"
+
+
+def test_state_blob_without_rng_is_not_2024() -> None:
+    """Detection of a blob's rng looks at the bytes: the same blob with the rng string cut out reads as 0.3.12's."""
+    cid = CASES[0]
+    op = next(op for _, op in _saves(cid) if op["kind"] == "state_data")
+    obj = state.load(_path(cid, op))
+    assert matching_eras(obj) == ["2024-08"]
+    obj.rng = None  # type: ignore[attr-defined]
+    again = state.load(obj.to_bytes())
+    assert again.rng is None  # type: ignore[attr-defined]
+    assert matching_eras(again) == ["2025-07"]
+
+
+def test_empty_current_state_cannot_go_back() -> None:
+    """An empty attention section of 2024 carries the cache's layer headers; a current empty one does not."""
+    cid = CASES[0]
+    op = next(op for _, op in _saves(cid) if op["kind"] == "session")
+    obj = to_era(state.load(_path(cid, op)), CURRENT)
+    for sec in obj.memory.kv_sections:
+        sec.streams = [state.KVStream(None, None)]
+    with pytest.raises(ConversionError):
+        to_era(obj, "2024-08")
+
+
+# ------------------------------------------------------------------------------------------- live (0.3.36)
+
+
+def _live() -> Any:
+    try:
+        import llama_cpp
+    except Exception as exc:  # not installed, or broken
+        pytest.skip(f"llama_cpp cannot be imported ({type(exc).__name__}: {exc}): the live tests need it")
+    return llama_cpp
+
+
+LIVE = [
+    pytest.param(cid, i, op, id=f"{cid}/{op['file']}", marks=pytest.mark.live)
+    for cid in CASES
+    for i, op in _saves(cid)
+    if op["kind"] in ("session", "seq")
+]
+
+
+@pytest.mark.parametrize(("cid", "i", "op"), LIVE)
+def test_upgraded_file_loads_in_current_llama_cpp(cid: str, i: int, op: dict[str, Any], tmp_path: Path) -> None:
+    """llama.cpp 0.3.36 loads the upgraded file, holds the positions the 2024 llama.cpp reported, and saves it
+    again byte for byte as kvref wrote it."""
+    L = _live()
+    from _llama_live import Ctx
+
+    case = _case(cid)
+    c = case["context"]
+    up, again = tmp_path / "up", tmp_path / "again"
+    if op["kind"] == "session":
+        kvref.convert(_path(cid, op), up)
+    else:  # the KV cells get the id of the sequence restored into (2024 wrote none; llama.cpp ignores its value)
+        state.save(to_era(state.load(_path(cid, op)), CURRENT, seq_id=op["seq_id"]), up)
+    with Ctx(ROOT / case["model"]["path"], n_ctx=c["n_ctx"], n_seq_max=c["n_seq_max"], kv_unified=True,
+             flash_attn=c["flash_attn"]) as ctx:  # fmt: skip
+        arr = (L.llama_token * max(len(op["tokens"]), 1))(*op["tokens"])
+        if op["kind"] == "session":
+            assert ctx.load_session(up) == op["tokens"]
+            assert {s: ctx.pos_max(s) for s in _observed(op)} == {s: hi for s, (_, hi) in _observed(op).items()}
+            assert L.llama_state_save_file(ctx.ctx, str(again).encode(), arr, len(op["tokens"]))
+        else:
+            dest = op["seq_id"]
+            assert ctx.load_seq(up, dest) == op["tokens"]
+            assert ctx.pos_max(dest) == _observed(op)[dest][1]
+            assert L.llama_state_seq_save_file(ctx.ctx, str(again).encode(), dest, arr, len(op["tokens"])) > 0
+    assert again.read_bytes() == up.read_bytes()
