@@ -260,6 +260,8 @@ def run_child(argv: list[str], ids: list[int], backend: str, timeout: float) -> 
         os.killpg(proc.pid, signal.SIGKILL)
     proc.wait()
     sel.close()
+    proc.stdout.close()
+    proc.stderr.close()
     stderr = b"".join(err_chunks).decode("utf-8", "replace")[-3000:]
     if hung:
         return ChildResult(done, outcomes, "hang", started, f"no progress for {timeout:g} s\n{stderr}")

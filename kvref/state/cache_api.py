@@ -11,11 +11,13 @@ same order, each reported as a FormatError naming the field and the byte offset.
 from __future__ import annotations
 
 from collections import ChainMap
-from typing import Any, BinaryIO
+from typing import TYPE_CHECKING, TypeVar, cast
 
-from ..errors import FormatError
+from ..errors import ArgumentError, ArgumentTypeError, FormatError
 from . import mismatch
-from .codec import Reader, Writer, join_bytes
+from .cells import Cells
+from .codec import Reader, Sink, Writer, join_bytes
+from .dsl import Env, Record, Struct
 from .sections import (
     KV_SECTION,
     RECURRENT_SECTION,
@@ -26,12 +28,19 @@ from .sections import (
 )
 from .specs import KVLayerSpec, KVSpec, RecurrentLayerSpec, RecurrentSpec
 
+if TYPE_CHECKING:
+    from typing_extensions import Buffer
+
+Rec = TypeVar("Rec", bound=Record)
+
 
 def _fail(msg: str, field: str, offset: int | None) -> FormatError:
     return FormatError(msg, field=field, offset=offset)
 
 
-def _check_cells(cells: Any, at: int, seq_id: int, n_seq_max: int, kv_size: int, seq_ids_expected: int | None) -> None:
+def _check_cells(
+    cells: Cells, at: int, seq_id: int, n_seq_max: int, kv_size: int, seq_ids_expected: int | None
+) -> None:
     if cells.n > kv_size:
         raise _fail(mismatch.cell_count(cells.n, kv_size), "cell_count", at - 4)
     counts = cells.n_seq_id
@@ -66,7 +75,7 @@ def validate_kv_section(sec: KVSection, spec: KVSpec, seq_id: int = -1) -> None:
     for st in sec.streams:
         if st.cells is None:
             continue
-        _check_cells(st.cells, st.offsets["cells"], seq_id, spec.n_seq_max, spec.kv_size, 1)
+        _check_cells(st.cells, st.offsets["cells"], seq_id, spec.n_seq_max, spec.kv_size, spec.seq_cell_ids)
         d = st.data
         assert d is not None
         if d.n_layer != len(spec.layers):
@@ -130,13 +139,13 @@ def validate_recurrent_section(sec: RecurrentSection, spec: RecurrentSpec, seq_i
             )
 
 
-def _read(struct: Any, buf: Any, offset: int, options: dict[str, Any]) -> tuple[Any, int]:
+def _read(struct: Struct[Rec], buf: object, offset: int, options: dict[str, object]) -> tuple[Rec, int]:
     r = Reader(buf, offset)
-    env = ChainMap({"_reader": r, **options})
+    env: Env = ChainMap({"_reader": r, **options})
     return struct.read(r, env), r.pos
 
 
-def read_kv_section(buf: Any, spec: KVSpec, *, seq_id: int = -1, offset: int = 0) -> tuple[KVSection, int]:
+def read_kv_section(buf: object, spec: KVSpec, *, seq_id: int = -1, offset: int = 0) -> tuple[KVSection, int]:
     """Parse the KV section at ``offset`` with the cache's layout, validate it, return it and its end offset."""
     sec, end = _read(
         KV_SECTION,
@@ -156,7 +165,7 @@ def read_kv_section(buf: Any, spec: KVSpec, *, seq_id: int = -1, offset: int = 0
 
 
 def read_recurrent_section(
-    buf: Any, spec: RecurrentSpec, *, seq_id: int = -1, offset: int = 0
+    buf: object, spec: RecurrentSpec, *, seq_id: int = -1, offset: int = 0
 ) -> tuple[RecurrentSection, int]:
     ple = bool(spec.layers) and spec.layers[0].p_row_size is not None
     sec, end = _read(RECURRENT_SECTION, buf, offset, {"ple": ple, "n_state_layers": len(spec.layers)})
@@ -165,7 +174,7 @@ def read_recurrent_section(
 
 
 def read_sections(
-    buf: Any, specs: list[KVSpec | RecurrentSpec], *, seq_id: int = -1, offset: int = 0, exact: bool = True
+    buf: object, specs: list[KVSpec | RecurrentSpec], *, seq_id: int = -1, offset: int = 0, exact: bool = True
 ) -> tuple[list[KVSection | RecurrentSection], int]:
     """Parse and validate consecutive sections (iSWA: base then SWA; hybrid: attention then recurrent).
 
@@ -180,13 +189,13 @@ def read_sections(
         else:
             sec, offset = read_recurrent_section(buf, spec, seq_id=seq_id, offset=offset)
         out.append(sec)
-    n = len(memoryview(buf).cast("B")) if not isinstance(buf, memoryview) else buf.nbytes
+    n = Reader(buf).end  # the input's length in bytes
     if exact and offset != n:
         raise FormatError(f"{n - offset} trailing bytes after the last section", field="trailing", offset=offset)
     return out, offset
 
 
-def write_section(sec: KVSection | RecurrentSection, f: BinaryIO) -> int:
+def write_section(sec: KVSection | RecurrentSection, f: Sink) -> int:
     """Stream a section (what the memory's state_write produces) to ``f``; returns the byte count."""
     w = Writer(f)
     struct = KV_SECTION if isinstance(sec, KVSection) else RECURRENT_SECTION
@@ -199,9 +208,9 @@ class _Parts:
     it into one bytes object at the end: the rows are copied once, into the result."""
 
     def __init__(self) -> None:
-        self.parts: list[Any] = []
+        self.parts: list[Buffer] = []
 
-    def write(self, b: Any) -> int:
+    def write(self, b: Buffer) -> int:
         self.parts.append(b)
         return memoryview(b).nbytes
 
@@ -213,8 +222,78 @@ def section_bytes(*sections: KVSection | RecurrentSection) -> bytes:
     """The bytes of the sections one after the other (what a memory's ``state_write`` returns)."""
     buf = _Parts()
     for s in sections:
-        write_section(s, buf)  # type: ignore[arg-type]  # a write-only file
+        write_section(s, buf)
     return buf.getvalue()
+
+
+class _Count:
+    """A write-only binary file that only counts the bytes it is given."""
+
+    def __init__(self) -> None:
+        self.n = 0
+
+    def write(self, b: Buffer) -> int:
+        n = memoryview(b).nbytes
+        self.n += n
+        return n
+
+
+class _Into:
+    """A write-only binary file over a caller's writable buffer: each write is copied straight into place, so
+    the rows of a state go from the cache's buffers to the caller's in one copy each."""
+
+    def __init__(self, dst: memoryview) -> None:
+        self.dst = dst
+        self.n = 0
+        self.full = False  # ran out of room (write_sections_into then names the size needed)
+
+    def write(self, b: Buffer) -> int:
+        mv = memoryview(b)
+        end = self.n + mv.nbytes
+        if end > len(self.dst):
+            self.full = True
+            raise ArgumentError(f"dst: {len(self.dst)} bytes is too small")
+        self.dst[self.n : end] = mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
+        self.n = end
+        return mv.nbytes
+
+
+def sections_size(*sections: KVSection | RecurrentSection) -> int:
+    """The byte count of the sections one after the other (what ``section_bytes`` would return, without
+    building it): the size of the buffer `write_sections_into` needs."""
+    count = _Count()
+    for s in sections:
+        write_section(s, count)
+    return count.n
+
+
+def write_sections_into(dst: Buffer | Sink, *sections: KVSection | RecurrentSection) -> int:
+    """Write the sections one after the other into ``dst``; returns the byte count (``sections_size``).
+
+    ``dst`` is a writable C-contiguous buffer (``bytearray``, ``memoryview``, NumPy array, ``mmap``, a ctypes
+    array) whose first bytes receive the sections, each row block copied straight from where it lives (as
+    llama_state_get_data fills the buffer its caller sized with llama_state_get_size), or a binary file object
+    the sections are streamed to. A buffer too small raises ArgumentError naming the size needed (its content
+    is then unspecified); a read-only one, ArgumentTypeError.
+    """
+    if hasattr(dst, "write") and not isinstance(dst, memoryview):
+        return sum(write_section(s, cast("Sink", dst)) for s in sections)
+    try:
+        mv = memoryview(cast("Buffer", dst))  # not a file: a buffer, or a TypeError
+    except TypeError:
+        raise ArgumentTypeError(f"dst: a writable buffer or a binary file, not {type(dst).__name__}") from None
+    if mv.readonly or not mv.c_contiguous:
+        raise ArgumentTypeError("dst: expected a writable C-contiguous buffer")
+    into = _Into(mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv)
+    try:
+        for s in sections:
+            write_section(s, into)
+    except ArgumentError:
+        if not into.full:
+            raise
+        need = sections_size(*sections)
+        raise ArgumentError(f"dst: {into.dst.nbytes} bytes, the state needs {need}") from None
+    return into.n
 
 
 __all__ = [
@@ -226,7 +305,9 @@ __all__ = [
     "read_recurrent_section",
     "read_sections",
     "section_bytes",
+    "sections_size",
     "validate_kv_section",
     "validate_recurrent_section",
     "write_section",
+    "write_sections_into",
 ]

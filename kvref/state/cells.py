@@ -250,7 +250,7 @@ class CellTable(Field[object]):
             rec = np.empty(n, _record_dtype(k, int(counts[0])))
             rec["pos"], rec["n"], rec["ext"] = cells.pos, counts, cells.ext
             rec["seq"] = cells.seq_id.reshape(n, int(counts[0]))
-            w.raw(rec.view(np.uint8))  # its bytes as laid out, no copy
+            w.array(rec.view(np.uint8), self.name)  # its bytes as laid out, no copy
             return
         out = bytearray()
         for i in range(n):

@@ -8,13 +8,24 @@ count in a small input costs nothing, and every error names the field and the ab
 
 from __future__ import annotations
 
+import ctypes
 import mmap
 import struct
-from typing import Any, BinaryIO
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from functools import cache
+from typing import TYPE_CHECKING, Protocol, TypeVar, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import FormatError
+
+if TYPE_CHECKING:
+    from typing_extensions import Buffer  # collections.abc.Buffer from Python 3.12
+
+# the element types the layouts read: rows (uint8), tokens and cell fields (int32), v9 logits (float32)
+ScalarT = TypeVar("ScalarT", np.uint8, np.int32, np.float32)
 
 _U32 = struct.Struct("<I")
 _I32 = struct.Struct("<i")
@@ -27,9 +38,9 @@ class Reader:
 
     __slots__ = ("buf", "end", "pos")
 
-    def __init__(self, buf: Any, pos: int = 0, end: int | None = None) -> None:
+    def __init__(self, buf: object, pos: int = 0, end: int | None = None) -> None:
         try:
-            mv = buf if isinstance(buf, memoryview) else memoryview(buf)
+            mv = buf if isinstance(buf, memoryview) else memoryview(cast("Buffer", buf))
         except TypeError:  # None, str, a list ...: a kvref error like every other unreadable input
             raise FormatError(f"a state is read from a bytes-like object, not {type(buf).__name__}") from None
         self.buf = mv.cast("B") if mv.format != "B" or mv.ndim != 1 else mv
@@ -49,6 +60,7 @@ class Reader:
     def _scalar(self, s: struct.Struct, field: str) -> int:
         if s.size > self.end - self.pos:
             self.need(s.size, field)
+        v: int
         (v,) = s.unpack_from(self.buf, self.pos)
         self.pos += s.size
         return v
@@ -66,7 +78,8 @@ class Reader:
         at = self.pos if at is None else at
         if at + 4 > self.end:
             return None
-        return _U32.unpack_from(self.buf, at)[0]
+        v: int = _U32.unpack_from(self.buf, at)[0]
+        return v
 
     def take(self, n: int, field: str) -> memoryview:
         """The next ``n`` bytes as a zero-copy memoryview."""
@@ -75,7 +88,9 @@ class Reader:
         self.pos += n
         return mv
 
-    def array(self, dtype: np.dtype, count: int, field: str, count_field: str | None = None) -> np.ndarray:
+    def array(
+        self, dtype: np.dtype[ScalarT], count: int, field: str, count_field: str | None = None
+    ) -> npt.NDArray[ScalarT]:
         """``count`` elements as a NumPy view; a count larger than the input is blamed on ``count_field``."""
         nbytes = count * dtype.itemsize
         if nbytes > self.end - self.pos:
@@ -90,16 +105,22 @@ class Reader:
         return arr
 
 
+class Sink(Protocol):
+    """Where a `Writer` streams: a binary file, or any object with its ``write``."""
+
+    def write(self, b: Buffer, /) -> object: ...
+
+
 class Writer:
-    """Streams encoded fields to a binary file object; ``n`` counts the bytes written."""
+    """Streams encoded fields to a binary file object (a `Sink`); ``n`` counts the bytes written."""
 
     __slots__ = ("f", "n")
 
-    def __init__(self, f: BinaryIO) -> None:
+    def __init__(self, f: Sink) -> None:
         self.f = f
         self.n = 0
 
-    def raw(self, b: Any) -> None:
+    def raw(self, b: Buffer) -> None:
         self.f.write(b)
         self.n += memoryview(b).nbytes
 
@@ -120,7 +141,7 @@ class Writer:
     def u64(self, v: int, field: str) -> None:
         self._scalar(_U64, v, field)
 
-    def array(self, arr: np.ndarray, field: str) -> None:
+    def array(self, arr: npt.NDArray[ScalarT], field: str) -> None:
         """Write the array's bytes as they are laid out (views of an mmap stream straight from the page cache)."""
         a = np.asarray(arr)
         if a.dtype.byteorder == ">":
@@ -134,15 +155,21 @@ class Writer:
                 return
             a = np.ascontiguousarray(a)
         if a.nbytes:
-            self.f.write(memoryview(a).cast("B"))  # type: ignore[arg-type]  # ndarray is a buffer
+            self.f.write(memoryview(cast("Buffer", a)).cast("B"))
             self.n += a.nbytes
 
 
-def _bytes_api() -> tuple[Any, Any, Any] | None:
+@dataclass(frozen=True)
+class _BytesApi:
+    new: Callable[[None, int], bytes]  # PyBytes_FromStringAndSize(NULL, n)
+    data: Callable[[bytes], int]  # PyBytes_AsString: the address of its bytes
+    madvise: Callable[[int, int, int], int] | None
+
+
+@cache
+def _bytes_api() -> _BytesApi | None:
     """CPython's PyBytes_FromStringAndSize / PyBytes_AsString and libc's madvise, when ctypes reaches them."""
     try:
-        import ctypes
-
         api = ctypes.pythonapi
         new, data = api.PyBytes_FromStringAndSize, api.PyBytes_AsString
         new.restype, new.argtypes = ctypes.py_object, (ctypes.c_void_p, ctypes.c_ssize_t)
@@ -151,49 +178,41 @@ def _bytes_api() -> tuple[Any, Any, Any] | None:
         if hasattr(mmap, "MADV_HUGEPAGE"):
             madvise = ctypes.CDLL(None, use_errno=True).madvise
             madvise.restype, madvise.argtypes = ctypes.c_int, (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int)
-        return new, data, madvise
-    except (ImportError, AttributeError, OSError):  # not CPython, or no libc to ask
+        return _BytesApi(new, data, madvise)
+    except (AttributeError, OSError):  # not CPython, or no libc to ask
         return None
 
 
-_BYTES_API: Any = False  # resolved on first use
 _HUGE = 2 << 20  # a transparent huge page
 _JOIN_MAX = 32 << 20  # results up to this size are simply b"".join-ed
 
 
-def join_bytes(parts: list[Any]) -> bytes:
+def join_bytes(parts: Sequence[Buffer]) -> bytes:
     """``b"".join(parts)`` (C-contiguous buffers), copying every byte once.
 
     A large result is made as CPython's own C code makes one (PyBytes_FromStringAndSize(NULL, n), filled before
     anyone else sees it) with its pages advised as transparent huge pages: fresh 4 KiB pages cost a fault each,
     which is most of the time of a multi-GiB state's write. Elsewhere (not CPython), it is the plain join.
     """
-    global _BYTES_API
     total = sum(memoryview(p).nbytes for p in parts)
-    if total <= _JOIN_MAX:
+    api = _bytes_api() if total > _JOIN_MAX else None
+    if api is None:
         return b"".join(parts)
-    if _BYTES_API is False:
-        _BYTES_API = _bytes_api()
-    if _BYTES_API is None:
-        return b"".join(parts)
-    import ctypes
-
-    new, data, madvise = _BYTES_API
-    out = new(None, total)
-    addr = data(out)
-    if madvise is not None:
+    out = api.new(None, total)
+    addr = api.data(out)
+    if api.madvise is not None:
         lo, hi = -(-addr // _HUGE) * _HUGE, (addr + total) // _HUGE * _HUGE
         if hi > lo:
-            madvise(lo, hi - lo, mmap.MADV_HUGEPAGE)  # advice only: a refusal changes nothing
+            api.madvise(lo, hi - lo, mmap.MADV_HUGEPAGE)  # advice only: a refusal changes nothing
     view = np.ctypeslib.as_array((ctypes.c_ubyte * total).from_address(addr))
     at = 0
     for p in parts:
-        b = np.frombuffer(p, np.uint8) if memoryview(p).nbytes else None
-        if b is not None:
-            view[at : at + b.size] = b
-            at += b.size
+        mv = memoryview(p)
+        if mv.nbytes:
+            view[at : at + mv.nbytes] = np.frombuffer(mv.cast("B") if mv.format != "B" else mv, np.uint8)
+            at += mv.nbytes
     assert at == total
     return out
 
 
-__all__ = ["Reader", "Writer", "join_bytes"]
+__all__ = ["Reader", "Sink", "Writer", "join_bytes"]
