@@ -222,6 +222,7 @@ def test_negative_controls() -> None:
     with pytest.raises(FormatError) as e:
         state.load(v7)
     assert e.value.field == "version"
+    assert "older than kvref reads" in str(e.value) and "save it again with llama-cpp-python 0.2.84" in str(e.value)
     # the same bytes called version 9 do not parse: the rng string is no output block
     with pytest.raises(FormatError):
         state.load(bytes(raw[:4]) + struct.pack("<I", 9) + bytes(raw[8:]))

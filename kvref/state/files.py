@@ -51,7 +51,16 @@ def _check_magic(want: Magic) -> Check:
 
 def _check_version(known: tuple[int, ...]) -> Check:
     def check(v: int, env: Env) -> str | None:
-        return None if v in known else f"unknown version {v}, expected one of {known}"
+        if v in known:
+            return None
+        if 0 < v < known[0]:
+            # e.g. session v7 (llama.cpp before July 2024) stores raw K/V bytes without layer types or row sizes
+            return (
+                f"version {v} is older than kvref reads ({known[0]}: llama.cpp of July 2024, llama-cpp-python "
+                "0.2.84). Load it in the llama.cpp that wrote it and save it again with llama-cpp-python 0.2.84 "
+                "or later; `kvref convert` upgrades that file"
+            )
+        return f"unknown version {v}, expected one of {known}"
 
     return check
 
