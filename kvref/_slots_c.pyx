@@ -7,9 +7,9 @@ at a time from the head, reading the KVCells' ``pos`` and ``seq`` arrays through
 tests about as many cells as it places tokens, whatever the cache size. The SWA test asks
 ``cells.seq_pos_max`` once per sequence it meets (remembered for the rest of the call).
 
-``used_targets`` checks the slot in C when every index is a plain int; anything unusual (a repeated or
-out-of-range index, a shared target cell, an index that is not an int) is handed to the Python twin, which
-changes nothing and raises the error it states.
+``used_targets`` checks the slot in C when it is an int64 array (find_cells' answer, read in place) or every
+index is a plain int; anything unusual (a repeated or out-of-range index, a shared target cell, an index that is
+not an int) is handed to the Python twin, which changes nothing and raises the error it states.
 
 The batch allocator's kernels (``plain_seq_ids``, ``single_seq_ids``, ``single_seq_batch``, ``seq_lists``,
 ``seq_flat``) read Python lists and NumPy buffers in one C pass each, with the answers of the Python twin.
@@ -107,7 +107,8 @@ cdef cnp.ndarray _array(object a, object dtype, int ndim):
 
 
 def find_cells(cells, head, n_tokens, cont, n_swa, swa_type):
-    """The cells llama_kv_cache::find_slot picks in one stream for ``n_tokens`` tokens; None when they do not fit.
+    """The cells llama_kv_cache::find_slot picks in one stream for ``n_tokens`` tokens (int64[n_tokens], in the
+    order picked); None when they do not fit.
 
     ``head`` is the stream's head; ``n_swa`` / ``swa_type`` the cache's window (see the module docstring).
     """
@@ -118,7 +119,7 @@ def find_cells(cells, head, n_tokens, cont, n_swa, swa_type):
     if n_tokens > size:
         return None
     if n_tokens == 0:
-        return []
+        return np.empty(0, dtype=np.int64)
     cdef cnp.ndarray pos = _array(cells.pos, np.int32, 1)
     cdef cnp.ndarray seq = _array(cells.seq, np.uint64, 2)
     if pos.shape[0] != size or seq.shape[0] != size or seq.shape[1] != N_WORDS:
@@ -134,11 +135,12 @@ def find_cells(cells, head, n_tokens, cont, n_swa, swa_type):
         c.pos_max[k] = UNKNOWN
     seq_pos_max = cells.seq_pos_max
 
-    cdef int64_t n = size, n_tok = n_tokens, h = head_cur, n_tested = 0, idx, _i
+    cdef int64_t n = size, n_tok = n_tokens, h = head_cur, n_tested = 0, idx, _i, n_found = 0
     cdef int64_t n_test = n_tok if cont else 1  # cells tested in a row before the checks below
     cdef bint c_cont = bool(cont)
-    cdef vector[int64_t] idxs
-    idxs.reserve(n_tok)
+    cdef cnp.npy_intp dim = n_tok
+    cdef cnp.ndarray out = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT64, 0)
+    cdef int64_t* idxs = <int64_t*>cnp.PyArray_DATA(out)  # the first n_found are the cells picked so far
     while True:
         if h + n_test > n:
             n_tested += n - h
@@ -149,13 +151,14 @@ def find_cells(cells, head, n_tokens, cont, n_swa, swa_type):
             h += 1
             n_tested += 1
             if (c.pos[idx] == -1) or (c.swa and _can_use(&c, idx, seq_pos_max)):
-                idxs.push_back(idx)
+                idxs[n_found] = idx
+                n_found += 1
             elif c_cont:
                 break
-        if <int64_t>idxs.size() == n_tok:
-            return idxs
+        if n_found == n_tok:
+            return out
         if c_cont:
-            idxs.clear()
+            n_found = 0
         if n_tested >= n:
             return None
 
@@ -166,21 +169,36 @@ def used_targets(cells, idxs, size):
     CellError when ``idxs`` does not hold ``size`` distinct cells, when a cell index is outside the cells, or
     when a used target holds several sequences (llama.cpp asserts it holds exactly one). Nothing changes.
     """
-    cdef list ix = idxs if type(idxs) is list else list(idxs)
-    cdef Py_ssize_t m = len(ix), j
+    cdef cnp.ndarray ia
+    cdef list ix
+    cdef const int64_t* d
+    cdef Py_ssize_t m, j
     cdef vector[int64_t] v
     cdef int overflow = 0
     cdef int64_t n_cells = cells.size(), x
     cdef Py_ssize_t n_distinct = 0
-    v.reserve(m)
-    for o in ix:
-        if type(o) is not int:
-            return _used_targets_py(cells, idxs, size)
-        x = PyLong_AsLongLongAndOverflow(o, &overflow)
-        if overflow or x < 0 or x >= n_cells:
-            return _used_targets_py(cells, idxs, size)
-        v.push_back(x)
-    cdef vector[int64_t] srt = v
+    if cnp.PyArray_CheckExact(idxs) and (<cnp.ndarray>idxs).ndim == 1 and idxs.dtype == np.int64:
+        # find_slot's cells (find_cells' int64 array): read in place
+        ia = _array(idxs, np.int64, 1)
+        d = <const int64_t*>cnp.PyArray_DATA(ia)
+        m = ia.shape[0]
+        for j in range(m):
+            if d[j] < 0 or d[j] >= n_cells:
+                return _used_targets_py(cells, idxs, size)
+    else:
+        ix = idxs if type(idxs) is list else list(idxs)
+        m = len(ix)
+        v.reserve(m)
+        for o in ix:
+            if type(o) is not int:
+                return _used_targets_py(cells, idxs, size)
+            x = PyLong_AsLongLongAndOverflow(o, &overflow)
+            if overflow or x < 0 or x >= n_cells:
+                return _used_targets_py(cells, idxs, size)
+            v.push_back(x)
+        d = v.data()
+    cdef vector[int64_t] srt
+    srt.assign(d, d + m)
     sort(srt.begin(), srt.end())
     for j in range(m):
         if j == 0 or srt[j] != srt[j - 1]:
@@ -194,7 +212,7 @@ def used_targets(cells, idxs, size):
     cdef int k, cnt, s
     cdef list used = []
     for j in range(m):
-        x = v[j]
+        x = d[j]
         if p[x] == -1:
             continue
         w = <const uint64_t*>cnp.PyArray_DATA(seq) + N_WORDS * x

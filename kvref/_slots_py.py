@@ -18,8 +18,10 @@ its ``n_tokens`` cells, so its cost grows with the cells it tests, not with the 
 - ``cont``: test ``n_tokens`` cells in a row from the current cell, restart after the first unusable one;
   when fewer than ``n_tokens`` cells are left before the end, count them as tested and wrap to 0; give up
   when, after a failed run, the tested count (runs plus skipped tails) reaches ``size``;
-- ``n_tokens > size`` fits nowhere (None); ``n_tokens == 0`` gets an empty list (kvref's rule: llama.cpp's
+- ``n_tokens > size`` fits nowhere (None); ``n_tokens == 0`` gets no cells (kvref's rule: llama.cpp's
   loop has no defined answer for an empty ubatch).
+
+The cells come back as an int64 array (8 bytes a cell: a restore places every cell of a sequence at once).
 
 The module also holds the per-token work of a decode step's other parts, so that the Cython twin can do it in C:
 the batch allocator's checks of a batch whose tokens have one sequence id each (``kvref.batch`` takes its general
@@ -90,8 +92,11 @@ class Usable:
         return usable
 
 
-def find_cells(cells: KVCells, head: int, n_tokens: int, cont: bool, n_swa: int, swa_type: int) -> list[int] | None:
-    """The cells llama_kv_cache::find_slot picks in one stream for ``n_tokens`` tokens; None when they do not fit.
+def find_cells(
+    cells: KVCells, head: int, n_tokens: int, cont: bool, n_swa: int, swa_type: int
+) -> npt.NDArray[np.int64] | None:
+    """The cells llama_kv_cache::find_slot picks in one stream for ``n_tokens`` tokens (int64[n_tokens], in the
+    order picked); None when they do not fit.
 
     ``head`` is the stream's head; ``n_swa`` / ``swa_type`` the cache's window (see the module docstring).
     """
@@ -102,9 +107,10 @@ def find_cells(cells: KVCells, head: int, n_tokens: int, cont: bool, n_swa: int,
     if n_tokens > size:
         return None
     if n_tokens == 0:
-        return []
+        return np.empty(0, dtype=np.int64)
     can_use = Usable(cells, n_swa, swa_type, max(_BLOCK, n_tokens))
-    idxs: list[int] = []
+    idxs = np.empty(n_tokens, dtype=np.int64)  # the first n_found are the cells picked so far
+    n_found = 0
     n_tested = 0
     n_test = n_tokens if cont else 1  # cells tested in a row before the checks below
     while True:
@@ -117,18 +123,19 @@ def find_cells(cells: KVCells, head: int, n_tokens: int, cont: bool, n_swa: int,
             head_cur += 1
             n_tested += 1
             if can_use(idx):
-                idxs.append(idx)
+                idxs[n_found] = idx
+                n_found += 1
             elif cont:
                 break
-        if len(idxs) == n_tokens:
+        if n_found == n_tokens:
             return idxs
         if cont:
-            idxs.clear()
+            n_found = 0
         if n_tested >= size:
             return None
 
 
-def used_targets(cells: KVCells, idxs: list[int], size: int) -> list[tuple[int, int, int]]:
+def used_targets(cells: KVCells, idxs: list[int] | npt.NDArray[np.int64], size: int) -> list[tuple[int, int, int]]:
     """Check one stream's target cells before apply_ubatch writes them; ``(cell, seq_id, pos)`` of each used one.
 
     CellError when ``idxs`` does not hold ``size`` distinct cells, when a cell index is outside the cells, or

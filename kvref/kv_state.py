@@ -63,7 +63,7 @@ from .errors import CellError, FormatError, NoSlotError
 from .ggml import traits
 from .hparams import SWAType, is_masked_swa
 from .memory_base import clear_seq, read_parts
-from .slots import SlotInfo, apply_ubatch, find_slot
+from .slots import SlotInfo, apply_ubatch, find_slot_seq, kernels
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -356,20 +356,23 @@ class _CellBlock:
         return cast("KVCells", self)
 
 
-def _reserve_ubatch(cache: KVCache, cells: Cells, dest: int, has_ext: bool) -> UBatch:
+def _reserve_ubatch(cache: KVCache, cells: Cells, dest: int, has_ext: bool, i0: int = 0, i1: int = -1) -> UBatch:
     """ubatch_reserve(cell_count, 1) filled as state_read_meta fills it (built at once: every token's
-    ``seq_id`` is the same one-element list, which nothing changes)."""
-    n = cells.n
+    ``seq_id`` is the same one-element list, which nothing changes); of the section's cells ``[i0, i1)`` (all
+    by default: `_apply_restore` places a large section a part at a time)."""
+    if i1 < 0:
+        i1 = cells.n
+    n = i1 - i0
     n_pos = cache.hparams.n_pos_per_embd()
     pos = np.zeros(n * n_pos, np.int32)
     token = np.zeros(n, np.int32)
-    pos[:n] = cells.pos
+    pos[:n] = cells.pos[i0:i1]
     if has_ext:
         if n_pos > 1:
-            pos[n : 2 * n] = cells.ext[:, 1]  # y
-            pos[2 * n : 3 * n] = cells.ext[:, 0]  # x
+            pos[n : 2 * n] = cells.ext[i0:i1, 1]  # y
+            pos[2 * n : 3 * n] = cells.ext[i0:i1, 0]  # x
         if cells.ext.shape[1] > 2:  # an 8-byte ext: state_read_meta leaves the tokens as reserved
-            token[:] = cells.ext[:, 2]
+            token[:] = cells.ext[i0:i1, 2]
     seq_idx = np.full(LLAMA_MAX_SEQ, -1, np.int32)
     seq_idx[dest] = 0
     return UBatch(
@@ -379,42 +382,79 @@ def _reserve_ubatch(cache: KVCache, cells: Cells, dest: int, has_ext: bool) -> U
     )  # fmt: skip
 
 
-def _slot_after_seq_rm(cache: KVCache, strm: int, seq_id: int, ub: UBatch, cont: bool) -> SlotInfo | None:
-    """find_slot for ``ub`` as it runs once ``seq_id`` is removed from its stream, without copying the stream's
-    cells: the destination's cells are removed from the cache itself and put back exactly as they were (pos,
-    ext, sequence bits, the head) before returning. None when the ubatch does not fit."""
+def _slot_after_seq_rm(cache: KVCache, strm: int, seq_id: int, n: int, cont: bool) -> SlotInfo | None:
+    """find_slot for the restore's ubatch (``n`` cells of ``seq_id``) as it runs once ``seq_id`` is removed from its
+    stream, without copying the stream's cells: the destination's cells are removed from the cache itself and put
+    back exactly as they were (pos, ext, sequence bits, the head) before returning. None when it does not fit."""
     cells = cache.cells(strm)
     w, b = divmod(seq_id, 64)
     bit = np.uint64(1) << np.uint64(b)
-    held = np.flatnonzero(np.asarray(cells.seq)[:, w] & bit)
+    seq_w = np.asarray(cells.seq)[:, w]
+    at = np.int32 if len(seq_w) <= np.iinfo(np.int32).max else np.intp  # 4 bytes a held cell where they do
+    held = np.concatenate(
+        [
+            (np.flatnonzero(seq_w[i0 : i0 + _UNDO_CHUNK] & bit) + i0).astype(at)
+            for i0 in range(0, len(seq_w), _UNDO_CHUNK)
+        ]
+        or [np.zeros(0, at)]
+    )  # the cells holding seq_id, found a chunk at a time (bounds the temporaries)
     if held.size == 0:
-        return find_slot(cache, ub, cont)  # nothing to remove: the cache as it is
+        return find_slot_seq(cache, seq_id, n, cont)  # nothing to remove: the cache as it is
     if np.asarray(cells.shift)[held].any():
         # a pending shift (which KVCells.set cannot put back): try the placement on a copy of the stream
         trial = cache.fork([strm])
         trial.seq_rm(seq_id, -1, -1)
-        return find_slot(trial, ub, cont)
-    pos, ext, head = np.asarray(cells.pos)[held], np.asarray(cells.ext)[held], cache.heads[strm]
-    null_ext = not (ext != _NULL_EXT).any()
-    if null_ext:
-        ext = np.broadcast_to(_NULL_EXT, (_UNDO_CHUNK, 3))  # the ext of cells without one: nothing to keep
+        return find_slot_seq(trial, seq_id, n, cont)
+    pos, head = np.asarray(cells.pos)[held], cache.heads[strm]
+    ext = _held_ext(np.asarray(cells.ext), held)
     cache.seq_rm(seq_id, -1, -1)
     try:
-        return find_slot(cache, ub, cont)
+        return find_slot_seq(cache, seq_id, n, cont)
     finally:
         # the removed cells come back with what they held: their pos and ext, the sequences they still hold
         # plus seq_id (set() recomputes the cells' bookkeeping, the used count and the per-sequence positions)
         for i0 in range(0, held.size, _UNDO_CHUNK):
             part = held[i0 : i0 + _UNDO_CHUNK]
-            seq = np.array(np.asarray(cells.seq)[part])
+            seq = np.asarray(cells.seq)[part]  # a copy (fancy indexing)
             seq[:, w] |= bit
-            part_ext = ext[: part.size] if null_ext else ext[i0 : i0 + _UNDO_CHUNK]
+            part_ext = ext[: part.size] if ext.strides[0] == 0 else ext[i0 : i0 + _UNDO_CHUNK]
             block = _CellBlock(pos[i0 : i0 + _UNDO_CHUNK], part_ext, seq)
             cells.set(part, block.as_cells())
         cache.heads[strm] = head
 
 
-_UNDO_CHUNK = 1 << 14  # cells per KVCells.set() when a trial placement is undone (bounds its temporaries)
+def _held_ext(ext: npt.NDArray[np.int32], held: npt.NDArray[np.int32] | npt.NDArray[np.intp]) -> npt.NDArray[np.int32]:
+    """The ext of cells ``held``: when they all have the same one (a cache without ext, or a restore's token 0),
+    that row repeated ``_UNDO_CHUNK`` times (a view), else a copy of each. Compared a chunk at a time."""
+    row = ext[held[0]]
+    for i0 in range(0, held.size, _UNDO_CHUNK):
+        if (ext[held[i0 : i0 + _UNDO_CHUNK]] != row).any():
+            return ext[held]
+    return np.broadcast_to(np.array(row), (_UNDO_CHUNK, 3))
+
+
+_UNDO_CHUNK = 1 << 13  # cells per KVCells.set() when a trial placement is undone (bounds its temporaries)
+
+
+def _apply_restore(cache: KVCache, sinfo: SlotInfo, cells: Cells, seq_id: int, has_ext: bool) -> None:
+    """apply_ubatch of the restore's ubatch (`_reserve_ubatch` of all the section's cells) into ``sinfo``.
+
+    When every target cell is empty, the ubatch's tokens only fill those cells (the slot's cells are distinct and
+    every token writes its own): applying it ``_APPLY_CHUNK`` cells at a time writes the same cells and leaves the
+    head where the whole ubatch leaves it, with ubatches and temporaries of a part's size. Otherwise (a target held
+    by a sequence whose window has moved past it: apply_ubatch removes it first) the ubatch is applied whole."""
+    idxs = sinfo.idxs[0]
+    n = len(idxs)
+    if n <= _APPLY_CHUNK or kernels.used_targets(cache.cells(sinfo.strm[0]), idxs, n):
+        apply_ubatch(cache, sinfo, _reserve_ubatch(cache, cells, seq_id, has_ext))
+        return
+    for i0 in range(0, n, _APPLY_CHUNK):
+        i1 = min(i0 + _APPLY_CHUNK, n)
+        part = SlotInfo(sinfo.s0, sinfo.s1, list(sinfo.strm), [idxs[i0:i1]])
+        apply_ubatch(cache, part, _reserve_ubatch(cache, cells, seq_id, has_ext, i0, i1))
+
+
+_APPLY_CHUNK = 1 << 14  # cells per apply_ubatch of a large sequence restore (bounds its ubatch and temporaries)
 
 
 def _check_whole_cells(cache: KVCache, st: KVStream, at: int) -> None:
@@ -463,16 +503,18 @@ def _whole_cells(cache: KVCache, st: KVStream, at: int) -> KVCells:
 
 def _put_ext(cells: KVCells, idxs: npt.NDArray[np.int64], c: Cells) -> None:
     """Cells ``idxs`` (just placed, so holding no pending shift) get the section's ext, its cell ``i`` at
-    ``idxs[i]``: one ``set()`` of the cells as they are with the new ext."""
+    ``idxs[i]``: ``set()`` of the cells as they are with the new ext (``_SET_CHUNK`` cells at a time)."""
     if np.asarray(cells.shift)[idxs].any():  # never after apply_ubatch; the one-by-one form to be sure
         for i, idx in enumerate(idxs.tolist()):
             cells.ext_set(idx, *_ext_xyt(c.ext, i))
         return
-    ext = np.empty((len(idxs), 3), np.int32)
-    ext[:] = _NULL_EXT
     k = min(c.ext.shape[1], 3)
-    ext[:, :k] = c.ext[:, :k]
-    cells.set(idxs, _CellBlock(np.asarray(cells.pos)[idxs], ext, np.asarray(cells.seq)[idxs]).as_cells())
+    for i0 in range(0, len(idxs), _SET_CHUNK):  # a part at a time: bounds the copies of the cells' bit sets
+        part = idxs[i0 : i0 + _SET_CHUNK]
+        ext = np.empty((len(part), 3), np.int32)
+        ext[:] = _NULL_EXT
+        ext[:, :k] = c.ext[i0 : i0 + len(part), :k]
+        cells.set(part, _CellBlock(np.asarray(cells.pos)[part], ext, np.asarray(cells.seq)[part]).as_cells())
 
 
 def _filled(st: KVStream) -> tuple[Cells, KVData]:
@@ -580,7 +622,7 @@ def stage_state(
     # cont=true) and the stream's head is moved back to its first cell; else they are placed cell by cell and
     # the head stays where apply_ubatch put it (after the last cell)
     contiguous = cache.profile.seq_restore_contiguous
-    steps: list[tuple[SlotInfo, UBatch, Cells, KVData]] = []
+    steps: list[tuple[SlotInfo, Cells, KVData]] = []
     # every placement is tried first; one stream with cells (what llama.cpp writes) is tried on the cache itself
     # and undone (`_slot_after_seq_rm`), several (a crafted section) one after the other on a copy of the stream
     trial = cache.fork([strm]) if len(streams) > 1 else None
@@ -594,25 +636,24 @@ def stage_state(
                 field="pos",
                 offset=st.offsets.get("cells", offset),
             )
-        ub = _reserve_ubatch(cache, st_cells, seq_id, has_ext)
         if trial is None:
-            sinfo = _slot_after_seq_rm(cache, strm, seq_id, ub, contiguous)
+            sinfo = _slot_after_seq_rm(cache, strm, seq_id, st_cells.n, contiguous)
         else:
             trial.seq_rm(seq_id, -1, -1)
-            sinfo = find_slot(trial, ub, contiguous)
+            sinfo = find_slot_seq(trial, seq_id, st_cells.n, contiguous)
         if sinfo is None:
             raise NoSlotError(
                 f"failed to find {st_cells.n} available cells in stream {strm} for sequence {seq_id}: "
                 "free cells (seq_rm) or build the memory with a larger n_ctx"
             )
         if trial is not None:
-            apply_ubatch(trial, sinfo, ub)
-        steps.append((sinfo, ub, st_cells, st_data))
+            apply_ubatch(trial, sinfo, _reserve_ubatch(cache, st_cells, seq_id, has_ext))
+        steps.append((sinfo, st_cells, st_data))
 
     def commit_seq() -> None:
-        for sinfo, ub, st_cells, st_data in steps:
+        for sinfo, st_cells, st_data in steps:
             cache.seq_rm(seq_id, -1, -1)
-            apply_ubatch(cache, sinfo, ub)
+            _apply_restore(cache, sinfo, st_cells, seq_id, has_ext)
             cells = cache.cells(strm)
             idxs = np.asarray(sinfo.idxs[0], dtype=np.int64)
             if has_ext:

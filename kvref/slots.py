@@ -53,6 +53,7 @@ _impl = select("slots")
 BACKEND = "cython" if _impl.__name__.endswith("_c") else "python"
 # the twin module itself: kvref.batch hands it the allocator's per-token work (``single_seq_ids``, ...)
 kernels = _impl
+CellIdxs = list[int] | npt.NDArray[np.int64]  # one stream's cells of a slot
 
 
 @dataclass
@@ -60,13 +61,15 @@ class SlotInfo:
     """llama_kv_cache::slot_info: the cells a ubatch occupies, per stream.
 
     ``strm[s]`` is the stream of the ubatch's s-th sequence group and ``idxs[s]`` its cell indices (one per
-    token of that group, in token order); ``s0``/``s1`` the lowest and highest stream used.
+    token of that group, in token order); ``s0``/``s1`` the lowest and highest stream used. ``find_slot`` and
+    ``prepare`` give lists of ints; a sequence restore places its cells with int64 arrays (`find_slot_seq`), which
+    everything here also takes.
     """
 
     s0: int = LLAMA_MAX_SEQ
     s1: int = 0
     strm: list[int] = field(default_factory=list)
-    idxs: list[list[int]] = field(default_factory=list)
+    idxs: list[CellIdxs] = field(default_factory=list)
 
     def size(self) -> int:
         """Tokens per stream."""
@@ -84,18 +87,21 @@ class SlotInfo:
 
     def head(self) -> int:
         """The first cell of a one-stream slot (slot_info::head); KVRefError for any other slot."""
-        if len(self.idxs) != 1 or not self.idxs[0]:
+        if len(self.idxs) != 1 or len(self.idxs[0]) == 0:
             raise KVRefError("SlotInfo.head() needs exactly one non-empty stream")
-        return self.idxs[0][0]
+        return int(self.idxs[0][0])
 
     def is_contiguous(self) -> bool:
         """slot_info::is_contiguous: one stream of consecutive cells (an empty slot counts as contiguous)."""
-        if not self.idxs or not self.idxs[0]:
+        if not self.idxs or len(self.idxs[0]) == 0:
             return True
         if len(self.idxs) > 1:
             return False
-        h = self.idxs[0][0]
-        return self.idxs[0] == list(range(h, h + len(self.idxs[0])))
+        ix = self.idxs[0]
+        h = ix[0]
+        if isinstance(ix, np.ndarray):
+            return bool((np.diff(ix) == 1).all())
+        return ix == list(range(h, h + len(ix)))
 
 
 # ---------------------------------------------------------------------------------------------- helpers
@@ -122,7 +128,7 @@ def find_slot(cache: KVCache, ubatch: UBatch, cont: bool = False) -> SlotInfo | 
 
     s0, s1 = LLAMA_MAX_SEQ, 0
     strms: list[int] = []
-    all_idxs: list[list[int]] = []
+    all_idxs: list[CellIdxs] = []  # lists of ints (find_cells answers an int64 array)
     n_seq_ok = len(cache.seq_to_stream)
     for s in range(n_seqs):
         seq_id = int(ubatch.seq_id_unq[s])
@@ -138,8 +144,21 @@ def find_slot(cache: KVCache, ubatch: UBatch, cont: bool = False) -> SlotInfo | 
         idxs = _impl.find_cells(cache.cells(strm), cache.heads[strm], n_tokens, cont, cache.n_swa, cache.swa_type)
         if idxs is None:
             return None
-        all_idxs.append(idxs)
+        all_idxs.append(idxs.tolist())
     return SlotInfo(s0, s1, strms, all_idxs)
+
+
+def find_slot_seq(cache: KVCache, seq_id: int, n_tokens: int, cont: bool = False) -> SlotInfo | None:
+    """``find_slot`` of a ubatch of ``n_tokens`` tokens that all belong to ``seq_id`` alone (the ubatch a sequence
+    restore reserves), without building it (find_slot reads only the count and the sequence); the slot holds the
+    cells as find_cells' int64 array (8 bytes a cell, where a list of ints takes 40)."""
+    if not 0 <= seq_id < len(cache.seq_to_stream):
+        cache.check_seq(seq_id)  # raises
+    strm = cache.seq_to_stream[seq_id]
+    idxs = _impl.find_cells(cache.cells(strm), cache.heads[strm], n_tokens, cont, cache.n_swa, cache.swa_type)
+    if idxs is None:
+        return None
+    return SlotInfo(strm, strm, [strm], [idxs])
 
 
 # ---------------------------------------------------------------------------------------------- apply
@@ -272,7 +291,7 @@ def _apply_writes(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch, plan: _Plan) 
             cache.seq_rm(sid, p_min, seq_pos_max_rm[sid] + 1)
 
     for s in range(len(sinfo.strm)):
-        cache.heads[sinfo.strm[s]] = sinfo.idxs[s][-1] + 1
+        cache.heads[sinfo.strm[s]] = int(sinfo.idxs[s][-1]) + 1
 
 
 def _writes_cannot_fail(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch, plan: _Plan) -> bool:
@@ -348,7 +367,7 @@ def prepare_checked(cache: KVCache, ubatches: list[UBatch]) -> tuple[list[SlotIn
     return res, checked
 
 
-def _any_shift(cells: KVCells, idxs: list[int]) -> bool:
+def _any_shift(cells: KVCells, idxs: CellIdxs) -> bool:
     if not cells.get_has_shift():  # a cell's shift is only ever set with has_shift
         return False
     shift = np.asarray(cells.shift)

@@ -383,6 +383,48 @@ def test_refused_sequence_restore_leaves_every_cell_as_it_was(cells_cls, shifted
         np.testing.assert_array_equal(x.data, y.data)
 
 
+@pytest.mark.parametrize("cells_cls", TWINS, ids=TWIN_IDS)
+@pytest.mark.parametrize("case", ["plain", "mrope", "swa-used-targets"])
+@pytest.mark.parametrize("v_trans", [True, False])
+def test_a_sequence_restore_in_parts_leaves_what_one_apply_leaves(monkeypatch, cells_cls, case, v_trans):
+    """A large sequence restore applies its ubatch a part at a time when every target cell is empty, undoes its
+    trial placement and puts the ext back in parts: with tiny parts the cache ends as with one part, cells shared
+    with other sequences, M-RoPE ext, heads and rows included; a restore over SWA-freed cells applies it whole."""
+    import kvref.kv_state as kv_state
+
+    hp = HP(n_pos=4) if case == "mrope" else HP()
+    kw = dict(n_swa=2, swa_type=1) if case == "swa-used-targets" else {}
+    src = make(hp=hp, size=32, cells_cls=cells_cls, v_trans=v_trans)
+    src.decode(Batch(tokens=list(range(4, 15)), seq_ids=[[0]] * 11))
+    if case == "mrope":
+        src.cells(0).ext_set(3, 7, 9, 5)  # as an image token would leave it
+    fill(src, 1)
+    blob = src.state_write(0)
+
+    def restored(part: int) -> tuple[tuple, int]:
+        for name in ("_APPLY_CHUNK", "_UNDO_CHUNK", "_SET_CHUNK"):
+            monkeypatch.setattr(kv_state, name, part)
+        calls = []
+        real = kv_state.apply_ubatch
+        monkeypatch.setattr(kv_state, "apply_ubatch", lambda *a: (calls.append(1), real(*a))[1])
+        target = make(hp=hp, size=32, cells_cls=cells_cls, v_trans=v_trans, **kw)
+        target.decode(Batch(tokens=[5, 6, 7], seq_ids=[[1, 2]] * 3))  # shared by the destination and seq 1
+        target.decode(Batch(tokens=list(range(4, 10)), seq_ids=[[1], [2]] * 3))  # interleaved
+        target.decode(Batch(tokens=list(range(4, 12)), seq_ids=[[3]] * 8))
+        if case == "mrope":
+            target.cells(0).ext_set(4, 7, 9, 5)  # a destination cell with an image token's ext
+        target.seq_rm(1, 4, -1)  # holes between the destination's cells
+        fill(target, 2)
+        target.state_read(blob, 2)
+        assert (target.seq_pos_min(2), target.seq_pos_max(2)) == (0, 10)
+        return snapshot(target), len(calls)
+
+    small, n_small = restored(3)
+    whole, n_whole = restored(1 << 20)
+    assert_same(small, whole)
+    assert n_whole == 1 and n_small == (1 if case == "swa-used-targets" else 4)
+
+
 def test_mismatching_cache_types_are_refused():
     cache = make(("f16", "f16"))
     populate(cache)

@@ -124,7 +124,12 @@ def test_find_cells_twins_match_the_oracle(spec, head, n_tokens, cont, swa_type,
         if n_tokens == 0:
             want = []  # kvref's rule for an empty ubatch
         for mod in mods:
-            assert mod.find_cells(cells, head, n_tokens, cont, n_swa, swa_type) == want, (mod.__name__, cls)
+            got = mod.find_cells(cells, head, n_tokens, cont, n_swa, swa_type)
+            if want is None:
+                assert got is None, (mod.__name__, cls)
+            else:  # the cells as an int64 array, in the order picked
+                assert type(got) is np.ndarray and got.dtype == np.int64 and got.ndim == 1, (mod.__name__, cls)
+                assert got.tolist() == want, (mod.__name__, cls)
 
 
 @settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -134,12 +139,19 @@ def test_used_targets_twins_agree(spec, data) -> None:
     n = len(spec)
     idxs = data.draw(st.lists(st.integers(-2, n + 1), min_size=0, max_size=n + 2))
     size = data.draw(st.sampled_from([len(idxs), len(set(idxs)), max(len(idxs) - 1, 0)]))
-    if data.draw(st.booleans()):
+    form = data.draw(st.sampled_from(["ints", "np.int64", "int64 array"]))
+    if form == "np.int64":
         idxs = [np.int64(i) for i in idxs]
     for cls in CELL_CLASSES:
         cells = build(cls, spec)
-        results = [outcome(lambda mod=mod, cells=cells: mod.used_targets(cells, list(idxs), size)) for mod in mods]
+
+        def given(idxs=idxs, form=form):  # a fresh argument for each call
+            return np.array(idxs, dtype=np.int64) if form == "int64 array" else list(idxs)
+
+        results = [outcome(lambda mod=mod, cells=cells: mod.used_targets(cells, given(), size)) for mod in mods]
         assert results[0] == results[1], (cls, results)
+        if form == "int64 array":  # find_slot's form answers as the list of the same cells does
+            assert results[0] == outcome(lambda cells=cells: mods[0].used_targets(cells, list(idxs), size))
 
 
 # ------------------------------------------------------------------------------------------ end to end
@@ -221,7 +233,7 @@ def test_a_decode_step_tests_few_cells_in_a_large_cache() -> None:
     saved = _slots_py.Usable
     _slots_py.Usable = Spy  # type: ignore[misc]
     try:
-        assert _slots_py.find_cells(cells, n, 1, False, 0, 0) == [n]
+        assert _slots_py.find_cells(cells, n, 1, False, 0, 0).tolist() == [n]
     finally:
         _slots_py.Usable = saved
     assert sum(seen) <= 256
@@ -316,3 +328,48 @@ def test_single_seq_batch_twins_agree(seq, data) -> None:
     a, b = (m.seq_lists(seq_a) for m in mods)
     assert same(a, b) and a[:2] == ([[s] for s in seq], present)
     assert [int(a[2][s]) for s in present] == list(range(len(present))) and int((a[2] >= 0).sum()) == len(present)
+
+
+# ------------------------------------------------------------------------------------------ a restore's slot
+@settings(max_examples=max(20, EXAMPLES // 4), deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    spec=cache_cells(),
+    head=st.integers(0, 45),
+    n_tokens=st.integers(0, 42),
+    cont=st.booleans(),
+    seq=st.integers(0, 3),
+    swa_type=st.integers(0, 3),
+    n_swa=st.integers(1, 6),
+)
+def test_find_slot_seq_is_find_slot_of_a_one_sequence_ubatch(spec, head, n_tokens, cont, seq, swa_type, n_swa) -> None:
+    """A sequence restore's slot (find_slot_seq: the cells as an int64 array) is find_slot's for the ubatch it
+    reserves, and the SlotInfo methods answer alike for either form of its cells."""
+    from kv_cache_helpers import ub
+
+    hp = kvref.HParams(arch="llama", n_layer=1, n_embd=4, n_head=1, n_ctx_train=1 << 16)
+    cache = kvref.KVCache(
+        hp, kv_size=max(len(spec), 1), n_seq_max=4, n_swa=n_swa, swa_type=swa_type, type_k="f32", type_v="f32"
+    )
+    cells = cache.cells(0)
+    for i, cell in enumerate(spec):
+        if cell is not None and all(s < 4 for s in cell[1]):
+            cells.pos_set(i, cell[0])
+            for s in cell[1]:
+                cells.seq_add(i, s)
+    cache.heads[0] = head
+    got = slots.find_slot_seq(cache, seq, n_tokens, cont)
+    want = slots.find_slot(cache, ub([(seq, p) for p in range(n_tokens)]), cont) if n_tokens else None
+    if n_tokens == 0:
+        assert got is not None and got.idxs[0].size == 0 and got.is_contiguous() and got.strm == [0]
+        return
+    if want is None:
+        assert got is None
+        return
+    assert got is not None
+    ix = got.idxs[0]
+    assert type(ix) is np.ndarray and ix.dtype == np.int64
+    assert (got.s0, got.s1, got.strm, [ix.tolist()]) == (want.s0, want.s1, want.strm, want.idxs)
+    assert (got.size(), got.n_stream(), got.empty(), got.head(), got.is_contiguous()) == (
+        want.size(), want.n_stream(), want.empty(), want.head(), want.is_contiguous()
+    )  # fmt: skip
+    assert type(got.head()) is int
