@@ -8,7 +8,8 @@ than from a faster per-cell test:
   row is filled with -inf, then one pass over the stream's cells writes the attended ones in place (the
   cell's position against the token's interval, the 2-D rule at the token's own position, the ALiBi value);
   when the rows are a multiple of 64 KiB long (their starts share cache sets, so rows written column by column
-  evict each other) the pass lists the attended cells instead and each row is written in one go;
+  evict each other) the pass lists the attended cells instead and each row is written in 8 KiB pieces, each
+  filled with -inf and patched while it is still in L1;
 - for every other sequence of the ubatch, the same pass lists its member cells as (pos, cell) keys, sorted by
   position (usually already sorted: then no sort);
 - every rule (causal, the three windows, the SWA_FULL span) attends an *interval* of positions, so a
@@ -86,6 +87,7 @@ ctypedef fused elem_t:
 
 cdef enum:
     MAX_STREAMS = 64
+    SEG_BYTES = 8192  # a one-token row is written in pieces of this size (see _kq_rows)
 
 cdef int64_t POS_INF = 2147483648  # one past the largest int32 position
 
@@ -277,6 +279,8 @@ cdef int _cell_pass(elem_t* out, const KQArgs* a, const int32_t* pos, const uint
     cdef int64_t lo[64]
     cdef int64_t row[64]
     cdef uint64_t span[64]
+    cdef uint64_t* wp[64]
+    cdef uint64_t* wend[64]
     for w in range(N_WORDS):
         if direct[w] | listed[w]:
             words[n_words] = w
@@ -324,6 +328,51 @@ cdef int _cell_pass(elem_t* out, const KQArgs* a, const int32_t* pos, const uint
                 b &= b - 1
                 if <uint64_t>(p0 - lo[k]) <= span[k]:
                     out[row[k] + j] = 0
+        return 1
+    if n_words == 1 and n_listed == 0 and out == NULL and not check_2d:
+        # only one-token sequences, all in one word, listed (their rows share cache sets; a server's decode step):
+        # each cell's key goes to the lists of the sequences whose token attends it, through per-sequence write
+        # pointers held in arrays (the test as in the loop above)
+        w = words[0]
+        bits = direct[w]
+        for k in range(64):
+            lo[k] = POS_INF
+            span[k] = 0
+            wp[k] = NULL
+            wend[k] = NULL
+            if (bits >> k) & 1:
+                m = &mem[w * 64 + k]
+                wp[k] = m.keys + m.n
+                wend[k] = m.keys + m.cap
+                if d[w * 64 + k].hi >= d[w * 64 + k].lo:
+                    lo[k] = d[w * 64 + k].lo
+                    span[k] = <uint64_t>(d[w * 64 + k].hi - d[w * 64 + k].lo)
+        for j in range(n_kv):
+            b = seq[j * N_WORDS + w] & bits
+            if b == 0:
+                continue
+            p0 = pos[j]
+            if p0 < 0:
+                continue
+            key = (<uint64_t>p0 << 32) | <uint64_t>j
+            while b:
+                k = kvref_ctz64(b)
+                b &= b - 1
+                if <uint64_t>(p0 - lo[k]) <= span[k]:
+                    if wp[k] != wend[k]:
+                        wp[k][0] = key
+                        wp[k] += 1
+                        continue
+                    m = &mem[w * 64 + k]
+                    m.n = wp[k] - m.keys
+                    if not _push(m, key):
+                        return 0
+                    wp[k] = m.keys + m.n
+                    wend[k] = m.keys + m.cap
+        for k in range(64):
+            if (bits >> k) & 1:
+                m = &mem[w * 64 + k]
+                m.n = wp[k] - m.keys
         return 1
     if n_words == 1 and n_listed == 0:
         # only one-token sequences, all in one word (a decode step of up to 64 sequences)
@@ -412,7 +461,7 @@ cdef void _kq_rows(elem_t* out, const KQArgs* a, const Members* mem, const int32
     cdef int64_t prev_b[MAX_SEQ]
     cdef int64_t prev_e[MAX_SEQ]  # start of the previous token's 2-D exception range
     cdef int64_t first_cell[MAX_SEQ]  # when the sorted list is cells c, c+1, c+2, ...: c; else -1
-    cdef int64_t i, k, m, ra, rb, e0, p1
+    cdef int64_t i, k, m, ra, rb, e0, p1, c0, c1
     cdef int64_t lo = 0, hi = -1
     cdef int s
     cdef int check_2d = a.is_2d and a.causal
@@ -421,6 +470,7 @@ cdef void _kq_rows(elem_t* out, const KQArgs* a, const Members* mem, const int32
     cdef elem_t* row
     cdef int32_t x = 0, y = 0
     cdef size_t row_bytes = <size_t>n_kv * sizeof(elem_t)
+    cdef int64_t seg = SEG_BYTES // <int64_t>sizeof(elem_t)
     for s in range(MAX_SEQ):
         last_row[s] = -1
         first_cell[s] = -2  # not looked at yet
@@ -434,14 +484,23 @@ cdef void _kq_rows(elem_t* out, const KQArgs* a, const Members* mem, const int32
         if n_tok[s] == 1:
             if direct_written:
                 continue
-            # the only token of its sequence: the list holds exactly the cells it attends
-            _fill(row, n_kv, DROP)
-            if a.alibi:
-                for k in range(m):
-                    row[_cell(ks[k])] = _alibi_value(KEEP, <int64_t>(ks[k] >> 32) - p1)
-            else:
-                for k in range(m):
-                    row[_cell(ks[k])] = KEEP
+            # the only token of its sequence: the list holds exactly the cells it attends, in cell order (the cell
+            # pass appends them so); the row is written in pieces of 8 KiB, each filled with -inf and then patched
+            # while it is still in L1 (a whole row filled first would be out of L1 again before it is patched)
+            k = 0
+            c0 = 0
+            while c0 < n_kv:
+                c1 = min(n_kv, c0 + seg)
+                _fill(row + c0, c1 - c0, DROP)
+                if a.alibi:
+                    while k < m and _cell(ks[k]) < c1:
+                        row[_cell(ks[k])] = _alibi_value(KEEP, <int64_t>(ks[k] >> 32) - p1)
+                        k += 1
+                else:
+                    while k < m and _cell(ks[k]) < c1:
+                        row[_cell(ks[k])] = KEEP
+                        k += 1
+                c0 = c1
             continue
         if check_2d:
             ext = cext[seq_stream[s]]

@@ -325,6 +325,28 @@ def test_one_token_sequences_match_the_oracle(mk, n_kv, dtype):
             assert same_bits(out, ref), (len(some), kw)
 
 
+@pytest.mark.parametrize(("n_kv", "dtype"), [(16384, np.float32), (32768, np.float16)], ids=["f32", "f16"])
+def test_one_token_rows_64KiB_apart_with_long_lists(mk, n_kv, dtype):
+    """The listed one-token rows (rows a multiple of 64 KiB long) over a full cache: one sequence holds every used
+    cell, so its list outgrows the room reserved per sequence, and every sequence has cells all along the row,
+    which the Cython twin writes in pieces. Checked against the Python twin (itself checked against the oracle
+    above): the cell-by-cell oracle is too slow for rows this long."""
+    rng = np.random.default_rng(5)
+    n_seq = 10
+    pos = rng.integers(0, 4000, n_kv).astype(np.int32)
+    pos[rng.choice(n_kv, n_kv // 16, replace=False)] = -1
+    words = np.zeros((n_kv, 4), np.uint64)
+    words[:, 0] = rng.integers(0, 1 << n_seq, n_kv).astype(np.uint64) | np.uint64(1)  # sequence 0 everywhere
+    words[pos == -1] = 0
+    c = (pos, words, np.zeros((n_kv, 3), np.int32))
+    toks = [(s, int(rng.integers(2000, 4100))) for s in range(n_seq)]
+    for kw in (dict(), dict(alibi=True), dict(n_swa=1500, swa_type=1), dict(n_swa=700, swa_type=2)):
+        out = run(mk, [c], toks, dtype=dtype, **kw)
+        ref = run(_mask_py, [c], toks, dtype=dtype, **kw)
+        assert same_bits(out, ref), kw
+        assert (out == 0).any() and np.isinf(out).any(), kw
+
+
 # ------------------------------------------------------------------------------ argument errors
 
 
