@@ -299,8 +299,8 @@ def swa_layers_from_log() -> dict[str, list[int]]:
 def _pick(nodes: list[ShiftNode], swa: list[int], per_layer: int, rng: np.random.Generator) -> dict[int, np.ndarray]:
     """Layers and cells worth keeping. Rows a rounding variant gets wrong (without FMA; with float64 trig instead of
     the C library's) come first, then one cell of each distinct shift, eight unshifted cells, then random shifted
-    cells. Layers: 0 and the first
-    global one, and the SWA and global layers with most rows the trig variant gets wrong (ties: the FMA variant)."""
+    cells. Layers: 0 and the first global one, and the SWA and global layers with most rows the trig variant gets
+    wrong (ties: the FMA variant)."""
     from kvref import kshift
 
     fma_bad: dict[int, np.ndarray] = {}
@@ -332,6 +332,8 @@ def _pick(nodes: list[ShiftNode], swa: list[int], per_layer: int, rng: np.random
 
 
 def write_golden(model: Path, out: Path = OUT, per_layer: int = 96) -> dict[str, Any]:
+    """Run `shift_run` and write ``per_layer`` picked rows of the picked layers (`_pick`) before and after the
+    shift, with ``kshift.json`` describing them, into ``out``; returns that description."""
     nodes = shift_run(model)
     caches = swa_layers_from_log()
     picked = _pick(nodes, caches["swa"], per_layer, np.random.default_rng(5))
@@ -376,7 +378,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--fetch", action="store_true", help="download the model first if it is not found")
     ap.add_argument("--fetch-only", action="store_true", help="only find or download the model; print its path")
-    ap.add_argument("--out", type=Path, default=OUT)
+    ap.add_argument("--out", type=Path, default=OUT, help="the golden's directory (default: %(default)s)")
     a = ap.parse_args()
     model = find_model()
     if model is None and (a.fetch or a.fetch_only):

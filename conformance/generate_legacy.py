@@ -167,8 +167,13 @@ def memory_block(case, hp: dict, octx: dict | None) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-k", default="", help="only cases whose id contains this text")
-    ap.add_argument("--list", action="store_true")
-    ap.add_argument("--model-dir", type=Path, default=Path.home() / ".cache" / "kvref-conformance-legacy")
+    ap.add_argument("--list", action="store_true", help="print the case ids and descriptions, record nothing")
+    ap.add_argument(
+        "--model-dir",
+        type=Path,
+        default=Path.home() / ".cache" / "kvref-conformance-legacy",
+        help="where the tiny GGUFs are written (default: %(default)s)",
+    )
     a = ap.parse_args(argv)
     if not L.__version__.startswith("0.2."):
         raise SystemExit(f"run this under llama-cpp-python 0.2.x, not {L.__version__} (generate.py records the others)")
@@ -178,7 +183,12 @@ def main(argv=None) -> int:
 
     generate.memory_block = memory_block
     parse_log = driver._parse_memory_log
-    driver._parse_memory_log = lambda lines: {**parse_log(lines), "caches": [*parse_log(lines)["caches"], *_CACHES]}
+
+    def parse_memory_log(lines) -> dict:
+        log = parse_log(lines)
+        return {**log, "caches": [*log["caches"], *_CACHES]}
+
+    driver._parse_memory_log = parse_memory_log
     cases = [c for c in generate.CASES if c.id in LEGACY_02_CASES and a.k in c.id]
     if a.list:
         for c in cases:

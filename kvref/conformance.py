@@ -529,14 +529,17 @@ class CarriedRows:
 
     @property
     def active(self) -> bool:
+        """Is the memory a quantized plain KV cache (else every method does nothing)?"""
         return self.mem is not None
 
     def placed(self, _ub: Any, slot: Any) -> None:
+        """A decode's ubatch went into ``slot``: its cells hold kvref's rows now (an ``on_ubatch`` callback)."""
         if self.flags is not None:
             for strm, idxs in zip(slot.strm, slot.idxs, strict=True):
                 self.flags[strm, np.asarray(idxs, dtype=np.intp)] = False
 
     def reset(self, stream: int | None = None) -> None:
+        """Unmark every cell of ``stream`` (None: of every stream)."""
         if self.flags is not None:
             self.flags[slice(None) if stream is None else stream] = False
 

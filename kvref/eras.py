@@ -194,8 +194,8 @@ def _kv_seq_ids(mem: MemorySections) -> bool:
 
 # ------------------------------------------------------------------------------------------- conversion
 def _seq_cells(mem: MemorySections, seq_id: int | None) -> MemorySections:
-    """A sequence save's KV cells with the one id ``seq_id`` each (None: with none, as in 2024). Cells that
-    already list ids keep them; only cells without any get ``seq_id``."""
+    """A sequence save's KV cells with the one id ``seq_id`` each (None: with no id, as in 2024). Only streams
+    whose cells are the other way change: a stream whose cells already list ids keeps them."""
     out: list[KVSection | RecurrentSection] = []
     for sec in mem.sections:
         if isinstance(sec, RecurrentSection):
@@ -204,7 +204,7 @@ def _seq_cells(mem: MemorySections, seq_id: int | None) -> MemorySections:
         streams = []
         for st in sec.streams:
             c = st.cells
-            if c is None or (seq_id is not None and len(c.seq_id)) or (seq_id is None and not len(c.seq_id)):
+            if c is None or bool(len(c.seq_id)) == (seq_id is not None):  # already as wanted
                 streams.append(st)
                 continue
             if seq_id is None:
@@ -311,7 +311,8 @@ def to_era(
     dropped; the ``n_stream`` field, cell ext and sequence-blob prefix become the era's; the KV cells of a
     sequence save lose their id (2024) or, when they have none, get ``seq_id``.
     ``has_ext`` says whether the cache writes a cell ext (default: the arch string's rope type, else whether any
-    cell carries one); ``seq_id`` is the id written in a sequence-blob prefix (default: the blob's, else 0). The
+    cell carries one); ``seq_id`` is the id written in a sequence-blob prefix and in the
+    cells of a sequence save that need one (default: the blob's prefix id, else 0). The
     rows are shared with ``obj``. Raises ConversionError where the target layout cannot hold the content.
     """
     e = era(target)
@@ -330,12 +331,11 @@ def to_era(
         new.outputs = (outputs or _empty_outputs()) if e.outputs else None  # type: ignore[attr-defined]
         rng = getattr(obj, "rng", None)
         new.rng = (rng or rng_text()) if e.rng else None  # type: ignore[attr-defined]
+    sid = getattr(obj, "seq_id", None)  # a sequence blob's prefix id
     if obj.kind == "seq_state":
         new.has_header = e.seq_header  # type: ignore[attr-defined]
-        sid = getattr(obj, "seq_id", None)
-        new.seq_id = (sid if sid is not None else (seq_id or 0)) if e.seq_header else None  # type: ignore[attr-defined]
+        new.seq_id = (seq_id if seq_id is not None else sid or 0) if e.seq_header else None  # type: ignore[attr-defined]
     if obj.kind in ("seq", "seq_state"):
-        sid = getattr(obj, "seq_id", None)
         new.memory = _seq_cells(new.memory, (seq_id if seq_id is not None else sid or 0) if e.seq_kv_ids else None)
     return new
 

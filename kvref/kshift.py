@@ -95,7 +95,7 @@ class RopeKernel:
 
 
 GGML_CPU = RopeKernel()  # the default: the 0.3.36 wheel on a machine with AVX2/FMA
-NO_FMA = RopeKernel(fma=False)
+NO_FMA = RopeKernel(fma=False)  # a build without FMA contraction (-ffp-contract=off, or x86-64 without -mfma)
 
 
 # ---------------------------------------------------------------------------------------------- C library
@@ -309,8 +309,13 @@ def shift_k_rows(
     if t not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
         raise KVRefError(f"shift_k_rows: {t.name.lower()} K rows are quantized (kvref.kshift_quant shifts them)")
     n_cells = buf.shape[0]
-    if buf.shape[1] != row_size(t, n_head_kv * n_embd_head_k):
-        raise KVRefError("shift_k_rows: buffer rows do not match n_head_kv * n_embd_head_k")
+    want = row_size(t, n_head_kv * n_embd_head_k)
+    if buf.shape[1] != want:
+        raise KVRefError(
+            f"shift_k_rows: rows of {buf.shape[1]} bytes, but n_head_kv {n_head_kv} x n_embd_head_k "
+            f"{n_embd_head_k} {t.name.lower()} values take {want}: pass one "
+            "layer's K rows, every stream, as (n_cells, row bytes)"
+        )
     if n_embd_nope + p.n_dims > n_embd_head_k:
         raise KVRefError(f"rope: n_dims {p.n_dims} + offset {n_embd_nope} > head size {n_embd_head_k}")
     x = to_f32(buf, t).reshape(n_cells, n_head_kv, n_embd_head_k)

@@ -63,8 +63,13 @@ def shift_quantized_k_rows(
     build rounds the rope (`kvref.kshift.RopeKernel`); the rope runs on an f32 tensor here."""
     t = ggml_type(type_k)
     n_cells = buf.shape[0]
-    if buf.shape[1] != row_size(t, n_head_kv * n_embd_head_k):
-        raise KShiftError("shift_quantized_k_rows: buffer rows do not match n_head_kv * n_embd_head_k")
+    want = row_size(t, n_head_kv * n_embd_head_k)
+    if buf.shape[1] != want:
+        raise KShiftError(
+            f"shift_quantized_k_rows: rows of {buf.shape[1]} bytes, but n_head_kv {n_head_kv} x n_embd_head_k "
+            f"{n_embd_head_k} {type_name(t)} values take {want}: pass one "
+            "layer's K rows, every stream, as (n_cells, row bytes)"
+        )
     if p.n_dims != n_embd_head_k:
         raise KShiftError(
             f"K-shift of a {type_name(t)} K cache with n_rot {p.n_dims} below the head size {n_embd_head_k}: "
@@ -73,7 +78,7 @@ def shift_quantized_k_rows(
     x = dequantize(buf, t).reshape(n_cells, n_head_kv, n_embd_head_k)
     if rot:
         x = fwht(x, rot)
-    y = rope_f32(x, shift, p, 0, kernel, True)
+    y = rope_f32(x, shift, p, kernel=kernel, f32_op=True)
     if rot:
         y = fwht(y, rot)
     buf[...] = quantize_cpu(y.reshape(n_cells, -1), t)
@@ -122,8 +127,7 @@ def check_quantized_shift(cache: KVCache) -> int:
             )
     if not can_quantize(t):
         raise KShiftError(f"K-shift of a {type_name(t)} K cache: kvref cannot quantize {type_name(t)}; {config}")
-    sizes = {hp.n_embd_head_k_l(layer.il) for layer in cache.layers}
-    return k_rot_size(sizes.pop()) if len(sizes) == 1 else 0
+    return k_rot_size(hp.n_embd_head_k_l(cache.layers[0].il))  # attn_rot_k: every layer has this head size
 
 
 __all__ = ["check_quantized_shift", "check_shift_type", "shift_quantized_k_rows"]

@@ -117,9 +117,7 @@ def quantize_cpu(x: np.ndarray, t: GGMLType | int | str) -> np.ndarray:
     if t != GGMLType.Q8_0:
         return quantize(x, t)  # ggml-cpu's from_float is the reference quantizer for the other KV types
     x = np.ascontiguousarray(x, dtype=np.float32)
-    nbytes = row_size(t, x.shape[-1]) if x.ndim else 0
-    if x.ndim == 0 or x.shape[-1] % 32:
-        raise QuantError(f"rows of {x.shape[-1] if x.ndim else 0} values are not a whole number of q8_0 blocks")
+    nbytes = row_size(t, x.shape[-1])  # a GGMLTypeError unless a whole number of blocks, as in `quantize`
     if x.size == 0:
         return np.zeros((*x.shape[:-1], nbytes), np.uint8)
     return _q8_0_cpu(x).reshape(*x.shape[:-1], nbytes)

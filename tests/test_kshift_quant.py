@@ -201,8 +201,8 @@ def test_a_wrong_kshift_is_caught(cid: str, broken: str, monkeypatch: pytest.Mon
             return np.asarray(x, np.float32)
         return real_fwht(x, n)
 
-    def rope(x: np.ndarray, pos: np.ndarray, p: Any, *args: Any) -> np.ndarray:
-        return real_rope(x, np.asarray(pos) + (1 if broken == "shift+1" else 0), p, *args)
+    def rope(x: np.ndarray, pos: np.ndarray, p: Any, *args: Any, **kwargs: Any) -> np.ndarray:
+        return real_rope(x, np.asarray(pos) + (1 if broken == "shift+1" else 0), p, *args, **kwargs)
 
     monkeypatch.setattr(kshift_quant, "fwht", fwht)
     monkeypatch.setattr(kshift_quant, "rope_f32", rope)

@@ -56,18 +56,25 @@ def nodes() -> list[g.ShiftNode]:
     return g.shift_run(MODEL)
 
 
-def test_kshift_of_every_layer_and_cell_matches_llama(nodes):
-    """kvref's memory from the GGUF, the graph's before-rows of all 18 layers (1024 cells each, empty ones too),
-    the golden run's operations: the shift input and every after-row are llama.cpp's."""
-    mem = kvref.create_memory(kvref.HParams.from_gguf(MODEL), n_ctx=1024, type_k="f16", type_v="f16")
+def before_shift(nodes: list[g.ShiftNode], type_k: str) -> tuple[Any, dict[int, tuple[Any, Any]]]:
+    """kvref's memory from the GGUF after the golden run's prompt, its K rows replaced by the graph's before-rows
+    and the run's operations made (``update()`` runs the shift), and its `layers_of`."""
+    assert MODEL is not None
+    mem = kvref.create_memory(kvref.HParams.from_gguf(MODEL), n_ctx=1024, type_k=type_k, type_v="f16")
     mem.decode(kvref.Batch(tokens=g.prompt_tokens(), seq_ids=[[0]] * g.N_PROMPT), n_ubatch=512)
     by_layer = layers_of(mem)
     assert sorted(n.layer for n in nodes) == sorted(by_layer) == list(range(18))
     for n in nodes:
-        _, layer = by_layer[n.layer]
-        layer.k[0] = n.pre.reshape(n.pre.shape[0], -1).view(np.uint8)
+        by_layer[n.layer][1].k[0] = n.pre.reshape(n.pre.shape[0], -1).view(np.uint8)
     for name, *args in g.OPS:
         getattr(mem, name)(*args)
+    return mem, by_layer
+
+
+def test_kshift_of_every_layer_and_cell_matches_llama(nodes):
+    """kvref's memory from the GGUF, the graph's before-rows of all 18 layers (1024 cells each, empty ones too),
+    the golden run's operations: the shift input and every after-row are llama.cpp's."""
+    mem, by_layer = before_shift(nodes, "f16")
     for n in nodes:
         part, _ = by_layer[n.layer]
         assert np.array_equal(part.k_shift_input(), n.shift), f"shift input, layer {n.layer}"
@@ -83,14 +90,7 @@ def test_kshift_with_f32_k_matches_llama():
     """The same run with an f32 K cache (ggml's f32 rope kernel): every element of every layer."""
     assert MODEL is not None
     nodes = g.shift_run(MODEL, type_k="f32")
-    hp = kvref.HParams.from_gguf(MODEL)
-    mem = kvref.create_memory(hp, n_ctx=1024, type_k="f32", type_v="f16")
-    mem.decode(kvref.Batch(tokens=g.prompt_tokens(), seq_ids=[[0]] * g.N_PROMPT), n_ubatch=512)
-    by_layer = layers_of(mem)
-    for n in nodes:
-        by_layer[n.layer][1].k[0] = n.pre.reshape(n.pre.shape[0], -1).view(np.uint8)
-    for name, *args in g.OPS:
-        getattr(mem, name)(*args)
+    mem, by_layer = before_shift(nodes, "f32")
     mem.update()
     for n in nodes:
         got = by_layer[n.layer][1].k[0].view("<f4")

@@ -2,7 +2,8 @@
 
 Formats (each declared once in a small layout DSL, `kvref.state.dsl`, and walked both ways):
 
-- session file 'ggsn' (llama_state_save_file): version 10 (current) and 9 (legacy; see below);
+- session file 'ggsn' (llama_state_save_file): version 10 (current), 9 and 8 (2024: the sampler's rng string,
+  `kvref.state.legacy`);
 - sequence file 'ggsq' (llama_state_seq_save_file): version 3 (current) and 2;
 - raw blobs: llama_state_get_data ("state") and llama_state_seq_get_data ("seq_state");
 - memory sections: attention KV (multi-stream, v_trans 0/1, cell ext of 0/8/12 bytes, any ggml type, with or
@@ -11,7 +12,9 @@ Formats (each declared once in a small layout DSL, `kvref.state.dsl`, and walked
 
 History (details, with sources, in docs/state-format.md):
 
-- PR #8699 (July 2024) unified whole-context and per-sequence state code: both write the same memory section.
+- PR #8699 (July 2024) unified whole-context and per-sequence state code: both write the same memory section
+  (session version 8, which also saved the sampler's rng after the arch; a KV sequence save's cells carried no
+  seq id).
 - PR #14363 "llama : add high-throughput mode" (merged July 2025) added ``u32 n_stream`` in front of the KV
   section and one cell table per stream, without a version bump: version-9 sessions and version-2 sequence
   files exist with and without it (``n_stream_field=``).
@@ -59,9 +62,10 @@ Cache integration (for KVCache, RecurrentMemory, KVCacheISWA, HybridMemory)::
     sections, end = read_sections(blob, [spec_base, spec_swa], seq_id=seq_id)   # composites, trailing checked
     # RecurrentSpec(size, n_seq_max, n_layer, layers=(RecurrentLayerSpec(r_type, r_row_size, s_type,
     #               s_row_size, n_embd_s, p_row_size), ...), s_trans=False) with read_recurrent_section.
-  Validation covers stream count, cell count vs cache size, n_seq_id (1 for KV / 0 for recurrent sequence
-  states), seq id range, layer count, v_trans/s_trans, every type, row size, element size and V width, and
-  trailing bytes; each failure is a FormatError naming the field and its byte offset.
+  Validation covers stream count, cell count vs cache size, n_seq_id (1 for KV, or 0 with
+  ``KVSpec(seq_cell_ids=0)`` as llama.cpp of 2024 wrote; 0 for recurrent sequence states), seq id range, layer
+  count, v_trans/s_trans, every type, row size, element size and V width, and trailing bytes; each failure is a
+  FormatError naming the field and its byte offset.
 """
 
 from __future__ import annotations

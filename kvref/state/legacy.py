@@ -108,12 +108,9 @@ class RngField(Field[object]):
         if not want and value is not None:
             raise FormatError(f"present, but session version {version} has no rng string", field="rng", offset=w.n)
         if value is not None:
-            if not isinstance(value, str) or check_rng(value) is not None:
-                raise FormatError(
-                    f"refusing to write: {check_rng(value) if isinstance(value, str) else 'not a str'}",
-                    field="rng",
-                    offset=w.n,
-                )
+            msg = check_rng(value) if isinstance(value, str) else f"a {type(value).__name__}, not a str"
+            if msg:
+                raise FormatError(f"refusing to write: {msg}", field="rng", offset=w.n)
             self._str.write(w, value, env)
 
 
