@@ -22,9 +22,28 @@ def single_seq_batch(
     n_vocab: int,
     mrope: bool,
 ) -> npt.NDArray[np.int32] | None: ...
+def place_single(
+    cells: KVCells,
+    head: int,
+    tokens: npt.NDArray[np.int64],
+    pos: npt.NDArray[np.int64] | None,
+    seq_ids: list[list[int]] | None,
+    n_seq_max: int,
+    n_swa: int,
+    swa_type: int,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32], npt.NDArray[np.int32]] | None: ...
 def seq_lists(seq: npt.NDArray[np.int32]) -> tuple[list[list[int]], list[int], npt.NDArray[np.int32]]: ...
 def seq_flat(
     seq_ids: list[list[int]],
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int, int, bool] | None: ...
 
-__all__ = ["find_cells", "plain_seq_ids", "seq_flat", "seq_lists", "single_seq_batch", "single_seq_ids", "used_targets"]
+__all__ = [
+    "find_cells",
+    "place_single",
+    "plain_seq_ids",
+    "seq_flat",
+    "seq_lists",
+    "single_seq_batch",
+    "single_seq_ids",
+    "used_targets",
+]

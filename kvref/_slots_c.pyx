@@ -448,4 +448,28 @@ def seq_flat(seq_ids):
     return counts, flat, lo, hi, single
 
 
-__all__ = ["find_cells", "plain_seq_ids", "seq_flat", "seq_lists", "single_seq_batch", "single_seq_ids", "used_targets"]
+def place_single(cells, head, tokens, pos, seq_ids, n_seq_max, n_swa, swa_type):
+    """A whole decode step of the common batch on one stream's cells (kvref/_slots_py.py states it): the parts
+    called from C, without a Python frame between them. None, with nothing changed, when any part declines."""
+    cdef Py_ssize_t n = tokens.shape[0]
+    ids = single_seq_ids(seq_ids, n, n_seq_max)
+    if ids is None:
+        return None
+    seq, present, _seq_idx = ids
+    try:
+        mem_pos_max = [cells.seq_pos_max(s) for s in present]
+    except Exception:
+        return None  # the general path asks again, where llama.cpp would
+    p = single_seq_batch(tokens, pos, seq, present, mem_pos_max, -1, False)
+    if p is None:
+        return None
+    idxs = find_cells(cells, head, n, False, n_swa, swa_type)
+    if idxs is None or not cells.place(idxs, p, seq, (0, 0, tokens)):
+        return None
+    return idxs, p, seq
+
+
+__all__ = [
+    "find_cells", "place_single", "plain_seq_ids", "seq_flat", "seq_lists", "single_seq_batch", "single_seq_ids",
+    "used_targets",
+]

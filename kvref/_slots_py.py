@@ -3,7 +3,8 @@ checks ``apply_ubatch`` makes on its target cells, src/llama-kv-cache.cpp).
 
 This is the readable statement of the rules; ``_slots_c.pyx`` implements the same functions at C speed.
 Both take one stream's ``KVCells`` (either twin: they read its ``pos`` and ``seq`` arrays, ``size()``,
-``get_used()`` and ``seq_pos_max``) and never change it. ``kvref/slots.py`` calls them per stream of a
+``get_used()`` and ``seq_pos_max``) and never change it, except ``place_single`` (a whole decode step, which writes
+through ``KVCells.place``). ``kvref/slots.py`` calls them per stream of a
 ubatch and does the rest (streams, heads, writing the cells, prepare's rollback).
 
 find_cells, the search of one stream, walks from the head as llama.cpp does and stops as soon as it has
@@ -259,6 +260,40 @@ def single_seq_batch(
     return p.astype(np.int32)
 
 
+def place_single(
+    cells: KVCells,
+    head: int,
+    tokens: npt.NDArray[np.int64],
+    pos: npt.NDArray[np.int64] | None,
+    seq_ids: list[list[int]] | None,
+    n_seq_max: int,
+    n_swa: int,
+    swa_type: int,
+) -> tuple[npt.NDArray[np.int64], IntArray, IntArray] | None:
+    """A whole decode step of the common batch on one stream's cells, when every part of it succeeds: the batch
+    allocator's one-pass check (``single_seq_ids``, the cells' ``seq_pos_max`` of each sequence, ``single_seq_batch``
+    without a vocabulary bound or M-RoPE), find_slot's search from ``head`` (``find_cells``, not contiguous) and
+    apply_ubatch's writes into empty cells (``KVCells.place``, ext ``(0, 0, token)``). Returns the cells (int64), the
+    positions and the sequence ids (int32), or None with nothing changed when any part would decline: the caller's
+    general path then does each part in turn (and raises its error)."""
+    n = int(tokens.shape[0])
+    ids = single_seq_ids(seq_ids, n, n_seq_max)
+    if ids is None:
+        return None
+    seq, present, _seq_idx = ids
+    try:
+        mem_pos_max = [cells.seq_pos_max(s) for s in present]
+    except Exception:
+        return None  # the general path asks again, where llama.cpp would
+    p = single_seq_batch(tokens, pos, seq, present, mem_pos_max, -1, False)
+    if p is None:
+        return None
+    idxs = find_cells(cells, head, n, False, n_swa, swa_type)
+    if idxs is None or not cells.place(idxs, p, seq, (0, 0, tokens)):
+        return None
+    return idxs, p, seq
+
+
 def seq_lists(seq: IntArray) -> tuple[list[list[int]], list[int], IntArray]:
     """``[[s] for s in seq]`` (a ubatch's ``seq_id`` when every token has one sequence), the distinct ids ascending
     (``seq_id_unq``), and ``seq_idx``: int32[LLAMA_MAX_SEQ], each id's index in that list, -1 for the others."""
@@ -289,4 +324,13 @@ def seq_flat(
     return c, f, lo, hi, all(k == 1 for k in counts)
 
 
-__all__ = ["find_cells", "plain_seq_ids", "seq_flat", "seq_lists", "single_seq_batch", "single_seq_ids", "used_targets"]
+__all__ = [
+    "find_cells",
+    "place_single",
+    "plain_seq_ids",
+    "seq_flat",
+    "seq_lists",
+    "single_seq_batch",
+    "single_seq_ids",
+    "used_targets",
+]

@@ -28,13 +28,14 @@ from . import kv_state as _kv_state
 from . import rotation as _rotation
 from . import slots as _slots
 from .args import args_name, as_int32, as_range, as_seq_id, as_state_args, check_alloc
+from .batch import UBatch
 from .cells import LLAMA_MAX_SEQ, POS_MAX, KVCells
 from .errors import KVRefError, NoSlotError, SequenceError
 from .ggml import GGMLType, ggml_type, row_size, traits
 from .hparams import HParams, RopeType, SWAType
 from .kshift import GGML_CPU, ROPE_NEOX, RopeKernel, RopeParams, shift_k_rows
 from .kshift_quant import check_shift_type, shift_quantized_k_rows
-from .memory_base import ContextParams, decode_batch
+from .memory_base import ContextParams, decode_batch, decode_seq_bound
 from .profile import DEFAULT, Profile, first_release, resolve
 from .rows import from_f32, typed
 from .slots import SlotInfo
@@ -42,7 +43,7 @@ from .slots import SlotInfo
 if TYPE_CHECKING:
     from typing_extensions import Buffer, Unpack
 
-    from .batch import Batch, BatchAllocr, UBatch
+    from .batch import Batch, BatchAllocr
     from .state import KVSection
 
 # what get_k / get_v return: float32, float16, bf16 bits (uint16), or raw bytes for a quantized type
@@ -556,7 +557,60 @@ class KVCache:
         the batch does not fit; the cells and heads are then as prepare() leaves them after a failure: the
         pending update applied and, with SWA, any purge done while trying earlier ubatches kept (as in
         llama.cpp)."""
+        if balloc is None and not embd_all and self.n_stream == 1:
+            step = self._decode_single(batch, n_ubatch)
+            if step is not None:  # the common step, done in one call: what decode_batch would have done
+                ub, slot = step
+                if k or v:
+                    rows = np.arange(ub.n_tokens, dtype=np.int32)  # ub.batch_idxs: the whole batch, in order
+                    for il, data in (k or {}).items():
+                        self.cpy_k(il, np.asarray(data)[rows], slot)
+                    for il, data in (v or {}).items():
+                        self.cpy_v(il, np.asarray(data)[rows], slot)
+                if on_ubatch is not None:
+                    on_ubatch(ub, slot)
+                return [(ub, slot)]
         return decode_batch(self, batch, n_ubatch, k=k, v=v, balloc=balloc, embd_all=embd_all, on_ubatch=on_ubatch)
+
+    def _decode_single(self, batch: Batch, n_ubatch: int) -> tuple[UBatch, SlotInfo] | None:
+        """decode_batch's validation, update, split, prepare and apply of a one-stream cache in one kernel call
+        (``place_single`` of the slots twins), for the common step: token ids without embeddings, one sequence id
+        per token, one position each (no M-RoPE), one ubatch, nothing pending (no K-shift, no stream copy), and
+        empty cells for every token. None, with nothing changed, for any other step or when any part declines:
+        decode_batch then does each part in turn, raising its errors in its order. The ubatch is built when read."""
+        tokens, pos, logits = batch.tokens, batch.pos, batch.logits
+        if (
+            type(tokens) is not np.ndarray
+            or batch.embd is not None
+            or not (pos is None or type(pos) is np.ndarray)
+            or type(n_ubatch) is not int
+            or tokens.shape[0] > n_ubatch
+            or self._sc_src
+        ):
+            return None
+        n = tokens.shape[0]
+        if not (logits is None or (type(logits) is np.ndarray and logits.dtype == np.bool_ and logits.shape == (n,))):
+            return None
+        cells = self._cells[0]
+        if cells.get_has_shift() or self.hparams.n_pos_per_embd() != 1:
+            return None
+        n_seq_max = decode_seq_bound(self.profile, self.kv_unified, self.n_seq_max)
+        if n_seq_max > len(self.seq_to_stream):
+            return None
+        placed = _slots.kernels.place_single(
+            cells, self.heads[0], tokens, pos, batch.seq_ids, n_seq_max, self.n_swa, self.swa_type
+        )
+        if placed is None:
+            return None
+        idxs, p, seq = placed
+        self.heads[0] = int(idxs[-1]) + 1
+        self._checked = None
+        if logits is None:
+            out = np.zeros(n, dtype=np.int8)
+            out[-1] = 1
+        else:
+            out = logits.astype(np.int8)
+        return UBatch.whole_single(tokens.astype(np.int32), p, seq, out), SlotInfo(0, 0, [0], [idxs.tolist()])
 
     # decode_batch's steps
     def _decode_n_seq_max(self) -> int:

@@ -7,6 +7,9 @@
 - ``Batch`` copies plain-int sequence ids at C speed: the same lists, or the same error, as its general check.
 - ``prepare`` only checks the last ubatch when its apply would fill empty cells (the restore would undo it):
   with or without that shortcut, decode and prepare leave the same cells and heads and raise the same errors.
+- ``KVCache.decode`` does the common step of a one-stream cache in one kernel call (``place_single``): with it or
+  forced onto ``decode_batch``, every step returns the same ubatches and slots (or raises the same error) and leaves
+  the same cells, heads and K/V rows.
 - ``apply_ubatch`` writes one-sequence tokens into empty cells with ``KVCells.place`` (all-or-nothing, else the
   writes one kind at a time): ``place`` is exactly ``pos_set_many`` + ``ext_set_many`` + ``seq_add_many``.
 
@@ -15,6 +18,7 @@ Each runs against both slots twins (the kernels) and both cell twins.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -56,8 +60,8 @@ def outcome(f: Any) -> tuple:
 def _plain(v: Any) -> Any:
     if isinstance(v, np.ndarray):
         return (str(v.dtype), v.shape, v.tolist())
-    if isinstance(v, UBatch):
-        return {k: _plain(x) for k, x in vars(v).items()}
+    if isinstance(v, UBatch):  # its fields read one by one (a decode step's ubatch builds them when first read)
+        return {f.name: _plain(getattr(v, f.name)) for f in dataclasses.fields(v)}
     if isinstance(v, (list, tuple)):
         return [_plain(x) for x in v]
     if isinstance(v, dict):
@@ -380,3 +384,109 @@ def test_splitters_resume_where_a_rescan_would(seqs: list, n_ubatch: int, n_keep
             got.append((_plain(res), list(a.out_ids), a.get_n_used()))
         runs.append(got)
     assert runs[0] == runs[1]
+
+
+# ------------------------------------------------------------------------------- KVCache.decode's one-call step
+@st.composite
+def cache_steps(draw: st.DrawFn) -> list:
+    steps = []
+    for _ in range(draw(st.integers(1, 8))):
+        kind = draw(st.sampled_from(["decode", "decode", "decode", "decode", "seq_rm", "seq_add", "update"]))
+        if kind == "decode":
+            spec = draw(batches())
+            if draw(st.booleans()):  # the next positions of its sequences: mostly a step that succeeds
+                spec["pos"] = None
+            extra = dict(
+                n_ubatch=draw(st.sampled_from([512, 512, 1, 3, 8, np.int64(8), True])),
+                rows=draw(st.booleans()),
+                on_ubatch=draw(st.booleans()),
+                embd_all=draw(st.sampled_from([False, False, True])),
+            )
+            steps.append((kind, (spec, extra)))
+        else:
+            steps.append((kind, (draw(st.integers(0, 5)), draw(st.integers(0, 6)), draw(st.integers(-2, 2)))))
+    return steps
+
+
+def run_cache(steps: list, fast: bool, cells_cls: type, size: int, unified: bool, n_swa: int, swa_type: int) -> list:
+    hp = kvref.HParams(arch="llama", n_layer=2, n_embd=4, n_head=1, n_ctx_train=1 << 16)
+    cache = kvref.KVCache(
+        hp, kv_size=size, n_seq_max=5 if unified else 1, kv_unified=unified, n_swa=n_swa, swa_type=swa_type,
+        type_k="f32", type_v="f16", cells_cls=cells_cls,
+    )  # fmt: skip
+    if not fast:
+        cache._decode_single = lambda *args: None  # type: ignore[method-assign]
+    log: list = []
+    for kind, args in steps:
+        if kind == "decode":
+            spec, extra = args
+            made = outcome(lambda spec=spec: Batch(**spec))
+            if made[0] != "ok":
+                continue
+            batch, n = made[1], made[1].n_tokens
+            seen: list = []
+            kw: dict = {}
+            if extra["rows"]:
+                rows = np.arange(n * 4, dtype=np.float32).reshape(n, 4) + len(log)
+                kw = dict(k={0: rows, 1: rows + 0.5}, v={0: -rows, 1: rows * 2})
+            if extra["on_ubatch"]:
+                kw["on_ubatch"] = lambda ub, sinfo, seen=seen: seen.append((_plain(ub), list(sinfo.strm)))
+            res = outcome(lambda batch=batch, kw=kw, extra=extra: cache.decode(
+                batch, extra["n_ubatch"], embd_all=extra["embd_all"], **kw))  # fmt: skip
+            if res[0] == "ok":
+                res = ("ok", [(_plain(ub), s.s0, s.s1, list(s.strm), [list(map(int, x)) for x in s.idxs])
+                              for ub, s in res[1]])  # fmt: skip
+            log.append((res, seen))
+        elif kind == "seq_rm":
+            seq, p0, _ = args
+            log.append(outcome(lambda seq=seq, p0=p0: cache.seq_rm(seq % cache.n_seq_max, p0, -1)))
+        elif kind == "seq_add":
+            seq, p0, d = args
+            log.append(outcome(lambda seq=seq, p0=p0, d=d: cache.seq_add(seq % cache.n_seq_max, p0, -1, d)))
+        else:
+            log.append(outcome(cache.update))
+        c = cache.cells(0)
+        log.append((np.asarray(c.pos).tolist(), np.asarray(c.seq).tolist(), np.asarray(c.ext).tolist(),
+                    np.asarray(c.shift).tolist(), c.get_used(), c.get_has_shift(), list(cache.heads),
+                    [c.seq_pos_get(q) for q in range(5)], cache._checked))  # fmt: skip
+    log.append([(layer.k.tobytes(), layer.v.tobytes() if layer.v is not None else None) for layer in cache.layers])
+    return log
+
+
+@settings(
+    max_examples=max(30, EXAMPLES // 2),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    steps=cache_steps(),
+    size=st.sampled_from([4, 8, 16, 64]),
+    unified=st.booleans(),
+    n_swa=st.integers(0, 4),
+    swa_type=st.integers(0, 3),
+)
+def test_decode_single_step_equals_decode_batch(
+    kernels: Any, cells_cls: type, steps: list, size: int, unified: bool, n_swa: int, swa_type: int
+) -> None:
+    args = (cells_cls, size, unified, n_swa, swa_type)
+    assert run_cache(steps, True, *args) == run_cache(steps, False, *args)
+
+
+def test_decode_single_step_is_taken(kernels: Any, cells_cls: type) -> None:
+    """The common step goes through the one-call path (and its ubatch reads as decode_batch's)."""
+    hp = kvref.HParams(arch="llama", n_layer=1, n_embd=4, n_head=1, n_ctx_train=1 << 16)
+    caches = [kvref.KVCache(hp, kv_size=32, n_seq_max=4, cells_cls=cells_cls) for _ in range(2)]
+    caches[1]._decode_single = lambda *args: None  # type: ignore[method-assign]
+    taken = []
+    orig = caches[0]._decode_single
+    caches[0]._decode_single = lambda *a: taken.append(orig(*a)) or taken[-1]  # type: ignore[method-assign]
+    for step in range(3):
+        spec = dict(tokens=np.arange(3) + step, seq_ids=[[0], [2], [0]])
+        got = [caches[i].decode(Batch(**spec)) for i in range(2)]
+        assert taken[-1] is not None
+        ub_fast, ub_gen = got[0][0][0], got[1][0][0]
+        assert "_whole" in vars(ub_fast)
+        assert _plain(ub_fast) == _plain(ub_gen)
+        assert "_whole" not in vars(ub_fast)
+        assert got[0][0][1] == got[1][0][1]
+    assert caches[0].heads == caches[1].heads

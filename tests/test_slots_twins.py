@@ -2,6 +2,9 @@
 same errors on random caches, and both equal an independent oracle of find_slot's search (the whole-stream
 vectorised search kvref used before the twins, written from llama_kv_cache::find_slot).
 
+place_single (a whole decode step on one stream's cells) gives the same answer and leaves the same cells with
+either twin: find_cells' slot with place's writes, or None and nothing changed.
+
 End to end, random decode sequences through ``kvref.slots`` with either twin plugged in place identical slots
 (idxs per stream), leave identical cells and raise identical errors.
 """
@@ -373,3 +376,45 @@ def test_find_slot_seq_is_find_slot_of_a_one_sequence_ubatch(spec, head, n_token
         want.size(), want.n_stream(), want.empty(), want.head(), want.is_contiguous()
     )  # fmt: skip
     assert type(got.head()) is int
+
+
+# ------------------------------------------------------------------------------------------ a decode step in one call
+def cells_snapshot(c) -> tuple:
+    return (np.asarray(c.pos).tolist(), np.asarray(c.seq).tolist(), np.asarray(c.ext).tolist(), c.get_used(),
+            [c.seq_pos_get(s) for s in SEQ_IDS])  # fmt: skip
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(spec=cache_cells(), data=st.data())
+def test_place_single_twins_agree(spec, data) -> None:
+    """place_single: the same cells, positions and sequences (or None) from both twins, the same cells left, and
+    nothing changed when it declines; what it places is find_cells' slot with place's writes."""
+    mods = twins()
+    n = data.draw(st.integers(1, 6))
+    seq_ids = data.draw(
+        st.one_of(st.none(), st.lists(st.lists(st.sampled_from(SEQ_IDS), min_size=1, max_size=1), min_size=n,
+                                      max_size=n), seq_lists_st)
+    )  # fmt: skip
+    tokens = np.asarray(data.draw(st.lists(st.integers(-1, 9), min_size=n, max_size=n)), dtype=np.int64)
+    pos = data.draw(st.one_of(st.none(), st.lists(st.integers(0, 40), min_size=n, max_size=n + 1)))
+    pos_a = None if pos is None else np.asarray(pos, dtype=np.int64)
+    head = data.draw(st.integers(0, 45))
+    n_seq_max = data.draw(st.sampled_from([1, 4, 256]))
+    swa_type, n_swa = data.draw(st.integers(0, 3)), data.draw(st.sampled_from([0, 1, 3, 7]))
+    for cls in CELL_CLASSES:
+        answers = []
+        for mod in mods:
+            cells = build(cls, spec)
+            before = cells_snapshot(cells)
+            got = mod.place_single(cells, head, tokens, pos_a, seq_ids, n_seq_max, n_swa, swa_type)
+            if got is None:
+                assert cells_snapshot(cells) == before, (mod.__name__, cls)
+            else:
+                idxs, p, seq = got
+                ref = build(cls, spec)
+                assert idxs.tolist() == mod.find_cells(ref, head, n, False, n_swa, swa_type).tolist()
+                assert ref.place(idxs, p, seq, (0, 0, tokens))
+                assert cells_snapshot(cells) == cells_snapshot(ref)
+            answers.append((got, cells_snapshot(cells)))
+        assert same(answers[0][0], answers[1][0]), (cls, answers)
+        assert answers[0][1] == answers[1][1]
