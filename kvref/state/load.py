@@ -19,7 +19,7 @@ import struct
 import sys
 from collections.abc import Callable
 from functools import partial
-from typing import Literal, TypedDict, TypeVar, overload
+from typing import TYPE_CHECKING, Literal, TypedDict, TypeVar, overload
 
 import numpy as np
 import numpy.typing as npt
@@ -42,6 +42,9 @@ from .sections import (
     RecurrentSection,
     _type_size,
 )
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 KINDS = ("session", "seq", "state", "seq_state")
 # what `load` reads: a path (memory-mapped) or the bytes of a blob
@@ -781,84 +784,40 @@ def _parsed(buf: memoryview, readings: list[Reading]) -> list[StateObject | None
     return [done.get(r) for r in readings]
 
 
+class LoadOptions(TypedDict, total=False):
+    """The keyword options of `load` (each None or absent: inferred)."""
+
+    ext_size: int | None
+    n_stream_field: bool | None
+    has_v: bool | None
+    outputs: bool | None
+    ple: bool
+    n_state_layers: int | None
+    seq_header: bool | None
+
+
 @overload
 def load(
-    src: Source,
-    kind: Literal["session"],
-    layout: str = "auto",
-    *,
-    ext_size: int | None = None,
-    n_stream_field: bool | None = None,
-    has_v: bool | None = None,
-    outputs: bool | None = None,
-    ple: bool = False,
-    n_state_layers: int | None = None,
-    seq_header: bool | None = None,
+    src: Source, kind: Literal["session"], layout: str = "auto", **options: Unpack[LoadOptions]
 ) -> SessionFile: ...
 
 
 @overload
-def load(
-    src: Source,
-    kind: Literal["seq"],
-    layout: str = "auto",
-    *,
-    ext_size: int | None = None,
-    n_stream_field: bool | None = None,
-    has_v: bool | None = None,
-    outputs: bool | None = None,
-    ple: bool = False,
-    n_state_layers: int | None = None,
-    seq_header: bool | None = None,
-) -> SeqFile: ...
+def load(src: Source, kind: Literal["seq"], layout: str = "auto", **options: Unpack[LoadOptions]) -> SeqFile: ...
+
+
+@overload
+def load(src: Source, kind: Literal["state"], layout: str = "auto", **options: Unpack[LoadOptions]) -> StateBlob: ...
 
 
 @overload
 def load(
-    src: Source,
-    kind: Literal["state"],
-    layout: str = "auto",
-    *,
-    ext_size: int | None = None,
-    n_stream_field: bool | None = None,
-    has_v: bool | None = None,
-    outputs: bool | None = None,
-    ple: bool = False,
-    n_state_layers: int | None = None,
-    seq_header: bool | None = None,
-) -> StateBlob: ...
-
-
-@overload
-def load(
-    src: Source,
-    kind: Literal["seq_state"],
-    layout: str = "auto",
-    *,
-    ext_size: int | None = None,
-    n_stream_field: bool | None = None,
-    has_v: bool | None = None,
-    outputs: bool | None = None,
-    ple: bool = False,
-    n_state_layers: int | None = None,
-    seq_header: bool | None = None,
+    src: Source, kind: Literal["seq_state"], layout: str = "auto", **options: Unpack[LoadOptions]
 ) -> SeqStateBlob: ...
 
 
 @overload
-def load(
-    src: Source,
-    kind: str = "auto",
-    layout: str = "auto",
-    *,
-    ext_size: int | None = None,
-    n_stream_field: bool | None = None,
-    has_v: bool | None = None,
-    outputs: bool | None = None,
-    ple: bool = False,
-    n_state_layers: int | None = None,
-    seq_header: bool | None = None,
-) -> StateObject: ...
+def load(src: Source, kind: str = "auto", layout: str = "auto", **options: Unpack[LoadOptions]) -> StateObject: ...
 
 
 def load(
