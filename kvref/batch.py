@@ -278,6 +278,15 @@ class _Entry:
     output: bool = False
 
 
+def output_flags(logits: npt.NDArray[np.generic[int]] | None, n: int) -> npt.NDArray[np.int8]:
+    """The tokens that output, as int8 flags: ``logits``, or only the last token when the batch gives none."""
+    if logits is not None:
+        return logits.astype(np.int8)
+    out = np.zeros(n, dtype=np.int8)
+    out[-1] = 1
+    return out
+
+
 class BatchAllocr:
     """llama_batch_allocr: validates a batch, fills its defaults and splits it into ubatches.
 
@@ -438,11 +447,7 @@ class BatchAllocr:
         self._seq1 = seq
         self._seq_id = None
         self._n_tokens = n
-        if logits is None:
-            out = np.zeros(n, dtype=np.int8)
-            out[-1] = 1
-        else:
-            out = logits.astype(np.int8)
+        out = output_flags(logits, n)
         if output_all:
             out[:] = 1
         self.output = out

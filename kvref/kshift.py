@@ -290,6 +290,23 @@ def rope_f32(
     return x
 
 
+def check_k_rows(
+    buf: np.ndarray,
+    t: GGMLType,
+    n_head_kv: int,
+    n_embd_head_k: int,
+    who: str,
+    error: type[KVRefError] = KVRefError,
+) -> None:
+    """Raise ``error`` unless ``buf`` holds whole K rows of ``n_head_kv`` heads of ``n_embd_head_k`` values."""
+    want = row_size(t, n_head_kv * n_embd_head_k)
+    if buf.shape[1] != want:
+        raise error(
+            f"{who}: rows of {buf.shape[1]} bytes, but n_head_kv {n_head_kv} x n_embd_head_k {n_embd_head_k} "
+            f"{t.name.lower()} values take {want}: pass one layer's K rows, every stream, as (n_cells, row bytes)"
+        )
+
+
 def shift_k_rows(
     buf: np.ndarray,
     type_k: GGMLType | int | str,
@@ -309,13 +326,7 @@ def shift_k_rows(
     if t not in (GGMLType.F32, GGMLType.F16, GGMLType.BF16):
         raise KVRefError(f"shift_k_rows: {t.name.lower()} K rows are quantized (kvref.kshift_quant shifts them)")
     n_cells = buf.shape[0]
-    want = row_size(t, n_head_kv * n_embd_head_k)
-    if buf.shape[1] != want:
-        raise KVRefError(
-            f"shift_k_rows: rows of {buf.shape[1]} bytes, but n_head_kv {n_head_kv} x n_embd_head_k "
-            f"{n_embd_head_k} {t.name.lower()} values take {want}: pass one "
-            "layer's K rows, every stream, as (n_cells, row bytes)"
-        )
+    check_k_rows(buf, t, n_head_kv, n_embd_head_k, "shift_k_rows")
     if n_embd_nope + p.n_dims > n_embd_head_k:
         raise KVRefError(f"rope: n_dims {p.n_dims} + offset {n_embd_nope} > head size {n_embd_head_k}")
     x = to_f32(buf, t).reshape(n_cells, n_head_kv, n_embd_head_k)

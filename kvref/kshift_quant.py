@@ -37,8 +37,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 
 from .errors import KShiftError
-from .ggml import GGMLType, ggml_type, row_size, traits, type_name
-from .kshift import GGML_CPU, RopeKernel, RopeParams, rope_f32
+from .ggml import GGMLType, ggml_type, traits, type_name
+from .kshift import GGML_CPU, RopeKernel, RopeParams, check_k_rows, rope_f32
 from .quant import can_quantize, dequantize, quantize_cpu
 from .rotation import fwht, k_rot_size
 
@@ -63,13 +63,7 @@ def shift_quantized_k_rows(
     build rounds the rope (`kvref.kshift.RopeKernel`); the rope runs on an f32 tensor here."""
     t = ggml_type(type_k)
     n_cells = buf.shape[0]
-    want = row_size(t, n_head_kv * n_embd_head_k)
-    if buf.shape[1] != want:
-        raise KShiftError(
-            f"shift_quantized_k_rows: rows of {buf.shape[1]} bytes, but n_head_kv {n_head_kv} x n_embd_head_k "
-            f"{n_embd_head_k} {type_name(t)} values take {want}: pass one "
-            "layer's K rows, every stream, as (n_cells, row bytes)"
-        )
+    check_k_rows(buf, t, n_head_kv, n_embd_head_k, "shift_quantized_k_rows", KShiftError)
     if p.n_dims != n_embd_head_k:
         raise KShiftError(
             f"K-shift of a {type_name(t)} K cache with n_rot {p.n_dims} below the head size {n_embd_head_k}: "

@@ -28,7 +28,7 @@ from . import kv_state as _kv_state
 from . import rotation as _rotation
 from . import slots as _slots
 from .args import args_name, as_int32, as_range, as_seq_id, as_state_args, check_alloc
-from .batch import UBatch
+from .batch import UBatch, output_flags
 from .cells import LLAMA_MAX_SEQ, POS_MAX, KVCells
 from .errors import KVRefError, NoSlotError, SequenceError
 from .ggml import GGMLType, ggml_type, row_size, traits
@@ -605,11 +605,7 @@ class KVCache:
         idxs, p, seq = placed
         self.heads[0] = int(idxs[-1]) + 1
         self._checked = None
-        if logits is None:
-            out = np.zeros(n, dtype=np.int8)
-            out[-1] = 1
-        else:
-            out = logits.astype(np.int8)
+        out = output_flags(logits, n)
         return UBatch.whole_single(tokens.astype(np.int32), p, seq, out), SlotInfo(0, 0, [0], [idxs.tolist()])
 
     # decode_batch's steps

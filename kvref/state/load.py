@@ -68,8 +68,8 @@ _SEQ_VARIANTS: dict[int, list[Variant]] = {
 NState = int | Literal["scan"] | None  # layers with recurrent state: a count, every layer (None), or scanned
 
 
-class Asked(TypedDict):
-    """What the caller of `load` pinned down (None: infer it)."""
+class LoadOptions(TypedDict, total=False):
+    """The keyword options of `load`: what the caller pinned down (None: infer it)."""
 
     ext_size: int | None
     n_stream_field: bool | None
@@ -164,7 +164,7 @@ Reading = tuple[str, str, bool, bool, int, bool, bool, NState, bool]
 Found = dict[tuple[object, ...], tuple[Options, StateObject]]
 
 
-def _readings(kind: str, buf: memoryview, layout: str, opts: Asked, auto_kind: bool = True) -> list[Reading]:
+def _readings(kind: str, buf: memoryview, layout: str, opts: LoadOptions, auto_kind: bool = True) -> list[Reading]:
     table = _SESSION_VARIANTS if kind in ("session", "state") else _SEQ_VARIANTS
     every = list(dict.fromkeys(v for vs in table.values() for v in vs))
     # files say their version; blobs do not. Explicit options win over the version table (a caller who says
@@ -223,7 +223,7 @@ def _as_options(r: Reading) -> Options:
     }
 
 
-def _matches(variant: Variant, opts: Asked) -> bool:
+def _matches(variant: Variant, opts: LoadOptions) -> bool:
     has_outputs, n_stream_field, _ = variant
     return (opts["outputs"] is None or has_outputs == opts["outputs"]) and (
         opts["n_stream_field"] is None or n_stream_field == opts["n_stream_field"]
@@ -784,18 +784,6 @@ def _parsed(buf: memoryview, readings: list[Reading]) -> list[StateObject | None
     return [done.get(r) for r in readings]
 
 
-class LoadOptions(TypedDict, total=False):
-    """The keyword options of `load` (each None or absent: inferred)."""
-
-    ext_size: int | None
-    n_stream_field: bool | None
-    has_v: bool | None
-    outputs: bool | None
-    ple: bool
-    n_state_layers: int | None
-    seq_header: bool | None
-
-
 @overload
 def load(
     src: Source, kind: Literal["session"], layout: str = "auto", **options: Unpack[LoadOptions]
@@ -849,7 +837,7 @@ def load(
     if ext_size is not None and ext_size not in (0, 8, 12):
         raise ArgumentError(f"ext_size must be 0, 8 or 12, not {ext_size!r}")
     buf = _open(src)
-    opts: Asked = {
+    opts: LoadOptions = {
         "ext_size": ext_size,
         "n_stream_field": n_stream_field,
         "has_v": has_v,
