@@ -25,8 +25,6 @@ shared between threads, as the Python twin's lock allows.
 
 from libc.stdint cimport INT64_MAX, INT64_MIN, int32_t, int64_t, uint8_t, uint32_t, uint64_t
 from libc.string cimport memcpy, memset
-from libcpp.set cimport set as cset
-from libcpp.utility cimport pair
 from libcpp.vector cimport vector
 from cython.operator cimport dereference as deref, predecrement as dec, preincrement as inc
 
@@ -49,8 +47,6 @@ cdef int64_t C_INT32_MIN = -2147483648
 cdef int64_t C_INT64_MAX = INT64_MAX
 cdef int64_t C_INT64_MIN = INT64_MIN
 
-ctypedef pair[int32_t, uint32_t] PosCell
-ctypedef cset[PosCell] PosSet
 
 cdef extern from *:
     """
@@ -245,22 +241,6 @@ cdef inline cnp.ndarray _ro(cnp.ndarray a):
 
 cdef class KVCells:
     """The cells of one KV stream: positions, shifts, ext and sequence sets, with llama.cpp's rules."""
-
-    cdef cnp.ndarray _pos_arr
-    cdef cnp.ndarray _shift_arr
-    cdef cnp.ndarray _ext_arr
-    cdef cnp.ndarray _seq_arr
-    cdef int32_t* _pos
-    cdef int32_t* _shift
-    cdef int32_t* _ext      # [n][3]
-    cdef uint64_t* _seq     # [n][4]
-    cdef Py_ssize_t _n
-    cdef Py_ssize_t _n_used
-    cdef Py_ssize_t _lo     # every used cell lies in [_lo, _hi) (tightened lazily)
-    cdef Py_ssize_t _hi
-    cdef bint _has_shift
-    cdef vector[PosSet] _seq_pos
-    cdef vector[uint8_t] _mark  # scratch for duplicate detection, all zero between calls
 
     def __cinit__(self, *args, **kwargs):
         self._seq_pos.resize(MAX_SEQ)
@@ -754,7 +734,9 @@ cdef class KVCells:
 
     def seq_pos_max(self, seq_id):
         """Like llama_kv_cells::seq_pos_max: the largest position of ``seq_id``, or -1 when it holds no cell."""
-        cdef int s = _seq_id(seq_id)
+        return self._seq_pos_max_c(_seq_id(seq_id))
+
+    cdef int64_t _seq_pos_max_c(self, int s) noexcept nogil:
         if self._seq_pos[s].empty():
             return -1
         return deref(self._seq_pos[s].rbegin()).first
@@ -1013,7 +995,7 @@ cdef class KVCells:
         cdef bint with_ext = ext is not None
         if not (_to_i64(idxs, iv, -1) and _to_i64(positions, pv, -1) and _to_i64(seq_ids, sv, -1)):
             return False
-        cdef Py_ssize_t k, m = iv.size(), n = self._n
+        cdef Py_ssize_t m = iv.size()
         if <Py_ssize_t>pv.size() != m or <Py_ssize_t>sv.size() != m:
             return False
         if with_ext:
@@ -1021,39 +1003,45 @@ cdef class KVCells:
                 return False
             if not (_to_i64(ext[0], xv, m) and _to_i64(ext[1], yv, m) and _to_i64(ext[2], tv, m)):
                 return False
+        return self._place_c(iv.data(), pv.data(), sv.data(), xv.data() if with_ext else NULL,
+                             yv.data() if with_ext else NULL, tv.data() if with_ext else NULL, m, check)
+
+    cdef bint _place_c(self, const int64_t* idxs, const int64_t* pos, const int64_t* seq, const int64_t* x,
+                       const int64_t* y, const int64_t* tok, Py_ssize_t m, bint check) noexcept nogil:
+        """place() on C arrays (``x`` NULL: no ext written)."""
+        cdef Py_ssize_t k, n = self._n
         cdef int64_t idx, s
         cdef uint8_t* mark = self._mark.data()
-        cdef bint ok = True
-        with nogil(False):
+        cdef bint ok = True, with_ext = x != NULL
+        for k in range(m):
+            idx = idxs[k]
+            if idx < 0 or idx >= n or self._pos[idx] != -1 or self._any(idx) or mark[idx]:
+                ok = False
+                break
+            mark[idx] = 1
+            if pos[k] < 0 or pos[k] > C_POS_MAX or seq[k] < 0 or seq[k] >= MAX_SEQ:
+                ok = False
+                break
+            if with_ext and not (C_INT32_MIN <= x[k] <= C_POS_MAX and C_INT32_MIN <= y[k] <= C_POS_MAX
+                                 and C_INT32_MIN <= tok[k] <= C_POS_MAX):
+                ok = False
+                break
+        for k in range(m):  # _mark back to all zero (only cells in range were marked)
+            idx = idxs[k]
+            if 0 <= idx < n:
+                mark[idx] = 0
+        if ok and not check:
             for k in range(m):
-                idx = iv[k]
-                if idx < 0 or idx >= n or self._pos[idx] != -1 or self._any(idx) or mark[idx]:
-                    ok = False
-                    break
-                mark[idx] = 1
-                if pv[k] < 0 or pv[k] > C_POS_MAX or sv[k] < 0 or sv[k] >= MAX_SEQ:
-                    ok = False
-                    break
-                if with_ext and not (C_INT32_MIN <= xv[k] <= C_POS_MAX and C_INT32_MIN <= yv[k] <= C_POS_MAX
-                                     and C_INT32_MIN <= tv[k] <= C_POS_MAX):
-                    ok = False
-                    break
-            for k in range(m):  # _mark back to all zero (only cells in range were marked)
-                idx = iv[k]
-                if 0 <= idx < n:
-                    mark[idx] = 0
-            if ok and not check:
-                for k in range(m):
-                    idx = iv[k]
-                    s = sv[k]
-                    self._pos[idx] = <int32_t>pv[k]
-                    self._on_used(idx)
-                    if with_ext:
-                        self._ext[3 * idx] = <int32_t>xv[k]
-                        self._ext[3 * idx + 1] = <int32_t>yv[k]
-                        self._ext[3 * idx + 2] = <int32_t>tv[k]
-                    self._seq[N_WORDS * idx + (s >> 6)] |= (<uint64_t>1) << (s & 63)
-                    ps_insert(self._seq_pos[s], <int32_t>pv[k], <uint32_t>idx)
+                idx = idxs[k]
+                s = seq[k]
+                self._pos[idx] = <int32_t>pos[k]
+                self._on_used(idx)
+                if with_ext:
+                    self._ext[3 * idx] = <int32_t>x[k]
+                    self._ext[3 * idx + 1] = <int32_t>y[k]
+                    self._ext[3 * idx + 2] = <int32_t>tok[k]
+                self._seq[N_WORDS * idx + (s >> 6)] |= (<uint64_t>1) << (s & 63)
+                ps_insert(self._seq_pos[s], <int32_t>pos[k], <uint32_t>idx)
         return ok
 
     def pos_add_many(self, idxs, d):

@@ -34,6 +34,7 @@ def fill_pos_bucket_raw(
 def fill_k_shift_raw(
     out: np.ndarray, cell_pos: Sequence[np.ndarray], cell_shift: Sequence[np.ndarray]
 ) -> np.ndarray: ...
+def first_seq_ids(seq_id: list[list[int]], n_tokens: int) -> np.ndarray: ...
 
 __all__ = [
     "LLAMA_MAX_SEQ",
@@ -42,6 +43,7 @@ __all__ = [
     "fill_k_shift_raw",
     "fill_kq_mask_raw",
     "fill_pos_bucket_raw",
+    "first_seq_ids",
     "is_masked_swa",
     "relative_position_bucket",
 ]

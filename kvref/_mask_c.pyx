@@ -43,6 +43,7 @@ from kvref._mask_py import (
     NonCausalType,
     _as_i32_1d,
     _check_kq_args,
+    first_seq_ids as _first_seq_ids_py,
     is_masked_swa,
 )
 from kvref.errors import ArgumentError, ArgumentTypeError
@@ -88,6 +89,7 @@ ctypedef fused elem_t:
 cdef enum:
     MAX_STREAMS = 64
     SEG_BYTES = 8192  # a one-token row is written in pieces of this size (see _kq_rows)
+    BLOCK_BYTES = 262144  # the rows of a decode step are filled and patched in column blocks of this size
 
 cdef int64_t POS_INF = 2147483648  # one past the largest int32 position
 
@@ -259,16 +261,23 @@ cdef inline int _put(elem_t* out, Members* m, const Direct* t, const int32_t* ex
 
 
 cdef int _cell_pass(elem_t* out, const KQArgs* a, const int32_t* pos, const uint64_t* seq, const int32_t* ext,
-                    const uint64_t* direct, const uint64_t* listed, const Direct* d, Members* mem) noexcept nogil:
+                    const uint64_t* direct, const uint64_t* listed, const Direct* d, Members* mem,
+                    int fill_rows) noexcept nogil:
     """One pass over a stream's cells: each cell goes to the key lists of the ``listed`` sequences it holds; for
     the one-token sequences (``direct``) the cells their token attends are written into its row (``out``, filled
-    with -inf beforehand) or, without ``out``, listed too.
+    with -inf beforehand, or here when ``fill_rows``: every row of the output is a one-token row) or, without
+    ``out``, listed too.
 
     Keys are appended in cell order, so cells laid out by position need no sort. Returns 0 when out of
     memory.
     """
+    cdef elem_t DROP
+    if elem_t is uint32_t:
+        DROP = <uint32_t>0xFF800000u
+    else:
+        DROP = 0xFC00
     cdef int64_t n_kv = a.n_kv
-    cdef int64_t j, cap
+    cdef int64_t j, cap, i, j0, j1, blk
     cdef int w, k, s, n_words = 0, n_listed = 0, n_all = 0
     cdef int words[N_WORDS]
     cdef uint64_t bits, b, key
@@ -302,8 +311,13 @@ cdef int _cell_pass(elem_t* out, const KQArgs* a, const int32_t* pos, const uint
                 m.keys = grown
                 m.cap = cap
             bits &= bits - 1
-    if n_words == 1 and n_listed == 0 and out != NULL and not check_2d and not a.alibi:
-        # only one-token sequences, all in one word, written in place, 0 or -inf (a decode step): the tightest loop
+    cdef int tight = n_words == 1 and n_listed == 0 and out != NULL and not check_2d and not a.alibi
+    if fill_rows and not tight:
+        _fill(out, a.n_tokens * n_kv, DROP)
+    if tight:
+        # only one-token sequences, all in one word, written in place, 0 or -inf (a decode step): the tightest loop.
+        # With fill_rows the rows are filled and patched a block of columns at a time, small enough to stay in L2:
+        # filled first in full, a large mask is out of cache again when the pass patches it
         w = words[0]
         bits = direct[w]
         for k in range(64):
@@ -316,18 +330,26 @@ cdef int _cell_pass(elem_t* out, const KQArgs* a, const int32_t* pos, const uint
                 lo[k] = d[w * 64 + k].lo
                 span[k] = <uint64_t>(d[w * 64 + k].hi - d[w * 64 + k].lo)
                 row[k] = d[w * 64 + k].row
-        for j in range(n_kv):
-            b = seq[j * N_WORDS + w] & bits
-            if b == 0:
-                continue
-            p0 = pos[j]
-            if p0 < 0:
-                continue
-            while b:
-                k = kvref_ctz64(b)
-                b &= b - 1
-                if <uint64_t>(p0 - lo[k]) <= span[k]:
-                    out[row[k] + j] = 0
+        blk = max(64, BLOCK_BYTES // (<int64_t>sizeof(elem_t) * a.n_tokens)) if fill_rows else n_kv
+        j0 = 0
+        while j0 < n_kv:
+            j1 = min(n_kv, j0 + blk)
+            if fill_rows:
+                for i in range(a.n_tokens):
+                    _fill(out + i * n_kv + j0, j1 - j0, DROP)
+            for j in range(j0, j1):
+                b = seq[j * N_WORDS + w] & bits
+                if b == 0:
+                    continue
+                p0 = pos[j]
+                if p0 < 0:
+                    continue
+                while b:
+                    k = kvref_ctz64(b)
+                    b &= b - 1
+                    if <uint64_t>(p0 - lo[k]) <= span[k]:
+                        out[row[k] + j] = 0
+            j0 = j1
         return 1
     if n_words == 1 and n_listed == 0 and out == NULL and not check_2d:
         # only one-token sequences, all in one word, listed (their rows share cache sets; a server's decode step):
@@ -578,7 +600,7 @@ cdef int _kq_mask(elem_t* out, const KQArgs* a, int n_cstream, const int32_t** c
     cdef int64_t i, i0, n_direct = 0
     cdef uint64_t row_bytes = <uint64_t>a.n_kv * sizeof(elem_t)
     cdef uint64_t apart = 65536 // min(row_bytes & (~row_bytes + 1), <uint64_t>65536)  # distinct row starts mod 64 KiB
-    cdef int s, st, w, write_direct
+    cdef int s, st, w, write_direct, fill_rows
     for w in range(n_cstream * N_WORDS):
         direct[w] = 0
         listed[w] = want[w]
@@ -596,7 +618,9 @@ cdef int _kq_mask(elem_t* out, const KQArgs* a, int n_cstream, const int32_t** c
         d[s].y = a.tok_y[i] if a.is_2d else 0
         _interval(a, d[s].p1, pos_min[s], &d[s].lo, &d[s].hi)
     write_direct = n_direct > 0 and <uint64_t>n_direct <= 8 * apart
-    if write_direct:
+    # every row a one-token row of the one stream: the pass fills them as it goes
+    fill_rows = write_direct and n_direct == a.n_tokens and n_cstream == 1
+    if write_direct and not fill_rows:
         # the one-token rows start as -inf; consecutive ones are one fill
         i0 = -1
         for i in range(a.n_tokens + 1):
@@ -610,7 +634,7 @@ cdef int _kq_mask(elem_t* out, const KQArgs* a, int n_cstream, const int32_t** c
         w = st * N_WORDS
         if want[w] | want[w + 1] | want[w + 2] | want[w + 3]:
             if not _cell_pass(out if write_direct else <elem_t*>NULL, a, cpos[st], cseq[st], cext[st], &direct[w],
-                              &listed[w], d, mem):
+                              &listed[w], d, mem, fill_rows):
                 return 0
     if write_direct and n_direct == a.n_tokens:
         return 1
@@ -857,6 +881,22 @@ def fill_k_shift_raw(out, cell_pos, cell_shift):
     return out
 
 
+def first_seq_ids(seq_id, n_tokens):
+    """Each token's first sequence id as int32 (see _mask_py.py); read from lists at C speed."""
+    cdef Py_ssize_t i, n = n_tokens
+    if type(seq_id) is not list or len(<list>seq_id) < n:
+        return _first_seq_ids_py(seq_id, n_tokens)
+    cdef cnp.npy_intp dim = n
+    cdef cnp.ndarray out = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT32, 0)
+    cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
+    for i in range(n):
+        ids = (<list>seq_id)[i]
+        if type(ids) is not list or len(<list>ids) == 0 or type((<list>ids)[0]) is not int:
+            return _first_seq_ids_py(seq_id, n_tokens)
+        o[i] = (<list>ids)[0]
+    return out
+
+
 __all__ = [
     "LLAMA_MAX_SEQ",
     "N_SWA_MAX",
@@ -864,6 +904,7 @@ __all__ = [
     "fill_k_shift_raw",
     "fill_kq_mask_raw",
     "fill_pos_bucket_raw",
+    "first_seq_ids",
     "is_masked_swa",
     "relative_position_bucket",
 ]

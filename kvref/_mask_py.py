@@ -387,6 +387,12 @@ def fill_k_shift_raw(
     return out
 
 
+def first_seq_ids(seq_id: list[list[int]], n_tokens: int) -> npt.NDArray[np.int32]:
+    """Each token's first sequence id, ``seq_id[i][0]`` for the first ``n_tokens`` tokens of a ubatch, as int32 (the
+    row's sequence in set_input_kq_mask)."""
+    return np.fromiter((ids[0] for ids in seq_id[:n_tokens]), dtype=np.int32, count=n_tokens)
+
+
 __all__ = [
     "LLAMA_MAX_SEQ",
     "N_SWA_MAX",
@@ -394,6 +400,7 @@ __all__ = [
     "fill_k_shift_raw",
     "fill_kq_mask_raw",
     "fill_pos_bucket_raw",
+    "first_seq_ids",
     "is_masked_swa",
     "relative_position_bucket",
 ]

@@ -9,6 +9,10 @@ def find_cells(
     cells: KVCells, head: int, n_tokens: int, cont: bool, n_swa: int, swa_type: int
 ) -> npt.NDArray[np.int64] | None: ...
 def used_targets(cells: KVCells, idxs: list[int] | npt.NDArray[np.int64], size: int) -> list[tuple[int, int, int]]: ...
+def int32_values(values: object, lo: int) -> npt.NDArray[np.int64] | None: ...
+def token_batch(
+    tokens: object, pos: object, seq_ids: object
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64] | None, list[list[int]] | None] | None: ...
 def plain_seq_ids(seq_ids: object) -> list[list[int]] | None: ...
 def single_seq_ids(
     seq_ids: list[list[int]] | None, n_tokens: int, n_seq_max: int
@@ -31,7 +35,7 @@ def place_single(
     n_seq_max: int,
     n_swa: int,
     swa_type: int,
-) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32], npt.NDArray[np.int32]] | None: ...
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32]] | None: ...
 def seq_lists(seq: npt.NDArray[np.int32]) -> tuple[list[list[int]], list[int], npt.NDArray[np.int32]]: ...
 def seq_flat(
     seq_ids: list[list[int]],
@@ -39,11 +43,13 @@ def seq_flat(
 
 __all__ = [
     "find_cells",
+    "int32_values",
     "place_single",
     "plain_seq_ids",
     "seq_flat",
     "seq_lists",
     "single_seq_batch",
     "single_seq_ids",
+    "token_batch",
     "used_targets",
 ]

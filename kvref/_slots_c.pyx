@@ -23,6 +23,7 @@ cimport numpy as cnp
 
 import numpy as np
 
+from kvref._cells_c cimport KVCells as CKVCells
 from kvref.constants cimport LLAMA_MAX_SEQ as MAX_SEQ, N_SEQ_WORDS as N_WORDS
 
 from kvref._slots_py import used_targets as _used_targets_py
@@ -106,6 +107,74 @@ cdef cnp.ndarray _array(object a, object dtype, int ndim):
     return arr
 
 
+cdef int64_t _init_cells(Cells* c, object cells, object n_swa, object swa_type, list keep) except -1:
+    """Point ``c`` at the cells' arrays (the Cython KVCells' own buffers, else its NumPy views, kept alive in
+    ``keep``) and set the window; returns the cell count."""
+    cdef cnp.ndarray pos, seq
+    cdef int64_t size
+    if type(cells) is CKVCells:
+        size = (<CKVCells>cells)._n
+        _set_cells(c, (<CKVCells>cells)._pos, (<CKVCells>cells)._seq, _clamp_swa(n_swa), swa_type)
+        return size
+    size = cells.size()
+    pos = _array(cells.pos, np.int32, 1)
+    seq = _array(cells.seq, np.uint64, 2)
+    if pos.shape[0] != size or seq.shape[0] != size or seq.shape[1] != N_WORDS:
+        raise ValueError("find_cells: the cells' pos/seq arrays do not match their size")
+    keep += [pos, seq]
+    _set_cells(c, <const int32_t*>cnp.PyArray_DATA(pos), <const uint64_t*>cnp.PyArray_DATA(seq), _clamp_swa(n_swa),
+               swa_type)
+    return size
+
+
+cdef inline int64_t _clamp_swa(object n_swa) except? -1:
+    cdef int overflow = 0
+    cdef long long v = PyLong_AsLongLongAndOverflow(n_swa, &overflow)
+    if overflow or v > SWA_CLAMP or v < -SWA_CLAMP:
+        return -SWA_CLAMP if (overflow < 0 or v < 0) else SWA_CLAMP
+    return v
+
+
+cdef inline void _set_cells(Cells* c, const int32_t* pos, const uint64_t* seq, int64_t n_swa, int swa_type) noexcept:
+    cdef int k
+    c.pos = pos
+    c.seq = seq
+    c.swa_type = swa_type
+    c.n_swa = n_swa
+    c.swa = swa_type != 0 and not (swa_type == 2 and n_swa == 0)
+    if c.swa:  # read by _can_use only
+        for k in range(MAX_SEQ):
+            c.pos_max[k] = UNKNOWN
+
+
+cdef bint _find_cells_c(Cells* c, int64_t n, int64_t h, int64_t n_tok, bint cont, object seq_pos_max,
+                        int64_t* idxs) except -1:
+    """find_slot's walk from cell ``h`` over ``n`` cells: the first ``n_tok`` usable cells into ``idxs`` (in a row
+    when ``cont``); False when they do not fit."""
+    cdef int64_t n_tested = 0, idx, _i, n_found = 0
+    cdef int64_t n_test = n_tok if cont else 1  # cells tested in a row before the checks below
+    while True:
+        if h + n_test > n:
+            n_tested += n - h
+            h = 0
+            continue
+        for _i in range(n_test):
+            idx = h
+            h += 1
+            n_tested += 1
+            if (c.pos[idx] == -1) or (c.swa and _can_use(c, idx, seq_pos_max)):
+                idxs[n_found] = idx
+                n_found += 1
+            elif cont:
+                break
+        if n_found == n_tok:
+            return True
+        if cont:
+            n_found = 0
+        if n_tested >= n:
+            return False
+
+
 def find_cells(cells, head, n_tokens, cont, n_swa, swa_type):
     """The cells llama_kv_cache::find_slot picks in one stream for ``n_tokens`` tokens (int64[n_tokens], in the
     order picked); None when they do not fit.
@@ -120,47 +189,14 @@ def find_cells(cells, head, n_tokens, cont, n_swa, swa_type):
         return None
     if n_tokens == 0:
         return np.empty(0, dtype=np.int64)
-    cdef cnp.ndarray pos = _array(cells.pos, np.int32, 1)
-    cdef cnp.ndarray seq = _array(cells.seq, np.uint64, 2)
-    if pos.shape[0] != size or seq.shape[0] != size or seq.shape[1] != N_WORDS:
-        raise ValueError("find_cells: the cells' pos/seq arrays do not match their size")
     cdef Cells c
-    cdef int k
-    c.pos = <const int32_t*>cnp.PyArray_DATA(pos)
-    c.seq = <const uint64_t*>cnp.PyArray_DATA(seq)
-    c.swa_type = int(swa_type)
-    c.n_swa = max(-SWA_CLAMP, min(SWA_CLAMP, int(n_swa)))
-    c.swa = c.swa_type != 0 and not (c.swa_type == 2 and c.n_swa == 0)
-    for k in range(MAX_SEQ):
-        c.pos_max[k] = UNKNOWN
-    seq_pos_max = cells.seq_pos_max
-
-    cdef int64_t n = size, n_tok = n_tokens, h = head_cur, n_tested = 0, idx, _i, n_found = 0
-    cdef int64_t n_test = n_tok if cont else 1  # cells tested in a row before the checks below
-    cdef bint c_cont = bool(cont)
-    cdef cnp.npy_intp dim = n_tok
+    cdef list keep = []
+    _init_cells(&c, cells, n_swa, swa_type, keep)
+    cdef cnp.npy_intp dim = n_tokens
     cdef cnp.ndarray out = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT64, 0)
-    cdef int64_t* idxs = <int64_t*>cnp.PyArray_DATA(out)  # the first n_found are the cells picked so far
-    while True:
-        if h + n_test > n:
-            n_tested += n - h
-            h = 0
-            continue
-        for _i in range(n_test):
-            idx = h
-            h += 1
-            n_tested += 1
-            if (c.pos[idx] == -1) or (c.swa and _can_use(&c, idx, seq_pos_max)):
-                idxs[n_found] = idx
-                n_found += 1
-            elif c_cont:
-                break
-        if n_found == n_tok:
-            return out
-        if c_cont:
-            n_found = 0
-        if n_tested >= n:
-            return None
+    if _find_cells_c(&c, size, head_cur, n_tokens, bool(cont), cells.seq_pos_max, <int64_t*>cnp.PyArray_DATA(out)):
+        return out
+    return None
 
 
 def used_targets(cells, idxs, size):
@@ -231,6 +267,65 @@ def used_targets(cells, idxs, size):
 # ------------------------------------------------------------------------------ the batch allocator's per-token work
 # Same functions as in _slots_py.py (which states the rules): None whenever the batch is not of the one-sequence
 # shape or breaks a rule, so the allocator's general path raises llama.cpp's error.
+
+def int32_values(values, lo):
+    """A Batch's ``tokens`` or ``pos`` copied as int64 when they are a 1-D int32 or int64 array or a list of plain
+    ``int``, every value in ``[lo, 2**31 - 1]``; None otherwise (see _slots_py.py)."""
+    cdef int64_t low = lo, x
+    cdef cnp.npy_intp n, i
+    cdef cnp.ndarray arr, out
+    cdef int typ, overflow = 0
+    cdef char* src
+    cdef cnp.npy_intp stride
+    if cnp.PyArray_CheckExact(values):
+        arr = <cnp.ndarray>values
+        typ = cnp.PyArray_TYPE(arr)
+        if arr.ndim != 1 or (typ != cnp.NPY_INT32 and typ != cnp.NPY_INT64):
+            return None
+        n = arr.shape[0]
+        out = cnp.PyArray_EMPTY(1, &n, cnp.NPY_INT64, 0)
+        src = <char*>cnp.PyArray_DATA(arr)
+        stride = arr.strides[0]
+        for i in range(n):
+            x = (<int32_t*>(src + i * stride))[0] if typ == cnp.NPY_INT32 else (<int64_t*>(src + i * stride))[0]
+            if x < low or x > POS_MAX_C:
+                return None
+            (<int64_t*>cnp.PyArray_DATA(out))[i] = x
+        return out
+    if type(values) is not list:
+        return None
+    n = len(<list>values)
+    out = cnp.PyArray_EMPTY(1, &n, cnp.NPY_INT64, 0)
+    for i in range(n):
+        o = (<list>values)[i]
+        if type(o) is not int:
+            return None
+        x = PyLong_AsLongLongAndOverflow(o, &overflow)
+        if overflow or x < low or x > POS_MAX_C:
+            return None
+        (<int64_t*>cnp.PyArray_DATA(out))[i] = x
+    return out
+
+
+def token_batch(tokens, pos, seq_ids):
+    """A Batch's ``tokens``, ``pos`` and ``seq_ids`` checked and copied in one call, for the common batch (see
+    _slots_py.py); None otherwise."""
+    t = int32_values(tokens, -(1 << 31))
+    if t is None or (<cnp.ndarray>t).shape[0] == 0:
+        return None
+    cdef Py_ssize_t n = (<cnp.ndarray>t).shape[0]
+    p = None
+    if pos is not None:
+        p = int32_values(pos, 0)
+        if p is None or (<cnp.ndarray>p).shape[0] != n:
+            return None
+    ids = None
+    if seq_ids is not None:
+        ids = plain_seq_ids(seq_ids)
+        if ids is None or len(<list>ids) != n:
+            return None
+    return t, p, ids
+
 
 def plain_seq_ids(seq_ids):
     """A Batch's ``seq_ids`` copied as a list of lists, when it is a list (or tuple) of lists (or tuples) of plain
@@ -311,28 +406,18 @@ def single_seq_batch(tokens, pos, seq, present, mem_pos_max, n_vocab, mrope):
     (see _slots_py.py); None when any rule fails."""
     cdef const int32_t[::1] sv = np.ascontiguousarray(seq, dtype=np.int32)
     cdef const int64_t[::1] tv = np.ascontiguousarray(tokens, dtype=np.int64)
-    cdef Py_ssize_t n = sv.shape[0], i, k
-    cdef int64_t vocab = n_vocab
-    cdef bint c_mrope = bool(mrope)
-    cdef bint given = pos is not None
     cdef const int64_t[::1] pv
+    cdef Py_ssize_t n = sv.shape[0], k
+    cdef int64_t last[MAX_SEQ]      # the memory's seq_pos_max
+    cdef int s
     if n == 0 or tv.shape[0] != n:
         return None
-    if given:
+    if pos is not None:
         pv = np.ascontiguousarray(pos, dtype=np.int64)
         if pv.shape[0] < n:
             return None
-    cdef int64_t last[MAX_SEQ]      # the memory's seq_pos_max
-    cdef int64_t nxt[MAX_SEQ]       # the next automatic position
-    cdef int64_t lo[MAX_SEQ]        # smallest position in the batch (-1: the sequence has no token yet)
-    cdef int64_t cur[MAX_SEQ]       # last position met along the batch
-    cdef int64_t distinct[MAX_SEQ]
-    cdef int s
-    cdef int64_t p
     for s in range(MAX_SEQ):
         last[s] = -1
-        lo[s] = -1
-        distinct[s] = 0
     if len(present) != len(mem_pos_max):
         return None
     for k in range(len(present)):
@@ -340,41 +425,66 @@ def single_seq_batch(tokens, pos, seq, present, mem_pos_max, n_vocab, mrope):
         if s < 0 or s >= MAX_SEQ:
             return None
         last[s] = mem_pos_max[k]
-    for s in range(MAX_SEQ):
-        nxt[s] = last[s] + 1
     cdef cnp.ndarray out = np.empty(n, dtype=np.int32)
-    cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
+    if not _single_seq_batch_c(&tv[0], &pv[0] if pos is not None else NULL, &sv[0], n, last, n_vocab, bool(mrope),
+                               <int32_t*>cnp.PyArray_DATA(out)):
+        return None
+    return out
+
+
+cdef bint _single_seq_batch_c(const int64_t* tv, const int64_t* pv, const int32_t* sv, Py_ssize_t n,
+                              const int64_t* last, int64_t vocab, bint mrope, int32_t* o) noexcept nogil:
+    """single_seq_batch on C arrays: ``pv`` NULL when the batch gives no positions, ``last[s]`` the memory's
+    seq_pos_max of each sequence s of the batch (-1 for none); the positions go to ``o``. Only the sequences met
+    are set up and checked, so a call costs O(n_tokens), not O(LLAMA_MAX_SEQ)."""
+    cdef int64_t nxt[MAX_SEQ]       # the next automatic position
+    cdef int64_t lo[MAX_SEQ]        # smallest position in the batch
+    cdef int64_t cur[MAX_SEQ]       # last position met along the batch
+    cdef int64_t distinct[MAX_SEQ]
+    cdef uint64_t met[N_WORDS]      # the sequences met so far
+    cdef int order[MAX_SEQ]         # ... in the order met
+    cdef Py_ssize_t i
+    cdef int s, k, n_met = 0
+    cdef int64_t p
+    cdef bint first
+    for k in range(N_WORDS):
+        met[k] = 0
     for i in range(n):
         if tv[i] < 0 or (vocab >= 0 and tv[i] >= vocab):
-            return None
+            return False
         s = sv[i]
         if s < 0 or s >= MAX_SEQ:
-            return None
-        if given:
+            return False
+        first = not ((met[s >> 6] >> (s & 63)) & 1)
+        if first:
+            met[s >> 6] |= (<uint64_t>1) << (s & 63)
+            order[n_met] = s
+            n_met += 1
+            nxt[s] = last[s] + 1
+        if pv != NULL:
             p = pv[i]
         else:
             p = nxt[s]
             nxt[s] += 1
         if p < 0 or p > POS_MAX_C:
-            return None
-        if lo[s] < 0:
+            return False
+        if first:
             lo[s] = p
             distinct[s] = 1
         elif p < cur[s]:
-            return None  # a sequence's positions decrease
+            return False  # a sequence's positions decrease
         elif p != cur[s]:
             distinct[s] += 1
         cur[s] = p
         o[i] = <int32_t>p
-    for s in range(MAX_SEQ):
-        if lo[s] < 0:
-            continue
-        if c_mrope:
+    for k in range(n_met):
+        s = order[k]
+        if mrope:
             if last[s] >= 0 and last[s] >= lo[s]:
-                return None
+                return False
         elif (last[s] >= 0 and lo[s] != last[s] + 1) or cur[s] - lo[s] + 1 > distinct[s]:
-            return None
-    return out
+            return False
+    return True
 
 
 def seq_lists(seq):
@@ -449,8 +559,11 @@ def seq_flat(seq_ids):
 
 
 def place_single(cells, head, tokens, pos, seq_ids, n_seq_max, n_swa, swa_type):
-    """A whole decode step of the common batch on one stream's cells (kvref/_slots_py.py states it): the parts
-    called from C, without a Python frame between them. None, with nothing changed, when any part declines."""
+    """A whole decode step of the common batch on one stream's cells (kvref/_slots_py.py states it). On the Cython
+    KVCells with int64 token and position arrays, one C pass with three allocations (its answer); otherwise the parts
+    in turn. None, with nothing changed, when any part declines."""
+    if type(cells) is CKVCells and _int64_vector(tokens) and (pos is None or _int64_vector(pos)):
+        return _place_single_c(<CKVCells>cells, head, tokens, pos, seq_ids, n_seq_max, n_swa, swa_type)
     cdef Py_ssize_t n = tokens.shape[0]
     ids = single_seq_ids(seq_ids, n, n_seq_max)
     if ids is None:
@@ -466,10 +579,85 @@ def place_single(cells, head, tokens, pos, seq_ids, n_seq_max, n_swa, swa_type):
     idxs = find_cells(cells, head, n, False, n_swa, swa_type)
     if idxs is None or not cells.place(idxs, p, seq, (0, 0, tokens)):
         return None
-    return idxs, p, seq
+    return idxs, p, seq, tokens.astype(np.int32)
+
+
+cdef inline bint _int64_vector(object a):
+    return (cnp.PyArray_CheckExact(a) and cnp.PyArray_TYPE(<cnp.ndarray>a) == cnp.NPY_INT64
+            and (<cnp.ndarray>a).ndim == 1 and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a))
+
+
+cdef object _place_single_c(CKVCells cells, object head, cnp.ndarray tokens, object pos, object seq_ids,
+                            object n_seq_max, object n_swa, object swa_type):
+    cdef cnp.npy_intp n = tokens.shape[0]
+    cdef int64_t bound = n_seq_max
+    cdef int64_t size = cells._n, head_cur
+    cdef int64_t last[MAX_SEQ]
+    cdef int overflow = 0
+    cdef long long v
+    cdef Py_ssize_t i
+    cdef list outer
+    if n <= 0 or n > size:
+        return None
+    if bound > MAX_SEQ:
+        bound = MAX_SEQ
+    cdef cnp.ndarray seq = cnp.PyArray_EMPTY(1, &n, cnp.NPY_INT32, 0)
+    cdef int32_t* sq = <int32_t*>cnp.PyArray_DATA(seq)
+    # single_seq_ids: one plain int id per token, below the bound
+    if seq_ids is None:
+        if bound < 1:
+            return None
+        for i in range(n):
+            sq[i] = 0
+    else:
+        if type(seq_ids) is not list or len(<list>seq_ids) != n:
+            return None
+        outer = <list>seq_ids
+        for i in range(n):
+            item = outer[i]
+            if type(item) is not list or len(<list>item) != 1 or type((<list>item)[0]) is not int:
+                return None
+            v = PyLong_AsLongLongAndOverflow((<list>item)[0], &overflow)
+            if overflow or v < 0 or v >= bound:
+                return None
+            sq[i] = <int32_t>v
+    for i in range(n):  # the cells' seq_pos_max of each sequence of the batch (the only ones read)
+        last[sq[i]] = cells._seq_pos_max_c(sq[i])
+    cdef cnp.ndarray p = cnp.PyArray_EMPTY(1, &n, cnp.NPY_INT32, 0)
+    cdef const int64_t* tv = <const int64_t*>cnp.PyArray_DATA(tokens)
+    cdef const int64_t* pv = NULL
+    if pos is not None:
+        if (<cnp.ndarray>pos).shape[0] < n:
+            return None
+        pv = <const int64_t*>cnp.PyArray_DATA(<cnp.ndarray>pos)
+    if not _single_seq_batch_c(tv, pv, sq, n, last, -1, False, <int32_t*>cnp.PyArray_DATA(p)):
+        return None
+    # find_cells from the head, then place into the (empty or window-freed) cells found
+    head_cur = min(<int64_t>head, size)
+    if head_cur > cells._n_used + 2 * n:
+        head_cur = 0
+    cdef Cells c
+    _set_cells(&c, cells._pos, cells._seq, _clamp_swa(n_swa), swa_type)
+    cdef cnp.ndarray idxs = cnp.PyArray_EMPTY(1, &n, cnp.NPY_INT64, 0)
+    cdef int64_t* ix = <int64_t*>cnp.PyArray_DATA(idxs)
+    if not _find_cells_c(&c, size, head_cur, n, False, cells.seq_pos_max if c.swa else None, ix):
+        return None
+    cdef vector[int64_t] buf  # positions, sequences, zeros for x and y: what place writes
+    buf.resize(4 * n)
+    cdef int64_t* b = buf.data()
+    cdef const int32_t* pp = <const int32_t*>cnp.PyArray_DATA(p)
+    cdef cnp.ndarray tok = cnp.PyArray_EMPTY(1, &n, cnp.NPY_INT32, 0)
+    cdef int32_t* t32 = <int32_t*>cnp.PyArray_DATA(tok)
+    for i in range(n):
+        b[i] = pp[i]
+        b[n + i] = sq[i]
+        t32[i] = <int32_t>tv[i]  # unless _place_c refuses a token beyond int32 below
+    if not cells._place_c(ix, b, b + n, b + 2 * n, b + 3 * n, tv, n, False):
+        return None
+    return idxs, p, seq, tok
 
 
 __all__ = [
-    "find_cells", "place_single", "plain_seq_ids", "seq_flat", "seq_lists", "single_seq_batch", "single_seq_ids",
-    "used_targets",
+    "find_cells", "int32_values", "place_single", "plain_seq_ids", "seq_flat", "seq_lists", "single_seq_batch",
+    "single_seq_ids", "token_batch", "used_targets",
 ]

@@ -160,6 +160,41 @@ def used_targets(cells: KVCells, idxs: list[int] | npt.NDArray[np.int64], size: 
 # raises the error llama.cpp gives. They never raise for a bad batch and never change their arguments.
 
 
+def int32_values(values: object, lo: int) -> npt.NDArray[np.int64] | None:
+    """A Batch's ``tokens`` or ``pos`` copied as int64, when they are a 1-D int32 or int64 array or a list of plain
+    ``int`` and every value lies in ``[lo, 2**31 - 1]``; None otherwise (the Batch then checks them one by one)."""
+    if type(values) is np.ndarray and values.ndim == 1 and values.dtype in (np.int32, np.int64):
+        arr = values.astype(np.int64)
+    elif type(values) is list and all(type(v) is int for v in values):
+        try:
+            arr = np.array(values, dtype=np.int64)
+        except OverflowError:
+            return None
+    else:
+        return None
+    if arr.size and (arr.min() < lo or arr.max() > POS_MAX):
+        return None
+    return arr
+
+
+def token_batch(
+    tokens: object, pos: object, seq_ids: object
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64] | None, list[list[int]] | None] | None:
+    """A Batch's ``tokens``, ``pos`` and ``seq_ids`` checked and copied in one call, for the common batch: at least one
+    token id (``int32_values``), no positions or one position >= 0 per token, no sequence ids or one plain list of
+    them per token (``plain_seq_ids``); None otherwise (the Batch then checks each field, raising its error)."""
+    t = int32_values(tokens, -(2**31))
+    if t is None or len(t) == 0:
+        return None
+    p = None if pos is None else int32_values(pos, 0)
+    if pos is not None and (p is None or len(p) != len(t)):
+        return None
+    ids = None if seq_ids is None else plain_seq_ids(seq_ids)
+    if seq_ids is not None and (ids is None or len(ids) != len(t)):
+        return None
+    return t, p, ids
+
+
 def plain_seq_ids(seq_ids: object) -> list[list[int]] | None:
     """A Batch's ``seq_ids`` copied as a list of lists, when it is a list (or tuple) of lists (or tuples) of plain
     ``int``; None otherwise (the Batch then checks and converts each id)."""
@@ -269,13 +304,13 @@ def place_single(
     n_seq_max: int,
     n_swa: int,
     swa_type: int,
-) -> tuple[npt.NDArray[np.int64], IntArray, IntArray] | None:
+) -> tuple[npt.NDArray[np.int64], IntArray, IntArray, IntArray] | None:
     """A whole decode step of the common batch on one stream's cells, when every part of it succeeds: the batch
     allocator's one-pass check (``single_seq_ids``, the cells' ``seq_pos_max`` of each sequence, ``single_seq_batch``
     without a vocabulary bound or M-RoPE), find_slot's search from ``head`` (``find_cells``, not contiguous) and
     apply_ubatch's writes into empty cells (``KVCells.place``, ext ``(0, 0, token)``). Returns the cells (int64), the
-    positions and the sequence ids (int32), or None with nothing changed when any part would decline: the caller's
-    general path then does each part in turn (and raises its error)."""
+    positions, the sequence ids and the tokens (int32), or None with nothing changed when any part would decline: the
+    caller's general path then does each part in turn (and raises its error)."""
     n = int(tokens.shape[0])
     ids = single_seq_ids(seq_ids, n, n_seq_max)
     if ids is None:
@@ -291,7 +326,7 @@ def place_single(
     idxs = find_cells(cells, head, n, False, n_swa, swa_type)
     if idxs is None or not cells.place(idxs, p, seq, (0, 0, tokens)):
         return None
-    return idxs, p, seq
+    return idxs, p, seq, tokens.astype(np.int32)
 
 
 def seq_lists(seq: IntArray) -> tuple[list[list[int]], list[int], IntArray]:
@@ -326,11 +361,13 @@ def seq_flat(
 
 __all__ = [
     "find_cells",
+    "int32_values",
     "place_single",
     "plain_seq_ids",
     "seq_flat",
     "seq_lists",
     "single_seq_batch",
     "single_seq_ids",
+    "token_batch",
     "used_targets",
 ]

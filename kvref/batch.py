@@ -83,13 +83,13 @@ class UBatch:
         token: npt.NDArray[np.int32],
         pos: npt.NDArray[np.int32],
         seq: npt.NDArray[np.int32],
-        output: npt.NDArray[np.int8],
+        logits: npt.NDArray[np.bool_] | None,
     ) -> UBatch:
         """The ubatch ``split_simple`` makes of a whole token batch of one sequence id per token (``token``, ``pos``
-        and ``seq`` int32, one position each, ``output`` int8; the ubatch owns them), equal to the one the allocator
-        builds. Its fields are built when one is first read (a decode step's caller often reads none)."""
+        and ``seq`` int32, one position each, the batch's ``logits``; the ubatch owns them), equal to the one the
+        allocator builds. Its fields are built when one is first read (a decode step's caller often reads none)."""
         ub = cls.__new__(cls)
-        ub.__dict__["_whole"] = (token, pos, seq, output)
+        ub.__dict__["_whole"] = (token, pos, seq, logits)
         return ub
 
     if not TYPE_CHECKING:  # mypy: a UBatch has its fields only
@@ -99,13 +99,13 @@ class UBatch:
             whole = None if name.startswith("__") else self.__dict__.pop("_whole", None)
             if whole is None:
                 raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-            token, pos, seq, output = whole
+            token, pos, seq, logits = whole
             n = len(token)
             seq_id, seq_id_unq, seq_idx = _slots.kernels.seq_lists(seq)
             self.__init__(
                 equal_seqs=False, n_tokens=n, n_seq_tokens=1, n_seqs=n, n_seqs_unq=len(seq_id_unq), n_pos=1,
                 token=token, embd=None, pos=pos, n_seq_id=np.ones(n, np.int32), seq_id=seq_id, seq_id_unq=seq_id_unq,
-                seq_idx=seq_idx, output=output, batch_idxs=np.arange(n, dtype=np.int32),
+                seq_idx=seq_idx, output=output_flags(logits, n), batch_idxs=np.arange(n, dtype=np.int32),
             )  # fmt: skip
             return getattr(self, name)
 
@@ -133,6 +133,9 @@ _NARROW_INTS = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.u
 def _int32s(values: npt.ArrayLike, name: str) -> npt.NDArray[np.int64]:
     """``values`` as int64 after checking they are integers that fit llama.cpp's int32 (BatchError naming
     ``name[i]`` otherwise)."""
+    fast: npt.NDArray[np.int64] | None = _slots.kernels.int32_values(values, -(2**31))  # checked at C speed
+    if fast is not None:
+        return fast
     arr = np.asarray(values).reshape(-1)
     if arr.dtype in _NARROW_INTS:
         return arr.astype(np.int64)  # every value fits
@@ -180,6 +183,11 @@ class Batch:
     logits: Sequence[int] | npt.NDArray[np.generic[int]] | None = None
 
     def __post_init__(self) -> None:
+        if self.embd is None and self.logits is None:
+            common = _slots.kernels.token_batch(self.tokens, self.pos, self.seq_ids)  # checked at C speed
+            if common is not None:
+                self.tokens, self.pos, self.seq_ids = common
+                return
         if self.tokens is not None:
             self.tokens = _int32s(self.tokens, "tokens")
         if self.embd is not None:
@@ -194,8 +202,9 @@ class Batch:
         if n == 0:
             raise BatchError("n_tokens == 0")  # llama_context::decode rejects empty batches
         if self.pos is not None:
-            self.pos = _int32s(self.pos, "pos")
-            if self.pos.size and self.pos.min() < 0:
+            pos = _slots.kernels.int32_values(self.pos, 0)  # positions >= 0, checked at C speed
+            self.pos = pos if pos is not None else _int32s(self.pos, "pos")
+            if pos is None and self.pos.size and self.pos.min() < 0:
                 # llama.cpp's cells hold positions >= 0 (a negative one asserts in the KV cache and reads as an
                 # empty cell in the recurrent memory): refused before any memory sees it
                 i = int(np.flatnonzero(self.pos < 0)[0])

@@ -28,7 +28,7 @@ from . import kv_state as _kv_state
 from . import rotation as _rotation
 from . import slots as _slots
 from .args import args_name, as_int32, as_range, as_seq_id, as_state_args, check_alloc
-from .batch import UBatch, output_flags
+from .batch import UBatch
 from .cells import LLAMA_MAX_SEQ, POS_MAX, KVCells
 from .errors import KVRefError, NoSlotError, SequenceError
 from .ggml import GGMLType, ggml_type, row_size, traits
@@ -109,6 +109,7 @@ class KVCache:
         if not 1 <= n_seq_max <= LLAMA_MAX_SEQ:
             raise KVRefError(f"n_seq_max {n_seq_max} is outside [1, {LLAMA_MAX_SEQ}]")
         self.hparams = hparams
+        self._mrope = hparams.n_pos_per_embd() != 1  # decode's fast path declines M-RoPE batches
         self.type_k = ggml_type(type_k)
         self.type_v = ggml_type(type_v)
         self.v_trans = bool(v_trans)
@@ -123,6 +124,7 @@ class KVCache:
             # llama.cpp refuses a quantized V cache without flash attention (which is what v_trans means)
             raise KVRefError("a quantized V cache needs v_trans=False (flash attention)")
 
+        self._seq_bound = decode_seq_bound(self.profile, self.kv_unified, self.n_seq_max)  # for decode's fast path
         self.heads: list[int] = [0] * self.n_stream
         # (slot, ubatch, checks) of a decode step's only ubatch between init_batch and _apply (see _apply)
         self._checked: tuple[SlotInfo, UBatch, _slots.ApplyChecks] | None = None
@@ -592,21 +594,19 @@ class KVCache:
         if not (logits is None or (type(logits) is np.ndarray and logits.dtype == np.bool_ and logits.shape == (n,))):
             return None
         cells = self._cells[0]
-        if cells.get_has_shift() or self.hparams.n_pos_per_embd() != 1:
-            return None
-        n_seq_max = decode_seq_bound(self.profile, self.kv_unified, self.n_seq_max)
-        if n_seq_max > len(self.seq_to_stream):
+        if cells.get_has_shift() or self._mrope:
             return None
         placed = _slots.kernels.place_single(
-            cells, self.heads[0], tokens, pos, batch.seq_ids, n_seq_max, self.n_swa, self.swa_type
+            cells, self.heads[0], tokens, pos, batch.seq_ids, self._seq_bound, self.n_swa, self.swa_type
         )
         if placed is None:
             return None
-        idxs, p, seq = placed
-        self.heads[0] = int(idxs[-1]) + 1
+        idxs, p, seq, tok = placed
+        cells_picked = idxs.tolist()
+        self.heads[0] = cells_picked[-1] + 1
         self._checked = None
-        out = output_flags(logits, n)
-        return UBatch.whole_single(tokens.astype(np.int32), p, seq, out), SlotInfo(0, 0, [0], [idxs.tolist()])
+        out = logits if logits is None else logits.copy()  # the ubatch owns what it reads later
+        return UBatch.whole_single(tok, p, seq, out), SlotInfo(0, 0, [0], [cells_picked])
 
     # decode_batch's steps
     def _decode_n_seq_max(self) -> int:

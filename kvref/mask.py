@@ -129,7 +129,7 @@ def fill_kq_mask(
     if len(ubatch.seq_id_unq) == 1:  # one sequence: every token's (only) id
         tok_seq = np.full(n_tokens, ubatch.seq_id_unq[0], dtype=np.int32)
     else:
-        tok_seq = np.fromiter((ids[0] for ids in ubatch.seq_id[:n_tokens]), dtype=np.int32, count=n_tokens)
+        tok_seq = _impl.first_seq_ids(ubatch.seq_id, n_tokens)
     # through _impl (not the name bound above): tests wrap the twin by replacing kvref.mask._impl
     mask: MaskArray = _impl.fill_kq_mask_raw(
         out,

@@ -184,6 +184,70 @@ def test_batch_seq_ids_copy_equals_the_check(kernels: Any, seq_ids: list, outer:
         assert all(type(s) is int for ids in got[1] for s in ids)
 
 
+class _GeneralBatch:
+    """A slots twin whose Batch kernels decline every batch: Batch then takes its general checks."""
+
+    def __init__(self, twin: Any) -> None:
+        self._twin = twin
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._twin, name)
+
+    @staticmethod
+    def token_batch(*_args: Any) -> None:
+        return None
+
+    @staticmethod
+    def int32_values(*_args: Any) -> None:
+        return None
+
+
+_INTS = st.one_of(st.integers(-3, 9), st.sampled_from([2**31 - 1, 2**31, -(2**31), -(2**31) - 1, 2**70]))
+
+
+@st.composite
+def int_field(draw: st.DrawFn, n: int) -> Any:
+    """A Batch field of about ``n`` integers, as a caller may pass it: a list, an array of some dtype, or oddities."""
+    m = draw(st.sampled_from([n, n, n, n - 1, 2 * n]))
+    values = draw(st.lists(_INTS, min_size=max(m, 0), max_size=max(m, 0)))
+    kind = draw(st.sampled_from(["list", "int32", "int64", "uint64", "int8", "float", "strided", "2d", "bool"]))
+    if kind == "list":
+        return values
+    if kind == "bool":
+        return [True] * len(values)
+    if kind == "float":
+        return np.array(values, dtype=np.float64)
+    dt = np.dtype(kind if kind not in ("2d", "strided") else "int64")
+    arr = np.array([v for v in values if np.iinfo(dt).min <= v <= np.iinfo(dt).max], dtype=dt)
+    if kind == "2d":
+        return arr.reshape(1, -1)
+    return np.repeat(arr, 2)[::2] if kind == "strided" else arr
+
+
+@settings(max_examples=EXAMPLES, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(data=st.data(), n=st.integers(0, 4), with_pos=st.booleans(), with_seq=st.booleans())
+def test_batch_common_fields_equal_the_checks(kernels: Any, data: st.DataObject, n: int, with_pos: bool,
+                                              with_seq: bool) -> None:  # fmt: skip
+    """Batch's one-call check of tokens, pos and seq_ids gives the same fields, or the same error, as its general
+    checks one by one; the batch holds copies."""
+    tokens = data.draw(int_field(n))
+    pos = data.draw(int_field(n)) if with_pos else None
+    seq_ids = [[i % 2] for i in range(n)] if with_seq else None
+
+    def fields() -> tuple:
+        b = Batch(tokens=tokens, pos=pos, seq_ids=seq_ids)
+        assert not isinstance(tokens, np.ndarray) or not np.shares_memory(b.tokens, tokens)
+        return (b.tokens.dtype.str, b.tokens.tolist(), None if b.pos is None else (b.pos.dtype.str, b.pos.tolist()),
+                b.seq_ids)  # fmt: skip
+
+    got = outcome(fields)
+    slots.kernels = _GeneralBatch(kernels)
+    try:
+        assert got == outcome(fields)
+    finally:
+        slots.kernels = kernels  # the next example starts on the twin again
+
+
 # ------------------------------------------------------------------------------- prepare's shortcut
 @st.composite
 def decode_steps(draw: st.DrawFn) -> list:

@@ -162,3 +162,19 @@ def test_mrope_image_tokens_attend_in_raster_order(glue):
     # non-causal: the image sees itself whole
     m = glue.fill_kq_mask(cache, ub, sinfo=sinfo, causal=False)
     assert same_bits(m[0, :, 5:9], np.zeros((4, 4), np.float32))
+
+
+def test_server_decode_step_over_many_column_blocks(glue):
+    """A server's decode step (one token for each of many interleaved sequences) over a cache wide enough that the
+    Cython twin fills and patches the rows a block of columns at a time, some sequences windowed or emptied."""
+    n_seq = 64
+    cache = KVCache(hp(), kv_size=16384, n_seq_max=n_seq, kv_unified=True, n_swa=3000, swa_type=SWAType.STANDARD)
+    for _ in range(200):
+        cache.decode(Batch(tokens=[1] * n_seq, seq_ids=[[s] for s in range(n_seq)]), n_ubatch=n_seq)
+    cache.seq_rm(5, -1, -1)  # a sequence without cells
+    cache.seq_rm(9, 0, 150)  # and one with a gap
+    ((ub, sinfo),) = cache.decode(Batch(tokens=[1] * n_seq, seq_ids=[[s] for s in range(n_seq)]), n_ubatch=n_seq)
+    for dtype in (np.float32, np.float16):
+        m = glue.fill_kq_mask(cache, ub, dtype=dtype, sinfo=sinfo)
+        assert m.shape[2] > 4096  # several 256 KiB blocks of 64 rows
+        check_against_oracle(cache, ub, sinfo, m)

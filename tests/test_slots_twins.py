@@ -410,7 +410,8 @@ def test_place_single_twins_agree(spec, data) -> None:
             if got is None:
                 assert cells_snapshot(cells) == before, (mod.__name__, cls)
             else:
-                idxs, p, seq = got
+                idxs, p, seq, tok = got
+                assert tok.dtype == np.int32 and tok.tolist() == tokens.tolist()
                 ref = build(cls, spec)
                 assert idxs.tolist() == mod.find_cells(ref, head, n, False, n_swa, swa_type).tolist()
                 assert ref.place(idxs, p, seq, (0, 0, tokens))
