@@ -130,8 +130,10 @@ cdef int64_t _init_cells(Cells* c, object cells, object n_swa, object swa_type, 
 cdef inline int64_t _clamp_swa(object n_swa) except? -1:
     cdef int overflow = 0
     cdef long long v = PyLong_AsLongLongAndOverflow(n_swa, &overflow)
-    if overflow or v > SWA_CLAMP or v < -SWA_CLAMP:
-        return -SWA_CLAMP if (overflow < 0 or v < 0) else SWA_CLAMP
+    if overflow > 0 or (overflow == 0 and v > SWA_CLAMP):
+        return SWA_CLAMP
+    if overflow < 0 or v < -SWA_CLAMP:
+        return -SWA_CLAMP
     return v
 
 
