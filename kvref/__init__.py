@@ -84,7 +84,9 @@ def about_line() -> str:
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        return getattr(importlib.import_module(_LAZY[name]), name)
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value  # resolved once: later lookups are plain attribute reads (kvref.Batch in a loop)
+        return value
     if name in _SUBMODULES:
         return importlib.import_module(f"kvref.{name}")
     raise AttributeError(f"module 'kvref' has no attribute {name!r}")
