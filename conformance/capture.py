@@ -30,9 +30,17 @@ consumer tells them apart (the caller maps it with the model's SWA layers). Ever
 with the token-embedding lookup (GET_ROWS of ``token_embd.weight``), which is how the ubatches of one
 llama_decode are told apart; a K-shift graph has no such node and runs before them.
 
+Older releases (the legacy goldens) differ in what there is to read. Before llama.cpp's ``ggml_set_rows``
+(0.2.90, and 0.3.12, where it is opt-in through ``LLAMA_SET_ROWS`` and off) K and V are written with a CPY into
+a view of the cache: there are no row indices. Their KQ masks have ``GGML_PAD(n_tokens, GGML_KQ_MASK_PAD)``
+rows per stream (32 in 0.2.90, 64 in 0.3.12 .. 0.3.16), the rows past the ubatch's tokens all -inf; the mask
+is recorded with the shape llama.cpp gave it. 0.3.12 .. 0.3.16 name neither the soft-max (its layer is then
+the K cache's the KQ product read) nor, up to 0.3.35, the positions (the unnamed input a Q/K ROPE reads).
+
 llama-cpp-python does not declare ``struct ggml_tensor``: it is declared here from ggml.h of the vendored
-llama.cpp and its size is checked against ``ggml_tensor_overhead()`` (the tensor plus ggml's 32-byte object
-header) when the module is imported. Data is read by pointer: the CPU backend keeps it in host memory.
+llama.cpp of each release (``_tensor_fields``) and its size is checked against ``ggml_tensor_overhead()``
+(the tensor plus ggml's 32-byte object header) when the module is imported. Data is read by pointer: the CPU
+backend keeps it in host memory.
 """
 
 from __future__ import annotations
@@ -40,11 +48,11 @@ from __future__ import annotations
 import base64
 import ctypes
 import re
+from pathlib import Path
 from typing import Any
 
 import llama_cpp as L
 import numpy as np
-from llama_cpp import _ggml
 
 GGML_MAX_DIMS = 4
 GGML_MAX_SRC = 10
@@ -54,27 +62,48 @@ GGML_OBJECT_SIZE = 32  # struct ggml_object: offs, size, next, type, 4 bytes pad
 
 
 class GGMLTensor(ctypes.Structure):
-    """struct ggml_tensor (ggml.h of llama.cpp 0c1e570)."""
+    """struct ggml_tensor of the loaded release's ggml.h (fields from ``_tensor_fields``)."""
 
 
-GGMLTensor._fields_ = [
-    ("type", ctypes.c_int),
-    ("buffer", ctypes.c_void_p),
-    ("ne", ctypes.c_int64 * GGML_MAX_DIMS),
-    ("nb", ctypes.c_size_t * GGML_MAX_DIMS),
-    ("op", ctypes.c_int),
-    ("op_params", ctypes.c_int32 * (GGML_MAX_OP_PARAMS // 4)),
-    ("flags", ctypes.c_int32),
-    ("src", ctypes.POINTER(GGMLTensor) * GGML_MAX_SRC),
-    ("view_src", ctypes.POINTER(GGMLTensor)),
-    ("view_offs", ctypes.c_size_t),
-    ("data", ctypes.c_void_p),
-    ("name", ctypes.c_char * GGML_MAX_NAME),
-    ("extra", ctypes.c_void_p),
-    ("padding", ctypes.c_char * 8),
-]
+def _tensor_fields(version: str) -> list[tuple[str, Any]]:
+    """struct ggml_tensor in ggml.h of the llama.cpp vendored by llama-cpp-python ``version``. Until the
+    autumn of 2024 (0.2.x) it still had the deprecated ``backend`` enum after ``type`` and the ``grad``
+    pointer before ``src``, and no trailing padding (0.2.x and 0.3.0 checked); 0.3.12 .. 0.3.36 share the layout
+    without them."""
+    ptr = ctypes.POINTER(GGMLTensor)
+    old = version.startswith("0.2.") or version == "0.3.0"
+    return [
+        ("type", ctypes.c_int),
+        *([("backend", ctypes.c_int)] if old else []),
+        ("buffer", ctypes.c_void_p),
+        ("ne", ctypes.c_int64 * GGML_MAX_DIMS),
+        ("nb", ctypes.c_size_t * GGML_MAX_DIMS),
+        ("op", ctypes.c_int),
+        ("op_params", ctypes.c_int32 * (GGML_MAX_OP_PARAMS // 4)),
+        ("flags", ctypes.c_int32),
+        *([("grad", ptr)] if old else []),
+        ("src", ptr * GGML_MAX_SRC),
+        ("view_src", ptr),
+        ("view_offs", ctypes.c_size_t),
+        ("data", ctypes.c_void_p),
+        ("name", ctypes.c_char * GGML_MAX_NAME),
+        ("extra", ctypes.c_void_p),
+        *([] if old else [("padding", ctypes.c_char * 8)]),
+    ]
 
-_lib = _ggml.libggml
+
+GGMLTensor._fields_ = _tensor_fields(L.__version__)
+
+
+def _load_ggml() -> Any:
+    try:
+        from llama_cpp import _ggml  # 0.3.x
+    except ImportError:  # 0.2.x bindings load libggml only through libllama: open it from the package
+        return ctypes.CDLL(str(Path(L.__file__).parent / "lib" / "libggml.so"))
+    return _ggml.libggml
+
+
+_lib = _load_ggml()
 _lib.ggml_tensor_overhead.restype = ctypes.c_size_t
 _lib.ggml_tensor_overhead.argtypes = []
 _lib.ggml_op_name.restype = ctypes.c_char_p
@@ -85,23 +114,26 @@ if ctypes.sizeof(GGMLTensor) + GGML_OBJECT_SIZE != _overhead:
     raise RuntimeError(
         f"struct ggml_tensor declared here is {ctypes.sizeof(GGMLTensor)} bytes, but the loaded ggml says "
         f"ggml_tensor_overhead() = {_overhead} = {GGML_OBJECT_SIZE} + {_overhead - GGML_OBJECT_SIZE}: "
-        f"llama-cpp-python {L.__version__} vendors another ggml.h; update GGMLTensor"
+        f"llama-cpp-python {L.__version__} vendors another ggml.h; update _tensor_fields"
     )
 
 _OP_IDS: dict[str, int] = {}
 for _i in range(256):
     _n = _lib.ggml_op_name(_i)
-    if _n:
-        _OP_IDS.setdefault(_n.decode(), _i)
-    if _n == b"COUNT" or _n is None:
+    # 0.3.0's ggml_op_name does not bound its index (no "COUNT" entry): past the last op it reads other memory
+    if _n is None or not re.fullmatch(rb"[A-Z0-9_]+", _n):
+        break
+    _OP_IDS.setdefault(_n.decode(), _i)
+    if _n == b"COUNT":
         break
 OP_SOFT_MAX = _OP_IDS["SOFT_MAX"]
 OP_FLASH_ATTN_EXT = _OP_IDS["FLASH_ATTN_EXT"]
-OP_SET_ROWS = _OP_IDS["SET_ROWS"]
+OP_SET_ROWS = _OP_IDS.get("SET_ROWS", -1)  # none before mid-2025: K/V written by CPY
 OP_ROPE = _OP_IDS["ROPE"]
 OP_GET_ROWS = _OP_IDS["GET_ROWS"]
 OP_MUL_MAT = _OP_IDS["MUL_MAT"]
 GGML_HINT_SRC0_IS_HADAMARD = 1  # ggml.h
+GGML_TENSOR_FLAG_INPUT = 1  # ggml.h enum ggml_tensor_flag
 _ROWS_RE = re.compile(r"^([KV])cur-(\d+)")
 
 # ggml.h enum ggml_type: the input tensors are of these types
@@ -111,6 +143,7 @@ TYPE_NAMES = {0: "f32", 1: "f16", 26: "i32", 27: "i64"}
 _CACHE_RE = re.compile(r"cache_([kv])_l(\d+)")
 _LAYER_RE = re.compile(r"-(\d+)$")
 _BLK_RE = re.compile(r"blk\.(\d+)\.")
+_UNNAMED_RE = re.compile(r"^(leaf_\d+)?$")  # ggml_build_forward names an unnamed leaf leaf_<n>
 
 
 def _name(t: Any) -> str:
@@ -232,11 +265,14 @@ class Capture:
         if op == OP_GET_ROWS and t.src[0] and t.src[1] and "attn_rel_b" in _name(t.src[0].contents):
             m = _BLK_RE.search(_name(t.src[0].contents))
             return ("pos_bucket", int(m.group(1)) if m else -1, 1)
-        if op == OP_SOFT_MAX and _name(t).startswith("kq_soft_max"):
-            m = _LAYER_RE.search(_name(t))
-            if m is None or not t.src[1]:
-                return None
-            return ("kq_mask", int(m.group(1)), 1)
+        if op == OP_SOFT_MAX and t.src[1]:
+            # named kq_soft_max[_ext]-<il> where llama.cpp names it; 0.3.12 .. 0.3.16 leave it unnamed: the
+            # layer is that of the K cache the KQ product read
+            m = _LAYER_RE.search(_name(t)) if _name(t).startswith("kq_soft_max") else None
+            if m is not None:
+                return ("kq_mask", int(m.group(1)), 1)
+            c = _cache_of(t.src[0], depth=12)
+            return None if c is None else ("kq_mask", c[1], 1)
         if op == OP_FLASH_ATTN_EXT:
             c = _cache_of(t.src[1])
             if c is None or not t.src[3]:
@@ -255,12 +291,16 @@ class Capture:
             if c is not None and c[0] == "k" and not self.ubatches:
                 return ("shift_rows", c[1], "k")
         if op == OP_ROPE and t.src[1]:
-            if _name(t.src[1].contents) == "inp_pos":
-                c = _LAYER_RE.search(_name(t))
-                return ("pos", int(c.group(1)) if c else -1, 1)
-            c = _cache_of(t.src[0])
+            p = t.src[1].contents
+            c = None if _name(p) == "inp_pos" else _cache_of(t.src[0])
             if c is not None and c[0] == "k":
                 return ("k_shift", c[1], 1)
+            # the positions: named inp_pos, except in 0.3.12 .. 0.3.35, where they are the unnamed input (ggml
+            # names it leaf_<n> in the graph) a ROPE of Q or K reads
+            unnamed = _UNNAMED_RE.match(_name(p)) is not None
+            if _name(p) == "inp_pos" or (c is None and unnamed and p.flags & GGML_TENSOR_FLAG_INPUT):
+                m = _LAYER_RE.search(_name(t))
+                return ("pos", int(m.group(1)) if m else -1, 1)
         return None
 
     def _swa(self, kind: str, il: int) -> bool:

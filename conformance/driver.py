@@ -91,6 +91,44 @@ PRODUCERS = {
         "swa_masked_in_seq": True,
         "whole_restore_last_stream": True,
     },
+    # 0.3.0 (September 2024, the first of session v9): 0.2.90's llama.cpp without the rng string (the sampler
+    # refactor dropped it and bumped the version); no memory API yet (generate.py installs generate_legacy's shim)
+    "0.3.0": {
+        "llama_cpp_commit": "ea9c32be71b91b42ecc538bd902e93cbb5fb36cb",  # CHANGELOG.md of the sdist
+        "llama_cpp_commit_date": "2024-09-25",
+        "session_version": 9,
+        "seq_version": 2,
+        "output_block": True,
+        "seq_data_prefix": False,
+        "cell_ext_size": 0,
+        "swa_masked_in_seq": True,
+        "n_stream_field": False,
+        # a KV sequence save writes n_seq_id 0 per cell (no id), and a sequence restore requires it
+        "seq_kv_ids": False,
+        "skip_cases": {
+            # one cache of n_ctx cells for every layer, the window applied in the mask only (no iSWA cache yet)
+            "gemma2-swa-overflow": "no SWA cache in this llama.cpp (kvref models gemma2 as iSWA only)",
+            "qwen2vl-mrope": "llama_model_load_from_file: unknown architecture qwen2vl",
+        },
+    },
+    # 0.3.8 (2025): as 0.3.0 (no memory API yet, one KV cache, sequence saves without ids), with the llama_model_*
+    # calls and KQ masks padded to 64 rows
+    "0.3.8": {
+        "llama_cpp_commit": "7841fc723e059d1fd9640e5c0ef19050fcc7c698",  # CHANGELOG.md of the sdist
+        "llama_cpp_commit_date": None,
+        "session_version": 9,
+        "seq_version": 2,
+        "output_block": True,
+        "seq_data_prefix": False,
+        "cell_ext_size": 0,
+        "swa_masked_in_seq": True,
+        "n_stream_field": False,
+        "seq_kv_ids": False,
+        "skip_cases": {
+            "gemma2-swa-overflow": "no SWA cache in this llama.cpp (kvref models gemma2 as iSWA only)",
+            "qwen2vl-mrope": "the captured M-RoPE positions past the token rows are uninitialised memory",
+        },
+    },
     # 0.2.90 (August 2024): session v8 = the 0.3.12 layout plus the sampler's rng string after the arch; no
     # memory API (generate_legacy.py maps driver's calls onto llama_kv_cache_*); no SWA, no M-RoPE yet
     "0.2.90": {
@@ -107,9 +145,24 @@ PRODUCERS = {
         # a KV sequence save writes n_seq_id 0 per cell (no id), and a sequence restore requires it
         "seq_kv_ids": False,
     },
+    # 0.2.83 (July 2024): session v7 / sequence v1 (conformance/generate_legacy.py, goldens in golden-v7/)
+    "0.2.83": {
+        "llama_cpp_commit": "081fe431aa8fb6307145c4feb3eed4f48cab19f8",  # CHANGELOG.md of the sdist
+        "llama_cpp_commit_date": None,
+        "session_version": 7,
+        "seq_version": 1,
+        "output_block": True,
+        "seq_data_prefix": False,
+        "cell_ext_size": 0,
+        "swa_masked_in_seq": True,
+        "n_stream_field": False,
+        "rng": True,
+        "seq_kv_ids": False,
+    },
 }
 PRODUCER = PRODUCERS[L.__version__]
-# graph inputs are read through a ctypes struct ggml_tensor declared for this release's ggml.h only
+# graph inputs are read through conformance/capture.py's struct ggml_tensor (declared per release); the legacy
+# generators switch the capture on for the releases it was checked with
 CAPTURE_GRAPHS = L.__version__ == "0.3.36"
 SESSION_VERSION = PRODUCER["session_version"]
 SEQ_VERSION = PRODUCER["seq_version"]

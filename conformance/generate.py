@@ -1245,6 +1245,23 @@ def dump_case(doc: dict) -> str:
     return text
 
 
+def _shim_2024() -> None:
+    """Bindings of autumn 2024 (0.3.0: session v9, still no memory API) take generate_legacy.py's shim, cache
+    record (the view's cell count) and memory block, as 0.2.x's do."""
+    global memory_block
+    import generate_legacy
+
+    generate_legacy.install_shim()
+    memory_block = generate_legacy.memory_block
+    parse_log = driver._parse_memory_log
+
+    def parse_memory_log(lines) -> dict:
+        log = parse_log(lines)
+        return {**log, "caches": [*log["caches"], *generate_legacy._CACHES]}
+
+    driver._parse_memory_log = parse_memory_log
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("-k", default="", help="only cases whose id contains this text")
@@ -1263,6 +1280,10 @@ def main(argv=None) -> int:
     import llama_cpp
 
     legacy = llama_cpp.__version__ != CURRENT_PRODUCER
+    if legacy:
+        driver.CAPTURE_GRAPHS = True  # capture.py declares every legacy release's struct ggml_tensor too
+    if legacy and not hasattr(llama_cpp, "llama_get_memory"):
+        _shim_2024()
     cases = [
         c
         for c in CASES
@@ -1275,6 +1296,8 @@ def main(argv=None) -> int:
     ids = [c.id for c in CASES]
     assert len(ids) == len(set(ids)), "duplicate case id"
     vers = versions()
+    if "seq_kv_ids" in driver.PRODUCER:  # 2024: a sequence save's KV cells carry no seq id
+        vers["seq_kv_ids"] = driver.PRODUCER["seq_kv_ids"]
     models = build_models(a.model_dir, copy=not legacy)
     for m in models.values():
         if m.committed and (HERE / "models" / m.path.name).exists():

@@ -5,6 +5,7 @@ Runs under a virtual environment with that llama-cpp-python built from source (s
     /tmp/lcp02/bin/python conformance/generate_legacy.py            # every case of LEGACY_02_CASES
     /tmp/lcp02/bin/python conformance/generate_legacy.py -k mamba   # only matching cases
     /tmp/lcp02/bin/python conformance/generate_legacy.py --list
+    /tmp/lcp0283/bin/python conformance/generate_legacy.py          # 0.2.83 (session v7): CASES_0_2_83
 
 Those bindings predate llama.cpp's memory API (``llama_memory_*``, ``llama_model_*``): the cache is the
 context's (``llama_kv_cache_*`` take the context), and there is no ``seq_pos_min``. `install_shim` gives the
@@ -33,6 +34,13 @@ import llama_cpp as L  # noqa: E402
 # sharing cells (seq_cp, seq_rm), and a recurrent model
 LEGACY_02_CASES = ("llama-f16-single-seq", "llama-shared-prefix", "mamba-seq-cp-rm")
 RNG_SEED = 1234  # llama_context_params.seed: the state of the rng string in every session file
+
+# llama-cpp-python 0.2.83 (session v7, sequence v1: driver.PRODUCERS["0.2.83"]): its sequence saves abort on a
+# recurrent cache (GGML_ASSERT), so it runs no Mamba case
+CASES_0_2_83 = ("llama-f16-single-seq", "llama-shared-prefix")
+# not golden/: `kvref conformance` and the tests that walk golden/ read every artefact without a model, which
+# session v7 needs (tests/test_legacy_v7.py reads these)
+GOLDEN_DIR_0_2_83 = "golden-v7"
 
 
 _N_SEQ_MAX: dict[int, int] = {}  # context address -> its n_seq_max
@@ -75,7 +83,8 @@ def _meta_int(model, name: str, default: int) -> int:
 
 
 def install_shim() -> None:
-    """Give the 0.2.x bindings the names driver.py calls (each the call of that era that does the same)."""
+    """Give the bindings of 2024 (0.2.x, 0.3.0 .. 0.3.9: no memory API) the names driver.py calls, each the call of
+    that era that does the same."""
 
     def init_from_model(model, params):
         params.seed = RNG_SEED
@@ -102,22 +111,35 @@ def install_shim() -> None:
         # and llama_kv_cache_update K-shifts a RoPE cache, aborting for DeepSeek2 only (no case uses it)
         return True
 
-    names = {
-        "llama_model_load_from_file": L.llama_load_model_from_file,
-        "llama_model_free": L.llama_free_model,
-        "llama_model_n_layer": L.llama_n_layer,
-        "llama_model_n_embd": L.llama_n_embd,
+    # calls renamed since: the old name, where the bindings lack the new one (0.3.8 already has llama_model_*)
+    renamed = {
+        "llama_model_load_from_file": "llama_load_model_from_file",
+        "llama_model_free": "llama_free_model",
+        "llama_model_n_layer": "llama_n_layer",
+        "llama_model_n_embd": "llama_n_embd",
+        "llama_model_rope_type": "llama_rope_type",
+        "llama_model_n_ctx_train": "llama_n_ctx_train",
+        "llama_vocab_n_tokens": "llama_n_vocab",
+    }
+    for name, old in renamed.items():
+        if not hasattr(L, name):
+            setattr(L, name, getattr(L, old))
+    missing = {
         # read off the model's metadata, with llama.cpp's defaults: no heads (Mamba), n_head_kv = n_head, no window
         "llama_model_n_head": lambda m: _meta_int(m, "attention.head_count", 0),
         "llama_model_n_head_kv": lambda m: _meta_int(
             m, "attention.head_count_kv", _meta_int(m, "attention.head_count", 0)
         ),
         "llama_model_n_swa": lambda m: _meta_int(m, "attention.sliding_window", 0),
-        "llama_model_rope_type": L.llama_rope_type,
-        "llama_model_n_ctx_train": L.llama_n_ctx_train,
         "llama_model_get_vocab": lambda m: m,
-        "llama_vocab_n_tokens": L.llama_n_vocab,
-        "llama_init_from_model": init_from_model,
+    }
+    for name, fn in missing.items():
+        if not hasattr(L, name):
+            setattr(L, name, fn)
+    # the context and its cache as driver.py reads them (the bindings' own llama_init_from_model, where it exists,
+    # neither seeds the rng nor records the cache)
+    L.llama_init_from_model = init_from_model
+    names = {
         "llama_get_memory": lambda ctx: ctx,  # the cache is the context's
         "llama_memory_can_shift": can_shift,
         "llama_memory_seq_pos_min": lambda ctx, s: _seq_pos_min_max(ctx, s)[0],
@@ -133,6 +155,18 @@ def install_shim() -> None:
         assert not hasattr(L, name), f"{name}: these bindings have it, do not replace it"
         setattr(L, name, fn)
     L.llama_n_seq_max = lambda ctx: _N_SEQ_MAX[_key(ctx)]
+
+
+def shim_0_2_83() -> None:
+    """0.2.83's state calls take no buffer size, and it has no llama_model_is_recurrent (only Mamba was)."""
+    get, put, seq_get, seq_put = (
+        L.llama_state_get_data, L.llama_state_set_data, L.llama_state_seq_get_data, L.llama_state_seq_set_data
+    )  # fmt: skip
+    L.llama_state_get_data = lambda ctx, dst, size: get(ctx, dst)
+    L.llama_state_set_data = lambda ctx, src, size: put(ctx, src)
+    L.llama_state_seq_get_data = lambda ctx, dst, size, seq_id: seq_get(ctx, dst, seq_id)
+    L.llama_state_seq_set_data = lambda ctx, src, size, seq_id: seq_put(ctx, src, seq_id)
+    L.llama_model_is_recurrent = lambda m: _meta(m, "general.architecture") == "mamba"
 
 
 def memory_block(case, hp: dict, octx: dict | None) -> dict:
@@ -177,11 +211,15 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if not L.__version__.startswith("0.2."):
         raise SystemExit(f"run this under llama-cpp-python 0.2.x, not {L.__version__} (generate.py records the others)")
+    v7 = L.__version__ == "0.2.83"
+    if v7:
+        shim_0_2_83()
     install_shim()
     import driver
     import generate
 
     generate.memory_block = memory_block
+    driver.CAPTURE_GRAPHS = True  # capture.py declares this release's struct ggml_tensor too
     parse_log = driver._parse_memory_log
 
     def parse_memory_log(lines) -> dict:
@@ -189,7 +227,7 @@ def main(argv=None) -> int:
         return {**log, "caches": [*log["caches"], *_CACHES]}
 
     driver._parse_memory_log = parse_memory_log
-    cases = [c for c in generate.CASES if c.id in LEGACY_02_CASES and a.k in c.id]
+    cases = [c for c in generate.CASES if c.id in (CASES_0_2_83 if v7 else LEGACY_02_CASES) and a.k in c.id]
     if a.list:
         for c in cases:
             print(f"{c.id:32s} {c.description}")
@@ -201,7 +239,7 @@ def main(argv=None) -> int:
         if m.committed and (HERE / "models" / m.path.name).exists():
             assert m.sha256 == driver.sha256(HERE / "models" / m.path.name), f"{m.name} differs from the committed one"
     for c in cases:
-        doc = generate.run_case(c, models[c.model], vers)
+        doc = generate.run_case(c, models[c.model], vers, golden_dir=HERE / GOLDEN_DIR_0_2_83 if v7 else None)
         n_art = sum(1 for op in doc["trace"] if op["op"] == "save")
         print(f"legacy-{L.__version__}-{c.id:32s} {len(doc['trace']):3d} ops {n_art:3d} artefacts")
     return 0

@@ -41,7 +41,9 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--verbose", action="store_true", help="when no reading parses, list why each one kvref tried failed"
     )
-    p.add_argument("--model", default=None, help="a GGUF model whose vocabulary turns the tokens back into text")
+    p.add_argument("--model", default=None,
+                   help="a GGUF model: its vocabulary turns the tokens back into text; a session of version 7 "
+                   "needs it to be read")  # fmt: skip
 
 
 def _fmt_bytes(n: int) -> str:
@@ -96,9 +98,9 @@ def _print_summary(s: dict[str, Any]) -> None:
         print(f"saved from seq_id: {s['seq_id']}")
     if "outputs" in s:
         o = s["outputs"]
-        print(f"v9 outputs: {o['n_outputs']} ids, {o['logits']} logits, {o['embeddings']} embeddings")
+        print(f"outputs (v7 .. v9): {o['n_outputs']} ids, {o['logits']} logits, {o['embeddings']} embeddings")
     if "rng" in s:
-        print(f"rng: the sampler's std::mt19937 state, {s['rng']['bytes']} bytes of text (session v8)")
+        print(f"rng: the sampler's std::mt19937 state, {s['rng']['bytes']} bytes of text (session v7, v8)")
     print(f"memory layout: {s['layout']}")
     for i, sec in enumerate(s["sections"]):
         if sec["kind"] == "kv":
@@ -132,7 +134,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     source = sys.stdin.buffer.read() if args.file == "-" else args.file
     from .cli_jobs import enrich_summary
 
-    obj = state.load(source, kind=args.kind, layout=args.layout, ext_size=args.ext_size)
+    obj = state.load(source, kind=args.kind, layout=args.layout, ext_size=args.ext_size, model=args.model)
     size = len(source) if isinstance(source, bytes) else os.path.getsize(source)
     summary = enrich_summary(obj.summary(), obj, size)
     if args.model is not None and "tokens" in summary:

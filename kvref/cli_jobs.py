@@ -71,7 +71,9 @@ def convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--kind", choices=["session", "seq", "state", "seq_state"], default=None,
                    help="the container to write (default: the input's; --seq: seq; --merge: session)")  # fmt: skip
     p.add_argument("--arch", default=None, help="the arch string of a session made by --merge")
-    p.add_argument("--model", default=None, help="the GGUF model (its arch; its sha256 for --sidecar)")
+    p.add_argument("--model", default=None,
+                   help="the GGUF model (its arch; its sha256 for --sidecar; the layer widths a session of "
+                   "version 7 needs)")  # fmt: skip
     p.add_argument("--type-k", default=None,
                    help="retype K (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1); --model gives the head size "
                    "llama.cpp's attention rotation depends on")  # fmt: skip

@@ -20,7 +20,8 @@ Every release: behaviour boundaries
 profiles (``Profile.signature``) are equal share one; a release that behaves as a named generation is named
 after it, any other after the first release of its era (``era``: ``"0.3.15"``, ``"0.3.17"``, ``"0.3.24"``,
 ``"0.3.26"``, ``"0.3.34"``), and every release string in ``RELEASES`` is itself a valid compat value. Newer
-releases map to the default, older ones to ``"2025-07"`` with a CompatWarning. ``since(compat, BEHAVIOUR)``
+releases map to the default, older ones to ``"2025-07"`` with a CompatWarning (0.2.84 .. 0.2.90 and 0.3.0 ..
+0.3.9: ``profile_2024``, warning but for 0.3.0, which goldens check). ``since(compat, BEHAVIOUR)``
 and the behaviour names below are kept for callers of the older API; each is the first release (read off
 TABLE) of the profile field named beside it.
 
@@ -143,6 +144,13 @@ def era(release: str) -> str:
 
 # the releases of session version 8 (kvref.eras "2024-08"): only their state files were read (kvref.state.legacy)
 LEGACY_2024 = ("0.2.84", "0.2.90")
+# the release of session version 7 (kvref.eras "2024-07") whose state code was read: its session files are read
+# given the model; its cache behaviour was not read (its sequence files, version 1, have no seq ids at all)
+LEGACY_2024_07 = "0.2.83"
+# the releases of session version 9 whose KV sequence saves still carry no seq id (state code read in 0.3.0 .. 0.3.9;
+# 0.3.10 writes the id): the 2024 profile; 0.3.0 is checked by goldens (legacy-0.3.0-*), the others are not
+LEGACY_2024_V9 = ("0.3.0", "0.3.9")
+CHECKED_2024_V9 = ("0.3.0", "0.3.8")  # releases the legacy goldens check
 
 
 def profile_2024() -> Profile:
@@ -158,9 +166,11 @@ def for_llama_cpp_python(version: str | None) -> Profile:
     Every release 0.3.12 .. 0.3.36 maps to its era's profile (named by ``era``). A newer release maps to the
     newest generation (the default); an older one to the oldest (``"2025-07"``) with a CompatWarning: kvref
     never read those sources (llama.cpp before July 2025 may differ in ways kvref does not model), except that
-    0.2.84 .. 0.2.90 get `profile_2024` (their sequence saves, which kvref read, carry no seq ids). Local
-    version suffixes ("0.3.16+cu121", "0.3.16.post1") are ignored; anything else that is not
-    ``MAJOR.MINOR.PATCH`` is a KVRefError.
+    0.2.83 .. 0.2.90 get `profile_2024` (their sequence saves, which kvref read, carry no seq ids), and so do
+    0.3.0 .. 0.3.9 (session version 9, read in their state code), without a warning for 0.3.0 and 0.3.8, which
+    the ``legacy-0.3.0-*`` / ``legacy-0.3.8-*`` goldens check (not gemma2: before 0.3.10 llama.cpp has no SWA
+    cache, kvref only iSWA). Local version suffixes ("0.3.16+cu121", "0.3.16.post1") are ignored; anything else
+    that is not ``MAJOR.MINOR.PATCH`` is a KVRefError.
     """
     if version is None:
         return resolve(DEFAULT)
@@ -172,6 +182,15 @@ def for_llama_cpp_python(version: str | None) -> Profile:
     if key > _key(RELEASES[-1]):
         return resolve(DEFAULT)
     if key < _key(RELEASES[0]):
+        if release == LEGACY_2024_07:
+            warnings.warn(
+                f"llama-cpp-python {version}: kvref reads its session files (version 7, given the model: "
+                "kvref.state.legacy) and upgrades them, and models its cache as 0.2.84's (`profile_2024`: the "
+                "legacy-0.2.83-* goldens replay with it, graph inputs and sequence saves included)",
+                CompatWarning,
+                stacklevel=2,
+            )
+            return profile_2024()
         if _key(LEGACY_2024[0]) <= key <= _key(LEGACY_2024[1]):
             warnings.warn(
                 f"llama-cpp-python {version}: kvref reads and writes its state files (goldens of 0.2.90) and models "
@@ -181,6 +200,16 @@ def for_llama_cpp_python(version: str | None) -> Profile:
                 stacklevel=2,
             )
             return profile_2024()
+        if _key(LEGACY_2024_V9[0]) <= key <= _key(LEGACY_2024_V9[1]):
+            if release not in CHECKED_2024_V9:
+                warnings.warn(
+                    f"llama-cpp-python {version}: kvref models its cache as {CHECKED_2024_V9[-1]}'s (the 2024 "
+                    "profile: sequence saves without seq ids, read in its state code) but no golden checks it",
+                    CompatWarning,
+                    stacklevel=2,
+                )
+            # named after the release: kvref.eras.era(profile) then gives its layout (2024-09: version 9, no rng)
+            return dataclasses.replace(profile_2024(), name=release)
         warnings.warn(
             f"llama-cpp-python {version} is older than {RELEASES[0]}, the oldest release kvref was checked "
             f"against; using compat {COMPAT_2025_07!r}",
@@ -206,6 +235,8 @@ __all__ = [
     "KSHIFT_SKIPS_NOPE",
     "KV_SEQ_RM_ALL",
     "LEGACY_2024",
+    "LEGACY_2024_07",
+    "LEGACY_2024_V9",
     "NAMED",
     "RELEASES",
     "RS_ROLLBACK",

@@ -15,7 +15,8 @@ For every ``<root>/golden/<case-id>/`` the runner makes these checks:
 ``graph``    the trace runs again; at every decode that carries the graph inputs llama.cpp computed with
              (``op["graph"]``, captured by conformance/capture.py), kvref's K-shift input (before the decode),
              KQ masks (base and SWA), K/V row indices and positions (after each ubatch is placed) must equal
-             them element for element; cases without captures (legacy producers) pass as not applicable;
+             them element for element (a legacy producer's padded mask rows: all -inf, `KQ_MASK_PAD`); cases
+             without captures pass as not applicable;
 ``restore``  every golden loads into a fresh memory (whole, or per sequence into its own and into another
              sequence) and writes back identically (relabelled for another sequence);
 ``invalid``  (one extra pseudo-case ``invalid``) every file of ``invalid/manifest.json`` raises its error class
@@ -322,19 +323,23 @@ def save_ops(case: dict) -> dict[str, dict]:
 
 
 class Artefacts:
-    """The case's artefacts, parsed once (``get(file)`` -> state object; parse errors surface there)."""
+    """The case's artefacts, parsed once (``get(file)`` -> state object; parse errors surface there). ``golden``:
+    the directory of the case's directory; ``model``: what `kvref.state.load` needs for a session of version 7
+    (the ``legacy-0.2.83-*`` goldens, kept in ``golden-v7/``: most readers of ``golden/`` load without a model)."""
 
-    def __init__(self, root: Path, case: dict) -> None:
-        self.dir = root / "golden" / case["id"]
+    def __init__(self, root: Path, case: dict, golden: str = "golden", model: Any = None) -> None:
+        self.dir = root / golden / case["id"]
         self.saves = save_ops(case)
         self.producer = case.get("producer") or {}
+        self.model = model
         self._cache: dict[str, Any] = {}
 
     def get(self, file: str) -> Any:
         if file not in self._cache:
             from . import state
 
-            self._cache[file] = state.load(self.dir / file, **artefact_hints(self.saves[file], self.producer))
+            hints = artefact_hints(self.saves[file], self.producer)
+            self._cache[file] = state.load(self.dir / file, **hints, model=self.model)
         return self._cache[file]
 
 
@@ -629,7 +634,9 @@ def replay_trace(
             ret = _decode(mem, op, hp, n_ubatch, on_ubatch)
             if ret != op["ret"]:
                 raise CheckFailed(f"{where}: decode returned {ret}, llama.cpp {op['ret']}")
-            compare_graph_inputs(f"{case['id']}: {where}", op["graph"], shifts if ret != -1 else [], placed, graph)
+            compare_graph_inputs(
+                f"{case['id']}: {where}", op["graph"], shifts if ret != -1 else [], placed, graph, kq_mask_pad(case)
+            )
         elif kind == "decode":
             ret = _decode(mem, op, hp, n_ubatch, carried.placed if carried.active else None)
             if ret != op["ret"]:
@@ -740,6 +747,25 @@ def decode_mask(e: dict) -> np.ndarray:
     return out.reshape(shape)
 
 
+# GGML_KQ_MASK_PAD of the llama.cpp vendored by each producer of goldens: the KQ mask had its rows (per stream)
+# padded to a multiple of it, the rows past the ubatch's tokens all -inf; 1: no padding. Read in each release's
+# ggml.h (32 up to 0.3.7, 64 from 0.3.8; none once PR #16148 removed the padding, by 0.3.35).
+KQ_MASK_PAD = (("0.2.83", 32), ("0.3.8", 64), ("0.3.35", 1))
+
+
+def kq_mask_pad(case: dict) -> int:
+    """The KQ mask row padding of the case's producer (``KQ_MASK_PAD``; 1 for the current release)."""
+    release = (case.get("producer") or {}).get("llama_cpp_python")
+    if not release:
+        return 1
+    key = tuple(int(x) for x in release.split("."))
+    pad = 1
+    for first, p in KQ_MASK_PAD:
+        if key >= tuple(int(x) for x in first.split(".")):
+            pad = p
+    return pad
+
+
 def has_graph_inputs(case: dict) -> bool:
     """The case's decodes carry the graph inputs llama.cpp computed with (written by conformance/capture.py)."""
     return any("graph" in op for op in case["trace"])
@@ -827,9 +853,10 @@ def _first_diff(a: np.ndarray, b: np.ndarray) -> str:
 
 def compare_graph_inputs(
     where: str, graph: dict, shifts: list[tuple[bool, np.ndarray]], placed: list[tuple[Any, Any, dict]],
-    counts: GraphCounts,
+    counts: GraphCounts, mask_pad: int = 1,
 ) -> None:  # fmt: skip
-    """Compare llama.cpp's captured inputs of one decode (``graph``: K-shift, then per ubatch) with kvref's."""
+    """Compare llama.cpp's captured inputs of one decode (``graph``: K-shift, then per ubatch) with kvref's.
+    ``mask_pad``: the producer's KQ mask row padding (`kq_mask_pad`); its padding rows must be all -inf."""
     theirs_shift = graph.get("shift", [])
     if [s["swa"] for s in theirs_shift] != [swa for swa, _ in shifts]:
 
@@ -862,6 +889,8 @@ def compare_graph_inputs(
             if e["tensor"] == "kq_mask":
                 theirs = decode_mask(e)
                 mine = mine.astype(np.float32)
+                if mask_pad > 1:
+                    theirs = _unpad_mask(label, mine.shape, theirs, mask_pad)
                 if mine.shape != theirs.shape:
                     raise CheckFailed(f"{label}: shape (n_stream, n_tps, n_kv) {list(mine.shape)}, "
                                       f"llama.cpp {list(theirs.shape)}")  # fmt: skip
@@ -874,6 +903,22 @@ def compare_graph_inputs(
             counts.tensors += 1
         counts.ubatches += 1
     counts.decodes += 1
+
+
+def _unpad_mask(label: str, shape: tuple[int, ...], theirs: np.ndarray, pad: int) -> np.ndarray:
+    """The rows of a padded captured mask that belong to tokens, after checking the padding: ``shape`` kvref's
+    (n_stream, n_tps, n_kv); llama.cpp's has ``n_tps`` rounded up to a multiple of ``pad``, the rest -inf."""
+    n_stream, n_tps, n_kv = shape
+    want = (n_stream, -(-n_tps // pad) * pad, n_kv)
+    if theirs.shape != want:
+        raise CheckFailed(f"{label}: shape (n_stream, n_tps padded to {pad}, n_kv) {list(want)}, "
+                          f"llama.cpp {list(theirs.shape)}")  # fmt: skip
+    padding = theirs[:, n_tps:]
+    if not np.isneginf(padding).all():
+        at = tuple(int(x) for x in np.argwhere(~np.isneginf(padding))[0])
+        raise CheckFailed(f"{label}: padding row {n_tps + at[1]} (stream {at[0]}, cell {at[2]}) is "
+                          f"{padding[at]}, not -inf")  # fmt: skip
+    return theirs[:, :n_tps]
 
 
 def check_graph(root: Path, case: dict, arts: Artefacts) -> str:

@@ -12,6 +12,7 @@ function of ``kvref.edit`` / ``kvref.eras``::
     kvref.convert("new.ggsn", "old.ggsn", era="2025")                   # write 0.3.16's layout, where it can
 
     kvref.convert("f16.ggsn", "q8.ggsn", type_k="q8_0", type_v="q8_0", model="m.gguf")  # retype K/V
+    kvref.convert("0.2.83.ggsn", "new.ggsn", model="m.gguf")    # session v7: its KV rows need the model
 """
 
 from __future__ import annotations
@@ -40,12 +41,13 @@ def parse_map(text: str) -> dict[int, int]:
     return out
 
 
-def _load(src: Any) -> Any:
+def _load(src: Any, model: Any = None) -> Any:
     import copy
 
     from . import state
 
-    return copy.copy(src) if isinstance(src, state.StateObject) else state.load(src)
+    # the model: what a session of version 7 needs to be read (kvref.state.legacy); other files ignore it
+    return copy.copy(src) if isinstance(src, state.StateObject) else state.load(src, model=model)
 
 
 def _arch(arch: str | None, model: Any, obj: Any) -> str | None:
@@ -126,11 +128,11 @@ def convert(
 
     if merge and seq is not None:
         raise ArgumentError("merge= and seq= exclude each other: extract first, then merge")
-    obj = _load(src)
+    obj = _load(src, model)
     the_arch = _arch(arch, model, obj)
     src_rotates = _era_rotates(obj)  # the era of the input, before any container change
     if merge:
-        objs = [obj, *(_load(m) for m in merge)]
+        objs = [obj, *(_load(m, model) for m in merge)]
         for o in objs:
             if o.kind not in ("seq", "seq_state"):
                 raise ArgumentError(f"merge takes sequence files or blobs; one input is a {o.kind}")

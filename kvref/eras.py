@@ -5,8 +5,10 @@ One layout per era (what the containers look like; ``kvref.profile`` says how th
 =========== ===================== ======= === ======= ======== === ==========
 era         llama-cpp-python      session seq outputs n_stream ext seq prefix
 =========== ===================== ======= === ======= ======== === ==========
+``2024-07`` 0.2.83                7       1   yes     no       0   no
 ``2024-08`` 0.2.84 .. 0.2.90      8       2   yes     no       0   no
-``2025-07`` 0.3.12 .. 0.3.14      9       2   yes     no       0   no
+``2024-09`` 0.3.0 .. 0.3.9        9       2   yes     no       0   no
+``2025-07`` 0.3.10 .. 0.3.14      9       2   yes     no       0   no
 ``2025``    0.3.15 .. 0.3.16      9       2   yes     yes      0   no
 ``0.3.17``  0.3.17 .. 0.3.22      9       2   no      yes      8   no
 ``2026-08`` 0.3.23 .. 0.3.35      9       2   no      yes      8   yes
@@ -14,11 +16,12 @@ era         llama-cpp-python      session seq outputs n_stream ext seq prefix
 =========== ===================== ======= === ======= ======== === ==========
 
 "ext" is the cell ext a cache with one writes (M-RoPE models; from 0.3.36 also PLE models); "seq prefix" is the
-``io_magic, seq_id`` prefix of llama_state_seq_get_data blobs. In 2024 a context state also carries the sampler's
-rng string (`kvref.state.legacy`), and the KV cells of a sequence save carry no sequence id (``n_seq_id`` 0; the
-restore requires that, where later llama.cpp writes and requires the one id). `to_era` rewrites a loaded state
-object into an era's layout where that layout can hold the content, and raises a `ConversionError` naming what it
-cannot hold.
+``io_magic, seq_id`` prefix of llama_state_seq_get_data blobs. Until 0.2.90 a context state also carries the sampler's
+rng string (`kvref.state.legacy`), and until 0.3.9 the KV cells of a sequence save carry no sequence id (``n_seq_id`` 0;
+the restore requires that, where later llama.cpp writes and requires the one id). `to_era` rewrites a loaded state
+object into an era's layout where that layout can hold the content, and raises a `ConversionError` naming what it cannot
+hold. ``2024-07`` (session version 7 and sequence version 1, `kvref.state.legacy`; a session needs the model) is read
+and written back as read, never written from another era: a session's header is the writing build's hparams struct.
 `matching_eras` says which eras write a given object's layout.
 """
 
@@ -36,7 +39,17 @@ from .constants import RopeType
 from .errors import ConversionError, KVRefError
 from .profile import NAMED, RELEASES, Profile, resolve, value_at
 from .state import Cells, KVSection, KVStream, MemorySections, Outputs, RecurrentSection, StateObject
-from .state.legacy import rng_text
+from .state.files import (
+    LegacySeqFile,
+    LegacySeqStateBlob,
+    LegacySessionFile,
+    LegacyStateBlob,
+    SeqFile,
+    SeqStateBlob,
+    SessionFile,
+    StateBlob,
+)
+from .state.legacy import SESSION_VERSION_RAW_KV, rng_text
 
 LLAMA_TOKEN_NULL = -1
 
@@ -77,8 +90,14 @@ class Era:
 ERAS: dict[str, Era] = {
     e.name: e
     for e in (
+        # the oldest release of the era is not known: 0.2.83 is the one whose sources were read
+        Era("2024-07", "0.2.83", "0.2.83", 7, 1, True, False, rng=True, seq_kv_ids=False),
         Era("2024-08", "0.2.84", "0.2.90", 8, 2, True, False, rng=True, seq_kv_ids=False),
-        Era("2025-07", "0.3.12", "0.3.14", 9, 2, True, False),
+        # 0.3.0 (goldens legacy-0.3.0-*) .. 0.3.9 (state code read): 2024-08 without the rng string (the sampler
+        # refactor dropped it, session version 9), sequence saves still without seq ids; 0.3.10's unified cache
+        # writes the id (read in its sources: the 2025-07 layout)
+        Era("2024-09", "0.3.0", "0.3.9", 9, 2, True, False, seq_kv_ids=False),
+        Era("2025-07", "0.3.10", "0.3.14", 9, 2, True, False),
         Era("2025", "0.3.15", "0.3.16", 9, 2, True, False),
         Era("0.3.17", "0.3.17", "0.3.22", 9, 2, False, False),
         Era("2026-08", "0.3.23", "0.3.35", 9, 2, False, True),
@@ -155,7 +174,10 @@ def matching_eras(obj: StateObject) -> list[str]:
     exts = _ext_sizes(obj)
     n_stream = {s.has_n_stream for s in obj.memory.kv_sections}
     ple = any(layer.p_data is not None for s in obj.memory.recurrent_sections for layer in s.r)
+    legacy = isinstance(obj, LegacySessionFile | LegacyStateBlob | LegacySeqFile | LegacySeqStateBlob)
     for e in ERAS.values():
+        if legacy != (e.session_version == SESSION_VERSION_RAW_KV):
+            continue
         if obj.kind == "session" and getattr(obj, "version", None) != e.session_version:
             continue
         if obj.kind == "seq" and getattr(obj, "version", None) != e.seq_version:
@@ -316,8 +338,22 @@ def to_era(
     rows are shared with ``obj``. Raises ConversionError where the target layout cannot hold the content.
     """
     e = era(target)
+    if e.session_version == SESSION_VERSION_RAW_KV:
+        raise ConversionError(
+            f"kvref does not write the {e.name} layout (session version 7, {e.releases}) from a loaded state: its "
+            "header is the writing build's hparams struct; a version-7 file is written back only as read (save)"
+        )
     if has_ext is None:
         has_ext = is_mrope_arch(getattr(obj, "arch", None))
+    if isinstance(obj, LegacySessionFile):  # the memory is already a later llama.cpp's; the raw KV stays behind
+        obj = SessionFile(version=obj.version, tokens=obj.tokens, arch=obj.arch, outputs=obj.outputs,
+                          memory=obj.memory, rng=obj.rng)  # fmt: skip
+    elif isinstance(obj, LegacyStateBlob):
+        obj = StateBlob(arch=obj.arch, outputs=obj.outputs, memory=obj.memory, rng=obj.rng)
+    elif isinstance(obj, LegacySeqFile):
+        obj = SeqFile(version=obj.version, tokens=obj.tokens, memory=obj.memory)
+    elif isinstance(obj, LegacySeqStateBlob):
+        obj = SeqStateBlob(memory=obj.memory, seq_id=None, has_header=False)
     new = copy.copy(obj)
     new.offsets = {}
     new.note = None

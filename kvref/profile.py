@@ -85,9 +85,9 @@ TABLE: dict[str, tuple[tuple[str, Any], ...]] = {
     # attention rotation of quantized K/V (llama-kv-cache.cpp attn_rot_k / attn_rot_v): read in 0.3.36's sources;
     # older releases are taken as not rotating (their sources were not checked for it)
     "attn_rotation": (("0.3.12", False), ("0.3.36", True)),
-    # a sequence save's KV cells list the saved id (and a sequence restore requires exactly one); llama.cpp of 2024
-    # (llama-cpp-python 0.2.84 .. 0.2.90, and still 0.3.0) wrote none and required none: kvref.compat's profile
-    # for those releases has False (the releases between 0.3.0 and 0.3.12 were not read)
+    # a sequence save's KV cells list the saved id (and a sequence restore requires exactly one); llama.cpp before
+    # the unified cache of 0.3.10 (llama-cpp-python 0.2.84 .. 0.3.9: read in their state code, 0.2.90 and 0.3.0
+    # checked by goldens) wrote none and required none: kvref.compat's profile for those releases has False
     "kv_seq_save_ids": (("0.3.12", True),),
 }  # fmt: skip
 

@@ -9,6 +9,7 @@ be refactors (no behaviour kvref models changes) are listed in kvref.compat's do
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -52,9 +53,11 @@ def test_every_release_maps_to_its_era():
 def test_releases_outside_the_checked_range():
     assert compat.for_llama_cpp_python("0.3.40").compat == compat.for_llama_cpp_python("0.4.0").compat == compat.DEFAULT
     with pytest.warns(compat.CompatWarning, match="older than 0.3.12"):
-        assert compat.for_llama_cpp_python("0.3.9").compat == "2025-07"
+        assert compat.for_llama_cpp_python("0.3.11").compat == "2025-07"
+    with pytest.warns(compat.CompatWarning, match="version 7"):  # replayed by the legacy-0.2.83-* goldens
+        assert compat.for_llama_cpp_python("0.2.83") == compat.profile_2024()
     with pytest.warns(compat.CompatWarning):
-        assert compat.for_llama_cpp_python("0.2.83").compat == "2025-07"
+        assert compat.for_llama_cpp_python("0.2.82").compat == "2025-07"
     # 0.2.84 .. 0.2.90 (session v8, read for their state files): 2025-07 with the 2024 sequence saves
     with pytest.warns(compat.CompatWarning, match="kv_seq_save_ids=False"):
         p = compat.for_llama_cpp_python("0.2.90")
@@ -65,6 +68,49 @@ def test_releases_outside_the_checked_range():
             compat.for_llama_cpp_python(bad)
     with pytest.raises(ValueError):
         create_memory(llama(), 256, compat="0.3.11")
+
+
+def test_0_3_0_to_0_3_9_sequence_saves_without_ids():
+    """0.3.0 (llama.cpp ea9c32b, src/llama.cpp) .. 0.3.9 (8733e0c, llama-kv-cache.cpp): ``write_kv_cache_meta``
+    / ``state_write_meta`` writes ``n_seq_id = seq_id == -1 ? cell.seq_id.size() : 0`` and the sequence restore
+    refuses ``n_seq_id != 0`` ("invalid seq_id-agnostic kv cell"), as 0.2.90 did; no rng string (session v9).
+    0.3.10 (8846aac) llama_kv_cache_unified::state_write_meta writes the ids it holds of ``seq_id`` and
+    state_read_meta requires ``n_seq_id == 1``: the 0.3.12 layout. 0.3.0 is checked by the legacy-0.3.0-* goldens."""
+    import warnings
+
+    from kvref import state
+    from kvref.eras import era, matching_eras
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # checked by goldens: no warning
+        p = compat.for_llama_cpp_python("0.3.0")
+        assert compat.for_llama_cpp_python("0.3.8").compat == "0.3.8"
+    assert p == compat.profile_2024() and not p.kv_seq_save_ids
+    for r in ("0.3.1", "0.3.7", "0.3.9"):
+        with pytest.warns(compat.CompatWarning, match="no golden checks it"):
+            assert compat.for_llama_cpp_python(r) == p
+    # named after the release, so that its files are checked against the 2024-09 layout (session version 9)
+    assert p.compat == "0.3.0" and era(p).name == "2024-09" and era(compat.profile_2024()).name == "2024-08"
+    for r in ("0.3.10", "0.3.11"):
+        with pytest.warns(compat.CompatWarning, match="older than 0.3.12"):
+            assert compat.for_llama_cpp_python(r) == compat.resolve("2025-07")
+    eras = {r: era(r).name for r in ("0.2.90", "0.3.0", "0.3.9", "0.3.10", "0.3.11", "0.3.12")}
+    assert eras == dict(zip(eras, ["2024-08", "2024-09", "2024-09", "2025-07", "2025-07", "2025-07"], strict=True))
+    assert not era("0.3.0").rng and not era("0.3.0").seq_kv_ids and era("0.3.10").seq_kv_ids
+
+    # kvref's sequence save of the 0.3.0 profile: one u32 n_seq_id 0 per cell where 0.3.12 writes 1 and the id
+    hp = _llama_tiny()
+    blobs = {}
+    for c in (p, "2025-07"):
+        mem = create_memory(hp, 256, compat=c)
+        mem.decode(Batch(tokens=[1, 2, 3], seq_ids=[[0]] * 3))
+        blobs[str(c)] = mem.state_write(0)
+    assert len(blobs["2025-07"]) - len(blobs[str(p)]) == 3 * 4
+    # what 0.3.0 wrote: a sequence save without ids (the 2024 layouts), a session without the rng (2024-09 on)
+    case = load_case("legacy-0.3.0-llama-f16-single-seq")
+    golden = Path(__file__).resolve().parents[1] / "conformance" / "golden" / case["id"]
+    assert matching_eras(state.load(golden / "03-seq-seq0.ggsq")) == ["2024-08", "2024-09"]
+    assert matching_eras(state.load(golden / "01-session.ggsn", outputs=True)) == ["2024-09", "2025-07"]
 
 
 # --- 0.3.15: PR #14363 (streams) ----------------------------------------------------------------------------

@@ -33,14 +33,14 @@ def graph_check(cid: str, root: Path = ROOT) -> C.CheckResult:
     return next(c for c in res.checks if c.name == "graph")
 
 
-def test_the_current_goldens_carry_captures() -> None:
-    """Every golden llama-cpp-python 0.3.36 wrote (not the legacy ones) has graph inputs on its decodes."""
+def test_the_goldens_carry_captures() -> None:
+    """Every golden (the legacy ones too) has graph inputs on its decodes."""
     if not CASES:
         pytest.skip("no conformance/golden directory")
     for cid in CASES:
         case = C.load_case(ROOT, cid)
         decodes = [op for op in case["trace"] if op["op"] == "decode"]
-        if cid.startswith("legacy-") or not decodes:
+        if not decodes:
             assert not C.has_graph_inputs(case), cid
         else:
             assert all("graph" in op for op in decodes if op["ret"] == 0), cid
@@ -72,12 +72,23 @@ def test_graph_inputs_match_llama_cpp(cid: str) -> None:
     assert "decodes" in res.detail
 
 
-def test_cases_without_captures_pass_as_not_applicable() -> None:
-    legacy = [cid for cid in CASES if cid.startswith("legacy-")]
-    if not legacy:
-        pytest.skip("no legacy goldens")
-    res = graph_check(legacy[0])
+def test_cases_without_captures_pass_as_not_applicable(tmp_path: Path) -> None:
+    if "llama-f16-single-seq" not in CASES:
+        pytest.skip("no goldens")
+    root = _copy_case("llama-f16-single-seq", tmp_path, lambda case: [op.pop("graph", None) for op in case["trace"]])
+    res = graph_check("llama-f16-single-seq", root)
     assert res.status == "pass" and "not applicable" in res.detail
+
+
+def _copy_case(cid: str, tmp_path: Path, change: Any) -> Path:
+    """A conformance root in tmp_path holding golden ``cid`` with ``change(case)`` applied to its case.json."""
+    src = ROOT / "golden" / cid
+    root = tmp_path / "conformance"
+    shutil.copytree(src, root / "golden" / cid)
+    case = json.loads((src / "case.json").read_text())
+    change(case)
+    (root / "golden" / cid / "case.json").write_text(json.dumps(case))
+    return root
 
 
 # one case per mask feature: SWA window (both caches), chunked window, f16 (flash attention) masks over streams,
@@ -213,6 +224,76 @@ def test_a_perturbed_golden_is_caught(tmp_path: Path) -> None:
         res = graph_check(src.name, root)
         assert res.status == "fail", kind
         assert f"gemma3-iswa: op {k} (decode): ubatch 0: {kind} (layer " in res.detail and needle in res.detail
+
+
+# ------------------------------------------------------------------ legacy producers: padded masks, no row indices
+
+LEGACY_CAPTURED = [cid for cid in CAPTURED if cid.startswith("legacy-")]
+
+
+@pytest.mark.skipif(not LEGACY_CAPTURED, reason="no legacy goldens with captured graph inputs")
+def test_legacy_masks_are_padded_as_their_llama_cpp_padded_them() -> None:
+    """Before 0.3.35 the captured mask has n_tps rounded up to GGML_KQ_MASK_PAD rows (32 in 2024, 64 from 0.3.8);
+    K/V row indices exist from 0.3.16 on (0.2.90, 0.3.0, 0.3.8 and 0.3.12 write K/V with a CPY into a view)."""
+    for cid in LEGACY_CAPTURED:
+        case = C.load_case(ROOT, cid)
+        pad = C.kq_mask_pad(case)
+        release = case["producer"]["llama_cpp_python"]
+        assert pad == {"0.2.90": 32, "0.3.0": 32, "0.3.8": 64, "0.3.12": 64, "0.3.16": 64, "0.3.35": 1}[release], cid
+        for op in case["trace"]:
+            for u in op.get("graph", {}).get("ubatches", []):
+                kinds = {e["tensor"] for e in u["inputs"]}
+                if release in ("0.2.90", "0.3.0", "0.3.8", "0.3.12"):
+                    assert not kinds & {"k_idxs", "v_idxs"}, cid
+                for e in u["inputs"]:
+                    if e["tensor"] == "kq_mask":
+                        assert e["shape"][1] % pad == 0, (cid, e["shape"])
+
+
+def _legacy_mask_case() -> tuple[str, int]:
+    """A legacy golden whose first captured mask has padding rows, and the index of that decode."""
+    for cid in LEGACY_CAPTURED:
+        case = C.load_case(ROOT, cid)
+        if C.kq_mask_pad(case) > 1:
+            for k, op in enumerate(case["trace"]):
+                if any(e["tensor"] == "kq_mask" for u in op.get("graph", {}).get("ubatches", []) for e in u["inputs"]):
+                    return cid, k
+    pytest.skip("no legacy golden with a padded mask")
+
+
+def _first_mask(case: dict, k: int) -> dict:
+    return next(e for e in case["trace"][k]["graph"]["ubatches"][0]["inputs"] if e["tensor"] == "kq_mask")
+
+
+@pytest.mark.skipif(not LEGACY_CAPTURED, reason="no legacy goldens with captured graph inputs")
+def test_a_perturbed_legacy_mask_is_caught(tmp_path: Path) -> None:
+    """A token row, a padding row and the padded shape of a legacy golden's mask, each changed, fail the check."""
+    cid, k = _legacy_mask_case()
+
+    def flip(bit: Any) -> Any:
+        def change(case: dict) -> None:
+            e = _first_mask(case, k)
+            bits = np.unpackbits(np.frombuffer(base64.b64decode(e["finite"]), np.uint8))
+            bits[bit(e["shape"])] ^= 1
+            e["finite"] = base64.b64encode(np.packbits(bits).tobytes()).decode()
+
+        return change
+
+    def unpad(case: dict) -> None:
+        e = _first_mask(case, k)
+        m = C.decode_mask(e)[:, : e["shape"][1] - 1]
+        e["shape"] = list(m.shape)
+        e["finite"] = base64.b64encode(np.packbits(np.isfinite(m).reshape(-1)).tobytes()).decode()
+
+    for name, change, needle in (
+        ("token row", flip(lambda shape: 0), "first difference at (0, 0, 0)"),
+        ("padding row", flip(lambda shape: shape[1] * shape[2] - 1), "is 0.0, not -inf"),
+        ("shape", unpad, "n_tps padded to"),
+    ):
+        root = _copy_case(cid, tmp_path / name.replace(" ", "-"), change)
+        res = graph_check(cid, root)
+        assert res.status == "fail", f"{cid}: {name}: the perturbed golden passed"
+        assert f"{cid}: op {k} (decode): ubatch 0: kq_mask (layer " in res.detail and needle in res.detail, res.detail
 
 
 # ------------------------------------------------------------------ the capture side (needs llama-cpp-python)

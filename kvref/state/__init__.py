@@ -3,8 +3,8 @@
 Formats (each declared once in a small layout DSL, `kvref.state.dsl`, and walked both ways):
 
 - session file 'ggsn' (llama_state_save_file): version 10 (current), 9 and 8 (2024: the sampler's rng string,
-  `kvref.state.legacy`);
-- sequence file 'ggsq' (llama_state_seq_save_file): version 3 (current) and 2;
+  `kvref.state.legacy`), and 7 (before July 2024: raw K/V rows without types, read given the model, ``model=``);
+- sequence file 'ggsq' (llama_state_seq_save_file): version 3 (current), 2 and 1 (before July 2024);
 - raw blobs: llama_state_get_data ("state") and llama_state_seq_get_data ("seq_state");
 - memory sections: attention KV (multi-stream, v_trans 0/1, cell ext of 0/8/12 bytes, any ggml type, with or
   without V), recurrent (R/S rows, s_trans, layers without state, PLE rows), and their compositions
@@ -33,7 +33,7 @@ Public API::
 
     obj = kvref.state.load(path_or_bytes, kind="auto", layout="auto", *, ext_size=None,
                            n_stream_field=None, has_v=None, outputs=None, ple=False,
-                           n_state_layers=None, seq_header=None)
+                           n_state_layers=None, seq_header=None, model=None)
         -> SessionFile | SeqFile | StateBlob | SeqStateBlob         (FormatError on anything malformed)
     obj.to_bytes() -> bytes;  obj.write_to(f) -> int;  obj.save(path) / kvref.state.save(obj, path) -> int
     obj.summary() -> dict (what `kvref inspect --json` prints)

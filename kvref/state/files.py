@@ -31,7 +31,17 @@ from .atomic import atomic_write
 from .codec import Writer
 from .constants import SEQ_VERSIONS, SESSION_VERSIONS, Magic
 from .dsl import I32, U32, U64, Array, Env, Field, Param, Record, Str, Struct, When, env_flag, write_root
-from .legacy import RNG
+from .legacy import (
+    RNG,
+    SEQ_VERSION_RAW_KV,
+    SESSION_VERSION_RAW_KV,
+    RawKV,
+    RawSeq,
+    read_seq_v1,
+    read_v7,
+    write_seq_v1,
+    write_v7,
+)
 from .sections import MEMORY, MemorySections
 
 if TYPE_CHECKING:
@@ -49,16 +59,16 @@ def _check_magic(want: Magic) -> Check:
     return check
 
 
-def _check_version(known: tuple[int, ...]) -> Check:
+def _check_version(known: tuple[int, ...], oldest: str) -> Check:
+    """``oldest``: the oldest version kvref reads and its release, for files older still."""
+
     def check(v: int, env: Env) -> str | None:
         if v in known:
             return None
         if 0 < v < known[0]:
-            # e.g. session v7 (llama.cpp before July 2024) stores raw K/V bytes without layer types or row sizes
             return (
-                f"version {v} is older than kvref reads ({known[0]}: llama.cpp of July 2024, llama-cpp-python "
-                "0.2.84). Load it in the llama.cpp that wrote it and save it again with llama-cpp-python 0.2.84 "
-                "or later; `kvref convert` upgrades that file"
+                f"version {v} is older than kvref reads ({oldest}). Load it in the llama.cpp that wrote it and save "
+                "it again with a release kvref reads; `kvref convert` upgrades that file"
             )
         return f"unknown version {v}, expected one of {known}"
 
@@ -158,6 +168,80 @@ class SeqStateBlob(StateObject):
     kind = "seq_state"
 
 
+@dataclass(eq=False)
+class LegacySessionFile(SessionFile):
+    """A session file of version 7 (`kvref.state.legacy`): written back as read, its KV section from ``raw_kv``
+    (``memory`` is what a later llama.cpp writes for the same cache); `kvref.eras.to_era` upgrades it."""
+
+    hparams_raw: bytes = b""  # the writer's struct llama_hparams, as written
+    raw_kv: RawKV | None = None
+
+    def write_to(self, f: BinaryIO) -> int:
+        w = Writer(f)
+        write_v7(self, w)
+        return w.n
+
+
+@dataclass(eq=False)
+class LegacyStateBlob(StateBlob):
+    """A state blob of the llama.cpp of session version 7 (llama_copy_state_data); see `LegacySessionFile`."""
+
+    raw_kv: RawKV | None = None
+
+    def write_to(self, f: BinaryIO) -> int:
+        w = Writer(f)
+        write_v7(self, w)
+        return w.n
+
+
+@dataclass(eq=False)
+class LegacySeqFile(SeqFile):
+    """A sequence file of version 1 (`kvref.state.legacy.read_seq_v1`): written back as read from ``raw_seq``;
+    ``memory`` is the same cells and rows in the layout of version 2 (cells without seq id, as in 2024)."""
+
+    raw_seq: RawSeq | None = None
+
+    def write_to(self, f: BinaryIO) -> int:
+        assert self.raw_seq is not None
+        w = Writer(f)
+        write_seq_v1(self.raw_seq, np.asarray(self.tokens, np.int32), w)
+        return w.n
+
+
+@dataclass(eq=False)
+class LegacySeqStateBlob(SeqStateBlob):
+    """A llama_state_seq_get_data blob of the llama.cpp of sequence version 1; see `LegacySeqFile`."""
+
+    raw_seq: RawSeq | None = None
+
+    def write_to(self, f: BinaryIO) -> int:
+        assert self.raw_seq is not None
+        w = Writer(f)
+        write_seq_v1(self.raw_seq, None, w)
+        return w.n
+
+
+def read_legacy_seq(buf: memoryview, kind: str) -> LegacySeqFile | LegacySeqStateBlob:
+    """A sequence file ("seq") or blob ("seq_state") of version 1 (llama-cpp-python 0.2.83). Raises FormatError."""
+    tokens, raw, memory = read_seq_v1(buf, kind)
+    if tokens is not None:
+        return LegacySeqFile(version=SEQ_VERSION_RAW_KV, tokens=tokens, memory=memory, raw_seq=raw)
+    return LegacySeqStateBlob(memory=memory, seq_id=None, has_header=False, raw_seq=raw)
+
+
+def read_legacy(buf: memoryview, kind: str, model: object) -> LegacySessionFile | LegacyStateBlob:
+    """A session file of version 7 ("session") or a state blob of its llama.cpp ("state"), read given ``model``
+    (`kvref.state.legacy.read_v7`)."""
+    p = read_v7(buf, kind, model)
+    outputs = Outputs(p.output_pos, p.logits, p.embd)
+    if p.kind == "session":
+        return LegacySessionFile(
+            version=SESSION_VERSION_RAW_KV, tokens=p.tokens, arch=p.arch, outputs=outputs, memory=p.memory,
+            rng=p.rng, hparams_raw=p.hparams, raw_kv=p.raw,
+        )  # fmt: skip
+    return LegacyStateBlob(arch=p.arch, outputs=outputs, memory=p.memory, rng=p.rng, raw_kv=p.raw)
+
+
 OUTPUTS = Struct(
     Outputs,
     Array("output_pos", np.int32, U32("n_outputs")),
@@ -183,7 +267,8 @@ def _context_fields() -> tuple[Field[SessionFile | StateBlob], ...]:
 SESSION = Struct(
     SessionFile,
     U32("magic", check=_check_magic(Magic.SESSION)),
-    U32("version", check=_check_version(SESSION_VERSIONS)),
+    # version 7 is read before this layout is tried (`read_legacy`)
+    U32("version", check=_check_version(SESSION_VERSIONS, "7, given the model: llama-cpp-python 0.2.83")),
     Array("tokens", np.int32, U32("n_token_count")),
     *_context_fields(),
 )
@@ -191,7 +276,8 @@ SESSION = Struct(
 SEQ = Struct(
     SeqFile,
     U32("magic", check=_check_magic(Magic.STATE_SEQ)),
-    U32("version", check=_check_version(SEQ_VERSIONS)),
+    # version 1 is read before this layout is tried (`read_legacy_seq`)
+    U32("version", check=_check_version(SEQ_VERSIONS, "1: llama-cpp-python 0.2.83")),
     Array("tokens", np.int32, U32("n_token_count")),
     MEMORY,
 )
@@ -224,11 +310,14 @@ __all__ = [
     "SESSION",
     "STATE",
     "STRUCTS",
+    "LegacySessionFile",
+    "LegacyStateBlob",
     "Outputs",
     "SeqFile",
     "SeqStateBlob",
     "SessionFile",
     "StateBlob",
     "StateObject",
+    "read_legacy",
     "save",
 ]

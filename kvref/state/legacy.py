@@ -16,13 +16,47 @@ recurrent section of 0.3.12.
 `RNG` is the field: a session file carries it exactly when its version is 8; a state blob, which has no
 version, carries it when the bytes after the arch string are such a string (nothing else llama.cpp writes
 there can be: an output count or a stream count followed by at least 1,249 digits and spaces).
+
+Session version 7 (llama.cpp before PR #8699; llama-cpp-python 0.2.83, read in its vendored sources) is another
+format, read and written by `read_v7` / `write_v7`::
+
+    session file (v7) = u32 magic, u32 version, hparams (the writer's struct llama_hparams, raw), u32 n_tokens,
+                        i32 tokens[], context state (v7)
+    context state (v7) = u64 rng_size, rng, u64 n_outputs, i32 output_pos[], u64 logits_size, f32 logits[],
+                         u64 embd_size, f32 embd[], raw KV
+    raw KV             = u64 kv_buf_size, u32 kv_head, u32 kv_size, u32 kv_used, u32 v_trans,
+                         [per layer: K of cells [0, kv_head), V likewise (n_embd_v rows of kv_head elements
+                         when v_trans)], per cell of [0, kv_head): i32 pos, u64 n_seq_id, i32 seq_id[]
+
+The KV rows carry no layer count, type or row size: their widths are the model's (``n_embd_k_gqa(il)``, plus the
+conv / SSM state widths of a recurrent model) and their types the context's, so reading one needs the model
+(`HParams`); the types follow from ``kv_buf_size`` (bytes per cell). A state blob of the era
+(llama_copy_state_data) is the context state alone. The hparams struct's size and layout are the writing build's:
+kvref keeps it as bytes (6308 in 0.2.83: other builds' sizes are not known) and checks its leading
+``n_vocab``, ``n_embd``, ``n_layer`` against the model's. The sequence files of that llama.cpp (version 1) and its
+sequence blobs name their layer types and row sizes, so `read_seq_v1` needs no model (layout at its definition).
 """
 
 from __future__ import annotations
 
-from ..errors import FormatError
+import struct
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import numpy.typing as npt
+
+from ..constants import LLAMA_MAX_SEQ
+from ..errors import ArgumentError, FormatError
+from ..ggml import TYPE_TRAITS, GGMLType, row_size, type_name
+from .cells import Cells
 from .codec import Reader, Writer
-from .dsl import Env, Field, Str, env_int
+from .dsl import Env, Field, Record, Str, env_int
+from .sections import KVData, KVSection, KVStream, LayerRows, MemorySections, TransposedRows
+
+if TYPE_CHECKING:
+    from ..hparams import HParams
+    from .files import LegacySessionFile, LegacyStateBlob
 
 # the session version of the era, the oldest kvref reads
 SESSION_VERSION_RNG = 8
@@ -116,4 +150,455 @@ class RngField(Field[object]):
 
 RNG = RngField()
 
-__all__ = ["RNG", "SESSION_VERSION_RNG", "RngField", "check_rng", "rng_length_at", "rng_present", "rng_text"]
+
+# --- session version 7 (see the module docstring) ----------------------------------------------------------------
+
+SESSION_VERSION_RAW_KV = 7  # the oldest version kvref reads, given the model
+SEQ_VERSION_RAW_KV = 1  # the sequence-file version of the same llama.cpp (`read_seq_v1`)
+# sizeof(struct llama_hparams) in llama-cpp-python 0.2.83 (x86-64); other releases of the era may differ (their
+# sources were not read: a file of theirs fails on the rng string after its token list)
+HPARAMS_SIZE_0_2_83 = 6308
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+
+
+def _u32(buf: memoryview, at: int) -> int | None:
+    return int(_U32.unpack_from(buf, at)[0]) if at >= 0 and at + 4 <= len(buf) else None
+
+
+def _u64(buf: memoryview, at: int) -> int | None:
+    return int(_U64.unpack_from(buf, at)[0]) if at >= 0 and at + 8 <= len(buf) else None
+
+
+def rng64_at(buf: memoryview, at: int) -> bool:
+    """Whether a v7 rng string (a ``u64`` length, then a std::mt19937 state) starts at ``at``."""
+    n = _u64(buf, at)
+    if n is None or not _RNG_MIN <= n <= _RNG_MAX or at + 8 + n > len(buf):
+        return False
+    body = bytes(buf[at + 8 : at + 8 + n])
+    return _RNG_CHARS.issuperset(body) and check_rng(body.decode("ascii")) is None
+
+
+def v7_kind(buf: memoryview, kind: str) -> str | None:
+    """ "session" for a session file of version 7, "state" for a state blob of its llama.cpp (it starts with the
+    rng string), else None. ``kind``: what the caller asked for ("auto" or a kind)."""
+    if kind in ("auto", "session") and _u32(buf, 0) == 0x6767736E:
+        return "session" if _u32(buf, 4) == SESSION_VERSION_RAW_KV else None
+    if kind in ("auto", "state") and rng64_at(buf, 0):
+        return "state"
+    return None
+
+
+@dataclass(eq=False)
+class RawKV(Record):
+    """The KV part of a v7 context state as written: cells [0, kv_head) of the one cache, every layer's rows."""
+
+    kv_buf_size: int
+    kv_head: int
+    kv_size: int
+    kv_used: int
+    v_trans: int
+    cells: Cells  # every cell of [0, kv_head), the empty ones (no seq id) included
+    k: list[LayerRows]  # (kv_head, row_size) per layer; empty when kv_buf_size is 0
+    v: list[LayerRows | TransposedRows]
+
+
+def _model(model: object) -> HParams:
+    from ..hparams import HParams
+
+    if isinstance(model, HParams):
+        return model
+    try:
+        return HParams.from_gguf(model)  # type: ignore[arg-type]
+    except TypeError:
+        raise ArgumentError(f"model must be a GGUF path or an HParams, not {type(model).__name__}") from None
+
+
+def needs_model(version: int | None, kind: str) -> FormatError:
+    """The error for a v7 state read without the model."""
+    what = f"a session file of version {version}" if kind == "session" else "a state blob of session version 7"
+    return FormatError(
+        f"this is {what} (llama.cpp before July 2024, llama-cpp-python 0.2.83): its KV section is raw K/V bytes "
+        "without layer types or row sizes, so reading it needs the model: pass model= (a GGUF path or HParams) "
+        "to kvref.state.load, or --model M.gguf on the command line",
+        field="version" if kind == "session" else "rng",
+        offset=4 if kind == "session" else 0,
+    )
+
+
+def _widths(hp: HParams) -> list[tuple[int, int]]:
+    """(K, V) elements per cell of every layer, as this llama.cpp sized its cache (attention models only: a
+    recurrent one kept its conv / SSM states in K and V, which no golden of this era pins)."""
+    return [(hp.n_embd_k_gqa(il), hp.n_embd_v_gqa(il)) for il in range(hp.n_layer)]
+
+
+def _row(t: int, n: int) -> int | None:
+    tr = TYPE_TRAITS[GGMLType(t)]
+    return None if n % tr.block_size else n // tr.block_size * tr.type_size
+
+
+# the cache types that llama.cpp's context accepted (common's --cache-type-k/-v list of the time)
+CACHE_TYPES = tuple(int(GGMLType[n]) for n in ("F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "IQ4_NL", "Q5_0", "Q5_1"))
+
+
+def kv_types(per_cell: int, widths: list[tuple[int, int]], v_trans: bool) -> list[tuple[int, int]]:
+    """Every cache (type_k, type_v) whose rows of ``widths`` take ``per_cell`` bytes a cell, likeliest first (one
+    type for K and V, then f16)."""
+    out = []
+    for tk in CACHE_TYPES:
+        ks = [_row(tk, k) for k, _ in widths]
+        if None in ks:
+            continue
+        for tv in CACHE_TYPES:
+            if v_trans and TYPE_TRAITS[GGMLType(tv)].block_size != 1:
+                continue
+            vs = [_row(tv, v) for _, v in widths]
+            if None not in vs and sum(ks) + sum(vs) == per_cell:  # type: ignore[arg-type]
+                out.append((tk, tv))
+    return sorted(out, key=lambda p: (p[0] != p[1], p != (1, 1), p))
+
+
+def _check_model(buf: memoryview, hp: HParams) -> None:
+    """The hparams a v7 session was written with must be the model's (n_vocab, n_embd, n_layer)."""
+    got = {"n_vocab": _u32(buf, 12), "n_embd": _u32(buf, 20), "n_layer": _u32(buf, 24)}
+    want = {"n_vocab": hp.n_vocab, "n_embd": hp.n_embd, "n_layer": hp.n_layer}
+    if got != want:
+        bad = ", ".join(f"{k} {got[k]} (model: {want[k]})" for k in got if got[k] != want[k])
+        raise FormatError(f"wrong model: the session was written for another model: {bad}", field="hparams", offset=8)
+
+
+@dataclass(eq=False)
+class V7Parts:
+    """What `read_v7` read, for `kvref.state.files.read_legacy` to build its object from."""
+
+    kind: str
+    arch: str
+    hparams: bytes  # empty for a state blob
+    tokens: npt.NDArray[np.int32]
+    rng: str
+    output_pos: npt.NDArray[np.int32]
+    logits: npt.NDArray[np.float32]
+    embd: npt.NDArray[np.float32]
+    raw: RawKV
+    memory: MemorySections
+
+
+def read_v7(buf: memoryview, kind: str, model: object) -> V7Parts:
+    """The parts of a v7 session file or state blob, read with ``model`` (see the module docstring). Raises
+    FormatError."""
+    if model is None:
+        raise needs_model(_u32(buf, 4) if kind == "session" else None, kind)
+    hp = _model(model)
+    if hp.memory_kind() != "kv":
+        raise FormatError(
+            f"kvref reads session version 7 of attention models with one KV cache; a {hp.arch} model's memory is "
+            f"{hp.memory_kind()!r} (its 2024 layout in K and V was not checked against a golden)",
+            field="version" if kind == "session" else "rng",
+            offset=4 if kind == "session" else 0,
+        )
+    r = Reader(buf)
+    hparams = b""
+    tokens = np.zeros(0, np.int32)
+    if kind == "session":
+        r.pos = 8
+        hparams = bytes(r.take(HPARAMS_SIZE_0_2_83, "hparams"))
+        _check_model(buf, hp)
+        n = r.u32("n_token_count")
+        tokens = r.array(np.dtype(np.int32), n, "tokens", "n_token_count")
+        if not rng64_at(buf, r.pos):
+            raise FormatError(
+                "no rng string after the token list: damaged, or written by a build whose struct llama_hparams is "
+                f"not {HPARAMS_SIZE_0_2_83} bytes (llama-cpp-python 0.2.83's, the one kvref read)",
+                field="rng_size",
+                offset=r.pos,
+            )
+    at = r.pos
+    rng = bytes(r.take(r.u64("rng_size"), "rng")).decode("latin-1")
+    msg = check_rng(rng)
+    if msg:
+        raise FormatError(msg, field="rng", offset=at + 8)
+    n_out = r.u64("n_outputs")
+    output_pos = r.array(np.dtype(np.int32), n_out, "output_pos", "n_outputs")
+    logits = r.array(np.dtype(np.float32), r.u64("logits_size"), "logits", "logits_size")
+    embd = r.array(np.dtype(np.float32), r.u64("embd_size"), "embeddings", "embd_size")
+    raw = _read_raw_kv(r, hp)
+    if r.pos != len(buf):
+        raise FormatError(f"{len(buf) - r.pos} trailing bytes after the last KV cell", field="trailing", offset=r.pos)
+    return V7Parts(kind, hp.arch, hparams, tokens, rng, output_pos, logits, embd, raw, modern_memory(raw))
+
+
+def _read_raw_kv(r: Reader, hp: HParams) -> RawKV:
+    at = r.pos
+    kv_buf_size = r.u64("kv_buf_size")
+    head_at = r.pos
+    kv_head, kv_size, kv_used, v_trans = (r.u32(f) for f in ("kv_head", "kv_size", "kv_used", "v_trans"))
+    if kv_head > kv_size:
+        raise FormatError(f"kv_head {kv_head} exceeds kv_size {kv_size}", field="kv_head", offset=head_at)
+    if v_trans > 1:
+        raise FormatError(f"v_trans {v_trans} is not 0 or 1", field="v_trans", offset=head_at + 12)
+    if kv_buf_size > r.remaining():
+        raise FormatError(
+            f"kv_buf_size {kv_buf_size} exceeds the {r.remaining()} bytes left", field="kv_buf_size", offset=at
+        )
+    if (kv_buf_size == 0) != (kv_head == 0) or (kv_head and kv_buf_size % kv_head):
+        raise FormatError(f"kv_buf_size {kv_buf_size} is not a whole number of bytes for each of the kv_head "
+                          f"{kv_head} cells", field="kv_buf_size", offset=at)  # fmt: skip
+    widths = _widths(hp)
+    ks: list[LayerRows] = []
+    vs: list[LayerRows | TransposedRows] = []
+    trans = bool(v_trans)
+    if kv_head:
+        per_cell = kv_buf_size // kv_head
+        types = kv_types(per_cell, widths, trans)
+        if not types:
+            raise FormatError(
+                f"kv_buf_size {kv_buf_size} is {per_cell} bytes for each of {kv_head} cells, which no K/V type pair "
+                f"gives the {hp.n_layer} layers of this model ({hp.arch}, K/V widths {widths[0]} ...): wrong model?",
+                field="kv_buf_size",
+                offset=at,
+            )
+        # the bytes do not name the types: one type for K and V is what llama.cpp's default and most setups use
+        # (f16 over bf16, which is as wide); two mixed pairs of the same size cannot be told apart
+        tk, tv = types[0]
+        if len(types) > 1 and tk != tv:
+            names = ", ".join(f"{type_name(a)}/{type_name(b)}" for a, b in types)
+            raise FormatError(f"kv_buf_size fits several K/V type pairs ({names}): cannot tell the cache types",
+                              field="kv_buf_size", offset=at)  # fmt: skip
+        for nk, nv in widths:
+            rk = row_size(tk, nk)
+            ks.append(LayerRows(tk, rk, r.array(np.dtype(np.uint8), kv_head * rk, "k").reshape(kv_head, rk)))
+            if trans:
+                el = TYPE_TRAITS[GGMLType(tv)].type_size
+                data = r.array(np.dtype(np.uint8), nv * kv_head * el, "v").reshape(nv, kv_head * el)
+                vs.append(TransposedRows(tv, el, nv, data))
+            else:
+                rv = row_size(tv, nv)
+                vs.append(LayerRows(tv, rv, r.array(np.dtype(np.uint8), kv_head * rv, "v").reshape(kv_head, rv)))
+    pos = np.empty(kv_head, np.int32)
+    start = np.zeros(kv_head + 1, np.int64)
+    ids: list[int] = []
+    for i in range(kv_head):
+        pos[i] = r.i32("pos")
+        n_at = r.pos
+        n = r.u64("n_seq_id")
+        if n > LLAMA_MAX_SEQ:
+            raise FormatError(f"n_seq_id {n} exceeds LLAMA_MAX_SEQ {LLAMA_MAX_SEQ}", field="n_seq_id", offset=n_at)
+        ids.extend(int(x) for x in r.array(np.dtype(np.int32), n, "seq_id", "n_seq_id"))
+        start[i + 1] = len(ids)
+    cells = Cells(pos, np.asarray(ids, np.int32), start)
+    return RawKV(kv_buf_size, kv_head, kv_size, kv_used, v_trans, cells, ks, vs)
+
+
+def modern_memory(raw: RawKV) -> MemorySections:
+    """The memory a later llama.cpp writes for the same cache: only the cells that hold a sequence, in cache order,
+    in a KV section without ``n_stream`` (the layout of session version 8)."""
+    used = np.flatnonzero(raw.cells.n_seq_id > 0)
+    c = raw.cells
+    lists = [c.seq_ids(int(i)) for i in used]
+    cells = Cells.from_lists([int(c.pos[i]) for i in used], lists)
+    every = len(used) == raw.kv_head
+
+    def rows(x: LayerRows | TransposedRows) -> npt.NDArray[np.uint8]:
+        if every:
+            return x.data
+        if isinstance(x, TransposedRows):
+            el = x.el_size
+            return x.data.reshape(x.n_embd, raw.kv_head, el)[:, used, :].reshape(x.n_embd, len(used) * el)
+        return x.data[used]
+
+    if not used.size:
+        return MemorySections("kv", [KVSection([KVStream(None, None)], has_n_stream=False)])
+    k = [LayerRows(x.type, x.row_size, rows(x)) for x in raw.k]
+    v: list[LayerRows | TransposedRows] = [
+        TransposedRows(x.type, x.el_size, x.n_embd, rows(x))
+        if isinstance(x, TransposedRows)
+        else LayerRows(x.type, x.row_size, rows(x))
+        for x in raw.v
+    ]
+    return MemorySections("kv", [KVSection([KVStream(cells, KVData(raw.v_trans, k, v))], has_n_stream=False)])
+
+
+# --- sequence version 1 (the sequence saves of session version 7's llama.cpp) --------------------------------------
+#
+#     sequence file (v1) = u32 magic 'ggsq', u32 version 1, u32 n_token_count, i32 tokens[], sequence state (v1)
+#     sequence state (v1) = u32 size_t_size (8), u32 cell_count, u32 n_layer, u32 n_embd_v_gqa, i32 pos[cell_count],
+#                           per layer: i32 k_type, u64 k_row_size, K rows; then per layer i32 v_type and
+#                           u64 v_row_size, V rows, or (V transposed) u64 v_el_size, n_embd_v_gqa rows of cell_count
+#                           elements
+#
+# A llama_state_seq_get_data blob of the era is the sequence state alone. The cells carry no sequence id (the
+# restore gives them the destination's), as the KV cells of a version-2 sequence save in 2024. ``n_embd_v_gqa`` is
+# layer 0's: the width of every transposed V layer when, as in every model of the era kvref reads, all layers agree
+# (anything else leaves bytes over, which fails the read).
+
+SIZE_T_SIZE = 8
+
+
+@dataclass(eq=False)
+class RawSeq(Record):
+    """A v1 sequence state as written (its layer records are kept even without cells)."""
+
+    size_t_size: int
+    n_embd_v_gqa: int
+    v_trans: int
+    pos: npt.NDArray[np.int32]
+    k: list[LayerRows]
+    v: list[LayerRows | TransposedRows]
+
+
+def seq_v1_kind(buf: memoryview, kind: str) -> str | None:
+    """ "seq" for a sequence file of version 1, "seq_state" for what may be a v1 sequence blob (it starts with
+    size_t_size 8; only a whole parse tells), else None."""
+    if kind in ("auto", "seq") and _u32(buf, 0) == 0x67677371 and _u32(buf, 4) == SEQ_VERSION_RAW_KV:
+        return "seq"
+    if kind in ("auto", "seq_state") and _u32(buf, 0) == SIZE_T_SIZE and len(buf) >= 16:
+        return "seq_state"
+    return None
+
+
+def read_seq_v1(buf: memoryview, kind: str) -> tuple[npt.NDArray[np.int32] | None, RawSeq, MemorySections]:
+    """The tokens (a file's), the sequence state as written, and the memory of a v1 sequence file or blob."""
+    r = Reader(buf)
+    tokens = None
+    if kind == "seq":
+        r.pos = 8
+        tokens = r.array(np.dtype(np.int32), r.u32("n_token_count"), "tokens", "n_token_count")
+    at = r.pos
+    size_t_size = r.u32("size_t_size")
+    if size_t_size != SIZE_T_SIZE:
+        raise FormatError(f"size_t_size {size_t_size}, not 8 (a 64-bit build)", field="size_t_size", offset=at)
+    n = r.u32("cell_count")
+    at = r.pos
+    n_layer = r.u32("n_layer")
+    if not 0 < n_layer <= 512:
+        raise FormatError(f"n_layer {n_layer} is not in 1 .. 512", field="n_layer", offset=at)
+    n_embd_v = r.u32("n_embd_v_gqa")
+    pos = r.array(np.dtype(np.int32), n, "pos", "cell_count")
+    k = [_seq_rows(r, n, "k") for _ in range(n_layer)]
+    at = r.pos
+    t0 = _seq_type(r, "v_type")
+    second = r.u64("v_row_size")
+    r.pos = at
+    # a transposed layer writes its element size where a row-wise one writes the size of n_embd_v_gqa elements
+    tr0 = TYPE_TRAITS[GGMLType(t0)]
+    v_trans = int(n_embd_v > 1 and tr0.block_size == 1 and second == tr0.type_size)
+    v: list[LayerRows | TransposedRows] = []
+    for _ in range(n_layer):
+        if not v_trans:
+            v.append(_seq_rows(r, n, "v"))
+            continue
+        t_at = r.pos
+        t = _seq_type(r, "v_type")
+        el = r.u64("v_el_size")
+        if el != TYPE_TRAITS[GGMLType(t)].type_size or TYPE_TRAITS[GGMLType(t)].block_size != 1:
+            raise FormatError(f"v_el_size {el} is not the element size of {type_name(t)}", field="v_el_size",
+                              offset=t_at + 4)  # fmt: skip
+        data = r.array(np.dtype(np.uint8), n_embd_v * n * el, "v").reshape(n_embd_v, n * el)
+        v.append(TransposedRows(t, el, n_embd_v, data))
+    if r.pos != len(buf):
+        raise FormatError(f"{len(buf) - r.pos} trailing bytes after the last V layer", field="trailing", offset=r.pos)
+    raw = RawSeq(size_t_size, n_embd_v, v_trans, pos, k, v)
+    if not n:
+        return tokens, raw, MemorySections("kv", [KVSection([KVStream(None, None)], has_n_stream=False)])
+    cells = Cells(pos, np.zeros(0, np.int32), np.zeros(n + 1, np.int64))
+    return tokens, raw, MemorySections("kv", [KVSection([KVStream(cells, KVData(v_trans, k, v))], has_n_stream=False)])
+
+
+def _seq_type(r: Reader, field: str) -> int:
+    at = r.pos
+    t = r.i32(field)
+    if t not in CACHE_TYPES:
+        raise FormatError(f"{t} is not a KV cache type", field=field, offset=at)
+    return t
+
+
+def _seq_rows(r: Reader, n: int, what: str) -> LayerRows:
+    t = _seq_type(r, f"{what}_type")
+    at = r.pos
+    row = r.u64(f"{what}_row_size")
+    size = TYPE_TRAITS[GGMLType(t)]
+    if row == 0 or row % size.type_size:
+        raise FormatError(f"{what}_row_size {row} is not whole {type_name(t)} blocks", field=f"{what}_row_size",
+                          offset=at)  # fmt: skip
+    return LayerRows(t, row, r.array(np.dtype(np.uint8), n * row, what).reshape(n, row))
+
+
+def write_seq_v1(raw: RawSeq, tokens: npt.NDArray[np.int32] | None, w: Writer) -> None:
+    """The v1 bytes of a sequence file (``tokens`` given) or blob, as read."""
+    if tokens is not None:
+        w.u32(0x67677371, "magic")
+        w.u32(SEQ_VERSION_RAW_KV, "version")
+        w.u32(len(tokens), "n_token_count")
+        w.array(np.asarray(tokens, np.int32), "tokens")
+    w.u32(raw.size_t_size, "size_t_size")
+    w.u32(len(raw.pos), "cell_count")
+    w.u32(len(raw.k), "n_layer")
+    w.u32(raw.n_embd_v_gqa, "n_embd_v_gqa")
+    w.array(np.asarray(raw.pos, np.int32), "pos")
+    for x in [*raw.k, *raw.v]:
+        w.i32(x.type, "type")
+        w.u64(x.el_size if isinstance(x, TransposedRows) else x.row_size, "row_size")
+        w.array(x.data, "rows")
+
+
+def write_v7(obj: LegacySessionFile | LegacyStateBlob, w: Writer) -> None:
+    """The v7 bytes of ``obj``: its header, tokens, rng and outputs, and its KV section as read (``raw_kv``)."""
+    raw = obj.raw_kv
+    if raw is None or obj.rng is None or obj.outputs is None:
+        raise FormatError("a session version 7 state is written back only as read (raw KV, rng, outputs)",
+                          field="version", offset=w.n)  # fmt: skip
+    if obj.kind == "session":
+        w.u32(obj.magic, "magic")  # type: ignore[union-attr]
+        w.u32(obj.version, "version")  # type: ignore[union-attr]
+        w.raw(obj.hparams_raw)  # type: ignore[union-attr]
+        w.u32(len(obj.tokens), "n_token_count")  # type: ignore[union-attr]
+        w.array(np.asarray(obj.tokens, np.int32), "tokens")  # type: ignore[union-attr]
+    rng = obj.rng.encode("ascii")
+    w.u64(len(rng), "rng_size")
+    w.raw(rng)
+    o = obj.outputs
+    w.u64(len(o.output_pos), "n_outputs")
+    w.array(np.asarray(o.output_pos, np.int32), "output_pos")
+    w.u64(len(o.logits), "logits_size")
+    w.array(np.asarray(o.logits, np.float32), "logits")
+    w.u64(len(o.embeddings), "embd_size")
+    w.array(np.asarray(o.embeddings, np.float32), "embeddings")
+    w.u64(raw.kv_buf_size, "kv_buf_size")
+    for name in ("kv_head", "kv_size", "kv_used", "v_trans"):
+        w.u32(getattr(raw, name), name)
+    for k, v in zip(raw.k, raw.v, strict=True):
+        w.array(k.data, "k")
+        w.array(v.data, "v")
+    c = raw.cells
+    for i in range(c.n):
+        w.i32(int(c.pos[i]), "pos")
+        ids = c.seq_ids(i)
+        w.u64(len(ids), "n_seq_id")
+        for s in ids:
+            w.i32(s, "seq_id")
+
+
+__all__ = [
+    "HPARAMS_SIZE_0_2_83",
+    "RNG",
+    "SESSION_VERSION_RAW_KV",
+    "SESSION_VERSION_RNG",
+    "RawKV",
+    "RawSeq",
+    "RngField",
+    "V7Parts",
+    "check_rng",
+    "kv_types",
+    "modern_memory",
+    "needs_model",
+    "read_seq_v1",
+    "read_v7",
+    "rng64_at",
+    "rng_length_at",
+    "rng_present",
+    "rng_text",
+    "seq_v1_kind",
+    "v7_kind",
+    "write_seq_v1",
+    "write_v7",
+]

@@ -29,8 +29,18 @@ from ..constants import LLAMA_MAX_LAYERS, LLAMA_MAX_SEQ
 from ..errors import ArgumentError, FormatError
 from .constants import LAYOUTS, SEQ_VERSIONS, SESSION_VERSIONS, Magic
 from .dsl import _MAX_DIM, List, Record, Str, Struct, Switch, read_root
-from .files import STATE, STRUCTS, SeqFile, SeqStateBlob, SessionFile, StateBlob, StateObject
-from .legacy import rng_present
+from .files import (
+    STATE,
+    STRUCTS,
+    SeqFile,
+    SeqStateBlob,
+    SessionFile,
+    StateBlob,
+    StateObject,
+    read_legacy,
+    read_legacy_seq,
+)
+from .legacy import rng_present, seq_v1_kind, v7_kind
 from .sections import (
     _KNOWN_TYPES,
     KV_DATA,
@@ -78,6 +88,7 @@ class LoadOptions(TypedDict, total=False):
     ple: bool
     n_state_layers: int | None
     seq_header: bool | None
+    model: object  # a GGUF path or HParams: what a session of version 7 needs to be read (`files.read_legacy`)
 
 
 class Options(TypedDict):
@@ -820,6 +831,7 @@ def load(
     ple: bool = False,
     n_state_layers: int | None = None,
     seq_header: bool | None = None,
+    model: object = None,
 ) -> StateObject:
     """Parse a state file (path, memory-mapped) or blob (bytes) into its object model.
 
@@ -828,7 +840,8 @@ def load(
     "recurrent", "hybrid", "hybrid_iswa", "hybrid_idx", "none") or "auto". The keyword options pin down what
     the bytes cannot tell (cell ext size 0/8/12, the pre-#14363 KV section without ``n_stream``, MLA caches
     without V, the v9 output block, PLE rows in recurrent layers, how many layers carry recurrent state, the
-    io_magic prefix of sequence blobs); any left as None is inferred. Raises FormatError.
+    io_magic prefix of sequence blobs); any left as None is inferred. ``model`` (a GGUF path or
+    `kvref.hparams.HParams`) is needed by session version 7 only (`kvref.state.legacy`). Raises FormatError.
     """
     if kind != "auto" and kind not in KINDS:
         raise ArgumentError(f"kind must be 'auto' or one of {KINDS}, not {kind!r}")
@@ -837,6 +850,17 @@ def load(
     if ext_size is not None and ext_size not in (0, 8, 12):
         raise ArgumentError(f"ext_size must be 0, 8 or 12, not {ext_size!r}")
     buf = _open(src)
+    old = v7_kind(buf, kind)
+    if old is not None:  # llama.cpp before July 2024: another format, read with the model's layer widths
+        return read_legacy(buf, old, model)
+    old = seq_v1_kind(buf, kind)
+    if old == "seq":
+        return read_legacy_seq(buf, old)
+    if old == "seq_state":  # or a later blob whose cell_count is 8: only a whole parse tells
+        try:
+            return read_legacy_seq(buf, old)
+        except FormatError:
+            pass
     opts: LoadOptions = {
         "ext_size": ext_size,
         "n_stream_field": n_stream_field,
