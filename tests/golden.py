@@ -62,3 +62,24 @@ def replay(case_id: str, mem: Any) -> dict[str, int]:
     """Replay the case's trace on ``mem`` (the runner's checks; a difference raises AssertionError)."""
     case = load_case(case_id)
     return C.replay_trace(case, mem, C.Artefacts(ROOT, case))
+
+
+def observed_ranges(op: dict[str, Any]) -> dict[int, tuple[int, int]]:
+    """What llama.cpp reported for each sequence right after a save op (seq_pos_min / seq_pos_max)."""
+    obs = op["observed"]
+    return {
+        s: (lo, hi) for s, (lo, hi) in enumerate(zip(obs["seq_pos_min"], obs["seq_pos_max"], strict=True)) if hi >= 0
+    }
+
+
+def sequence_ranges(obj: Any) -> dict[int, tuple[int, int]]:
+    """seq id -> (pos_min, pos_max) over the cells of every section of a loaded state."""
+    from kvref import state
+
+    out: dict[int, tuple[int, int]] = {}
+    for sec in obj.memory.sections:
+        for part in sec.streams if isinstance(sec, state.KVSection) else [sec]:
+            for sid, r in ({} if part.cells is None else part.cells.sequences()).items():
+                lo, hi = out.get(sid, (r.pos_min, r.pos_max))
+                out[sid] = (min(lo, r.pos_min), max(hi, r.pos_max))
+    return out

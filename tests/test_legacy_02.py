@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from golden import observed_ranges, sequence_ranges
 
 import kvref
 from kvref import state
@@ -51,17 +52,6 @@ def _layout(op: dict[str, Any]) -> str:
     return str(op["layout"])
 
 
-def _sequences(obj: state.StateObject) -> dict[int, tuple[int, int]]:
-    """seq id -> (pos_min, pos_max) over the cells of every section."""
-    out: dict[int, tuple[int, int]] = {}
-    for sec in obj.memory.sections:
-        for part in sec.streams if isinstance(sec, state.KVSection) else [sec]:
-            for sid, r in ({} if part.cells is None else part.cells.sequences()).items():
-                lo, hi = out.get(sid, (r.pos_min, r.pos_max))
-                out[sid] = (min(lo, r.pos_min), max(hi, r.pos_max))
-    return out
-
-
 def _positions(obj: state.StateObject) -> list[list[int]]:
     """Every section's cell positions, in file order."""
     out = []
@@ -69,14 +59,6 @@ def _positions(obj: state.StateObject) -> list[list[int]]:
         parts = sec.streams if isinstance(sec, state.KVSection) else [sec]
         out.append([int(p) for part in parts if part.cells is not None for p in part.cells.pos])
     return out
-
-
-def _observed(op: dict[str, Any]) -> dict[int, tuple[int, int]]:
-    """What llama.cpp reported for each sequence right after the save (seq_pos_min / seq_pos_max)."""
-    obs = op["observed"]
-    return {
-        s: (lo, hi) for s, (lo, hi) in enumerate(zip(obs["seq_pos_min"], obs["seq_pos_max"], strict=True)) if hi >= 0
-    }
 
 
 def test_goldens_exist_and_name_their_producer() -> None:
@@ -105,9 +87,9 @@ def test_reads_with_auto_detection_and_writes_back(cid: str, i: int, op: dict[st
         assert obj.rng is not None  # type: ignore[attr-defined]
         assert obj.outputs is not None  # type: ignore[attr-defined]
     if op["scope"] == "context":
-        assert _sequences(obj) == _observed(op)
+        assert sequence_ranges(obj) == observed_ranges(op)
     else:
-        assert set(_sequences(obj)) <= {op["seq_id"]} or obj.memory.layout == "recurrent"
+        assert set(sequence_ranges(obj)) <= {op["seq_id"]} or obj.memory.layout == "recurrent"
 
 
 @pytest.mark.parametrize(("cid", "i", "op"), ARTEFACTS)
@@ -177,11 +159,11 @@ def test_upgrade_then_back(cid: str, i: int, op: dict[str, Any], tmp_path: Path)
     orig = state.load(path)
     assert _positions(up) == _positions(orig)
     if op["scope"] == "context":
-        assert _sequences(up) == _sequences(orig)
+        assert sequence_ranges(up) == sequence_ranges(orig)
     elif orig.memory.layout == "kv":
         # 2024 writes no seq id into a sequence save's KV cells; llama.cpp since 2025 writes one and requires it
         assert all(not len(st.cells.seq_id) for st in orig.memory.kv_sections[0].streams if st.cells is not None)
-        assert set(_sequences(up)) == {0}
+        assert set(sequence_ranges(up)) == {0}
     raw = path.read_bytes()
     assert to_era(state.load(path), "2024-08").to_bytes() == raw
     back = to_era(state.load(out), "2024-08")
@@ -210,14 +192,14 @@ def test_kv_sequence_save_restores_as_its_llama_cpp_restores_it() -> None:
         mem.state_read(with_ids, seq_id=1)
     assert e.value.field == "n_seq_id"
     mem.state_read(obj.to_bytes(), seq_id=1)
-    assert mem.seq_pos_max(1) == _observed(op)[1][1]
+    assert mem.seq_pos_max(1) == observed_ranges(op)[1][1]
     assert mem.state_write(seq_id=1) == obj.to_bytes()  # written back as that llama.cpp wrote it
     hp = C.hparams_from_case(case)
     new = kvref.create_memory(hp, n_ctx=256, n_seq_max=3, kv_unified=True, flash_attn=False, compat="2025-07")
     with pytest.raises(FormatError):
         new.state_read(obj.to_bytes(), seq_id=1)
     new.state_read(with_ids, seq_id=1)
-    assert new.seq_pos_max(1) == _observed(op)[1][1]
+    assert new.seq_pos_max(1) == observed_ranges(op)[1][1]
 
 
 def test_negative_controls() -> None:
@@ -315,11 +297,13 @@ def test_upgraded_file_loads_in_current_llama_cpp(cid: str, i: int, op: dict[str
         arr = (L.llama_token * max(len(op["tokens"]), 1))(*op["tokens"])
         if op["kind"] == "session":
             assert ctx.load_session(up) == op["tokens"]
-            assert {s: ctx.pos_max(s) for s in _observed(op)} == {s: hi for s, (_, hi) in _observed(op).items()}
+            assert {s: ctx.pos_max(s) for s in observed_ranges(op)} == {
+                s: hi for s, (_, hi) in observed_ranges(op).items()
+            }
             assert L.llama_state_save_file(ctx.ctx, str(again).encode(), arr, len(op["tokens"]))
         else:
             dest = op["seq_id"]
             assert ctx.load_seq(up, dest) == op["tokens"]
-            assert ctx.pos_max(dest) == _observed(op)[dest][1]
+            assert ctx.pos_max(dest) == observed_ranges(op)[dest][1]
             assert L.llama_state_seq_save_file(ctx.ctx, str(again).encode(), dest, arr, len(op["tokens"])) > 0
     assert again.read_bytes() == up.read_bytes()

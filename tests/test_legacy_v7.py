@@ -17,6 +17,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from golden import observed_ranges, sequence_ranges
 
 import kvref
 from kvref import state
@@ -63,24 +64,6 @@ def _path(cid: str, op: dict[str, Any]) -> Path:
     return GOLDEN / cid / op["file"]
 
 
-def _observed(op: dict[str, Any]) -> dict[int, tuple[int, int]]:
-    """What llama.cpp reported for each sequence right after the save (seq_pos_min / seq_pos_max)."""
-    obs = op["observed"]
-    return {
-        s: (lo, hi) for s, (lo, hi) in enumerate(zip(obs["seq_pos_min"], obs["seq_pos_max"], strict=True)) if hi >= 0
-    }
-
-
-def _sequences(obj: state.StateObject) -> dict[int, tuple[int, int]]:
-    out: dict[int, tuple[int, int]] = {}
-    for sec in obj.memory.sections:
-        for part in sec.streams if isinstance(sec, state.KVSection) else [sec]:
-            for sid, r in ({} if part.cells is None else part.cells.sequences()).items():
-                lo, hi = out.get(sid, (r.pos_min, r.pos_max))
-                out[sid] = (min(lo, r.pos_min), max(hi, r.pos_max))
-    return out
-
-
 def _session(cid: str) -> tuple[dict[str, Any], bytes]:
     op = next(op for op in _saves(cid) if op["kind"] == "session")
     return op, _path(cid, op).read_bytes()
@@ -118,7 +101,7 @@ def test_reads_with_the_model_and_writes_back(cid: str, op: dict[str, Any]) -> N
     if op["kind"] == "session":
         assert obj.version == 7  # type: ignore[attr-defined]
         assert [int(t) for t in obj.tokens] == op["tokens"]  # type: ignore[attr-defined]
-    assert _sequences(obj) == _observed(op)
+    assert sequence_ranges(obj) == observed_ranges(op)
     assert matching_eras(obj) == ["2024-07"]
     raw_kv = obj.raw_kv  # type: ignore[attr-defined]
     mem = _case(cid)["memory"]
@@ -142,7 +125,7 @@ def test_upgrade(cid: str, op: dict[str, Any], tmp_path: Path) -> None:
     assert matching_eras(out) == [CURRENT] if op["kind"] == "session" else CURRENT in matching_eras(out)
     back = state.load(up)
     assert back.to_bytes() == up.read_bytes() == out.to_bytes()
-    assert _sequences(back) == _observed(op)
+    assert sequence_ranges(back) == observed_ranges(op)
     raw = obj.raw_kv  # type: ignore[attr-defined]
     used = np.flatnonzero(raw.cells.n_seq_id > 0)
     (st,) = back.memory.kv_sections[0].streams
@@ -279,7 +262,7 @@ def test_sequence_v1_reads_without_the_model_and_writes_back(cid: str, op: dict[
         assert [int(t) for t in obj.tokens] == op["tokens"]  # type: ignore[attr-defined]
     (st,) = obj.memory.kv_sections[0].streams
     assert st.cells is not None and len(st.cells.seq_id) == 0
-    assert (int(st.cells.pos.min()), int(st.cells.pos.max())) == _observed(op)[op["seq_id"]]
+    assert (int(st.cells.pos.min()), int(st.cells.pos.max())) == observed_ranges(op)[op["seq_id"]]
     assert st.data is not None and bool(st.data.v_trans) == _case(cid)["memory"]["v_trans"]
     # the same cells and rows as the session saved beside it holds for the sequence
     trace = _case(cid)["trace"]
@@ -338,7 +321,7 @@ def test_upgraded_session_loads_in_current_llama_cpp(cid: str, op: dict[str, Any
              flash_attn=c["flash_attn"]) as ctx:  # fmt: skip
         arr = (L.llama_token * max(len(op["tokens"]), 1))(*op["tokens"])
         assert ctx.load_session(up) == op["tokens"]
-        assert {s: ctx.pos_max(s) for s in _observed(op)} == {s: hi for s, (_, hi) in _observed(op).items()}
+        assert {s: ctx.pos_max(s) for s in observed_ranges(op)} == {s: hi for s, (_, hi) in observed_ranges(op).items()}
         assert L.llama_state_save_file(ctx.ctx, str(again).encode(), arr, len(op["tokens"]))
     assert again.read_bytes() == up.read_bytes()
 
@@ -385,7 +368,7 @@ def test_upgraded_sequence_file_loads_in_current_llama_cpp(cid: str, op: dict[st
              flash_attn=c["flash_attn"]) as ctx:  # fmt: skip
         dest = op["seq_id"]
         assert ctx.load_seq(up, dest) == op["tokens"]
-        assert ctx.pos_max(dest) == _observed(op)[dest][1]
+        assert ctx.pos_max(dest) == observed_ranges(op)[dest][1]
         arr = (L.llama_token * max(len(op["tokens"]), 1))(*op["tokens"])
         assert L.llama_state_seq_save_file(ctx.ctx, str(again).encode(), dest, arr, len(op["tokens"])) > 0
     assert again.read_bytes() == up.read_bytes()
