@@ -99,17 +99,18 @@ def cmd_convert(args: argparse.Namespace) -> int:
 
 # ------------------------------------------------------------------------------------------- diff
 def diff_args(p: argparse.ArgumentParser) -> None:
-    """``kvref diff A B [--json]``."""
+    """``kvref diff A B [--json] [--model M.gguf]``."""
     p.add_argument("a", help="a state file")
     p.add_argument("b", help="another state file")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.add_argument("--model", default=None, help="the GGUF model, which a session of version 7 needs to be read")
 
 
 def cmd_diff(args: argparse.Namespace) -> int:
     """Run ``kvref diff``: exit 0 when equal, 1 when different (2 on error, from kvref.cli.main)."""
     from .state_diff import diff
 
-    res = diff(args.a, args.b)
+    res = diff(args.a, args.b, model=args.model)
     if args.json:
         json.dump(res.to_json(), sys.stdout, indent=2)
         print()

@@ -217,12 +217,13 @@ def _header(res: DiffResult, a: Any, b: Any) -> None:
                 res.add(Difference(f"outputs.{name}", f"{xa.size} values", f"{xb.size} values"))
 
 
-def diff(a: Any, b: Any) -> DiffResult:
-    """Compare two states (paths, bytes or loaded state objects); see `DiffResult`."""
+def diff(a: Any, b: Any, *, model: Any = None) -> DiffResult:
+    """Compare two states (paths, bytes or loaded state objects); see `DiffResult`. ``model`` (a GGUF path or
+    HParams) is what a session of version 7 needs to be read."""
     from . import state
 
-    sa = a if isinstance(a, state.StateObject) else state.load(a)
-    sb = b if isinstance(b, state.StateObject) else state.load(b)
+    sa = a if isinstance(a, state.StateObject) else state.load(a, model=model)
+    sb = b if isinstance(b, state.StateObject) else state.load(b, model=model)
     res = DiffResult()
     _header(res, sa, sb)
     ma, mb = sa.memory, sb.memory

@@ -154,6 +154,15 @@ def test_cli_needs_and_takes_the_model(tmp_path: Path, capsys: pytest.CaptureFix
     assert cli_main(["check", src, "--model", str(_model(cid))]) == 1
     out = capsys.readouterr().out
     assert "session file version 7" in out and "kvref convert FILE OUT --model MODEL --to-era" in out
+    # diff and export read it with the model too (without it: the error that asks for it)
+    assert cli_main(["diff", src, src]) == 2
+    assert "--model" in capsys.readouterr().err
+    assert cli_main(["diff", src, up, "--model", str(_model(cid))]) == 1  # the upgrade dropped the output block
+    capsys.readouterr()
+    from kvref.export import export_arrays
+
+    arrays, _meta = export_arrays(src, model=_model(cid))
+    assert arrays and all(a.size for a in arrays.values())
 
 
 @pytest.mark.parametrize("cid", CASES)
