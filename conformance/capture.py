@@ -69,9 +69,11 @@ def _tensor_fields(version: str) -> list[tuple[str, Any]]:
     """struct ggml_tensor in ggml.h of the llama.cpp vendored by llama-cpp-python ``version``. Until the
     autumn of 2024 (0.2.x) it still had the deprecated ``backend`` enum after ``type`` and the ``grad``
     pointer before ``src``, and no trailing padding (0.2.x and 0.3.0 checked); 0.3.12 .. 0.3.36 share the layout
-    without them."""
+    without them. In spring 2024 (0.2.67 checked; gone by 0.2.82) it also had perf counters after ``src`` and the
+    trailing padding."""
     ptr = ctypes.POINTER(GGMLTensor)
     old = version.startswith("0.2.") or version == "0.3.0"
+    perf = tuple(int(x) for x in version.split(".")[:3]) <= (0, 2, 67)
     return [
         ("type", ctypes.c_int),
         *([("backend", ctypes.c_int)] if old else []),
@@ -83,12 +85,17 @@ def _tensor_fields(version: str) -> list[tuple[str, Any]]:
         ("flags", ctypes.c_int32),
         *([("grad", ptr)] if old else []),
         ("src", ptr * GGML_MAX_SRC),
+        *(
+            [("perf_runs", ctypes.c_int), ("perf_cycles", ctypes.c_int64), ("perf_time_us", ctypes.c_int64)]
+            if perf
+            else []
+        ),
         ("view_src", ptr),
         ("view_offs", ctypes.c_size_t),
         ("data", ctypes.c_void_p),
         ("name", ctypes.c_char * GGML_MAX_NAME),
         ("extra", ctypes.c_void_p),
-        *([] if old else [("padding", ctypes.c_char * 8)]),
+        *([] if old and not perf else [("padding", ctypes.c_char * 8)]),
     ]
 
 
@@ -99,7 +106,10 @@ def _load_ggml() -> Any:
     try:
         from llama_cpp import _ggml  # 0.3.x
     except ImportError:  # 0.2.x bindings load libggml only through libllama: open it from the package
-        return ctypes.CDLL(str(Path(L.__file__).parent / "lib" / "libggml.so"))
+        pkg = Path(L.__file__).parent
+        lib = pkg / "lib" / "libggml.so"
+        # spring 2024 (0.2.67) links ggml into libllama.so, which exports its functions
+        return ctypes.CDLL(str(lib if lib.exists() else pkg / "libllama.so"))
     return _ggml.libggml
 
 
@@ -127,7 +137,7 @@ for _i in range(256):
     if _n == b"COUNT":
         break
 OP_SOFT_MAX = _OP_IDS["SOFT_MAX"]
-OP_FLASH_ATTN_EXT = _OP_IDS["FLASH_ATTN_EXT"]
+OP_FLASH_ATTN_EXT = _OP_IDS.get("FLASH_ATTN_EXT", -1)  # none before the spring 2024 kernels (0.2.67)
 OP_SET_ROWS = _OP_IDS.get("SET_ROWS", -1)  # none before mid-2025: K/V written by CPY
 OP_ROPE = _OP_IDS["ROPE"]
 OP_GET_ROWS = _OP_IDS["GET_ROWS"]

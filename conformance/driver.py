@@ -159,6 +159,47 @@ PRODUCERS = {
         "rng": True,
         "seq_kv_ids": False,
     },
+    # 0.2.82 (July 2024): session v6 = v7 with the hparams struct of LLAMA_MAX_LAYERS 256 (3236 bytes); the same
+    # bindings as 0.2.83 (generate_legacy.py's shim_0_2_83), goldens in golden-v7/
+    "0.2.82": {
+        "llama_cpp_commit": "7fdb6f73e35605c8dbc39e9f19cd9ed84dbc87f2",  # CHANGELOG.md of the sdist
+        "llama_cpp_commit_date": None,
+        "session_version": 6,
+        "seq_version": 1,
+        "output_block": True,
+        "seq_data_prefix": False,
+        "cell_ext_size": 0,
+        "swa_masked_in_seq": True,
+        "n_stream_field": False,
+        "rng": True,
+        "seq_kv_ids": False,
+        "skip_cases": {
+            # generate_legacy.CASES_0_2_82 runs them on stablelm-rot32-tiny instead
+            "llama-f16-single-seq": "llama_load_model_from_file: attn_q must be n_embd x n_embd (4 heads of 32)",
+            "llama-shared-prefix": "llama_load_model_from_file: attn_q must be n_embd x n_embd (4 heads of 32)",
+        },
+    },
+    # 0.2.67 (April 2024): session v5 = v6 without the u32 v_trans (V always transposed); 0.2.83's bindings but for
+    # flash attention (none yet); its struct ggml_tensor has the perf counters, which conformance/capture.py does not
+    # declare: its goldens carry no graph inputs
+    "0.2.67": {
+        "llama_cpp_commit": "8843a98c2ba97a25e93319a104f9ddfaf83ce4c4",  # CHANGELOG.md of the sdist (0.2.66's)
+        "llama_cpp_commit_date": None,
+        "session_version": 5,
+        "seq_version": 1,
+        "output_block": True,
+        "seq_data_prefix": False,
+        "cell_ext_size": 0,
+        "swa_masked_in_seq": True,
+        "n_stream_field": False,
+        "rng": True,
+        "seq_kv_ids": False,
+        "skip_cases": {
+            # generate_legacy.CASES_0_2_82 runs them on stablelm-rot32-tiny instead
+            "llama-f16-single-seq": "llama_load_model_from_file: invalid n_rot 32, expected 16 (n_embd / n_head)",
+            "llama-shared-prefix": "llama_load_model_from_file: invalid n_rot 32, expected 16 (n_embd / n_head)",
+        },
+    },
 }
 PRODUCER = PRODUCERS[L.__version__]
 # graph inputs are read through conformance/capture.py's struct ggml_tensor (declared per release); the legacy

@@ -6,6 +6,7 @@ Runs under a virtual environment with that llama-cpp-python built from source (s
     /tmp/lcp02/bin/python conformance/generate_legacy.py -k mamba   # only matching cases
     /tmp/lcp02/bin/python conformance/generate_legacy.py --list
     /tmp/lcp0283/bin/python conformance/generate_legacy.py          # 0.2.83 (session v7): CASES_0_2_83
+    /tmp/lcp0282/bin/python conformance/generate_legacy.py          # 0.2.82 (session v6): the same cases
 
 Those bindings predate llama.cpp's memory API (``llama_memory_*``, ``llama_model_*``): the cache is the
 context's (``llama_kv_cache_*`` take the context), and there is no ``seq_pos_min``. `install_shim` gives the
@@ -38,6 +39,12 @@ RNG_SEED = 1234  # llama_context_params.seed: the state of the rng string in eve
 # llama-cpp-python 0.2.83 (session v7, sequence v1: driver.PRODUCERS["0.2.83"]): its sequence saves abort on a
 # recurrent cache (GGML_ASSERT), so it runs no Mamba case
 CASES_0_2_83 = ("llama-f16-single-seq", "llama-shared-prefix")
+# llama-cpp-python 0.2.82 (session v6: 0.2.83's bindings, shim and state code) refuses the tiny llama (its attn_q
+# must be n_embd x n_embd; 4 heads of 32 make it 64 x 128) and the tiny bloom (no tied output): it runs 0.2.83's
+# cases on stablelm-rot32-tiny (one head of 64 = n_embd), the one tiny attention model it loads (`derived_cases`)
+CASES_0_2_82 = tuple(c.replace("llama", "stablelm-rot32") for c in CASES_0_2_83)
+# the raw-KV releases (session v6 / v7), their cases
+RAW_KV_CASES = {"0.2.67": CASES_0_2_82, "0.2.82": CASES_0_2_82, "0.2.83": CASES_0_2_83}
 # not golden/: `kvref conformance` and the tests that walk golden/ read every artefact without a model, which
 # session v7 needs (tests/test_legacy_v7.py reads these)
 GOLDEN_DIR_0_2_83 = "golden-v7"
@@ -169,6 +176,24 @@ def shim_0_2_83() -> None:
     L.llama_model_is_recurrent = lambda m: _meta(m, "general.architecture") == "mamba"
 
 
+def derived_cases(cases: list) -> list:
+    """generate.CASES plus 0.2.82's: 0.2.83's cases, the same scripts and context, on stablelm-rot32-tiny."""
+    import dataclasses
+
+    by_id = {c.id: c for c in cases}
+    extra = [
+        dataclasses.replace(
+            by_id[cid],
+            id=cid.replace("llama", "stablelm-rot32"),
+            model="stablelm-rot32",
+            description=f"The {cid} operations on stablelm-rot32-tiny (llama-cpp-python 0.2.82 loads no tiny llama). "
+            + by_id[cid].description,
+        )
+        for cid in CASES_0_2_83
+    ]
+    return [*cases, *extra]
+
+
 def memory_block(case, hp: dict, octx: dict | None) -> dict:
     """generate.memory_block for 0.2.x: one cache of n_ctx cells (padded by llama.cpp), or max(1, n_seq_max)
     recurrent cells, as the cache view reports them (that llama.cpp logs only buffer sizes)."""
@@ -211,8 +236,8 @@ def main(argv=None) -> int:
     a = ap.parse_args(argv)
     if not L.__version__.startswith("0.2."):
         raise SystemExit(f"run this under llama-cpp-python 0.2.x, not {L.__version__} (generate.py records the others)")
-    v7 = L.__version__ == "0.2.83"
-    if v7:
+    raw_kv = L.__version__ in RAW_KV_CASES
+    if raw_kv:
         shim_0_2_83()
     install_shim()
     import driver
@@ -227,7 +252,8 @@ def main(argv=None) -> int:
         return {**log, "caches": [*log["caches"], *_CACHES]}
 
     driver._parse_memory_log = parse_memory_log
-    cases = [c for c in generate.CASES if c.id in (CASES_0_2_83 if v7 else LEGACY_02_CASES) and a.k in c.id]
+    ids = RAW_KV_CASES.get(L.__version__, LEGACY_02_CASES)
+    cases = [c for c in derived_cases(generate.CASES) if c.id in ids and a.k in c.id]
     if a.list:
         for c in cases:
             print(f"{c.id:32s} {c.description}")
@@ -239,7 +265,7 @@ def main(argv=None) -> int:
         if m.committed and (HERE / "models" / m.path.name).exists():
             assert m.sha256 == driver.sha256(HERE / "models" / m.path.name), f"{m.name} differs from the committed one"
     for c in cases:
-        doc = generate.run_case(c, models[c.model], vers, golden_dir=HERE / GOLDEN_DIR_0_2_83 if v7 else None)
+        doc = generate.run_case(c, models[c.model], vers, golden_dir=HERE / GOLDEN_DIR_0_2_83 if raw_kv else None)
         n_art = sum(1 for op in doc["trace"] if op["op"] == "save")
         print(f"legacy-{L.__version__}-{c.id:32s} {len(doc['trace']):3d} ops {n_art:3d} artefacts")
     return 0

@@ -42,7 +42,7 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
         "--verbose", action="store_true", help="when no reading parses, list why each one kvref tried failed"
     )
     p.add_argument("--model", default=None,
-                   help="a GGUF model: its vocabulary turns the tokens back into text; a session of version 7 "
+                   help="a GGUF model: its vocabulary turns the tokens back into text; a session of version 5 .. 7 "
                    "needs it to be read")  # fmt: skip
 
 

@@ -73,7 +73,7 @@ def convert_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--arch", default=None, help="the arch string of a session made by --merge")
     p.add_argument("--model", default=None,
                    help="the GGUF model (its arch; its sha256 for --sidecar; the layer widths a session of "
-                   "version 7 needs)")  # fmt: skip
+                   "version 5 .. 7 needs)")  # fmt: skip
     p.add_argument("--type-k", default=None,
                    help="retype K (f32, f16, bf16, q8_0, q4_0, q4_1, q5_0, q5_1); --model gives the head size "
                    "llama.cpp's attention rotation depends on")  # fmt: skip
@@ -103,7 +103,7 @@ def diff_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("a", help="a state file")
     p.add_argument("b", help="another state file")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
-    p.add_argument("--model", default=None, help="the GGUF model, which a session of version 7 needs to be read")
+    p.add_argument("--model", default=None, help="the GGUF model, which a session of version 5 .. 7 needs to be read")
 
 
 def cmd_diff(args: argparse.Namespace) -> int:

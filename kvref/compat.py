@@ -147,6 +147,13 @@ LEGACY_2024 = ("0.2.84", "0.2.90")
 # the release of session version 7 (kvref.eras "2024-07") whose state code was read: its session files are read
 # given the model; its cache behaviour was not read (its sequence files, version 1, have no seq ids at all)
 LEGACY_2024_07 = "0.2.83"
+# the releases of session version 6 (kvref.eras "2024-06"): 0.2.82 is read in its sources and
+# replayed by the legacy-0.2.82-* goldens; the others write the same context state and sequence files, but a
+# hparams struct of their own size at the head of a session file (kvref.state.legacy reads 0.2.82's)
+LEGACY_2024_06 = ("0.2.68", "0.2.82")
+# the releases of session version 5 (kvref.eras "2024-05"; 0.2.57 writes 4): 0.2.67 is read in its sources and
+# replayed by the legacy-0.2.67-* goldens (sequence saves from 0.2.62); the others as LEGACY_2024_06's
+LEGACY_2024_05 = ("0.2.58", "0.2.67")
 # the releases of session version 9 whose KV sequence saves still carry no seq id (state code read in 0.3.0 .. 0.3.9;
 # 0.3.10 writes the id): the 2024 profile; 0.3.0 is checked by goldens (legacy-0.3.0-*), the others are not
 LEGACY_2024_V9 = ("0.3.0", "0.3.9")
@@ -166,7 +173,8 @@ def for_llama_cpp_python(version: str | None) -> Profile:
     Every release 0.3.12 .. 0.3.36 maps to its era's profile (named by ``era``). A newer release maps to the
     newest generation (the default); an older one to the oldest (``"2025-07"``) with a CompatWarning: kvref
     never read those sources (llama.cpp before July 2025 may differ in ways kvref does not model), except that
-    0.2.83 .. 0.2.90 get `profile_2024` (their sequence saves, which kvref read, carry no seq ids), and so do
+    0.2.58 .. 0.2.90 get `profile_2024` (their sequence saves, which kvref read, carry no seq ids; goldens of 0.2.67,
+    0.2.82, 0.2.83 and 0.2.90 replay with it), and so do
     0.3.0 .. 0.3.9 (session version 9, read in their state code), without a warning for 0.3.0 and 0.3.8, which
     the ``legacy-0.3.0-*`` / ``legacy-0.3.8-*`` goldens check (not gemma2: before 0.3.10 llama.cpp has no SWA
     cache, kvref only iSWA). Local version suffixes ("0.3.16+cu121", "0.3.16.post1") are ignored; anything else
@@ -182,15 +190,27 @@ def for_llama_cpp_python(version: str | None) -> Profile:
     if key > _key(RELEASES[-1]):
         return resolve(DEFAULT)
     if key < _key(RELEASES[0]):
-        if release == LEGACY_2024_07:
+        checked = {LEGACY_2024_07: 7, LEGACY_2024_06[1]: 6, LEGACY_2024_05[1]: 5}
+        if release in checked:
+            v = checked[release]
             warnings.warn(
-                f"llama-cpp-python {version}: kvref reads its session files (version 7, given the model: "
+                f"llama-cpp-python {version}: kvref reads its session files (version {v}, given the model: "
                 "kvref.state.legacy) and upgrades them, and models its cache as 0.2.84's (`profile_2024`: the "
-                "legacy-0.2.83-* goldens replay with it, graph inputs and sequence saves included)",
+                f"legacy-{release}-* goldens replay with it, graph inputs and sequence saves included)",
                 CompatWarning,
                 stacklevel=2,
             )
             return profile_2024()
+        for first, last in (LEGACY_2024_05, LEGACY_2024_06):
+            if _key(first) <= key < _key(last):
+                warnings.warn(
+                    f"llama-cpp-python {version} (session version {5 if last == LEGACY_2024_05[1] else 6}): kvref "
+                    f"models its cache as {last}'s (`profile_2024`) but no golden checks it; its state blobs and "
+                    f"sequence files read as {last}'s, its session files only if its struct llama_hparams is too",
+                    CompatWarning,
+                    stacklevel=2,
+                )
+                return profile_2024()
         if _key(LEGACY_2024[0]) <= key <= _key(LEGACY_2024[1]):
             warnings.warn(
                 f"llama-cpp-python {version}: kvref reads and writes its state files (goldens of 0.2.90) and models "
@@ -235,6 +255,8 @@ __all__ = [
     "KSHIFT_SKIPS_NOPE",
     "KV_SEQ_RM_ALL",
     "LEGACY_2024",
+    "LEGACY_2024_05",
+    "LEGACY_2024_06",
     "LEGACY_2024_07",
     "LEGACY_2024_V9",
     "NAMED",

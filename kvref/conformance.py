@@ -749,8 +749,9 @@ def decode_mask(e: dict) -> np.ndarray:
 
 # GGML_KQ_MASK_PAD of the llama.cpp vendored by each producer of goldens: the KQ mask had its rows (per stream)
 # padded to a multiple of it, the rows past the ubatch's tokens all -inf; 1: no padding. Read in each release's
-# ggml.h (32 up to 0.3.7, 64 from 0.3.8; none once PR #16148 removed the padding, by 0.3.35).
-KQ_MASK_PAD = (("0.2.83", 32), ("0.3.8", 64), ("0.3.35", 1))
+# ggml.h (32 from the flash-attention kernels of spring 2024, checked in 0.2.82, not in 0.2.67's; 64 from 0.3.8;
+# none once PR #16148 removed the padding, by 0.3.35).
+KQ_MASK_PAD = (("0.2.82", 32), ("0.3.8", 64), ("0.3.35", 1))
 
 
 def kq_mask_pad(case: dict) -> int:

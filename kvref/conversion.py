@@ -46,7 +46,7 @@ def _load(src: Any, model: Any = None) -> Any:
 
     from . import state
 
-    # the model: what a session of version 7 needs to be read (kvref.state.legacy); other files ignore it
+    # the model: what a session of version 5 .. 7 needs to be read (kvref.state.legacy); other files ignore it
     return copy.copy(src) if isinstance(src, state.StateObject) else state.load(src, model=model)
 
 

@@ -5,6 +5,8 @@ One layout per era (what the containers look like; ``kvref.profile`` says how th
 =========== ===================== ======= === ======= ======== === ==========
 era         llama-cpp-python      session seq outputs n_stream ext seq prefix
 =========== ===================== ======= === ======= ======== === ==========
+``2024-05`` 0.2.58 .. 0.2.67      5       1   yes     no       0   no
+``2024-06`` 0.2.68 .. 0.2.82      6       1   yes     no       0   no
 ``2024-07`` 0.2.83                7       1   yes     no       0   no
 ``2024-08`` 0.2.84 .. 0.2.90      8       2   yes     no       0   no
 ``2024-09`` 0.3.0 .. 0.3.9        9       2   yes     no       0   no
@@ -20,8 +22,10 @@ era         llama-cpp-python      session seq outputs n_stream ext seq prefix
 rng string (`kvref.state.legacy`), and until 0.3.9 the KV cells of a sequence save carry no sequence id (``n_seq_id`` 0;
 the restore requires that, where later llama.cpp writes and requires the one id). `to_era` rewrites a loaded state
 object into an era's layout where that layout can hold the content, and raises a `ConversionError` naming what it cannot
-hold. ``2024-07`` (session version 7 and sequence version 1, `kvref.state.legacy`; a session needs the model) is read
-and written back as read, never written from another era: a session's header is the writing build's hparams struct.
+hold. ``2024-05`` .. ``2024-07`` (session versions 5 .. 7, sequence version 1, `kvref.state.legacy`; a session needs
+the model) are read and written back as read, never written from another era: a session's header is the writing
+build's hparams struct. A state blob of 2024-06 matches 2024-07 too (the same bytes), one of 2024-05 only 2024-05 (no
+v_trans field); their sequence saves match all three (2024-05's V is always transposed).
 `matching_eras` says which eras write a given object's layout.
 """
 
@@ -49,7 +53,7 @@ from .state.files import (
     SessionFile,
     StateBlob,
 )
-from .state.legacy import SESSION_VERSION_RAW_KV, rng_text
+from .state.legacy import SESSION_VERSIONS_RAW_KV, rng_text
 
 LLAMA_TOKEN_NULL = -1
 
@@ -90,7 +94,11 @@ class Era:
 ERAS: dict[str, Era] = {
     e.name: e
     for e in (
-        # the oldest release of the era is not known: 0.2.83 is the one whose sources were read
+        # session versions 5 (0.2.58 .. 0.2.67; 0.2.57 writes 4), 6 (0.2.68 .. 0.2.82) and 7 differ in the v_trans
+        # field (from 6) and the hparams struct (kvref.state.legacy); 0.2.67, 0.2.82 and 0.2.83 are the releases
+        # whose sources and goldens were read
+        Era("2024-05", "0.2.58", "0.2.67", 5, 1, True, False, rng=True, seq_kv_ids=False),
+        Era("2024-06", "0.2.68", "0.2.82", 6, 1, True, False, rng=True, seq_kv_ids=False),
         Era("2024-07", "0.2.83", "0.2.83", 7, 1, True, False, rng=True, seq_kv_ids=False),
         Era("2024-08", "0.2.84", "0.2.90", 8, 2, True, False, rng=True, seq_kv_ids=False),
         # 0.3.0 (goldens legacy-0.3.0-*) .. 0.3.9 (state code read): 2024-08 without the rng string (the sampler
@@ -176,7 +184,9 @@ def matching_eras(obj: StateObject) -> list[str]:
     ple = any(layer.p_data is not None for s in obj.memory.recurrent_sections for layer in s.r)
     legacy = isinstance(obj, LegacySessionFile | LegacyStateBlob | LegacySeqFile | LegacySeqStateBlob)
     for e in ERAS.values():
-        if legacy != (e.session_version == SESSION_VERSION_RAW_KV):
+        if legacy != (e.session_version in SESSION_VERSIONS_RAW_KV):
+            continue
+        if legacy and _v5_only(obj) is not None and _v5_only(obj) != (e.session_version == 5):
             continue
         if obj.kind == "session" and getattr(obj, "version", None) != e.session_version:
             continue
@@ -202,6 +212,16 @@ def matching_eras(obj: StateObject) -> list[str]:
             continue
         out.append(e.name)
     return out
+
+
+def _v5_only(obj: StateObject) -> bool | None:
+    """Whether a raw-KV era's object is one only version 5's llama.cpp writes (a context state without the v_trans
+    field), one it cannot write (a context state with it, a sequence save with row-wise V), or None: either."""
+    raw = getattr(obj, "raw_kv", None)
+    if raw is not None:
+        return not raw.v_trans_field
+    seq = getattr(obj, "raw_seq", None)
+    return False if seq is not None and len(seq.pos) and not seq.v_trans else None
 
 
 def _kv_cells(mem: MemorySections) -> bool:
@@ -338,10 +358,11 @@ def to_era(
     rows are shared with ``obj``. Raises ConversionError where the target layout cannot hold the content.
     """
     e = era(target)
-    if e.session_version == SESSION_VERSION_RAW_KV:
+    if e.session_version in SESSION_VERSIONS_RAW_KV:
         raise ConversionError(
-            f"kvref does not write the {e.name} layout (session version 7, {e.releases}) from a loaded state: its "
-            "header is the writing build's hparams struct; a version-7 file is written back only as read (save)"
+            f"kvref does not write the {e.name} layout (session version {e.session_version}, {e.releases}) from a "
+            "loaded state: its header is the writing build's hparams struct; a file of that version is written back "
+            "only as read (save)"
         )
     if has_ext is None:
         has_ext = is_mrope_arch(getattr(obj, "arch", None))

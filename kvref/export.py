@@ -52,7 +52,7 @@ def export_arrays(
     from . import state
     from .tensors import state_tensors
 
-    # the model (or hparams): what a session of version 7 needs to be read at all
+    # the model (or hparams): what a session of version 5 .. 7 needs to be read at all
     obj = source if isinstance(source, state.StateObject) else state.load(source, model=hparams or model)
     total = sum(
         int(r.data.nbytes) for sec in obj.memory.kv_sections for st in sec.streams if st.data is not None

@@ -113,7 +113,7 @@ def _load(source: Any, hp: HParams | None, kind: str, options: dict[str, Any]) -
     else:
         if isinstance(source, str | os.PathLike) and not os.path.exists(source):
             raise FileNotFoundError(source)
-        if hp is not None:  # what a session of version 7 needs to be read at all
+        if hp is not None:  # what a session of version 5 .. 7 needs to be read at all
             options = {"model": hp, **options}
         layouts: list[str | None] = list(memory_layout(hp)) if hp is not None and "layout" not in options else []
         obj = None

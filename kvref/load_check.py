@@ -111,7 +111,7 @@ def check_file(
             return _no(
                 f"{obj.kind} file version {obj.version}; llama.cpp of era {target.name} ({target.releases}) reads "
                 f"only version {want}",
-                # a version 7 session is read with the model's layer widths, on conversion too
+                # a session of version 5 .. 7 is read with the model's layer widths, on conversion too
                 "kvref convert FILE OUT --model MODEL --to-era"
                 if obj.version < 8
                 else "kvref convert FILE OUT --to-era",

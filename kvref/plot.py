@@ -179,7 +179,7 @@ def plot(source: Any, out: str | os.PathLike[str], *, hparams: Any = None, model
         hparams = HParams.from_gguf(os.fspath(model))
     if hasattr(source, "state_sections") and hasattr(source, "profile"):
         return draw(memory_panels(source), out, f"{type(source).__name__} ({source.profile.name})")
-    obj = source if isinstance(source, state.StateObject) else state.load(source, model=hparams)  # (version 7)
+    obj = source if isinstance(source, state.StateObject) else state.load(source, model=hparams)  # (versions 5 .. 7)
     name = os.path.basename(os.fspath(source)) if isinstance(source, str | os.PathLike) else obj.kind
     return draw(state_panels(obj, hparams), out, f"{name}: {obj.kind}, {obj.memory.layout} memory")
 

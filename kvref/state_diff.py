@@ -219,7 +219,7 @@ def _header(res: DiffResult, a: Any, b: Any) -> None:
 
 def diff(a: Any, b: Any, *, model: Any = None) -> DiffResult:
     """Compare two states (paths, bytes or loaded state objects); see `DiffResult`. ``model`` (a GGUF path or
-    HParams) is what a session of version 7 needs to be read."""
+    HParams) is what a session of version 5 .. 7 needs to be read."""
     from . import state
 
     sa = a if isinstance(a, state.StateObject) else state.load(a, model=model)

@@ -56,8 +56,14 @@ def test_releases_outside_the_checked_range():
         assert compat.for_llama_cpp_python("0.3.11").compat == "2025-07"
     with pytest.warns(compat.CompatWarning, match="version 7"):  # replayed by the legacy-0.2.83-* goldens
         assert compat.for_llama_cpp_python("0.2.83") == compat.profile_2024()
-    with pytest.warns(compat.CompatWarning):
-        assert compat.for_llama_cpp_python("0.2.82").compat == "2025-07"
+    with pytest.warns(compat.CompatWarning, match="version 6"):  # replayed by the legacy-0.2.82-* goldens
+        assert compat.for_llama_cpp_python("0.2.82") == compat.profile_2024()
+    with pytest.warns(compat.CompatWarning, match="version 5"):  # replayed by the legacy-0.2.67-* goldens
+        assert compat.for_llama_cpp_python("0.2.67") == compat.profile_2024()
+    with pytest.warns(compat.CompatWarning, match="no golden checks it"):  # session v6 from 0.2.68, not replayed
+        assert compat.for_llama_cpp_python("0.2.68") == compat.profile_2024()
+    with pytest.warns(compat.CompatWarning, match="older than 0.3.12"):  # session v4: not read
+        assert compat.for_llama_cpp_python("0.2.57").compat == "2025-07"
     # 0.2.84 .. 0.2.90 (session v8, read for their state files): 2025-07 with the 2024 sequence saves
     with pytest.warns(compat.CompatWarning, match="kv_seq_save_ids=False"):
         p = compat.for_llama_cpp_python("0.2.90")

@@ -206,18 +206,18 @@ def test_negative_controls() -> None:
     cid = CASES[0]
     op = next(op for _, op in _saves(cid) if op["kind"] == "session")
     raw = bytearray(_path(cid, op).read_bytes())
-    # version 7 (llama.cpp before July 2024) is another layout, which needs the model (test_legacy_v7.py); older
-    # versions are refused on their version
-    v7 = bytes(raw[:4]) + struct.pack("<I", 7) + bytes(raw[8:])
+    # versions 7 .. 5 (llama.cpp before July 2024) are another layout, which needs the model (test_legacy_v7.py);
+    # older versions are refused on their version
+    for v in (7, 6, 5):
+        with pytest.raises(FormatError) as e:
+            state.load(bytes(raw[:4]) + struct.pack("<I", v) + bytes(raw[8:]))
+        assert e.value.field == "version"
+        assert f"session file of version {v}" in str(e.value) and "needs the model" in str(e.value)
+    v4 = bytes(raw[:4]) + struct.pack("<I", 4) + bytes(raw[8:])
     with pytest.raises(FormatError) as e:
-        state.load(v7)
+        state.load(v4)
     assert e.value.field == "version"
-    assert "session file of version 7" in str(e.value) and "needs the model" in str(e.value)
-    v6 = bytes(raw[:4]) + struct.pack("<I", 6) + bytes(raw[8:])
-    with pytest.raises(FormatError) as e:
-        state.load(v6)
-    assert e.value.field == "version"
-    assert "older than kvref reads (7, given the model: llama-cpp-python 0.2.83)" in str(e.value)
+    assert "older than kvref reads (5, given the model: llama-cpp-python 0.2.67)" in str(e.value)
     # the same bytes called version 9 do not parse: the rng string is no output block
     with pytest.raises(FormatError):
         state.load(bytes(raw[:4]) + struct.pack("<I", 9) + bytes(raw[8:]))

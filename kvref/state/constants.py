@@ -84,6 +84,12 @@ FIELDS = (
     "s_data",
     "io_magic",
     "io_seq_id",
+    # sessions of version 5 .. 7 and sequence files of version 1 (kvref.state.legacy)
+    "hparams",
+    "rng_size",
+    "kv_buf_size",
+    "kv_head",
+    "size_t_size",
     "layout",
     "trailing",
 )

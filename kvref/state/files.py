@@ -34,13 +34,12 @@ from .dsl import I32, U32, U64, Array, Env, Field, Param, Record, Str, Struct, W
 from .legacy import (
     RNG,
     SEQ_VERSION_RAW_KV,
-    SESSION_VERSION_RAW_KV,
     RawKV,
     RawSeq,
+    read_raw_kv,
     read_seq_v1,
-    read_v7,
+    write_raw_kv,
     write_seq_v1,
-    write_v7,
 )
 from .sections import MEMORY, MemorySections
 
@@ -170,7 +169,7 @@ class SeqStateBlob(StateObject):
 
 @dataclass(eq=False)
 class LegacySessionFile(SessionFile):
-    """A session file of version 7 (`kvref.state.legacy`): written back as read, its KV section from ``raw_kv``
+    """A session file of version 5, 6 or 7 (`kvref.state.legacy`): written back as read, its KV section from ``raw_kv``
     (``memory`` is what a later llama.cpp writes for the same cache); `kvref.eras.to_era` upgrades it."""
 
     hparams_raw: bytes = b""  # the writer's struct llama_hparams, as written
@@ -178,19 +177,19 @@ class LegacySessionFile(SessionFile):
 
     def write_to(self, f: BinaryIO) -> int:
         w = Writer(f)
-        write_v7(self, w)
+        write_raw_kv(self, w)
         return w.n
 
 
 @dataclass(eq=False)
 class LegacyStateBlob(StateBlob):
-    """A state blob of the llama.cpp of session version 7 (llama_copy_state_data); see `LegacySessionFile`."""
+    """A state blob of the llama.cpp of session versions 5 .. 7 (llama_copy_state_data); see `LegacySessionFile`."""
 
     raw_kv: RawKV | None = None
 
     def write_to(self, f: BinaryIO) -> int:
         w = Writer(f)
-        write_v7(self, w)
+        write_raw_kv(self, w)
         return w.n
 
 
@@ -222,7 +221,8 @@ class LegacySeqStateBlob(SeqStateBlob):
 
 
 def read_legacy_seq(buf: memoryview, kind: str) -> LegacySeqFile | LegacySeqStateBlob:
-    """A sequence file ("seq") or blob ("seq_state") of version 1 (llama-cpp-python 0.2.83). Raises FormatError."""
+    """A sequence file ("seq") or blob ("seq_state") of version 1 (llama-cpp-python 0.2.62 .. 0.2.83). Raises
+    FormatError."""
     tokens, raw, memory = read_seq_v1(buf, kind)
     if tokens is not None:
         return LegacySeqFile(version=SEQ_VERSION_RAW_KV, tokens=tokens, memory=memory, raw_seq=raw)
@@ -230,13 +230,14 @@ def read_legacy_seq(buf: memoryview, kind: str) -> LegacySeqFile | LegacySeqStat
 
 
 def read_legacy(buf: memoryview, kind: str, model: object) -> LegacySessionFile | LegacyStateBlob:
-    """A session file of version 7 ("session") or a state blob of its llama.cpp ("state"), read given ``model``
-    (`kvref.state.legacy.read_v7`)."""
-    p = read_v7(buf, kind, model)
+    """A session file of version 5 .. 7 ("session") or a state blob of their llama.cpp ("state"), read given
+    ``model`` (`kvref.state.legacy.read_raw_kv`)."""
+    p = read_raw_kv(buf, kind, model)
     outputs = Outputs(p.output_pos, p.logits, p.embd)
     if p.kind == "session":
+        assert p.version is not None  # a session file's, 5 .. 7
         return LegacySessionFile(
-            version=SESSION_VERSION_RAW_KV, tokens=p.tokens, arch=p.arch, outputs=outputs, memory=p.memory,
+            version=p.version, tokens=p.tokens, arch=p.arch, outputs=outputs, memory=p.memory,
             rng=p.rng, hparams_raw=p.hparams, raw_kv=p.raw,
         )  # fmt: skip
     return LegacyStateBlob(arch=p.arch, outputs=outputs, memory=p.memory, rng=p.rng, raw_kv=p.raw)
@@ -267,8 +268,8 @@ def _context_fields() -> tuple[Field[SessionFile | StateBlob], ...]:
 SESSION = Struct(
     SessionFile,
     U32("magic", check=_check_magic(Magic.SESSION)),
-    # version 7 is read before this layout is tried (`read_legacy`)
-    U32("version", check=_check_version(SESSION_VERSIONS, "7, given the model: llama-cpp-python 0.2.83")),
+    # versions 5 .. 7 are read before this layout is tried (`read_legacy`)
+    U32("version", check=_check_version(SESSION_VERSIONS, "5, given the model: llama-cpp-python 0.2.67")),
     Array("tokens", np.int32, U32("n_token_count")),
     *_context_fields(),
 )
@@ -277,7 +278,7 @@ SEQ = Struct(
     SeqFile,
     U32("magic", check=_check_magic(Magic.STATE_SEQ)),
     # version 1 is read before this layout is tried (`read_legacy_seq`)
-    U32("version", check=_check_version(SEQ_VERSIONS, "1: llama-cpp-python 0.2.83")),
+    U32("version", check=_check_version(SEQ_VERSIONS, "1: llama-cpp-python 0.2.62 .. 0.2.83")),
     Array("tokens", np.int32, U32("n_token_count")),
     MEMORY,
 )

@@ -17,24 +17,34 @@ recurrent section of 0.3.12.
 version, carries it when the bytes after the arch string are such a string (nothing else llama.cpp writes
 there can be: an output count or a stream count followed by at least 1,249 digits and spaces).
 
-Session version 7 (llama.cpp before PR #8699; llama-cpp-python 0.2.83, read in its vendored sources) is another
-format, read and written by `read_v7` / `write_v7`::
+Session versions 7, 6 and 5 (llama.cpp before PR #8699: llama-cpp-python 0.2.83, 0.2.68 .. 0.2.82 and 0.2.58 ..
+0.2.67, read in the vendored sources of 0.2.83, 0.2.82 and 0.2.67 and checked on their goldens) are another format,
+read and written by `read_raw_kv` / `write_raw_kv`::
 
-    session file (v7) = u32 magic, u32 version, hparams (the writer's struct llama_hparams, raw), u32 n_tokens,
-                        i32 tokens[], context state (v7)
-    context state (v7) = u64 rng_size, rng, u64 n_outputs, i32 output_pos[], u64 logits_size, f32 logits[],
-                         u64 embd_size, f32 embd[], raw KV
-    raw KV             = u64 kv_buf_size, u32 kv_head, u32 kv_size, u32 kv_used, u32 v_trans,
-                         [per layer: K of cells [0, kv_head), V likewise (n_embd_v rows of kv_head elements
-                         when v_trans)], per cell of [0, kv_head): i32 pos, u64 n_seq_id, i32 seq_id[]
+    session file (v5 .. v7) = u32 magic, u32 version, hparams (the writer's struct llama_hparams, raw),
+                              u32 n_tokens, i32 tokens[], context state
+    context state           = u64 rng_size, rng, u64 n_outputs, i32 output_pos[], u64 logits_size, f32 logits[],
+                              u64 embd_size, f32 embd[], raw KV
+    raw KV                  = u64 kv_buf_size, u32 kv_head, u32 kv_size, u32 kv_used, u32 v_trans (not in v5),
+                              [per layer: K of cells [0, kv_head), V likewise (n_embd_v rows of kv_head elements
+                              when v_trans, always in v5)], per cell of [0, kv_head): i32 pos, u64 n_seq_id,
+                              i32 seq_id[]
+
+Versions 6 and 7 write the same context state: llama.cpp bumped the version when LLAMA_MAX_LAYERS went from 256 to
+512, which doubled the three per-layer arrays of struct llama_hparams (3236 bytes in 0.2.82, 6308 in 0.2.83).
+Version 5 is version 6 without ``v_trans`` (flash attention's row-wise V came with 6); its hparams struct (120 bytes
+in 0.2.67) has no per-layer arrays and puts n_head, n_head_kv before n_layer. The struct also changed between
+releases of one version (0.2.70, version 6, still has 0.2.67's; 0.2.78's is like neither), so a session is read only
+when its hparams have the size kvref read for its version (`RAW_KV_VERSIONS`), checked by the rng string that must
+follow the token list. Version 4 (0.2.57 and older) has no output ids (``n_outputs``) and is not read.
 
 The KV rows carry no layer count, type or row size: their widths are the model's (``n_embd_k_gqa(il)``, plus the
 conv / SSM state widths of a recurrent model) and their types the context's, so reading one needs the model
 (`HParams`); the types follow from ``kv_buf_size`` (bytes per cell). A state blob of the era
-(llama_copy_state_data) is the context state alone. The hparams struct's size and layout are the writing build's:
-kvref keeps it as bytes (6308 in 0.2.83: other builds' sizes are not known) and checks its leading
-``n_vocab``, ``n_embd``, ``n_layer`` against the model's. The sequence files of that llama.cpp (version 1) and its
-sequence blobs name their layer types and row sizes, so `read_seq_v1` needs no model (layout at its definition).
+(llama_copy_state_data) is the context state alone: one without the v_trans field is version 5's. kvref keeps the
+hparams as bytes and checks their ``n_vocab``, ``n_embd``, ``n_layer`` against the model's. The sequence files of that
+llama.cpp (version 1, from 0.2.62) and its sequence blobs name their layer types and row sizes, so `read_seq_v1`
+needs no model (layout at its definition).
 """
 
 from __future__ import annotations
@@ -151,13 +161,41 @@ class RngField(Field[object]):
 RNG = RngField()
 
 
-# --- session version 7 (see the module docstring) ----------------------------------------------------------------
+# --- session versions 5 .. 7 (see the module docstring) ----------------------------------------------------------
 
-SESSION_VERSION_RAW_KV = 7  # the oldest version kvref reads, given the model
+
+@dataclass(frozen=True)
+class RawKVVersion:
+    """What tells the session versions of the raw-KV layout apart (see the module docstring)."""
+
+    version: int
+    first: str  # the llama-cpp-python releases that vendor it (read in their llama.h)
+    last: str  # the release whose sources and goldens kvref read
+    # sizeof(struct llama_hparams) (x86-64) in ``last``: other releases' structs may differ in size (a file of theirs
+    # fails on the rng string after its token list, with an error saying so)
+    hparams_size: int
+    n_layer_at: int  # the file offset of the struct's n_layer (n_vocab is at 12 and n_embd at 20 in all three)
+    v_trans_field: bool  # a u32 v_trans after kv_used (version 5 has none: its V is always transposed)
+
+    @property
+    def releases(self) -> str:
+        return self.first if self.first == self.last else f"{self.first} .. {self.last}"
+
+
+RAW_KV_VERSIONS = {
+    x.version: x
+    for x in (
+        # 0.2.67's struct: no per-layer arrays, n_head and n_head_kv before n_layer
+        RawKVVersion(5, "0.2.58", "0.2.67", 120, 32, False),
+        # 0.2.83's struct with LLAMA_MAX_LAYERS 256: its three per-layer arrays of u32 are half as long
+        RawKVVersion(6, "0.2.68", "0.2.82", 3236, 24, True),
+        RawKVVersion(7, "0.2.83", "0.2.83", 6308, 24, True),
+    )
+}
+SESSION_VERSION_RAW_KV = 7  # the newest version of the raw-KV layout
+SESSION_VERSIONS_RAW_KV = tuple(RAW_KV_VERSIONS)  # the versions of it kvref reads, given the model (oldest first)
+HPARAMS_SIZES = {v: x.hparams_size for v, x in RAW_KV_VERSIONS.items()}
 SEQ_VERSION_RAW_KV = 1  # the sequence-file version of the same llama.cpp (`read_seq_v1`)
-# sizeof(struct llama_hparams) in llama-cpp-python 0.2.83 (x86-64); other releases of the era may differ (their
-# sources were not read: a file of theirs fails on the rng string after its token list)
-HPARAMS_SIZE_0_2_83 = 6308
 _U32 = struct.Struct("<I")
 _U64 = struct.Struct("<Q")
 
@@ -171,7 +209,7 @@ def _u64(buf: memoryview, at: int) -> int | None:
 
 
 def rng64_at(buf: memoryview, at: int) -> bool:
-    """Whether a v7 rng string (a ``u64`` length, then a std::mt19937 state) starts at ``at``."""
+    """Whether a v5 .. v7 rng string (a ``u64`` length, then a std::mt19937 state) starts at ``at``."""
     n = _u64(buf, at)
     if n is None or not _RNG_MIN <= n <= _RNG_MAX or at + 8 + n > len(buf):
         return False
@@ -179,11 +217,11 @@ def rng64_at(buf: memoryview, at: int) -> bool:
     return _RNG_CHARS.issuperset(body) and check_rng(body.decode("ascii")) is None
 
 
-def v7_kind(buf: memoryview, kind: str) -> str | None:
-    """ "session" for a session file of version 7, "state" for a state blob of its llama.cpp (it starts with the
-    rng string), else None. ``kind``: what the caller asked for ("auto" or a kind)."""
+def raw_kv_kind(buf: memoryview, kind: str) -> str | None:
+    """ "session" for a session file of version 5 .. 7, "state" for a state blob of their llama.cpp (it starts with
+    the rng string), else None. ``kind``: what the caller asked for ("auto" or a kind)."""
     if kind in ("auto", "session") and _u32(buf, 0) == 0x6767736E:
-        return "session" if _u32(buf, 4) == SESSION_VERSION_RAW_KV else None
+        return "session" if _u32(buf, 4) in SESSION_VERSIONS_RAW_KV else None
     if kind in ("auto", "state") and rng64_at(buf, 0):
         return "state"
     return None
@@ -191,16 +229,17 @@ def v7_kind(buf: memoryview, kind: str) -> str | None:
 
 @dataclass(eq=False)
 class RawKV(Record):
-    """The KV part of a v7 context state as written: cells [0, kv_head) of the one cache, every layer's rows."""
+    """The KV part of a v5 .. v7 context state as written: cells [0, kv_head) of the one cache, every layer's rows."""
 
     kv_buf_size: int
     kv_head: int
     kv_size: int
     kv_used: int
-    v_trans: int
+    v_trans: int  # 1 without the field (version 5)
     cells: Cells  # every cell of [0, kv_head), the empty ones (no seq id) included
     k: list[LayerRows]  # (kv_head, row_size) per layer; empty when kv_buf_size is 0
     v: list[LayerRows | TransposedRows]
+    v_trans_field: bool = True  # False: written by the llama.cpp of version 5
 
 
 def _model(model: object) -> HParams:
@@ -215,10 +254,15 @@ def _model(model: object) -> HParams:
 
 
 def needs_model(version: int | None, kind: str) -> FormatError:
-    """The error for a v7 state read without the model."""
-    what = f"a session file of version {version}" if kind == "session" else "a state blob of session version 7"
+    """The error for a v5 .. v7 state read without the model (``version``: a session file's)."""
+    if kind == "session" and version in RAW_KV_VERSIONS:
+        what, releases = f"a session file of version {version}", RAW_KV_VERSIONS[version].releases
+    else:  # a blob names no version (5 has no v_trans field; 6 and 7 write the same context state)
+        what = "a state blob of session version 5, 6 or 7"
+        releases = f"{RAW_KV_VERSIONS[5].first} .. {RAW_KV_VERSIONS[SESSION_VERSION_RAW_KV].last}"
     return FormatError(
-        f"this is {what} (llama.cpp before July 2024, llama-cpp-python 0.2.83): its KV section is raw K/V bytes "
+        f"this is {what} (llama.cpp before July 2024, llama-cpp-python {releases}): its KV section is "
+        "raw K/V bytes "
         "without layer types or row sizes, so reading it needs the model: pass model= (a GGUF path or HParams) "
         "to kvref.state.load, or --model M.gguf on the command line",
         field="version" if kind == "session" else "rng",
@@ -258,9 +302,9 @@ def kv_types(per_cell: int, widths: list[tuple[int, int]], v_trans: bool) -> lis
     return sorted(out, key=lambda p: (p[0] != p[1], p != (1, 1), p))
 
 
-def _check_model(buf: memoryview, hp: HParams) -> None:
-    """The hparams a v7 session was written with must be the model's (n_vocab, n_embd, n_layer)."""
-    got = {"n_vocab": _u32(buf, 12), "n_embd": _u32(buf, 20), "n_layer": _u32(buf, 24)}
+def _check_model(buf: memoryview, hp: HParams, v: RawKVVersion) -> None:
+    """The hparams a v5 .. v7 session was written with must be the model's (n_vocab, n_embd, n_layer)."""
+    got = {"n_vocab": _u32(buf, 12), "n_embd": _u32(buf, 20), "n_layer": _u32(buf, v.n_layer_at)}
     want = {"n_vocab": hp.n_vocab, "n_embd": hp.n_embd, "n_layer": hp.n_layer}
     if got != want:
         bad = ", ".join(f"{k} {got[k]} (model: {want[k]})" for k in got if got[k] != want[k])
@@ -268,10 +312,11 @@ def _check_model(buf: memoryview, hp: HParams) -> None:
 
 
 @dataclass(eq=False)
-class V7Parts:
-    """What `read_v7` read, for `kvref.state.files.read_legacy` to build its object from."""
+class RawKVParts:
+    """What `read_raw_kv` read, for `kvref.state.files.read_legacy` to build its object from."""
 
     kind: str
+    version: int | None  # a session file's (5 .. 7); None for a state blob
     arch: str
     hparams: bytes  # empty for a state blob
     tokens: npt.NDArray[np.int32]
@@ -283,16 +328,17 @@ class V7Parts:
     memory: MemorySections
 
 
-def read_v7(buf: memoryview, kind: str, model: object) -> V7Parts:
-    """The parts of a v7 session file or state blob, read with ``model`` (see the module docstring). Raises
+def read_raw_kv(buf: memoryview, kind: str, model: object) -> RawKVParts:
+    """The parts of a v5 .. v7 session file or state blob, read with ``model`` (see the module docstring). Raises
     FormatError."""
+    version = _u32(buf, 4) if kind == "session" else None
     if model is None:
-        raise needs_model(_u32(buf, 4) if kind == "session" else None, kind)
+        raise needs_model(version, kind)
     hp = _model(model)
     if hp.memory_kind() != "kv":
         raise FormatError(
-            f"kvref reads session version 7 of attention models with one KV cache; a {hp.arch} model's memory is "
-            f"{hp.memory_kind()!r} (its 2024 layout in K and V was not checked against a golden)",
+            f"kvref reads session versions 5 .. 7 of attention models with one KV cache; a {hp.arch} model's memory "
+            f"is {hp.memory_kind()!r} (its 2024 layout in K and V was not checked against a golden)",
             field="version" if kind == "session" else "rng",
             offset=4 if kind == "session" else 0,
         )
@@ -300,18 +346,38 @@ def read_v7(buf: memoryview, kind: str, model: object) -> V7Parts:
     hparams = b""
     tokens = np.zeros(0, np.int32)
     if kind == "session":
+        assert version is not None
+        v = RAW_KV_VERSIONS[version]
         r.pos = 8
-        hparams = bytes(r.take(HPARAMS_SIZE_0_2_83, "hparams"))
-        _check_model(buf, hp)
+        hparams = bytes(r.take(v.hparams_size, "hparams"))
+        _check_model(buf, hp, v)
         n = r.u32("n_token_count")
         tokens = r.array(np.dtype(np.int32), n, "tokens", "n_token_count")
         if not rng64_at(buf, r.pos):
+            # the hparams struct is written raw and its size is the writing build's: another size shifts the rest
             raise FormatError(
                 "no rng string after the token list: damaged, or written by a build whose struct llama_hparams is "
-                f"not {HPARAMS_SIZE_0_2_83} bytes (llama-cpp-python 0.2.83's, the one kvref read)",
+                f"not {v.hparams_size} bytes (llama-cpp-python {v.last}'s, the one kvref read for version {version})",
                 field="rng_size",
                 offset=r.pos,
             )
+        return _read_context(r, kind, version, hparams, tokens, hp, v.v_trans_field)
+    # a blob names no version: the bytes tell (`_read_kv_rows`), and where a version-5 blob's first K bytes read as a
+    # v_trans of 0 or 1, the reading without the field follows the one with it; the first one's error is raised
+    try:
+        return _read_context(r, kind, version, hparams, tokens, hp, None)
+    except FormatError as e:
+        try:
+            return _read_context(Reader(buf), kind, version, hparams, tokens, hp, False)
+        except FormatError:
+            raise e from None
+
+
+def _read_context(
+    r: Reader, kind: str, version: int | None, hparams: bytes, tokens: npt.NDArray[np.int32], hp: HParams,
+    v_trans_field: bool | None,
+) -> RawKVParts:  # fmt: skip
+    buf = r.buf
     at = r.pos
     rng = bytes(r.take(r.u64("rng_size"), "rng")).decode("latin-1")
     msg = check_rng(rng)
@@ -321,17 +387,22 @@ def read_v7(buf: memoryview, kind: str, model: object) -> V7Parts:
     output_pos = r.array(np.dtype(np.int32), n_out, "output_pos", "n_outputs")
     logits = r.array(np.dtype(np.float32), r.u64("logits_size"), "logits", "logits_size")
     embd = r.array(np.dtype(np.float32), r.u64("embd_size"), "embeddings", "embd_size")
-    raw = _read_raw_kv(r, hp)
+    raw = _read_kv_rows(r, hp, v_trans_field)
     if r.pos != len(buf):
         raise FormatError(f"{len(buf) - r.pos} trailing bytes after the last KV cell", field="trailing", offset=r.pos)
-    return V7Parts(kind, hp.arch, hparams, tokens, rng, output_pos, logits, embd, raw, modern_memory(raw))
+    return RawKVParts(kind, version, hp.arch, hparams, tokens, rng, output_pos, logits, embd, raw, modern_memory(raw))
 
 
-def _read_raw_kv(r: Reader, hp: HParams) -> RawKV:
+def _read_kv_rows(r: Reader, hp: HParams, v_trans_field: bool | None) -> RawKV:
+    """``v_trans_field`` None: by the bytes, a u32 above 1 after kv_used being K data of version 5 (no field)."""
     at = r.pos
     kv_buf_size = r.u64("kv_buf_size")
     head_at = r.pos
-    kv_head, kv_size, kv_used, v_trans = (r.u32(f) for f in ("kv_head", "kv_size", "kv_used", "v_trans"))
+    kv_head, kv_size, kv_used = (r.u32(f) for f in ("kv_head", "kv_size", "kv_used"))
+    if v_trans_field is None:
+        peek = _u32(r.buf[: r.end], r.pos)
+        v_trans_field = peek is not None and peek <= 1
+    v_trans = r.u32("v_trans") if v_trans_field else 1
     if kv_head > kv_size:
         raise FormatError(f"kv_head {kv_head} exceeds kv_size {kv_size}", field="kv_head", offset=head_at)
     if v_trans > 1:
@@ -386,7 +457,7 @@ def _read_raw_kv(r: Reader, hp: HParams) -> RawKV:
         ids.extend(int(x) for x in r.array(np.dtype(np.int32), n, "seq_id", "n_seq_id"))
         start[i + 1] = len(ids)
     cells = Cells(pos, np.asarray(ids, np.int32), start)
-    return RawKV(kv_buf_size, kv_head, kv_size, kv_used, v_trans, cells, ks, vs)
+    return RawKV(kv_buf_size, kv_head, kv_size, kv_used, v_trans, cells, ks, vs, v_trans_field)
 
 
 def modern_memory(raw: RawKV) -> MemorySections:
@@ -541,13 +612,19 @@ def write_seq_v1(raw: RawSeq, tokens: npt.NDArray[np.int32] | None, w: Writer) -
         w.array(x.data, "rows")
 
 
-def write_v7(obj: LegacySessionFile | LegacyStateBlob, w: Writer) -> None:
-    """The v7 bytes of ``obj``: its header, tokens, rng and outputs, and its KV section as read (``raw_kv``)."""
+def write_raw_kv(obj: LegacySessionFile | LegacyStateBlob, w: Writer) -> None:
+    """The v5 .. v7 bytes of ``obj``: its header, tokens, rng and outputs, and its KV section as read (``raw_kv``)."""
     raw = obj.raw_kv
     if raw is None or obj.rng is None or obj.outputs is None:
-        raise FormatError("a session version 7 state is written back only as read (raw KV, rng, outputs)",
+        raise FormatError("a session version 5 .. 7 state is written back only as read (raw KV, rng, outputs)",
                           field="version", offset=w.n)  # fmt: skip
     if obj.kind == "session":
+        version, hparams = getattr(obj, "version", None), getattr(obj, "hparams_raw", b"")
+        ver = RAW_KV_VERSIONS.get(version)  # type: ignore[arg-type]
+        # what `read_raw_kv` reads back: the hparams size and v_trans field of the version
+        if ver is None or len(hparams) != ver.hparams_size or raw.v_trans_field != ver.v_trans_field:
+            raise FormatError(f"session version {version} with a {len(hparams)}-byte hparams struct: kvref writes "
+                              "versions 5 .. 7 back only as read", field="hparams", offset=w.n + 8)  # fmt: skip
         w.u32(obj.magic, "magic")  # type: ignore[union-attr]
         w.u32(obj.version, "version")  # type: ignore[union-attr]
         w.raw(obj.hparams_raw)  # type: ignore[union-attr]
@@ -564,7 +641,7 @@ def write_v7(obj: LegacySessionFile | LegacyStateBlob, w: Writer) -> None:
     w.u64(len(o.embeddings), "embd_size")
     w.array(np.asarray(o.embeddings, np.float32), "embeddings")
     w.u64(raw.kv_buf_size, "kv_buf_size")
-    for name in ("kv_head", "kv_size", "kv_used", "v_trans"):
+    for name in ("kv_head", "kv_size", "kv_used", "v_trans")[: 4 if raw.v_trans_field else 3]:
         w.u32(getattr(raw, name), name)
     for k, v in zip(raw.k, raw.v, strict=True):
         w.array(k.data, "k")
@@ -579,26 +656,29 @@ def write_v7(obj: LegacySessionFile | LegacyStateBlob, w: Writer) -> None:
 
 
 __all__ = [
-    "HPARAMS_SIZE_0_2_83",
+    "HPARAMS_SIZES",
+    "RAW_KV_VERSIONS",
     "RNG",
+    "SESSION_VERSIONS_RAW_KV",
     "SESSION_VERSION_RAW_KV",
     "SESSION_VERSION_RNG",
     "RawKV",
+    "RawKVParts",
+    "RawKVVersion",
     "RawSeq",
     "RngField",
-    "V7Parts",
     "check_rng",
     "kv_types",
     "modern_memory",
     "needs_model",
+    "raw_kv_kind",
+    "read_raw_kv",
     "read_seq_v1",
-    "read_v7",
     "rng64_at",
     "rng_length_at",
     "rng_present",
     "rng_text",
     "seq_v1_kind",
-    "v7_kind",
+    "write_raw_kv",
     "write_seq_v1",
-    "write_v7",
 ]

@@ -40,7 +40,7 @@ from .files import (
     read_legacy,
     read_legacy_seq,
 )
-from .legacy import rng_present, seq_v1_kind, v7_kind
+from .legacy import raw_kv_kind, rng_present, seq_v1_kind
 from .sections import (
     _KNOWN_TYPES,
     KV_DATA,
@@ -88,7 +88,7 @@ class LoadOptions(TypedDict, total=False):
     ple: bool
     n_state_layers: int | None
     seq_header: bool | None
-    model: object  # a GGUF path or HParams: what a session of version 7 needs to be read (`files.read_legacy`)
+    model: object  # a GGUF path or HParams: what a session of version 5 .. 7 needs to be read (`files.read_legacy`)
 
 
 class Options(TypedDict):
@@ -841,7 +841,7 @@ def load(
     the bytes cannot tell (cell ext size 0/8/12, the pre-#14363 KV section without ``n_stream``, MLA caches
     without V, the v9 output block, PLE rows in recurrent layers, how many layers carry recurrent state, the
     io_magic prefix of sequence blobs); any left as None is inferred. ``model`` (a GGUF path or
-    `kvref.hparams.HParams`) is needed by session version 7 only (`kvref.state.legacy`). Raises FormatError.
+    `kvref.hparams.HParams`) is needed by session versions 5 .. 7 only (`kvref.state.legacy`). Raises FormatError.
     """
     if kind != "auto" and kind not in KINDS:
         raise ArgumentError(f"kind must be 'auto' or one of {KINDS}, not {kind!r}")
@@ -850,7 +850,7 @@ def load(
     if ext_size is not None and ext_size not in (0, 8, 12):
         raise ArgumentError(f"ext_size must be 0, 8 or 12, not {ext_size!r}")
     buf = _open(src)
-    old = v7_kind(buf, kind)
+    old = raw_kv_kind(buf, kind)
     if old is not None:  # llama.cpp before July 2024: another format, read with the model's layer widths
         return read_legacy(buf, old, model)
     old = seq_v1_kind(buf, kind)
