@@ -145,6 +145,16 @@ cdef inline elem_t _alibi_value(elem_t dummy, int64_t d) noexcept nogil:
         return <uint16_t>(0x8000 | _half_of_int(<uint64_t>(-f)))
 
 
+cdef inline elem_t _neg_inf(elem_t* out) noexcept nogil:
+    """-inf as the bit pattern of the output's element type (``out`` only picks the type)."""
+    cdef elem_t v
+    if elem_t is uint32_t:
+        v = <uint32_t>0xFF800000u
+    else:
+        v = 0xFC00
+    return v
+
+
 cdef inline void _fill(elem_t* row, int64_t n, elem_t v) noexcept nogil:
     if elem_t is uint32_t:
         kvref_fill32(row, v, <size_t>n)
@@ -271,11 +281,7 @@ cdef int _cell_pass(elem_t* out, const KQArgs* a, const int32_t* pos, const uint
     Keys are appended in cell order, so cells laid out by position need no sort. Returns 0 when out of
     memory.
     """
-    cdef elem_t DROP
-    if elem_t is uint32_t:
-        DROP = <uint32_t>0xFF800000u
-    else:
-        DROP = 0xFC00
+    cdef elem_t DROP = _neg_inf(out)
     cdef int64_t n_kv = a.n_kv
     cdef int64_t j, cap, i, j0, j1, blk
     cdef int w, k, s, n_words = 0, n_listed = 0, n_all = 0
@@ -472,11 +478,7 @@ cdef void _kq_rows(elem_t* out, const KQArgs* a, const Members* mem, const int32
                    const int32_t** cext, const int32_t* seq_stream, const int64_t* pos_min) noexcept nogil:
     # the rows from the key lists (the one-token rows too, unless the cell pass wrote them: direct_written)
     cdef elem_t KEEP = 0
-    cdef elem_t DROP
-    if elem_t is uint32_t:
-        DROP = <uint32_t>0xFF800000u
-    else:
-        DROP = 0xFC00
+    cdef elem_t DROP = _neg_inf(out)
     cdef int64_t n_kv = a.n_kv
     cdef int64_t last_row[MAX_SEQ]
     cdef int64_t prev_a[MAX_SEQ]
@@ -589,11 +591,7 @@ cdef int _kq_mask(elem_t* out, const KQArgs* a, int n_cstream, const int32_t** c
     The rows of one-token sequences are filled with -inf and written during the pass, unless rows that far
     apart share cache sets (a row of a multiple of 64 KiB: many rows written column by column then evict each
     other); then their attended cells are listed and written row by row like the others."""
-    cdef elem_t DROP
-    if elem_t is uint32_t:
-        DROP = <uint32_t>0xFF800000u
-    else:
-        DROP = 0xFC00
+    cdef elem_t DROP = _neg_inf(out)
     cdef Direct d[MAX_SEQ]
     cdef uint64_t direct[MAX_STREAMS * N_WORDS]
     cdef uint64_t listed[MAX_STREAMS * N_WORDS]

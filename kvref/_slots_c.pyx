@@ -149,6 +149,12 @@ cdef inline void _set_cells(Cells* c, const int32_t* pos, const uint64_t* seq, i
             c.pos_max[k] = UNKNOWN
 
 
+cdef inline int64_t _search_start(object head, int64_t size, int64_t n_used, int64_t n_tokens) except? -1:
+    """Where find_slot starts: the head (at most the size), or cell 0 when the head lies far past the used cells."""
+    cdef int64_t h = min(head, size)
+    return 0 if h > n_used + 2 * n_tokens else h
+
+
 cdef bint _find_cells_c(Cells* c, int64_t n, int64_t h, int64_t n_tok, bint cont, object seq_pos_max,
                         int64_t* idxs) except -1:
     """find_slot's walk from cell ``h`` over ``n`` cells: the first ``n_tok`` usable cells into ``idxs`` (in a row
@@ -184,9 +190,6 @@ def find_cells(cells, head, n_tokens, cont, n_swa, swa_type):
     ``head`` is the stream's head; ``n_swa`` / ``swa_type`` the cache's window (see the module docstring).
     """
     size = cells.size()
-    head_cur = min(int(head), size)
-    if head_cur > cells.get_used() + 2 * n_tokens:
-        head_cur = 0
     if n_tokens > size:
         return None
     if n_tokens == 0:
@@ -196,7 +199,8 @@ def find_cells(cells, head, n_tokens, cont, n_swa, swa_type):
     _init_cells(&c, cells, n_swa, swa_type, keep)
     cdef cnp.npy_intp dim = n_tokens
     cdef cnp.ndarray out = cnp.PyArray_EMPTY(1, &dim, cnp.NPY_INT64, 0)
-    if _find_cells_c(&c, size, head_cur, n_tokens, bool(cont), cells.seq_pos_max, <int64_t*>cnp.PyArray_DATA(out)):
+    if _find_cells_c(&c, size, _search_start(head, size, cells.get_used(), n_tokens), n_tokens, bool(cont),
+                     cells.seq_pos_max, <int64_t*>cnp.PyArray_DATA(out)):
         return out
     return None
 
@@ -355,38 +359,50 @@ def single_seq_ids(seq_ids, n_tokens, n_seq_max):
     """The one sequence id of every token as int32[n_tokens], the distinct ids ascending and ``seq_idx`` (see
     _slots_py.py)."""
     cdef Py_ssize_t n = n_tokens, i
-    cdef int64_t bound = n_seq_max
-    cdef int overflow = 0
-    cdef long long v
-    cdef list outer, ids
     cdef bint seen[MAX_SEQ]
     cdef int s
     if n <= 0:
         return None
-    if seq_ids is None:
-        return (np.zeros(n, np.int32), [0], _seq_index(seen, 0)) if bound >= 1 else None
-    if type(seq_ids) is not list or len(<list>seq_ids) != n:
-        return None
-    outer = <list>seq_ids
-    if bound > MAX_SEQ:
-        bound = MAX_SEQ
     cdef cnp.ndarray out = np.empty(n, dtype=np.int32)
     cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
+    if not _one_seq_ids(seq_ids, n, n_seq_max, o):
+        return None
+    if seq_ids is None:
+        return out, [0], _seq_index(seen, 0)
     for s in range(MAX_SEQ):
         seen[s] = False
     for i in range(n):
-        item = outer[i]
-        if type(item) is not list:
-            return None
-        ids = <list>item
-        if len(ids) != 1 or type(ids[0]) is not int:
-            return None
-        v = PyLong_AsLongLongAndOverflow(ids[0], &overflow)
-        if overflow or v < 0 or v >= bound:
-            return None
-        o[i] = <int32_t>v
-        seen[v] = True
+        seen[o[i]] = True
     return out, [s for s in range(MAX_SEQ) if seen[s]], _seq_index(seen, -1)
+
+
+cdef bint _one_seq_ids(object seq_ids, Py_ssize_t n, int64_t bound, int32_t* out) except -1:
+    """Each of the ``n`` tokens' one sequence id into ``out`` (0 for every token when ``seq_ids`` is None): False
+    unless every token has one plain ``int`` id in ``[0, min(bound, LLAMA_MAX_SEQ))``."""
+    cdef Py_ssize_t i
+    cdef int overflow = 0
+    cdef long long v
+    cdef list outer
+    if bound > MAX_SEQ:
+        bound = MAX_SEQ
+    if seq_ids is None:
+        if bound < 1:
+            return False
+        for i in range(n):
+            out[i] = 0
+        return True
+    if type(seq_ids) is not list or len(<list>seq_ids) != n:
+        return False
+    outer = <list>seq_ids
+    for i in range(n):
+        item = outer[i]
+        if type(item) is not list or len(<list>item) != 1 or type((<list>item)[0]) is not int:
+            return False
+        v = PyLong_AsLongLongAndOverflow((<list>item)[0], &overflow)
+        if overflow or v < 0 or v >= bound:
+            return False
+        out[i] = <int32_t>v
+    return True
 
 
 cdef cnp.ndarray _seq_index(bint* seen, int only):
@@ -592,37 +608,15 @@ cdef inline bint _int64_vector(object a):
 cdef object _place_single_c(CKVCells cells, object head, cnp.ndarray tokens, object pos, object seq_ids,
                             object n_seq_max, object n_swa, object swa_type):
     cdef cnp.npy_intp n = tokens.shape[0]
-    cdef int64_t bound = n_seq_max
-    cdef int64_t size = cells._n, head_cur
+    cdef int64_t size = cells._n
     cdef int64_t last[MAX_SEQ]
-    cdef int overflow = 0
-    cdef long long v
     cdef Py_ssize_t i
-    cdef list outer
     if n <= 0 or n > size:
         return None
-    if bound > MAX_SEQ:
-        bound = MAX_SEQ
     cdef cnp.ndarray seq = cnp.PyArray_EMPTY(1, &n, cnp.NPY_INT32, 0)
     cdef int32_t* sq = <int32_t*>cnp.PyArray_DATA(seq)
-    # single_seq_ids: one plain int id per token, below the bound
-    if seq_ids is None:
-        if bound < 1:
-            return None
-        for i in range(n):
-            sq[i] = 0
-    else:
-        if type(seq_ids) is not list or len(<list>seq_ids) != n:
-            return None
-        outer = <list>seq_ids
-        for i in range(n):
-            item = outer[i]
-            if type(item) is not list or len(<list>item) != 1 or type((<list>item)[0]) is not int:
-                return None
-            v = PyLong_AsLongLongAndOverflow((<list>item)[0], &overflow)
-            if overflow or v < 0 or v >= bound:
-                return None
-            sq[i] = <int32_t>v
+    if not _one_seq_ids(seq_ids, n, n_seq_max, sq):
+        return None
     for i in range(n):  # the cells' seq_pos_max of each sequence of the batch (the only ones read)
         last[sq[i]] = cells._seq_pos_max_c(sq[i])
     cdef cnp.ndarray p = cnp.PyArray_EMPTY(1, &n, cnp.NPY_INT32, 0)
@@ -635,14 +629,12 @@ cdef object _place_single_c(CKVCells cells, object head, cnp.ndarray tokens, obj
     if not _single_seq_batch_c(tv, pv, sq, n, last, -1, False, <int32_t*>cnp.PyArray_DATA(p)):
         return None
     # find_cells from the head, then place into the (empty or window-freed) cells found
-    head_cur = min(<int64_t>head, size)
-    if head_cur > cells._n_used + 2 * n:
-        head_cur = 0
     cdef Cells c
     _set_cells(&c, cells._pos, cells._seq, _clamp_swa(n_swa), swa_type)
     cdef cnp.ndarray idxs = cnp.PyArray_EMPTY(1, &n, cnp.NPY_INT64, 0)
     cdef int64_t* ix = <int64_t*>cnp.PyArray_DATA(idxs)
-    if not _find_cells_c(&c, size, head_cur, n, False, cells.seq_pos_max if c.swa else None, ix):
+    if not _find_cells_c(&c, size, _search_start(head, size, cells._n_used, n), n, False,
+                         cells.seq_pos_max if c.swa else None, ix):
         return None
     cdef vector[int64_t] buf  # positions, sequences, zeros for x and y: what place writes
     buf.resize(4 * n)

@@ -202,9 +202,8 @@ class Batch:
         if n == 0:
             raise BatchError("n_tokens == 0")  # llama_context::decode rejects empty batches
         if self.pos is not None:
-            pos = _slots.kernels.int32_values(self.pos, 0)  # positions >= 0, checked at C speed
-            self.pos = pos if pos is not None else _int32s(self.pos, "pos")
-            if pos is None and self.pos.size and self.pos.min() < 0:
+            self.pos = _int32s(self.pos, "pos")
+            if self.pos.size and self.pos.min() < 0:
                 # llama.cpp's cells hold positions >= 0 (a negative one asserts in the KV cache and reads as an
                 # empty cell in the recurrent memory): refused before any memory sees it
                 i = int(np.flatnonzero(self.pos < 0)[0])
