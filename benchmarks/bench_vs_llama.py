@@ -5,7 +5,9 @@ g++ (``benchmarks/llama_ref.py`` says exactly what is cut and what is stubbed); 
 API) and llama.cpp alternately, ABBA, on identical cache contents, and reports the ratio of medians
 (kvref / llama.cpp) with both sides' median and p10. The state rows use llama-cpp-python's real
 ``llama_state_*`` functions (the installed ``llama_cpp`` wheel) on ``conformance/models/llama-tiny.gguf``:
-llama.cpp's state read/write go through ggml backend buffers and io objects that are not worth stubbing.
+llama.cpp's state read/write go through ggml backend buffers and io objects that are not worth stubbing. The
+real-model rows (10-11) restore a session of Gemma 3 270M (``KVREF_GEMMA3_GGUF`` or ``~/.cache/kvref-models``) with
+``kvref.restore`` and ``llama_state_load_file``; without the model they are skipped with a note.
 
 When the sdist, a compiler or the wheel is missing the script says so and exits 0: it is not part of CI.
 Under pytest (``pytest benchmarks/bench_vs_llama.py --benchmark-only``) the quick run happens in one test that
@@ -462,12 +464,90 @@ def memory_rows(mem, cases: list[tuple[str, bytes, int]]) -> None:
             print(line, flush=True)
 
 
+# ----------------------------------------------------------------------------------------- real model
+def real_model_rows(n_tok: int, rounds: int) -> None:
+    """Rows 10-11 on Gemma 3 270M (the model CI's live tests fetch; ``KVREF_GEMMA3_GGUF`` or
+    ``~/.cache/kvref-models``): ``HParams.from_gguf``'s time and peak memory, and restoring a session of n_tok tokens
+    that llama.cpp decoded (made once, ~95 s for 30,000 tokens, kept in ~/.cache/kvref-bench) with
+    ``kvref.restore`` against ``llama_state_load_file`` into a context of the same size."""
+    L, why = _llama_cpp()
+    if L is None:
+        NOTES.append(f"rows 10-11 skipped: {why}")
+        return
+    sys.path.insert(0, str(ROOT / "conformance"))
+    import gen_real_kshift as g
+
+    gguf = g.find_model()
+    if gguf is None:
+        NOTES.append(f"rows 10-11 skipped: no {g.MODEL_NAME} (python conformance/gen_real_kshift.py --fetch-only)")
+        return
+    times = []
+    for _ in range(max(rounds, 3)):
+        t = time.perf_counter()
+        hp = kvref.HParams.from_gguf(gguf)
+        times.append(time.perf_counter() - t)
+    tracemalloc.start()  # apart from the timed calls: tracing slows every allocation down
+    kvref.HParams.from_gguf(gguf)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    report("10 HParams.from_gguf(Gemma 3 270M, 262k-token vocab)", times, None,
+           note=f"(kvref only; peak {peak / (1 << 20):.2f} MiB; targets 100 ms, 50 MB)")  # fmt: skip
+    n_ctx = -(-n_tok // 256) * 256 + 256
+    cache = Path.home() / ".cache" / "kvref-bench"
+    path = cache / f"gemma3-270m-{n_tok}tok-llama-cpp-python-{L.__version__}.ggsn"
+    tokens = [int(t) for t in np.random.default_rng(0).integers(1000, 20000, n_tok)]
+    with g.Run(gguf, n_ctx=n_ctx, n_seq_max=1, n_threads=os.cpu_count() or 1) as run:
+        if not path.is_file():
+            print(f"decoding {n_tok} tokens with llama.cpp for the session file {path} (once) ...", flush=True)
+            for i in range(0, n_tok, 512):
+                run.decode(tokens[i : i + 512])
+            cache.mkdir(parents=True, exist_ok=True)
+            arr = (L.llama_token * n_tok)(*tokens)
+            tmp = path.with_suffix(".partial")
+            if not L.llama_state_save_file(run.ctx, str(tmp).encode(), arr, n_tok):
+                raise RuntimeError("llama_state_save_file failed")
+            tmp.replace(path)
+        out = (L.llama_token * n_ctx)()
+        n_out = ctypes.c_size_t(0)
+
+        def ll(_r: int) -> float:
+            t = time.perf_counter()
+            if not L.llama_state_load_file(run.ctx, str(path).encode(), out, n_ctx, ctypes.byref(n_out)):
+                raise RuntimeError("llama_state_load_file failed")
+            return time.perf_counter() - t
+
+        got: list = []
+
+        def kv(_r: int, **how: object) -> float:
+            got.clear()  # the previous memory is freed outside the clock
+            t = time.perf_counter()
+            got.append(kvref.restore(path, **how))
+            return time.perf_counter() - t
+
+        mib = path.stat().st_size / (1 << 20)
+        mem = kvref.restore(path, hparams=hp).memory
+        # 11: the same work as llama.cpp's: the file into a memory that exists (its buffers already touched)
+        ta, tb = abba(rounds, lambda r: kv(r, into=mem), ll)
+        if mem.seq_pos_max(0) != L.llama_memory_seq_pos_max(run.mem, 0) or n_out.value != n_tok:
+            raise AssertionError("kvref and llama.cpp restored different sessions")
+        size = L.llama_state_get_size(run.ctx)
+        ll_state = (ctypes.c_uint8 * size)()
+        L.llama_state_get_data(run.ctx, ll_state, size)
+        if not bytes(ll_state).endswith(mem.state_write()):
+            raise AssertionError("llama.cpp's restored state does not end with kvref's memory section")
+        report(f"11 restore({n_tok}-token session, into=mem) vs state_load_file ({mib:.0f} MB)", ta, tb)
+        ta, tb = abba(rounds, lambda r: kv(r, hparams=hp), ll)
+        report("11b restore(session, hparams): a new memory each call", ta, tb, note="(fresh pages fault in)")
+        ta, tb = abba(rounds, lambda r: kv(r, model=gguf), ll)
+        report("11c restore(session, model=GGUF path)", ta, tb, note="(+ from_gguf each call)")
+
+
 # ----------------------------------------------------------------------------------------- main
 SIZES = {
     "full": dict(big=1 << 20, dec_rounds=41, server=(32768, 64, 448), server_rounds=41, prefill=(8192, 512),
-                 mask_rounds=41, micro_rounds=200, state=(393216, 4), state_rounds=7),
+                 mask_rounds=41, micro_rounds=200, state=(393216, 4), state_rounds=7, real=(30000, 9)),
     "quick": dict(big=1 << 18, dec_rounds=15, server=(8192, 16, 448), server_rounds=15, prefill=(4096, 256),
-                  mask_rounds=15, micro_rounds=60, state=(32768, 4), state_rounds=3),
+                  mask_rounds=15, micro_rounds=60, state=(32768, 4), state_rounds=3, real=(4096, 5)),
 }  # fmt: skip
 
 
@@ -498,6 +578,8 @@ def run(quick: bool) -> int:
     header("state (llama-cpp-python's llama_state_* on llama-tiny.gguf, n_seq_max 4, unified)")
     n_ctx, n_seq_state = cfg["state"]
     state_rows(n_ctx, n_seq_state, cfg["state_rounds"])
+    header("real model (Gemma 3 270M Q4_K_M, llama-cpp-python's llama_state_load_file)")
+    real_model_rows(*cfg["real"])
     for note in NOTES:
         print("note:", note)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s")

@@ -274,7 +274,7 @@ def _type_id(t: Any) -> int:
 class Restored:
     """What `restore` built: ``memory`` (restored), ``state`` (the loaded file), the sequence it went into
     (``seq_id``, -1 for a whole restore), the ``flags`` it was read with, and ``context`` (the ``create_memory``
-    arguments used). Unpacks as ``memory, state``."""
+    arguments used; empty after ``restore(into=...)``). Unpacks as ``memory, state``."""
 
     memory: Any
     state: Any
@@ -321,8 +321,8 @@ def memory_has_ext(mem: Any) -> bool:
 
 
 def restore(
-    source: Any, model: Any = None, *, hparams: HParams | None = None, kind: str = "auto", seq_id: int | None = None,
-    n_ctx: int | None = None, n_seq_max: int | None = None, kv_unified: bool | None = None,
+    source: Any, model: Any = None, *, hparams: HParams | None = None, into: Any = None, kind: str = "auto",
+    seq_id: int | None = None, n_ctx: int | None = None, n_seq_max: int | None = None, kv_unified: bool | None = None,
     flash_attn: bool | str | None = None, type_k: Any = None, type_v: Any = None, swa_full: bool | None = None,
     n_ubatch: int = 512, compat: Profile | str | None = None, **load_options: Any,
 ) -> Restored:  # fmt: skip
@@ -331,7 +331,9 @@ def restore(
     ``source``: a path, the bytes of a blob, or a loaded state object; every layout (kv, iswa, recurrent, hybrid,
     hybrid_iswa) and every era ``kvref.state.load`` reads. ``model`` (GGUF path) or ``hparams`` give the model.
     The context parameters left at None are inferred from the file (`requirements`, `context_for`); ``compat``
-    defaults to the newest era whose layout the file has. A session file or state blob is restored whole; a
+    defaults to the newest era whose layout the file has. ``into``: an existing memory to restore into instead
+    (as ``llama_state_load_file`` loads into a context): its model and context are used as they are, so neither
+    ``model`` nor a context parameter may be given with it. A session file or state blob is restored whole; a
     sequence file or blob into ``seq_id`` (default: the id in the blob's prefix, else 0). The file's sections are
     rewritten into the memory's era layout first when they differ (`kvref.eras.convert_sections`).
     ``load_options`` go to ``kvref.state.load`` (``layout=``, ``ext_size=``, ...).
@@ -343,7 +345,18 @@ def restore(
     from .memory import create_memory
     from .state import section_bytes
 
-    hp = model_hparams(model, hparams)
+    if into is not None:
+        given = dict(model=model, hparams=hparams, n_ctx=n_ctx, n_seq_max=n_seq_max, kv_unified=kv_unified,
+                     flash_attn=flash_attn, type_k=type_k, type_v=type_v, swa_full=swa_full, compat=compat)  # fmt: skip
+        clash = [k for k, v in given.items() if v is not None]
+        if clash:
+            raise KVRefError(
+                f"restore(into=...) uses the memory's own model and context; drop {', '.join(clash)} "
+                "(or drop into= to build a new memory from them)"
+            )
+        if not isinstance(getattr(into, "hparams", None), HParams):
+            raise KVRefError(f"into= takes a kvref memory (create_memory's result), not {type(into).__name__}")
+    hp = into.hparams if into is not None else model_hparams(model, hparams)
     obj, flags = _load(source, hp, kind, dict(load_options))
     req = requirements(obj)
     if req.scope == "sequence":
@@ -355,11 +368,19 @@ def restore(
                 f"a {obj.kind} holds the whole context: it restores into every sequence, not seq_id {seq_id}"
             )
         dest = -1
-    ctx = context_for(
-        req, hp, seq_id=dest, n_ctx=n_ctx, n_seq_max=n_seq_max, kv_unified=kv_unified, flash_attn=flash_attn,
-        type_k=type_k, type_v=type_v, swa_full=swa_full, n_ubatch=n_ubatch, compat=compat,
-    )  # fmt: skip
-    mem: Any = create_memory(hp, **ctx)
+    if into is not None:
+        if req.arch and req.arch != hp.arch:
+            raise ContextMismatch(
+                f"the file was written by a {req.arch!r} model, the memory is of a {hp.arch!r} model", "model"
+            )
+        ctx: dict[str, Any] = {}
+        mem: Any = into
+    else:
+        ctx = context_for(
+            req, hp, seq_id=dest, n_ctx=n_ctx, n_seq_max=n_seq_max, kv_unified=kv_unified, flash_attn=flash_attn,
+            type_k=type_k, type_v=type_v, swa_full=swa_full, n_ubatch=n_ubatch, compat=compat,
+        )  # fmt: skip
+        mem = create_memory(hp, **ctx)
     if mem is None:
         raise KVRefError(f"a {hp.arch!r} model has no memory: there is nothing to restore into")
     sections = convert_sections(obj.memory, era(mem.profile), has_ext=memory_has_ext(mem)).sections

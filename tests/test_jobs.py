@@ -101,6 +101,44 @@ def test_restore_needs_the_model() -> None:
         kvref.restore(G / "llama-f16-single-seq" / "01-session.ggsn")
 
 
+@pytest.mark.parametrize("case_id", ["llama-shared-prefix", "gemma3-iswa", "mamba-seq-cp-rm", "jamba-hybrid"])
+def test_restore_into_an_existing_memory_leaves_it_as_a_new_one(case_id: str) -> None:
+    """``restore(into=mem)`` (llama_state_load_file into a context): a whole restore leaves a memory that held other
+    cells as `restore` leaves the memory it builds; a sequence restore replaces that sequence and keeps the rest."""
+    hp = case_hp(case_id)
+    case = json.loads((G / case_id / "case.json").read_text())
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for file, op in save_ops(case).items():
+            seq = op.get("seq_id") if op["kind"] in ("seq", "seq_data") else None
+            fresh = kvref.restore(G / case_id / file, hparams=hp, seq_id=seq)
+            mem = kvref.create_memory(hp, **fresh.context)
+            other = fresh.context["n_seq_max"] - 1 if seq is not None else 0
+            if seq is None or other != fresh.seq_id:
+                mem.decode(kvref.Batch(tokens=[7, 8, 9], seq_ids=[[other]] * 3))
+            before = mem.seq_pos_max(other)
+            r = kvref.restore(G / case_id / file, into=mem, seq_id=seq)
+            assert r.memory is mem and r.context == {} and r.seq_id == fresh.seq_id
+            assert mem.state_write(r.seq_id, r.flags) == fresh.memory.state_write(r.seq_id, r.flags), file
+            if seq is not None and other != r.seq_id:
+                assert mem.seq_pos_max(other) == before == 2, f"{file}: the other sequence changed"
+
+
+def test_restore_into_refuses_a_model_or_context_and_another_architecture() -> None:
+    hp = kvref.HParams.from_gguf(LLAMA)
+    mem = kvref.create_memory(hp, n_ctx=256)
+    path = G / "llama-f16-single-seq" / "01-session.ggsn"
+    for kw in ({"model": LLAMA}, {"hparams": hp}, {"n_ctx": 256}, {"type_k": "f16"}, {"compat": "2026-10"}):
+        with pytest.raises(kvref.KVRefError, match=f"drop {next(iter(kw))}"):
+            kvref.restore(path, into=mem, **kw)  # type: ignore[arg-type]
+    with pytest.raises(kvref.KVRefError, match="into= takes a kvref memory"):
+        kvref.restore(path, into=hp)
+    mem.decode(kvref.Batch(tokens=[5, 6], seq_ids=[[0]] * 2))
+    with pytest.raises(ContextMismatch, match="'mamba' model") as e:
+        kvref.restore(G / "mamba-seq-cp-rm" / "01-session.ggsn", into=mem)
+    assert e.value.param == "model" and mem.seq_pos_max(0) == 1  # refused before anything changed
+
+
 # ------------------------------------------------------------------------------------------- save
 def _llama_mem(**kw: object) -> object:
     hp = kvref.HParams.from_gguf(LLAMA)
