@@ -540,6 +540,51 @@ def real_model_rows(n_tok: int, rounds: int) -> None:
         report("11b restore(session, hparams): a new memory each call", ta, tb, note="(fresh pages fault in)")
         ta, tb = abba(rounds, lambda r: kv(r, model=gguf), ll)
         report("11c restore(session, model=GGUF path)", ta, tb, note="(+ from_gguf each call)")
+        _save_rows(L, run, mem, path, n_tok, rounds)
+
+
+def _save_rows(L, run, mem, path: Path, n_tok: int, rounds: int) -> None:
+    """Rows 12-13: the restored session saved again (kvref.save_memory vs llama_state_save_file, each replacing its
+    own file of the previous round), and the memory's state into a buffer allocated once."""
+    tokens = [int(t) for t in S.load(path).tokens]
+    arr = (L.llama_token * n_tok)(*tokens)
+    with tempfile.TemporaryDirectory(dir=path.parent) as d:
+        out_kv, out_ll = Path(d) / "kv.ggsn", Path(d) / "ll.ggsn"
+
+        def ll(_r: int) -> float:
+            t = time.perf_counter()
+            if not L.llama_state_save_file(run.ctx, str(out_ll).encode(), arr, n_tok):
+                raise RuntimeError("llama_state_save_file failed")
+            return time.perf_counter() - t
+
+        def kv(_r: int, durable: bool) -> float:
+            t = time.perf_counter()
+            kvref.save_memory(mem, out_kv, tokens=tokens, durable=durable)
+            return time.perf_counter() - t
+
+        ta, tb = abba(rounds, lambda r: kv(r, False), ll)
+        if out_kv.read_bytes() != out_ll.read_bytes():
+            raise AssertionError("kvref and llama.cpp saved different session files")
+        report("12 save_memory(path, durable=False) vs state_save_file", ta, tb, note="(both: write, no fsync)")
+        ta, tb = abba(rounds, lambda r: kv(r, True), ll)
+        report("12b save_memory(path): fsync of file and directory", ta, tb, note="(kvref's default)")
+    size = L.llama_state_get_size(run.ctx)
+    ll_buf = (ctypes.c_uint8 * size)()
+    kv_buf = bytearray(mem.state_size())
+
+    def timed(fn: Callable[[], object]) -> float:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    ta, tb = abba(
+        rounds,
+        lambda _r: timed(lambda: mem.state_write_into(kv_buf)),
+        lambda _r: timed(lambda: L.llama_state_get_data(run.ctx, ll_buf, size)),
+    )
+    if not bytes(ll_buf).endswith(kv_buf):
+        raise AssertionError("llama.cpp's state does not end with kvref's memory section")
+    report(f"13 state_write_into(buf) vs state_get_data, iSWA ({len(kv_buf) / (1 << 20):.0f} MiB)", ta, tb)
 
 
 # ----------------------------------------------------------------------------------------- main

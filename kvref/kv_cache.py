@@ -741,10 +741,11 @@ class KVCache:
         return v if traits(self.type_v).is_quantized else typed(v, self.type_v)
 
     # ------------------------------------------------------------------ state (kvref.kv_state)
-    def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[KVSection]:
-        """The sections ``state_write`` serializes, in order: one ``kvref.state.KVSection``."""
+    def state_sections(self, seq_id: int = -1, flags: int = 0, *, copy: bool = True) -> list[KVSection]:
+        """The sections ``state_write`` serializes, in order: one ``kvref.state.KVSection`` (its rows copies, or with
+        ``copy=False`` views of a run of cells, valid until the cache changes)."""
         seq_id, flags = as_state_args(seq_id, flags)
-        return [_kv_state.state_section(self, seq_id, flags)]
+        return [_kv_state.state_section(self, seq_id, flags, copy=copy)]
 
     def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes:
         """The bytes of llama_kv_cache::state_write: every stream, or one sequence's unmasked cells."""

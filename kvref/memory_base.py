@@ -119,8 +119,10 @@ class Memory(Protocol):
     def update(self) -> bool:
         """Apply pending shifts and stream copies (llama_context::memory_update); True when something was pending."""
 
-    def state_sections(self, seq_id: int = -1, flags: int = 0) -> Sequence[Section]:
-        """The sections ``state_write`` serializes, as ``kvref.state`` objects in write order."""
+    def state_sections(self, seq_id: int = -1, flags: int = 0, *, copy: bool = True) -> Sequence[Section]:
+        """The sections ``state_write`` serializes, as ``kvref.state`` objects in write order. Their rows are copies;
+        with ``copy=False`` they may be views of the memory's buffers, valid until it changes (to serialize at
+        once)."""
 
     def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes:
         """The bytes of the section(s) llama.cpp's state_write writes (every sequence when ``seq_id`` is -1)."""
@@ -247,10 +249,10 @@ def read_all(
     return end
 
 
-def sections_of(parts: Sequence[Memory], seq_id: int, flags: int) -> list[Section]:
+def sections_of(parts: Sequence[Memory], seq_id: int, flags: int, copy: bool = True) -> list[Section]:
     out: list[Section] = []
     for part in parts:
-        out.extend(part.state_sections(seq_id, flags))
+        out.extend(part.state_sections(seq_id, flags, copy=copy))
     return out
 
 
@@ -365,15 +367,16 @@ class PairedMemory(Generic[_P, _S]):
         for m in self._pair():
             m.seq_div(seq_id, p0, p1, d)
 
-    def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[Section]:
-        """The sections ``state_write`` serializes: those of the parts ``flags`` selects, in order."""
+    def state_sections(self, seq_id: int = -1, flags: int = 0, *, copy: bool = True) -> list[Section]:
+        """The sections ``state_write`` serializes: those of the parts ``flags`` selects, in order (rows as
+        `Memory.state_sections` says)."""
         seq_id, flags = as_state_args(seq_id, flags)
-        return sections_of(self._state_parts(flags), seq_id, flags)
+        return sections_of(self._state_parts(flags), seq_id, flags, copy)
 
     def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes:
         """The bytes of the parts' sections, one after the other (the parts ``flags`` selects)."""
         seq_id, flags = as_state_args(seq_id, flags)
-        return section_bytes(*self.state_sections(seq_id, flags))
+        return section_bytes(*self.state_sections(seq_id, flags, copy=False))
 
     def state_size(self, seq_id: int = -1, flags: int = 0) -> int:
         """The byte count of ``state_write(seq_id, flags)``: the parts' sizes added."""

@@ -697,8 +697,9 @@ class RecurrentMemory:
         """The recurrent section llama_memory_recurrent::state_write would write, as kvref.state objects."""
         return _recurrent_state.state_section(self, seq_id, flags)
 
-    def state_sections(self, seq_id: int = -1, flags: int = 0) -> list[RecurrentSection]:
-        """The sections ``state_write`` serializes, in order: one ``kvref.state.RecurrentSection``."""
+    def state_sections(self, seq_id: int = -1, flags: int = 0, *, copy: bool = True) -> list[RecurrentSection]:
+        """The sections ``state_write`` serializes, in order: one ``kvref.state.RecurrentSection`` (its rows are
+        gathered: copies whatever ``copy`` says)."""
         seq_id, flags = as_state_args(seq_id, flags)
         return [_recurrent_state.state_section(self, seq_id, flags)]
 

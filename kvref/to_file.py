@@ -44,10 +44,11 @@ def _layout_of(sections: Sequence[Any]) -> str:
 
 def state_of(
     mem: Any, kind: str = "session", *, seq_id: int = -1, tokens: Sequence[int] = (), arch: str | None = None,
-    flags: int = 0, era: Profile | str | None = None,
+    flags: int = 0, era: Profile | str | None = None, copy: bool = True,
 ) -> Any:  # fmt: skip
     """The state object (``kvref.state.SessionFile`` / ``SeqFile`` / ``StateBlob`` / ``SeqStateBlob``) llama.cpp
-    would write for ``mem``, in the layout of ``era`` (default: the memory's own profile). Rows are copies."""
+    would write for ``mem``, in the layout of ``era`` (default: the memory's own profile). Rows are copies, or with
+    ``copy=False`` may be views of the memory's buffers, valid until it changes (`Memory.state_sections`)."""
     from . import state
     from .eras import era as era_of
     from .eras import to_era
@@ -61,7 +62,7 @@ def state_of(
     if not scoped and seq_id != -1:
         raise ArgumentError(f"a {kind} holds the whole context: seq_id must be -1, not {seq_id}")
     own = era_of(mem.profile)
-    sections = list(mem.state_sections(seq_id, flags))
+    sections = list(mem.state_sections(seq_id, flags, copy=copy))
     memory = state.MemorySections(_layout_of(sections), sections)
     toks = np.asarray(list(tokens), dtype=np.int32)
     arch = arch or mem.hparams.arch
@@ -81,9 +82,12 @@ def save_memory(
     mem: Any, path: str | os.PathLike[str] | None = None, kind: str = "session", *, seq_id: int = -1,
     tokens: Sequence[int] = (), arch: str | None = None, flags: int = 0, era: Profile | str | None = None,
     compat: Profile | str | None = None, sidecar: bool = False, model: str | os.PathLike[str] | None = None,
+    durable: bool = True,
 ) -> Any:  # fmt: skip
-    """Write ``mem`` as llama.cpp's ``kind`` of state to ``path`` (crash-safe, `kvref.state.save`); returns the
-    state object written (with no ``path``: only returns it).
+    """Write ``mem`` as llama.cpp's ``kind`` of state to ``path`` (crash-safe, `kvref.state.save`; ``durable=False``
+    skips its fsyncs, as llama.cpp's save does); returns the state object written: read back from ``path``
+    (memory-mapped; the rows are written straight from the memory's buffers), or with no ``path`` built with copies
+    of the rows.
 
     ``kind``: "session", "seq", "state" or "seq_state"; ``seq_id`` the sequence of a "seq" / "seq_state"
     (-1 for the others); ``tokens`` the token list of a file; ``arch`` the arch string (default the model's);
@@ -94,11 +98,15 @@ def save_memory(
     """
     if era is not None and compat is not None and era != compat:
         raise ArgumentError("era= and compat= name the same thing: pass one")
-    obj = state_of(mem, kind, seq_id=seq_id, tokens=tokens, arch=arch, flags=flags, era=era or compat)
+    obj = state_of(mem, kind, seq_id=seq_id, tokens=tokens, arch=arch, flags=flags, era=era or compat,
+                   copy=path is None)  # fmt: skip
     if path is not None:
         from . import state
 
-        state.save(obj, path)
+        state.save(obj, path, durable=durable)
+        # the object the file holds: independent of the memory, whose buffers the rows were written from
+        header = {"seq_header": obj.has_header} if kind == "seq_state" else {}
+        obj = state.load(path, kind, obj.memory.layout, **header)
         if sidecar:
             from .sidecar import write_sidecar
 

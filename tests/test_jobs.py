@@ -167,6 +167,29 @@ def test_save_memory_writes_each_kind_and_era(kind: str, era: str | None, tmp_pa
     assert now(r.memory) == now(mem)
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_the_object_save_memory_returns_stays_what_it_wrote(arch: str, tmp_path: Path) -> None:
+    """The rows go to the file straight from the memory's buffers; the object returned is the file's (read back),
+    so changing the memory afterwards changes neither. Without a path the object holds copies."""
+    hp = kvref.HParams.from_gguf(LLAMA) if arch == "llama" else case_hp("gemma3-iswa")
+    mem = kvref.create_memory(hp, n_ctx=256, n_seq_max=2)
+    mem.decode(kvref.Batch(tokens=list(range(4, 40)), seq_ids=[[0]] * 36))
+    leaf = mem if isinstance(mem, kvref.KVCache) else mem.base
+    leaf.layers[0].k[...] = 7
+    (sec,) = leaf.state_sections(copy=False)
+    assert np.shares_memory(sec.streams[0].data.k[0].data, leaf.layers[0].k)  # a view: nothing copied
+    (sec,) = leaf.state_sections()
+    assert not np.shares_memory(sec.streams[0].data.k[0].data, leaf.layers[0].k)
+    path = tmp_path / "s.ggsn"
+    obj = save_memory(mem, path, tokens=list(range(4, 40)), durable=False)
+    kept = save_memory(mem)  # no path: copies
+    written = path.read_bytes()
+    leaf.layers[0].k[...] = 9
+    mem.seq_rm(0, 10, -1)
+    assert obj.to_bytes() == written and kept.memory.sections[0].streams[0].data.k[0].data.max() == 7
+    assert state.section_bytes(*kept.memory.sections) == state.section_bytes(*obj.memory.sections)
+
+
 def test_save_refuses_what_an_older_layout_cannot_hold(tmp_path: Path) -> None:
     r = kvref.restore(G / "qwen2vl-mrope" / "01-session.ggsn", hparams=case_hp("qwen2vl-mrope"))
     with pytest.raises(ConversionError, match="token ids in their 12-byte ext"):

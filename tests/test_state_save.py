@@ -66,6 +66,10 @@ def test_the_file_and_its_directory_are_fsynced(tmp_path: Path, monkeypatch: pyt
     monkeypatch.setattr(atomic.os, "fsync", fsync)
     S.load(GOLDEN).save(tmp_path / "slot.bin")
     assert synced == ["file", "dir"]
+    synced.clear()
+    S.load(GOLDEN).save(tmp_path / "slot.bin", durable=False)  # as llama.cpp's save: no fsync, still a rename
+    assert synced == [] and (tmp_path / "slot.bin").read_bytes() == GOLDEN.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["slot.bin"]
 
 
 def test_saving_over_the_mapped_source_is_safe(tmp_path: Path) -> None:

@@ -101,6 +101,24 @@ def test_write_into_gives_state_write_bytes(kind: str, seq_id: int) -> None:
         assert mem.state_write_into(m, seq_id) == len(want) and m[:] == want
 
 
+def test_long_transposed_v_rows_go_in_one_strided_copy() -> None:
+    """V stored transposed with rows of 2,500 cells (5,000 bytes: `Writer.array` writes them as rows): a buffer
+    takes them in one strided copy, a file row by row; the same bytes, and a buffer one byte short is refused."""
+    mem = kvref.create_memory(_llama(), 4096, 1)
+    mem.decode(kvref.Batch(tokens=[t % 7 for t in range(2500)]), n_ubatch=2500)
+    rng = np.random.default_rng(5)
+    for buf in _buffers(mem):
+        buf[...] = rng.integers(0, 256, buf.shape, dtype=np.uint8)
+    assert mem.v_trans
+    want = mem.state_write()
+    buf = bytearray(len(want))
+    assert mem.state_write_into(buf) == len(want) and bytes(buf) == want
+    f = io.BytesIO()
+    assert mem.state_write_into(f) == len(want) and f.getvalue() == want
+    with pytest.raises(ArgumentError, match=f"needs {len(want)}"):
+        mem.state_write_into(bytearray(len(want) - 1))
+
+
 @pytest.mark.parametrize("kind", ["kv", "iswa", "hybrid"])
 def test_a_buffer_too_small_names_the_size_needed(kind: str) -> None:
     mem = _filled(kind)

@@ -20,8 +20,9 @@ from typing import BinaryIO
 PARTIAL_MARK = ".kvref-partial-"
 
 
-def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], int]) -> int:
-    """Replace ``path`` with what ``write(f)`` writes to ``f``; returns what ``write`` returns (the byte count)."""
+def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], int], *, durable: bool = True) -> int:
+    """Replace ``path`` with what ``write(f)`` writes to ``f``; returns what ``write`` returns (the byte count).
+    ``durable=False`` skips the two fsyncs (the replacement stays atomic, but not durable across a power loss)."""
     target = Path(os.path.realpath(path))
     try:
         mode: int | None = stat.S_IMODE(os.stat(target).st_mode)
@@ -33,7 +34,8 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], int])
         with os.fdopen(fd, "wb", buffering=1 << 20) as f:
             n = write(f)
             f.flush()
-            os.fsync(f.fileno())
+            if durable:
+                os.fsync(f.fileno())
         if mode is not None:
             os.chmod(tmp, mode)
         os.replace(tmp, target)
@@ -41,7 +43,8 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], int])
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
-    _fsync_dir(target.parent)
+    if durable:
+        _fsync_dir(target.parent)
     return n
 
 

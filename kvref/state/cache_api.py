@@ -13,10 +13,13 @@ from __future__ import annotations
 from collections import ChainMap
 from typing import TYPE_CHECKING, TypeVar, cast
 
+import numpy as np
+import numpy.typing as npt
+
 from ..errors import ArgumentError, ArgumentTypeError, FormatError
 from . import mismatch
 from .cells import Cells
-from .codec import Reader, Sink, Writer, join_bytes
+from .codec import Reader, ScalarT, Sink, Writer, join_bytes
 from .dsl import Env, Record, Struct
 from .sections import (
     KV_SECTION,
@@ -247,15 +250,26 @@ class _Into:
         self.n = 0
         self.full = False  # ran out of room (write_sections_into then names the size needed)
 
-    def write(self, b: Buffer) -> int:
-        mv = memoryview(b)
-        end = self.n + mv.nbytes
+    def _room(self, n: int) -> int:
+        end = self.n + n
         if end > len(self.dst):
             self.full = True
             raise ArgumentError(f"dst: {len(self.dst)} bytes is too small")
+        return end
+
+    def write(self, b: Buffer) -> int:
+        mv = memoryview(b)
+        end = self._room(mv.nbytes)
         self.dst[self.n : end] = mv if mv.format == "B" and mv.ndim == 1 else mv.cast("B")
         self.n = end
         return mv.nbytes
+
+    def write_rows(self, a: npt.NDArray[ScalarT]) -> None:
+        """The rows of a 2-D array with contiguous rows, one after the other, in one strided copy."""
+        end = self._room(a.nbytes)
+        out = np.frombuffer(self.dst[self.n : end], np.uint8).reshape(a.shape[0], -1)
+        np.copyto(out, a.view(np.uint8).reshape(a.shape[0], -1))
+        self.n = end
 
 
 def sections_size(*sections: KVSection | RecurrentSection) -> int:

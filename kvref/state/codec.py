@@ -148,9 +148,14 @@ class Writer:
             raise FormatError("big-endian arrays cannot be written", field=field, offset=self.n)
         if not a.flags.c_contiguous:
             if a.ndim == 2 and a.strides[1] == a.itemsize and a.shape[1] * a.itemsize >= _ROW_WRITE_MIN:
-                # long contiguous rows (a transposed V block of some cells of a cache): row by row, no copy
-                for row in a:
-                    self.f.write(memoryview(row).cast("B"))
+                # long contiguous rows (a transposed V block of some cells of a cache): no copy, row by row, or
+                # in one strided copy when the sink is a buffer (`write_sections_into`)
+                put = getattr(self.f, "write_rows", None)
+                if put is not None:
+                    put(a)
+                else:
+                    for row in a:
+                        self.f.write(memoryview(row).cast("B"))
                 self.n += a.nbytes
                 return
             a = np.ascontiguousarray(a)

@@ -94,9 +94,9 @@ class StateObject(Record):
         write_root(STRUCTS[self.kind], self, w)
         return w.n
 
-    def save(self, path: str | os.PathLike[str]) -> int:
+    def save(self, path: str | os.PathLike[str], *, durable: bool = True) -> int:
         """Write the container to ``path`` through a temporary file (`kvref.state.save`); returns the byte count."""
-        return save(self, path)
+        return save(self, path, durable=durable)
 
     def summary(self) -> Summary:
         """A JSON-ready description (`kvref.state.summary.summarize`): what ``kvref inspect --json`` prints."""
@@ -299,10 +299,12 @@ SEQ_STATE = Struct(
 STRUCTS: dict[str, Struct[StateObject]] = {"session": SESSION, "seq": SEQ, "state": STATE, "seq_state": SEQ_STATE}
 
 
-def save(obj: StateObject, path: str | os.PathLike[str]) -> int:
-    """Write ``obj`` to ``path`` without assembling it in memory, crash-safe (`kvref.state.atomic`); returns the
-    byte count. Saving over the file the object was loaded from (and is still memory-mapped from) is safe."""
-    return atomic_write(path, obj.write_to)
+def save(obj: StateObject, path: str | os.PathLike[str], *, durable: bool = True) -> int:
+    """Write ``obj`` to ``path`` without assembling it in memory, crash-safe (`kvref.state.atomic`; ``durable=False``
+    skips the fsyncs: the file is still replaced whole or not at all when the process dies, but a power loss may
+    lose it, as with llama.cpp's own save); returns the byte count. Saving over the file the object was loaded from
+    (and is still memory-mapped from) is safe."""
+    return atomic_write(path, obj.write_to, durable=durable)
 
 
 __all__ = [
