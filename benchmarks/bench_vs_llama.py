@@ -175,6 +175,43 @@ def decode_rows(size: int, n_tokens: int, rounds: int) -> None:
     report(f"1/2 decode {n_tokens:>3} tok, {size >> 10}k cells (split+slot+apply)", ta, tb)
 
 
+def iswa_decode_rows(size: int, n_tokens: int, rounds: int) -> None:
+    """Row 2b: an iSWA memory (Gemma 3's: a window of 512, one SWA and one full layer) holding one sequence of
+    most of `size` cells, so the SWA cache reuses its window-masked cells every step; decode n_tokens per step.
+    llama.cpp: llama_kv_cache_iswa's step over two of its caches (the batch checked once, prepare in both, apply
+    to both)."""
+    hp = kvref.HParams(arch="gemma3", n_layer=2, n_embd=8, n_head=1, n_ctx_train=1 << 20, n_swa=512,
+                       swa_type=kvref.SWAType.STANDARD, swa_layers=[True, False])  # fmt: skip
+    mem = kvref.create_memory(hp, n_ctx=size, n_seq_max=1)
+    assert isinstance(mem, kvref.KVCacheISWA)
+    base = llama_ref.LlamaRef(mem.base.get_size(), 1, 1, mem.base.n_pad)
+    swa = llama_ref.LlamaRef(mem.swa.get_size(), 1, 1, mem.swa.n_pad, hp.n_swa, int(hp.swa_type))
+    tok = np.arange(512, dtype=np.int32) % 100
+    for p0 in range(0, size - max(4096, n_tokens * (rounds + 4)), 512):  # the same prefill on both sides
+        pos = np.arange(p0, p0 + 512, dtype=np.int32)
+        mem.decode(kvref.Batch(tokens=tok, pos=pos, seq_ids=[[0]] * 512))
+        base.decode_iswa(swa, tok, pos, np.zeros(512, np.int32))
+    ta, tb = [], []
+    for r in range(rounds):
+        p0 = mem.seq_pos_max(0) + 1
+        pos, seq, t = np.arange(p0, p0 + n_tokens, dtype=np.int32), np.zeros(n_tokens, np.int32), tok[:n_tokens]
+        b = dict(tokens=t, pos=pos, seq_ids=[[0]] * n_tokens)
+        if r % 2:
+            tb.append(base.decode_iswa(swa, t, pos, seq))
+        t0 = time.perf_counter()
+        (_ub, slot), *_ = mem.decode(kvref.Batch(**b), n_ubatch=512)
+        ta.append(time.perf_counter() - t0)
+        if r % 2 == 0:
+            tb.append(base.decode_iswa(swa, t, pos, seq))
+        for part, ref in ((slot.base, base), (slot.swa, swa)):
+            if np.concatenate([np.asarray(x) for x in part.idxs]).tolist() != ref.last_idxs().tolist():
+                raise AssertionError("kvref and llama.cpp placed the iSWA ubatch in different cells")
+    for part, ref in ((mem.base, base), (mem.swa, swa)):
+        if (part.cells(0).get_used(), part.heads[0]) != (ref.used(), ref.head()):
+            raise AssertionError("kvref and llama.cpp left different iSWA caches")
+    report(f"2b iSWA decode {n_tokens:>3} tok, {size >> 10}k cells (both caches)", ta, tb)
+
+
 def server_rows(size: int, n_seq: int, per_seq: int, rounds: int) -> Pair:
     """Row 3: n_seq sequences interleaved in `size` cells; every step decodes one token per sequence and builds
     the f32 KQ mask of that ubatch."""
@@ -589,10 +626,12 @@ def _save_rows(L, run, mem, path: Path, n_tok: int, rounds: int) -> None:
 
 # ----------------------------------------------------------------------------------------- main
 SIZES = {
-    "full": dict(big=1 << 20, dec_rounds=41, server=(32768, 64, 448), server_rounds=41, prefill=(8192, 512),
-                 mask_rounds=41, micro_rounds=200, state=(393216, 4), state_rounds=7, real=(30000, 9)),
-    "quick": dict(big=1 << 18, dec_rounds=15, server=(8192, 16, 448), server_rounds=15, prefill=(4096, 256),
-                  mask_rounds=15, micro_rounds=60, state=(32768, 4), state_rounds=3, real=(4096, 5)),
+    "full": dict(big=1 << 20, iswa=1 << 17, dec_rounds=41, server=(32768, 64, 448), server_rounds=41,
+                 prefill=(8192, 512), mask_rounds=41, micro_rounds=200, state=(393216, 4), state_rounds=7,
+                 real=(30000, 9)),
+    "quick": dict(big=1 << 18, iswa=1 << 15, dec_rounds=15, server=(8192, 16, 448), server_rounds=15,
+                  prefill=(4096, 256), mask_rounds=15, micro_rounds=60, state=(32768, 4), state_rounds=3,
+                  real=(4096, 5)),
 }  # fmt: skip
 
 
@@ -613,6 +652,8 @@ def run(quick: bool) -> int:
     )
     for n_tok in (1, 256):
         decode_rows(cfg["big"], n_tok, cfg["dec_rounds"])
+    for n_tok in (1, 256):
+        iswa_decode_rows(cfg["iswa"], n_tok, cfg["dec_rounds"])
     header("server loop, KQ mask, micro-ops")
     size, n_seq, per_seq = cfg["server"]
     pair = server_rows(size, n_seq, per_seq, cfg["server_rounds"])

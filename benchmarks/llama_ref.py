@@ -333,10 +333,11 @@ void kb_fill(void * p, uint32_t stream, int64_t n, const int32_t * idx, const in
 // One decode step as a program calling llama_decode does it, without the graph: fill the llama_batch from the
 // step's arrays, then llama_decode's memory work: llama_batch_compat (the llama_batch as a llama_batch_ext),
 // llama_batch_allocr::init, the split (init_batch), prepare, then apply_ubatch for every ubatch. Only the
-// batch's arrays are allocated before the clock starts (once, as a caller's llama_batch_init does).
-int kb_decode(void * p, int32_t n, const int32_t * tok, const int32_t * pos, const int32_t * seq, uint32_t n_ubatch,
-              double * t) {
-    auto * c = (kb_ctx *) p;
+// batch's arrays are allocated before the clock starts (once, as a caller's llama_batch_init does). With a second
+// cache `swa` it is llama_kv_cache_iswa's step: the batch checked against the SWA cache's positions (the memory's),
+// a simple split, prepare in the base then the SWA cache, and each ubatch applied to both.
+static int kb_step(kb_ctx * c, kb_ctx * swa, int32_t n, const int32_t * tok, const int32_t * pos,
+                   const int32_t * seq, uint32_t n_ubatch, double * t) {
     if ((int32_t) c->b_tok.size() < n) {
         c->b_tok.resize(n);
         c->b_pos.resize(n);
@@ -358,8 +359,8 @@ int kb_decode(void * p, int32_t n, const int32_t * tok, const int32_t * pos, con
         batch.logits[i] = i == n - 1;
     }
     // llama_context::decode(llama_batch): a llama_batch_compat news the llama_batch_ext and deletes it on return
-    auto b = std::make_unique<llama_batch_ext>((size_t) 1 << 30, 0, 0, (llama_seq_id) c->n_seq_max, &c->mem,
-                                               1 << 30, 1);
+    auto b = std::make_unique<llama_batch_ext>((size_t) 1 << 30, 0, 0, (llama_seq_id) c->n_seq_max,
+                                               swa ? &swa->mem : &c->mem, 1 << 30, 1);
     llama_batch_compat::init(*b, batch);
     if (!c->balloc.init(*b, vocab, false)) return -1;
     c->balloc.split_reset();
@@ -372,10 +373,27 @@ int kb_decode(void * p, int32_t n, const int32_t * tok, const int32_t * pos, con
     if (c->balloc.get_n_used() < c->balloc.get_n_tokens()) return -2;
     c->sinfos = c->kv->prepare(c->ubatches);
     if (c->sinfos.empty()) return -3;
-    for (size_t i = 0; i < c->ubatches.size(); ++i) c->kv->apply_ubatch(c->sinfos[i], c->ubatches[i]);
+    if (swa) {
+        swa->sinfos = swa->kv->prepare(c->ubatches);
+        if (swa->sinfos.empty()) return -4;
+    }
+    for (size_t i = 0; i < c->ubatches.size(); ++i) {
+        c->kv->apply_ubatch(c->sinfos[i], c->ubatches[i]);
+        if (swa) swa->kv->apply_ubatch(swa->sinfos[i], c->ubatches[i]);
+    }
     b.reset();
     *t = secs(t0, clk::now());
     return (int) c->ubatches.size();
+}
+
+int kb_decode(void * p, int32_t n, const int32_t * tok, const int32_t * pos, const int32_t * seq, uint32_t n_ubatch,
+              double * t) {
+    return kb_step((kb_ctx *) p, nullptr, n, tok, pos, seq, n_ubatch, t);
+}
+
+int kb_decode_iswa(void * base, void * swa, int32_t n, const int32_t * tok, const int32_t * pos,
+                   const int32_t * seq, uint32_t n_ubatch, double * t) {
+    return kb_step((kb_ctx *) base, (kb_ctx *) swa, n, tok, pos, seq, n_ubatch, t);
 }
 
 // the cells of the last decoded ubatch's slot (stream 0 part), for checking against kvref
@@ -529,6 +547,7 @@ class LlamaRef:
             "kb_free": (None, [vp]),
             "kb_fill": (None, [vp, u32, i64, _i32p, _i32p, _i32p, u32]),
             "kb_decode": (ctypes.c_int, [vp, i32, _i32p, _i32p, _i32p, u32, _dp]),
+            "kb_decode_iswa": (ctypes.c_int, [vp, vp, i32, _i32p, _i32p, _i32p, u32, _dp]),
             "kb_last_idxs": (i64, [vp, _u32p, i64]),
             "kb_mask": (i64, [vp, ctypes.c_int, _dp]),
             "kb_mask_copy": (i64, [vp, vp, i64]),
@@ -568,6 +587,16 @@ class LlamaRef:
         rc = self.lib.kb_decode(self.h, len(a[0]), a[0], a[1], a[2], n_ubatch, ctypes.byref(self._t))
         if rc < 0:
             raise RuntimeError(f"llama.cpp decode failed ({rc})")
+        return self._t.value
+
+    def decode_iswa(
+        self, swa: LlamaRef, tok: np.ndarray, pos: np.ndarray, seq: np.ndarray, n_ubatch: int = 512
+    ) -> float:
+        """llama_kv_cache_iswa's decode step, this cache the base and ``swa`` the SWA cache."""
+        a = [np.ascontiguousarray(x, dtype=np.int32) for x in (tok, pos, seq)]
+        rc = self.lib.kb_decode_iswa(self.h, swa.h, len(a[0]), a[0], a[1], a[2], n_ubatch, ctypes.byref(self._t))
+        if rc < 0:
+            raise RuntimeError(f"llama.cpp iSWA decode failed ({rc})")
         return self._t.value
 
     def last_idxs(self) -> np.ndarray:

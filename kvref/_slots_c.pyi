@@ -26,7 +26,21 @@ def single_seq_batch(
     n_vocab: int,
     mrope: bool,
 ) -> npt.NDArray[np.int32] | None: ...
+def place_planned(
+    cells: KVCells,
+    plan: tuple[npt.NDArray[np.int64], npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32]],
+) -> bool: ...
 def place_single(
+    cells: KVCells,
+    head: int,
+    tokens: npt.NDArray[np.int64],
+    pos: npt.NDArray[np.int64] | None,
+    seq_ids: list[list[int]] | None,
+    n_seq_max: int,
+    n_swa: int,
+    swa_type: int,
+) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32]] | None: ...
+def plan_single(
     cells: KVCells,
     head: int,
     tokens: npt.NDArray[np.int64],
@@ -44,8 +58,10 @@ def seq_flat(
 __all__ = [
     "find_cells",
     "int32_values",
+    "place_planned",
     "place_single",
     "plain_seq_ids",
+    "plan_single",
     "seq_flat",
     "seq_lists",
     "single_seq_batch",

@@ -15,7 +15,7 @@ The batch allocator's kernels (``plain_seq_ids``, ``single_seq_ids``, ``single_s
 ``seq_flat``) read Python lists and NumPy buffers in one C pass each, with the answers of the Python twin.
 """
 
-from libc.stdint cimport INT64_MIN, int32_t, int64_t, uint64_t
+from libc.stdint cimport INT32_MIN as INT32_MIN_C, INT64_MIN, int32_t, int64_t, uint64_t
 from libcpp.algorithm cimport sort
 from libcpp.vector cimport vector
 
@@ -576,14 +576,14 @@ def seq_flat(seq_ids):
     return counts, flat, lo, hi, single
 
 
-def place_single(cells, head, tokens, pos, seq_ids, n_seq_max, n_swa, swa_type):
-    """A whole decode step of the common batch on one stream's cells (kvref/_slots_py.py states it). On the Cython
-    KVCells with int64 token and position arrays, one C pass with three allocations (its answer); otherwise the parts
-    in turn. None, with nothing changed, when any part declines."""
+def plan_single(cells, head, tokens, pos, seq_ids, n_seq_max, n_swa, swa_type):
+    """A decode step of the common batch on one stream's cells, planned but not written (kvref/_slots_py.py
+    states it). On the Cython KVCells with int64 token and position arrays, one C pass; otherwise the parts in
+    turn. None when any part declines."""
     if type(cells) is CKVCells and _int64_vector(tokens) and (pos is None or _int64_vector(pos)):
-        return _place_single_c(<CKVCells>cells, head, tokens, pos, seq_ids, n_seq_max, n_swa, swa_type)
+        return _plan_single_c(<CKVCells>cells, head, tokens, pos, seq_ids, n_seq_max, n_swa, swa_type)
     cdef Py_ssize_t n = tokens.shape[0]
-    ids = single_seq_ids(seq_ids, n, n_seq_max)
+    ids = single_seq_ids(seq_ids, n, n_seq_max) if 0 < n <= cells.size() else None
     if ids is None:
         return None
     seq, present, _seq_idx = ids
@@ -592,12 +592,61 @@ def place_single(cells, head, tokens, pos, seq_ids, n_seq_max, n_swa, swa_type):
     except Exception:
         return None  # the general path asks again, where llama.cpp would
     p = single_seq_batch(tokens, pos, seq, present, mem_pos_max, -1, False)
-    if p is None:
+    if p is None or tokens.min() < INT32_MIN_C or tokens.max() > POS_MAX_C:
         return None
     idxs = find_cells(cells, head, n, False, n_swa, swa_type)
-    if idxs is None or not cells.place(idxs, p, seq, (0, 0, tokens)):
+    if idxs is None:
         return None
     return idxs, p, seq, tokens.astype(np.int32)
+
+
+def place_single(cells, head, tokens, pos, seq_ids, n_seq_max, n_swa, swa_type):
+    """A whole decode step of the common batch on one stream's cells (kvref/_slots_py.py states it): plan_single,
+    then place_planned. None, with nothing changed, when any part declines."""
+    cdef tuple planned
+    if type(cells) is CKVCells and _int64_vector(tokens) and (pos is None or _int64_vector(pos)):
+        planned = _plan_single_c(<CKVCells>cells, head, tokens, pos, seq_ids, n_seq_max, n_swa, swa_type)
+        if planned is None or not _place_planned_c(<CKVCells>cells, planned[0], planned[1], planned[2], planned[3]):
+            return None
+        return planned
+    plan = plan_single(cells, head, tokens, pos, seq_ids, n_seq_max, n_swa, swa_type)
+    if plan is None or not place_planned(cells, plan):
+        return None
+    return plan
+
+
+def place_planned(cells, plan):
+    """apply_ubatch's writes of a plan_single plan into its cells, when they are all empty (kvref/_slots_py.py
+    states it); on the Cython KVCells straight from the plan's buffers. False, with nothing changed, otherwise."""
+    idxs, p, seq, tok = plan
+    cdef cnp.npy_intp n = idxs.shape[0]
+    if (type(cells) is CKVCells and _int64_vector(idxs) and all(_int32_vector(a, n) for a in (p, seq, tok))):
+        return _place_planned_c(<CKVCells>cells, idxs, p, seq, tok)
+    return cells.place(idxs, p, seq, (0, 0, tok))
+
+
+cdef inline bint _int32_vector(object a, cnp.npy_intp n):
+    return (cnp.PyArray_CheckExact(a) and cnp.PyArray_TYPE(<cnp.ndarray>a) == cnp.NPY_INT32
+            and (<cnp.ndarray>a).ndim == 1 and (<cnp.ndarray>a).shape[0] == n
+            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a))
+
+
+cdef bint _place_planned_c(CKVCells cells, cnp.ndarray idxs, cnp.ndarray p, cnp.ndarray seq, cnp.ndarray tok):
+    # a plan's arrays (int64 cells, int32 positions, sequences and tokens) widened to what _place_c writes
+    cdef cnp.npy_intp n = idxs.shape[0]
+    cdef vector[int64_t] buf  # positions, sequences, zeros for x and y, tokens
+    buf.resize(5 * n)
+    cdef int64_t* b = buf.data()
+    cdef const int32_t* pp = <const int32_t*>cnp.PyArray_DATA(p)
+    cdef const int32_t* sq = <const int32_t*>cnp.PyArray_DATA(seq)
+    cdef const int32_t* tk = <const int32_t*>cnp.PyArray_DATA(tok)
+    cdef Py_ssize_t i
+    for i in range(n):
+        b[i] = pp[i]
+        b[n + i] = sq[i]
+        b[4 * n + i] = tk[i]
+    return cells._place_c(<const int64_t*>cnp.PyArray_DATA(idxs), b, b + n, b + 2 * n, b + 3 * n, b + 4 * n, n,
+                          False)
 
 
 cdef inline bint _int64_vector(object a):
@@ -605,8 +654,8 @@ cdef inline bint _int64_vector(object a):
             and (<cnp.ndarray>a).ndim == 1 and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a))
 
 
-cdef object _place_single_c(CKVCells cells, object head, cnp.ndarray tokens, object pos, object seq_ids,
-                            object n_seq_max, object n_swa, object swa_type):
+cdef tuple _plan_single_c(CKVCells cells, object head, cnp.ndarray tokens, object pos, object seq_ids,
+                          object n_seq_max, object n_swa, object swa_type):
     cdef cnp.npy_intp n = tokens.shape[0]
     cdef int64_t size = cells._n
     cdef int64_t last[MAX_SEQ]
@@ -628,30 +677,23 @@ cdef object _place_single_c(CKVCells cells, object head, cnp.ndarray tokens, obj
         pv = <const int64_t*>cnp.PyArray_DATA(<cnp.ndarray>pos)
     if not _single_seq_batch_c(tv, pv, sq, n, last, -1, False, <int32_t*>cnp.PyArray_DATA(p)):
         return None
-    # find_cells from the head, then place into the (empty or window-freed) cells found
-    cdef Cells c
-    _set_cells(&c, cells._pos, cells._seq, _clamp_swa(n_swa), swa_type)
-    cdef cnp.ndarray idxs = cnp.PyArray_EMPTY(1, &n, cnp.NPY_INT64, 0)
-    cdef int64_t* ix = <int64_t*>cnp.PyArray_DATA(idxs)
-    if not _find_cells_c(&c, size, _search_start(head, size, cells._n_used, n), n, False,
-                         cells.seq_pos_max if c.swa else None, ix):
-        return None
-    cdef vector[int64_t] buf  # positions, sequences, zeros for x and y: what place writes
-    buf.resize(4 * n)
-    cdef int64_t* b = buf.data()
-    cdef const int32_t* pp = <const int32_t*>cnp.PyArray_DATA(p)
     cdef cnp.ndarray tok = cnp.PyArray_EMPTY(1, &n, cnp.NPY_INT32, 0)
     cdef int32_t* t32 = <int32_t*>cnp.PyArray_DATA(tok)
     for i in range(n):
-        b[i] = pp[i]
-        b[n + i] = sq[i]
-        t32[i] = <int32_t>tv[i]  # unless _place_c refuses a token beyond int32 below
-    if not cells._place_c(ix, b, b + n, b + 2 * n, b + 3 * n, tv, n, False):
+        if tv[i] < INT32_MIN_C or tv[i] > POS_MAX_C:
+            return None
+        t32[i] = <int32_t>tv[i]
+    # find_cells from the head: empty cells, or window-freed ones of a sliding-window cache
+    cdef Cells c
+    _set_cells(&c, cells._pos, cells._seq, _clamp_swa(n_swa), swa_type)
+    cdef cnp.ndarray idxs = cnp.PyArray_EMPTY(1, &n, cnp.NPY_INT64, 0)
+    if not _find_cells_c(&c, size, _search_start(head, size, cells._n_used, n), n, False,
+                         cells.seq_pos_max if c.swa else None, <int64_t*>cnp.PyArray_DATA(idxs)):
         return None
     return idxs, p, seq, tok
 
 
 __all__ = [
-    "find_cells", "int32_values", "place_single", "plain_seq_ids", "seq_flat", "seq_lists", "single_seq_batch",
-    "single_seq_ids", "token_batch", "used_targets",
+    "find_cells", "int32_values", "place_planned", "place_single", "plain_seq_ids", "plan_single", "seq_flat",
+    "seq_lists", "single_seq_batch", "single_seq_ids", "token_batch", "used_targets",
 ]

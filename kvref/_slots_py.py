@@ -4,8 +4,8 @@ checks ``apply_ubatch`` makes on its target cells, src/llama-kv-cache.cpp).
 This is the readable statement of the rules; ``_slots_c.pyx`` implements the same functions at C speed.
 Both take one stream's ``KVCells`` (either twin: they read its ``pos`` and ``seq`` arrays, ``size()``,
 ``get_used()`` and ``seq_pos_max``) and never change it, except ``place_single`` (a whole decode step, which writes
-through ``KVCells.place``). ``kvref/slots.py`` calls them per stream of a
-ubatch and does the rest (streams, heads, writing the cells, prepare's rollback).
+through ``KVCells.place``; ``plan_single`` is the same step without the writes). ``kvref/slots.py`` calls them per
+stream of a ubatch and does the rest (streams, heads, writing the cells, prepare's rollback).
 
 find_cells, the search of one stream, walks from the head as llama.cpp does and stops as soon as it has
 its ``n_tokens`` cells, so its cost grows with the cells it tests, not with the cache size:
@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from .constants import LLAMA_MAX_SEQ, POS_MAX
+from .constants import INT32_MIN, LLAMA_MAX_SEQ, POS_MAX
 from .errors import CellError
 from .hparams import SWAType, is_masked_swa
 
@@ -295,6 +295,40 @@ def single_seq_batch(
     return p.astype(np.int32)
 
 
+def plan_single(
+    cells: KVCells,
+    head: int,
+    tokens: npt.NDArray[np.int64],
+    pos: npt.NDArray[np.int64] | None,
+    seq_ids: list[list[int]] | None,
+    n_seq_max: int,
+    n_swa: int,
+    swa_type: int,
+) -> tuple[npt.NDArray[np.int64], IntArray, IntArray, IntArray] | None:
+    """A decode step of the common batch on one stream's cells, planned but not written: the batch allocator's
+    one-pass check (``single_seq_ids``, the cells' ``seq_pos_max`` of each sequence, ``single_seq_batch`` without a
+    vocabulary bound or M-RoPE) and find_slot's search from ``head`` (``find_cells``, not contiguous). Returns the
+    cells (int64), the positions, the sequence ids and the tokens (int32), or None when any part would decline (a
+    token beyond int32 too): the caller's general path then does each part in turn (and raises its error). The
+    cells found may hold a sequence's window-masked positions (a sliding-window cache reusing them)."""
+    n = int(tokens.shape[0])
+    ids = single_seq_ids(seq_ids, n, n_seq_max) if 0 < n <= cells.size() else None
+    if ids is None:
+        return None
+    seq, present, _seq_idx = ids
+    try:
+        mem_pos_max = [cells.seq_pos_max(s) for s in present]
+    except Exception:
+        return None  # the general path asks again, where llama.cpp would
+    p = single_seq_batch(tokens, pos, seq, present, mem_pos_max, -1, False)
+    if p is None or tokens.min() < INT32_MIN or tokens.max() > POS_MAX:
+        return None
+    idxs = find_cells(cells, head, n, False, n_swa, swa_type)
+    if idxs is None:
+        return None
+    return idxs, p, seq, tokens.astype(np.int32)
+
+
 def place_single(
     cells: KVCells,
     head: int,
@@ -305,28 +339,21 @@ def place_single(
     n_swa: int,
     swa_type: int,
 ) -> tuple[npt.NDArray[np.int64], IntArray, IntArray, IntArray] | None:
-    """A whole decode step of the common batch on one stream's cells, when every part of it succeeds: the batch
-    allocator's one-pass check (``single_seq_ids``, the cells' ``seq_pos_max`` of each sequence, ``single_seq_batch``
-    without a vocabulary bound or M-RoPE), find_slot's search from ``head`` (``find_cells``, not contiguous) and
-    apply_ubatch's writes into empty cells (``KVCells.place``, ext ``(0, 0, token)``). Returns the cells (int64), the
-    positions, the sequence ids and the tokens (int32), or None with nothing changed when any part would decline: the
-    caller's general path then does each part in turn (and raises its error)."""
-    n = int(tokens.shape[0])
-    ids = single_seq_ids(seq_ids, n, n_seq_max)
-    if ids is None:
+    """A whole decode step of the common batch on one stream's cells, when every part of it succeeds:
+    ``plan_single`` and apply_ubatch's writes into the cells planned when they are all empty (``KVCells.place``,
+    ext ``(0, 0, token)``). Returns what ``plan_single`` returns, or None with nothing changed when any part would
+    decline."""
+    plan = plan_single(cells, head, tokens, pos, seq_ids, n_seq_max, n_swa, swa_type)
+    if plan is None or not place_planned(cells, plan):
         return None
-    seq, present, _seq_idx = ids
-    try:
-        mem_pos_max = [cells.seq_pos_max(s) for s in present]
-    except Exception:
-        return None  # the general path asks again, where llama.cpp would
-    p = single_seq_batch(tokens, pos, seq, present, mem_pos_max, -1, False)
-    if p is None:
-        return None
-    idxs = find_cells(cells, head, n, False, n_swa, swa_type)
-    if idxs is None or not cells.place(idxs, p, seq, (0, 0, tokens)):
-        return None
-    return idxs, p, seq, tokens.astype(np.int32)
+    return plan
+
+
+def place_planned(cells: KVCells, plan: tuple[npt.NDArray[np.int64], IntArray, IntArray, IntArray]) -> bool:
+    """apply_ubatch's writes of a ``plan_single`` plan into its cells, when they are all empty: ``KVCells.place``
+    with ext ``(0, 0, token)``; False, and nothing changes, when it declines."""
+    idxs, p, seq, tok = plan
+    return cells.place(idxs, p, seq, (0, 0, tok))
 
 
 def seq_lists(seq: IntArray) -> tuple[list[list[int]], list[int], IntArray]:
@@ -362,8 +389,10 @@ def seq_flat(
 __all__ = [
     "find_cells",
     "int32_values",
+    "place_planned",
     "place_single",
     "plain_seq_ids",
+    "plan_single",
     "seq_flat",
     "seq_lists",
     "single_seq_batch",

@@ -35,7 +35,7 @@ from .ggml import GGMLType, ggml_type, row_size, traits
 from .hparams import HParams, RopeType, SWAType
 from .kshift import GGML_CPU, ROPE_NEOX, RopeKernel, RopeParams, shift_k_rows
 from .kshift_quant import check_shift_type, shift_quantized_k_rows
-from .memory_base import ContextParams, decode_batch, decode_seq_bound
+from .memory_base import ContextParams, decode_batch, decode_seq_bound, store_rows
 from .profile import DEFAULT, Profile, first_release, resolve
 from .rows import from_f32, typed
 from .slots import SlotInfo
@@ -48,6 +48,8 @@ if TYPE_CHECKING:
 
 # what get_k / get_v return: float32, float16, bf16 bits (uint16), or raw bytes for a quantized type
 CellRows = npt.NDArray[np.float32] | npt.NDArray[np.float16] | npt.NDArray[np.uint16] | npt.NDArray[np.uint8]
+# a planned common decode step (the slots twins' plan_single): cells (int64), positions, sequence ids, tokens (int32)
+SinglePlan = tuple[npt.NDArray[np.int64], npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32]]
 
 
 class YarnParams(TypedDict, total=False):
@@ -563,23 +565,17 @@ class KVCache:
             step = self._decode_single(batch, n_ubatch)
             if step is not None:  # the common step, done in one call: what decode_batch would have done
                 ub, slot = step
-                if k or v:
-                    rows = np.arange(ub.n_tokens, dtype=np.int32)  # ub.batch_idxs: the whole batch, in order
-                    for il, data in (k or {}).items():
-                        self.cpy_k(il, np.asarray(data)[rows], slot)
-                    for il, data in (v or {}).items():
-                        self.cpy_v(il, np.asarray(data)[rows], slot)
-                if on_ubatch is not None:
-                    on_ubatch(ub, slot)
+                if k or v or on_ubatch is not None:
+                    store_rows(self, ub, slot, k, v, on_ubatch)
                 return [(ub, slot)]
         return decode_batch(self, batch, n_ubatch, k=k, v=v, balloc=balloc, embd_all=embd_all, on_ubatch=on_ubatch)
 
-    def _decode_single(self, batch: Batch, n_ubatch: int) -> tuple[UBatch, SlotInfo] | None:
-        """decode_batch's validation, update, split, prepare and apply of a one-stream cache in one kernel call
-        (``place_single`` of the slots twins), for the common step: token ids without embeddings, one sequence id
-        per token, one position each (no M-RoPE), one ubatch, nothing pending (no K-shift, no stream copy), and
-        empty cells for every token. None, with nothing changed, for any other step or when any part declines:
-        decode_batch then does each part in turn, raising its errors in its order. The ubatch is built when read."""
+    def _single(self, batch: Batch, n_ubatch: int, write: bool) -> SinglePlan | None:
+        """The common step of a one-stream cache in one call into the slots twins: token ids without embeddings, one
+        sequence id per token, one position each (no M-RoPE), one ubatch, nothing pending (no K-shift, no stream
+        copy). ``write``: placed into empty cells (``place_single``), else only planned (``plan_single``). None, with
+        nothing changed, for any other step or when a part declines: decode_batch then does each part in turn,
+        raising its errors in its order."""
         tokens, pos, logits = batch.tokens, batch.pos, batch.logits
         if (
             type(tokens) is not np.ndarray
@@ -596,17 +592,51 @@ class KVCache:
         cells = self._cells[0]
         if cells.get_has_shift() or self._mrope:
             return None
-        placed = _slots.kernels.place_single(
+        kernel = _slots.kernels.place_single if write else _slots.kernels.plan_single
+        plan: SinglePlan | None = kernel(
             cells, self.heads[0], tokens, pos, batch.seq_ids, self._seq_bound, self.n_swa, self.swa_type
         )
+        return plan
+
+    def _decode_single(self, batch: Batch, n_ubatch: int) -> tuple[UBatch, SlotInfo] | None:
+        """decode_batch's validation, update, split, prepare and apply for the common step (`_single`) in one
+        kernel call, when every token gets an empty cell. None, with nothing changed, for any other step or when
+        any part declines. The ubatch is built when read."""
+        placed = self._single(batch, n_ubatch, True)
         if placed is None:
             return None
-        idxs, p, seq, tok = placed
-        cells_picked = idxs.tolist()
-        self.heads[0] = cells_picked[-1] + 1
+        idxs = placed[0].tolist()
+        self.heads[0] = idxs[-1] + 1
         self._checked = None
-        out = logits if logits is None else logits.copy()  # the ubatch owns what it reads later
-        return UBatch.whole_single(tok, p, seq, out), SlotInfo(0, 0, [0], [cells_picked])
+        logits: npt.NDArray[np.bool_] | None = batch.logits  # type: ignore[assignment]  # _single checked it
+        ub = UBatch.whole_single(placed[3], placed[1], placed[2], logits if logits is None else logits.copy())
+        return ub, SlotInfo(0, 0, [0], [idxs])
+
+    def _commit_single(self, plan: SinglePlan) -> SlotInfo:
+        """Write a planned step (``_single(..., write=False)``, nothing changed since) as apply_ubatch does: a used
+        target (a sliding-window cache reuses masked cells, each holding one sequence) is cleared first, remembering
+        the highest position removed per sequence; the tokens go in with one ``place``; then each such sequence
+        loses its cells up to that position (llama.cpp's seq_rm from its seq_pos_min), so its positions stay gap-free.
+        Nothing can refuse: the plan checked it all."""
+        idxs = plan[0].tolist()
+        cells = self._cells[0]
+        removed: dict[int, int] = {}  # overwritten sequence -> highest position removed
+        if self.swa_type != SWAType.NONE:  # without a window find_slot only picks empty cells
+            for idx in idxs:
+                if not cells.is_empty(idx):
+                    sid, p = cells.seq_get(idx), cells.pos_get(idx)
+                    if p > removed.get(sid, -1):
+                        removed[sid] = p
+                    cells.rm(idx)
+        if not _slots.kernels.place_planned(cells, plan):
+            raise AssertionError("a planned decode step could not be placed")  # plan_single checked every value
+        for sid in sorted(removed):
+            p_min = cells.seq_pos_min(sid)
+            if p_min <= removed[sid]:
+                cells.seq_rm_range(sid, p_min, removed[sid] + 1)
+        self.heads[0] = idxs[-1] + 1
+        self._checked = None
+        return SlotInfo(0, 0, [0], [idxs])
 
     # decode_batch's steps
     def _decode_n_seq_max(self) -> int:

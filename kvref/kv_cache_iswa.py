@@ -7,22 +7,33 @@ operations go to both; the state is the base section followed by the SWA section
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
+import numpy as np
+import numpy.typing as npt
+
 from .args import as_state_args
+from .batch import UBatch
 from .errors import NoSlotError
 from .ggml import GGMLType
 from .hparams import HParams, SWAType
 from .kv_cache import KVCache, YarnParams
-from .memory_base import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, ContextParams, PairedMemory, read_parts
+from .memory_base import (
+    LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY,
+    ContextParams,
+    PairedMemory,
+    decode_batch,
+    read_parts,
+    store_rows,
+)
 from .profile import DEFAULT, Profile, resolve
 from .slots import SlotInfo
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer, Unpack
 
-    from .batch import BatchAllocr, UBatch
+    from .batch import Batch, BatchAllocr
 
 SWA_PAD = 256  # the SWA cache padding of llama.cpp issue #17037 (Profile.swa_size_pad; kept for callers)
 
@@ -218,6 +229,46 @@ class KVCacheISWA(PairedMemory[ISWASlot, ISWASlot]):
         """Write the ubatch into both caches at the slot's cells (base, then SWA)."""
         self.base.apply_ubatch(slot.base, ubatch)
         self.swa.apply_ubatch(slot.swa, ubatch)
+
+    def decode(
+        self,
+        batch: Batch,
+        n_ubatch: int = 512,
+        *,
+        k: Mapping[int, npt.ArrayLike] | None = None,
+        v: Mapping[int, npt.ArrayLike] | None = None,
+        balloc: BatchAllocr | None = None,
+        embd_all: bool = False,
+        on_ubatch: Callable[[UBatch, ISWASlot], None] | None = None,
+    ) -> list[tuple[UBatch, ISWASlot]]:
+        """What llama_decode does to the memory (`decode_batch`); ``k`` / ``v`` rows go to the cache that owns
+        each layer. The common step of a one-stream memory (`KVCache._single`) is planned in both caches and
+        then written, with nothing changed unless both plans hold: what prepare and apply_ubatch of both caches do
+        to a single ubatch (`_decode_single`)."""
+        if balloc is None and not embd_all and self.base.n_stream == 1:
+            step = self._decode_single(batch, n_ubatch)
+            if step is not None:
+                ub, slot = step
+                if k or v or on_ubatch is not None:
+                    store_rows(self, ub, slot, k, v, on_ubatch)
+                return [(ub, slot)]
+        return decode_batch(self, batch, n_ubatch, k=k, v=v, balloc=balloc, embd_all=embd_all, on_ubatch=on_ubatch)
+
+    def _decode_single(self, batch: Batch, n_ubatch: int) -> tuple[UBatch, ISWASlot] | None:
+        """The common step in both caches: planned in each (``plan_single``: the allocator's checks against the
+        cells' positions, find_slot), written only when both plans hold and agree on the positions, base then SWA
+        (`KVCache._commit_single`: reused window cells as apply_ubatch writes them, purging below). A single ubatch
+        prepared, then applied, ends the same way: prepare's trial apply only leaves its purge, which the apply
+        makes again. None, with nothing changed, otherwise."""
+        plan_b = self.base._single(batch, n_ubatch, False)
+        if plan_b is None:
+            return None
+        plan_s = self.swa._single(batch, n_ubatch, False)
+        if plan_s is None or plan_b[1].tobytes() != plan_s[1].tobytes():
+            return None
+        logits: npt.NDArray[np.bool_] | None = batch.logits  # type: ignore[assignment]  # _single checked it
+        ub = UBatch.whole_single(plan_b[3], plan_b[1], plan_b[2], logits if logits is None else logits.copy())
+        return ub, ISWASlot(self.base._commit_single(plan_b), self.swa._commit_single(plan_s))
 
     def _decode_n_seq_max(self) -> int:
         return self.base.get_n_seq_max()

@@ -303,18 +303,31 @@ def decode_batch(
     out = []
     for ub, prepared in memory.init_batch(balloc, n_ubatch, embd_all):
         slot = memory._apply(prepared, ub)
-        if k or v:
-            rows = np.asarray(ub.batch_idxs)
-            for il, data in (k or {}).items():
-                cache, sinfo = memory._owner(il, slot)
-                cache.cpy_k(il, np.asarray(data)[rows], sinfo)
-            for il, data in (v or {}).items():
-                cache, sinfo = memory._owner(il, slot)
-                cache.cpy_v(il, np.asarray(data)[rows], sinfo)
-        if on_ubatch is not None:
-            on_ubatch(ub, slot)
+        store_rows(memory, ub, slot, k, v, on_ubatch)
         out.append((ub, slot))
     return out
+
+
+def store_rows(
+    memory: Decodable[_P, _S],
+    ub: UBatch,
+    slot: _S,
+    k: Mapping[int, npt.ArrayLike] | None,
+    v: Mapping[int, npt.ArrayLike] | None,
+    on_ubatch: Callable[[UBatch, _S], None] | None,
+) -> None:
+    """After a ubatch is applied: its ``k`` / ``v`` rows (taken from the whole batch's) to the cache that owns each
+    layer, then ``on_ubatch(ub, slot)``."""
+    if k or v:
+        rows = np.asarray(ub.batch_idxs)
+        for il, data in (k or {}).items():
+            cache, sinfo = memory._owner(il, slot)
+            cache.cpy_k(il, np.asarray(data)[rows], sinfo)
+        for il, data in (v or {}).items():
+            cache, sinfo = memory._owner(il, slot)
+            cache.cpy_v(il, np.asarray(data)[rows], sinfo)
+    if on_ubatch is not None:
+        on_ubatch(ub, slot)
 
 
 class PairedMemory(Generic[_P, _S]):
@@ -458,4 +471,5 @@ __all__ = [
     "read_parts",
     "sections_of",
     "stage_parts",
+    "store_rows",
 ]

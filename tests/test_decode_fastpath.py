@@ -554,3 +554,118 @@ def test_decode_single_step_is_taken(kernels: Any, cells_cls: type) -> None:
         assert "_whole" not in vars(ub_fast)
         assert got[0][0][1] == got[1][0][1]
     assert caches[0].heads == caches[1].heads
+
+
+@st.composite
+def iswa_steps(draw: st.DrawFn) -> list:
+    """Mostly decodes of the next positions (enough to wrap the small SWA cache, whose masked cells are then
+    reused), with sequence removals and shifts between them."""
+    steps = draw(cache_steps())
+    for _ in range(draw(st.integers(0, 10))):
+        spec = draw(batches())
+        spec["pos"] = None
+        steps.append(("decode", (spec, dict(n_ubatch=512, rows=draw(st.booleans()), on_ubatch=False, embd_all=False))))
+    return draw(st.permutations(steps))
+
+
+def _iswa_hparams(n_swa: int, swa_type: int) -> kvref.HParams:
+    return kvref.HParams(arch="gemma2", n_layer=2, n_embd=4, n_head=1, n_ctx_train=1 << 16, n_swa=n_swa,
+                         swa_type=swa_type, swa_layers=[True, False])  # fmt: skip
+
+
+def run_iswa(steps: list, fast: bool, size: int, unified: bool, n_swa: int, swa_type: int, compat: str) -> list:
+    # under "2025" the SWA cache is the window of every sequence plus a ubatch (no padding): a few cells, soon reused
+    mem = kvref.KVCacheISWA(_iswa_hparams(n_swa, swa_type), kv_size=size, n_seq_max=5 if unified else 1,
+                            kv_unified=unified, n_ubatch=4, type_k="f32", type_v="f16", compat=compat)  # fmt: skip
+    if not fast:
+        mem._decode_single = lambda *args: None  # type: ignore[method-assign]
+    log: list = []
+    for kind, args in steps:
+        if kind == "decode":
+            spec, extra = args
+            made = outcome(lambda spec=spec: Batch(**spec))
+            if made[0] != "ok":
+                continue
+            batch, n = made[1], made[1].n_tokens
+            kw: dict = {}
+            if extra["rows"]:
+                rows = np.arange(n * 4, dtype=np.float32).reshape(n, 4) + len(log)
+                kw = dict(k={0: rows, 1: rows + 0.5}, v={0: -rows, 1: rows * 2})
+            res = outcome(lambda batch=batch, kw=kw, extra=extra: mem.decode(
+                batch, extra["n_ubatch"], embd_all=extra["embd_all"], **kw))  # fmt: skip
+            if res[0] == "ok":
+                res = ("ok", [(_plain(ub), [(s.s0, s.s1, list(s.strm), [list(map(int, x)) for x in s.idxs])
+                                            for s in slot]) for ub, slot in res[1]])  # fmt: skip
+            log.append(res)
+        elif kind == "seq_rm":
+            seq, p0, _ = args
+            log.append(outcome(lambda seq=seq, p0=p0: mem.seq_rm(seq % mem.base.get_n_seq_max(), p0, -1)))
+        elif kind == "seq_add":
+            seq, p0, d = args
+            log.append(outcome(lambda seq=seq, p0=p0, d=d: mem.seq_add(seq % mem.base.get_n_seq_max(), p0, -1, d)))
+        else:
+            log.append(outcome(mem.update))
+        for cache in (mem.base, mem.swa):
+            c = cache.cells(0)
+            log.append((np.asarray(c.pos).tolist(), np.asarray(c.seq).tolist(), np.asarray(c.ext).tolist(),
+                        np.asarray(c.shift).tolist(), c.get_used(), c.get_has_shift(), list(cache.heads),
+                        [c.seq_pos_get(q) for q in range(5)], cache._checked is None))  # fmt: skip
+    for cache in (mem.base, mem.swa):
+        log.append([(layer.k.tobytes(), None if layer.v is None else layer.v.tobytes()) for layer in cache.layers])
+    return log
+
+
+@settings(
+    max_examples=max(30, EXAMPLES // 2),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(
+    steps=iswa_steps(),
+    size=st.sampled_from([8, 16, 64]),
+    unified=st.booleans(),
+    n_swa=st.integers(1, 4),
+    swa_type=st.integers(1, 3),
+    compat=st.sampled_from(["2025", "2025", "2026-10"]),
+)
+def test_iswa_decode_single_step_equals_decode_batch(
+    kernels: Any, steps: list, size: int, unified: bool, n_swa: int, swa_type: int, compat: str
+) -> None:
+    """KVCacheISWA's common step (planned in both caches, then written; reused SWA cells through apply_ubatch's
+    writes) returns and leaves what decode_batch (prepare and apply of both caches) does, or raises the same."""
+    args = (size, unified, n_swa, swa_type, compat)
+    assert run_iswa(steps, True, *args) == run_iswa(steps, False, *args)
+
+
+def test_iswa_decode_single_step_is_taken(kernels: Any) -> None:
+    """The common step of an iSWA memory goes through the planned path, also once the SWA cache reuses cells."""
+    mem = kvref.KVCacheISWA(_iswa_hparams(2, kvref.SWAType.STANDARD), kv_size=64, n_seq_max=1, n_ubatch=4,
+                            compat="2025")  # fmt: skip
+    taken = []
+    orig = mem._decode_single
+    mem._decode_single = lambda *a: taken.append(orig(*a)) or taken[-1]  # type: ignore[method-assign]
+    for step in range(20):
+        mem.decode(Batch(tokens=np.arange(2) + step))
+        assert taken[-1] is not None, step
+    assert mem.swa.get_size() == 6 and mem.seq_pos_max(0) == 39 and mem.base.cells(0).get_used() == 40
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_iswa_steps_that_purge_equal_decode_batch(kernels: Any, seed: int) -> None:
+    """Long traces of several sequences decoding the next positions together (with removals between): the SWA
+    cells the step reuses are not always a sequence's oldest, so apply_ubatch's purge drops more of its cells."""
+    rng = np.random.default_rng(seed)
+    n_seq, n_swa = int(rng.integers(2, 5)), int(rng.integers(1, 4))
+    steps: list = []
+    for _ in range(40):
+        if rng.random() < 0.1:
+            steps.append(("seq_rm", (int(rng.integers(0, n_seq)), int(rng.integers(0, 12)), 0)))
+            continue
+        n = int(rng.integers(1, 5))
+        spec = dict(
+            tokens=np.arange(n, dtype=np.int32), pos=None, seq_ids=[[int(rng.integers(0, n_seq))] for _ in range(n)]
+        )
+        steps.append(
+            ("decode", (spec, dict(n_ubatch=512, rows=bool(rng.random() < 0.5), on_ubatch=False, embd_all=False)))
+        )
+    assert run_iswa(steps, True, 64, True, n_swa, 1, "2025") == run_iswa(steps, False, 64, True, n_swa, 1, "2025")

@@ -2,8 +2,9 @@
 same errors on random caches, and both equal an independent oracle of find_slot's search (the whole-stream
 vectorised search kvref used before the twins, written from llama_kv_cache::find_slot).
 
-place_single (a whole decode step on one stream's cells) gives the same answer and leaves the same cells with
-either twin: find_cells' slot with place's writes, or None and nothing changed.
+place_single (a whole decode step on one stream's cells; plan_single, the same without its writes) gives the same
+answer and leaves the same cells with either twin: find_cells' slot with place's writes, or None and nothing
+changed.
 
 End to end, random decode sequences through ``kvref.slots`` with either twin plugged in place identical slots
 (idxs per stream), leave identical cells and raise identical errors.
@@ -406,7 +407,12 @@ def test_place_single_twins_agree(spec, data) -> None:
         for mod in mods:
             cells = build(cls, spec)
             before = cells_snapshot(cells)
+            plan = mod.plan_single(cells, head, tokens, pos_a, seq_ids, n_seq_max, n_swa, swa_type)
+            assert cells_snapshot(cells) == before, (mod.__name__, cls)  # planning writes nothing
             got = mod.place_single(cells, head, tokens, pos_a, seq_ids, n_seq_max, n_swa, swa_type)
+            # place_single is the plan placed when its cells are all empty
+            planned = plan is not None and all(build(cls, spec).is_empty(i) for i in plan[0].tolist())
+            assert same(got, plan if planned else None), (mod.__name__, cls, got, plan)
             if got is None:
                 assert cells_snapshot(cells) == before, (mod.__name__, cls)
             else:
