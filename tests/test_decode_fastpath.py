@@ -472,14 +472,17 @@ def cache_steps(draw: st.DrawFn) -> list:
     return steps
 
 
-def run_cache(steps: list, fast: bool, cells_cls: type, size: int, unified: bool, n_swa: int, swa_type: int) -> list:
-    hp = kvref.HParams(arch="llama", n_layer=2, n_embd=4, n_head=1, n_ctx_train=1 << 16)
-    cache = kvref.KVCache(
-        hp, kv_size=size, n_seq_max=5 if unified else 1, kv_unified=unified, n_swa=n_swa, swa_type=swa_type,
-        type_k="f32", type_v="f16", cells_cls=cells_cls,
-    )  # fmt: skip
-    if not fast:
-        cache._decode_single = lambda *args: None  # type: ignore[method-assign]
+def _slot_plain(slot: Any) -> Any:
+    """A SlotInfo, or an ISWASlot (one per cache), as plain values."""
+    if isinstance(slot, tuple):
+        return [_slot_plain(s) for s in slot]
+    return (slot.s0, slot.s1, list(slot.strm), [list(map(int, x)) for x in slot.idxs])
+
+
+def replay_steps(mem: Any, caches: list, steps: list) -> list:
+    """Replay ``steps`` on ``mem``: every result (or error), what ``on_ubatch`` saw, and after each step the cells,
+    heads and pending check of each of its ``caches``; at the end their K/V rows."""
+    n_seq = caches[0].n_seq_max
     log: list = []
     for kind, args in steps:
         if kind == "decode":
@@ -494,27 +497,39 @@ def run_cache(steps: list, fast: bool, cells_cls: type, size: int, unified: bool
                 rows = np.arange(n * 4, dtype=np.float32).reshape(n, 4) + len(log)
                 kw = dict(k={0: rows, 1: rows + 0.5}, v={0: -rows, 1: rows * 2})
             if extra["on_ubatch"]:
-                kw["on_ubatch"] = lambda ub, sinfo, seen=seen: seen.append((_plain(ub), list(sinfo.strm)))
-            res = outcome(lambda batch=batch, kw=kw, extra=extra: cache.decode(
+                kw["on_ubatch"] = lambda ub, slot, seen=seen: seen.append((_plain(ub), _slot_plain(slot)))
+            res = outcome(lambda batch=batch, kw=kw, extra=extra: mem.decode(
                 batch, extra["n_ubatch"], embd_all=extra["embd_all"], **kw))  # fmt: skip
             if res[0] == "ok":
-                res = ("ok", [(_plain(ub), s.s0, s.s1, list(s.strm), [list(map(int, x)) for x in s.idxs])
-                              for ub, s in res[1]])  # fmt: skip
+                res = ("ok", [(_plain(ub), _slot_plain(slot)) for ub, slot in res[1]])
             log.append((res, seen))
         elif kind == "seq_rm":
             seq, p0, _ = args
-            log.append(outcome(lambda seq=seq, p0=p0: cache.seq_rm(seq % cache.n_seq_max, p0, -1)))
+            log.append(outcome(lambda seq=seq, p0=p0: mem.seq_rm(seq % n_seq, p0, -1)))
         elif kind == "seq_add":
             seq, p0, d = args
-            log.append(outcome(lambda seq=seq, p0=p0, d=d: cache.seq_add(seq % cache.n_seq_max, p0, -1, d)))
+            log.append(outcome(lambda seq=seq, p0=p0, d=d: mem.seq_add(seq % n_seq, p0, -1, d)))
         else:
-            log.append(outcome(cache.update))
-        c = cache.cells(0)
-        log.append((np.asarray(c.pos).tolist(), np.asarray(c.seq).tolist(), np.asarray(c.ext).tolist(),
-                    np.asarray(c.shift).tolist(), c.get_used(), c.get_has_shift(), list(cache.heads),
-                    [c.seq_pos_get(q) for q in range(5)], cache._checked))  # fmt: skip
-    log.append([(layer.k.tobytes(), layer.v.tobytes() if layer.v is not None else None) for layer in cache.layers])
+            log.append(outcome(mem.update))
+        for cache in caches:
+            c = cache.cells(0)
+            log.append((np.asarray(c.pos).tolist(), np.asarray(c.seq).tolist(), np.asarray(c.ext).tolist(),
+                        np.asarray(c.shift).tolist(), c.get_used(), c.get_has_shift(), list(cache.heads),
+                        [c.seq_pos_get(q) for q in range(5)], cache._checked))  # fmt: skip
+    for cache in caches:
+        log.append([(layer.k.tobytes(), None if layer.v is None else layer.v.tobytes()) for layer in cache.layers])
     return log
+
+
+def run_cache(steps: list, fast: bool, cells_cls: type, size: int, unified: bool, n_swa: int, swa_type: int) -> list:
+    hp = kvref.HParams(arch="llama", n_layer=2, n_embd=4, n_head=1, n_ctx_train=1 << 16)
+    cache = kvref.KVCache(
+        hp, kv_size=size, n_seq_max=5 if unified else 1, kv_unified=unified, n_swa=n_swa, swa_type=swa_type,
+        type_k="f32", type_v="f16", cells_cls=cells_cls,
+    )  # fmt: skip
+    if not fast:
+        cache._decode_single = lambda *args: None  # type: ignore[method-assign]
+    return replay_steps(cache, [cache], steps)
 
 
 @settings(
@@ -564,7 +579,12 @@ def iswa_steps(draw: st.DrawFn) -> list:
     for _ in range(draw(st.integers(0, 10))):
         spec = draw(batches())
         spec["pos"] = None
-        steps.append(("decode", (spec, dict(n_ubatch=512, rows=draw(st.booleans()), on_ubatch=False, embd_all=False))))
+        steps.append(
+            (
+                "decode",
+                (spec, dict(n_ubatch=512, rows=draw(st.booleans()), on_ubatch=draw(st.booleans()), embd_all=False)),
+            )
+        )
     return draw(st.permutations(steps))
 
 
@@ -579,40 +599,7 @@ def run_iswa(steps: list, fast: bool, size: int, unified: bool, n_swa: int, swa_
                             kv_unified=unified, n_ubatch=4, type_k="f32", type_v="f16", compat=compat)  # fmt: skip
     if not fast:
         mem._decode_single = lambda *args: None  # type: ignore[method-assign]
-    log: list = []
-    for kind, args in steps:
-        if kind == "decode":
-            spec, extra = args
-            made = outcome(lambda spec=spec: Batch(**spec))
-            if made[0] != "ok":
-                continue
-            batch, n = made[1], made[1].n_tokens
-            kw: dict = {}
-            if extra["rows"]:
-                rows = np.arange(n * 4, dtype=np.float32).reshape(n, 4) + len(log)
-                kw = dict(k={0: rows, 1: rows + 0.5}, v={0: -rows, 1: rows * 2})
-            res = outcome(lambda batch=batch, kw=kw, extra=extra: mem.decode(
-                batch, extra["n_ubatch"], embd_all=extra["embd_all"], **kw))  # fmt: skip
-            if res[0] == "ok":
-                res = ("ok", [(_plain(ub), [(s.s0, s.s1, list(s.strm), [list(map(int, x)) for x in s.idxs])
-                                            for s in slot]) for ub, slot in res[1]])  # fmt: skip
-            log.append(res)
-        elif kind == "seq_rm":
-            seq, p0, _ = args
-            log.append(outcome(lambda seq=seq, p0=p0: mem.seq_rm(seq % mem.base.get_n_seq_max(), p0, -1)))
-        elif kind == "seq_add":
-            seq, p0, d = args
-            log.append(outcome(lambda seq=seq, p0=p0, d=d: mem.seq_add(seq % mem.base.get_n_seq_max(), p0, -1, d)))
-        else:
-            log.append(outcome(mem.update))
-        for cache in (mem.base, mem.swa):
-            c = cache.cells(0)
-            log.append((np.asarray(c.pos).tolist(), np.asarray(c.seq).tolist(), np.asarray(c.ext).tolist(),
-                        np.asarray(c.shift).tolist(), c.get_used(), c.get_has_shift(), list(cache.heads),
-                        [c.seq_pos_get(q) for q in range(5)], cache._checked is None))  # fmt: skip
-    for cache in (mem.base, mem.swa):
-        log.append([(layer.k.tobytes(), None if layer.v is None else layer.v.tobytes()) for layer in cache.layers])
-    return log
+    return replay_steps(mem, [mem.base, mem.swa], steps)
 
 
 @settings(
