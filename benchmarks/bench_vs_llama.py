@@ -31,6 +31,7 @@ import time
 import tracemalloc
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -342,6 +343,64 @@ def micro_rows(pair: Pair, n_seq: int, rounds: int) -> None:
     report(f"9 get_n_kv (per call, {iters} calls), {size >> 10}k cells", ta, tb, unit=1e6, note="(us per call)")
 
 
+def cells_rows(rounds: int) -> None:
+    """Rows 14e-14i2: the bulk cell workloads of benchmarks/bench_cells.py on 32,768 cells (16 sequences
+    interleaved), kvref's KVCells (the active twin, bulk calls) against llama_kv_cells running the loops llama.cpp
+    runs for them; each round on fresh copies made outside the clock."""
+    import bench_cells as W
+
+    cls = kvref.cells.KVCells
+    ref = llama_ref.CellsRef(W.N_CELLS)
+    ref.fill(W.POSITIONS, W.SEQS)
+    mine = W.filled(cls)
+
+    def timed(fn: Callable[[], object]) -> float:
+        t = time.perf_counter()
+        fn()
+        return time.perf_counter() - t
+
+    def fill_kv(_r: int) -> float:
+        c = cls(W.N_CELLS)
+        return timed(lambda: (c.pos_set_many(W.IDXS, W.POSITIONS), c.seq_add_many(W.IDXS, W.SEQS)))
+
+    def fill_ll(_r: int) -> float:
+        return llama_ref.CellsRef(W.N_CELLS).fill(W.POSITIONS, W.SEQS)
+
+    def on_copy(work: Callable[[Any], object]) -> Callable[[int], float]:
+        def run(_r: int) -> float:
+            c = W.filled(cls)
+            return timed(lambda: work(c))
+
+        return run
+
+    other = cls(W.N_CELLS)
+    other.pos_set_many(W.IDXS, W.POSITIONS + 1)
+    other.seq_add_many(W.IDXS, W.SEQS)
+    saved = other.cp(W.IDXS)
+    other_ref = llama_ref.CellsRef(W.N_CELLS)
+    other_ref.fill(W.POSITIONS + 1, W.SEQS)
+    saved_ref = other_ref.cp_all()
+    h_ll = ref.seq_pos_max(W.QUERIES)[1]
+    if not np.array_equal(mine.seq_pos_max_many(W.QUERIES), h_ll):
+        raise AssertionError("kvref and llama.cpp answer seq_pos_max differently")
+    rows = [
+        ("14e fill: pos_set + seq_add of 32k cells", fill_kv, fill_ll),
+        ("14f seq_rm of one sequence's cells (range op)", on_copy(lambda c: c.seq_rm_range(3, 0, W.POS_MAX)),
+         lambda _r: ref.clone().seq_rm(3, 0, W.POS_MAX)),
+        ("14g pos_add(-100) on every used cell", on_copy(lambda c: c.pos_add_many(c.used_cells(), -100)),
+         lambda _r: ref.clone().pos_add_used(-100)),
+        ("14h 1e5 seq_pos_max queries", lambda _r: timed(lambda: mine.seq_pos_max_many(W.QUERIES)),
+         lambda _r: ref.seq_pos_max(W.QUERIES)[0]),
+        ("14i cp + set of every cell (same cells back)", on_copy(lambda c: c.set(W.IDXS, c.cp(W.IDXS))),
+         lambda _r: ref.clone().cp_set()),
+        ("14i2 cp + set of every cell (other cells)", on_copy(lambda c: (c.cp(W.IDXS), c.set(W.IDXS, saved))),
+         lambda _r: ref.clone().cp_set(saved_ref)),
+    ]  # fmt: skip
+    for label, a, b in rows:
+        ta, tb = abba(rounds, a, b)
+        report(label, ta, tb)
+
+
 # ----------------------------------------------------------------------------------------- state rows
 def _llama_cpp():
     try:
@@ -628,10 +687,10 @@ def _save_rows(L, run, mem, path: Path, n_tok: int, rounds: int) -> None:
 SIZES = {
     "full": dict(big=1 << 20, iswa=1 << 17, dec_rounds=41, server=(32768, 64, 448), server_rounds=41,
                  prefill=(8192, 512), mask_rounds=41, micro_rounds=200, state=(393216, 4), state_rounds=7,
-                 real=(30000, 9)),
+                 real=(30000, 9), cells_rounds=15),
     "quick": dict(big=1 << 18, iswa=1 << 15, dec_rounds=15, server=(8192, 16, 448), server_rounds=15,
                   prefill=(4096, 256), mask_rounds=15, micro_rounds=60, state=(32768, 4), state_rounds=3,
-                  real=(4096, 5)),
+                  real=(4096, 5), cells_rounds=5),
 }  # fmt: skip
 
 
@@ -661,6 +720,8 @@ def run(quick: bool) -> int:
     n_cells, n_tok = cfg["prefill"]
     mask_rows(prefill_mask_pair(n_cells, n_tok), f"prefill {n_tok} tok", cfg["mask_rounds"])
     micro_rows(pair, n_seq, cfg["micro_rounds"])
+    header("cells (benchmarks/bench_cells.py's workloads; llama.cpp: llama_kv_cells, its loops)")
+    cells_rows(cfg["cells_rounds"])
     header("state (llama-cpp-python's llama_state_* on llama-tiny.gguf, n_seq_max 4, unified)")
     n_ctx, n_seq_state = cfg["state"]
     state_rows(n_ctx, n_seq_state, cfg["state_rounds"])

@@ -464,6 +464,75 @@ uint32_t kb_get_n_kv(void * p, uint32_t stream, int64_t iters, double * t) {
     return sink;
 }
 
+// llama_kv_cells alone, for the bulk workloads of benchmarks/bench_cells.py: each loop as llama.cpp writes it
+void * kc_new(uint32_t n) {
+    auto * c = new llama_kv_cells();
+    c->resize(n);
+    return c;
+}
+void * kc_clone(void * p) { return new llama_kv_cells(*(llama_kv_cells *) p); }
+void kc_free(void * p) { delete (llama_kv_cells *) p; }
+uint32_t kc_used(void * p) { return ((llama_kv_cells *) p)->get_used(); }
+
+static std::vector<uint32_t> kc_all(const llama_kv_cells & c) {
+    std::vector<uint32_t> idxs(c.size());
+    for (uint32_t i = 0; i < c.size(); ++i) idxs[i] = i;
+    return idxs;
+}
+
+// (e) pos_set + seq_add of every cell
+double kc_fill(void * p, int64_t n, const int32_t * pos, const int32_t * seq) {
+    auto & c = *(llama_kv_cells *) p;
+    const auto t0 = clk::now();
+    for (int64_t i = 0; i < n; ++i) {
+        c.pos_set(i, pos[i]);
+        c.seq_add(i, seq[i]);
+    }
+    return secs(t0, clk::now());
+}
+
+// (f) llama_kv_cache::seq_rm's loop over the cells for one sequence and a position range
+double kc_seq_rm(void * p, int32_t seq_id, int32_t p0, int32_t p1) {
+    auto & c = *(llama_kv_cells *) p;
+    const auto t0 = clk::now();
+    for (uint32_t i = 0; i < c.size(); ++i) {
+        if (c.pos_in(i, p0, p1) && c.seq_has(i, seq_id)) c.seq_rm(i, seq_id);
+    }
+    return secs(t0, clk::now());
+}
+
+// (g) pos_add on every used cell (llama_kv_cache::seq_add's loop, every sequence)
+double kc_pos_add_used(void * p, int32_t d) {
+    auto & c = *(llama_kv_cells *) p;
+    const auto t0 = clk::now();
+    for (uint32_t i = 0; i < c.size(); ++i) {
+        if (!c.is_empty(i)) c.pos_add(i, d);
+    }
+    return secs(t0, clk::now());
+}
+
+// (h) seq_pos_max queries
+double kc_seq_pos_max(void * p, int64_t n, const int32_t * q, int32_t * out) {
+    auto & c = *(llama_kv_cells *) p;
+    const auto t0 = clk::now();
+    for (int64_t k = 0; k < n; ++k) out[k] = c.seq_pos_max(q[k]);
+    return secs(t0, clk::now());
+}
+
+// (i) cp + set of every cell (prepare's backup and restore); (i2) with `saved`, a copy of other cells, set back
+void * kc_cp_all(void * p) {
+    auto & c = *(llama_kv_cells *) p;
+    return new llama_kv_cells(c.cp(kc_all(c)));
+}
+double kc_cp_set(void * p, void * saved) {
+    auto & c = *(llama_kv_cells *) p;
+    const auto idxs = kc_all(c);
+    const auto t0 = clk::now();
+    auto copy = c.cp(idxs);
+    c.set(idxs, saved ? *(llama_kv_cells *) saved : copy);
+    return secs(t0, clk::now());
+}
+
 }  // extern "C"
 """
 
@@ -557,6 +626,16 @@ class LlamaRef:
             "kb_used": (u32, [vp, u32]),
             "kb_head": (u32, [vp, u32]),
             "kb_get_n_kv": (u32, [vp, u32, i64, _dp]),
+            "kc_new": (vp, [u32]),
+            "kc_clone": (vp, [vp]),
+            "kc_free": (None, [vp]),
+            "kc_used": (u32, [vp]),
+            "kc_fill": (ctypes.c_double, [vp, i64, _i32p, _i32p]),
+            "kc_seq_rm": (ctypes.c_double, [vp, i32, i32, i32]),
+            "kc_pos_add_used": (ctypes.c_double, [vp, i32]),
+            "kc_seq_pos_max": (ctypes.c_double, [vp, i64, _i32p, _i32p]),
+            "kc_cp_all": (vp, [vp]),
+            "kc_cp_set": (ctypes.c_double, [vp, vp]),
         }
         for name, (res, args) in sigs.items():
             fn = getattr(lib, name)
@@ -629,6 +708,51 @@ class LlamaRef:
     def get_n_kv(self, stream: int, iters: int) -> tuple[float, int]:
         n = self.lib.kb_get_n_kv(self.h, stream, iters, ctypes.byref(self._t))
         return self._t.value / iters, int(n)
+
+
+class CellsRef:
+    """One llama_kv_cells (llama.cpp's real header), driven through ctypes; each call returns llama.cpp's time."""
+
+    def __init__(self, n: int = 0, handle: int | None = None) -> None:
+        if LlamaRef._lib is None:
+            raise Unavailable("LlamaRef.load() first")
+        self.lib = LlamaRef._lib
+        self.h = handle if handle is not None else self.lib.kc_new(n)
+
+    def close(self) -> None:
+        if self.h:
+            self.lib.kc_free(self.h)
+            self.h = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    def clone(self) -> CellsRef:
+        return CellsRef(handle=self.lib.kc_clone(self.h))
+
+    def cp_all(self) -> CellsRef:
+        return CellsRef(handle=self.lib.kc_cp_all(self.h))
+
+    def used(self) -> int:
+        return int(self.lib.kc_used(self.h))
+
+    def fill(self, pos: np.ndarray, seq: np.ndarray) -> float:
+        a, b = (np.ascontiguousarray(x, dtype=np.int32) for x in (pos, seq))
+        return float(self.lib.kc_fill(self.h, len(a), a, b))
+
+    def seq_rm(self, seq_id: int, p0: int, p1: int) -> float:
+        return float(self.lib.kc_seq_rm(self.h, seq_id, p0, p1))
+
+    def pos_add_used(self, d: int) -> float:
+        return float(self.lib.kc_pos_add_used(self.h, d))
+
+    def seq_pos_max(self, queries: np.ndarray) -> tuple[float, np.ndarray]:
+        q = np.ascontiguousarray(queries, dtype=np.int32)
+        out = np.empty_like(q)
+        return float(self.lib.kc_seq_pos_max(self.h, len(q), q, out)), out
+
+    def cp_set(self, saved: CellsRef | None = None) -> float:
+        return float(self.lib.kc_cp_set(self.h, saved.h if saved is not None else None))
 
 
 def prepare(log=print) -> Path:
