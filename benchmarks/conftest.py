@@ -3,14 +3,14 @@
 - ``--benchmark-only`` wins over a ``--benchmark-disable`` coming from addopts or the command line
   (pytest-benchmark would otherwise refuse the two options together).
 - ``twin`` is parametrized over the cell twins (ids ``py`` and ``c``, as in tests/conftest.py).
-- At the end of the session a table puts Cython and Python side by side per workload, with llama.cpp's
-  C++ reference times for the same workload where one is known (``REFERENCE_MS`` in the bench module).
+- At the end of the session a table puts Cython and Python side by side per cells workload; the same workloads
+  against llama.cpp's llama_kv_cells, compiled and run in the same process, are rows 14e-14i2 of
+  ``python benchmarks/bench_vs_llama.py``.
 """
 
 from __future__ import annotations
 
 import os
-import sys
 from typing import Any
 
 import pytest
@@ -65,17 +65,9 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
             continue  # the mask and state benchmarks print their own same-run ratio tables
         twin_id = bench.name.rsplit("[", 1)[-1].rstrip("]").split("-")[0]
         rows.setdefault(bench.group or bench.name, {})[twin_id] = bench
-    refs: dict[str, tuple[float, float]] = {}
-    here = os.path.dirname(os.path.abspath(__file__))
-    for module in list(sys.modules.values()):  # the bench modules that ran declare REFERENCE_MS
-        path = getattr(module, "__file__", None) or ""
-        if os.path.dirname(os.path.abspath(path)) == here:
-            refs.update(getattr(module, "REFERENCE_MS", {}))
     tr = terminalreporter
     tr.section("kvref cells: Cython vs Python (median ms; min in brackets)")
-    tr.write_line(
-        f"{'workload':<30} {'py ms':>16} {'c ms':>16} {'py/c':>8}   {'llama.cpp ms':>13} {'c vs llama.cpp':>15}"
-    )
+    tr.write_line(f"{'workload':<30} {'py ms':>16} {'c ms':>16} {'py/c':>8}")
     for group, by_twin in sorted(rows.items()):
         cells = {}
         for twin_id in ("py", "c"):
@@ -85,8 +77,5 @@ def pytest_terminal_summary(terminalreporter: Any, config: pytest.Config) -> Non
         py, c = cells["py"], cells["c"]
         fmt = lambda v: f"{v[0]:9.3f} [{v[1]:.3f}]" if v else "-"  # noqa: E731
         ratio = f"{py[0] / c[0]:7.0f}x" if py and c and c[0] > 0 else "-"
-        ref = refs.get(group)
-        ref_s = f"{ref[0]:g}-{ref[1]:g}" if ref else "-"
-        vs = f"{(ref[0] + ref[1]) / 2 / c[0]:13.1f}x" if ref and c and c[0] > 0 else "-"
-        tr.write_line(f"{group:<30} {fmt(py):>16} {fmt(c):>16} {ratio:>8}   {ref_s:>13} {vs:>15}")
-    tr.write_line("py/c: Python time / Cython time; c vs llama.cpp: midpoint of the C++ reference / Cython time")
+        tr.write_line(f"{group:<30} {fmt(py):>16} {fmt(c):>16} {ratio:>8}")
+    tr.write_line("py/c: Python time / Cython time; against llama.cpp: python benchmarks/bench_vs_llama.py (14e-14i2)")
