@@ -4,7 +4,7 @@
 built and the Python twin otherwise, with one warning saying why unless the package was installed without
 extensions on purpose (``KVREF_PUREPYTHON=1 pip install .``); ``cython`` fails loudly when the extension is
 missing; ``python`` always takes the Python twin. Only the selector modules (``kvref/cells.py``,
-``kvref/mask.py``, ``kvref/slots.py``) call `select`.
+``kvref/mask.py``, ``kvref/slots.py``, and ``kvref/hparams.py`` for its GGUF walk) call `select`.
 """
 
 from __future__ import annotations

@@ -18,9 +18,12 @@ from typing import Any
 
 import numpy as np
 
+from ._backend import select
 from .archs import _ARCH_ROPE_IF_MROPE, ARCH_ROPE_TYPE, HYBRID_ARCHS, RECURRENT_ARCHS
 from .constants import LLAMA_MAX_LAYERS, RopeType, SWAType
 from .errors import HParamsError
+
+_gguf = select("gguf")  # the walk over a vocabulary's strings: kvref/_gguf_py.py, or its Cython twin
 
 
 def is_masked_swa(n_swa: int, swa_type: SWAType | int, p0: Any, p1: Any) -> Any:
@@ -533,14 +536,10 @@ class _GGUFParser:
             raise ValueError(f"array {what} of {count} elements does not fit in the {self.end - at} bytes left")
         types = [_GGUF_ARRAY, etype]
         if etype == _GGUF_STRING:
-            u64, buf, end = self._u64, self.buf, self.end
-            for _ in range(count):
-                if at + 8 > end:
-                    self._need(at, 8, what)
-                at += 8 + u64(buf, at)[0]
-                if at > end:
-                    self._need(at, 0, what)
-                    raise ValueError(f"truncated GGUF metadata: a string of {what} runs past the end")
+            at, short = _gguf.skip_strings(self.buf, at, count, self.end, self.order == ">")
+            if short:  # a length field, or a string, that the bytes left cannot hold
+                self._need(at, 8 if short == _gguf.TRUNCATED_LENGTH else 0, what)
+                raise ValueError(f"truncated GGUF metadata: a string of {what} runs past the end")
         elif etype == _GGUF_ARRAY:
             leaves = 0
             for i in range(count):  # nested arrays (gguf's reader flattens them): walk each

@@ -31,7 +31,7 @@ NOT_BUILT = "the compiled twins are not built and this run asked for the Python 
 def pytest_configure(config: pytest.Config) -> None:
     if requested() == "python":
         return
-    for stem in ("cells", "mask", "slots"):
+    for stem in ("cells", "mask", "slots", "gguf"):
         if _load_compiled(stem) is None:
             raise pytest.UsageError(
                 f"kvref's compiled twins cannot be loaded: {why_not_compiled(stem)}. "
