@@ -264,7 +264,8 @@ class KVCacheISWA(PairedMemory[ISWASlot, ISWASlot]):
         if plan_b is None:
             return None
         plan_s = self.swa._single(batch, n_ubatch, False)
-        if plan_s is None or plan_b[1].tobytes() != plan_s[1].tobytes():
+        # given positions are both plans' positions; computed ones come from each cache's seq_pos_max
+        if plan_s is None or (batch.pos is None and plan_b[1].tobytes() != plan_s[1].tobytes()):
             return None
         logits: npt.NDArray[np.bool_] | None = batch.logits  # type: ignore[assignment]  # _single checked it
         ub = UBatch.whole_single(plan_b[3], plan_b[1], plan_b[2], logits if logits is None else logits.copy())
