@@ -628,14 +628,16 @@ class RecurrentMemory:
         return slot
 
     def _gather_states(self, slot: RecurrentSlot) -> None:
+        # every cell reading its own row (a decode step of sequences that own their cells) gathers nothing new
+        in_place = bool(np.array_equal(slot.s_copy, np.arange(slot.head, slot.head + slot.n)))
         for bufs in (self.r_l, self.s_l, self.p_l):
             for b in bufs:
                 if b is None:
                     continue
                 if slot.rs_z >= 0:
                     b[slot.rs_z] = 0
-                rows = b[slot.s_copy].copy()
-                b[slot.head : slot.head + slot.n] = rows
+                if not in_place:
+                    b[slot.head : slot.head + slot.n] = b[slot.s_copy]  # fancy indexing reads a copy first
 
     def init_batch(self, balloc: BatchAllocr, n_ubatch: int, embd_all: bool = False) -> list[tuple[UBatch, None]]:
         """llama_memory_recurrent::init_batch: split, then prepare; NoSlotError when either fails. Returns
