@@ -630,7 +630,7 @@ class KVCache:
                     cells.rm(idx)
         if not _slots.kernels.place_planned(cells, plan):
             raise AssertionError("a planned decode step could not be placed")  # plan_single checked every value
-        for sid in sorted(removed):
+        for sid in sorted(removed) if removed else ():
             p_min = cells.seq_pos_min(sid)
             if p_min <= removed[sid]:
                 cells.seq_rm_range(sid, p_min, removed[sid] + 1)
