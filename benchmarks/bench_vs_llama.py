@@ -91,6 +91,13 @@ def header(title: str) -> None:
     )
 
 
+def timed(fn: Callable[[], object]) -> float:
+    """Seconds ``fn()`` takes."""
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
 def abba(rounds: int, a: Callable[[int], float], b: Callable[[int], float]) -> tuple[list[float], list[float]]:
     """Run a and b alternately (ABBA); each returns its own elapsed seconds for step r."""
     ta, tb = [], []
@@ -354,11 +361,6 @@ def cells_rows(rounds: int) -> None:
     ref.fill(W.POSITIONS, W.SEQS)
     mine = W.filled(cls)
 
-    def timed(fn: Callable[[], object]) -> float:
-        t = time.perf_counter()
-        fn()
-        return time.perf_counter() - t
-
     def fill_kv(_r: int) -> float:
         c = cls(W.N_CELLS)
         return timed(lambda: (c.pos_set_many(W.IDXS, W.POSITIONS), c.seq_add_many(W.IDXS, W.SEQS)))
@@ -476,11 +478,6 @@ def _state_rows(L, ctx, n_ctx: int, n_seq: int, rounds: int) -> None:
     mib = len(kv_state) / (1 << 20)
     ll_size = L.llama_state_get_size(ctx)
     ll_buf = (ctypes.c_uint8 * ll_size)()
-
-    def timed(fn: Callable[[], object]) -> float:
-        t = time.perf_counter()
-        fn()
-        return time.perf_counter() - t
 
     # 6: save into a buffer the caller allocated once (llama_state_get_size + llama_state_get_data), like for like;
     # 6b: state_write(), which returns a new bytes object each time
@@ -667,11 +664,6 @@ def _save_rows(L, run, mem, path: Path, n_tok: int, rounds: int) -> None:
     size = L.llama_state_get_size(run.ctx)
     ll_buf = (ctypes.c_uint8 * size)()
     kv_buf = bytearray(mem.state_size())
-
-    def timed(fn: Callable[[], object]) -> float:
-        t = time.perf_counter()
-        fn()
-        return time.perf_counter() - t
 
     ta, tb = abba(
         rounds,

@@ -615,8 +615,8 @@ class KVCache:
     def _commit_single(self, plan: SinglePlan) -> SlotInfo:
         """Write a planned step (``_single(..., write=False)``, nothing changed since) as apply_ubatch does: a used
         target (a sliding-window cache reuses masked cells, each holding one sequence) is cleared first, remembering
-        the highest position removed per sequence; the tokens go in with one ``place``; then each such sequence
-        loses its cells up to that position (llama.cpp's seq_rm from its seq_pos_min), so its positions stay gap-free.
+        the highest position removed per sequence; the tokens go in with one ``place``; then `kvref.slots.purge_below`
+        (as apply_ubatch ends).
         Nothing can refuse: the plan checked it all."""
         idxs = plan[0].tolist()
         cells = self._cells[0]
@@ -630,10 +630,8 @@ class KVCache:
                     cells.rm(idx)
         if not _slots.kernels.place_planned(cells, plan):
             raise AssertionError("a planned decode step could not be placed")  # plan_single checked every value
-        for sid in sorted(removed) if removed else ():
-            p_min = cells.seq_pos_min(sid)
-            if p_min <= removed[sid]:
-                cells.seq_rm_range(sid, p_min, removed[sid] + 1)
+        if removed:
+            _slots.purge_below(self, removed)
         self.heads[0] = idxs[-1] + 1
         self._checked = None
         return SlotInfo(0, 0, [0], [idxs])

@@ -283,15 +283,21 @@ def _apply_writes(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch, plan: _Plan) 
                 cell_of = [idx for idx, ids in zip(idxs, seq_ids, strict=True) for _ in ids]
                 cells.seq_add_many(cell_of, [int(sid) for ids in seq_ids for sid in ids])
 
-    # keep every sequence's positions gap-free: drop what lies below a position we overwrote
-    for sid in sorted(seq_pos_max_rm):
-        cells = cache.cells(cache.seq_to_stream[sid])
-        p_min = cells.seq_pos_min(sid)
-        if p_min <= seq_pos_max_rm[sid]:
-            cache.seq_rm(sid, p_min, seq_pos_max_rm[sid] + 1)
-
+    purge_below(cache, seq_pos_max_rm)
     for s in range(len(sinfo.strm)):
         cache.heads[sinfo.strm[s]] = int(sinfo.idxs[s][-1]) + 1
+
+
+def purge_below(cache: KVCache, removed: dict[int, int]) -> None:
+    """apply_ubatch's last writes: each sequence that lost a cell to the ubatch (``removed``: sequence -> highest
+    position removed) loses its cells from its seq_pos_min up to that position, so its positions stay gap-free
+    (llama.cpp's seq_rm: the freed cells also lower the stream's head, as ``KVCache.seq_rm`` does)."""
+    for sid in sorted(removed):
+        stream = cache.seq_to_stream[sid]
+        cells = cache.cells(stream)
+        p_min = cells.seq_pos_min(sid)
+        if p_min <= removed[sid]:
+            cache._lower_head(stream, cells.seq_rm_range(sid, p_min, removed[sid] + 1))
 
 
 def _writes_cannot_fail(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch, plan: _Plan) -> bool:
@@ -384,5 +390,6 @@ __all__ = [
     "find_slot",
     "prepare",
     "prepare_checked",
+    "purge_below",
     "usable_cells",
 ]

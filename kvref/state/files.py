@@ -74,6 +74,13 @@ def _check_version(known: tuple[int, ...], oldest: str) -> Check:
     return check
 
 
+def _written(f: BinaryIO, write: Callable[[Writer], object]) -> int:
+    """The bytes ``write`` streams to ``f`` through a `Writer`: how every container writes itself."""
+    w = Writer(f)
+    write(w)
+    return w.n
+
+
 class StateObject(Record):
     """What every container offers: bytes, streaming save, and a summary (see `kvref.state.summary`)."""
 
@@ -90,9 +97,7 @@ class StateObject(Record):
 
     def write_to(self, f: BinaryIO) -> int:
         """Stream the encoding to ``f``; tensor rows are written straight from their (memory-mapped) views."""
-        w = Writer(f)
-        write_root(STRUCTS[self.kind], self, w)
-        return w.n
+        return _written(f, lambda w: write_root(STRUCTS[self.kind], self, w))
 
     def save(self, path: str | os.PathLike[str], *, durable: bool = True) -> int:
         """Write the container to ``path`` through a temporary file (`kvref.state.save`); returns the byte count."""
@@ -176,9 +181,7 @@ class LegacySessionFile(SessionFile):
     raw_kv: RawKV | None = None
 
     def write_to(self, f: BinaryIO) -> int:
-        w = Writer(f)
-        write_raw_kv(self, w)
-        return w.n
+        return _written(f, lambda w: write_raw_kv(self, w))
 
 
 @dataclass(eq=False)
@@ -188,9 +191,7 @@ class LegacyStateBlob(StateBlob):
     raw_kv: RawKV | None = None
 
     def write_to(self, f: BinaryIO) -> int:
-        w = Writer(f)
-        write_raw_kv(self, w)
-        return w.n
+        return _written(f, lambda w: write_raw_kv(self, w))
 
 
 @dataclass(eq=False)
@@ -202,9 +203,8 @@ class LegacySeqFile(SeqFile):
 
     def write_to(self, f: BinaryIO) -> int:
         assert self.raw_seq is not None
-        w = Writer(f)
-        write_seq_v1(self.raw_seq, np.asarray(self.tokens, np.int32), w)
-        return w.n
+        raw, tokens = self.raw_seq, np.asarray(self.tokens, np.int32)
+        return _written(f, lambda w: write_seq_v1(raw, tokens, w))
 
 
 @dataclass(eq=False)
@@ -215,9 +215,8 @@ class LegacySeqStateBlob(SeqStateBlob):
 
     def write_to(self, f: BinaryIO) -> int:
         assert self.raw_seq is not None
-        w = Writer(f)
-        write_seq_v1(self.raw_seq, None, w)
-        return w.n
+        raw = self.raw_seq
+        return _written(f, lambda w: write_seq_v1(raw, None, w))
 
 
 def read_legacy_seq(buf: memoryview, kind: str) -> LegacySeqFile | LegacySeqStateBlob:
