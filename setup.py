@@ -57,7 +57,7 @@ if not PUREPYTHON:
             extra_compile_args=["-O3", "-g0", "-std=c++17"],
             define_macros=[("NPY_NO_DEPRECATED_API", "NPY_1_7_API_VERSION")],
         )
-        for path in sorted(glob.glob(os.path.join("kvref", "_*_c.pyx")))
+        for path in sorted(glob.glob(os.path.join("kvref", "**", "_*_c.pyx"), recursive=True))
     ]
     ext_modules = cythonize(
         extensions,

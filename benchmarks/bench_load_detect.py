@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 import kvref.state as S
-from kvref.ggml import GGMLType
+from kvref.ggml.types import GGMLType
 from kvref.state.constants import LAYOUTS
 
 N_LAYER = 32

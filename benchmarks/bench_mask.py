@@ -28,10 +28,10 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
-from kvref import _mask_py
+from kvref.memory import _mask_py
 
 try:
-    from kvref import _mask_c
+    from kvref.memory import _mask_c
 except ModuleNotFoundError:  # the table then has no Cython column; say so instead of failing silently
     _mask_c = None
 
@@ -160,7 +160,7 @@ def _table(request: pytest.FixtureRequest):
         request.config.add_cleanup(lambda: reporter.write_line(text))
 
 
-@pytest.mark.skipif(_mask_c is None, reason="kvref._mask_c is not built")
+@pytest.mark.skipif(_mask_c is None, reason="kvref.memory._mask_c is not built")
 @pytest.mark.parametrize(("name", "dtype"), CASES, ids=IDS)
 def test_kq_mask(benchmark, name, dtype):
     res = measure(name, dtype)

@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 
 import kvref.state as S
-from kvref.ggml import GGMLType, row_size
+from kvref.ggml.types import GGMLType, row_size
 
 MIB = int(os.environ.get("KVREF_BENCH_STATE_MIB", "1024"))
 ROUNDS = int(os.environ.get("KVREF_BENCH_ROUNDS", "4"))

@@ -41,7 +41,7 @@ import llama_ref
 
 import kvref
 import kvref.state as S
-from kvref.mask import fill_kq_mask
+from kvref.memory.mask import fill_kq_mask
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "conformance" / "models" / "llama-tiny.gguf"
@@ -356,7 +356,7 @@ def cells_rows(rounds: int) -> None:
     runs for them; each round on fresh copies made outside the clock."""
     import bench_cells as W
 
-    cls = kvref.cells.KVCells
+    cls = kvref.memory.cells.KVCells
     ref = llama_ref.CellsRef(W.N_CELLS)
     ref.fill(W.POSITIONS, W.SEQS)
     mine = W.filled(cls)

@@ -54,7 +54,7 @@ def workloads(n: int) -> dict[str, Callable[[Any], object]]:
 
 
 def run(twin: str, sizes: list[int], repeat: int) -> None:
-    mod = importlib.import_module("kvref._cells_py" if twin == "py" else "kvref._cells_c")
+    mod = importlib.import_module("kvref.memory._cells_py" if twin == "py" else "kvref.memory._cells_c")
     KVCells = mod.KVCells
     results: dict[str, list[float]] = {}
     for n in sizes:

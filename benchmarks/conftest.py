@@ -24,11 +24,11 @@ def pytest_configure(config: pytest.Config) -> None:
         config.option.benchmark_enable = True
 
 
-CELLS_C = _load_compiled("cells")
+CELLS_C = _load_compiled("memory.cells")
 
 
 def _twins() -> list[Any]:
-    from kvref import _cells_py
+    from kvref.memory import _cells_py
 
     params = [pytest.param(_cells_py.KVCells, id="py")]
     if CELLS_C is not None:
@@ -36,14 +36,14 @@ def _twins() -> list[Any]:
     elif os.environ.get("KVREF_BACKEND", "").strip().lower() == "cython":
         params.append(pytest.param(None, id="c"))  # fails in the fixture
     else:
-        params.append(pytest.param(None, id="c", marks=pytest.mark.skip(reason="kvref._cells_c is not built")))
+        params.append(pytest.param(None, id="c", marks=pytest.mark.skip(reason="kvref.memory._cells_c is not built")))
     return params
 
 
 @pytest.fixture(params=_twins())
 def twin(request: pytest.FixtureRequest) -> type:
     if request.param is None:
-        pytest.fail("KVREF_BACKEND=cython but kvref._cells_c is not built")
+        pytest.fail("KVREF_BACKEND=cython but kvref.memory._cells_c is not built")
     return request.param
 
 

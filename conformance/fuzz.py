@@ -6,7 +6,7 @@ A seeded random *plan* of memory operations (decodes of random multi-sequence ba
 seq_keep / seq_add / seq_div / clear, cache-overflowing and invalid batches, state saves and restores) is a
 trace without results: ops of case.json's vocabulary (case.schema.json), so the one llama.cpp-side interpreter
 (driver.Run.apply) runs it and records every return value and seq_pos_min/max after every op, and the one
-kvref-side interpreter (kvref.conformance.replay_trace, through run_case: parse, replay, graph, restore)
+kvref-side interpreter (kvref.jobs.conformance.replay_trace, through run_case: parse, replay, graph, restore)
 replays the resulting case directory (golden format: case.json + artefacts). Positions and restored files are
 resolved while the plan runs (PLAN_KEYS), from llama.cpp's own seq_pos_max, so any subset of a plan is again
 a valid plan: that is how failures are minimised (--keep).
@@ -383,7 +383,7 @@ def gen_case(
 
 def replay(root: Path, cid: str) -> tuple[str, str]:
     """('pass'|'fail'|'unsupported', detail) for kvref on the case."""
-    from kvref import conformance as C
+    from kvref.jobs import conformance as C
 
     res = C.run_case(root, cid, expected={})
     for c in res.checks:

@@ -301,7 +301,7 @@ def _pick(nodes: list[ShiftNode], swa: list[int], per_layer: int, rng: np.random
     the C library's) come first, then one cell of each distinct shift, eight unshifted cells, then random shifted
     cells. Layers: 0 and the first global one, and the SWA and global layers with most rows the trig variant gets
     wrong (ties: the FMA variant)."""
-    from kvref import kshift
+    from kvref.memory import kshift
 
     fma_bad: dict[int, np.ndarray] = {}
     trig_bad: dict[int, np.ndarray] = {}

@@ -270,7 +270,7 @@ def make_program(seed: int, index: int) -> dict[str, Any]:
 
 @cache
 def _hparams(model: str) -> Any:
-    from kvref import conformance as C
+    from kvref.jobs import conformance as C
 
     case = json.loads((GOLDEN / MODELS[model] / "case.json").read_text())
     return C.hparams_from_case(case)
@@ -293,7 +293,7 @@ def build_memory(cfg: dict[str, Any]) -> Any:
 def call(mem: Any, name: str, args: list[Any], blobs: list[bytes]) -> Any:
     """Perform one op; the Batch of a decode is built inside (its own validation is part of the API)."""
     if name == "decode":
-        from kvref.batch import Batch
+        from kvref.memory.batch import Batch
 
         n, p, tok_seq, nub = args
         batch = Batch(
@@ -311,7 +311,7 @@ def program_source(prog: dict[str, Any]) -> str:
     lines = [
         "import numpy as np, kvref, json",
         "from kvref import conformance as C",
-        "from kvref.batch import Batch",
+        "from kvref.memory.batch import Batch",
         f"case = json.load(open('conformance/golden/{MODELS[cfg['model']]}/case.json'))",
         f"mem = kvref.create_memory(C.hparams_from_case(case), n_ctx={cfg['n_ctx']}, n_seq_max={cfg['n_seq_max']}, "
         f"kv_unified={cfg['kv_unified']}, flash_attn={cfg['flash_attn']}, n_ubatch=512, n_batch=512)",

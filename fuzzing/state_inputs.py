@@ -159,7 +159,7 @@ class Artefact:
 @cache
 def artefacts() -> tuple[Artefact, ...]:
     """Every golden artefact a case's trace saves, in a stable order."""
-    from kvref import conformance as C
+    from kvref.jobs import conformance as C
 
     out = []
     for d in sorted(GOLDEN.iterdir()):
@@ -338,8 +338,8 @@ class MemoryUnderTest:
 
     def __init__(self, art: Artefact) -> None:
         import kvref.state as S
-        from kvref import conformance as C
         from kvref.errors import KVRefError
+        from kvref.jobs import conformance as C
 
         c = case(art.case_id)
         self.n_seq = c["observed_context"]["n_seq_max"]

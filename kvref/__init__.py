@@ -10,7 +10,7 @@ import importlib
 import logging
 from typing import Any
 
-from . import _backend, errors
+from . import _backend, _moved, errors
 from .constants import LLAMA_MAX_SEQ
 from .errors import BatchError, CellError, FormatError, KVRefError, NoSlotError, SequenceError
 
@@ -22,40 +22,41 @@ logging.getLogger("kvref").addHandler(logging.NullHandler())
 
 # an unknown KVREF_BACKEND is an error now, not at the first use of a twin
 _backend.requested()
+_moved.install()  # the module paths of kvref 0.1 (kvref.kv_cache, ...) still import, with a DeprecationWarning
 
 # public name -> module that defines it
 _LAZY = {
-    "KVCells": "kvref.cells",
-    "GGMLType": "kvref.ggml",
+    "KVCells": "kvref.memory.cells",
+    "GGMLType": "kvref.ggml.types",
     "HParams": "kvref.hparams",
     "SWAType": "kvref.hparams",
     "RopeType": "kvref.hparams",
-    "Batch": "kvref.batch",
-    "UBatch": "kvref.batch",
-    "KVCache": "kvref.kv_cache",
-    "SlotInfo": "kvref.kv_cache",
-    "RecurrentMemory": "kvref.recurrent",
-    "KVCacheISWA": "kvref.kv_cache_iswa",
-    "HybridMemory": "kvref.hybrid",
-    "create_memory": "kvref.memory",
-    "context_params": "kvref.memory",
-    "Memory": "kvref.memory",
-    "BatchAllocr": "kvref.batch",
+    "Batch": "kvref.memory.batch",
+    "UBatch": "kvref.memory.batch",
+    "KVCache": "kvref.memory.kv_cache",
+    "SlotInfo": "kvref.memory.kv_cache",
+    "RecurrentMemory": "kvref.memory.recurrent",
+    "KVCacheISWA": "kvref.memory.kv_cache_iswa",
+    "HybridMemory": "kvref.memory.hybrid",
+    "create_memory": "kvref.memory.factory",
+    "context_params": "kvref.memory.factory",
+    "Memory": "kvref.memory.factory",
+    "BatchAllocr": "kvref.memory.batch",
     "Profile": "kvref.profile",
     "HParamsError": "kvref.errors",
-    "restore": "kvref.from_file",
-    "Restored": "kvref.from_file",
-    "save_memory": "kvref.to_file",
-    "convert": "kvref.conversion",
-    "diff": "kvref.state_diff",
-    "check_file": "kvref.load_check",
+    "restore": "kvref.jobs.restore",
+    "Restored": "kvref.jobs.restore",
+    "save_memory": "kvref.jobs.save",
+    "convert": "kvref.jobs.convert",
+    "diff": "kvref.jobs.diff",
+    "check_file": "kvref.jobs.check",
 }
-_SUBMODULES = ("cells", "mask", "ggml", "state", "batch", "hparams", "kv_cache", "memory", "compat", "conformance")
+_SUBMODULES = ("cells", "mask", "ggml", "state", "memory", "jobs", "hparams", "compat")
 
 
 def backend() -> str:
     """``"cython"`` or ``"python"``: the twin the selector modules picked (see ``KVREF_BACKEND``)."""
-    from .cells import BACKEND
+    from .memory.cells import BACKEND
 
     return BACKEND
 
@@ -87,7 +88,7 @@ def __getattr__(name: str) -> Any:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value  # resolved once: later lookups are plain attribute reads (kvref.Batch in a loop)
         return value
-    if name in _SUBMODULES:
+    if name in _SUBMODULES or f"kvref.{name}" in _moved.MOVED:
         return importlib.import_module(f"kvref.{name}")
     raise AttributeError(f"module 'kvref' has no attribute {name!r}")
 

@@ -3,8 +3,9 @@
 ``KVREF_BACKEND`` (checked when ``kvref`` is imported): ``auto`` (default) takes the compiled twin when it was
 built and the Python twin otherwise, with one warning saying why unless the package was installed without
 extensions on purpose (``KVREF_PUREPYTHON=1 pip install .``); ``cython`` fails loudly when the extension is
-missing; ``python`` always takes the Python twin. Only the selector modules (``kvref/cells.py``,
-``kvref/mask.py``, ``kvref/slots.py``, and ``kvref/hparams.py`` for its GGUF walk) call `select`.
+missing; ``python`` always takes the Python twin. Only the selector modules (``kvref/memory/cells.py``,
+``kvref/memory/mask.py``, ``kvref/memory/slots.py``, and ``kvref/hparams.py`` for its GGUF walk) call `select`.
+A twin is named by its stem under ``kvref``: ``"memory.cells"`` is ``kvref.memory._cells_c`` / ``_cells_py``.
 """
 
 from __future__ import annotations
@@ -40,30 +41,38 @@ def purepython_install() -> bool:
 
 def source_tree() -> bool:
     """kvref is imported from a source checkout (the directory holding setup.py), not from an install."""
-    return (PACKAGE_DIR.parent / "setup.py").exists() and (PACKAGE_DIR / "_cells_c.pyx").exists()
+    return (PACKAGE_DIR.parent / "setup.py").exists() and (PACKAGE_DIR / "memory" / "_cells_c.pyx").exists()
+
+
+def _twin(stem: str, suffix: str) -> str:
+    """``("memory.cells", "c")`` -> ``"kvref.memory._cells_c"``."""
+    package, _, leaf = stem.rpartition(".")
+    return ".".join(["kvref", *([package] if package else []), f"_{leaf}_{suffix}"])
 
 
 def compiled_elsewhere(stem: str) -> Path | None:
     """An installed copy of kvref on ``sys.path``, other than this one, that has the compiled twin."""
     for entry in sys.path:
         pkg = Path(entry or ".").resolve() / "kvref"
-        if pkg != PACKAGE_DIR and (any(pkg.glob(f"_{stem}_c.*.so")) or any(pkg.glob(f"_{stem}_c.*.pyd"))):
+        where = pkg.joinpath(*_twin(stem, "c").split(".")[1:-1])
+        name = _twin(stem, "c").rpartition(".")[2]
+        if pkg != PACKAGE_DIR and (any(where.glob(f"{name}.*.so")) or any(where.glob(f"{name}.*.pyd"))):
             return pkg
     return None
 
 
 def _load_compiled(stem: str) -> ModuleType | None:
     try:
-        return importlib.import_module(f"kvref._{stem}_c")
+        return importlib.import_module(_twin(stem, "c"))
     except ModuleNotFoundError as exc:
-        if exc.name != f"kvref._{stem}_c":
+        if exc.name != _twin(stem, "c"):
             raise  # the extension exists but something it needs does not: never hide that
         return None
 
 
 def why_not_compiled(stem: str) -> str:
-    """Why ``kvref._<stem>_c`` cannot be imported here, and the command that fixes it."""
-    ext = f"kvref._{stem}_c"
+    """Why the compiled twin of ``stem`` cannot be imported here, and the command that fixes it."""
+    ext = _twin(stem, "c")
     if source_tree():
         other = compiled_elsewhere(stem)
         if other is not None:
@@ -78,7 +87,7 @@ def why_not_compiled(stem: str) -> str:
 
 
 def select(stem: str) -> ModuleType:
-    """Return the twin module ``kvref._<stem>_c`` or ``kvref._<stem>_py`` per ``KVREF_BACKEND``."""
+    """Return the twin module ``kvref[.<package>]._<leaf>_c`` or ``_<leaf>_py`` per ``KVREF_BACKEND``."""
     choice = requested()
     if choice != "python":
         mod = _load_compiled(stem)
@@ -94,4 +103,4 @@ def select(stem: str) -> ModuleType:
                 BackendWarning,
                 stacklevel=3,
             )
-    return importlib.import_module(f"kvref._{stem}_py")
+    return importlib.import_module(_twin(stem, "py"))

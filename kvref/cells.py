@@ -1,22 +1,7 @@
-"""KV cell bookkeeping: the public selector between the Cython and the Python twin.
-
-Callers import from here only (``from kvref.cells import KVCells``); ``KVREF_BACKEND`` decides which twin
-(see ``kvref._backend``). The semantics are documented in ``kvref/_cells_py.py``.
-"""
+"""The public path of the KV cells (``from kvref.cells import KVCells``): the selector is ``kvref.memory.cells``."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from ._backend import select
-from .constants import LLAMA_MAX_SEQ, N_SEQ_WORDS, POS_MAX, TOKEN_NULL
-
-_impl = select("cells")
-
-if TYPE_CHECKING:  # type checkers see the Python twin's class (the twins share one API, see _cells_c.pyi)
-    from ._cells_py import KVCells
-else:
-    KVCells = _impl.KVCells
-BACKEND = "cython" if _impl.__name__.endswith("_c") else "python"
+from .memory.cells import BACKEND, LLAMA_MAX_SEQ, N_SEQ_WORDS, POS_MAX, TOKEN_NULL, KVCells
 
 __all__ = ["BACKEND", "LLAMA_MAX_SEQ", "N_SEQ_WORDS", "POS_MAX", "TOKEN_NULL", "KVCells"]

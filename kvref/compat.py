@@ -125,7 +125,7 @@ def cell_ext_size(compat: Profile | str) -> int:
     return resolve(compat).cell_ext_size
 
 
-# bytes of llama_kv_cell_ext per cell in the state, when the cache has one (kvref.kv_state.has_cell_ext)
+# bytes of llama_kv_cell_ext per cell in the state, when the cache has one (kvref.memory.kv_state.has_cell_ext)
 CELL_EXT_SIZES = {c: cell_ext_size(c) for c in COMPATS}
 
 
@@ -142,16 +142,16 @@ def era(release: str) -> str:
     return name_of(_release_signature(release))
 
 
-# the releases of session version 8 (kvref.eras "2024-08"): only their state files were read (kvref.state.legacy)
+# the releases of session version 8 (kvref.state.eras "2024-08"): only their state files were read (kvref.state.legacy)
 LEGACY_2024 = ("0.2.84", "0.2.90")
-# the release of session version 7 (kvref.eras "2024-07") whose state code was read: its session files are read
+# the release of session version 7 (kvref.state.eras "2024-07") whose state code was read: its session files are read
 # given the model; its cache behaviour was not read (its sequence files, version 1, have no seq ids at all)
 LEGACY_2024_07 = "0.2.83"
-# the releases of session version 6 (kvref.eras "2024-06"): 0.2.82 is read in its sources and
+# the releases of session version 6 (kvref.state.eras "2024-06"): 0.2.82 is read in its sources and
 # replayed by the legacy-0.2.82-* goldens; the others write the same context state and sequence files, but a
 # hparams struct of their own size at the head of a session file (kvref.state.legacy reads 0.2.82's)
 LEGACY_2024_06 = ("0.2.68", "0.2.82")
-# the releases of session version 5 (kvref.eras "2024-05"; 0.2.57 writes 4): 0.2.67 is read in its sources and
+# the releases of session version 5 (kvref.state.eras "2024-05"; 0.2.57 writes 4): 0.2.67 is read in its sources and
 # replayed by the legacy-0.2.67-* goldens (sequence saves from 0.2.62); the others as LEGACY_2024_06's
 LEGACY_2024_05 = ("0.2.58", "0.2.67")
 # the releases of session version 9 whose KV sequence saves still carry no seq id (state code read in 0.3.0 .. 0.3.9;
@@ -228,7 +228,7 @@ def for_llama_cpp_python(version: str | None) -> Profile:
                     CompatWarning,
                     stacklevel=2,
                 )
-            # named after the release: kvref.eras.era(profile) then gives its layout (2024-09: version 9, no rng)
+            # named after the release: kvref.state.eras.era(profile) then gives its layout (2024-09: version 9, no rng)
             return dataclasses.replace(profile_2024(), name=release)
         warnings.warn(
             f"llama-cpp-python {version} is older than {RELEASES[0]}, the oldest release kvref was checked "

@@ -90,12 +90,12 @@ class BackendWarning(RuntimeWarning):
 
 
 class ConversionError(KVRefError):
-    """A state cannot be written in the era layout asked for (``kvref.eras``; the message says what that layout
+    """A state cannot be written in the era layout asked for (``kvref.state.eras``; the message says what that layout
     cannot hold)."""
 
 
 class EditError(KVRefError):
-    """A state edit (``kvref.edit``: cut, merge, remap, restream) that cannot be made; the message says why."""
+    """A state edit (``kvref.jobs.edit``: cut, merge, remap, restream) that cannot be made; the message says why."""
 
 
 class ContextMismatch(KVRefError):
@@ -109,12 +109,12 @@ class ContextMismatch(KVRefError):
 
 
 class QuantError(KVRefError):
-    """A type kvref cannot (de)quantize (kvref.quant), or rows that are not a whole number of its blocks."""
+    """A type kvref cannot (de)quantize (kvref.ggml.quant), or rows that are not a whole number of its blocks."""
 
 
 class KShiftError(KVRefError):
     """A K-shift llama.cpp does not get through (it aborts or crashes: a bf16 K cache, some quantized ones; the
-    message names the reason and the configuration; `kvref.kshift_quant`). Raised before anything changes."""
+    message names the reason and the configuration; `kvref.memory.kshift_quant`). Raised before anything changes."""
 
 
 class NotYetImplemented(KVRefError):

@@ -1,214 +1,23 @@
-"""Graph inputs a KV cache fills: the KQ mask, T5 position buckets, the K-shift, K/V row indices.
-
-Callers use this module only; ``KVREF_BACKEND`` picks the twin that does the work (``_mask_c`` or
-``_mask_py``, see ``kvref._backend``). The twins take raw arrays (``fill_kq_mask_raw`` and friends, also
-exported here); the functions below gather those arrays from a ``KVCache`` and a ``UBatch``:
-
-    placed = cache.decode(batch)                    # [(ubatch, slot_info), ...]
-    ub, sinfo = placed[-1]
-    mask = fill_kq_mask(cache, ub, sinfo=sinfo)     # (n_stream, n_tps, n_kv) float32, 0 / -inf
-
-The semantics (which cells a token attends) are documented in ``kvref/_mask_py.py``.
-"""
+"""The public path of the graph inputs (``from kvref.mask import fill_kq_mask``); the module is
+``kvref.memory.mask``."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import numpy as np
-import numpy.typing as npt
-
-from ._backend import select
-from .errors import ArgumentError, KVRefError
-from .slots import SlotInfo
-
-if TYPE_CHECKING:
-    from ._mask_py import MaskArray
-    from .batch import UBatch
-    from .hybrid import HybridSlot
-    from .kv_cache import KVCache
-    from .kv_cache_iswa import ISWASlot
-    from .memory_base import Memory
-
-_impl = select("mask")
-
-if TYPE_CHECKING:  # type checkers see the Python twin's functions (the twins share one API, see _mask_c.pyi)
-    from ._mask_py import (
-        NonCausalType,
-        fill_k_shift_raw,
-        fill_kq_mask_raw,
-        fill_pos_bucket_raw,
-        relative_position_bucket,
-    )
-else:
-    fill_kq_mask_raw = _impl.fill_kq_mask_raw
-    fill_pos_bucket_raw = _impl.fill_pos_bucket_raw
-    fill_k_shift_raw = _impl.fill_k_shift_raw
-    relative_position_bucket = _impl.relative_position_bucket
-    NonCausalType = _impl.NonCausalType
-BACKEND = "cython" if _impl.__name__.endswith("_c") else "python"
-
-
-def attention_cache(
-    memory: Memory, sinfo: SlotInfo | ISWASlot | HybridSlot | None = None, *, swa: bool = False
-) -> tuple[KVCache, SlotInfo | None]:
-    """The KVCache (and its slot info) whose mask a memory's graph uses.
-
-    A hybrid memory masks through its attention part; an iSWA memory has two masks, llama.cpp's
-    ``kq_mask`` over the base cache and ``kq_mask_swa`` over the SWA cache (``swa=True``). The slot infos
-    that ``decode`` returns for those memories (HybridSlot, ISWASlot) are unwrapped the same way.
-    """
-    own = getattr(memory, "attention_cache", None)  # every memory with attention layers says which cache
-    if own is None:
-        raise KVRefError(f"{type(memory).__name__} has no attention cache, so no KQ mask")
-    cache: KVCache
-    part: SlotInfo | None
-    cache, part = own(sinfo, swa=swa)
-    return cache, part
-
-
-def _mask_streams(cache: KVCache, ubatch: UBatch, sinfo: SlotInfo | None) -> list[int]:
-    """The cache streams the ubatch touches (``sinfo.strm``; derived from the ubatch without a slot)."""
-    if sinfo is not None:
-        return [int(s) for s in sinfo.strm]
-    return sorted({int(cache.seq_to_stream[s]) for s in ubatch.seq_id_unq})
-
-
-def mask_n_kv(cache: KVCache, ubatch: UBatch, sinfo: SlotInfo | None = None) -> int:
-    """get_n_kv for the streams of ``sinfo`` (or of the ubatch's sequences): the mask's column count."""
-    return int(cache.get_n_kv(SlotInfo(strm=_mask_streams(cache, ubatch, sinfo))))
-
-
-def fill_kq_mask(
-    cache: Memory,
-    ubatch: UBatch,
-    out: MaskArray | None = None,
-    *,
-    dtype: npt.DTypeLike = np.float32,
-    causal: bool | None = None,
-    sinfo: SlotInfo | ISWASlot | HybridSlot | None = None,
-    n_kv: int | None = None,
-    n_swa: int | None = None,
-    swa_type: int | None = None,
-    non_causal_type: int | None = None,
-    alibi: bool | None = None,
-    swa: bool = False,
-) -> MaskArray:
-    """llama_kv_cache::set_input_kq_mask for ``ubatch`` over ``cache``: ``(n_stream, n_tps, n_kv)``.
-
-    ``cache`` may be any memory with attention: a hybrid memory's attention part is used, and for an
-    iSWA memory the base cache's mask, or the SWA cache's with ``swa=True`` (see ``attention_cache``).
-
-    ``n_stream`` is 1 for a unified cache, else the ubatch's number of distinct sequences;
-    ``n_kv`` defaults to ``get_n_kv`` over the slot's streams; ``dtype`` is float32 (or float16, the
-    flash-attention mask). ``causal`` defaults to ``hparams.causal_attn``; ``n_swa`` / ``swa_type`` to the
-    cache's own window (the SWA half of an iSWA cache has one, the base half none); ``non_causal_type``
-    and ``alibi`` to the hparams (HParams' default ``non_causal_type`` is 0, ALL). ``out`` is
-    reused when given: its shape must match, and its dtype (float32 or float16) overrides ``dtype``.
-    """
-    kv, slot = attention_cache(cache, sinfo, swa=swa)
-    hp = kv.hparams
-    n_tokens = int(ubatch.n_tokens)
-    n_stream = 1 if kv.n_stream == 1 else int(ubatch.n_seqs_unq)
-    if n_stream == 0 or n_tokens % n_stream:
-        raise KVRefError(f"{n_tokens} tokens do not split over {n_stream} streams")
-    if n_kv is None:
-        n_kv = mask_n_kv(kv, ubatch, slot)
-    shape = (n_stream, n_tokens // n_stream, int(n_kv))
-    if out is None:
-        out = np.empty(shape, dtype=dtype)
-    elif out.shape != shape:
-        raise ArgumentError(f"out: shape {out.shape}, expected {shape}")
-    pos = np.asarray(ubatch.pos, dtype=np.int32)
-    tok_x = tok_y = None
-    if ubatch.is_pos_2d():
-        # llama_ubatch keeps the M-RoPE position blocks as (t, y, x, ...), n_tokens each
-        tok_y = pos[n_tokens : 2 * n_tokens]
-        tok_x = pos[2 * n_tokens : 3 * n_tokens]
-    cells = [kv.cells(s) for s in range(kv.n_stream)]
-    if len(ubatch.seq_id_unq) == 1:  # one sequence: every token's (only) id
-        tok_seq = np.full(n_tokens, ubatch.seq_id_unq[0], dtype=np.int32)
-    else:
-        tok_seq = _impl.first_seq_ids(ubatch.seq_id, n_tokens)
-    # through _impl (not the name bound above): tests wrap the twin by replacing kvref.mask._impl
-    mask: MaskArray = _impl.fill_kq_mask_raw(
-        out,
-        [c.pos for c in cells],
-        [c.seq for c in cells],
-        [c.ext for c in cells] if tok_x is not None else None,
-        # one stream holds every sequence: no map to read
-        np.asarray(kv.seq_to_stream, dtype=np.int32) if kv.n_stream > 1 else None,
-        pos[:n_tokens],
-        tok_seq,
-        tok_x=tok_x,
-        tok_y=tok_y,
-        n_swa=kv.n_swa if n_swa is None else n_swa,
-        swa_type=int(kv.swa_type if swa_type is None else swa_type),
-        causal=bool(hp.causal_attn if causal is None else causal),
-        non_causal_type=int(hp.non_causal_type if non_causal_type is None else non_causal_type),
-        alibi=bool(hp.use_alibi if alibi is None else alibi),
-    )
-    return mask
-
-
-def fill_pos_bucket(
-    cache: KVCache | None,
-    ubatch: UBatch,
-    n_buckets: int | None = None,
-    out: npt.NDArray[np.int32] | None = None,
-    *,
-    n_kv: int | None = None,
-) -> npt.NDArray[np.int32]:
-    """T5 relative-position buckets, int32 ``(n_tokens, n_kv)``.
-
-    With a cache: llama_kv_cache::set_input_pos_bucket (key = cell position, -1 when empty; one-directional;
-    one stream only, and not for equal-split ubatches, as in llama.cpp). With ``cache=None``: the
-    cache-less encoder input (llm_graph_input_pos_bucket: token against token, bidirectional).
-    ``n_buckets`` defaults to ``hparams.n_rel_attn_bkts``.
-    """
-    n_tokens = int(ubatch.n_tokens)
-    tok_pos = np.asarray(ubatch.pos, dtype=np.int32)[:n_tokens]
-    if ubatch.equal_seqs:
-        raise KVRefError("position buckets need a ubatch from split_simple (llama.cpp asserts !equal_seqs)")
-    if cache is None:
-        if n_buckets is None:
-            raise ArgumentError("n_buckets is required without a cache")
-        key_pos, bidirectional = tok_pos, True
-    else:
-        if cache.n_stream != 1:
-            raise KVRefError("position buckets support one stream only (as in llama.cpp)")
-        if n_buckets is None:
-            n_buckets = cache.hparams.n_rel_attn_bkts
-        if n_kv is None:
-            n_kv = mask_n_kv(cache, ubatch)
-        key_pos, bidirectional = np.asarray(cache.cells(0).pos)[:n_kv], False
-    if out is None:
-        out = np.empty((n_tokens, key_pos.shape[0]), dtype=np.int32)
-    buckets: npt.NDArray[np.int32] = _impl.fill_pos_bucket_raw(out, key_pos, tok_pos, n_buckets, bidirectional)
-    return buckets
-
-
-def k_shift_input(cache: KVCache, out: npt.NDArray[np.int32] | None = None) -> npt.NDArray[np.int32]:
-    """llama_kv_cache::set_input_k_shift: int32 ``(n_stream, size)``, each cell's pending shift, 0 when empty.
-
-    ``.reshape(-1)`` gives llama.cpp's flat ``[n_stream * size]`` tensor.
-    """
-    cells = [cache.cells(s) for s in range(cache.n_stream)]
-    if out is None:
-        out = np.empty((len(cells), cache.get_size()), dtype=np.int32)
-    shift: npt.NDArray[np.int32] = _impl.fill_k_shift_raw(out, [c.pos for c in cells], [c.shift for c in cells])
-    return shift
-
-
-def k_idxs(cache: KVCache, ubatch: UBatch, sinfo: SlotInfo) -> npt.NDArray[np.int64]:
-    """set_input_k_idxs: int64 row of each token in the stream-merged K tensor (the cache's own method)."""
-    return cache.k_idxs(ubatch, sinfo)
-
-
-def v_idxs(cache: KVCache, ubatch: UBatch, sinfo: SlotInfo) -> npt.NDArray[np.int64]:
-    """set_input_v_idxs: V rows, or one element index per (token, component) for a transposed V."""
-    return cache.v_idxs(ubatch, sinfo)
-
+from .memory.mask import (
+    BACKEND,
+    NonCausalType,
+    attention_cache,
+    fill_k_shift_raw,
+    fill_kq_mask,
+    fill_kq_mask_raw,
+    fill_pos_bucket,
+    fill_pos_bucket_raw,
+    k_idxs,
+    k_shift_input,
+    mask_n_kv,
+    relative_position_bucket,
+    v_idxs,
+)
 
 __all__ = [
     "BACKEND",

@@ -202,7 +202,7 @@ class Profile:
     sequence again; False: it is kept."""
     attn_rotation: bool = _newest("attn_rotation")
     """True: a quantized K (V) cache whose head size is a multiple of 64 is stored Walsh-Hadamard rotated unless
-    LLAMA_ATTN_ROT_DISABLE is set (`kvref.rotation`); False: never rotated."""
+    LLAMA_ATTN_ROT_DISABLE is set (`kvref.ggml.rotation`); False: never rotated."""
     kv_seq_save_ids: bool = _newest("kv_seq_save_ids")
     """True: the KV cells of a sequence save list the saved id (``n_seq_id`` 1) and a sequence restore requires
     that; False (llama.cpp of 2024): they list none (``n_seq_id`` 0), and a restore requires none."""

@@ -7,7 +7,7 @@ from typing import Any
 
 import numpy as np
 
-from kvref.ggml import GGMLType, row_size
+from kvref.ggml.types import GGMLType, row_size
 from kvref.state import (
     Cells,
     KVData,

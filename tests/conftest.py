@@ -15,23 +15,23 @@ import os
 
 import pytest
 
-from kvref import _cells_py
 from kvref._backend import _load_compiled, requested, why_not_compiled
+from kvref.memory import _cells_py
 
 
 def cython_requested() -> bool:
     return requested() == "cython"
 
 
-# ``kvref._cells_c`` when it is built, else None (an extension that fails to load still raises)
-CELLS_C = _load_compiled("cells")
+# ``kvref.memory._cells_c`` when it is built, else None (an extension that fails to load still raises)
+CELLS_C = _load_compiled("memory.cells")
 NOT_BUILT = "the compiled twins are not built and this run asked for the Python twins (KVREF_BACKEND=python)"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     if requested() == "python":
         return
-    for stem in ("cells", "mask", "slots", "gguf"):
+    for stem in ("memory.cells", "memory.mask", "memory.slots", "gguf"):
         if _load_compiled(stem) is None:
             raise pytest.UsageError(
                 f"kvref's compiled twins cannot be loaded: {why_not_compiled(stem)}. "

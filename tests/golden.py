@@ -1,9 +1,9 @@
-"""The golden cases (conformance/golden/<case>/) for the tests, read through ``kvref.conformance``.
+"""The golden cases (conformance/golden/<case>/) for the tests, read through ``kvref.jobs.conformance``.
 
 One place knows how a case's artefacts are read (``load_hints``: kind, layout, cell ext and the producer's
 format generation: sequence-blob prefix, v9 output block, ext size), how its memory is built
 (``memory_for``) and how its trace is replayed (``replay``: the runner's ``replay_trace``, so the tests and
-``kvref conformance`` make the same checks). Checks listed in conformance/expected_failures.json are strict
+``kvref.jobs.conformance`` make the same checks). Checks listed in conformance/expected_failures.json are strict
 xfails here too (``params``).
 """
 
@@ -14,7 +14,7 @@ from typing import Any
 
 import pytest
 
-from kvref import conformance as C
+from kvref.jobs import conformance as C
 
 ROOT = Path(__file__).resolve().parent.parent / "conformance"
 GOLDEN = ROOT / "golden"

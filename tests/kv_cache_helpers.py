@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvref.batch import UBatch
 from kvref.hparams import HParams, RopeType, SWAType
-from kvref.kv_cache import KVCache
+from kvref.memory.batch import UBatch
+from kvref.memory.kv_cache import KVCache
 
 LLAMA_MAX_SEQ = 256
 

@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 from conftest import NOT_BUILT
 
-from kvref import _mask_py
 from kvref._backend import _load_compiled
 from kvref.hparams import is_masked_swa
+from kvref.memory import _mask_py
 
 NEG_INF = float("-inf")
 
 
-MASK_C = _load_compiled("mask")  # None only in a KVREF_BACKEND=python run (see conftest.pytest_configure)
+MASK_C = _load_compiled("memory.mask")  # None only in a KVREF_BACKEND=python run (see conftest.pytest_configure)
 
 
 def twin_params() -> list:
@@ -31,7 +31,7 @@ def twin_params() -> list:
 
 def need(mod: ModuleType | None) -> ModuleType:
     if mod is None:
-        pytest.fail("KVREF_BACKEND=cython but the extension kvref._mask_c is not built")
+        pytest.fail("KVREF_BACKEND=cython but the extension kvref.memory._mask_c is not built")
     return mod
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 
 import kvref
-from kvref.batch import UBatch
+from kvref.memory.batch import UBatch
 
 LLAMA_MAX_SEQ = 256
 

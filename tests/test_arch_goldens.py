@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 from golden import ALL_CASES, ROOT, load_case
 
-from kvref import conformance as C
 from kvref.hparams import HParams, SWAType
+from kvref.jobs import conformance as C
 
 
 def _committed(cid: str) -> bool:

@@ -21,9 +21,9 @@ import kvref
 ROOT = Path(kvref.__file__).resolve().parents[1]
 
 PROBE = """
-import kvref, kvref.cells
+import kvref, kvref.memory.cells
 print(kvref.backend())
-print(kvref.cells.KVCells.__module__)
+print(kvref.memory.cells.KVCells.__module__)
 """
 
 
@@ -37,7 +37,7 @@ def run(backend: str | None, code: str = PROBE) -> subprocess.CompletedProcess[s
 def test_python_backend() -> None:
     out = run("python")
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["python", "kvref._cells_py"]
+    assert out.stdout.split() == ["python", "kvref.memory._cells_py"]
 
 
 def test_cython_backend() -> None:
@@ -46,14 +46,14 @@ def test_cython_backend() -> None:
         assert out.returncode != 0 and "BackendError" in out.stderr  # fails loudly, never falls back
         pytest.skip(NOT_BUILT)
     assert out.returncode == 0, out.stderr
-    assert out.stdout.split() == ["cython", "kvref._cells_c"]
+    assert out.stdout.split() == ["cython", "kvref.memory._cells_c"]
 
 
 @pytest.mark.parametrize("value", [None, "auto", "", " AUTO "])
 def test_auto_backend_prefers_the_extension(value: str | None) -> None:
     out = run(value)
     assert out.returncode == 0, out.stderr
-    expected = ["cython", "kvref._cells_c"] if CELLS_C is not None else ["python", "kvref._cells_py"]
+    expected = ["cython", "kvref.memory._cells_c"] if CELLS_C is not None else ["python", "kvref.memory._cells_py"]
     assert out.stdout.split() == expected
 
 
@@ -88,7 +88,7 @@ WARN_PROBE = """
 import warnings
 warnings.simplefilter("always")
 with warnings.catch_warnings(record=True) as seen:
-    import kvref, kvref.cells, kvref.mask
+    import kvref, kvref.memory.cells, kvref.memory.mask
 print(kvref.backend(), kvref.__file__)
 for w in seen:
     print(w.category.__name__, w.message)
@@ -131,7 +131,7 @@ def test_unbuilt_checkout_warns_to_build_in_place(tmp_path: Path) -> None:
 def test_cython_from_a_shadowing_checkout_names_the_shadowed_build(tmp_path: Path) -> None:
     if CELLS_C is None:
         pytest.skip(NOT_BUILT)
-    out = run_copy(copy_package(tmp_path, checkout=True), "cython", "import kvref.cells")
+    out = run_copy(copy_package(tmp_path, checkout=True), "cython", "import kvref.memory.cells")
     assert out.returncode != 0
     assert "BackendError" in out.stderr
     assert f"the source tree {tmp_path / 'kvref'} shadows the installed build at {ROOT / 'kvref'}" in out.stderr
@@ -141,23 +141,23 @@ def test_compiled_extension_loaded_when_cython_requested() -> None:
     """CI sets KVREF_BACKEND=cython: then this session must be running the compiled twin."""
     if not cython_requested():
         pytest.skip("this run did not ask for Cython (KVREF_BACKEND != cython)")
-    import kvref.cells
-    from kvref import _cells_c  # must import: a missing extension fails here
+    import kvref.memory.cells
+    from kvref.memory import _cells_c  # must import: a missing extension fails here
 
     assert kvref.backend() == "cython"
-    assert kvref.cells.KVCells is _cells_c.KVCells
+    assert kvref.memory.cells.KVCells is _cells_c.KVCells
     assert _cells_c.__file__ is not None and not _cells_c.__file__.endswith(".py")
 
 
 def test_session_backend_matches_request() -> None:
     """In this very session, ``kvref.backend()`` reflects KVREF_BACKEND."""
-    import kvref.cells
+    import kvref.memory.cells
 
     requested = os.environ.get("KVREF_BACKEND", "auto").strip().lower() or "auto"
     if requested == "python":
-        assert kvref.backend() == "python" and kvref.cells.KVCells.__module__ == "kvref._cells_py"
+        assert kvref.backend() == "python" and kvref.memory.cells.KVCells.__module__ == "kvref.memory._cells_py"
     elif requested == "cython" or CELLS_C is not None:
-        assert kvref.backend() == "cython" and kvref.cells.KVCells.__module__ == "kvref._cells_c"
+        assert kvref.backend() == "cython" and kvref.memory.cells.KVCells.__module__ == "kvref.memory._cells_c"
     else:
         assert kvref.backend() == "python"
 
@@ -165,7 +165,7 @@ def test_session_backend_matches_request() -> None:
 def test_twins_export_the_same_names() -> None:
     if CELLS_C is None:
         pytest.skip(NOT_BUILT)
-    from kvref import _cells_py
+    from kvref.memory import _cells_py
 
     assert CELLS_C.__all__ == _cells_py.__all__
     for name in _cells_py.__all__:

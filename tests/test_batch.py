@@ -1,4 +1,4 @@
-"""kvref.batch against llama.cpp's src/llama-batch.cpp (llama_batch_compat::init, llama_batch_allocr).
+"""kvref.memory.batch against llama.cpp's src/llama-batch.cpp (llama_batch_compat::init, llama_batch_allocr).
 
 Expected values are worked out by hand from the C++ (October 2026); each test names the rule.
 """
@@ -13,14 +13,14 @@ import pytest
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
-from kvref.batch import (
+from kvref.errors import BatchError, KVRefError
+from kvref.memory.batch import (
     LLAMA_MAX_SEQ,
     Batch,
     BatchAllocr,
     UBatch,
     unordered_set_order,
 )
-from kvref.errors import BatchError, KVRefError
 
 
 class Mem:

@@ -2,7 +2,7 @@
 
 Nothing here times anything. The work of one call is counted deterministically:
 
-- every line of kvref/_cells_py.py that runs (a ``sys.settrace`` line event; a comprehension counts once per
+- every line of kvref/memory/_cells_py.py that runs (a ``sys.settrace`` line event; a comprehension counts once per
   element), which catches a Python loop nested in another;
 - every entry that a one-entry change of a per-sequence list shifts (``_seq_pos_insert`` / ``_seq_pos_erase``
   on a list of L entries cost L: the list's memmove), which catches the per-cell bisect updates that made
@@ -30,7 +30,7 @@ from conftest import CELLS_C
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
-from kvref import _cells_py
+from kvref.memory import _cells_py
 
 PyCells = _cells_py.KVCells
 POS_MAX = 2**31 - 1

@@ -28,8 +28,8 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from kvref import _cells_py
 from kvref.errors import KVRefError
+from kvref.memory import _cells_py
 
 if CELLS_C is None:  # only in a KVREF_BACKEND=python run without a build (see conftest.pytest_configure)
     pytest.skip(NOT_BUILT, allow_module_level=True)

@@ -7,13 +7,13 @@ from golden import load_case
 from test_memory_factory import gemma2, llama
 
 from kvref import compat
-from kvref.batch import Batch
-from kvref.conformance import hparams_from_case
 from kvref.constants import LLAMA_MAX_SEQ
 from kvref.errors import BatchError, KVRefError
-from kvref.kv_state import has_cell_ext
-from kvref.memory import context_params, create_memory, kv_pad
-from kvref.memory_base import decode_seq_bound
+from kvref.jobs.conformance import hparams_from_case
+from kvref.memory.base import decode_seq_bound
+from kvref.memory.batch import Batch
+from kvref.memory.factory import context_params, create_memory, kv_pad
+from kvref.memory.kv_state import has_cell_ext
 
 
 def test_producer_versions_map_to_a_compat():

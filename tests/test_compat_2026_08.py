@@ -12,13 +12,13 @@ from recurrent_helpers import mamba_hparams, ubatch
 from test_memory_factory import llama
 
 from kvref import compat
-from kvref.batch import Batch
-from kvref.conformance import hparams_from_case
 from kvref.constants import LLAMA_MAX_SEQ
-from kvref.kv_state import ext_size, has_cell_ext
-from kvref.memory import context_params, create_memory
-from kvref.memory_base import decode_seq_bound
-from kvref.recurrent import RecurrentMemory
+from kvref.jobs.conformance import hparams_from_case
+from kvref.memory.base import decode_seq_bound
+from kvref.memory.batch import Batch
+from kvref.memory.factory import context_params, create_memory
+from kvref.memory.kv_state import ext_size, has_cell_ext
+from kvref.memory.recurrent import RecurrentMemory
 
 
 def test_producer_and_sizes():

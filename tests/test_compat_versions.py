@@ -18,13 +18,13 @@ from recurrent_helpers import mamba_hparams, ubatch
 from test_memory_factory import gemma2, llama
 
 from kvref import compat
-from kvref.batch import Batch
-from kvref.conformance import hparams_from_case
 from kvref.errors import KVRefError, NoSlotError, SequenceError
-from kvref.kv_state import ext_size, has_cell_ext
-from kvref.memory import context_params, create_memory
+from kvref.jobs.conformance import hparams_from_case
+from kvref.memory.batch import Batch
+from kvref.memory.factory import context_params, create_memory
+from kvref.memory.kv_state import ext_size, has_cell_ext
+from kvref.memory.recurrent import RecurrentMemory
 from kvref.profile import Profile
-from kvref.recurrent import RecurrentMemory
 
 ERA_MAP = {
     **dict.fromkeys(["0.3.12", "0.3.13", "0.3.14"], "2025-07"),
@@ -85,7 +85,7 @@ def test_0_3_0_to_0_3_9_sequence_saves_without_ids():
     import warnings
 
     from kvref import state
-    from kvref.eras import era, matching_eras
+    from kvref.state.eras import era, matching_eras
 
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # checked by goldens: no warning

@@ -1,5 +1,5 @@
 """The conformance suite as pytest tests: one test per golden case (plus ``invalid``), same checks as
-``kvref conformance`` (kvref/conformance.py). Checks listed in conformance/expected_failures.json are
+``kvref conformance`` (kvref/jobs/conformance.py). Checks listed in conformance/expected_failures.json are
 strict xfails with the manifest's reason, so an unexpected pass fails the run too."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import kvref
-from kvref import conformance as C
+from kvref.jobs import conformance as C
 
 ROOT = Path(__file__).resolve().parent.parent / "conformance"
 CASES = C.all_case_ids(ROOT) if (ROOT / "golden").is_dir() else []
@@ -63,7 +63,7 @@ def test_every_case_matches_the_schema() -> None:
 
 
 def test_cli_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvref.cli import main
+    from kvref.jobs.cli import main
 
     assert main(["conformance", "--root", str(ROOT), "--case", "llama-f16-single-seq", "--json"]) == 0
     out = json.loads(capsys.readouterr().out)
@@ -73,7 +73,7 @@ def test_cli_exit_status(capsys: pytest.CaptureFixture[str]) -> None:
 
 
 def test_cli_text_names_version_backend_and_era(capsys: pytest.CaptureFixture[str]) -> None:
-    from kvref.cli import main
+    from kvref.jobs.cli import main
 
     assert main(["conformance", "--root", str(ROOT), "--case", "llama-f16-single-seq"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
@@ -99,7 +99,7 @@ def test_runner_reports_where_a_replay_differs(monkeypatch: pytest.MonkeyPatch) 
     """A replay that writes other cells is reported with the save point, section, stream and field."""
     import numpy as np
 
-    from kvref import kv_state
+    from kvref.memory import kv_state
 
     def no_swa_mask(cache, stream, seq_id=-1):  # type: ignore[no-untyped-def]
         c = cache.cells(stream)
@@ -131,7 +131,7 @@ def _fuzz() -> object:
 
 
 def test_trace_vocabulary_is_one() -> None:
-    """The schema, the README's op table, the replay (kvref.conformance.TRACE_OPS) and the recorder's dispatch
+    """The schema, the README's op table, the replay (kvref.jobs.conformance.TRACE_OPS) and the recorder's dispatch
     (driver.Run.apply: every op but init) name the same operations."""
     import ast
     import re

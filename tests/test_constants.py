@@ -29,13 +29,14 @@ def test_no_module_defines_a_constant_again() -> None:
         for m in pattern.finditer(path.read_text())
     ]
     assert not offenders, offenders
-    assert not re.search(r"(?<![\w.])256(?![\w.])", (PKG / "_cells_c.pyx").read_text())
+    assert not re.search(r"(?<![\w.])256(?![\w.])", (PKG / "memory" / "_cells_c.pyx").read_text())
 
 
 def test_every_reader_uses_the_one_arch_table() -> None:
     import importlib
 
-    from kvref import hparams, memory
+    from kvref import hparams
+    from kvref.memory import factory as memory
 
     load = importlib.import_module("kvref.state.load")
 
@@ -46,6 +47,7 @@ def test_every_reader_uses_the_one_arch_table() -> None:
 
 
 def test_one_sliding_window_rule() -> None:
-    from kvref import _mask_py, _slots_py, hparams, kv_state
+    from kvref import hparams
+    from kvref.memory import _mask_py, _slots_py, kv_state
 
     assert _mask_py.is_masked_swa is _slots_py.is_masked_swa is kv_state.is_masked_swa is hparams.is_masked_swa

@@ -29,18 +29,18 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 import kvref
-from kvref import _cells_py, _slots_py, slots
 from kvref._backend import _load_compiled
-from kvref.batch import Batch, BatchAllocr, UBatch
 from kvref.errors import KVRefError
+from kvref.memory import _cells_py, _slots_py, slots
+from kvref.memory.batch import Batch, BatchAllocr, UBatch
 
-SLOTS_C = _load_compiled("slots")
+SLOTS_C = _load_compiled("memory.slots")
 EXAMPLES = int(os.environ.get("KVREF_HYPOTHESIS_EXAMPLES", "200"))
 
 
 @pytest.fixture(params=["py", "c"])
 def kernels(request: pytest.FixtureRequest) -> Any:
-    """Plug one slots twin in as the kernels of kvref.slots and kvref.batch for the test."""
+    """Plug one slots twin in as the kernels of kvref.memory.slots and kvref.memory.batch for the test."""
     mod = _slots_py if request.param == "py" else SLOTS_C
     if mod is None:
         pytest.skip(NOT_BUILT)
@@ -174,7 +174,7 @@ def test_allocr_fast_path_equals_the_general_path(kernels: Any, spec: dict, data
     outer=st.sampled_from([list, tuple]),
 )
 def test_batch_seq_ids_copy_equals_the_check(kernels: Any, seq_ids: list, outer: type) -> None:
-    from kvref.batch import _seq_id
+    from kvref.memory.batch import _seq_id
 
     n = len(seq_ids)
     got = outcome(lambda: Batch(tokens=[1] * n, seq_ids=outer(seq_ids)).seq_ids)

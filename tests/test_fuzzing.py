@@ -20,7 +20,7 @@ import misuse  # noqa: E402
 import state_inputs  # noqa: E402
 
 # both twins when the Cython extensions are built (CI builds them), else the Python twins alone
-BACKENDS = tuple(b for b in fuzz_common.BACKENDS if b == "python" or importlib.util.find_spec("kvref._cells_c"))
+BACKENDS = tuple(b for b in fuzz_common.BACKENDS if b == "python" or importlib.util.find_spec("kvref.memory._cells_c"))
 
 
 def _fail_on_new(report: fuzz_common.Report, name: str) -> None:

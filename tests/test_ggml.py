@@ -3,7 +3,7 @@
 import pytest
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from kvref.ggml import TYPE_TRAITS, GGMLType, GGMLTypeError, ggml_type, row_size, type_name
+from kvref.ggml.types import TYPE_TRAITS, GGMLType, GGMLTypeError, ggml_type, row_size, type_name
 
 # gguf releases before the fix list q8_1 as 40 bytes; ggml's block_q8_1 is half d + half s + 32 int8 = 36.
 _KNOWN_GGUF_ERRATA = {GGMLType.Q8_1: {(32, 40)}}

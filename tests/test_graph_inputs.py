@@ -18,14 +18,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvref import conformance as C
-from kvref import mask as M
 from kvref._backend import _load_compiled
+from kvref.jobs import conformance as C
+from kvref.memory import mask as M
 
 ROOT = Path(__file__).resolve().parent.parent / "conformance"
 CASES = C.list_cases(ROOT) if (ROOT / "golden").is_dir() else []
 CAPTURED = [cid for cid in CASES if C.has_graph_inputs(C.load_case(ROOT, cid))]
-MASK_C = _load_compiled("mask")
+MASK_C = _load_compiled("memory.mask")
 
 
 def graph_check(cid: str, root: Path = ROOT) -> C.CheckResult:
@@ -105,7 +105,7 @@ TWIN_CASES = [
 
 
 def _twin(name: str) -> Any:
-    from kvref import _mask_py
+    from kvref.memory import _mask_py
 
     if name == "py":
         return _mask_py
@@ -127,7 +127,7 @@ def test_each_mask_twin_matches_llama_cpp(cid: str, twin: str, monkeypatch: pyte
 
 
 def _wrap_mask(monkeypatch: pytest.MonkeyPatch, **change: Any) -> None:
-    """Make kvref.mask fill masks with some arguments changed (the slot search is left alone)."""
+    """Make kvref.memory.mask fill masks with some arguments changed (the slot search is left alone)."""
     impl = M._impl
     real = impl.fill_kq_mask_raw
 
@@ -168,7 +168,7 @@ def test_lost_causality_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.skipif(not CAPTURED, reason="no goldens with captured graph inputs")
 def test_shifted_k_idxs_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvref.kv_cache import KVCache
+    from kvref.memory.kv_cache import KVCache
 
     real = KVCache.k_idxs
     monkeypatch.setattr(KVCache, "k_idxs", lambda self, ub, s: real(self, ub, s) + 1)
@@ -178,7 +178,7 @@ def test_shifted_k_idxs_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
 @pytest.mark.skipif(not CAPTURED, reason="no goldens with captured graph inputs")
 def test_v_idxs_of_the_wrong_layout_are_caught(monkeypatch: pytest.MonkeyPatch) -> None:
     """A transposed V's indices (one per token and component) where llama.cpp used rows, and the reverse."""
-    from kvref.kv_cache import KVCache
+    from kvref.memory.kv_cache import KVCache
 
     monkeypatch.setattr(KVCache, "v_idxs", lambda self, ub, s: KVCache.k_idxs(self, ub, s))
     _fails("llama-f16-single-seq", "v_idxs", "shape")
@@ -186,7 +186,7 @@ def test_v_idxs_of_the_wrong_layout_are_caught(monkeypatch: pytest.MonkeyPatch) 
 
 @pytest.mark.skipif(not CAPTURED, reason="no goldens with captured graph inputs")
 def test_a_wrong_k_shift_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvref.kv_cache import KVCache
+    from kvref.memory.kv_cache import KVCache
 
     real = KVCache.k_shift_input
     monkeypatch.setattr(KVCache, "k_shift_input", lambda self: np.where(real(self) != 0, real(self) - 1, 0))
@@ -197,7 +197,7 @@ def test_a_wrong_k_shift_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.skipif(not CAPTURED, reason="no goldens with captured graph inputs")
 def test_a_missing_k_shift_is_caught(monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvref.kv_cache import KVCache
+    from kvref.memory.kv_cache import KVCache
 
     monkeypatch.setattr(KVCache, "get_has_shift", lambda self: False)
     res = graph_check("fuzz-gemma2-seed3")

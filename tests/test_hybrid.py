@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from test_memory_factory import jamba
 
-from kvref.batch import Batch
 from kvref.errors import BatchError, FormatError, NoSlotError
-from kvref.hybrid import HybridMemory
-from kvref.memory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, create_memory
+from kvref.memory.batch import Batch
+from kvref.memory.factory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, create_memory
+from kvref.memory.hybrid import HybridMemory
 
 
 def hybrid(n_seq_max: int = 3, kv_unified: bool = True, n_ctx: int = 256, **kw) -> HybridMemory:
@@ -127,8 +127,8 @@ def test_stage_parts_is_all_or_nothing():
     # the composites restore through stage_parts: a bad second section leaves the first part untouched
     from recurrent_helpers import mamba_hparams, ubatch
 
-    from kvref.memory_base import read_all, stage_parts
-    from kvref.recurrent import RecurrentMemory
+    from kvref.memory.base import read_all, stage_parts
+    from kvref.memory.recurrent import RecurrentMemory
 
     a, b = (RecurrentMemory(mamba_hparams(), rs_size=2, n_seq_max=2) for _ in range(2))
     a.apply_ubatch(ubatch((0, [0, 1])))

@@ -5,10 +5,10 @@ from __future__ import annotations
 import pytest
 from test_memory_factory import gemma2
 
-from kvref.batch import Batch
 from kvref.errors import NoSlotError
-from kvref.kv_cache_iswa import KVCacheISWA
-from kvref.memory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, create_memory
+from kvref.memory.batch import Batch
+from kvref.memory.factory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, create_memory
+from kvref.memory.kv_cache_iswa import KVCacheISWA
 
 
 def iswa(

@@ -15,11 +15,11 @@ import pytest
 
 import kvref
 from kvref import state
-from kvref.cli import main
-from kvref.conformance import hparams_from_case, save_ops
-from kvref.eras import ConversionError, matching_eras
-from kvref.from_file import ContextMismatch
-from kvref.to_file import save_memory, state_of
+from kvref.jobs.cli import main
+from kvref.jobs.conformance import hparams_from_case, save_ops
+from kvref.jobs.restore import ContextMismatch
+from kvref.jobs.save import save_memory, state_of
+from kvref.state.eras import ConversionError, matching_eras
 
 ROOT = Path(__file__).resolve().parent.parent / "conformance"
 G = ROOT / "golden"
@@ -205,7 +205,7 @@ def test_save_sidecar(tmp_path: Path) -> None:
     save_memory(mem, tmp_path / "s.ggsn", tokens=[1], sidecar=True, model=LLAMA)
     doc = json.loads((tmp_path / "s.ggsn.kvref.json").read_text())
     assert doc["kvref_sidecar"] == 1 and doc["era"] == "2026-10" and doc["context"]["n_seq_max"] == 2
-    from kvref.sidecar import verify_sidecar
+    from kvref.jobs.sidecar import verify_sidecar
 
     assert verify_sidecar(tmp_path / "s.ggsn", LLAMA) == []
     assert verify_sidecar(tmp_path / "s.ggsn", ROOT / "models" / "mamba-tiny.gguf")
@@ -263,7 +263,7 @@ def test_convert_merge_remap_streams(tmp_path: Path) -> None:
 
 # ------------------------------------------------------------------------------------------- diff
 def test_diff_reports_first_total_and_cell_order(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from kvref.edit import take_stream
+    from kvref.jobs.edit import take_stream
     from kvref.state import KVSection
 
     a = G / "llama-f16-single-seq" / "01-session.ggsn"

@@ -3,8 +3,8 @@
 The reference below follows ggml-cpu/ops.cpp element by element (ggml_rope_cache_init, rope_yarn,
 rotate_pairs) with float32 scalars, as the 0.3.36 wheel compiles it: the C library's cosf/sinf/powf, and
 ``x0 cos - x1 sin`` / ``x0 sin + x1 cos`` contracted to one fma with the x0 product fused (rounded once, computed
-here with exact fractions), except the last pair of an f32 NORM rope with an odd pair count. kvref.kshift computes
-the same vectorised. Results must be bit-identical.
+here with exact fractions), except the last pair of an f32 NORM rope with an odd pair count.
+kvref.memory.kshift computes the same vectorised. Results must be bit-identical.
 """
 
 from __future__ import annotations
@@ -20,8 +20,8 @@ from kv_cache_helpers import HP, place, seq_run, snapshot
 
 from kvref.errors import KShiftError, KVRefError
 from kvref.hparams import RopeType
-from kvref.kshift import ROPE_NEOX, ROPE_NORM, RopeParams, cos_sin
-from kvref.kv_cache import KVCache
+from kvref.memory.kshift import ROPE_NEOX, ROPE_NORM, RopeParams, cos_sin
+from kvref.memory.kv_cache import KVCache
 
 F = np.float32
 
@@ -212,7 +212,7 @@ def test_cross_stream_copy_is_applied_before_the_shift():
 
 def test_neox_pairs_are_half_apart():
     p = RopeParams(n_dims=4, mode=ROPE_NEOX, freq_base=10000.0)
-    from kvref.kshift import rope_f32
+    from kvref.memory.kshift import rope_f32
 
     x = np.array([[[1.0, 0.0, 0.0, 0.0]]], np.float32)
     y = rope_f32(x, np.array([1]), p)

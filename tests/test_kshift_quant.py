@@ -17,11 +17,12 @@ import numpy as np
 import pytest
 
 import kvref
-from kvref import conformance as C
-from kvref import kshift, kshift_quant, quant, rotation
 from kvref.errors import CheckFailed, KShiftError, KVRefError
-from kvref.ggml import traits
-from kvref.kv_cache import KVCache
+from kvref.ggml import quant, rotation
+from kvref.ggml.types import traits
+from kvref.jobs import conformance as C
+from kvref.memory import kshift, kshift_quant
+from kvref.memory.kv_cache import KVCache
 
 ROOT = Path(__file__).resolve().parent.parent / "conformance"
 CASES = ["llama-h64-q8_0-rot-kshift", "qwen3-h128-q4_0-k-rot-kshift"]

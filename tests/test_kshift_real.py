@@ -20,7 +20,7 @@ import pytest
 
 import kvref
 from kvref.hparams import HParams, RopeType, SWAType
-from kvref.kshift import GGML_CPU, NO_FMA, RopeKernel, RopeParams, shift_k_rows
+from kvref.memory.kshift import GGML_CPU, NO_FMA, RopeKernel, RopeParams, shift_k_rows
 
 GOLDEN = Path(__file__).resolve().parent.parent / "conformance" / "kshift" / "gemma3-270m"
 META: dict[str, Any] = json.loads((GOLDEN / "kshift.json").read_text())

@@ -11,15 +11,15 @@ import pytest
 from kv_cache_helpers import HP, layout, place, seq_run, snapshot
 
 import kvref
-from kvref.batch import Batch
 from kvref.errors import KVRefError, SequenceError
-from kvref.ggml import row_size
+from kvref.ggml.types import row_size
 from kvref.hparams import SWAType
-from kvref.kv_cache import KVCache
+from kvref.memory.batch import Batch
+from kvref.memory.kv_cache import KVCache
 
 
 def test_uses_selected_cells_backend():
-    from kvref.cells import KVCells
+    from kvref.memory.cells import KVCells
 
     assert type(KVCache(HP(), kv_size=4).cells(0)) is KVCells
     assert kvref.backend() in ("python", "cython")

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 from kv_cache_helpers import HP, layout, place, seq_run, snapshot, ub
 
-from kvref.batch import Batch, BatchAllocr
-from kvref.cells import TOKEN_NULL
 from kvref.errors import NoSlotError
 from kvref.hparams import SWAType
-from kvref.kv_cache import KVCache, SlotInfo
+from kvref.memory.batch import Batch, BatchAllocr
+from kvref.memory.cells import TOKEN_NULL
+from kvref.memory.kv_cache import KVCache, SlotInfo
 
 
 def cache(size: int = 8, **kw) -> KVCache:

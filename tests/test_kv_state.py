@@ -1,4 +1,4 @@
-"""KVCache.state_write / state_read: llama_kv_cache's memory section, written and restored (kvref.kv_state)."""
+"""KVCache.state_write / state_read: llama_kv_cache's memory section, written and restored (kvref.memory.kv_state)."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import pytest
 from kv_cache_helpers import HP
 
 import kvref.state as kst
-from kvref import _cells_py
-from kvref.batch import Batch
 from kvref.errors import FormatError, NoSlotError, SequenceError
-from kvref.kv_cache import KVCache
-from kvref.kv_state import has_cell_ext, spec
+from kvref.memory import _cells_py
+from kvref.memory.batch import Batch
+from kvref.memory.kv_cache import KVCache
+from kvref.memory.kv_state import has_cell_ext, spec
 
 try:
-    from kvref import _cells_c
+    from kvref.memory import _cells_c
 except ImportError:  # pragma: no cover - pure-Python runs
     _cells_c = None
 
@@ -390,7 +390,7 @@ def test_a_sequence_restore_in_parts_leaves_what_one_apply_leaves(monkeypatch, c
     """A large sequence restore applies its ubatch a part at a time when every target cell is empty, undoes its
     trial placement and puts the ext back in parts: with tiny parts the cache ends as with one part, cells shared
     with other sequences, M-RoPE ext, heads and rows included; a restore over SWA-freed cells applies it whole."""
-    import kvref.kv_state as kv_state
+    import kvref.memory.kv_state as kv_state
 
     hp = HP(n_pos=4) if case == "mrope" else HP()
     kw = dict(n_swa=2, swa_type=1) if case == "swa-used-targets" else {}

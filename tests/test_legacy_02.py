@@ -19,8 +19,8 @@ from golden import observed_ranges, sequence_ranges
 
 import kvref
 from kvref import state
-from kvref.eras import CURRENT, matching_eras, to_era
 from kvref.errors import ConversionError, FormatError
+from kvref.state.eras import CURRENT, matching_eras, to_era
 
 ROOT = Path(__file__).resolve().parent.parent / "conformance"
 GOLDEN = ROOT / "golden"
@@ -132,7 +132,7 @@ def test_detected_era(cid: str, i: int, op: dict[str, Any]) -> None:
 
 
 def test_summary_and_inspect_name_the_era() -> None:
-    from kvref.cli_jobs import enrich_summary
+    from kvref.jobs.cli_jobs import enrich_summary
 
     cid = CASES[0]
     op = next(op for _, op in _saves(cid) if op["kind"] == "session")
@@ -143,7 +143,7 @@ def test_summary_and_inspect_name_the_era() -> None:
 
     assert summary["rng"] == {"bytes": len(rng_text(_case(cid)["producer"]["rng_seed"]))}
     assert summary["eras"] == [{"era": "2024-08", "llama_cpp_python": "0.2.84 .. 0.2.90"}]
-    assert kvref.eras.era("0.2.90").name == "2024-08"
+    assert kvref.state.eras.era("0.2.90").name == "2024-08"
 
 
 @pytest.mark.parametrize(("cid", "i", "op"), ARTEFACTS)
@@ -178,8 +178,8 @@ def test_kv_sequence_save_restores_as_its_llama_cpp_restores_it() -> None:
     """A memory with the 2024 profile (``for_llama_cpp_python("0.2.90")``) restores the 2024 blob, whose KV cells
     list no seq id, and refuses one whose cells list one, as that llama.cpp does; a 2025 memory the other way
     round. Either lands at the positions the 2024 llama.cpp reported."""
-    from kvref import conformance as C
     from kvref.compat import profile_2024
+    from kvref.jobs import conformance as C
 
     cid = "legacy-0.2.90-llama-shared-prefix"
     case = _case(cid)

@@ -22,11 +22,11 @@ from golden import observed_ranges, sequence_ranges
 
 import kvref
 from kvref import state
-from kvref.cli import main as cli_main
 from kvref.compat import CompatWarning, for_llama_cpp_python
-from kvref.eras import CURRENT, era, matching_eras, to_era
 from kvref.errors import ArgumentError, ConversionError, FormatError
 from kvref.hparams import HParams
+from kvref.jobs.cli import main as cli_main
+from kvref.state.eras import CURRENT, era, matching_eras, to_era
 from kvref.state.legacy import HPARAMS_SIZES
 
 ROOT = Path(__file__).resolve().parent.parent / "conformance"
@@ -195,7 +195,7 @@ def test_cli_needs_and_takes_the_model(release: str, tmp_path: Path, capsys: pyt
     assert "--model" in capsys.readouterr().err
     assert cli_main(["diff", src, up, "--model", str(_model(cid))]) == 1  # the upgrade dropped the output block
     capsys.readouterr()
-    from kvref.export import export_arrays
+    from kvref.jobs.export import export_arrays
 
     arrays, _meta = export_arrays(src, model=_model(cid))
     assert arrays and all(a.size for a in arrays.values())
@@ -206,7 +206,7 @@ def test_conformance_checks_with_the_model(cid: str) -> None:
     """`kvref conformance`'s checks on the version-5 .. 7 goldens, their artefacts read with the model: parse (byte for
     byte), replay (cells at every save), graph (llama.cpp's captured masks and positions: rows padded to 32 from
     0.2.82, not in 0.2.67) and restore; under the profile of 2025 (sequence saves with seq ids) the replay fails."""
-    import kvref.conformance as C
+    import kvref.jobs.conformance as C
 
     case = _case(cid)
     assert C.has_graph_inputs(case)

@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import kvref
-from kvref.kshift import NO_FMA
+from kvref.memory.kshift import NO_FMA
 
 pytestmark = pytest.mark.live
 try:

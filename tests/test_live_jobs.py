@@ -140,7 +140,7 @@ def test_remapped_session_loads_and_continues(tmp_path: Path) -> None:
     with Ctx(m, n_seq_max=2) as ctx:
         ctx.decode(PROMPT, 0)
         ctx.save_session(tmp_path / "s.ggsn", PROMPT)
-    from kvref.cli import main
+    from kvref.jobs.cli import main
 
     assert main(["convert", str(tmp_path / "s.ggsn"), str(tmp_path / "r.ggsn"), "--map", "0:1"]) == 0
     with Ctx(m, n_seq_max=2) as ctx:

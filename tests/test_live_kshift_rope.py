@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvref.kshift import GGML_CPU, NO_FMA, RopeKernel, RopeParams, rope_f32
+from kvref.memory.kshift import GGML_CPU, NO_FMA, RopeKernel, RopeParams, rope_f32
 
 pytestmark = pytest.mark.live
 try:

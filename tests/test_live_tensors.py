@@ -14,7 +14,8 @@ import numpy as np
 import pytest
 
 import kvref
-from kvref import quant, tensors
+from kvref.ggml import quant
+from kvref.jobs import tensors
 
 pytestmark = pytest.mark.live
 try:
@@ -152,7 +153,7 @@ def test_retype_without_undoing_rotation_goes_wrong(hd64: Path, tmp_path: Path) 
     """The control: rows retyped q8_0 -> f16 while pretending the input was not rotated decode worse."""
     want = run(hd64, "f16", "f16", tmp_path / "f16.ggsn")
     run(hd64, "q8_0", "q8_0", tmp_path / "q8.ggsn")
-    from kvref.retype import retype
+    from kvref.jobs.retype import retype
 
     obj = kvref.state.load(tmp_path / "q8.ggsn")
     bad = retype(obj, type_k="f16", type_v="f16", src_rotates=False, dst_rotates=False,

@@ -16,7 +16,7 @@ import numpy as np
 import pytest
 
 import kvref.state as S
-from kvref.ggml import GGMLType
+from kvref.ggml.types import GGMLType
 from kvref.state.constants import LAYOUTS
 
 L = importlib.import_module("kvref.state.load")  # the module (kvref.state.load is also the function's name)

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from mask_helpers import MASK_C, cells, need, oracle, same_bits, twin_params
 
-from kvref import _mask_py
+from kvref.memory import _mask_py
 
 X = float("-inf")
 
@@ -53,8 +53,8 @@ def expect(rows, n_stream=1, dtype=np.float32):
 
 
 def test_backend_selected_matches_build():
-    """A run meant to be Cython must really use kvref._mask_c (no silent pure-Python run)."""
-    from kvref import mask
+    """A run meant to be Cython must really use kvref.memory._mask_c (no silent pure-Python run)."""
+    from kvref.memory import mask
 
     if os.environ.get("KVREF_BACKEND", "auto").strip().lower() == "cython":
         assert mask.BACKEND == "cython" and mask.fill_kq_mask_raw is need(MASK_C).fill_kq_mask_raw
@@ -375,7 +375,7 @@ def test_bad_arguments_raise_the_same_error_in_both_twins(case):
     errors = []
     for mod in (_mask_py, MASK_C):
         if mod is None:
-            pytest.skip("kvref._mask_c is not built")
+            pytest.skip("kvref.memory._mask_c is not built")
         p, s, e = cells([0, 1])
         args = dict(
             out=np.zeros((1, 1, 2), np.float32),
@@ -415,7 +415,7 @@ def test_relative_position_bucket_hand_values(mk):
 
 def test_relative_position_bucket_twins_agree_exhaustively():
     if MASK_C is None:
-        pytest.skip("kvref._mask_c is not built")
+        pytest.skip("kvref.memory._mask_c is not built")
     x = np.arange(-70000, 70000, dtype=np.int32)
     for nb in (2, 4, 16, 32, 64, 100, 128, 320, 1024):
         for bi in (False, True):

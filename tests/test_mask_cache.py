@@ -1,6 +1,6 @@
-"""The mask glue (``kvref.mask``) on a real KVCache: scenarios placed by ``KVCache.decode``.
+"""The mask glue (``kvref.memory.mask``) on a real KVCache: scenarios placed by ``KVCache.decode``.
 
-Each test runs the glue over both twins (``kvref.mask._impl`` swapped per parameter); the masks of the
+Each test runs the glue over both twins (``kvref.memory.mask._impl`` swapped per parameter); the masks of the
 placed ubatches are checked by hand where small, and against the per-cell oracle otherwise.
 """
 
@@ -10,17 +10,17 @@ import numpy as np
 import pytest
 from mask_helpers import need, oracle, same_bits, twin_params
 
-import kvref.mask as mask
-from kvref.batch import Batch
+import kvref.memory.mask as mask
 from kvref.hparams import HParams, SWAType
-from kvref.kv_cache import KVCache
+from kvref.memory.batch import Batch
+from kvref.memory.kv_cache import KVCache
 
 X = float("-inf")
 
 
 @pytest.fixture(params=twin_params())
 def glue(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
-    """``kvref.mask`` driving the twin under test."""
+    """``kvref.memory.mask`` driving the twin under test."""
     monkeypatch.setattr(mask, "_impl", need(request.param))
     return mask
 

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from mask_helpers import MASK_C, oracle, same_bits, seq_bits
 
-from kvref import _mask_py
+from kvref.memory import _mask_py
 
 EXAMPLES = int(os.environ.get("KVREF_HYPOTHESIS_EXAMPLES", "150"))
 TWINS = [m for m in (_mask_py, MASK_C) if m is not None]

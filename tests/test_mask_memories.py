@@ -7,7 +7,7 @@ from recurrent_helpers import jamba_hparams
 import kvref
 from kvref.errors import KVRefError
 from kvref.hparams import SWAType
-from kvref.mask import fill_kq_mask
+from kvref.memory.mask import fill_kq_mask
 
 NEG = -np.inf
 

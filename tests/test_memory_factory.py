@@ -9,11 +9,11 @@ from recurrent_helpers import jamba_hparams, mamba_hparams
 
 import kvref
 from kvref.errors import KVRefError
-from kvref.hybrid import HybridMemory
-from kvref.kv_cache import KVCache
-from kvref.kv_cache_iswa import KVCacheISWA, swa_cache_size
-from kvref.memory import Memory, context_params, create_memory
-from kvref.recurrent import RecurrentMemory
+from kvref.memory.factory import Memory, context_params, create_memory
+from kvref.memory.hybrid import HybridMemory
+from kvref.memory.kv_cache import KVCache
+from kvref.memory.kv_cache_iswa import KVCacheISWA, swa_cache_size
+from kvref.memory.recurrent import RecurrentMemory
 
 KIND = {
     "kv": KVCache,

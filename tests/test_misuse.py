@@ -9,9 +9,9 @@ import pytest
 from recurrent_helpers import mamba_hparams
 from test_memory_factory import jamba, llama
 
-from kvref.batch import Batch
 from kvref.errors import ArgumentError, ArgumentTypeError, BatchError, CellError, KVRefError, SequenceError
-from kvref.memory import create_memory
+from kvref.memory.batch import Batch
+from kvref.memory.factory import create_memory
 
 KINDS = {
     "kv": lambda **kw: create_memory(llama(), 256, 3, True, **kw),

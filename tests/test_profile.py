@@ -12,15 +12,15 @@ from test_memory_factory import gemma2, jamba, llama
 
 import kvref
 from kvref import compat, profile
-from kvref.batch import Batch
-from kvref.conformance import hparams_from_case
 from kvref.errors import CompatError, KVRefError
-from kvref.hybrid import HybridMemory
-from kvref.kv_cache import KVCache
-from kvref.kv_state import ext_size, has_cell_ext
-from kvref.memory import context_params, create_memory
+from kvref.jobs.conformance import hparams_from_case
+from kvref.memory.batch import Batch
+from kvref.memory.factory import context_params, create_memory
+from kvref.memory.hybrid import HybridMemory
+from kvref.memory.kv_cache import KVCache
+from kvref.memory.kv_state import ext_size, has_cell_ext
+from kvref.memory.recurrent import RecurrentMemory
 from kvref.profile import TABLE, Profile
-from kvref.recurrent import RecurrentMemory
 
 # field -> the releases where its value changes (read off the sources; kvref.compat's docstring explains each)
 BOUNDARIES = {

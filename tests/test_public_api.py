@@ -24,13 +24,14 @@ def test_unknown_attribute_is_an_attribute_error():
 def _public_classes() -> dict[str, type]:
     """Every class of the public surface: ``kvref.__all__``, both KVCells twins and ``kvref.state.__all__``."""
     import kvref.state
-    from kvref import _backend, _cells_py
+    from kvref import _backend
+    from kvref.memory import _cells_py
 
     classes = {f"kvref.{name}": getattr(kvref, name) for name in kvref.__all__}
-    classes["kvref._cells_py.KVCells"] = _cells_py.KVCells
-    compiled = _backend._load_compiled("cells")
+    classes["kvref.memory._cells_py.KVCells"] = _cells_py.KVCells
+    compiled = _backend._load_compiled("memory.cells")
     if compiled is not None:
-        classes["kvref._cells_c.KVCells"] = compiled.KVCells
+        classes["kvref.memory._cells_c.KVCells"] = compiled.KVCells
     classes.update({f"kvref.state.{name}": getattr(kvref.state, name) for name in kvref.state.__all__})
     return {label: obj for label, obj in classes.items() if inspect.isclass(obj)}
 
@@ -101,7 +102,7 @@ def test_misuse_raises_kvref_errors_that_are_also_builtin_kinds():
     import pytest
 
     from kvref.errors import ArgumentError, ArgumentTypeError, KVRefError
-    from kvref.mask import fill_kq_mask_raw
+    from kvref.memory.mask import fill_kq_mask_raw
 
     with pytest.raises(ArgumentTypeError) as e:
         fill_kq_mask_raw("not an array", [np.zeros(1, np.int32)], [np.zeros((1, 4), np.uint64)], None, [0], [0], [0])

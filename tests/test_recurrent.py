@@ -12,10 +12,10 @@ import numpy as np
 import pytest
 from recurrent_helpers import mamba_hparams, ubatch
 
-from kvref.batch import Batch
 from kvref.errors import BatchError, FormatError, NoSlotError, SequenceError
+from kvref.memory.batch import Batch
+from kvref.memory.recurrent import POS_MAX, RecurrentMemory
 from kvref.profile import Profile
-from kvref.recurrent import POS_MAX, RecurrentMemory
 
 # the newest profile with the recurrent rules of 2025 (what ``rules="mid-2025"`` selected before profiles)
 MID_2025 = dataclasses.replace(

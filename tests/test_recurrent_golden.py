@@ -6,8 +6,8 @@ import pytest
 from golden import ALL_CASES, compat_for, load_case, params, replay
 
 import kvref
-from kvref import conformance as C
-from kvref.recurrent import RecurrentMemory
+from kvref.jobs import conformance as C
+from kvref.memory.recurrent import RecurrentMemory
 
 CASES = [c for c in ALL_CASES if load_case(c)["memory"]["type"] == "recurrent"]
 

@@ -16,9 +16,9 @@ import pytest
 
 import kvref
 from kvref import state
-from kvref.conformance import hparams_from_case, save_ops
-from kvref.eras import convert_sections, matching_eras
-from kvref.from_file import _memory_bytes
+from kvref.jobs.conformance import hparams_from_case, save_ops
+from kvref.jobs.restore import _memory_bytes
+from kvref.state.eras import convert_sections, matching_eras
 
 G = Path(__file__).resolve().parent.parent / "conformance" / "golden"
 FILES = sorted(Path(p) for p in glob.glob(str(G / "*" / "0*")) if not p.endswith(".json"))

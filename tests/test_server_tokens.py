@@ -10,7 +10,7 @@ import pytest
 
 import kvref.state as S
 from kvref.errors import FormatError
-from kvref.server_tokens import read_prompt
+from kvref.state.server_tokens import read_prompt
 
 GOLDEN = Path(__file__).resolve().parent.parent / "conformance" / "golden" / "llama-shared-prefix" / "03-seq-seq0.ggsq"
 

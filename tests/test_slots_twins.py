@@ -6,7 +6,7 @@ place_single (a whole decode step on one stream's cells; plan_single, the same w
 answer and leaves the same cells with either twin: find_cells' slot with place's writes, or None and nothing
 changed.
 
-End to end, random decode sequences through ``kvref.slots`` with either twin plugged in place identical slots
+End to end, random decode sequences through ``kvref.memory.slots`` with either twin plugged in place identical slots
 (idxs per stream), leave identical cells and raise identical errors.
 """
 
@@ -21,12 +21,12 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import kvref
-from kvref import _cells_py, _slots_py, slots
 from kvref._backend import _load_compiled
 from kvref.errors import KVRefError
 from kvref.hparams import is_masked_swa
+from kvref.memory import _cells_py, _slots_py, slots
 
-SLOTS_C = _load_compiled("slots")
+SLOTS_C = _load_compiled("memory.slots")
 EXAMPLES = int(os.environ.get("KVREF_HYPOTHESIS_EXAMPLES", "200"))
 CELL_CLASSES = [_cells_py.KVCells] + ([CELLS_C.KVCells] if CELLS_C is not None else [])
 
@@ -218,7 +218,9 @@ def test_decode_places_the_same_slots_with_either_twin(script, swa_type, n_swa, 
 
 def test_selected_twin_matches_the_backend() -> None:
     assert kvref.backend() == slots.BACKEND
-    assert slots._impl.__name__ == ("kvref._slots_c" if kvref.backend() == "cython" else "kvref._slots_py")
+    assert slots._impl.__name__ == (
+        "kvref.memory._slots_c" if kvref.backend() == "cython" else "kvref.memory._slots_py"
+    )
 
 
 def test_a_decode_step_tests_few_cells_in_a_large_cache() -> None:

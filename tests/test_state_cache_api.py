@@ -7,7 +7,7 @@ import pytest
 
 import kvref.state as S
 from kvref.errors import FormatError
-from kvref.ggml import GGMLType, row_size
+from kvref.ggml.types import GGMLType, row_size
 
 F16 = int(GGMLType.F16)
 ROW = row_size(F16, 8)

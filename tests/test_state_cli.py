@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 import kvref
-from kvref.cli import main
+from kvref.jobs.cli import main
 
 # subprocesses start where the imported kvref lives, never in a checkout whose kvref/ would shadow it
 KVREF_HOME = Path(kvref.__file__).resolve().parents[1]
@@ -54,7 +54,7 @@ def test_version_names_backend_and_llama_cpp() -> None:
 
 
 def test_every_option_has_help() -> None:
-    from kvref.cli import build_parser
+    from kvref.jobs.cli import build_parser
 
     parser = build_parser()
     subs = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]

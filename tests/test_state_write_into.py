@@ -16,10 +16,10 @@ from recurrent_helpers import jamba_hparams, mamba_hparams
 
 import kvref
 from kvref.errors import ArgumentError, ArgumentTypeError
-from kvref.hybrid import HybridMemory
-from kvref.kv_cache import KVCache
-from kvref.kv_cache_iswa import KVCacheISWA
-from kvref.recurrent import RecurrentMemory
+from kvref.memory.hybrid import HybridMemory
+from kvref.memory.kv_cache import KVCache
+from kvref.memory.kv_cache_iswa import KVCacheISWA
+from kvref.memory.recurrent import RecurrentMemory
 
 
 def _llama() -> kvref.HParams:

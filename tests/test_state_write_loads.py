@@ -13,9 +13,9 @@ from recurrent_helpers import mamba_hparams
 from test_memory_factory import gemma2, jamba, llama
 
 import kvref.state as S
-from kvref.batch import Batch
 from kvref.errors import KVRefError
-from kvref.memory import create_memory
+from kvref.memory.batch import Batch
+from kvref.memory.factory import create_memory
 
 MEMORIES = {
     "kv": lambda n_seq, unified: create_memory(llama(), 256, n_seq, unified),

@@ -10,12 +10,13 @@ import numpy as np
 import pytest
 
 import kvref
-from kvref import export as kexport
-from kvref import plot as kplot
-from kvref import quant, rotation, tensors
-from kvref.cli import main
-from kvref.progress import Progress
-from kvref.rows import typed
+from kvref.ggml import quant, rotation
+from kvref.ggml.rows import typed
+from kvref.jobs import export as kexport
+from kvref.jobs import plot as kplot
+from kvref.jobs import tensors
+from kvref.jobs.cli import main
+from kvref.jobs.progress import Progress
 
 ROOT = Path(__file__).resolve().parent.parent / "conformance"
 GOLD = ROOT / "golden"
@@ -32,7 +33,7 @@ def test_quant_round_trips_and_refusals() -> None:
                 quant.quantize(x, t)
             continue
         raw = quant.quantize(x, t)
-        assert raw.dtype == np.uint8 and raw.shape == (4, kvref.ggml.row_size(t, 64))
+        assert raw.dtype == np.uint8 and raw.shape == (4, kvref.ggml.types.row_size(t, 64))
         back = quant.dequantize(raw, t)
         assert back.shape == x.shape and np.abs(back - x).max() < 0.3
         assert np.array_equal(quant.quantize(back, t), raw)  # a second round trip changes no byte
@@ -153,7 +154,7 @@ def test_plot(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib")
     assert main(["plot", str(F16), "-o", str(tmp_path / "a.png")]) == 0
     assert (tmp_path / "a.png").read_bytes()[:4] == b"\x89PNG"
-    from kvref.plot import memory_panels, plot, state_panels
+    from kvref.jobs.plot import memory_panels, plot, state_panels
 
     hp = kvref.HParams.from_gguf(ROOT / "models" / "gemma3-tiny.gguf")
     panels = state_panels(kvref.state.load(GOLD / "gemma3-iswa" / "01-session.ggsn"), hp)

@@ -15,10 +15,10 @@ from conftest import CELLS_C
 HAMMER = """
 import random, sys, threading
 import numpy as np
-from kvref import _cells_py
+from kvref.memory import _cells_py
 twin = sys.argv[1]
 if twin == "c":
-    from kvref import _cells_c as mod
+    from kvref.memory import _cells_c as mod
 else:
     mod = _cells_py
 cells = mod.KVCells(256)

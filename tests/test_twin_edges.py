@@ -9,8 +9,8 @@ import pytest
 from conftest import CELLS_C
 from mask_helpers import MASK_C, seq_bits
 
-from kvref import _cells_py, _mask_py
 from kvref.errors import KVRefError
+from kvref.memory import _cells_py, _mask_py
 
 CELL_TWINS = [pytest.param(_cells_py.KVCells, id="py")] + (
     [pytest.param(CELLS_C.KVCells, id="c")] if CELLS_C is not None else []

@@ -175,7 +175,7 @@ class SeqStateBlob(StateObject):
 @dataclass(eq=False)
 class LegacySessionFile(SessionFile):
     """A session file of version 5, 6 or 7 (`kvref.state.legacy`): written back as read, its KV section from ``raw_kv``
-    (``memory`` is what a later llama.cpp writes for the same cache); `kvref.eras.to_era` upgrades it."""
+    (``memory`` is what a later llama.cpp writes for the same cache); `kvref.state.eras.to_era` upgrades it."""
 
     hparams_raw: bytes = b""  # the writer's struct llama_hparams, as written
     raw_kv: RawKV | None = None

@@ -58,7 +58,7 @@ import numpy.typing as npt
 
 from ..constants import LLAMA_MAX_SEQ
 from ..errors import ArgumentError, FormatError
-from ..ggml import TYPE_TRAITS, GGMLType, row_size, type_name
+from ..ggml.types import TYPE_TRAITS, GGMLType, row_size, type_name
 from .cells import Cells
 from .codec import Reader, Writer
 from .dsl import Env, Field, Record, Str, env_int

@@ -6,7 +6,7 @@ The parse-time checks (``sections.py``, while reading against a cache) and the w
 
 from __future__ import annotations
 
-from ..ggml import type_name
+from ..ggml.types import type_name
 
 
 def n_stream(found: int, cache: int) -> str:

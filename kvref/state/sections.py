@@ -33,7 +33,7 @@ import numpy.typing as npt
 
 from ..constants import LLAMA_MAX_LAYERS, LLAMA_MAX_SEQ
 from ..errors import FormatError
-from ..ggml import TYPE_TRAITS, GGMLType, type_name
+from ..ggml.types import TYPE_TRAITS, GGMLType, type_name
 from . import mismatch
 from .cells import Cells, CellTable
 from .codec import Reader, Writer

@@ -88,7 +88,7 @@ def _recurrent(sec: RecurrentSection) -> Summary:
 
 def _token_field(tokens: npt.NDArray[np.int32]) -> Summary:
     """Which form the token field has (a plain list, or llama-server's packed prompt with media) and its prompt."""
-    from ..server_tokens import read_prompt
+    from .server_tokens import read_prompt
 
     try:
         p = read_prompt(tokens)

@@ -1,0 +1,215 @@
+"""The ``kvref`` command line: one function per subcommand, registered on argparse subparsers.
+
+Each subcommand is a ``(name, help, add_arguments, run)`` entry of `SUBCOMMANDS`; the work itself lives in the
+library (``kvref.state``, ``kvref.jobs.conformance``), so every command is also one call.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Callable
+from typing import Any
+
+from ..errors import KVRefError
+from . import cli_jobs
+
+Subcommand = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
+
+
+def _inspect_args(p: argparse.ArgumentParser) -> None:
+    from ..state.constants import LAYOUTS
+
+    p.add_argument("file", help="session (.ggsn), sequence (.ggsq) file, or raw state / sequence blob; - for stdin")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument(
+        "--kind",
+        default="auto",
+        choices=["auto", "session", "seq", "state", "seq_state"],
+        help="what the file is: session file, sequence file, llama_state_get_data blob, "
+        "llama_state_seq_get_data blob (default: detect)",
+    )
+    p.add_argument(
+        "--layout",
+        default="auto",
+        choices=["auto", *LAYOUTS],
+        help="the memory layout of the state (default: detect)",
+    )
+    p.add_argument("--ext-size", type=int, choices=[0, 8, 12], default=None, help="cell ext bytes (default: infer)")
+    p.add_argument(
+        "--verbose", action="store_true", help="when no reading parses, list why each one kvref tried failed"
+    )
+    p.add_argument("--model", default=None,
+                   help="a GGUF model: its vocabulary turns the tokens back into text; a session of version 5 .. 7 "
+                   "needs it to be read")  # fmt: skip
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024  # type: ignore[assignment]
+    return str(n)
+
+
+def _rows_line(name: str, d: dict[str, Any]) -> str:
+    extra = f" (transposed, el {d['el_size']} x {d['n_embd']})" if d.get("transposed") else ""
+    return f"{name} {d['type']:>6} row {d['row_size']:>6} B  {_fmt_bytes(d['bytes']):>10}{extra}"
+
+
+def _print_cells(d: dict[str, Any], indent: str) -> None:
+    from .cli_jobs import plural
+
+    print(f"{indent}cells: {d['cell_count']}" + (f", ext {d['ext_size']} B" if d.get("ext_size") else ""))
+    for s, r in sorted(d["sequences"].items(), key=lambda kv: int(kv[0])):
+        print(f"{indent}  seq {s:>3}: pos {r['pos_min']}..{r['pos_max']}  ({plural(r['n_cells'], 'cell')})")
+
+
+def _print_summary(s: dict[str, Any]) -> None:
+    head = f"{s['format']}"
+    if "version" in s:
+        head += f" '{s['magic']}' version {s['version']}"
+    if s.get("file_size") is not None:
+        head += f", {_fmt_bytes(s['file_size'])}" + (f" ({s['file_size']} bytes)" if s["file_size"] >= 1024 else "")
+    print(head)
+    if "eras" in s:
+        eras = ", ".join(f"{e['era']} (llama-cpp-python {e['llama_cpp_python']})" for e in s["eras"]) or "none"
+        print(f"layout of era: {eras}")
+    if "n_tokens" in s:
+        more = " ..." if s["n_tokens"] > len(s["first_tokens"]) else ""
+        print(f"tokens: {s['n_tokens']}  [{', '.join(map(str, s['first_tokens']))}{more}]")
+        tf = s.get("token_field", {})
+        if tf.get("form", "plain") != "plain":
+            media = tf.get("media", [])
+            print(
+                f"token field: {tf['form']}"
+                + (f": {tf['n_prompt_tokens']} prompt tokens, {len(media)} media chunk(s)" if "media" in tf else "")
+                + (f" ({tf['error']})" if "error" in tf else "")
+            )
+    if "text" in s:
+        print(f"text: {s['text'][:500]!r}" + (" ..." if len(s["text"]) > 500 else ""))
+    if "arch" in s:
+        print(f"arch: {s['arch']}")
+    if s.get("note"):
+        print(f"note: {s['note']}")
+    if s.get("seq_id") is not None:
+        print(f"saved from seq_id: {s['seq_id']}")
+    if "outputs" in s:
+        o = s["outputs"]
+        print(f"outputs (v7 .. v9): {o['n_outputs']} ids, {o['logits']} logits, {o['embeddings']} embeddings")
+    if "rng" in s:
+        print(f"rng: the sampler's std::mt19937 state, {s['rng']['bytes']} bytes of text (session v7, v8)")
+    print(f"memory layout: {s['layout']}")
+    for i, sec in enumerate(s["sections"]):
+        if sec["kind"] == "kv":
+            n = "no n_stream field" if sec["n_stream"] is None else cli_jobs.plural(sec["n_stream"], "stream")
+            print(f"section {i}: {sec.get('label', 'attention KV')}, {n}")
+            if sec.get("rotation"):
+                print(f"  note: {sec['rotation']}")
+            for st in sec["streams"]:
+                print(f"  stream {st['stream']}:")
+                _print_cells(st, "    ")
+                for layer in st.get("layers", []):
+                    line = _rows_line("K", layer["k"]) + ("   " + _rows_line("V", layer["v"]) if "v" in layer else "")
+                    print(f"    layer {layer['layer']:>3}: {line}")
+        else:
+            print(
+                f"section {i}: {sec.get('label', 'recurrent')}, s_trans {sec['s_trans']}, "
+                f"{sec['n_state_layers']} of {sec['n_layer']} layers with state"
+            )
+            _print_cells(sec, "  ")
+            for layer in sec["layers"]:
+                r = layer["r"]
+                line = f"R {r['type']:>6} row {r['row_size']:>6} B  {_fmt_bytes(r['bytes']):>10}   " + _rows_line(
+                    "S", layer["s"]
+                )
+                print(f"  state layer {layer['index']:>3}: {line}")
+
+
+def cmd_inspect(args: argparse.Namespace) -> int:
+    from .. import state
+
+    source = sys.stdin.buffer.read() if args.file == "-" else args.file
+    from .cli_jobs import enrich_summary
+
+    obj = state.load(source, kind=args.kind, layout=args.layout, ext_size=args.ext_size, model=args.model)
+    size = len(source) if isinstance(source, bytes) else os.path.getsize(source)
+    summary = enrich_summary(obj.summary(), obj, size)
+    if args.model is not None and "tokens" in summary:
+        from ..state.server_tokens import read_prompt
+        from ..vocab import detokenize, vocabulary
+
+        summary["text"] = detokenize(read_prompt(obj.tokens).tokens.tolist(), vocabulary(args.model))
+    if args.json:
+        json.dump(summary, sys.stdout, indent=2)
+        print()
+    else:
+        _print_summary(summary)
+    return 0
+
+
+def _conformance_args(p: argparse.ArgumentParser) -> None:
+    from .conformance import add_arguments
+
+    add_arguments(p)
+
+
+def cmd_conformance(args: argparse.Namespace) -> int:
+    from .conformance import main as run_conformance
+
+    return run_conformance(args)
+
+
+SUBCOMMANDS: list[Subcommand] = [
+    ("inspect", "summarize a llama.cpp state file or blob", _inspect_args, cmd_inspect),
+    ("conformance", "check kvref against the goldens written by llama.cpp", _conformance_args, cmd_conformance),
+    ("convert", "upgrade, cut, merge, remap or restream a state file", cli_jobs.convert_args, cli_jobs.cmd_convert),
+    ("diff", "where two state files differ (exit 0 same, 1 different, 2 error)", cli_jobs.diff_args, cli_jobs.cmd_diff),
+    ("check", "will llama.cpp with this model and context load this file?", cli_jobs.check_args, cli_jobs.cmd_check),
+    ("export", "K/V/R/S tensors of a state file as .npz / .safetensors", cli_jobs.export_args, cli_jobs.cmd_export),
+    ("plot", "draw which cells each sequence holds (kvref[plot])", cli_jobs.plot_args, cli_jobs.cmd_plot),
+]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from .. import about_line
+
+    p = argparse.ArgumentParser(prog="kvref", description="llama.cpp memory modules and state files, in Python")
+    p.add_argument("--version", action="version", version=about_line(), help="print kvref's version and exit")
+    sub = p.add_subparsers(dest="command", metavar="COMMAND")
+    for name, help_, add_args, run in SUBCOMMANDS:
+        sp = sub.add_parser(name, help=help_, description=help_)
+        add_args(sp)
+        sp.set_defaults(run=run)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "run", None):
+        parser.error("a command is required")  # usage on stderr, exit 2 (argparse's convention)
+    try:
+        return args.run(args)
+    except KVRefError as e:
+        print(f"kvref {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
+        readings = getattr(e, "readings", [])
+        if readings and getattr(args, "verbose", False):
+            print(f"the {len(readings)} readings tried:", file=sys.stderr)
+            for reading, why in readings:
+                print(f"  {reading}: {why}", file=sys.stderr)
+        elif readings:
+            print(f"({len(readings)} readings tried; --verbose lists them)", file=sys.stderr)
+        return 2
+    except BrokenPipeError:  # `kvref inspect ... | head`: the reader left; say nothing more
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
+    except OSError as e:
+        print(f"kvref {args.command}: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

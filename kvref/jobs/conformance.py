@@ -1,0 +1,1157 @@
+"""The conformance runner: kvref against the goldens a real llama.cpp wrote (``kvref conformance``).
+
+For every ``<root>/golden/<case-id>/`` the runner makes these checks:
+
+``parse``    every artefact reads with ``kvref.state.load`` (told its kind, layout and cell ext by the case's
+             trace) and writes back byte for byte;
+``replay``   the trace runs on a kvref memory built from the case's hyper-parameters and context (when the
+             model GGUF is committed, ``HParams.from_gguf`` must agree with the recorded hyper-parameters):
+             every return value (init, decode 0 / 1 / -1, seq_rm) and every ``seq_pos_min`` / ``seq_pos_max``
+             observation must match; at every save point the cell tables kvref would write (per section, per
+             stream: cell order, positions, sequence ids, ext) must match the golden's, then the golden's K/V
+             (or R/S) rows are copied into the replayed memory at the cells it writes and its
+             ``state_write`` must equal the golden memory bytes exactly; restores feed the golden's memory
+             bytes to ``state_read``;
+``graph``    the trace runs again; at every decode that carries the graph inputs llama.cpp computed with
+             (``op["graph"]``, captured by conformance/capture.py), kvref's K-shift input (before the decode),
+             KQ masks (base and SWA), K/V row indices and positions (after each ubatch is placed) must equal
+             them element for element (a legacy producer's padded mask rows: all -inf, `KQ_MASK_PAD`); cases
+             without captures pass as not applicable;
+``restore``  every golden loads into a fresh memory (whole, or per sequence into its own and into another
+             sequence) and writes back identically (relabelled for another sequence);
+``invalid``  (one extra pseudo-case ``invalid``) every file of ``invalid/manifest.json`` raises its error class
+             naming its field; faults only a model-aware reader can see (``needs_hparams``) are fed to a
+             memory built like the source case's.
+
+Expected failures live in ``<root>/expected_failures.json`` (``{"cases": [{"id", "checks", "reason"}]}``): a
+listed check must fail (an unexpected pass is a failure), an unlisted one must pass. A check kvref cannot
+run (a memory kind it does not model) is reported as ``unsupported`` and counts as not passing.
+
+Where the goldens are found (``find_root``): ``--root``, else ``./conformance`` when it holds ``golden/``,
+else the ``conformance/`` directory of the source checkout kvref was imported from. An installed wheel does
+not ship the goldens: run from a checkout, or pass ``--root``.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import sys
+import time
+import traceback
+import warnings
+from collections.abc import Callable, Iterator
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from .. import about, about_line
+from ..errors import BatchError, CheckFailed, CompatWarning, KVRefError, NoSlotError, Unsupported
+from ..profile import Profile
+
+if TYPE_CHECKING:
+    from ..hparams import HParams
+
+CHECKS = ("parse", "replay", "graph", "restore")
+# The operations of a trace (case.json's ``trace``, case.schema.json): the one vocabulary conformance/driver.py
+# records (Run.apply performs any of them in llama.cpp), conformance/fuzz.py plans in, and replay_trace
+# interprets on kvref. ``init`` is op 0 only: the context (kvref: create_memory).
+TRACE_OPS = ("init", "decode", "seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "clear", "save", "state_load",
+             "seq_restore", "set_causal", "encode")  # fmt: skip
+INVALID_CASE = "invalid"
+PARTIAL_ONLY = 1
+_KIND = {"session": "session", "seq": "seq", "state_data": "state", "seq_data": "seq_state"}
+
+
+@dataclass
+class CheckResult:
+    name: str
+    status: str  # "pass", "fail", "unsupported"
+    detail: str = ""
+    expected_failure: str | None = None  # the manifest's reason when this check is listed
+
+    @property
+    def ok(self) -> bool:
+        """The outcome is what the manifest expects."""
+        passed = self.status == "pass"
+        return passed if self.expected_failure is None else not passed
+
+
+@dataclass
+class CaseResult:
+    case: str
+    checks: list[CheckResult] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def ok(self) -> bool:
+        return all(c.ok for c in self.checks)
+
+    @property
+    def status(self) -> str:
+        if not self.ok:
+            bad = [c for c in self.checks if not c.ok]
+            return "XPASS" if all(c.expected_failure is not None for c in bad) else "FAIL"
+        return "xfail" if any(c.expected_failure is not None for c in self.checks) else "pass"
+
+    def first_problem(self) -> str:
+        for c in self.checks:
+            if not c.ok:
+                if c.expected_failure is not None:
+                    return f"{c.name}: unexpectedly passed (listed as expected failure: {c.expected_failure})"
+                return f"{c.name}: {c.detail}"
+        for c in self.checks:
+            if c.expected_failure is not None:
+                return f"{c.name} (expected): {c.detail}"
+        return ""
+
+
+# ---------------------------------------------------------------------------------------------- locating
+def find_root(root: str | Path | None = None) -> Path:
+    """The conformance directory: ``root``, else ./conformance, else the source checkout's conformance/, else the
+    goldens installed with the package (``kvref/conformance_data``)."""
+    if root is not None:
+        p = Path(root)
+        if not (p / "golden").is_dir():
+            raise KVRefError(f"{p} has no golden/ directory")
+        return p
+    here = Path(__file__).resolve().parent
+    for p in (Path.cwd() / "conformance", here.parent / "conformance", here / "conformance_data"):
+        if (p / "golden").is_dir():
+            return p
+    raise KVRefError(
+        "no conformance/golden directory found: this kvref was installed without its goldens; "
+        "run from a kvref checkout or pass --root"
+    )
+
+
+def list_cases(root: Path) -> list[str]:
+    return sorted(p.parent.name for p in (root / "golden").glob("*/case.json"))
+
+
+def load_case(root: Path, case_id: str) -> dict:
+    return json.loads((root / "golden" / case_id / "case.json").read_text())
+
+
+def load_expected_failures(root: Path) -> dict[str, dict[str, str]]:
+    """``{case id: {check: reason}}`` from expected_failures.json (empty when there is none)."""
+    p = root / "expected_failures.json"
+    if not p.exists():
+        return {}
+    out: dict[str, dict[str, str]] = {}
+    for e in json.loads(p.read_text()).get("cases", []):
+        for c in e["checks"]:
+            out.setdefault(e["id"], {})[c] = e["reason"]
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- model + memory
+def hparams_from_case(case: dict) -> Any:
+    """kvref.HParams from a case's recorded ``model.hparams``."""
+    from ..hparams import HParams, RopeType, SWAType
+
+    h = case["model"]["hparams"]
+    ssm = h.get("ssm") or {}
+    kw: dict[str, Any] = dict(
+        arch=h["arch"], n_layer=h["n_layer"], n_embd=h["n_embd"], n_head=h["n_head"], n_head_kv=h["n_head_kv"],
+        n_embd_head_k=h["n_embd_head_k"], n_embd_head_v=h["n_embd_head_v"], swa_layers=h["swa_layers"],
+        recurrent_layers=h["recurrent_layers"], n_swa=h["n_swa"], swa_type=SWAType[h["swa_type"].upper()],
+        rope_type=RopeType[h["rope_type"].upper()], n_ctx_train=h["n_ctx_train"], n_ff=h.get("n_ff", 0),
+        causal_attn=h.get("causal_attn", True), n_vocab=h.get("n_vocab", 0),
+        rope_freq_base=h.get("rope_freq_base", 10000.0), rope_freq_scale=h.get("rope_freq_scale", 1.0),
+        ssm_d_conv=ssm.get("d_conv", 0), ssm_d_inner=ssm.get("d_inner", 0), ssm_d_state=ssm.get("d_state", 0),
+        ssm_n_group=ssm.get("n_group", 0), ssm_dt_rank=ssm.get("dt_rank", 0),
+    )  # fmt: skip
+    if h.get("n_rot"):
+        kw["n_rot"] = h["n_rot"]
+    # what decides the recurrent row widths of RWKV and LFM2, and the SWA layers' rope base
+    # (and what set_causal false, ALiBi and T5's position buckets do to the graph inputs)
+    for name in ("wkv_head_size", "token_shift_count", "n_shortconv_l_cache", "rope_freq_base_swa",
+                 "non_causal_type", "f_max_alibi_bias", "n_rel_attn_bkts", "n_layer_kv_from_start"):  # fmt: skip
+        if h.get(name) is not None:
+            kw[name] = h[name]
+    if h.get("rope_sections"):
+        kw["rope_sections"] = tuple(h["rope_sections"])
+    return HParams(**kw)
+
+
+def _hp_facts(hp: HParams) -> dict[str, Any]:
+    """What decides the memory layout, per layer."""
+    n = hp.n_layer
+    facts: dict[str, Any] = {
+        "n_layer": n,
+        "n_pos_per_embd": hp.n_pos_per_embd(),
+        "n_swa": hp.n_swa if hp.is_swa_any() else 0,
+        "swa_type": int(hp.swa_type) if hp.is_swa_any() else 0,
+        "n_embd_k_gqa": [hp.n_embd_k_gqa(il) for il in range(n)],
+        "n_embd_v_gqa": [hp.n_embd_v_gqa(il) for il in range(n)],
+        "is_swa": [hp.is_swa(il) for il in range(n)],
+        "has_kv": [hp.has_kv(il) for il in range(n)],
+        "rope_type": int(hp.rope_type),
+        "rope_freq_base": hp.rope_freq_base,
+        # what the KQ mask holds (ALiBi distances) and what set_causal false means for a windowed model
+        "use_alibi": hp.use_alibi,
+        "non_causal_type": int(hp.non_causal_type),
+        "n_rel_attn_bkts": hp.n_rel_attn_bkts,
+        "n_rot": [hp.n_rot_l(il) for il in range(n)] if hp.rope_type >= 0 else None,
+    }
+    if hp.is_swa_any():
+        # K-shift rotates SWA layers with their own base (the full-attention base when the file has none)
+        facts["rope_freq_base_swa"] = hp.rope_freq_base if hp.rope_freq_base_swa is None else hp.rope_freq_base_swa
+    facts["n_embd_r"] = hp.n_embd_r()
+    facts["n_embd_s"] = hp.n_embd_s()
+    return facts
+
+
+def check_hparams(root: Path, case: dict, hp: Any) -> None:
+    """When the case's GGUF is committed, HParams.from_gguf must agree with the recorded hyper-parameters."""
+    from ..hparams import HParams
+
+    m = case["model"]
+    path = root / m["path"] if m.get("path") else None
+    if not m.get("committed") or path is None or not path.exists():
+        return
+    a, b = _hp_facts(HParams.from_gguf(path)), _hp_facts(hp)
+    for k in a:
+        if a[k] != b.get(k):
+            raise CheckFailed(f"HParams.from_gguf({m['file']}).{k} = {a[k]}, case.json says {b.get(k)}")
+
+
+def compat_for(case: dict) -> Profile:
+    """The kvref.profile.Profile of the llama.cpp that produced the case (from its producer's
+    llama-cpp-python version; the default when the case does not say)."""
+    from ..compat import for_llama_cpp_python
+
+    with warnings.catch_warnings():  # the goldens are what checks a producer older than the releases read
+        warnings.simplefilter("ignore", CompatWarning)
+        return for_llama_cpp_python((case.get("producer") or {}).get("llama_cpp_python"))
+
+
+def create_memory_for(case: dict, hp: Any) -> Any:
+    """The memory create_memory builds for the case's context, reproducing its producer's llama.cpp."""
+    from ..memory.factory import create_memory
+
+    c = case["context"]
+    return create_memory(
+        hp, n_ctx=c["n_ctx"], n_seq_max=c["n_seq_max"], kv_unified=c["kv_unified"], flash_attn=c["flash_attn"],
+        type_k=c["type_k"], type_v=c["type_v"], swa_full=c.get("swa_full", False), n_ubatch=c["n_ubatch"],
+        n_batch=c["n_batch"], n_rs_seq=c.get("n_rs_seq", 0), compat=compat_for(case),
+    )  # fmt: skip
+
+
+def check_memory_shape(case: dict, mem: Any) -> None:
+    """The memory kvref built has the kind and sizes llama.cpp logged."""
+    want = case["memory"]
+    kind = {"KVCache": "kv", "KVCacheISWA": "iswa", "RecurrentMemory": "recurrent", "HybridMemory": "hybrid"}
+    got = kind.get(type(mem).__name__, type(mem).__name__)
+    if got == "hybrid":
+        got = getattr(mem, "kind", got)  # "hybrid" or "hybrid_iswa"
+    if got != want["type"]:
+        raise CheckFailed(f"kvref built a {got} memory, llama.cpp a {want['type']} one")
+    leaves = leaf_parts(mem, 0)
+    for leaf in leaves:
+        if type(leaf).__name__ == "KVCache":
+            if leaf.n_stream != want["n_stream"]:
+                raise CheckFailed(f"n_stream {leaf.n_stream}, llama.cpp {want['n_stream']}")
+            if want.get("v_trans") is not None and leaf.v_trans != want["v_trans"]:
+                raise CheckFailed(f"v_trans {leaf.v_trans}, llama.cpp {want['v_trans']}")
+    kv = [leaf for leaf in leaves if type(leaf).__name__ == "KVCache"]
+    # llama.cpp's attention rotation flags, as its KV caches logged them (0.3.36 goldens recorded since the rotation
+    # cases; older ones carry no such key), in construction order: base before SWA
+    caches = (case.get("observed_context") or {}).get("memory_log", {}).get("caches", [])
+    logged = [c for c in caches if "attn_rot_k" in c]
+    if logged and len(logged) == len(kv):
+        for c, leaf in zip(logged, kv, strict=True):
+            for which in ("k", "v"):
+                got_rot, want_rot = bool(getattr(leaf, f"attn_rot_{which}")), bool(c[f"attn_rot_{which}"])
+                if got_rot != want_rot:
+                    raise CheckFailed(f"attn_rot_{which} {got_rot}, llama.cpp {want_rot} ({c['module']})")
+    sizes = {"kv_size": kv[0].get_size() if kv else None, "kv_size_swa": kv[-1].get_size() if len(kv) > 1 else None}
+    for name, got_size in sizes.items():
+        if want.get(name) is not None and got_size != want[name]:
+            raise CheckFailed(f"{name} {got_size} cells, llama.cpp {want[name]}")
+
+
+# ---------------------------------------------------------------------------------------------- memory parts
+def leaf_parts(mem: Any, flags: int) -> list[Any]:
+    """The single-section memories (KVCache, RecurrentMemory) a state of ``mem`` with ``flags`` is made of."""
+    parts = getattr(mem, "_state_parts", None)
+    if parts is None:
+        return [mem]
+    out: list[Any] = []
+    for p in parts(flags):
+        out.extend(leaf_parts(p, flags))
+    return out
+
+
+def memory_sections(obj: Any) -> list[Any]:
+    return list(obj.memory.sections)
+
+
+def section_bytes(sections: list[Any]) -> bytes:
+    from ..state import section_bytes as sb
+
+    return sb(*sections)
+
+
+# ---------------------------------------------------------------------------------------------- artefacts
+def artefact_hints(op: dict, producer: dict | None = None) -> dict[str, Any]:
+    """kvref.state.load options for the artefact a save op describes (``producer``: case.json's, for the
+    format generation: sequence-blob prefix, v9 output block, cell ext size)."""
+    from ..state import LAYOUTS
+
+    producer = producer or {}
+    sections = tuple("kv" if s.startswith("kv") else s for s in op.get("sections") or ())
+    layout = next((name for name, kinds in LAYOUTS.items() if kinds == sections), op.get("layout"))
+    kind = _KIND[op["kind"]]
+    hints: dict[str, Any] = {"kind": kind, "layout": layout}
+    if op.get("cell_ext") is not None:
+        hints["ext_size"] = int(producer.get("cell_ext_size") or 12) if op["cell_ext"] else 0
+    if kind == "seq_state" and producer.get("seq_data_prefix") is not None:
+        hints["seq_header"] = bool(producer["seq_data_prefix"])
+    if kind in ("session", "state") and producer.get("output_block") is not None:
+        hints["outputs"] = bool(producer["output_block"])
+    if producer.get("n_stream_field") is not None:  # False: written before PR #14363 (llama-cpp-python 0.3.12)
+        hints["n_stream_field"] = bool(producer["n_stream_field"])
+    return hints
+
+
+def save_ops(case: dict) -> dict[str, dict]:
+    return {op["file"]: op for op in case["trace"] if op["op"] == "save" and op.get("file")}
+
+
+class Artefacts:
+    """The case's artefacts, parsed once (``get(file)`` -> state object; parse errors surface there). ``golden``:
+    the directory of the case's directory; ``model``: what `kvref.state.load` needs for a session of version 7
+    (the ``legacy-0.2.83-*`` goldens, kept in ``golden-v7/``: most readers of ``golden/`` load without a model)."""
+
+    def __init__(self, root: Path, case: dict, golden: str = "golden", model: Any = None) -> None:
+        self.dir = root / golden / case["id"]
+        self.saves = save_ops(case)
+        self.producer = case.get("producer") or {}
+        self.model = model
+        self._cache: dict[str, Any] = {}
+
+    def get(self, file: str) -> Any:
+        if file not in self._cache:
+            from .. import state
+
+            hints = artefact_hints(self.saves[file], self.producer)
+            self._cache[file] = state.load(self.dir / file, **hints, model=self.model)
+        return self._cache[file]
+
+
+# ---------------------------------------------------------------------------------------------- comparisons
+def cell_table(sec: Any) -> list[list[tuple]]:
+    """Per stream (one for a recurrent section): ``[(pos, seq ids, ext), ...]`` in written order."""
+    from ..state import KVSection
+
+    streams = [st.cells for st in sec.streams] if isinstance(sec, KVSection) else [sec.cells]
+    out: list[list[tuple]] = []
+    for c in streams:
+        if c is None:
+            out.append([])
+            continue
+        out.append([(int(c.pos[i]), c.seq_ids(i), tuple(int(x) for x in c.ext[i])) for i in range(c.n)])
+    return out
+
+
+def compare_cells(mine: list[Any], theirs: list[Any], where: str) -> None:
+    kinds = [type(s).__name__ for s in mine], [type(s).__name__ for s in theirs]
+    if kinds[0] != kinds[1]:
+        raise CheckFailed(f"{where}: sections {kinds[0]}, llama.cpp {kinds[1]}")
+    for k, (a, b) in enumerate(zip(mine, theirs, strict=True)):
+        ta, tb = cell_table(a), cell_table(b)
+        if len(ta) != len(tb):
+            raise CheckFailed(f"{where}: section {k} has {len(ta)} streams, llama.cpp {len(tb)}")
+        for s, (ca, cb) in enumerate(zip(ta, tb, strict=True)):
+            if ca == cb:
+                continue
+            if len(ca) != len(cb):
+                raise CheckFailed(f"{where}: section {k} stream {s}: {len(ca)} cells, llama.cpp {len(cb)}")
+            i = next(i for i in range(len(ca)) if ca[i] != cb[i])
+            names = ("pos", "seq ids", "ext")
+            f = next(j for j in range(3) if ca[i][j] != cb[i][j])
+            raise CheckFailed(f"{where}: section {k} stream {s} cell #{i}: {names[f]} {ca[i][f]}, llama.cpp {cb[i][f]}")
+
+
+def first_difference(a: bytes, b: bytes) -> str:
+    n = min(len(a), len(b))
+    x = np.frombuffer(a[:n], np.uint8) != np.frombuffer(b[:n], np.uint8)
+    at = int(np.argmax(x)) if x.any() else n
+    return f"{len(a)} bytes vs llama.cpp's {len(b)}, first difference at byte {at}"
+
+
+def inject_rows(leaves: list[Any], mine: list[Any], theirs: list[Any], seq_id: int) -> list[Any]:
+    """Copy the golden's rows into the replayed memory at the cells it writes; return its sections again.
+
+    KV caches get the rows in their buffers (so state_write's gather is checked); recurrent sections get
+    them substituted in the section objects (the recurrent memory's row bookkeeping is its own concern).
+    """
+    from ..memory.kv_state import copy_rows, written_cells
+    from ..state import KVSection
+
+    out = []
+    for leaf, a, b in zip(leaves, mine, theirs, strict=True):
+        if isinstance(b, KVSection):
+            for s, st in enumerate(b.streams):
+                if st.cells is not None and st.data is not None:  # a stream with cells always has its rows
+                    copy_rows(leaf, s, written_cells(leaf, s, seq_id), st.data)
+            out.extend(leaf.state_sections(seq_id, 0))
+        else:
+            a = copy.copy(a)
+            a.r, a.s = b.r, b.s
+            out.append(a)
+    return out
+
+
+def relabel(sections: list[Any], dest: int, n_stream_of: Callable[[Any], int]) -> list[Any]:
+    """The golden sections as a restore into ``dest`` writes them back: seq ids ``dest``, stream moved."""
+    from ..state import Cells, KVSection, KVStream
+
+    def cells(c: Any) -> Any:
+        return Cells(c.pos, np.full_like(c.seq_id, dest), c.seq_start, c.ext, c.ext_size)
+
+    out: list[Any] = []
+    for sec in sections:
+        sec = copy.copy(sec)
+        if isinstance(sec, KVSection):
+            full = [st for st in sec.streams if st.cells is not None]
+            streams = [KVStream(None, None) for _ in sec.streams]
+            target = dest if len(sec.streams) > 1 else 0
+            for st in full:
+                streams[target] = KVStream(cells(st.cells), st.data)
+            sec.streams = streams
+        else:
+            sec.cells = cells(sec.cells)
+        out.append(sec)
+    return out
+
+
+def last_stream_only(sections: list[Any]) -> list[Any]:
+    """The golden sections as a whole restore with ``Profile.whole_restore_clear`` ``"per_stream"`` writes them
+    back: each stream's read begins with clear(true), so of a KV section only the last non-empty stream survives."""
+    from ..state import KVSection, KVStream
+
+    out: list[Any] = []
+    for sec in sections:
+        if isinstance(sec, KVSection):
+            sec = copy.copy(sec)
+            full = [i for i, st in enumerate(sec.streams) if st.cells is not None]
+            sec.streams = [st if full and i == full[-1] else KVStream(None, None) for i, st in enumerate(sec.streams)]
+        out.append(sec)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- the checks
+def check_parse(root: Path, case: dict, arts: Artefacts) -> str:
+    n = 0
+    for file in arts.saves:
+        path = arts.dir / file
+        if not path.exists():
+            raise CheckFailed(f"{file}: missing")
+        obj = arts.get(file)
+        if obj.to_bytes() != path.read_bytes():
+            raise CheckFailed(f"{file}: written back, {first_difference(obj.to_bytes(), path.read_bytes())}")
+        n += 1
+    return f"{n} artefacts"
+
+
+def _observe(mem: Any, n_seq: int) -> dict:
+    return {
+        "seq_pos_min": [mem.seq_pos_min(s) for s in range(n_seq)],
+        "seq_pos_max": [mem.seq_pos_max(s) for s in range(n_seq)],
+    }
+
+
+def _decode(mem: Any, op: dict, hp: HParams, n_ubatch: int, on_ubatch: Callable[[Any, Any], None] | None = None) -> int:
+    """llama_decode's return value: 0, 1 (no slot), -1 (invalid batch).
+
+    Token ids below n_vocab are checked here (the memories do not know the vocabulary); everything else,
+    sequence ids included, is the memory's decode() (BatchError -> -1, NoSlotError -> 1). ``on_ubatch`` goes
+    to the memory's decode (called after each ubatch is placed).
+    """
+    from ..memory.batch import Batch
+
+    n_vocab = hp.n_vocab
+    if any(t < 0 or (n_vocab and t >= n_vocab) for t in op["tokens"]):
+        return -1  # llama_batch_allocr::init: invalid token id
+    batch = Batch(tokens=op["tokens"], pos=op.get("pos"), seq_ids=op["seq_ids"], logits=op.get("logits"))
+    try:
+        if on_ubatch is None:
+            mem.decode(batch, n_ubatch)
+        else:
+            mem.decode(batch, n_ubatch, on_ubatch=on_ubatch)
+    except BatchError:
+        return -1
+    except NoSlotError:
+        return 1
+    return 0
+
+
+def _encode(op: dict, hp: Any, n_seq: int, inputs: bool) -> tuple[int, list[tuple[Any, Any, dict]]]:
+    """llama_encode's return value (0, or -1 for a batch llama_batch_allocr::init refuses) and, with ``inputs``,
+    the cache-less graph inputs of its one ubatch (``[(ubatch, None, {(tensor, swa): array})]``)."""
+    from ..memory.batch import Batch, allocr_for
+
+    batch = Batch(tokens=op["tokens"], pos=op.get("pos"), seq_ids=op["seq_ids"])
+    balloc = allocr_for(hp)
+    try:
+        balloc.init(batch, None, n_vocab=hp.n_vocab or None, n_seq_max=n_seq, output_all=True)
+    except BatchError:
+        return -1, []
+    ub = balloc.split_simple(balloc.get_n_tokens())
+    if not inputs:
+        return 0, []
+    return 0, [(ub, None, graph_inputs(None, ub, None, op["graph"], hp))]
+
+
+def _capacity_refused(op: dict, arts: Artefacts) -> bool:
+    """llama_state_load_file / llama_state_seq_load_file refuse files with more tokens than the capacity."""
+    cap = op.get("n_token_capacity")
+    if cap is None or op["kind"] not in ("session", "seq"):
+        return False
+    return len(arts.get(op["file"]).tokens) > cap
+
+
+class CarriedRows:
+    """Cells of a plain KV cache whose rows came from llama.cpp (copied in at a save by `inject_rows`) and that
+    only kvref changed since: its K-shift (``update()``). At the next save of such a cell its K and (row-wise) V
+    rows must equal llama.cpp's byte for byte, which checks kvref's K-shift on llama.cpp's own rows. Compared for
+    quantized K caches (`kvref.memory.kshift_quant`; the float K-shift is checked by its own tests). A decode's placed
+    cells, a restore, ``clear`` and a cross-stream ``seq_cp`` (rows copied at the next update) drop the mark.
+    Inactive for composite memories."""
+
+    def __init__(self, mem: Any) -> None:
+        from ..ggml.types import traits
+
+        kv = type(mem).__name__ == "KVCache"
+        self.mem = mem if kv and traits(mem.type_k).is_quantized else None
+        self.flags = None if self.mem is None else np.zeros((mem.n_stream, mem.get_size()), dtype=bool)
+        self.compared = 0  # cells compared
+
+    @property
+    def active(self) -> bool:
+        """Is the memory a quantized plain KV cache (else every method does nothing)?"""
+        return self.mem is not None
+
+    def placed(self, _ub: Any, slot: Any) -> None:
+        """A decode's ubatch went into ``slot``: its cells hold kvref's rows now (an ``on_ubatch`` callback)."""
+        if self.flags is not None:
+            for strm, idxs in zip(slot.strm, slot.idxs, strict=True):
+                self.flags[strm, np.asarray(idxs, dtype=np.intp)] = False
+
+    def reset(self, stream: int | None = None) -> None:
+        """Unmark every cell of ``stream`` (None: of every stream)."""
+        if self.flags is not None:
+            self.flags[slice(None) if stream is None else stream] = False
+
+    def compare_and_mark(self, where: str, seq_id: int, theirs: list[Any]) -> None:
+        """Compare the carried cells a save writes with llama.cpp's rows, then mark every written cell."""
+        if self.mem is None or self.flags is None:
+            return
+        from ..memory.kv_state import written_cells
+
+        mem = self.mem
+        for s, st in enumerate(theirs[0].streams):
+            if st.cells is None or st.data is None:
+                continue
+            idxs = written_cells(mem, s, seq_id)
+            keep = self.flags[s, idxs]
+            if keep.any():
+                k_bufs = [layer.k[s] for layer in mem.layers]
+                parts = [("K", li, buf, r) for li, (buf, r) in enumerate(zip(k_bufs, st.data.k, strict=True))]
+                if not mem.v_trans:
+                    v_bufs = [layer.v[s] for layer in mem.layers if layer.v is not None]
+                    parts += [("V", li, buf, r) for li, (buf, r) in enumerate(zip(v_bufs, st.data.v, strict=True))]
+                for name, li, buf, rows in parts:
+                    mine, their = buf[idxs[keep]], np.asarray(rows.data)[keep]
+                    bad = np.flatnonzero((mine != their).any(axis=1))
+                    if bad.size:
+                        cell = int(idxs[keep][bad[0]])
+                        raise CheckFailed(
+                            f"{where}: stream {s} cell {cell} layer {li} {name} row after kvref's K-shift differs from "
+                            f"llama.cpp's in {bad.size} of {int(keep.sum())} carried cells: "
+                            f"{first_difference(mine[bad[0]].tobytes(), their[bad[0]].tobytes())}"
+                        )
+                self.compared += int(keep.sum())
+            self.flags[s, idxs] = True
+
+
+def check_replay(root: Path, case: dict, arts: Artefacts) -> str:
+    hp = hparams_from_case(case)
+    check_hparams(root, case, hp)
+    init = case["trace"][0]
+    try:
+        mem = create_memory_for(case, hp)
+        created, why = True, ""
+    except KVRefError as e:
+        created, why = False, str(e)
+    if bool(init.get("ret", True)) != created:
+        raise CheckFailed(f"op 0 (init): kvref {'built a memory' if created else 'refused: ' + why}, "
+                          f"llama.cpp {'accepted' if init.get('ret', True) else 'refused'}")  # fmt: skip
+    if not created:
+        return "init refused as in llama.cpp"
+    if mem is None:
+        raise Unsupported("create_memory returned no memory")
+    check_memory_shape(case, mem)
+    r = replay_trace(case, mem, arts, hp)
+    rows = f", {r['carried_rows']} shifted rows" if r.get("carried_rows") else ""
+    return f"{r['ops']} ops, {r['saves']} saves, {r['restores']} restores{rows}"
+
+
+def replay_trace(
+    case: dict, mem: Any, arts: Artefacts, hp: Any = None, graph: GraphCounts | None = None
+) -> dict[str, int]:
+    """Run the case's trace (after op 0, init) on ``mem`` and compare every step with what llama.cpp recorded: the
+    one interpreter of TRACE_OPS on kvref (the replay and graph checks, the tests' golden replays).
+
+    Raises CheckFailed at the first difference (Unsupported for an op kvref does not model); returns
+    ``{"ops", "saves", "restores"}``. ``hp`` (default: the case's) gives n_vocab for the token-id check. With
+    ``graph`` (a GraphCounts, which counts what was compared), every decode that carries llama.cpp's graph
+    inputs (``op["graph"]``) is also checked input by input (``compare_graph_inputs``).
+    """
+    hp = hparams_from_case(case) if hp is None else hp
+    trace = case["trace"]
+    n_seq = case["observed_context"]["n_seq_max"]
+    n_ubatch = case["observed_context"]["n_ubatch"]
+    saves = restores = 0
+    carried = CarriedRows(mem)
+    causal: bool | None = None  # llama_set_causal_attn (set_causal); None: the model's causal_attn
+    for k, op in enumerate(trace[1:], start=1):
+        kind = op["op"]
+        where = f"op {k} ({kind}{' ' + op['file'] if op.get('file') else ''})"
+        if kind == "decode" and graph is not None and "graph" in op:
+            shifts = expected_shifts(mem)
+            placed: list[tuple[Any, Any, dict]] = []
+
+            def on_ubatch(ub: Any, slot: Any, g: dict = op["graph"], out: list = placed, c: Any = causal) -> None:
+                out.append((ub, slot, graph_inputs(mem, ub, slot, g, hp, c)))
+                carried.placed(ub, slot)
+
+            ret = _decode(mem, op, hp, n_ubatch, on_ubatch)
+            if ret != op["ret"]:
+                raise CheckFailed(f"{where}: decode returned {ret}, llama.cpp {op['ret']}")
+            compare_graph_inputs(
+                f"{case['id']}: {where}", op["graph"], shifts if ret != -1 else [], placed, graph, kq_mask_pad(case)
+            )
+        elif kind == "decode":
+            ret = _decode(mem, op, hp, n_ubatch, carried.placed if carried.active else None)
+            if ret != op["ret"]:
+                raise CheckFailed(f"{where}: decode returned {ret}, llama.cpp {op['ret']}")
+        elif kind == "seq_rm":
+            ret = mem.seq_rm(op["seq_id"], op["p0"], op["p1"])
+            if ret != op["ret"]:
+                raise CheckFailed(f"{where}: seq_rm returned {ret}, llama.cpp {op['ret']}")
+        elif kind == "seq_cp":
+            mem.seq_cp(op["seq_id_src"], op["seq_id_dst"], op["p0"], op["p1"])
+            if carried.active and mem.get_stream(op["seq_id_src"]) != mem.get_stream(op["seq_id_dst"]):
+                carried.reset(mem.get_stream(op["seq_id_dst"]))
+        elif kind == "seq_keep":
+            mem.seq_keep(op["seq_id"])
+        elif kind == "seq_add":
+            mem.seq_add(op["seq_id"], op["p0"], op["p1"], op["delta"])
+        elif kind == "seq_div":
+            mem.seq_div(op["seq_id"], op["p0"], op["p1"], op["d"])
+        elif kind == "clear":
+            mem.clear(op.get("data", True))
+            carried.reset()
+        elif kind == "encode":
+            # llama_encode: the encoder's one ubatch (split_simple of the whole batch); the memory is untouched
+            ret, placed = _encode(op, hp, n_seq, graph is not None and "graph" in op)
+            if ret != op["ret"]:
+                raise CheckFailed(f"{where}: encode returned {ret}, llama.cpp {op['ret']}")
+            if graph is not None and "graph" in op:
+                compare_graph_inputs(f"{case['id']}: {where}", op["graph"], [], placed, graph)
+        elif kind == "set_causal":
+            causal = bool(op["causal"])  # a context setting: only the masks of later decodes change
+        elif kind == "save":
+            seq_id, flags = op.get("seq_id", -1), op.get("flags", 0)
+            if seq_id is None:
+                seq_id = -1
+            theirs = memory_sections(arts.get(op["file"]))
+            leaves = leaf_parts(mem, flags)
+            mine = [s for leaf in leaves for s in leaf.state_sections(seq_id, flags)]
+            compare_cells(mine, theirs, where)
+            carried.compare_and_mark(where, seq_id, theirs)
+            mine = inject_rows(leaves, mine, theirs, seq_id)
+            a, b = section_bytes(mine), section_bytes(theirs)
+            if a != b:
+                raise CheckFailed(f"{where}: memory bytes after copying llama.cpp's rows: {first_difference(a, b)}")
+            saves += 1
+        elif kind in ("state_load", "seq_restore"):
+            carried.reset()
+            ok = op["ret"] not in (0, False)
+            if _capacity_refused(op, arts):
+                if ok:
+                    raise CheckFailed(f"{where}: llama.cpp accepted a file over its token capacity")
+            elif not ok:
+                # refused inside the memory (no room for the cells, a mismatching section): kvref must refuse too,
+                # leaving what llama.cpp left (the observation below checks it)
+                data = section_bytes(memory_sections(arts.get(op["file"])))
+                seq_id = op.get("dest_seq_id", -1) if kind == "seq_restore" else -1
+                try:
+                    mem.state_read(data, seq_id, op.get("flags", 0), atomic=False)
+                except KVRefError:
+                    pass
+                else:
+                    raise CheckFailed(f"{where}: kvref restored what llama.cpp refused ({op.get('errors')})")
+            else:
+                data = section_bytes(memory_sections(arts.get(op["file"])))
+                seq_id = op.get("dest_seq_id", -1) if kind == "seq_restore" else -1
+                mem.state_read(data, seq_id, op.get("flags", 0), atomic=False)
+                restores += 1
+        else:
+            raise Unsupported(f"{where}: not an op of the trace vocabulary (TRACE_OPS after init)")
+        if "observed" in op:
+            got = _observe(mem, n_seq)
+            if got != op["observed"]:
+                raise CheckFailed(f"{where}: observed {got}, llama.cpp {op['observed']}")
+    return {"ops": len(trace), "saves": saves, "restores": restores, "carried_rows": carried.compared}
+
+
+# ---------------------------------------------------------------------------------------------- graph inputs
+@dataclass
+class GraphCounts:
+    """What the graph check compared: decodes, ubatches, tensors (masks, idxs, positions), K-shift inputs."""
+
+    decodes: int = 0
+    ubatches: int = 0
+    tensors: int = 0
+    shifts: int = 0
+
+
+def decode_ints(x: Any) -> np.ndarray:
+    """An int list of case.json's graph inputs: a plain list, or ``{"runs": [[first, step, count], ...]}``."""
+    if isinstance(x, dict):
+        parts = [f + d * np.arange(n, dtype=np.int64) for f, d, n in x["runs"]]
+        return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+    return np.asarray(x, dtype=np.int64)
+
+
+def decode_mask(e: dict) -> np.ndarray:
+    """A captured KQ mask, float32 ``shape``: -inf where ``finite`` (np.packbits, base64) is 0, else 0 or the
+    entry of ``values`` (``[[flat index, value], ...]``)."""
+    import base64
+
+    shape = tuple(e["shape"])
+    n = int(np.prod(shape))
+    bits = np.unpackbits(np.frombuffer(base64.b64decode(e["finite"]), np.uint8))
+    if bits.size < n or bits[n:].any():
+        raise CheckFailed(f"captured mask: {bits.size} pattern bits for {n} elements")
+    out = np.where(bits[:n].astype(bool), np.float32(0), np.float32(-np.inf)).astype(np.float32)
+    for i, v in e.get("values", []):
+        out[i] = v
+    return out.reshape(shape)
+
+
+# GGML_KQ_MASK_PAD of the llama.cpp vendored by each producer of goldens: the KQ mask had its rows (per stream)
+# padded to a multiple of it, the rows past the ubatch's tokens all -inf; 1: no padding. Read in each release's
+# ggml.h (32 from the flash-attention kernels of spring 2024, checked in 0.2.82, not in 0.2.67's; 64 from 0.3.8;
+# none once PR #16148 removed the padding, by 0.3.35).
+KQ_MASK_PAD = (("0.2.82", 32), ("0.3.8", 64), ("0.3.35", 1))
+
+
+def kq_mask_pad(case: dict) -> int:
+    """The KQ mask row padding of the case's producer (``KQ_MASK_PAD``; 1 for the current release)."""
+    release = (case.get("producer") or {}).get("llama_cpp_python")
+    if not release:
+        return 1
+    key = tuple(int(x) for x in release.split("."))
+    pad = 1
+    for first, p in KQ_MASK_PAD:
+        if key >= tuple(int(x) for x in first.split(".")):
+            pad = p
+    return pad
+
+
+def has_graph_inputs(case: dict) -> bool:
+    """The case's decodes carry the graph inputs llama.cpp computed with (written by conformance/capture.py)."""
+    return any("graph" in op for op in case["trace"])
+
+
+def _attention_caches(mem: Any) -> list[tuple[bool, Any]]:
+    """``[(swa, KVCache), ...]``: the memory's attention caches in llama.cpp's update order (base, then SWA)."""
+    from ..memory.mask import attention_cache
+
+    out: list[tuple[bool, Any]] = []
+    for swa in (False, True):
+        try:
+            cache, _ = attention_cache(mem, None, swa=swa)
+        except KVRefError:
+            continue
+        if all(c is not cache for _, c in out):
+            out.append((swa, cache))
+    return out
+
+
+def expected_shifts(mem: Any) -> list[tuple[bool, np.ndarray]]:
+    """The K-shift inputs the next memory update computes with: ``[(swa, int32[n_stream * size]), ...]`` for each
+    attention cache with a pending shift and at least one roped layer (llama.cpp builds no ROPE otherwise)."""
+    out = []
+    for swa, cache in _attention_caches(mem):
+        hp = cache.hparams
+        roped = int(hp.rope_type) != -1 and any(hp.has_rope(il) for il in cache.get_layer_ids())
+        if roped and cache.get_has_shift():
+            out.append((swa, cache.k_shift_input()))
+    return out
+
+
+def _pos_input(ub: Any, hp: Any) -> np.ndarray:
+    """llm_graph_input_pos::set_input: the positions, one block per rope section; token batches under M-RoPE
+    get (p, p, p, 0)."""
+    n = int(ub.n_tokens)
+    npe = int(hp.n_pos_per_embd())
+    pos = np.asarray(ub.pos, dtype=np.int64)
+    if npe == 4 and getattr(ub, "token", None) is not None:
+        p = pos[:n]
+        return np.concatenate([p, p, p, np.zeros(n, np.int64)])
+    return pos[: n * npe]
+
+
+def graph_inputs(mem: Any, ub: Any, slot: Any, graph: dict, hp: Any, causal: bool | None = None) -> dict:
+    """kvref's value of every input llama.cpp captured for the decode's ubatches, right after ``ub`` is placed:
+    ``{(tensor, swa): array}`` (masks shaped (n_stream, n_tps, n_kv)). ``causal``: the context's causal_attn
+    (the trace's last ``set_causal``; None: the model's). ``mem`` None: a cache-less graph (llama_encode), whose
+    only input kvref computes is T5's ``pos_bucket``."""
+    from ..memory.mask import attention_cache, fill_kq_mask, fill_pos_bucket
+
+    out: dict = {}
+    wanted = {(e["tensor"], e["swa"], e.get("type")) for u in graph.get("ubatches", []) for e in u["inputs"]}
+    for tensor, swa, typ in sorted(wanted, key=str):
+        try:
+            if tensor == "kq_mask":
+                dtype = np.float16 if typ == "f16" else np.float32
+                out[(tensor, swa)] = fill_kq_mask(mem, ub, sinfo=slot, swa=swa, dtype=dtype, causal=causal)
+            elif tensor in ("k_idxs", "v_idxs"):
+                cache, sinfo = attention_cache(mem, slot, swa=swa)
+                out[(tensor, swa)] = np.asarray(getattr(cache, tensor)(ub, sinfo), dtype=np.int64)
+            elif tensor == "pos":
+                out[(tensor, swa)] = _pos_input(ub, hp)
+            elif tensor == "pos_bucket":
+                # T5: set_input_pos_bucket of the decoder's cache, or (mem None: llama_encode) the cache-less input
+                if mem is None:
+                    buckets = fill_pos_bucket(None, ub, n_buckets=hp.n_rel_attn_bkts)
+                else:
+                    buckets = fill_pos_bucket(attention_cache(mem, slot, swa=swa)[0], ub)
+                out[(tensor, swa)] = buckets.reshape(-1).astype(np.int64)
+        except KVRefError as e:
+            out[(tensor, swa)] = e
+    return out
+
+
+def _first_diff(a: np.ndarray, b: np.ndarray) -> str:
+    if a.shape != b.shape:
+        return f"shape {list(a.shape)}, llama.cpp {list(b.shape)}"
+    fa, fb = a.reshape(-1), b.reshape(-1)
+    neq = ~((fa == fb) | (np.isnan(fa) & np.isnan(fb))) if fa.dtype.kind == "f" else fa != fb
+    i = int(np.argmax(neq))
+    at = tuple(int(x) for x in np.unravel_index(i, a.shape)) if a.ndim > 1 else i
+    return f"first difference at {at}: kvref {fa[i]}, llama.cpp {fb[i]}"
+
+
+def compare_graph_inputs(
+    where: str, graph: dict, shifts: list[tuple[bool, np.ndarray]], placed: list[tuple[Any, Any, dict]],
+    counts: GraphCounts, mask_pad: int = 1,
+) -> None:  # fmt: skip
+    """Compare llama.cpp's captured inputs of one decode (``graph``: K-shift, then per ubatch) with kvref's.
+    ``mask_pad``: the producer's KQ mask row padding (`kq_mask_pad`); its padding rows must be all -inf."""
+    theirs_shift = graph.get("shift", [])
+    if [s["swa"] for s in theirs_shift] != [swa for swa, _ in shifts]:
+
+        def names(xs: list) -> str:
+            return ", ".join("swa" if x else "base" for x in xs) or "none"
+
+        raise CheckFailed(f"{where}: K-shift of caches [{names([swa for swa, _ in shifts])}], "
+                          f"llama.cpp [{names([s['swa'] for s in theirs_shift])}]")  # fmt: skip
+    for s, (swa, mine) in zip(theirs_shift, shifts, strict=True):
+        theirs = decode_ints(s["k_shift"])
+        if mine.shape != theirs.shape or (mine != theirs).any():
+            cache = "SWA" if swa else "base"
+            raise CheckFailed(
+                f"{where}: K-shift input ({cache} cache, layer {s['layer']}): {_first_diff(mine, theirs)}"
+            )
+        counts.shifts += 1
+    ubs = graph.get("ubatches", [])
+    if len(ubs) != len(placed):
+        raise CheckFailed(f"{where}: {len(placed)} ubatches, llama.cpp computed {len(ubs)} graphs")
+    for j, (u, (_ub, _slot, mine_all)) in enumerate(zip(ubs, placed, strict=True)):
+        for e in u["inputs"]:
+            name = e["tensor"] + (" (swa)" if e["swa"] else "")
+            label = f"{where}: ubatch {j}: {name} (layer {e['layer']})"
+            got = mine_all.get((e["tensor"], e["swa"]))
+            if isinstance(got, Exception):
+                raise CheckFailed(f"{label}: kvref cannot compute it: {got}")
+            if got is None:
+                raise CheckFailed(f"{label}: kvref has no such input")
+            mine = np.asarray(got)
+            if e["tensor"] == "kq_mask":
+                theirs = decode_mask(e)
+                mine = mine.astype(np.float32)
+                if mask_pad > 1:
+                    theirs = _unpad_mask(label, mine.shape, theirs, mask_pad)
+                if mine.shape != theirs.shape:
+                    raise CheckFailed(f"{label}: shape (n_stream, n_tps, n_kv) {list(mine.shape)}, "
+                                      f"llama.cpp {list(theirs.shape)}")  # fmt: skip
+                if not np.array_equal(mine, theirs):
+                    raise CheckFailed(f"{label}: {_first_diff(mine, theirs)}")
+            else:
+                theirs = decode_ints(e["data"])
+                if mine.shape != theirs.shape or (mine != theirs).any():
+                    raise CheckFailed(f"{label}: {_first_diff(mine, theirs)}")
+            counts.tensors += 1
+        counts.ubatches += 1
+    counts.decodes += 1
+
+
+def _unpad_mask(label: str, shape: tuple[int, ...], theirs: np.ndarray, pad: int) -> np.ndarray:
+    """The rows of a padded captured mask that belong to tokens, after checking the padding: ``shape`` kvref's
+    (n_stream, n_tps, n_kv); llama.cpp's has ``n_tps`` rounded up to a multiple of ``pad``, the rest -inf."""
+    n_stream, n_tps, n_kv = shape
+    want = (n_stream, -(-n_tps // pad) * pad, n_kv)
+    if theirs.shape != want:
+        raise CheckFailed(f"{label}: shape (n_stream, n_tps padded to {pad}, n_kv) {list(want)}, "
+                          f"llama.cpp {list(theirs.shape)}")  # fmt: skip
+    padding = theirs[:, n_tps:]
+    if not np.isneginf(padding).all():
+        at = tuple(int(x) for x in np.argwhere(~np.isneginf(padding))[0])
+        raise CheckFailed(f"{label}: padding row {n_tps + at[1]} (stream {at[0]}, cell {at[2]}) is "
+                          f"{padding[at]}, not -inf")  # fmt: skip
+    return theirs[:, :n_tps]
+
+
+def check_graph(root: Path, case: dict, arts: Artefacts) -> str:
+    """Replay the trace; at every decode with captured graph inputs, compare kvref's with llama.cpp's."""
+    if not has_graph_inputs(case):
+        return "no captured graph inputs (not applicable)"
+    hp = hparams_from_case(case)
+    mem = create_memory_for(case, hp)
+    if mem is None:
+        raise Unsupported("create_memory returned no memory")
+    counts = GraphCounts()
+    replay_trace(case, mem, arts, hp, graph=counts)
+    return (f"{counts.decodes} decodes, {counts.ubatches} ubatches, {counts.tensors} tensors, "
+            f"{counts.shifts} K-shift inputs")  # fmt: skip
+
+
+def check_restore(root: Path, case: dict, arts: Artefacts) -> str:
+    if not arts.saves:
+        return "no artefacts"
+    hp = hparams_from_case(case)
+    n_seq = case["observed_context"]["n_seq_max"]
+    n = 0
+    for file, op in arts.saves.items():
+        theirs = memory_sections(arts.get(file))
+        data = section_bytes(theirs)
+        flags = op.get("flags", 0) or 0
+        seq_id = op.get("seq_id", -1)
+        seq_id = -1 if seq_id is None or op.get("scope") == "context" else seq_id
+        targets = [seq_id] if seq_id == -1 else [seq_id] + ([(seq_id + 1) % n_seq] if n_seq > 1 else [])
+        for dest in targets:
+            mem = create_memory_for(case, hp)
+            mem.state_read(data, dest, flags, atomic=False)
+            want = theirs if dest == seq_id else relabel(theirs, dest, lambda s: s)
+            if dest == -1 and compat_for(case).whole_restore_clear == "per_stream":
+                want = last_stream_only(want)
+            got = mem.state_sections(dest, flags)
+            a, b = section_bytes(got), section_bytes(want)
+            if a != b:
+                compare_cells(got, want, f"{file} restored into seq {dest}")
+                raise CheckFailed(f"{file} restored into seq {dest}, written back: {first_difference(a, b)}")
+            n += 1
+    return f"{n} restores"
+
+
+def _invalid_entry(root: Path, e: dict) -> str | None:
+    """None when the entry behaves as the manifest says, else what happened.
+
+    A fault a reader without the model can see must fail ``kvref.state.load`` naming its field. A
+    ``needs_hparams`` fault may or may not be visible to that reader (any FormatError is fine there), but the
+    memory section, restored into a memory built like the source case's, must fail naming the field.
+    """
+    from .. import errors, state
+
+    want = getattr(errors, e["error"])
+    fields = [e["field"], *e.get("also_accept", [])]
+    case = load_case(root, e["source"]["case"])
+    op = save_ops(case)[e["source"]["file"]]
+    path = root / "invalid" / e["file"]
+    try:
+        state.load(path, **artefact_hints(op, case.get("producer")))
+        loaded = None
+    except want as exc:
+        loaded = exc
+    except Exception as exc:  # any other error is a wrong answer, reported as such
+        return f"raised {type(exc).__name__}: {exc}"
+    if not e.get("needs_hparams"):
+        if loaded is None:
+            return "loaded without error"
+        f = getattr(loaded, "field", None)
+        return None if f in fields else f"{type(loaded).__name__} names field {f!r}, expected {fields}"
+    # the memory section is the end of the file: the faults of needs_hparams entries keep the file's length
+    src = root / "golden" / e["source"]["case"] / e["source"]["file"]
+    n_mem = len(section_bytes(memory_sections(state.load(src, **artefact_hints(op, case.get("producer"))))))
+    blob = path.read_bytes()
+    data = blob[len(src.read_bytes()) - n_mem :] if len(blob) == src.stat().st_size else None
+    if data is None:
+        return "needs_hparams fault changed the file length: cannot locate the memory section"
+    mem = create_memory_for(case, hparams_from_case(case))
+    seq_id = op.get("seq_id", -1)
+    seq_id = -1 if seq_id is None or op.get("scope") == "context" else seq_id
+    try:
+        mem.state_read(data, seq_id, op.get("flags", 0) or 0, atomic=False)
+    except want as exc:
+        f = getattr(exc, "field", None)
+        return None if f in fields else f"state_read: {type(exc).__name__} names field {f!r}, expected {fields}"
+    except Exception as exc:
+        return f"state_read raised {type(exc).__name__}: {exc}"
+    return "restored into a memory without error"
+
+
+def check_invalid(root: Path) -> str:
+    manifest = json.loads((root / "invalid" / "manifest.json").read_text())
+    for e in manifest["files"]:
+        problem = _invalid_entry(root, e)
+        if problem is not None:
+            raise CheckFailed(f"{e['file']}: {problem}")
+    return f"{len(manifest['files'])} files"
+
+
+# ---------------------------------------------------------------------------------------------- running
+def _run_check(name: str, fn: Callable[[], str], expected: dict[str, str]) -> CheckResult:
+    try:
+        detail = fn()
+        status = "pass"
+    except Unsupported as e:
+        status, detail = "unsupported", f"not supported: {e}"
+    except CheckFailed as e:
+        status, detail = "fail", str(e)
+    except Exception as e:  # a crash is a failure, reported with its location
+        tb = traceback.extract_tb(e.__traceback__)[-1]
+        status, detail = "fail", f"{type(e).__name__}: {e} (at {Path(tb.filename).name}:{tb.lineno})"
+    return CheckResult(name, status, detail, expected.get(name))
+
+
+def run_case(root: Path, case_id: str, expected: dict[str, dict[str, str]] | None = None) -> CaseResult:
+    """Every check of one case (``invalid`` runs the invalid-input check)."""
+    exp = (load_expected_failures(root) if expected is None else expected).get(case_id, {})
+    t0 = time.perf_counter()
+    res = CaseResult(case_id)
+    if case_id == INVALID_CASE:
+        res.checks.append(_run_check("invalid", lambda: check_invalid(root), exp))
+    else:
+        case = load_case(root, case_id)
+        arts = Artefacts(root, case)
+        res.checks.append(_run_check("parse", lambda: check_parse(root, case, arts), exp))
+        res.checks.append(_run_check("replay", lambda: check_replay(root, case, arts), exp))
+        res.checks.append(_run_check("graph", lambda: check_graph(root, case, arts), exp))
+        res.checks.append(_run_check("restore", lambda: check_restore(root, case, arts), exp))
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def all_case_ids(root: Path) -> list[str]:
+    ids = list_cases(root)
+    if (root / "invalid" / "manifest.json").exists():
+        ids.append(INVALID_CASE)
+    return ids
+
+
+def run(root: Path, case_ids: list[str] | None = None) -> Iterator[CaseResult]:
+    expected = load_expected_failures(root)
+    for cid in case_ids or all_case_ids(root):
+        yield run_case(root, cid, expected)
+
+
+def stale_expectations(root: Path) -> list[str]:
+    """Manifest entries naming a case or check that does not exist."""
+    ids = set(all_case_ids(root))
+    out = []
+    for cid, checks in load_expected_failures(root).items():
+        if cid not in ids:
+            out.append(f"{cid}: no such case")
+        for c in checks:
+            if c not in (*CHECKS, "invalid"):
+                out.append(f"{cid}: no such check {c!r}")
+    return out
+
+
+# ---------------------------------------------------------------------------------------------- CLI
+def add_arguments(p: Any) -> None:
+    p.add_argument(
+        "--case", action="append", metavar="ID", help="run only this case (repeatable); 'invalid' for invalid/"
+    )
+    p.add_argument("--json", action="store_true", help="print the results as JSON")
+    p.add_argument(
+        "--root", default=None, help="the conformance directory (default: ./conformance, else the checkout's)"
+    )
+
+
+def main(args: Any) -> int:
+    root = find_root(args.root)
+    ids = args.case or None
+    if ids:
+        unknown = sorted(set(ids) - set(all_case_ids(root)))
+        if unknown:
+            raise KVRefError(f"unknown case(s): {', '.join(unknown)}")
+    t0 = time.perf_counter()
+    results = []
+    width = max(len(c) for c in (ids or all_case_ids(root)))
+    if not args.json:
+        print(about_line())
+        print(f"goldens: {root}")
+        print(f"{'case':<{width}}  {'checks':>7}  {'status':<6}  first failure / note")
+    for r in run(root, ids):
+        results.append(r)
+        if not args.json:
+            passed = sum(c.status == "pass" for c in r.checks)
+            note = r.first_problem()
+            print(f"{r.case:<{width}}  {passed:>3}/{len(r.checks):<3}  {r.status:<6}  {note}"[:220])
+            sys.stdout.flush()
+    stale = stale_expectations(root) if not ids else []
+    failed = [r for r in results if not r.ok]
+    total = time.perf_counter() - t0
+    if args.json:
+        out = {
+            **about(),
+            "root": str(root),
+            "seconds": round(total, 3),
+            "ok": not failed and not stale,
+            "stale_expectations": stale,
+            "cases": [{**asdict(r), "ok": r.ok, "status": r.status} for r in results],
+        }
+        json.dump(out, sys.stdout, indent=2)
+        print()
+    else:
+        for s in stale:
+            print(f"expected_failures.json: {s}")
+        xf = sum(r.status == "xfail" for r in results)
+        print(f"{len(results)} cases: {len(results) - len(failed) - xf} passed, {xf} expected failures, "
+              f"{len(failed)} failed ({total:.1f} s)")  # fmt: skip
+    return 1 if failed or stale else 0
+
+
+__all__ = [
+    "CHECKS",
+    "TRACE_OPS",
+    "Artefacts",
+    "CaseResult",
+    "CheckFailed",
+    "CheckResult",
+    "all_case_ids",
+    "artefact_hints",
+    "compat_for",
+    "create_memory_for",
+    "find_root",
+    "hparams_from_case",
+    "leaf_parts",
+    "list_cases",
+    "load_case",
+    "load_expected_failures",
+    "replay_trace",
+    "run",
+    "run_case",
+    "save_ops",
+]

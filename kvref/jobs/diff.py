@@ -1,0 +1,260 @@
+"""``kvref diff``: where two state files differ -- by header field, section, stream, cell, layer and byte.
+
+`diff` compares the two parsed states: the container fields (kind, version, tokens, arch, v9 outputs, layout),
+then per section the stream count and, per stream, the cell table (position, sequence ids, ext) and the rows of
+each layer (K, V, R, S) cell by cell. Two streams holding the same cells (with the same rows) in another order
+are reported as differing *only in cell order* (a whole restore puts cell i at index i, so the caches differ in
+layout but not in content). The first differing byte of the two files is reported too. Exit codes of the command
+follow cmp / git diff: 0 equal, 1 different, 2 error.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ..state import KVSection, RecurrentSection, TransposedRows
+
+MAX_LISTED = 100  # differences listed one by one; the counts cover all of them
+
+
+@dataclass
+class Difference:
+    """One difference: ``what`` differs (a header field, "cell_count", "pos", "seq_ids", "ext", "k", "v", "r",
+    "s", ...), where (section / stream / layer / cell, None when not applicable) and the two values (shortened)."""
+
+    what: str
+    a: Any = None
+    b: Any = None
+    section: int | None = None
+    stream: int | None = None
+    layer: int | None = None
+    cell: int | None = None
+
+    def where(self) -> str:
+        """``section 0 stream 1 layer 3 cell 17`` (the parts that apply)."""
+        parts = [f"{k} {v}" for k, v in (("section", self.section), ("stream", self.stream), ("layer", self.layer),
+                                          ("cell", self.cell)) if v is not None]  # fmt: skip
+        return " ".join(parts) or "header"
+
+    def __str__(self) -> str:
+        return f"{self.where()}: {self.what} {self.a!r} vs {self.b!r}"
+
+
+@dataclass
+class DiffResult:
+    """What `diff` found: ``differences`` (the first MAX_LISTED), ``total`` and ``counts`` by kind (all of them),
+    ``cell_order_only`` (``(section, stream)`` pairs that hold the same cells in another order), ``first_byte``
+    (the first differing byte offset of the encodings, None when equal) and the two sizes."""
+
+    differences: list[Difference] = field(default_factory=list)
+    total: int = 0
+    counts: Counter[str] = field(default_factory=Counter)
+    cell_order_only: list[tuple[int, int]] = field(default_factory=list)
+    first_byte: int | None = None
+    sizes: tuple[int, int] = (0, 0)
+
+    @property
+    def equal(self) -> bool:
+        """The two states are byte for byte the same."""
+        return self.total == 0 and not self.cell_order_only and self.first_byte is None
+
+    def add(self, d: Difference) -> None:
+        """Count ``d`` and keep it when fewer than MAX_LISTED are kept."""
+        self.total += 1
+        self.counts[d.what] += 1
+        if len(self.differences) < MAX_LISTED:
+            self.differences.append(d)
+
+    def to_json(self) -> dict[str, Any]:
+        """A JSON-ready dict (what ``kvref diff --json`` prints)."""
+        return {
+            "equal": self.equal,
+            "sizes": list(self.sizes),
+            "first_byte": self.first_byte,
+            "total": self.total,
+            "counts": dict(self.counts),
+            "cell_order_only": [{"section": s, "stream": t} for s, t in self.cell_order_only],
+            "first": _jd(self.differences[0]) if self.differences else None,
+            "differences": [_jd(d) for d in self.differences],
+        }
+
+    def lines(self) -> list[str]:
+        """A human report: first difference, totals, cell-order-only streams."""
+        if self.equal:
+            return ["the states are identical"]
+        out = []
+        if self.differences:
+            out.append(f"first difference: {self.differences[0]}")
+        if self.first_byte is not None:
+            out.append(f"first differing byte: {self.first_byte} (sizes {self.sizes[0]} and {self.sizes[1]} bytes)")
+        for s, t in self.cell_order_only:
+            out.append(f"section {s} stream {t}: the same cells, differing only in cell order inside the stream")
+        if self.total:
+            by = ", ".join(f"{k} {v}" for k, v in sorted(self.counts.items()))
+            out.append(f"{self.total} difference{'s' if self.total != 1 else ''} ({by})")
+        return out
+
+
+def _jd(d: Difference) -> dict[str, Any]:
+    return {"what": d.what, "a": _short(d.a), "b": _short(d.b), "where": d.where(), "section": d.section,
+            "stream": d.stream, "layer": d.layer, "cell": d.cell}  # fmt: skip
+
+
+def _short(x: Any) -> Any:
+    if isinstance(x, np.generic):
+        return x.item()
+    if isinstance(x, list | tuple) and len(x) > 8:
+        return [*list(x[:8]), "..."]
+    return x if isinstance(x, int | str | float | bool | list | tuple | type(None)) else str(x)
+
+
+def _per_cell(x: Any, n: int) -> np.ndarray:
+    """Rows of a tensor as (n_cells, bytes) for comparison (transposed V / S regrouped per cell)."""
+    data = np.asarray(x.data)
+    if isinstance(x, TransposedRows):
+        return np.ascontiguousarray(data.reshape(x.n_embd, n, x.el_size).transpose(1, 0, 2)).reshape(n, -1)
+    return data.reshape(n, -1)
+
+
+def _tensors(sec: Any, st: Any) -> list[tuple[str, int, Any]]:
+    """``[(name, layer index, rows), ...]`` of a stream (KV) or recurrent section."""
+    if isinstance(sec, RecurrentSection):
+        out = [("r", il, x) for il, x in enumerate(sec.r)] + [("s", il, x) for il, x in enumerate(sec.s)]
+        return out
+    d = st.data
+    if d is None:
+        return []
+    return [("k", il, x) for il, x in enumerate(d.k)] + [("v", il, x) for il, x in enumerate(d.v)]
+
+
+def _cell_keys(cells: Any, tensors: list[tuple[str, int, Any]]) -> list[bytes]:
+    n = cells.n
+    h = [hashlib.sha256() for _ in range(n)]
+    for i in range(n):
+        h[i].update(np.int32(cells.pos[i]).tobytes())
+        h[i].update(np.asarray(cells.seq_ids(i), np.int32).tobytes() + b"|")
+        h[i].update(cells.ext[i].tobytes())
+    for _, _, x in tensors:
+        rows = _per_cell(x, n)
+        for i in range(n):
+            h[i].update(rows[i].tobytes())
+    return [x.digest() for x in h]
+
+
+def _compare_table(res: DiffResult, k: int, s: int | None, sec_a: Any, sec_b: Any, a: Any, b: Any) -> None:
+    """Compare one stream (or recurrent section): cells, then rows per layer."""
+    ca, cb = a.cells if a is not None else None, b.cells if b is not None else None
+    na, nb = (ca.n if ca is not None else 0), (cb.n if cb is not None else 0)
+    if na != nb:
+        res.add(Difference("cell_count", na, nb, k, s))
+        return
+    if na == 0:
+        return
+    ta, tb = _tensors(sec_a, a), _tensors(sec_b, b)
+    layout_a = [(n, il, x.type, x.row_size) for n, il, x in ta]
+    layout_b = [(n, il, x.type, x.row_size) for n, il, x in tb]
+    if layout_a != layout_b:
+        for (n1, il, t1, r1), (n2, _, t2, r2) in zip(layout_a, layout_b, strict=False):
+            if (n1, t1, r1) != (n2, t2, r2):
+                res.add(Difference(f"{n1} type/row size", (t1, r1), (t2, r2), k, s, il))
+                return
+        res.add(Difference("layers", len(layout_a), len(layout_b), k, s))
+        return
+    assert ca is not None and cb is not None
+    found: list[Difference] = []
+    pos_a, pos_b = ca.pos, cb.pos
+    for i in np.flatnonzero(pos_a != pos_b).tolist():
+        found.append(Difference("pos", int(pos_a[i]), int(pos_b[i]), k, s, cell=i))
+    for i in range(na):
+        if ca.seq_ids(i) != cb.seq_ids(i):
+            found.append(Difference("seq_ids", list(ca.seq_ids(i)), list(cb.seq_ids(i)), k, s, cell=i))
+    if ca.ext_size != cb.ext_size:
+        found.append(Difference("ext_size", ca.ext_size, cb.ext_size, k, s))
+    elif ca.ext_size:
+        for i in np.flatnonzero((ca.ext != cb.ext).any(axis=1)).tolist():
+            found.append(Difference("ext", ca.ext[i].tolist(), cb.ext[i].tolist(), k, s, cell=i))
+    for (name, il, xa), (_, _, xb) in zip(ta, tb, strict=True):
+        ra, rb = _per_cell(xa, na), _per_cell(xb, nb)
+        for i in np.flatnonzero((ra != rb).any(axis=1)).tolist():
+            j = int(np.argmax(ra[i] != rb[i]))
+            found.append(Difference(name, f"byte {j}: {int(ra[i][j])}", f"{int(rb[i][j])}", k, s, il, i))
+    if found and ca.ext_size == cb.ext_size and sorted(_cell_keys(ca, ta)) == sorted(_cell_keys(cb, tb)):
+        # the same cells with the same rows, in another order: say so instead of listing each cell
+        res.cell_order_only.append((k, 0 if s is None else s))
+        return
+    for d in found:
+        res.add(d)
+
+
+def _header(res: DiffResult, a: Any, b: Any) -> None:
+    if a.kind != b.kind:
+        res.add(Difference("kind", a.kind, b.kind))
+    for name in ("version", "arch", "seq_id"):
+        va, vb = getattr(a, name, None), getattr(b, name, None)
+        if va != vb:
+            res.add(Difference(name, va, vb))
+    ta, tb = getattr(a, "tokens", None), getattr(b, "tokens", None)
+    if ta is not None and tb is not None:
+        if len(ta) != len(tb):
+            res.add(Difference("n_tokens", len(ta), len(tb)))
+        else:
+            bad = np.flatnonzero(np.asarray(ta) != np.asarray(tb))
+            if len(bad):
+                i = int(bad[0])
+                res.add(Difference(f"tokens[{i}]", int(ta[i]), int(tb[i])))
+    oa, ob = getattr(a, "outputs", None), getattr(b, "outputs", None)
+    if (oa is None) != (ob is None):
+        res.add(Difference("v9 output block", oa is not None, ob is not None))
+    elif oa is not None and ob is not None:
+        for name in ("output_pos", "logits", "embeddings"):
+            xa, xb = np.asarray(getattr(oa, name)), np.asarray(getattr(ob, name))
+            if xa.shape != xb.shape or not np.array_equal(xa, xb):
+                res.add(Difference(f"outputs.{name}", f"{xa.size} values", f"{xb.size} values"))
+
+
+def diff(a: Any, b: Any, *, model: Any = None) -> DiffResult:
+    """Compare two states (paths, bytes or loaded state objects); see `DiffResult`. ``model`` (a GGUF path or
+    HParams) is what a session of version 5 .. 7 needs to be read."""
+    from .. import state
+
+    sa = a if isinstance(a, state.StateObject) else state.load(a, model=model)
+    sb = b if isinstance(b, state.StateObject) else state.load(b, model=model)
+    res = DiffResult()
+    _header(res, sa, sb)
+    ma, mb = sa.memory, sb.memory
+    if ma.layout != mb.layout:
+        res.add(Difference("layout", ma.layout, mb.layout))
+    for k, (x, y) in enumerate(zip(ma.sections, mb.sections, strict=False)):
+        if x.kind != y.kind:
+            res.add(Difference("section kind", x.kind, y.kind, k))
+            continue
+        if isinstance(x, KVSection) and isinstance(y, KVSection):
+            if x.has_n_stream != y.has_n_stream:
+                res.add(Difference("n_stream field", x.has_n_stream, y.has_n_stream, k))
+            if x.n_stream != y.n_stream:
+                res.add(Difference("n_stream", x.n_stream, y.n_stream, k))
+                continue
+            for s, (p, q) in enumerate(zip(x.streams, y.streams, strict=True)):
+                if p.data is not None and q.data is not None and p.data.v_trans != q.data.v_trans:
+                    res.add(Difference("v_trans", p.data.v_trans, q.data.v_trans, k, s))
+                    continue
+                _compare_table(res, k, s, x, y, p, q)
+        else:
+            _compare_table(res, k, None, x, y, x, y)
+    if len(ma.sections) != len(mb.sections):
+        res.add(Difference("sections", len(ma.sections), len(mb.sections)))
+    ba, bb = sa.to_bytes(), sb.to_bytes()
+    res.sizes = (len(ba), len(bb))
+    if ba != bb:
+        n = min(len(ba), len(bb))
+        neq = np.frombuffer(ba[:n], np.uint8) != np.frombuffer(bb[:n], np.uint8)
+        res.first_byte = int(np.argmax(neq)) if neq.any() else n
+    return res
+
+
+__all__ = ["MAX_LISTED", "DiffResult", "Difference", "diff"]

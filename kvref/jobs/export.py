@@ -1,0 +1,123 @@
+"""``kvref export IN OUT``: a state file's K/V/R/S tensors and cell metadata as ``.npz`` or ``.safetensors``.
+
+Tensors are float32, dequantized, and un-rotated unless ``unrotate=False`` (`kvref.jobs.tensors`). Names:
+
+============================== ============================================================================
+``kv.{sec}.s{stream}.l{layer}.k``  K, ``(n_cells, n_head_kv, head_dim)``
+``kv.{sec}.s{stream}.l{layer}.v``  V, the same shape, un-transposed (absent for MLA)
+``kv.{sec}.s{stream}.pos``         int32 ``(n_cells,)``: each cell's position
+``kv.{sec}.s{stream}.seq_id``      int32: every cell's sequence ids, one after the other
+``kv.{sec}.s{stream}.seq_start``   int64 ``(n_cells + 1,)``: cell ``i``'s ids, ``seq_id[seq_start[i]:seq_start[i+1]]``
+``kv.{sec}.s{stream}.seq_mask``    uint8 ``(n_cells, max id + 1)``: 1 where the cell holds the sequence
+``kv.{sec}.s{stream}.layer``       int32 ``(n_layers,)``: the model layer of each ``l{layer}`` (-1: unknown)
+``rs.{sec}.l{layer}.r`` / ``.s``   R and S (model shape when known, see `kvref.jobs.tensors`, else flat rows)
+``rs.{sec}.pos`` / ``.seq_id`` / ``.seq_start`` / ``.seq_mask`` / ``.layer``   as above, for the recurrent cells
+============================== ============================================================================
+
+``sec`` is the section's index in the state (iSWA: 0 base, 1 SWA; hybrid: 0 attention, 1 recurrent), ``stream``
+the KV stream, ``layer`` the position of the layer in the section. A ``.safetensors`` file also carries the
+metadata key ``kvref`` (JSON: layout, the types, and whether the rotation was undone per tensor); a ``.npz``
+file carries the same JSON as the array ``__kvref__`` (a 0-d string).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from ..errors import KVRefError
+from .progress import Progress
+
+if TYPE_CHECKING:
+    from .tensors import KVTensors, RecurrentTensors
+
+
+def _seq_mask(seq_id: np.ndarray, seq_start: np.ndarray) -> np.ndarray:
+    n = len(seq_start) - 1
+    width = int(seq_id.max()) + 1 if seq_id.size else 0
+    mask = np.zeros((n, width), np.uint8)
+    rows = np.repeat(np.arange(n), np.diff(seq_start))
+    mask[rows, seq_id] = 1
+    return mask
+
+
+def export_arrays(
+    source: Any, *, hparams: Any = None, model: Any = None, head_dim: int | None = None, unrotate: bool = True,
+    progress: bool | None = None,
+) -> tuple[dict[str, np.ndarray], dict[str, Any]]:  # fmt: skip
+    """The arrays `export` writes and its metadata, by name (see the module doc)."""
+    from .. import state
+    from .tensors import state_tensors
+
+    # the model (or hparams): what a session of version 5 .. 7 needs to be read at all
+    obj = source if isinstance(source, state.StateObject) else state.load(source, model=hparams or model)
+    total = sum(
+        int(r.data.nbytes) for sec in obj.memory.kv_sections for st in sec.streams if st.data is not None
+        for r in (*st.data.k, *st.data.v)
+    )  # fmt: skip
+    with Progress(total, "export", enabled=progress) as bar:
+        ts = state_tensors(obj, hparams=hparams, model=model, head_dim=head_dim, unrotate=unrotate, progress=bar)
+    arrays: dict[str, np.ndarray] = {}
+    meta: dict[str, Any] = {"layout": obj.memory.layout, "kind": obj.kind, "unrotate": unrotate, "tensors": {}}
+    layers: dict[str, list[int]] = {}
+
+    def cells(base: str, t: KVTensors | RecurrentTensors) -> None:
+        # the cell metadata of a section (and stream) once, the model layer of every tensor of it
+        if f"{base}.pos" not in arrays:
+            arrays[f"{base}.pos"] = t.pos
+            arrays[f"{base}.seq_id"] = t.seq_id
+            arrays[f"{base}.seq_start"] = t.seq_start
+            arrays[f"{base}.seq_mask"] = _seq_mask(t.seq_id, t.seq_start)
+        layers.setdefault(f"{base}.layer", []).append(-1 if t.il is None else t.il)
+
+    for t in ts.kv:
+        base = f"kv.{t.section}.s{t.stream}"
+        arrays[f"{base}.l{t.layer}.k"] = t.k
+        meta["tensors"][f"{base}.l{t.layer}.k"] = {"type": t.type_k, "unrotated": t.unrotated_k}
+        if t.v is not None:
+            arrays[f"{base}.l{t.layer}.v"] = t.v
+            meta["tensors"][f"{base}.l{t.layer}.v"] = {"type": t.type_v, "unrotated": t.unrotated_v}
+        cells(base, t)
+    for rt in ts.recurrent:
+        base = f"rs.{rt.section}"
+        arrays[f"{base}.l{rt.layer}.r"] = rt.r
+        arrays[f"{base}.l{rt.layer}.s"] = rt.s
+        meta["tensors"][f"{base}.l{rt.layer}.r"] = {"type": rt.type_r}
+        meta["tensors"][f"{base}.l{rt.layer}.s"] = {"type": rt.type_s}
+        cells(base, rt)
+    for name, ils in layers.items():
+        arrays[name] = np.asarray(ils, np.int32)
+    return {k: np.ascontiguousarray(v) for k, v in arrays.items()}, meta
+
+
+def export(
+    source: Any, out: str | os.PathLike[str], *, fmt: str | None = None, hparams: Any = None, model: Any = None,
+    head_dim: int | None = None, unrotate: bool = True, progress: bool | None = None,
+) -> dict[str, np.ndarray]:  # fmt: skip
+    """Write the tensors of ``source`` (a path, bytes or loaded state) to ``out``: ``fmt`` "npz" or "safetensors"
+    (default: from the suffix). Returns the arrays written."""
+    path = os.fspath(out)
+    fmt = fmt or ("safetensors" if path.endswith(".safetensors") else "npz")
+    if fmt not in ("npz", "safetensors"):
+        raise KVRefError(f"export writes npz or safetensors, not {fmt!r}")
+    arrays, meta = export_arrays(source, hparams=hparams, model=model, head_dim=head_dim, unrotate=unrotate,
+                                 progress=progress)  # fmt: skip
+    if fmt == "safetensors":
+        try:
+            from safetensors.numpy import save_file
+        except ImportError:
+            raise KVRefError(
+                "writing .safetensors needs the safetensors package: pip install 'kvref[export]' (or write .npz)"
+            ) from None
+        save_file(arrays, path, metadata={"kvref": json.dumps(meta)})
+    else:
+        with open(path, "wb") as f:
+            named: dict[str, Any] = {"__kvref__": np.asarray(json.dumps(meta)), **arrays}
+            np.savez(f, **named)
+    return arrays
+
+
+__all__ = ["export", "export_arrays"]

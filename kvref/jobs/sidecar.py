@@ -1,0 +1,146 @@
+"""The identity sidecar ``<file>.kvref.json``: which model, llama.cpp and context a state file belongs to.
+
+A state file does not say which model wrote it (a session file names only the arch) nor with which context.
+`write_sidecar` (``save_memory(..., sidecar=True)``, ``kvref convert --sidecar``) records it beside the file;
+``kvref check`` verifies it when present (`verify_sidecar`). The format (JSON object, version 1)::
+
+    {
+      "kvref_sidecar": 1,                       # format version
+      "file": "prompt.ggsn",                    # the state file's name (same directory)
+      "kind": "session",                        # session | seq | state | seq_state
+      "payload": {"size": 123456, "sha256": "..."},       # the state file's bytes
+      "era": "2026-10",                         # kvref.state.eras layout of the file
+      "llama_cpp": {"profile": "2026-10", "llama_cpp_python": "0.3.36"},   # behaviour profile (may be null)
+      "model": {"file": "model.gguf", "sha256": "...", "arch": "llama"},   # sha256 null when not given
+      "context": {"n_ctx": 4096, "n_seq_max": 1, "kv_unified": true, "flash_attn": false,
+                  "type_k": "f16", "type_v": "f16", "swa_full": false},   # null when not known
+      "written_by": "kvref 0.1.0"
+    }
+
+Unknown keys are ignored, so later versions may add some.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from ..errors import KVRefError
+
+SUFFIX = ".kvref.json"
+VERSION = 1
+
+
+def sidecar_path(path: str | os.PathLike[str]) -> Path:
+    """``<path>.kvref.json``."""
+    p = Path(path)
+    return p.with_name(p.name + SUFFIX)
+
+
+def sha256_file(path: str | os.PathLike[str]) -> str:
+    """The sha256 of a file's bytes (hex), read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def memory_context(mem: Any) -> dict[str, Any] | None:
+    """The context parameters a memory was built with (None when it was built without ``create_memory``)."""
+    from ..ggml.types import type_name
+    from ..memory.kv_cache import KVCache
+    from .restore import leaf_caches
+
+    cp = getattr(mem, "cparams", None)
+    if cp is None:
+        return None
+    kv = [c for c in leaf_caches(mem) if isinstance(c, KVCache)]
+    return {
+        "n_ctx": cp.n_ctx,
+        "n_seq_max": cp.n_seq_max,
+        "kv_unified": cp.kv_unified,
+        "flash_attn": cp.flash_attn,
+        "type_k": type_name(kv[0].type_k) if kv else None,
+        "type_v": type_name(kv[0].type_v) if kv else None,
+        "swa_full": cp.swa_full,
+    }
+
+
+def write_sidecar(
+    path: str | os.PathLike[str], *, model: str | os.PathLike[str] | None = None, memory: Any = None,
+    state: Any = None, context: dict[str, Any] | None = None,
+) -> Path:  # fmt: skip
+    """Write ``<path>.kvref.json`` for the state file at ``path``; returns the sidecar's path.
+
+    ``model``: the GGUF file (its sha256 is recorded); ``memory``: the memory the file was saved from (its profile
+    and context); ``state``: the loaded state (default: ``path`` loaded); ``context`` overrides the context.
+    """
+    from .. import __version__
+    from .. import state as st
+    from ..profile import NAMED
+    from ..state.eras import era, matching_eras
+
+    obj = state if state is not None else st.load(path)
+    eras = matching_eras(obj)
+    profile = getattr(memory, "profile", None)
+    llama = None
+    if profile is not None:
+        llama = {"profile": profile.name, "llama_cpp_python": NAMED.get(profile.name, profile.name)}
+    doc = {
+        "kvref_sidecar": VERSION,
+        "file": Path(path).name,
+        "kind": obj.kind,
+        "payload": {"size": os.path.getsize(path), "sha256": sha256_file(path)},
+        "era": era(profile).name if profile is not None else (eras[-1] if eras else None),
+        "llama_cpp": llama,
+        "model": {
+            "file": Path(model).name if model is not None else None,
+            "sha256": sha256_file(model) if model is not None else None,
+            "arch": getattr(obj, "arch", None) or (memory.hparams.arch if memory is not None else None),
+        },
+        "context": context if context is not None else (memory_context(memory) if memory is not None else None),
+        "written_by": f"kvref {__version__}",
+    }
+    out = sidecar_path(path)
+    out.write_text(json.dumps(doc, indent=2) + "\n")
+    return out
+
+
+def read_sidecar(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+    """The sidecar of the state file at ``path`` as a dict, or None when there is none."""
+    p = sidecar_path(path)
+    if not p.exists():
+        return None
+    try:
+        doc = json.loads(p.read_text())
+    except ValueError as e:
+        raise KVRefError(f"{p}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict) or doc.get("kvref_sidecar") != VERSION:
+        raise KVRefError(f"{p}: not a kvref sidecar of version {VERSION}")
+    return doc
+
+
+def verify_sidecar(path: str | os.PathLike[str], model: str | os.PathLike[str] | None = None) -> list[str]:
+    """What the sidecar of ``path`` contradicts: the payload's size and sha256, and the model's sha256 (when
+    ``model`` is given and the sidecar names one). Empty when there is no sidecar or everything agrees."""
+    doc = read_sidecar(path)
+    if doc is None:
+        return []
+    problems = []
+    payload = doc.get("payload") or {}
+    if payload.get("size") is not None and payload["size"] != os.path.getsize(path):
+        problems.append(f"the file has {os.path.getsize(path)} bytes, its sidecar says {payload['size']}")
+    elif payload.get("sha256") and payload["sha256"] != sha256_file(path):
+        problems.append("the file's sha256 differs from its sidecar's: the file changed after it was written")
+    want = (doc.get("model") or {}).get("sha256")
+    if model is not None and want and want != sha256_file(model):
+        name = (doc.get("model") or {}).get("file") or "another model"
+        problems.append(f"the sidecar says the file was written with {name} (sha256 {want[:12]}...), not {model}")
+    return problems
+
+
+__all__ = ["SUFFIX", "memory_context", "read_sidecar", "sha256_file", "sidecar_path", "verify_sidecar", "write_sidecar"]

@@ -1,0 +1,33 @@
+"""llama.cpp's memory modules, named after llama.cpp's own files (see README's Layout).
+
+The names of `kvref.memory.factory` (``create_memory``, ``context_params``, ``Memory``, ...) stay reachable here,
+imported on first use so that a module of this wing (the cells, say) never pulls in every memory.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# kvref.memory.factory.__all__ (a test keeps the two equal); listed here so that looking up a submodule of this
+# package while it is still importing never imports the factory
+FACTORY_NAMES = (
+    "LLAMA_STATE_SEQ_FLAGS_NONE",
+    "LLAMA_STATE_SEQ_FLAGS_ON_DEVICE",
+    "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY",
+    "LLAMA_STATE_SEQ_FLAGS_SWA_ONLY",
+    "NO_MEMORY_ARCHS",
+    "UNSUPPORTED_ARCHS",
+    "ContextParams",
+    "Memory",
+    "PairedMemory",
+    "context_params",
+    "create_memory",
+    "kv_pad",
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in FACTORY_NAMES:
+        return getattr(importlib.import_module("kvref.memory.factory"), name)
+    raise AttributeError(f"module 'kvref.memory' has no attribute {name!r}")

@@ -1,0 +1,792 @@
+"""Pure-Python twin of the KV cell bookkeeping (llama.cpp's ``llama_kv_cells``, src/llama-kv-cells.h).
+
+This module is the readable statement of the semantics; ``_cells_c.pyx`` implements the same API at C
+speed. Both keep their arrays in NumPy:
+
+- ``pos``   int32[n]      position of each cell, -1 when empty;
+- ``shift`` int32[n]      position delta accumulated since the last ``reset_shift`` (pending K-shift);
+- ``ext``   int32[n, 3]   per-cell extension (x, y, tok): M-RoPE 2-D position and the cell's token;
+- ``seq``   uint64[n, 4]  bitset of the sequences that see the cell (LLAMA_MAX_SEQ = 256 bits).
+
+Beside them: the number of used cells (pos != -1, with or without sequences) and, per sequence, the
+ordered set of (pos, cell) pairs (a sorted list), which gives min/max positions and ``seq_pos_tok_le`` in
+O(log n). A per-cell method updates that list entry by entry (bisect). A bulk or range method finds its cells
+with NumPy, changes the arrays in one go, and brings each touched sequence's list along in one pass: the
+entries of the touched cells are filtered out before the change and merged back, sorted, after it, so no
+method is worse than O(n log n) in the cells it touches (a few entries still go in one by one).
+
+Where llama.cpp only asserts (an index out of range, ``seq_add`` on an empty cell, ``pos_set`` on a used
+cell, ...), both twins raise ``CellError`` / ``SequenceError`` and leave the cells unchanged. Bulk methods
+validate every element before changing anything.
+"""
+
+from __future__ import annotations
+
+import bisect
+import functools
+import operator
+import threading
+from collections.abc import Callable, Iterable, Sequence
+from typing import Concatenate, ParamSpec, TypeVar, cast
+
+import numpy as np
+import numpy.typing as npt
+
+from ..args import check_alloc
+from ..constants import CELL_BYTES, INT32_MIN, LLAMA_MAX_SEQ, N_SEQ_WORDS, POS_MAX, TOKEN_NULL
+from ..errors import ArgumentTypeError, CellError, SequenceError
+
+IntArray = npt.NDArray[np.int32]
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _as_int(value: object) -> int:
+    """``value`` as a Python int, integers only (operator.index), as the Cython twin takes it."""
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise ArgumentTypeError(f"expected an integer, got {type(value).__name__} {value!r}") from None
+
+
+def _check_seq(seq_id: int) -> int:
+    seq_id = _as_int(seq_id)
+    if not 0 <= seq_id < LLAMA_MAX_SEQ:
+        raise SequenceError(f"seq_id {seq_id} is outside [0, {LLAMA_MAX_SEQ})")
+    return seq_id
+
+
+def _wrap32(v: int) -> int:
+    """``v`` as an int32 wraps it: the accumulated shift is an int32 in llama.cpp too."""
+    return (v - INT32_MIN) % 2**32 + INT32_MIN
+
+
+def _wrap32_all(v: npt.NDArray[np.int64]) -> IntArray:
+    """``_wrap32`` of every element."""
+    return ((v - INT32_MIN) % 2**32 + INT32_MIN).astype(np.int32)
+
+
+def _bits(words: Iterable[int]) -> list[int]:
+    """The sequence ids whose bits are set in a cell's bitset words, ascending."""
+    out = []
+    for w, word in enumerate(words):
+        word = int(word)
+        while word:
+            low = word & -word
+            out.append(w * 64 + low.bit_length() - 1)
+            word ^= low
+    return out
+
+
+def _clamp_bound(p: int) -> int:
+    """A range bound clamped into the int64 range NumPy compares with, where it still orders every int32 the same."""
+    return min(max(p, INT32_MIN - 1), POS_MAX + 1)
+
+
+# a bulk change that touches at most this many entries of a sequence updates its list entry by entry (bisect,
+# each O(log n) plus a memmove); above it, the list is rebuilt in one O(n + m log m) pass
+_FEW = 32
+
+
+# cell indices: one index, or a list / integer array of them
+CellIndices = int | Sequence[int] | npt.NDArray[np.int64] | npt.NDArray[np.int32]
+_Arr = TypeVar("_Arr", npt.NDArray[np.int32], npt.NDArray[np.uint64])
+
+
+def _ro(a: _Arr) -> _Arr:
+    v: _Arr = a.view()
+    v.flags.writeable = False
+    return v
+
+
+class KVCells:
+    """The cells of one KV stream: positions, shifts, ext and sequence sets, with llama.cpp's rules."""
+
+    def __init__(self, size: int = 0) -> None:
+        # every public method runs under this lock (see `_atomic_methods`): calls from several threads serialise
+        self._lock = threading.RLock()
+        self.resize(size)
+
+    # ------------------------------------------------------------------ whole-array state
+    def resize(self, n: int) -> None:
+        """Give the cells ``n`` slots, all empty (llama.cpp's resize() ends with reset())."""
+        n = _as_int(n)
+        if n < 0:
+            raise CellError(f"cannot resize cells to {n}")
+        if n > 0xFFFFFFFF:
+            raise CellError(f"cannot resize cells to {n} (cell indices are uint32)")
+        check_alloc(n * CELL_BYTES, f"{n} KV cells", "use fewer cells")
+        self._pos = np.empty(n, dtype=np.int32)
+        self._shift = np.empty(n, dtype=np.int32)
+        self._ext = np.empty((n, 3), dtype=np.int32)
+        self._seq = np.empty((n, N_SEQ_WORDS), dtype=np.uint64)
+        self.reset()
+
+    def reset(self) -> None:
+        """Make every cell empty, with no pending shift and a null ext (llama_kv_cells::reset); the size stays."""
+        self._pos.fill(-1)
+        self._shift.fill(0)
+        self._ext[:, :2] = 0
+        self._ext[:, 2] = TOKEN_NULL
+        self._seq.fill(0)
+        self._has_shift = False
+        self._n_used = 0
+        self._seq_pos: list[list[tuple[int, int]]] = [[] for _ in range(LLAMA_MAX_SEQ)]
+
+    def reset_shift(self) -> None:
+        """Zero every cell's pending shift and clear has_shift (llama_kv_cells::reset_shift)."""
+        self._has_shift = False
+        self._shift.fill(0)
+
+    def size(self) -> int:
+        """The number of cells (llama_kv_cells::size)."""
+        return int(self._pos.shape[0])
+
+    def __len__(self) -> int:
+        return self.size()
+
+    def get_used(self) -> int:
+        """The number of used cells, pos != -1 (llama_kv_cells::get_used)."""
+        return self._n_used
+
+    def used_min(self) -> int:
+        """Index of the first used cell, 0 when none is used."""
+        idx = np.flatnonzero(self._pos != -1)
+        return int(idx[0]) if idx.size else 0
+
+    def used_max_p1(self) -> int:
+        """Index of the last used cell + 1, 0 when none is used."""
+        idx = np.flatnonzero(self._pos != -1)
+        return int(idx[-1]) + 1 if idx.size else 0
+
+    def used_cells(self) -> IntArray:
+        """Indices of the used cells, ascending (llama.cpp's ``used`` set)."""
+        return np.flatnonzero(self._pos != -1).astype(np.int32)
+
+    def get_has_shift(self) -> bool:
+        """True when a position was shifted since the last reset_shift (llama_kv_cells::get_has_shift)."""
+        return self._has_shift
+
+    # read-only NumPy views of the arrays
+    @property
+    def pos(self) -> npt.NDArray[np.int32]:
+        """Read-only int32 (n,) view of the cells' positions, -1 for an empty cell."""
+        return _ro(self._pos)
+
+    @property
+    def shift(self) -> npt.NDArray[np.int32]:
+        """Read-only int32 (n,) view of the cells' pending shifts (accumulated since reset_shift)."""
+        return _ro(self._shift)
+
+    @property
+    def ext(self) -> npt.NDArray[np.int32]:
+        """Read-only int32 (n, 3) view of the cells' ext: x, y (M-RoPE 2-D position) and token."""
+        return _ro(self._ext)
+
+    @property
+    def seq(self) -> npt.NDArray[np.uint64]:
+        """Read-only uint64 (n, 4) view of the cells' sequence sets: bit s % 64 of word s // 64 is sequence s."""
+        return _ro(self._seq)
+
+    # ------------------------------------------------------------------ helpers
+    def _check_index(self, i: int) -> int:
+        i = _as_int(i)
+        if not 0 <= i < self._pos.shape[0]:
+            raise CellError(f"cell index {i} is outside [0, {self._pos.shape[0]})")
+        return i
+
+    def _check_used(self, i: int, what: str) -> int:
+        i = self._check_index(i)
+        if self._pos[i] == -1:
+            raise CellError(f"{what}: cell {i} is empty")
+        return i
+
+    def _check_delta(self, what: str, d: int, positions: npt.NDArray[np.int32]) -> int:
+        """Validate a position delta (a llama_pos: int32) for cells at ``positions``: no position may pass POS_MAX."""
+        d = _as_int(d)
+        if not INT32_MIN <= d <= POS_MAX:
+            raise CellError(f"{what}: delta {d} is outside the int32 range")
+        if positions.size and int(positions.max()) + d > POS_MAX:
+            raise CellError(f"{what}: a position would exceed {POS_MAX}")
+        return d
+
+    def _has(self, i: int, s: int) -> bool:
+        return bool((int(self._seq[i, s >> 6]) >> (s & 63)) & 1)
+
+    def _seqs_of(self, i: int) -> list[int]:
+        return _bits(self._seq[i].tolist())
+
+    def _has_all(self, s: int) -> npt.NDArray[np.bool_]:
+        """For every cell: does it hold sequence s?"""
+        has: npt.NDArray[np.bool_] = (self._seq[:, s >> 6] & np.uint64(1 << (s & 63))) != 0
+        return has
+
+    def _in_range(self, p0: int, p1: int) -> npt.NDArray[np.bool_]:
+        """For every cell: is it used with p0 <= pos < p1? (``pos_in`` of every cell)"""
+        inside: npt.NDArray[np.bool_] = (
+            (self._pos != -1) & (self._pos >= _clamp_bound(p0)) & (self._pos < _clamp_bound(p1))
+        )
+        return inside
+
+    def _seq_pos_insert(self, s: int, i: int) -> None:
+        bisect.insort(self._seq_pos[s], (int(self._pos[i]), i))
+
+    def _seq_pos_erase(self, s: int, i: int) -> None:
+        lst = self._seq_pos[s]
+        key = (int(self._pos[i]), i)
+        k = bisect.bisect_left(lst, key)
+        assert k < len(lst) and lst[k] == key, "per-sequence index out of step with the cells"
+        del lst[k]
+
+    def _seq_pos_rm_cell(self, i: int) -> None:
+        for s in self._seqs_of(i):
+            self._seq_pos_erase(s, i)
+
+    def _seq_pos_add_cell(self, i: int) -> None:
+        for s in self._seqs_of(i):
+            self._seq_pos_insert(s, i)
+
+    # the same for many cells at once: `cells` are distinct cell indices
+    def _by_seq(self, cells: npt.NDArray[np.int64]) -> list[tuple[int, npt.NDArray[np.int64]]]:
+        """(s, the cells of ``cells`` that hold s) for every sequence held by one of ``cells``."""
+        if not cells.size:
+            return []
+        rows = self._seq[cells]
+        held = np.bitwise_or.reduce(rows, axis=0).tolist()
+        return [(s, cells[(rows[:, s >> 6] & np.uint64(1 << (s & 63))) != 0]) for s in _bits(held)]
+
+    def _seq_pos_drop(self, s: int, cells: npt.NDArray[np.int64]) -> None:
+        """Take the entries of ``cells`` (which hold s, at their current positions) out of sequence s's list."""
+        if cells.size <= _FEW:
+            for i in cells.tolist():
+                self._seq_pos_erase(s, i)
+            return
+        gone = set(cells.tolist())
+        self._seq_pos[s] = [e for e in self._seq_pos[s] if e[1] not in gone]
+
+    def _seq_pos_put(self, s: int, cells: npt.NDArray[np.int64]) -> None:
+        """Put the entries of ``cells`` (which hold s, at their current positions) into sequence s's list."""
+        if cells.size <= _FEW:
+            for i in cells.tolist():
+                self._seq_pos_insert(s, i)
+            return
+        lst = self._seq_pos[s]
+        lst += sorted(zip(self._pos[cells].tolist(), cells.tolist(), strict=True))
+        lst.sort()  # two sorted runs: the sort merges them in one linear pass
+
+    def _seq_pos_rm_cells(self, cells: npt.NDArray[np.int64]) -> None:
+        for s, cs in self._by_seq(cells):
+            self._seq_pos_drop(s, cs)
+
+    def _seq_pos_add_cells(self, cells: npt.NDArray[np.int64]) -> None:
+        for s, cs in self._by_seq(cells):
+            self._seq_pos_put(s, cs)
+
+    def _free(self, i: int, reset_ext: bool) -> None:
+        """Make cell i empty; its per-sequence entries must already be gone."""
+        self._seq[i] = 0
+        self._pos[i] = -1
+        self._shift[i] = 0
+        if reset_ext:
+            self._ext[i] = (0, 0, TOKEN_NULL)
+        self._n_used -= 1
+
+    def _free_all(self, cells: npt.NDArray[np.int64], reset_ext: bool) -> None:
+        """``_free`` of every one of ``cells`` (distinct)."""
+        self._seq[cells] = 0
+        self._pos[cells] = -1
+        self._shift[cells] = 0
+        if reset_ext:
+            self._ext[cells] = (0, 0, TOKEN_NULL)
+        self._n_used -= int(cells.size)
+
+    def _pos_add_all(self, cells: npt.NDArray[np.int64], d: int) -> npt.NDArray[np.bool_]:
+        """``pos_add(i, d)`` of every one of ``cells`` (distinct, used, d checked); which ones were freed."""
+        if not cells.size:
+            return np.zeros(0, dtype=bool)
+        self._seq_pos_rm_cells(cells)
+        new_pos = self._pos[cells].astype(np.int64) + d
+        freed = new_pos < 0
+        kept = cells[~freed]
+        self._has_shift = True
+        self._free_all(cells[freed], reset_ext=False)
+        self._pos[kept] = new_pos[~freed]
+        self._shift[kept] = _wrap32_all(self._shift[kept].astype(np.int64) + d)
+        self._seq_pos_add_cells(kept)
+        return freed
+
+    # ------------------------------------------------------------------ copies (prepare() rollback)
+    def cp(self, i: CellIndices, n: int | None = None) -> KVCells:
+        """Copy cells ``[i, i + n)``, or the cells listed in ``i`` when ``n`` is None, into new cells.
+
+        Shifts are not copied: llama.cpp only copies cells with no pending shift (asserted there).
+        """
+        idxs = self._cp_indices(i, n)
+        if np.any(self._shift[idxs] != 0):
+            raise CellError("cp: a copied cell has a pending shift (apply the K-shift first)")
+        res = type(self)(len(idxs))
+        res._pos[:] = self._pos[idxs]
+        res._ext[:] = self._ext[idxs]
+        res._seq[:] = self._seq[idxs]
+        res._n_used = int(np.count_nonzero(res._pos != -1))
+        res._seq_pos_add_cells(np.flatnonzero(res._pos != -1))
+        return res
+
+    def _cp_indices(self, i: CellIndices, n: int | None) -> npt.NDArray[np.int64]:
+        size = self._pos.shape[0]
+        if n is None:
+            idxs = np.asarray(i, dtype=np.int64).reshape(-1)
+            if idxs.size and (idxs.min() < 0 or idxs.max() >= size):
+                raise CellError(f"cell index outside [0, {size})")
+            return idxs
+        i, n = int(cast(int, i)), int(n)  # with a count, ``i`` is the first cell (cp / set pass an int)
+        if i < 0 or n < 0 or i + n > size:
+            raise CellError(f"cell range [{i}, {i + n}) is outside [0, {size})")
+        return np.arange(i, i + n, dtype=np.int64)
+
+    def set(self, i: CellIndices, other: KVCells) -> None:
+        """Overwrite cells ``[i, i + len(other))`` (or the cells listed in ``i``) with ``other``'s cells."""
+        other_pos = np.asarray(other.pos)
+        n = other_pos.shape[0]
+        if isinstance(i, (int, np.integer)):
+            idxs = self._cp_indices(i, n)
+        else:
+            idxs = self._cp_indices(i, None)
+            if idxs.shape[0] != n:
+                raise CellError(f"set: {idxs.shape[0]} indices for {n} cells")
+        if np.any(self._shift[idxs] != 0):
+            raise CellError("set: a target cell has a pending shift (apply the K-shift first)")
+        other_ext, other_seq = np.asarray(other.ext), np.asarray(other.seq)
+        if other_pos.ndim != 1 or other_ext.shape != (n, 3) or other_seq.shape != (n, N_SEQ_WORDS):
+            raise CellError("set: the other cells' pos/ext/seq arrays do not have the cells' shapes")
+        if n and (other_pos.min() < -1 or other_pos.max() > POS_MAX):
+            raise CellError("set: the other cells hold a position outside [-1, 2^31)")
+        if np.any(other_seq[other_pos == -1] != 0):
+            raise CellError("set: the other cells hold an empty cell with sequences")
+        # other cell j is written to cell idxs[j], j = 0, 1, ...: what each target cell holds in the end
+        targets, sources = self._set_sources(idxs, other is self)
+        was = targets[self._pos[targets] != -1]
+        self._seq_pos_rm_cells(was)
+        self._pos[targets] = other_pos[sources]
+        self._ext[targets] = other_ext[sources]
+        self._seq[targets] = other_seq[sources]
+        now = targets[self._pos[targets] != -1]
+        self._seq_pos_add_cells(now)
+        self._n_used += int(now.size) - int(was.size)
+
+    @staticmethod
+    def _set_sources(idxs: npt.NDArray[np.int64], aliased: bool) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]:
+        """(targets, sources) of set(): cell ``targets[k]`` ends up with what other cell ``sources[k]`` held.
+
+        The last write to a cell listed twice wins. When the other cells are these cells (``c.set(idxs, c)``),
+        the write of cell j reads cell j as the earlier writes left it, so it passes on that cell's source.
+        """
+        last: dict[int, int] = {}  # target cell -> the last j written to it
+        src = np.arange(idxs.size, dtype=np.int64)
+        for j, t in enumerate(idxs.tolist()):
+            if aliased and j in last:
+                src[j] = src[last[j]]
+            last[t] = j
+        return np.fromiter(last.keys(), np.int64, len(last)), src[np.fromiter(last.values(), np.int64, len(last))]
+
+    # ------------------------------------------------------------------ per-cell operations
+    def is_empty(self, i: int) -> bool:
+        """True when cell ``i`` holds no position (llama_kv_cells::is_empty)."""
+        return bool(self._pos[self._check_index(i)] == -1)
+
+    def rm(self, i: int) -> None:
+        """Clear a used cell."""
+        i = self._check_used(i, "rm")
+        self._seq_pos_rm_cell(i)
+        self._free(i, reset_ext=True)
+
+    def seq_rm(self, i: int, seq_id: int) -> bool:
+        """Remove ``seq_id`` from a cell that has it; True when the cell became empty."""
+        s = _check_seq(seq_id)
+        i = self._check_used(i, "seq_rm")
+        if not self._has(i, s):
+            raise CellError(f"seq_rm: cell {i} does not hold sequence {s}")
+        self._seq_pos_erase(s, i)
+        self._seq[i, s >> 6] &= ~np.uint64(1 << (s & 63))
+        if not self._seq[i].any():
+            self._free(i, reset_ext=True)
+            return True
+        return False
+
+    def seq_keep(self, i: int, seq_id: int) -> bool:
+        """Keep only ``seq_id`` in the cell; True when the cell became empty (it did not hold it)."""
+        s = _check_seq(seq_id)
+        i = self._check_index(i)
+        if self._has(i, s):
+            self._seq_pos_rm_cell(i)
+            self._seq[i] = 0
+            self._seq[i, s >> 6] = np.uint64(1 << (s & 63))
+            self._seq_pos_insert(s, i)
+            return False
+        if self._seq[i].any():
+            self._seq_pos_rm_cell(i)
+            self._free(i, reset_ext=True)
+            return True
+        return False
+
+    def seq_count(self, i: int) -> int:
+        """The number of sequences a used cell belongs to (llama_kv_cells::seq_count)."""
+        i = self._check_used(i, "seq_count")
+        return sum(int(w).bit_count() for w in self._seq[i])
+
+    def seq_get_all(self, i: int) -> list[int]:
+        """The sequence ids that see cell i, ascending."""
+        return self._seqs_of(self._check_index(i))
+
+    def seq_has(self, i: int, seq_id: int) -> bool:
+        """True when cell ``i`` belongs to ``seq_id`` (llama_kv_cells::seq_has)."""
+        return self._has(self._check_index(i), _check_seq(seq_id))
+
+    def seq_add(self, i: int, seq_id: int) -> None:
+        """Add ``seq_id`` to a used cell that does not hold it yet."""
+        s = _check_seq(seq_id)
+        i = self._check_used(i, "seq_add")
+        if self._has(i, s):
+            raise CellError(f"seq_add: cell {i} already holds sequence {s}")
+        self._seq[i, s >> 6] |= np.uint64(1 << (s & 63))
+        self._seq_pos_insert(s, i)
+
+    def seq_get(self, i: int) -> int:
+        """The only sequence of a cell that has exactly one."""
+        seqs = self._seqs_of(self._check_index(i))
+        if len(seqs) != 1:
+            raise CellError(f"seq_get: cell {i} holds {len(seqs)} sequences, not exactly one")
+        return seqs[0]
+
+    def seq_pos_min(self, seq_id: int) -> int:
+        """Like llama_kv_cells::seq_pos_min: the smallest position of ``seq_id``, or -1 when it holds no cell."""
+        lst = self._seq_pos[_check_seq(seq_id)]
+        return lst[0][0] if lst else -1
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        """Like llama_kv_cells::seq_pos_max: the largest position of ``seq_id``, or -1 when it holds no cell."""
+        lst = self._seq_pos[_check_seq(seq_id)]
+        return lst[-1][0] if lst else -1
+
+    def seq_pos_get(self, seq_id: int) -> list[tuple[int, int]]:
+        """The (pos, cell) pairs of the sequence, ordered by position then cell."""
+        return list(self._seq_pos[_check_seq(seq_id)])
+
+    def seq_pos_tok_le(self, seq_id: int, p: int) -> int:
+        """Token of the sequence's cell at the largest position <= p (highest cell on ties), else -1."""
+        lst = self._seq_pos[_check_seq(seq_id)]
+        k = bisect.bisect_right(lst, (int(p), 2**32))
+        if k == 0:
+            return TOKEN_NULL
+        return int(self._ext[lst[k - 1][1], 2])
+
+    def pos_get(self, i: int) -> int:
+        """The position of a used cell (llama_kv_cells::pos_get)."""
+        return int(self._pos[self._check_used(i, "pos_get")])
+
+    def ext_get(self, i: int) -> tuple[int, int, int]:
+        """(x, y, tok) of a used cell."""
+        x, y, tok = self._ext[self._check_used(i, "ext_get")]
+        return int(x), int(y), int(tok)
+
+    def ext_set(self, i: int, x: int = 0, y: int = 0, tok: int = TOKEN_NULL) -> None:
+        """Set (x, y, tok) of cell i (empty or not, as llama.cpp allows); each value must be an int32."""
+        i = self._check_index(i)
+        vals = (int(x), int(y), int(tok))
+        if not all(INT32_MIN <= v <= POS_MAX for v in vals):
+            raise CellError(f"ext_set: {vals} has a value outside the int32 range")
+        self._ext[i] = vals
+
+    def get_shift(self, i: int) -> int:
+        """The pending shift of a used cell (llama_kv_cells::get_shift)."""
+        return int(self._shift[self._check_used(i, "get_shift")])
+
+    def pos_in(self, i: int, p0: int, p1: int) -> bool:
+        """True when the cell is used and p0 <= pos < p1."""
+        p0, p1 = _as_int(p0), _as_int(p1)
+        p = self._pos[self._check_index(i)]
+        return bool(p >= p0 and p < p1 and p != -1)
+
+    def pos_set(self, i: int, p: int) -> None:
+        """Place position p in an empty cell (has_shift is not touched)."""
+        i = self._check_index(i)
+        if self._pos[i] != -1 or self._seq[i].any():
+            raise CellError(f"pos_set: cell {i} is not empty")
+        p = int(p)
+        if p < 0:
+            raise CellError(f"pos_set: position {p} is negative")
+        if p > POS_MAX:
+            raise CellError(f"pos_set: position {p} is above {POS_MAX}")
+        self._pos[i] = p
+        self._n_used += 1
+
+    def pos_set_shifted(self, i: int, p: int, shift: int) -> None:
+        """pos_set(i, p) with a pending shift ``shift`` already recorded (has_shift set when it is not 0).
+
+        llama.cpp's cross-stream seq_cp places ``p - shift`` then pos_add(shift); after a seq_div that
+        intermediate position can be negative (only an assert, compiled out, objects), but the cell always
+        ends at ``p`` with shift ``shift``: this is that end state.
+        """
+        self.pos_set(i, p)
+        sh = _wrap32(int(shift))
+        if sh != 0:
+            self._shift[int(i)] = sh
+            self._has_shift = True
+
+    def pos_add(self, i: int, d: int) -> bool:
+        """pos += d and shift += d; True when the position went negative and the cell was freed.
+
+        As in llama.cpp, a cell freed here keeps its ext (only rm/seq_rm/seq_keep reset it). ``d`` must be
+        an int32 and the new position must not pass POS_MAX (CellError, cell unchanged); the shift wraps
+        as an int32, like llama.cpp's.
+        """
+        i = self._check_used(i, "pos_add")
+        d = self._check_delta("pos_add", d, self._pos[i : i + 1])
+        self._seq_pos_rm_cell(i)
+        new_pos = int(self._pos[i]) + d
+        self._has_shift = True
+        if new_pos < 0:
+            self._free(i, reset_ext=False)
+            return True
+        self._pos[i] = new_pos
+        self._shift[i] = _wrap32(int(self._shift[i]) + d)
+        self._seq_pos_add_cell(i)
+        return False
+
+    def pos_div(self, i: int, d: int) -> None:
+        """pos //= d; the change goes into shift."""
+        i = self._check_used(i, "pos_div")
+        d = int(d)
+        if d <= 0:
+            raise CellError(f"pos_div: divisor {d} is not positive")
+        self._seq_pos_rm_cell(i)
+        old = int(self._pos[i])
+        self._pos[i] = old // d
+        self._shift[i] = _wrap32(int(self._shift[i]) + old - old // d)
+        self._seq_pos_add_cell(i)
+        self._has_shift = True
+
+    # ------------------------------------------------------------------ bulk forms
+    def pos_set_many(self, idxs: Iterable[int], positions: Iterable[int]) -> None:
+        """``pos_set(idxs[k], positions[k])`` for every k; all-or-nothing."""
+        ia = np.asarray(idxs, dtype=np.int64).reshape(-1)
+        pa = np.asarray(positions, dtype=np.int64).reshape(-1)
+        if ia.shape != pa.shape:
+            raise CellError(f"pos_set_many: {ia.size} indices for {pa.size} positions")
+        for k in range(ia.size):
+            self._check_index(int(ia[k]))
+        if np.unique(ia).size != ia.size:
+            raise CellError("pos_set_many: a cell index appears twice")
+        if ia.size and (np.any(self._pos[ia] != -1) or np.any(self._seq[ia] != 0)):
+            raise CellError("pos_set_many: a target cell is not empty")
+        if ia.size and (pa.min() < 0 or pa.max() > POS_MAX):
+            raise CellError("pos_set_many: a position is outside [0, 2^31)")
+        self._pos[ia] = pa  # pos_set of every listed cell, all checked above
+        self._n_used += int(ia.size)
+
+    def seq_add_many(self, idxs: Iterable[int], seq_ids: int | Iterable[int]) -> None:
+        """``seq_add(idxs[k], seq_ids[k])`` (or one seq id for all); all-or-nothing."""
+        ia = np.asarray(idxs, dtype=np.int64).reshape(-1)
+        sa = np.broadcast_to(np.asarray(seq_ids, dtype=np.int64), ia.shape)
+        for k in range(ia.size):
+            i, s = self._check_used(int(ia[k]), "seq_add_many"), _check_seq(int(sa[k]))
+            if self._has(i, s):
+                raise CellError(f"seq_add_many: cell {i} already holds sequence {s}")
+        if len(set(zip(ia.tolist(), sa.tolist(), strict=True))) != ia.size:
+            raise CellError("seq_add_many: a (cell, sequence) pair appears twice")
+        for s in np.unique(sa).tolist():
+            cells = ia[sa == s]
+            self._seq[cells, s >> 6] |= np.uint64(1 << (s & 63))
+            self._seq_pos_put(s, cells)
+
+    def ext_set_many(
+        self, idxs: Iterable[int], xs: int | Iterable[int], ys: int | Iterable[int], toks: int | Iterable[int]
+    ) -> None:
+        """``ext_set(idxs[k], xs[k], ys[k], toks[k])`` for every k (a single value applies to all); all-or-nothing.
+
+        The first element that ``ext_set`` would refuse (an index outside the cells, a value outside int32) is
+        named in the error, and no cell changes.
+        """
+        ia = np.asarray(idxs, dtype=np.int64).reshape(-1)
+        vals = [np.broadcast_to(np.asarray(v, dtype=np.int64), ia.shape) for v in (xs, ys, toks)]
+        bad = (ia < 0) | (ia >= self.size())
+        for v in vals:
+            bad |= (v < INT32_MIN) | (v > POS_MAX)
+        if bad.any():
+            k = int(np.flatnonzero(bad)[0])
+            self._check_index(int(ia[k]))  # an index outside the cells is named first
+            raise CellError(f"ext_set_many: {tuple(int(v[k]) for v in vals)} has a value outside the int32 range")
+        # a cell listed twice gets its last (x, y, tok), as ext_set one after the other leaves it
+        last = ia.size - 1 - np.unique(ia[::-1], return_index=True)[1]
+        self._ext[ia[last]] = np.stack([v[last] for v in vals], axis=1)
+
+    def place(
+        self,
+        idxs: Iterable[int],
+        positions: Iterable[int],
+        seq_ids: Iterable[int],
+        ext: tuple[int | Iterable[int], int | Iterable[int], int | Iterable[int]] | None = None,
+        check: bool = False,
+    ) -> bool:
+        """apply_ubatch's writes of tokens of one sequence each into empty cells, in one call: ``pos_set(idxs[k],
+        positions[k])``, ``ext_set(idxs[k], *ext[k])`` when ``ext`` (x, y, tok; a single value applies to all) is
+        given, ``seq_add(idxs[k], seq_ids[k])``; all-or-nothing. With ``check`` nothing is written.
+
+        True when the writes are done (or, with ``check``, would be); False, and nothing changes, when one of them
+        would be refused: an index outside the cells or listed twice, a target cell that is not empty, a position
+        outside ``[0, POS_MAX]``, an ext value outside int32, a sequence id outside ``[0, LLAMA_MAX_SEQ)``, or
+        values that are not integers. The caller then makes the writes one kind at a time, which raise the error.
+        """
+        if ext is not None and len(ext) != 3:
+            return False
+        try:
+            ia = np.asarray(idxs, dtype=np.int64).reshape(-1)
+            pa = np.asarray(positions, dtype=np.int64).reshape(-1)
+            sa = np.asarray(seq_ids, dtype=np.int64).reshape(-1)
+            vals = [np.broadcast_to(np.asarray(v, dtype=np.int64), ia.shape) for v in ext] if ext is not None else []
+        except (TypeError, ValueError, OverflowError):
+            return False
+        if pa.shape != ia.shape or sa.shape != ia.shape:
+            return False
+        if ia.size == 0:
+            return True
+        if ia.min() < 0 or ia.max() >= self.size() or np.unique(ia).size != ia.size:
+            return False
+        if np.any(self._pos[ia] != -1) or np.any(self._seq[ia] != 0):
+            return False
+        if pa.min() < 0 or pa.max() > POS_MAX or sa.min() < 0 or sa.max() >= LLAMA_MAX_SEQ:
+            return False
+        if any(v.min() < INT32_MIN or v.max() > POS_MAX for v in vals):
+            return False
+        if check:
+            return True
+        self._pos[ia] = pa  # pos_set of every cell
+        self._n_used += int(ia.size)
+        if vals:
+            self._ext[ia] = np.stack(vals, axis=1)
+        for s in np.unique(sa).tolist():  # seq_add of every cell
+            cells = ia[sa == s]
+            self._seq[cells, s >> 6] |= np.uint64(1 << (s & 63))
+            self._seq_pos_put(s, cells)
+        return True
+
+    def pos_add_many(self, idxs: Iterable[int], d: int) -> npt.NDArray[np.bool_]:
+        """``pos_add(i, d)`` for every listed used cell; returns which cells were freed (bool array)."""
+        ia = np.asarray(idxs, dtype=np.int64).reshape(-1)
+        for k in range(ia.size):
+            self._check_used(int(ia[k]), "pos_add_many")
+        if np.unique(ia).size != ia.size:
+            raise CellError("pos_add_many: a cell index appears twice")
+        d = self._check_delta("pos_add_many", d, self._pos[ia])
+        return self._pos_add_all(ia, d)
+
+    def seq_pos_min_many(self, seq_ids: Iterable[int]) -> IntArray:
+        """``seq_pos_min`` of every listed sequence, as an int32 array."""
+        return np.array([self.seq_pos_min(int(s)) for s in np.asarray(seq_ids).reshape(-1)], dtype=np.int32)
+
+    def seq_pos_max_many(self, seq_ids: Iterable[int]) -> IntArray:
+        """``seq_pos_max`` of every listed sequence, as an int32 array."""
+        return np.array([self.seq_pos_max(int(s)) for s in np.asarray(seq_ids).reshape(-1)], dtype=np.int32)
+
+    # ------------------------------------------------------------------ range operations
+    # The loops of llama_kv_cache's sequence operations over one stream. Positions are a half-open
+    # range [p0, p1) already normalised by the caller (llama.cpp maps p0 < 0 to 0 and p1 < 0 to
+    # POS_MAX). Each returns the index of the first cell it freed, or size() when it freed none,
+    # which is what the cache needs to move its head.
+    def seq_rm_range(self, seq_id: int, p0: int, p1: int) -> int:
+        """Remove ``seq_id`` (every sequence when -1) from the used cells with p0 <= pos < p1."""
+        seq_id, p0, p1 = _as_int(seq_id), _as_int(p0), _as_int(p1)
+        size = self.size()
+        if seq_id == -1:
+            cells = np.flatnonzero(self._in_range(p0, p1))
+            self._seq_pos_rm_cells(cells)
+            self._free_all(cells, reset_ext=True)
+            return int(cells[0]) if cells.size else size
+        s = _check_seq(seq_id)
+        cells = np.flatnonzero(self._in_range(p0, p1) & self._has_all(s))
+        self._seq_pos_drop(s, cells)
+        self._seq[cells, s >> 6] &= ~np.uint64(1 << (s & 63))
+        emptied = cells[~self._seq[cells].any(axis=1)]
+        self._free_all(emptied, reset_ext=True)
+        return int(emptied[0]) if emptied.size else size
+
+    def seq_cp_range(self, seq_src: int, seq_dst: int, p0: int, p1: int) -> None:
+        """Add ``seq_dst`` to every cell of ``seq_src`` with p0 <= pos < p1.
+
+        A cell that already holds ``seq_dst`` is left as it is (what a release build of llama.cpp does).
+        """
+        src, dst = _check_seq(seq_src), _check_seq(seq_dst)
+        p0, p1 = _as_int(p0), _as_int(p1)
+        if src == dst:
+            return
+        cells = np.flatnonzero(self._in_range(p0, p1) & self._has_all(src) & ~self._has_all(dst))
+        self._seq[cells, dst >> 6] |= np.uint64(1 << (dst & 63))
+        self._seq_pos_put(dst, cells)
+
+    def seq_keep_all(self, seq_id: int) -> int:
+        """``seq_keep(i, seq_id)`` on every cell."""
+        s = _check_seq(seq_id)
+        keep = self._has_all(s)
+        gone = np.flatnonzero(~keep & self._seq.any(axis=1))
+        only_s = np.zeros(N_SEQ_WORDS, dtype=np.uint64)
+        only_s[s >> 6] = np.uint64(1 << (s & 63))
+        self._seq[keep] = only_s
+        self._free_all(gone, reset_ext=True)
+        # no cell holds another sequence now; sequence s keeps its cells, at their positions
+        for t in range(LLAMA_MAX_SEQ):
+            if t != s:
+                self._seq_pos[t] = []
+        return int(gone[0]) if gone.size else self.size()
+
+    def seq_add_range(self, seq_id: int, p0: int, p1: int, delta: int) -> int:
+        """``pos_add(i, delta)`` on every cell of ``seq_id`` with p0 <= pos < p1; all-or-nothing."""
+        s = _check_seq(seq_id)
+        p0, p1 = _as_int(p0), _as_int(p1)
+        cells = np.flatnonzero(self._in_range(p0, p1) & self._has_all(s))
+        delta = self._check_delta("seq_add_range", delta, self._pos[cells])
+        freed = cells[self._pos_add_all(cells, delta)]
+        return int(freed[0]) if freed.size else self.size()
+
+    def seq_div_range(self, seq_id: int, p0: int, p1: int, d: int) -> None:
+        """``pos_div(i, d)`` on every cell of ``seq_id`` with p0 <= pos < p1."""
+        s = _check_seq(seq_id)
+        p0, p1, d = _as_int(p0), _as_int(p1), _as_int(d)
+        if d <= 0:
+            raise CellError(f"seq_div_range: divisor {d} is not positive")
+        cells = np.flatnonzero(self._in_range(p0, p1) & self._has_all(s))
+        if not cells.size:
+            return
+        self._seq_pos_rm_cells(cells)
+        old = self._pos[cells].astype(np.int64)
+        d = min(d, POS_MAX + 1)  # positions are below 2^31: a larger divisor gives 0 all the same (and fits int64)
+        self._pos[cells] = old // d
+        self._shift[cells] = _wrap32_all(self._shift[cells].astype(np.int64) + old - old // d)
+        self._seq_pos_add_cells(cells)
+        self._has_shift = True
+
+    def __repr__(self) -> str:
+        return f"KVCells(size={self.size()}, used={self._n_used}, has_shift={self._has_shift})"
+
+
+def _atomic_methods(cls: type) -> type:
+    """Run every public method of ``cls`` under the object's lock: each call is atomic, so a KVCells may be shared
+    between threads (the Cython twin keeps the GIL through each call for the same contract)."""
+
+    def locked(f: Callable[Concatenate[KVCells, _P], _R]) -> Callable[Concatenate[KVCells, _P], _R]:
+        @functools.wraps(f)
+        def run(self: KVCells, *args: _P.args, **kw: _P.kwargs) -> _R:
+            with self._lock:
+                return f(self, *args, **kw)
+
+        return run
+
+    for name, f in list(vars(cls).items()):
+        if not name.startswith("_") and callable(f):
+            setattr(cls, name, locked(f))
+    return cls
+
+
+_atomic_methods(KVCells)
+
+
+__all__ = ["INT32_MIN", "LLAMA_MAX_SEQ", "N_SEQ_WORDS", "POS_MAX", "TOKEN_NULL", "KVCells"]
