@@ -117,6 +117,11 @@ class KShiftError(KVRefError):
     message names the reason and the configuration; `kvref.memory.kshift_quant`). Raised before anything changes."""
 
 
+class SaveTargetError(KVRefError, ValueError):
+    """A save refused before anything was written: the target exists and is not a regular file (a device, a FIFO,
+    a directory, a socket), so replacing it would destroy it. The message names the path and what it is."""
+
+
 class NotYetImplemented(KVRefError):
     """An option that is planned but not implemented yet (the message says which)."""
 
@@ -142,6 +147,7 @@ __all__ = [
     "NoSlotError",
     "NotYetImplemented",
     "QuantError",
+    "SaveTargetError",
     "SequenceError",
     "Unsupported",
 ]
