@@ -90,3 +90,31 @@ def test_inspect_model_turns_tokens_into_text(capsys) -> None:
     field = gguf.GGUFReader(str(model)).fields["tokenizer.ggml.tokens"]
     pieces = [bytes(field.parts[i]).decode() for i in field.data]
     assert s["text"] == "".join(pieces[t] for t in s["tokens"]).replace("\u2581", " ")
+
+
+def test_check_of_a_file_that_is_no_state_is_an_error_not_a_no(tmp_path: Path, capsys) -> None:
+    model = str(GOLDEN.parent / "models" / "llama-tiny.gguf")
+    empty, rand, missing = tmp_path / "empty.bin", tmp_path / "random.bin", tmp_path / "missing.bin"
+    empty.write_bytes(b"")
+    rand.write_bytes(bytes(range(7, 107)))
+    for path, err in ((empty, "truncated: 0 bytes"), (rand, "not a llama.cpp state"),
+                      (missing, "missing.bin: No such file or directory"), (tmp_path, "Is a directory")):  # fmt: skip
+        assert main(["check", str(path), "--model", model]) == 2, path
+        out = capsys.readouterr()
+        assert err in out.err and "another model" not in out.out + out.err, (path, out)
+
+
+def test_check_of_another_models_state_is_a_no(capsys) -> None:
+    model = str(GOLDEN.parent / "models" / "llama-tiny.gguf")
+    assert main(["check", str(GOLDEN / "qwen3-gqa" / "07-session.ggsn"), "--model", model]) == 1
+    assert "wrong model arch" in capsys.readouterr().out
+
+
+def test_check_offers_llama_cpp_pythons_defaults(capsys) -> None:
+    model = str(GOLDEN.parent / "models" / "llama-tiny.gguf")
+    path = str(GOLDEN / "llama-f16-single-seq" / "03-seq-seq0.ggsq")
+    assert main(["check", path, "--model", model]) == 1  # llama.cpp's default: flash attention auto
+    out = capsys.readouterr().out
+    assert "fix: --flash-attn off" in out and "--defaults llama-cpp-python" in out
+    assert main(["check", path, "--model", model, "--defaults", "llama-cpp-python"]) == 0
+    assert capsys.readouterr().out.startswith("yes:")

@@ -12,6 +12,8 @@
    ids below n_seq_max (``--n-seq-max``), cells that fit the cache (``--n-ctx``), and then the restore itself
    into a kvref memory built as llama.cpp builds it (what find_slot needs for a sequence restore).
 
+A file that is no state at all (empty, truncated, random bytes) is a `FormatError`, not a "no".
+
 Context defaults are llama_context_default_params' (n_ctx 512, n_seq_max 1, kv_unified off, flash attention auto
 -- V not transposed --, f16 K and V, swa_full on); ``compat`` the llama.cpp (default: the one kvref follows).
 """
@@ -102,6 +104,10 @@ def check_file(
     try:
         obj, flags = _load(path, hp, "auto", {})
     except FormatError as e:
+        try:  # a state of another model parses without this one's widths; anything else is not a state at all
+            state.load(path)
+        except FormatError:
+            raise e from None
         return _no(f"the file does not parse as a state of this model: {e}", None, None)
     req = requirements(obj)
     # 2. container version and era layout

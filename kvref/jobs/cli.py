@@ -207,8 +207,18 @@ def main(argv: list[str] | None = None) -> int:
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         return 1
     except OSError as e:
-        print(f"kvref {args.command}: {e}", file=sys.stderr)
+        print(f"kvref {args.command}: {os_error_text(e)}", file=sys.stderr)
         return 2
+
+
+def os_error_text(e: OSError) -> str:
+    """``PATH: what is wrong`` for an OSError, also one raised with only a path (``FileNotFoundError(path)``)."""
+    what = e.strerror or {FileNotFoundError: "No such file or directory", IsADirectoryError: "Is a directory",
+                          PermissionError: "Permission denied"}.get(type(e))  # fmt: skip
+    name = e.filename if e.filename is not None else (e.args[0] if len(e.args) == 1 else None)
+    if what and name is not None:
+        return f"{os.fsdecode(name)}: {what}"
+    return str(e) or type(e).__name__
 
 
 if __name__ == "__main__":

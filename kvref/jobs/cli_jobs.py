@@ -131,15 +131,25 @@ def _on_off(text: str) -> bool | str:
     raise argparse.ArgumentTypeError(f"expected on, off or auto, not {text!r}")
 
 
+# the context defaults that differ between llama.cpp (llama_context_default_params) and llama-cpp-python's Llama()
+CHECK_DEFAULTS: dict[str, dict[str, bool | str]] = {
+    "llama.cpp": {"flash_attn": "auto"},
+    "llama-cpp-python": {"flash_attn": False},
+}
+
+
 def check_args(p: argparse.ArgumentParser) -> None:
     """``kvref check FILE --model M.gguf [context options]``."""
     p.add_argument("file", help="the state file")
     p.add_argument("--model", required=True, help="the GGUF model llama.cpp will load")
     p.add_argument("--n-ctx", type=int, default=512, help="context size (default 512, llama.cpp's)")
     p.add_argument("--n-seq-max", type=int, default=1, help="sequences (default 1)")
-    p.add_argument(
-        "--flash-attn", type=_on_off, default="auto", help="on, off or auto (default auto: V not transposed)"
-    )
+    p.add_argument("--defaults", choices=list(CHECK_DEFAULTS), default="llama.cpp",
+                   help="whose context defaults: llama.cpp's (llama_context_default_params: flash attention auto) "
+                   "or llama-cpp-python's Llama() (flash attention off), the one that saved the file")  # fmt: skip
+    p.add_argument("--flash-attn", type=_on_off, default=None,
+                   help="on, off or auto (default: auto with --defaults llama.cpp, V not transposed; off with "
+                   "--defaults llama-cpp-python)")  # fmt: skip
     p.add_argument("--kv-unified", dest="kv_unified", action="store_true", default=False,
                    help="one stream for every sequence")  # fmt: skip
     p.add_argument("--no-kv-unified", dest="kv_unified", action="store_false", help="one stream per sequence (default)")
@@ -160,20 +170,28 @@ def cmd_check(args: argparse.Namespace) -> int:
     """Run ``kvref check``: exit 0 when llama.cpp would load the file, 1 when not (2 on error)."""
     from .check import check_file
 
+    defaults = CHECK_DEFAULTS[args.defaults]
+    flash_attn = args.flash_attn if args.flash_attn is not None else defaults["flash_attn"]
     res = check_file(
         args.file, args.model, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max, kv_unified=args.kv_unified,
-        flash_attn=args.flash_attn, type_k=args.type_k, type_v=args.type_v, swa_full=args.swa_full,
+        flash_attn=flash_attn, type_k=args.type_k, type_v=args.type_v, swa_full=args.swa_full,
         seq_id=args.seq_id, compat=args.compat,
     )  # fmt: skip
+    hint = None
+    if res.option == "--flash-attn" and args.flash_attn is None and args.defaults == "llama.cpp" and res.fix == "off":
+        hint = (
+            "a file saved by llama-cpp-python's Llama() (flash attention off by default): --defaults llama-cpp-python"
+        )
     if args.json:
-        json.dump(res.to_json(), sys.stdout, indent=2)
+        json.dump({**res.to_json(), **({"hint": hint} if hint else {})}, sys.stdout, indent=2)
         print()
     else:
-        print(res.line())
+        print(res.line() + (f"\n     {hint}" if hint else ""))
     return 0 if res.ok else 1
 
 
 __all__ = [
+    "CHECK_DEFAULTS",
     "SECTION_LABELS",
     "check_args",
     "cmd_check",

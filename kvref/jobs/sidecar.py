@@ -17,7 +17,9 @@ A state file does not say which model wrote it (a session file names only the ar
       "written_by": "kvref 0.1.0"
     }
 
-Unknown keys are ignored, so later versions may add some.
+Unknown keys are ignored, so later versions may add some. A sidecar is read as untrusted input: only a regular
+file of at most `MAX_BYTES`, every known field of the type above (a `FormatError` names the field otherwise); it is
+written like the state file (temporary file, fsync, rename), replacing a planted symlink rather than following it.
 """
 
 from __future__ import annotations
@@ -25,13 +27,17 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
-from ..errors import KVRefError
+from ..errors import FormatError
+from ..state.atomic import atomic_write
 
 SUFFIX = ".kvref.json"
 VERSION = 1
+MAX_BYTES = 1 << 20  # a sidecar is well under a kilobyte; anything larger is not one
+_HEX64 = frozenset("0123456789abcdef")
 
 
 def sidecar_path(path: str | os.PathLike[str]) -> Path:
@@ -106,22 +112,76 @@ def write_sidecar(
         "written_by": f"kvref {__version__}",
     }
     out = sidecar_path(path)
-    out.write_text(json.dumps(doc, indent=2) + "\n")
+    text = (json.dumps(doc, indent=2) + "\n").encode()
+    atomic_write(out, lambda f: f.write(text), follow_symlinks=False)
     return out
 
 
 def read_sidecar(path: str | os.PathLike[str]) -> dict[str, Any] | None:
-    """The sidecar of the state file at ``path`` as a dict, or None when there is none."""
+    """The sidecar of the state file at ``path`` as a dict, or None when there is none. A sidecar that is not a
+    regular file, is larger than `MAX_BYTES`, is not JSON or has a field of the wrong type is a `FormatError`."""
     p = sidecar_path(path)
-    if not p.exists():
-        return None
     try:
-        doc = json.loads(p.read_text())
-    except ValueError as e:
-        raise KVRefError(f"{p}: not valid JSON ({e})") from None
+        fd = os.open(p, os.O_RDONLY | os.O_NONBLOCK)  # a FIFO planted there must not block the check
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        raise FormatError(f"{p}: cannot be read ({e.strerror})") from None
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise FormatError(f"{p}: not a regular file; a sidecar is a small JSON file (remove it, or save again "
+                              "with sidecar=True)")  # fmt: skip
+        raw = f.read(MAX_BYTES + 1)
+    if len(raw) > MAX_BYTES:
+        raise FormatError(f"{p}: larger than {MAX_BYTES} bytes, so not a kvref sidecar")
+    try:
+        doc = json.loads(raw)
+    except (ValueError, RecursionError) as e:
+        why = "nested too deeply" if isinstance(e, RecursionError) else str(e)
+        raise FormatError(f"{p}: not valid JSON ({why})") from None
     if not isinstance(doc, dict) or doc.get("kvref_sidecar") != VERSION:
-        raise KVRefError(f"{p}: not a kvref sidecar of version {VERSION}")
+        raise FormatError(f'{p}: not a kvref sidecar of version {VERSION} (no "kvref_sidecar": {VERSION})')
+    _check_fields(p, doc)
     return doc
+
+
+# field -> (allowed JSON types, whether null is allowed); a sha256 is also checked to be 64 lowercase hex digits
+_FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
+    "file": ((str,), True),
+    "kind": ((str,), False),
+    "payload": ((dict,), True),
+    "payload.size": ((int,), True),
+    "payload.sha256": ((str,), True),
+    "era": ((str,), True),
+    "llama_cpp": ((dict,), True),
+    "llama_cpp.profile": ((str,), True),
+    "llama_cpp.llama_cpp_python": ((str,), True),
+    "model": ((dict,), True),
+    "model.file": ((str,), True),
+    "model.sha256": ((str,), True),
+    "model.arch": ((str,), True),
+    "context": ((dict,), True),
+    "written_by": ((str,), True),
+}
+
+
+def _check_fields(p: Path, doc: dict[str, Any]) -> None:
+    for name, (types, nullable) in _FIELDS.items():
+        parent, _, leaf = name.rpartition(".")
+        holder = doc.get(parent) if parent else doc
+        if not isinstance(holder, dict) or leaf not in holder:
+            continue
+        value = holder[leaf]
+        if value is None and nullable:
+            continue
+        ok = isinstance(value, types) and not isinstance(value, bool)
+        if ok and leaf == "sha256":
+            ok = len(value) == 64 and set(value) <= _HEX64
+        if ok and leaf == "size":
+            ok = value >= 0
+        if not ok:
+            want = {"sha256": "64 hex digits", "size": "a byte count"}.get(leaf, " or ".join(t.__name__ for t in types))
+            raise FormatError(f"{p}: {name} is {json.dumps(value)[:60]}, not {want}{' or null' if nullable else ''}")
 
 
 def verify_sidecar(path: str | os.PathLike[str], model: str | os.PathLike[str] | None = None) -> list[str]:
