@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -118,3 +119,59 @@ def test_check_offers_llama_cpp_pythons_defaults(capsys) -> None:
     assert "fix: --flash-attn off" in out and "--defaults llama-cpp-python" in out
     assert main(["check", path, "--model", model, "--defaults", "llama-cpp-python"]) == 0
     assert capsys.readouterr().out.startswith("yes:")
+
+
+def _stdin(monkeypatch, data: bytes) -> None:
+    import io
+
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BytesIO(data)))
+
+
+def test_every_command_that_reads_a_state_reads_stdin(monkeypatch, capsysbinary, tmp_path: Path) -> None:
+    path = GOLDEN / "llama-f16-single-seq" / "03-seq-seq0.ggsq"
+    model = str(GOLDEN.parent / "models" / "llama-tiny.gguf")
+    for argv, code in (
+        (["inspect", "-"], 0),
+        (["diff", "-", str(path)], 0),
+        (["check", "-", "--model", model, "--defaults", "llama-cpp-python"], 0),
+        (["export", "-", str(tmp_path / "kv.npz")], 0),
+        (["convert", "-", str(tmp_path / "out.ggsq")], 0),
+    ):
+        _stdin(monkeypatch, path.read_bytes())
+        assert main(argv) == code, (argv, capsysbinary.readouterr().err)
+    assert (tmp_path / "out.ggsq").read_bytes() == path.read_bytes()
+    _stdin(monkeypatch, path.read_bytes())
+    assert main(["diff", "-", "-"]) == 2
+    assert b"only one argument can be -" in capsysbinary.readouterr().err
+
+
+def test_convert_and_export_write_stdout(monkeypatch, capsysbinary) -> None:
+    import io
+
+    import numpy as np
+
+    path = GOLDEN / "llama-f16-single-seq" / "03-seq-seq0.ggsq"
+    assert main(["convert", str(path), "-"]) == 0
+    out = capsysbinary.readouterr()
+    assert out.out == path.read_bytes() and b"wrote standard output" in out.err
+    assert main(["export", str(path), "-"]) == 0
+    assert "__kvref__" in np.load(io.BytesIO(capsysbinary.readouterr().out)).files
+
+
+def test_outputs_of_the_wrong_kind_are_refused_before_any_work(tmp_path: Path, capsys) -> None:
+    path = str(GOLDEN / "llama-f16-single-seq" / "03-seq-seq0.ggsq")
+    assert main(["export", path, str(tmp_path / "kv.txt")]) == 2
+    assert "OUT.npz or OUT.safetensors" in capsys.readouterr().err
+    assert main(["plot", path, "-o", str(tmp_path / "cache.txt")]) == 2
+    assert "draws .png, .svg, .pdf" in capsys.readouterr().err
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    assert main(["convert", path, str(fifo)]) == 2
+    assert "is a FIFO, not a regular file" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
+
+
+def test_export_prints_the_files_byte_count(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "kv.npz"
+    assert main(["export", str(GOLDEN / "llama-f16-single-seq" / "03-seq-seq0.ggsq"), str(out)]) == 0
+    assert f"{out.stat().st_size} bytes" in capsys.readouterr().out

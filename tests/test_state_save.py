@@ -156,3 +156,15 @@ def test_follow_symlinks_false_replaces_the_link_itself(tmp_path: Path) -> None:
     link.symlink_to(real)
     atomic.atomic_write(link, lambda f: f.write(b"new"), follow_symlinks=False)
     assert not link.is_symlink() and link.read_bytes() == b"new" and real.read_bytes() == b"keep me"
+
+
+def test_save_memory_refuses_a_fifo_untouched(tmp_path: Path) -> None:
+    import kvref
+
+    hp = kvref.HParams.from_gguf(Path(__file__).resolve().parent.parent / "conformance" / "models" / "llama-tiny.gguf")
+    mem = kvref.create_memory(hp, n_ctx=64, n_seq_max=1)
+    fifo = tmp_path / "pipe"
+    os.mkfifo(fifo)
+    with pytest.raises(SaveTargetError, match="is a FIFO"):
+        kvref.save_memory(mem, fifo, kind="seq", seq_id=0)
+    assert stat.S_ISFIFO(os.stat(fifo).st_mode) and sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Any
+
+from ..errors import ArgumentError
 
 # the label of each section of a layout, in write order (kvref inspect's headings)
 SECTION_LABELS: dict[str, tuple[str, ...]] = {
@@ -22,6 +25,17 @@ SECTION_LABELS: dict[str, tuple[str, ...]] = {
     "hybrid_idx": ("attention KV", "recurrent", "indexer KV"),
     "none": (),
 }
+
+
+def read_source(name: str, taken: list[str] | None = None) -> str | bytes:
+    """A state argument: a path, or ``-`` for the bytes of standard input (one argument may be ``-``)."""
+    if name != "-":
+        return name
+    if taken is not None:
+        if taken:
+            raise ArgumentError(f"only one argument can be - (standard input), not {taken[0]} and {name}")
+        taken.append(name)
+    return sys.stdin.buffer.read()
 
 
 def plural(n: int, word: str) -> str:
@@ -54,8 +68,9 @@ def convert_args(p: argparse.ArgumentParser) -> None:
     """``kvref convert IN OUT [--to-era E] [--seq N | --merge B ...] [--map A:B,...] [--streams M]``."""
     from ..state.eras import ERAS
 
-    p.add_argument("input", help="the state file to convert (with --merge: the first sequence file, sequence 0)")
-    p.add_argument("output", help="where to write the result")
+    p.add_argument("input", help="the state file to convert (with --merge: the first sequence file, sequence 0); "
+                   "- for stdin")  # fmt: skip
+    p.add_argument("output", help="where to write the result; - for stdout")
     p.add_argument("--to-era", default=None, metavar="ERA",
                    help=f"the layout to write: {', '.join(ERAS)}, a compat name or a llama-cpp-python release "
                    "(default: the current one)")  # fmt: skip
@@ -86,22 +101,33 @@ def cmd_convert(args: argparse.Namespace) -> int:
     from ..state.eras import describe_eras, matching_eras
     from .convert import convert
 
+    taken: list[str] = []
+    to_stdout = args.output == "-"
+    if to_stdout and args.sidecar:
+        raise ArgumentError("--sidecar needs an OUTPUT file, not - (standard output)")
     out = convert(
-        args.input, args.output, era=args.to_era, seq=args.seq, merge=args.merge, seq_map=args.map,
-        streams=args.streams, n_stream=args.n_stream, kind=args.kind, arch=args.arch, model=args.model,
-        type_k=args.type_k, type_v=args.type_v, sidecar=args.sidecar,
+        read_source(args.input, taken), None if to_stdout else args.output, era=args.to_era, seq=args.seq,
+        merge=[read_source(m, taken) for m in args.merge], seq_map=args.map, streams=args.streams,
+        n_stream=args.n_stream, kind=args.kind, arch=args.arch, model=args.model, type_k=args.type_k,
+        type_v=args.type_v, sidecar=args.sidecar,
     )  # fmt: skip
+    if to_stdout:
+        out.write_to(sys.stdout.buffer)
+        sys.stdout.buffer.flush()
     version = f" version {out.version}" if hasattr(out, "version") else ""
-    print(f"wrote {args.output}: {out.kind}{version}, {out.memory.layout} memory, layout of "
-          f"{describe_eras(matching_eras(out))}")  # fmt: skip
+    print(
+        f"wrote {'standard output' if to_stdout else args.output}: {out.kind}{version}, {out.memory.layout} "
+        f"memory, layout of {describe_eras(matching_eras(out))}",
+        file=sys.stderr if to_stdout else sys.stdout,
+    )
     return 0
 
 
 # ------------------------------------------------------------------------------------------- diff
 def diff_args(p: argparse.ArgumentParser) -> None:
     """``kvref diff A B [--json] [--model M.gguf]``."""
-    p.add_argument("a", help="a state file")
-    p.add_argument("b", help="another state file")
+    p.add_argument("a", help="a state file (- for stdin)")
+    p.add_argument("b", help="another state file (- for stdin)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.add_argument("--model", default=None, help="the GGUF model, which a session of version 5 .. 7 needs to be read")
 
@@ -110,7 +136,8 @@ def cmd_diff(args: argparse.Namespace) -> int:
     """Run ``kvref diff``: exit 0 when equal, 1 when different (2 on error, from kvref.jobs.cli.main)."""
     from .diff import diff
 
-    res = diff(args.a, args.b, model=args.model)
+    taken: list[str] = []
+    res = diff(read_source(args.a, taken), read_source(args.b, taken), model=args.model)
     if args.json:
         json.dump(res.to_json(), sys.stdout, indent=2)
         print()
@@ -140,7 +167,7 @@ CHECK_DEFAULTS: dict[str, dict[str, bool | str]] = {
 
 def check_args(p: argparse.ArgumentParser) -> None:
     """``kvref check FILE --model M.gguf [context options]``."""
-    p.add_argument("file", help="the state file")
+    p.add_argument("file", help="the state file (- for stdin)")
     p.add_argument("--model", required=True, help="the GGUF model llama.cpp will load")
     p.add_argument("--n-ctx", type=int, default=512, help="context size (default 512, llama.cpp's)")
     p.add_argument("--n-seq-max", type=int, default=1, help="sequences (default 1)")
@@ -173,7 +200,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     defaults = CHECK_DEFAULTS[args.defaults]
     flash_attn = args.flash_attn if args.flash_attn is not None else defaults["flash_attn"]
     res = check_file(
-        args.file, args.model, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max, kv_unified=args.kv_unified,
+        read_source(args.file), args.model, n_ctx=args.n_ctx, n_seq_max=args.n_seq_max, kv_unified=args.kv_unified,
         flash_attn=flash_attn, type_k=args.type_k, type_v=args.type_v, swa_full=args.swa_full,
         seq_id=args.seq_id, compat=args.compat,
     )  # fmt: skip
@@ -212,8 +239,8 @@ __all__ = [
 # ------------------------------------------------------------------------------------------- export, plot
 def export_args(p: argparse.ArgumentParser) -> None:
     """``kvref export IN OUT [--model M.gguf | --head-dim N] [--no-unrotate]``."""
-    p.add_argument("input", help="the state file")
-    p.add_argument("output", help="OUT.npz or OUT.safetensors (kvref[export])")
+    p.add_argument("input", help="the state file (- for stdin)")
+    p.add_argument("output", help="OUT.npz or OUT.safetensors (kvref[export]); - writes npz to stdout")
     p.add_argument("--model", default=None, help="the GGUF model: head sizes, layer ids, R/S shapes")
     p.add_argument("--head-dim", type=int, default=None, help="the head size, when no --model is given")
     p.add_argument("--no-unrotate", dest="unrotate", action="store_false", default=True,
@@ -224,15 +251,21 @@ def cmd_export(args: argparse.Namespace) -> int:
     """Run ``kvref export``; prints what was written."""
     from .export import export
 
-    arrays = export(args.input, args.output, model=args.model, head_dim=args.head_dim, unrotate=args.unrotate)
-    n = sum(a.nbytes for a in arrays.values())
-    print(f"wrote {args.output}: {plural(len(arrays), 'array')}, {n} bytes")
+    source = read_source(args.input)
+    if args.output == "-":
+        arrays = export(source, "standard output", fmt="npz", model=args.model, head_dim=args.head_dim,
+                        unrotate=args.unrotate, stream=sys.stdout.buffer)  # fmt: skip
+        sys.stdout.buffer.flush()
+        print(f"wrote standard output (npz): {plural(len(arrays), 'array')}", file=sys.stderr)
+        return 0
+    arrays = export(source, args.output, model=args.model, head_dim=args.head_dim, unrotate=args.unrotate)
+    print(f"wrote {args.output}: {plural(len(arrays), 'array')}, {os.path.getsize(args.output)} bytes")
     return 0
 
 
 def plot_args(p: argparse.ArgumentParser) -> None:
     """``kvref plot IN -o OUT.png [--model M.gguf]``."""
-    p.add_argument("input", help="the state file")
+    p.add_argument("input", help="the state file (- for stdin)")
     p.add_argument("-o", "--output", required=True, help="the picture to write (.png, .svg, .pdf)")
     p.add_argument("--model", default=None, help="the GGUF model (marks the SWA window)")
 
@@ -241,7 +274,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     """Run ``kvref plot``."""
     from .plot import plot
 
-    print(f"wrote {plot(args.input, args.output, model=args.model)}")
+    print(f"wrote {plot(read_source(args.input), args.output, model=args.model)}")
     return 0
 
 

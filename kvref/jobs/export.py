@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, BinaryIO
 
 import numpy as np
 
@@ -95,12 +95,17 @@ def export_arrays(
 
 def export(
     source: Any, out: str | os.PathLike[str], *, fmt: str | None = None, hparams: Any = None, model: Any = None,
-    head_dim: int | None = None, unrotate: bool = True, progress: bool | None = None,
+    head_dim: int | None = None, unrotate: bool = True, progress: bool | None = None, stream: BinaryIO | None = None,
 ) -> dict[str, np.ndarray]:  # fmt: skip
     """Write the tensors of ``source`` (a path, bytes or loaded state) to ``out``: ``fmt`` "npz" or "safetensors"
-    (default: from the suffix). Returns the arrays written."""
+    (default: from the suffix; another suffix is an error). ``stream``: write the npz there instead (``out`` only
+    names it in messages). Returns the arrays written."""
     path = os.fspath(out)
-    fmt = fmt or ("safetensors" if path.endswith(".safetensors") else "npz")
+    if fmt is None:
+        fmt = {".npz": "npz", ".safetensors": "safetensors"}.get(os.path.splitext(path)[1].lower())
+        if fmt is None:
+            raise KVRefError(f"{path}: export writes OUT.npz or OUT.safetensors (by the suffix), or pass fmt= "
+                             "(kvref export: - writes npz to standard output)")  # fmt: skip
     if fmt not in ("npz", "safetensors"):
         raise KVRefError(f"export writes npz or safetensors, not {fmt!r}")
     arrays, meta = export_arrays(source, hparams=hparams, model=model, head_dim=head_dim, unrotate=unrotate,
@@ -114,9 +119,12 @@ def export(
             ) from None
         save_file(arrays, path, metadata={"kvref": json.dumps(meta)})
     else:
-        with open(path, "wb") as f:
-            named: dict[str, Any] = {"__kvref__": np.asarray(json.dumps(meta)), **arrays}
-            np.savez(f, **named)
+        named: dict[str, Any] = {"__kvref__": np.asarray(json.dumps(meta)), **arrays}
+        if stream is not None:
+            np.savez(stream, **named)
+        else:
+            with open(path, "wb") as f:
+                np.savez(f, **named)
     return arrays
 
 

@@ -105,10 +105,17 @@ def memory_panels(mem: Any) -> list[Panel]:
     return out
 
 
+PICTURE_SUFFIXES = (".png", ".svg", ".pdf")
+
+
 def draw(panels: list[Panel], out: str | os.PathLike[str], title: str = "") -> str:
     """Render ``panels`` to ``out`` (PNG, SVG, PDF: by suffix); returns the path."""
     from ..hparams import is_masked_swa
 
+    suffix = os.path.splitext(os.fspath(out))[1].lower()
+    if suffix not in PICTURE_SUFFIXES:
+        raise KVRefError(f"{os.fspath(out)}: kvref plot draws {', '.join(PICTURE_SUFFIXES)} pictures (by the output's "
+                         f"suffix), not {suffix or 'a file without a suffix'}")  # fmt: skip
     plt = _pyplot()
     from matplotlib.patches import Patch, Rectangle
 
