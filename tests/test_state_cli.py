@@ -175,3 +175,17 @@ def test_export_prints_the_files_byte_count(tmp_path: Path, capsys) -> None:
     out = tmp_path / "kv.npz"
     assert main(["export", str(GOLDEN / "llama-f16-single-seq" / "03-seq-seq0.ggsq"), str(out)]) == 0
     assert f"{out.stat().st_size} bytes" in capsys.readouterr().out
+
+
+def test_check_compat_takes_every_era_convert_writes(capsys) -> None:
+    model = str(GOLDEN.parent / "models" / "llama-tiny.gguf")
+    legacy = str(GOLDEN / "legacy-0.3.8-llama-f16-single-seq" / "03-seq-seq0.ggsq")
+    current = str(GOLDEN / "llama-f16-single-seq" / "03-seq-seq0.ggsq")
+    for compat in ("0.3.8", "2024-09", "0.3.0"):
+        assert main(["check", legacy, "--model", model, "--defaults", "llama-cpp-python", "--compat", compat]) == 0
+        assert capsys.readouterr().out.startswith("yes: seq in the 2024-09 layout")
+    for compat, era in (("0.2.90", "2024-08"), ("2024-05", "2024-05"), ("0.3.11", "2025-07")):
+        assert main(["check", current, "--model", model, "--defaults", "llama-cpp-python", "--compat", compat]) == 1
+        out = capsys.readouterr().out
+        # a sequence file needs no model to be converted (only a session of version 5 .. 7 does)
+        assert f"fix: kvref convert FILE OUT --to-era {era}" in out, out

@@ -21,11 +21,13 @@ Context defaults are llama_context_default_params' (n_ctx 512, n_seq_max 1, kv_u
 from __future__ import annotations
 
 import os
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
 from ..errors import FormatError, KVRefError
 from ..profile import Profile
+from ..state.eras import Era
 
 # which kvref check option fixes a mismatch the restore blames on a field
 _FIELD_OPTION = {
@@ -76,6 +78,28 @@ def _no(reason: str, option: str | None = None, fix: Any = None, notes: list[str
     return LoadCheck(False, reason, option, fix, notes or [])
 
 
+def _llama_cpp(compat: Profile | str | None) -> tuple[Profile, Era]:
+    """The behaviour profile and file-layout era of the llama.cpp ``compat`` names: a profile, a compat name, a
+    llama-cpp-python release (0.2.58 and later: `kvref.compat.for_llama_cpp_python`) or an era name (its last
+    release) -- every era `kvref convert --to-era` writes."""
+    from ..compat import for_llama_cpp_python
+    from ..errors import CompatError, CompatWarning
+    from ..profile import DEFAULT, resolve
+    from ..state.eras import ERAS, era
+
+    if compat is None or isinstance(compat, Profile):
+        profile = resolve(compat if compat is not None else DEFAULT)
+        return profile, era(profile)
+    try:
+        profile = resolve(compat)
+        return profile, era(profile)
+    except CompatError:
+        target = era(compat)  # an era name, or a release older than kvref's profiles (else a ConversionError)
+    with warnings.catch_warnings():  # the answer's notes name the era; the warning would repeat it
+        warnings.simplefilter("ignore", CompatWarning)
+        return for_llama_cpp_python(target.last if compat in ERAS else compat), target
+
+
 def check_file(
     path: str | os.PathLike[str] | bytes, model: Any, *, n_ctx: int = 512, n_seq_max: int = 1,
     kv_unified: bool = False, flash_attn: bool | str = "auto", type_k: Any = "f16", type_v: Any = "f16",
@@ -87,13 +111,11 @@ def check_file(
     from .. import state
     from ..ggml.types import type_name
     from ..memory.factory import create_memory
-    from ..profile import DEFAULT, resolve
-    from ..state.eras import describe_eras, era
+    from ..state.eras import describe_eras
     from .restore import _load, memory_layout, model_hparams, requirements
     from .sidecar import verify_sidecar
 
-    profile = resolve(compat if compat is not None else DEFAULT)
-    target = era(profile)
+    profile, target = _llama_cpp(compat)
     notes: list[str] = []
     model_path = model if isinstance(model, str | os.PathLike) else None
     if isinstance(path, str | os.PathLike):
@@ -119,7 +141,7 @@ def check_file(
                 f"only version {want}",
                 # a session of version 5 .. 7 is read with the model's layer widths, on conversion too
                 "kvref convert FILE OUT --model MODEL --to-era"
-                if obj.version < 8
+                if obj.kind == "session" and obj.version < 8
                 else "kvref convert FILE OUT --to-era",
                 target.name,
             )
