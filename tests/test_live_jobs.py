@@ -69,7 +69,7 @@ def test_upgraded_legacy_file_loads_and_continues(release: str, file: str, tmp_p
     case = json.loads((case_dir / "case.json").read_text())
     save = next(op for op in case["trace"] if op.get("file") == file)
     new = tmp_path / file
-    out = kvref.convert(case_dir / file, new)
+    out = kvref.convert(case_dir / file, new, arch=case["model"]["hparams"]["arch"])  # a sequence save names no arch
     assert out.version == (10 if out.kind == "session" else 3) and getattr(out, "outputs", None) is None
     m = model("llama-tiny")
     with Ctx(m) as ref:  # the run that never left llama.cpp: the trace's decodes, then NEXT

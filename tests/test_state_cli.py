@@ -189,3 +189,22 @@ def test_check_compat_takes_every_era_convert_writes(capsys) -> None:
         out = capsys.readouterr().out
         # a sequence file needs no model to be converted (only a session of version 5 .. 7 does)
         assert f"fix: kvref convert FILE OUT --to-era {era}" in out, out
+
+
+def test_convert_refuses_a_sequence_file_whose_ext_cannot_be_known(tmp_path: Path, capsys) -> None:
+    """A 0.3.16 M-RoPE (qwen2vl) sequence file has no cell ext and names no arch: converted to the current layout
+    blindly, llama.cpp 0.3.36 would misread it. kvref asks for the model; check names the problem."""
+    legacy = str(GOLDEN / "legacy-0.3.16-qwen2vl-mrope" / "03-seq-seq0.ggsq")
+    model = str(GOLDEN.parent / "models" / "qwen2vl-tiny.gguf")
+    out = tmp_path / "up.ggsq"
+    assert main(["convert", legacy, str(out)]) == 2
+    assert "--model M.gguf, or --arch" in capsys.readouterr().err and not out.exists()
+    assert main(["convert", legacy, str(out), "--model", model]) == 0
+    assert main(["check", str(out), "--model", model, "--defaults", "llama-cpp-python"]) == 0
+    assert capsys.readouterr().out.splitlines()[-1].startswith("yes:")
+    # what the blind conversion wrote (ext-less cells in the current layout): check says what is wrong
+    blind = tmp_path / "blind.ggsq"
+    kvref.convert(legacy, blind, arch="llama")
+    assert main(["check", str(blind), "--model", model, "--defaults", "llama-cpp-python"]) == 1
+    text = capsys.readouterr().out
+    assert "carry no M-RoPE position ext" in text and "fix: kvref convert FILE OUT --arch qwen2vl" in text

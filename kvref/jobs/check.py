@@ -111,7 +111,7 @@ def check_file(
     from .. import state
     from ..ggml.types import type_name
     from ..memory.factory import create_memory
-    from ..state.eras import describe_eras
+    from ..state.eras import describe_eras, is_mrope_arch
     from .restore import _load, memory_layout, model_hparams, requirements
     from .sidecar import verify_sidecar
 
@@ -155,6 +155,14 @@ def check_file(
     # 3. arch
     if req.arch is not None and req.arch != hp.arch:
         return _no(f"wrong model arch: the file was written by a {req.arch!r} model, this one is {hp.arch!r}")
+    # the cell ext: an M-RoPE model's cache reads one per cell; without it llama.cpp misreads every later field
+    exts = {st.cells.ext_size for sec in obj.memory.kv_sections for st in sec.streams if st.cells is not None}
+    if is_mrope_arch(hp.arch) and target.ext_size and exts == {0} and any(req.kv_cells):
+        return _no(
+            f"the file's KV cells carry no M-RoPE position ext, which a {hp.arch!r} cache of the {target.name} layout "
+            f"reads ({target.ext_size} bytes a cell): the file was converted without naming its model",
+            f"kvref convert FILE OUT --arch {hp.arch}  (or --model MODEL)",
+        )
     # 4. memory
     full, partial = memory_layout(hp)
     if obj.memory.layout not in (full, partial):

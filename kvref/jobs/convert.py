@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from ..errors import ArgumentError, NotYetImplemented
+from ..errors import ArgumentError, ConversionError, NotYetImplemented
 from ..profile import Profile
 
 
@@ -123,7 +123,7 @@ def convert(
     cannot hold the content.
     """
     from .. import state as st
-    from ..state.eras import CURRENT, is_mrope_arch, to_era
+    from ..state.eras import CURRENT, ext_unknown, is_mrope_arch, to_era
     from .edit import extract_sequence, merge_sequences, remap_sequences, restream, sequences
 
     if merge and seq is not None:
@@ -174,7 +174,14 @@ def convert(
         dst_rotates = era_rotates(era_of(era if era is not None else CURRENT).name)
         obj = retype(obj, type_k=type_k, type_v=type_v, src_rotates=src_rotates, dst_rotates=dst_rotates,
                      hparams=hp, head_dim=head_dim, progress=progress)  # fmt: skip
-    out = to_era(obj, era if era is not None else CURRENT, has_ext=is_mrope_arch(the_arch))
+    target = era if era is not None else CURRENT
+    if the_arch is None and ext_unknown(obj, target):
+        raise ConversionError(
+            f"whether this {obj.kind} needs llama.cpp's M-RoPE cell ext in the layout written cannot be known: its "
+            "cells have none, as llama.cpp before 0.3.17 wrote them for every model, and it names no arch. Say "
+            "which model wrote it: model= or arch= (kvref convert --model M.gguf, or --arch llama / qwen2vl / ...)"
+        )
+    out = to_era(obj, target, has_ext=is_mrope_arch(the_arch))
     if dst is not None:
         st.save(out, dst)
         if sidecar:

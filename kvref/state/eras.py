@@ -170,6 +170,19 @@ def is_mrope_arch(arch: str | None) -> bool | None:
     return rope in (RopeType.MROPE, RopeType.IMROPE, RopeType.VISION)
 
 
+def ext_unknown(obj: StateObject, target: Era | Profile | str | None = None) -> bool:
+    """Whether the cell ext ``obj`` needs in the layout of ``target`` cannot be known from ``obj`` alone: the target
+    writes an ext for M-RoPE models, ``obj`` names no arch (a sequence save) and its cells carry none, which
+    llama.cpp before 0.3.17 wrote for every model. The writer's arch decides (`is_mrope_arch`)."""
+    return (
+        bool(era(target).ext_size)
+        and is_mrope_arch(getattr(obj, "arch", None)) is None
+        and _ext_sizes(obj) == {0}
+        and _kv_cells(obj.memory)
+        and any(ERAS[m].ext_size == 0 for m in matching_eras(obj))
+    )
+
+
 # ------------------------------------------------------------------------------------------- which eras
 def _ext_sizes(obj: StateObject) -> set[int]:
     return {st.cells.ext_size for s in obj.memory.kv_sections for st in s.streams if st.cells is not None}
@@ -416,6 +429,7 @@ __all__ = [
     "describe_eras",
     "era",
     "era_names",
+    "ext_unknown",
     "is_mrope_arch",
     "matching_eras",
     "to_era",
