@@ -208,3 +208,11 @@ def test_convert_refuses_a_sequence_file_whose_ext_cannot_be_known(tmp_path: Pat
     assert main(["check", str(blind), "--model", model, "--defaults", "llama-cpp-python"]) == 1
     text = capsys.readouterr().out
     assert "carry no M-RoPE position ext" in text and "fix: kvref convert FILE OUT --arch qwen2vl" in text
+
+
+def test_check_counts_the_cells_of_every_stream(capsys) -> None:
+    model = str(GOLDEN.parent / "models" / "llama-tiny.gguf")
+    path = str(GOLDEN / "llama-f16-multistream" / "01-session.ggsn")  # streams of 11, 8 and 4 cells
+    argv = ["check", path, "--model", model, "--no-kv-unified", "--n-seq-max", "3", "--defaults", "llama-cpp-python"]
+    assert main(argv) == 0
+    assert "23 cells restored into the context" in capsys.readouterr().out

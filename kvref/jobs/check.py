@@ -231,7 +231,9 @@ def check_file(
     except KVRefError as e:
         f = getattr(e, "field", None)
         return _no(f"the restore fails: {e}", _FIELD_OPTION.get(f or ""), None)
-    cells = sum(req.kv_cells) + req.rs_cells
+    # every stream's cells (req.kv_cells holds the most of one stream: what the context must fit)
+    cells = sum(st.cells.n for sec in obj.memory.kv_sections for st in sec.streams if st.cells is not None)
+    cells += sum(rsec.cell_count for rsec in obj.memory.recurrent_sections)
     into = f"sequence {dest}" if dest >= 0 else "the context"
     notes.append(f"{cells} cell{'s' if cells != 1 else ''} restored into {into}")
     return LoadCheck(True, notes=notes)
