@@ -80,7 +80,8 @@ def _container(kind: str, memory: Any, *, tokens: Any, arch: str | None, seq_id:
     toks = np.asarray([] if tokens is None else tokens, dtype=np.int32)
     if kind in ("session", "state") and arch is None:
         raise ArgumentError(
-            f"a {kind} names the model's arch, which sequence states do not carry: pass arch= or model="
+            f"a {kind} names the model's arch, which sequence states do not carry: pass arch= or model= "
+            "(kvref convert --arch ARCH or --model M.gguf)"
         )
     if kind == "session":
         assert arch is not None

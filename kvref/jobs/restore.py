@@ -300,7 +300,9 @@ def model_hparams(model: Any = None, hparams: HParams | None = None) -> HParams:
     if isinstance(model, HParams):
         return model
     if model is None:
-        raise KVRefError("the memory's shape comes from the model: pass model= (a GGUF path) or hparams=")
+        raise KVRefError(
+            "the memory's shape comes from the model: pass model= (a GGUF path; --model M.gguf) or hparams="
+        )
     return HParams.from_gguf(model)
 
 

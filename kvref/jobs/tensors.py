@@ -204,7 +204,8 @@ def _maybe_unrotate(x: np.ndarray, t: int, head: int | None, rotated: bool | Non
             return x, False  # no head size that divides the row is a multiple of 64: never rotated
         raise KVRefError(
             f"{what} rows are {type_name(t)} and may hold llama.cpp's attention rotation (a head size multiple of "
-            "64): pass hparams= / model= (or head_dim=) so kvref can undo it, or unrotate=False"
+            "64): pass model= / hparams= (--model M.gguf) or head_dim= (--head-dim N) so kvref can undo it, or "
+            "unrotate=False (--no-unrotate)"
         )
     if not rotated:
         return x, False
