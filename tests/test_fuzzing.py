@@ -17,6 +17,7 @@ sys.path.insert(0, str(FUZZING))
 
 import fuzz_common  # noqa: E402
 import misuse  # noqa: E402
+import side_files  # noqa: E402
 import state_inputs  # noqa: E402
 
 # both twins when the Cython extensions are built (CI builds them), else the Python twins alone
@@ -44,6 +45,12 @@ def test_misuse_campaign(tmp_path):
     report = misuse.run_campaign(120, seed=0, jobs=2, backends=BACKENDS, batch=60, out_dir=tmp_path, timeout=30)
     assert report.inputs == 120 and report.extra["ops"] >= 1000
     _fail_on_new(report, "misuse")
+
+
+def test_side_files_campaign():
+    report = side_files.run_campaign(200, seed=0, jobs=2, batch=100, timeout=20)
+    assert report.inputs == 200
+    _fail_on_new(report, "side files")
 
 
 def test_mutations_reach_every_field_kind():

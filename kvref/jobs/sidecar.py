@@ -47,9 +47,16 @@ def sidecar_path(path: str | os.PathLike[str]) -> Path:
 
 
 def sha256_file(path: str | os.PathLike[str]) -> str:
-    """The sha256 of a file's bytes (hex), read in 1 MiB blocks."""
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
+    """The sha256 of a regular file's bytes (hex), read in 1 MiB blocks; anything else (a FIFO, a device, a
+    socket, a directory) is a `FormatError`, never read (it could block or never end)."""
+    not_regular = FormatError(f"{os.fspath(path)}: not a regular file, so no sidecar describes it")
+    if not stat.S_ISREG(os.stat(path).st_mode):  # a socket cannot even be opened
+        raise not_regular
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):  # swapped since the stat
+            raise not_regular
+        h = hashlib.sha256()
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
