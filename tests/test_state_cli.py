@@ -216,3 +216,23 @@ def test_check_counts_the_cells_of_every_stream(capsys) -> None:
     argv = ["check", path, "--model", model, "--no-kv-unified", "--n-seq-max", "3", "--defaults", "llama-cpp-python"]
     assert main(argv) == 0
     assert "23 cells restored into the context" in capsys.readouterr().out
+
+
+def test_inspect_bounds_its_output_and_all_gives_every_token(tmp_path: Path, capsys) -> None:
+    import numpy as np
+
+    from kvref import state
+
+    o = state.load(GOLDEN / "llama-shared-prefix" / "01-session.ggsn")
+    o.tokens = (np.arange(100_000) % 97).astype(np.int32)
+    big = tmp_path / "big.ggsn"
+    state.save(o, big)
+    assert main(["inspect", "--json", str(big)]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert "tokens" not in s and s["tokens_omitted"] == 100_000 and s["n_tokens"] == 100_000
+    assert main(["inspect", "--json", "--all", str(big)]) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == o.tokens.tolist()
+    model = str(GOLDEN.parent / "models" / "llama-tiny.gguf")
+    assert main(["inspect", "--json", "--model", model, str(big)]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert s["text_of_tokens"] == 1024 and s["text"]

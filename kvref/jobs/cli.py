@@ -7,7 +7,6 @@ library (``kvref.state``, ``kvref.jobs.conformance``), so every command is also 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from collections.abc import Callable
@@ -24,6 +23,9 @@ def _inspect_args(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("file", help="session (.ggsn), sequence (.ggsq) file, or raw state / sequence blob; - for stdin")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("--all", action="store_true",
+                   help="every token in --json (by default up to 65536; a longer list is 'tokens_omitted') and "
+                   "every token as --model text (by default the first 1024)")  # fmt: skip
     p.add_argument(
         "--kind",
         default="auto",
@@ -132,19 +134,22 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     from .. import state
 
     source = sys.stdin.buffer.read() if args.file == "-" else args.file
-    from .cli_jobs import enrich_summary
+    from .cli_jobs import TOKENS_AS_TEXT, dump_json, enrich_summary
 
     obj = state.load(source, kind=args.kind, layout=args.layout, ext_size=args.ext_size, model=args.model)
     size = len(source) if isinstance(source, bytes) else os.path.getsize(source)
-    summary = enrich_summary(obj.summary(), obj, size)
-    if args.model is not None and "tokens" in summary:
+    summary = enrich_summary(obj.summary(), obj, size, all_tokens=args.all)
+    if args.model is not None and hasattr(obj, "tokens"):
         from ..state.server_tokens import read_prompt
         from ..vocab import detokenize, vocabulary
 
-        summary["text"] = detokenize(read_prompt(obj.tokens).tokens.tolist(), vocabulary(args.model))
+        prompt = read_prompt(obj.tokens).tokens
+        shown = prompt if args.all else prompt[:TOKENS_AS_TEXT]
+        summary["text"] = detokenize(shown.tolist(), vocabulary(args.model))
+        if len(shown) < len(prompt):
+            summary["text_of_tokens"] = len(shown)
     if args.json:
-        json.dump(summary, sys.stdout, indent=2)
-        print()
+        dump_json(summary, sys.stdout)
     else:
         _print_summary(summary)
     return 0

@@ -13,6 +13,8 @@ import os
 import sys
 from typing import Any
 
+import numpy as np
+
 from ..errors import ArgumentError
 
 # the label of each section of a layout, in write order (kvref inspect's headings)
@@ -43,9 +45,16 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def enrich_summary(summary: dict[str, Any], obj: Any, size: int | None) -> dict[str, Any]:
+# kvref inspect --json lists every token of a file up to this many; beyond, "tokens_omitted" (--all lists them)
+TOKENS_IN_JSON = 1 << 16
+# kvref inspect --model turns this many tokens into text (it prints 500 characters); --all every one
+TOKENS_AS_TEXT = 1024
+
+
+def enrich_summary(summary: dict[str, Any], obj: Any, size: int | None, *, all_tokens: bool = False) -> dict[str, Any]:
     """Add what ``kvref inspect`` shows beyond ``obj.summary()``: ``file_size``, ``eras`` (the eras whose layout
-    the state has), every section's ``label``, and the full ``tokens`` list."""
+    the state has), every section's ``label``, and the ``tokens`` (an int32 array, as `dump_json` writes it): all
+    of them when there are at most `TOKENS_IN_JSON` or ``all_tokens``, else ``tokens_omitted``, their count."""
     from ..state.eras import ERAS, matching_eras
 
     if size is not None:
@@ -59,8 +68,26 @@ def enrich_summary(summary: dict[str, Any], obj: Any, size: int | None) -> dict[
         if note:
             sec["rotation"] = note
     if hasattr(obj, "tokens"):
-        summary["tokens"] = [int(t) for t in obj.tokens]
+        if all_tokens or len(obj.tokens) <= TOKENS_IN_JSON:
+            summary["tokens"] = obj.tokens
+        else:
+            summary["tokens_omitted"] = len(obj.tokens)
     return summary
+
+
+def dump_json(doc: dict[str, Any], out: Any) -> None:
+    """``json.dump(doc, out, indent=2)``, with a NumPy integer array at the top level written as a JSON list a
+    million values at a time (a 20M-token file's token list never becomes 20M Python objects at once)."""
+    arrays = {k: v for k, v in doc.items() if isinstance(v, np.ndarray)}
+    marks = {k: f"@@kvref-array-{k}@@" for k in arrays}
+    text = json.dumps({k: marks.get(k, v) for k, v in doc.items()}, indent=2)
+    for k, a in arrays.items():
+        head, _, text = text.partition(json.dumps(marks[k]))
+        out.write(head + "[")
+        for i in range(0, len(a), 1 << 20):
+            out.write((", " if i else "") + ", ".join(map(str, a[i : i + (1 << 20)].tolist())))
+        out.write("]")
+    out.write(text + "\n")
 
 
 # ------------------------------------------------------------------------------------------- convert
@@ -228,6 +255,7 @@ __all__ = [
     "cmd_plot",
     "convert_args",
     "diff_args",
+    "dump_json",
     "enrich_summary",
     "export_args",
     "plot_args",
