@@ -60,10 +60,11 @@ from ..constants import LLAMA_MAX_SEQ, N_SEQ_WORDS, TOKEN_NULL
 from ..errors import CellError, FormatError, NoSlotError
 from ..ggml.types import traits
 from ..hparams import SWAType, is_masked_swa
+from . import slot_kernels as _kernels
 from .base import clear_seq, read_parts
 from .batch import UBatch
 from .cells import KVCells
-from .slots import SlotInfo, apply_ubatch, find_slot_seq, kernels
+from .slots import SlotInfo, apply_ubatch, find_slot_seq
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -445,7 +446,7 @@ def _apply_restore(cache: KVCache, sinfo: SlotInfo, cells: Cells, seq_id: int, h
     by a sequence whose window has moved past it: apply_ubatch removes it first) the ubatch is applied whole."""
     idxs = sinfo.idxs[0]
     n = len(idxs)
-    if n <= _APPLY_CHUNK or kernels.used_targets(cache.cells(sinfo.strm[0]), idxs, n):
+    if n <= _APPLY_CHUNK or _kernels.impl.used_targets(cache.cells(sinfo.strm[0]), idxs, n):
         apply_ubatch(cache, sinfo, _reserve_ubatch(cache, cells, seq_id, has_ext))
         return
     for i0 in range(0, n, _APPLY_CHUNK):

@@ -2,9 +2,9 @@
 
 The functions take the cache and work through its public surface (``cells(stream)``, ``heads``,
 ``seq_to_stream``, ``n_swa``/``swa_type``, ``seq_rm``); ``KVCache`` exposes them as methods. The per-cell
-work (find_slot's walk over one stream, the checks on apply_ubatch's target cells) is done by a twin module
-that ``KVREF_BACKEND`` picks, ``_slots_c`` or ``_slots_py`` (see ``kvref._backend``); ``kvref/memory/_slots_py.py``
-states it in full.
+work (find_slot's walk over one stream, the checks on apply_ubatch's target cells) is done by the twin module
+that ``KVREF_BACKEND`` picks, ``_slots_c`` or ``_slots_py`` (``kvref.memory.slot_kernels``);
+``kvref/memory/_slots_py.py`` states it in full.
 
 Rules (llama-kv-cache.cpp as the default profile's llama.cpp has them; older builds differ only where noted):
 
@@ -40,19 +40,16 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from .._backend import select
 from ..errors import BatchError, KVRefError
 from . import _slots_py
+from . import slot_kernels as _kernels
 from .cells import LLAMA_MAX_SEQ, TOKEN_NULL, KVCells
 
 if TYPE_CHECKING:
     from .batch import UBatch
     from .kv_cache import KVCache
 
-_impl = select("memory.slots")
-BACKEND = "cython" if _impl.__name__.endswith("_c") else "python"
-# the twin module itself: kvref.memory.batch hands it the allocator's per-token work (``single_seq_ids``, ...)
-kernels = _impl
+BACKEND = _kernels.BACKEND
 CellIdxs = list[int] | npt.NDArray[np.int64]  # one stream's cells of a slot
 
 
@@ -141,7 +138,9 @@ def find_slot(cache: KVCache, ubatch: UBatch, cont: bool = False) -> SlotInfo | 
         s0 = min(s0, strm)
         s1 = max(s1, strm)
         strms.append(strm)
-        idxs = _impl.find_cells(cache.cells(strm), cache.heads[strm], n_tokens, cont, cache.n_swa, cache.swa_type)
+        idxs = _kernels.impl.find_cells(
+            cache.cells(strm), cache.heads[strm], n_tokens, cont, cache.n_swa, cache.swa_type
+        )
         if idxs is None:
             return None
         all_idxs.append(idxs.tolist())
@@ -155,7 +154,7 @@ def find_slot_seq(cache: KVCache, seq_id: int, n_tokens: int, cont: bool = False
     if not 0 <= seq_id < len(cache.seq_to_stream):
         cache.check_seq(seq_id)  # raises
     strm = cache.seq_to_stream[seq_id]
-    idxs = _impl.find_cells(cache.cells(strm), cache.heads[strm], n_tokens, cont, cache.n_swa, cache.swa_type)
+    idxs = _kernels.impl.find_cells(cache.cells(strm), cache.heads[strm], n_tokens, cont, cache.n_swa, cache.swa_type)
     if idxs is None:
         return None
     return SlotInfo(strm, strm, [strm], [idxs])
@@ -174,7 +173,7 @@ def _check_seq_ids(cache: KVCache, seq_ids: list[list[int]]) -> None:
         cache.check_seq(int(sid))
 
 
-# per stream: the used target cells ((cell, seq_id, pos) each) and the tokens' sequence ids (_impl.seq_flat, or None)
+# per stream: the used target cells ((cell, seq_id, pos) each) and the tokens' sequence ids (seq_flat's, or None)
 # (ApplyChecks: what apply_ubatch's checks found, for apply_checked)
 _Ints = int | npt.NDArray[np.int64] | npt.NDArray[np.int32]  # one value for every token, or one per token
 _SeqFlat = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int, int, bool]
@@ -192,9 +191,9 @@ def _apply_checks(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch) -> _Plan:
     used, seqs = [], []
     n_seq_ok = len(cache.seq_to_stream)
     for s in range(n_stream):
-        used.append(_impl.used_targets(cache.cells(sinfo.strm[s]), sinfo.idxs[s], size))
+        used.append(_kernels.impl.used_targets(cache.cells(sinfo.strm[s]), sinfo.idxs[s], size))
         rows = ubatch.seq_id[s * size : (s + 1) * size]
-        flat = _impl.seq_flat(rows)
+        flat = _kernels.impl.seq_flat(rows)
         if flat is None:
             _check_seq_ids(cache, rows)
         elif flat[2] < 0 or flat[3] >= n_seq_ok:
