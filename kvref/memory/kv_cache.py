@@ -474,7 +474,7 @@ class KVCache:
 
     def k_shift_input(self) -> npt.NDArray[np.int32]:
         """set_input_k_shift: int32 [n_stream * size], each cell's pending shift, 0 for empty cells."""
-        from .mask import k_shift_input
+        from .mask_kernels import k_shift_input  # on first use: the mask twin is not loaded with the cache
 
         return k_shift_input(self).reshape(-1)
 
