@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 
 
 def attention_cache(
-    memory: Memory, sinfo: SlotInfo | ISWASlot | HybridSlot | None = None, *, swa: bool = False
+    memory: Memory[object], sinfo: SlotInfo | ISWASlot | HybridSlot | None = None, *, swa: bool = False
 ) -> tuple[KVCache, SlotInfo | None]:
     """The KVCache (and its slot info) whose mask a memory's graph uses.
 
@@ -72,7 +72,7 @@ def mask_n_kv(cache: KVCache, ubatch: UBatch, sinfo: SlotInfo | None = None) -> 
 
 
 def fill_kq_mask(
-    cache: Memory,
+    cache: Memory[object],
     ubatch: UBatch,
     out: MaskArray | None = None,
     *,

@@ -62,8 +62,8 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
     from ..state import RecurrentSection, RecurrentSpec
+    from .base import RowStore
     from .batch import Batch, BatchAllocr, UBatch
-    from .kv_cache import KVCache
     from .slots import SlotInfo
 
 log = logging.getLogger("kvref.memory.recurrent")
@@ -681,7 +681,7 @@ class RecurrentMemory:
     def _apply(self, prepared: None, ubatch: UBatch) -> RecurrentSlot:
         return self.apply_ubatch(ubatch)
 
-    def _owner(self, il: int, slot: RecurrentSlot) -> tuple[KVCache, SlotInfo]:
+    def _owner(self, il: int, slot: RecurrentSlot) -> tuple[RowStore, SlotInfo]:
         # decode_batch asks only when given K/V rows, which a recurrent memory's decode does not take
         raise KVRefError(f"layer {il} has no KV cache (a recurrent memory)")
 
