@@ -1246,20 +1246,14 @@ def dump_case(doc: dict) -> str:
 
 
 def _shim_2024() -> None:
-    """Bindings of autumn 2024 (0.3.0: session v9, still no memory API) take generate_legacy.py's shim, cache
-    record (the view's cell count) and memory block, as 0.2.x's do."""
+    """Bindings of autumn 2024 (0.3.0: session v9, still no memory API) take shim_2024.py's shim, cache record (the
+    view's cell count) and memory block, as 0.2.x's do (generate_legacy.py)."""
     global memory_block
-    import generate_legacy
+    import shim_2024
 
-    generate_legacy.install_shim()
-    memory_block = generate_legacy.memory_block
-    parse_log = driver._parse_memory_log
-
-    def parse_memory_log(lines) -> dict:
-        log = parse_log(lines)
-        return {**log, "caches": [*log["caches"], *generate_legacy._CACHES]}
-
-    driver._parse_memory_log = parse_memory_log
+    shim_2024.install_shim()
+    memory_block = shim_2024.memory_block
+    shim_2024.record_caches()
 
 
 def main(argv=None) -> int:

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 import kvref
 from kvref._backend import _load_compiled
 from kvref.errors import KVRefError
-from kvref.memory import _cells_py, _slots_py, slots
+from kvref.memory import _cells_py, _slots_py, slot_kernels, slots
 from kvref.memory.batch import Batch, BatchAllocr, UBatch
 
 SLOTS_C = _load_compiled("memory.slots")
@@ -40,14 +40,14 @@ EXAMPLES = int(os.environ.get("KVREF_HYPOTHESIS_EXAMPLES", "200"))
 
 @pytest.fixture(params=["py", "c"])
 def kernels(request: pytest.FixtureRequest) -> Any:
-    """Plug one slots twin in as the kernels of kvref.memory.slots and kvref.memory.batch for the test."""
+    """Plug one slots twin in as the kernels of kvref.memory.slots, batch and kv_cache for the test."""
     mod = _slots_py if request.param == "py" else SLOTS_C
     if mod is None:
         pytest.skip(NOT_BUILT)
-    saved = slots._impl, slots.kernels
-    slots._impl = slots.kernels = mod
+    saved = slot_kernels.impl
+    slot_kernels.impl = mod
     yield mod
-    slots._impl, slots.kernels = saved
+    slot_kernels.impl = saved
 
 
 def outcome(f: Any) -> tuple:
@@ -241,11 +241,11 @@ def test_batch_common_fields_equal_the_checks(kernels: Any, data: st.DataObject,
                 b.seq_ids)  # fmt: skip
 
     got = outcome(fields)
-    slots.kernels = _GeneralBatch(kernels)
+    slot_kernels.impl = _GeneralBatch(kernels)
     try:
         assert got == outcome(fields)
     finally:
-        slots.kernels = kernels  # the next example starts on the twin again
+        slot_kernels.impl = kernels  # the next example starts on the twin again
 
 
 # ------------------------------------------------------------------------------- prepare's shortcut

@@ -20,7 +20,7 @@ import pytest
 
 from kvref._backend import _load_compiled
 from kvref.jobs import conformance as C
-from kvref.memory import mask as M
+from kvref.memory import mask_kernels
 
 ROOT = Path(__file__).resolve().parent.parent / "conformance"
 CASES = C.list_cases(ROOT) if (ROOT / "golden").is_dir() else []
@@ -118,7 +118,7 @@ def _twin(name: str) -> Any:
 @pytest.mark.parametrize("twin", ["py", "c"])
 @pytest.mark.parametrize("cid", TWIN_CASES)
 def test_each_mask_twin_matches_llama_cpp(cid: str, twin: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(M, "_impl", _twin(twin))
+    monkeypatch.setattr(mask_kernels, "impl", _twin(twin))
     res = graph_check(cid)
     assert res.status == "pass", f"{cid} ({twin} twin): {res.detail}"
 
@@ -128,7 +128,7 @@ def test_each_mask_twin_matches_llama_cpp(cid: str, twin: str, monkeypatch: pyte
 
 def _wrap_mask(monkeypatch: pytest.MonkeyPatch, **change: Any) -> None:
     """Make kvref.memory.mask fill masks with some arguments changed (the slot search is left alone)."""
-    impl = M._impl
+    impl = mask_kernels.impl
     real = impl.fill_kq_mask_raw
 
     class Wrapped:
@@ -141,7 +141,7 @@ def _wrap_mask(monkeypatch: pytest.MonkeyPatch, **change: Any) -> None:
                 kw[k] = f(kw)
             return real(*args, **kw)
 
-    monkeypatch.setattr(M, "_impl", Wrapped())
+    monkeypatch.setattr(mask_kernels, "impl", Wrapped())
 
 
 def _fails(cid: str, *needles: str) -> str:

@@ -1,6 +1,6 @@
 """The mask glue (``kvref.memory.mask``) on a real KVCache: scenarios placed by ``KVCache.decode``.
 
-Each test runs the glue over both twins (``kvref.memory.mask._impl`` swapped per parameter); the masks of the
+Each test runs the glue over both twins (``kvref.memory.mask_kernels.impl`` swapped per parameter); the masks of the
 placed ubatches are checked by hand where small, and against the per-cell oracle otherwise.
 """
 
@@ -11,6 +11,7 @@ import pytest
 from mask_helpers import need, oracle, same_bits, twin_params
 
 import kvref.memory.mask as mask
+import kvref.memory.mask_kernels as mask_kernels
 from kvref.hparams import HParams, SWAType
 from kvref.memory.batch import Batch
 from kvref.memory.kv_cache import KVCache
@@ -21,7 +22,7 @@ X = float("-inf")
 @pytest.fixture(params=twin_params())
 def glue(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch):
     """``kvref.memory.mask`` driving the twin under test."""
-    monkeypatch.setattr(mask, "_impl", need(request.param))
+    monkeypatch.setattr(mask_kernels, "impl", need(request.param))
     return mask
 
 

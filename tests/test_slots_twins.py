@@ -24,7 +24,7 @@ import kvref
 from kvref._backend import _load_compiled
 from kvref.errors import KVRefError
 from kvref.hparams import is_masked_swa
-from kvref.memory import _cells_py, _slots_py, slots
+from kvref.memory import _cells_py, _slots_py, slot_kernels, slots
 
 SLOTS_C = _load_compiled("memory.slots")
 EXAMPLES = int(os.environ.get("KVREF_HYPOTHESIS_EXAMPLES", "200"))
@@ -177,8 +177,8 @@ def run_script(mod, n_seq, unified, steps, swa_type, n_swa, size, n_ubatch):
         hp, kv_size=size, n_seq_max=n_seq, kv_unified=unified, n_swa=n_swa, swa_type=swa_type, type_k="f32",
         type_v="f32",
     )  # fmt: skip
-    saved = slots._impl
-    slots._impl = slots.kernels = mod
+    saved = slot_kernels.impl
+    slot_kernels.impl = mod
     log = []
     try:
         for kind, seq, n in steps:
@@ -197,7 +197,7 @@ def run_script(mod, n_seq, unified, steps, swa_type, n_swa, size, n_ubatch):
             log.append((np.asarray(c.pos).tolist(), np.asarray(c.seq).tolist(), np.asarray(c.ext).tolist()))
         log.append(list(cache.heads))
     finally:
-        slots._impl = slots.kernels = saved
+        slot_kernels.impl = saved
     return log
 
 
@@ -218,7 +218,7 @@ def test_decode_places_the_same_slots_with_either_twin(script, swa_type, n_swa, 
 
 def test_selected_twin_matches_the_backend() -> None:
     assert kvref.backend() == slots.BACKEND
-    assert slots._impl.__name__ == (
+    assert slot_kernels.impl.__name__ == (
         "kvref.memory._slots_c" if kvref.backend() == "cython" else "kvref.memory._slots_py"
     )
 

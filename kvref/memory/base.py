@@ -4,6 +4,10 @@
 (llama_memory_i), so callers never branch on the kind. `read_parts` / `stage_parts` restore consecutive
 sections atomically; `PairedMemory` is what llama_kv_cache_iswa and llama_memory_hybrid have in common. The
 factory that builds a memory for a model (`create_memory`) lives in ``kvref.memory.factory``.
+
+The interface never names the concrete memories (they are built on it): what differs per memory is a type
+parameter (the slot ``decode`` returns), and what the shared code needs of a memory is a protocol (`Decodable`,
+`Restorable`, `RowStore`).
 """
 
 from __future__ import annotations
@@ -29,18 +33,15 @@ if TYPE_CHECKING:
     from ..hparams import HParams
     from ..state import KVSection, RecurrentSection
     from .batch import Batch, UBatch
-    from .hybrid import HybridSlot
-    from .kv_cache import KVCache
-    from .kv_cache_iswa import ISWASlot
-    from .recurrent import RecurrentSlot
     from .slots import SlotInfo
 
-    # what decode places a ubatch in, per memory kind; the sections a memory's state is made of
-    Slot: TypeAlias = "SlotInfo | ISWASlot | HybridSlot | RecurrentSlot"
+    # the sections a memory's state is made of
     Section: TypeAlias = "KVSection | RecurrentSection"
 
 _P = TypeVar("_P")  # what a memory's init_batch prepares for each ubatch (decode_batch hands it to _apply)
 _S = TypeVar("_S")  # the slot a memory's _apply returns for a placed ubatch
+# the slot a memory's decode places each ubatch in: a KVCache's SlotInfo, a KVCacheISWA's ISWASlot, ...
+_S_co = TypeVar("_S_co", covariant=True)
 
 # llama_state_seq_flags (include/llama.h)
 LLAMA_STATE_SEQ_FLAGS_NONE = 0
@@ -65,12 +66,13 @@ class ContextParams:
 
 
 @runtime_checkable
-class Memory(Protocol):
+class Memory(Protocol[_S_co]):
     """What every kvref memory offers (llama_memory_i plus kvref's state entry points).
 
     Sequence ops follow llama.cpp: ``p0 < 0`` means 0, ``p1 < 0`` means "to the end". ``decode`` splits
     and places a batch, raising NoSlotError (memory unchanged) when llama_decode would return 1, and
-    returns ``[(ubatch, slot), ...]`` where the slot's type depends on the memory. ``state_write`` returns
+    returns ``[(ubatch, slot), ...]`` where the slot's type depends on the memory (the type parameter: a
+    KVCache is a ``Memory[SlotInfo]``, a KVCacheISWA a ``Memory[ISWASlot]``, ...). ``state_write`` returns
     the memory section(s) llama.cpp writes; ``state_read`` restores them atomically and returns the bytes
     read. ``stage_state`` is the two-phase form composites use: it parses and checks a section at
     ``offset`` without changing anything and returns ``(commit, end)``.
@@ -110,7 +112,7 @@ class Memory(Protocol):
     def get_can_shift(self) -> bool:
         """Like llama_memory_can_shift: can positions be shifted (seq_add / seq_div)."""
 
-    def decode(self, batch: Batch, n_ubatch: int = 512) -> Sequence[tuple[UBatch, Slot]]:
+    def decode(self, batch: Batch, n_ubatch: int = 512) -> Sequence[tuple[UBatch, _S_co]]:
         """What llama_decode does to the memory: validate, update, split and place ``batch``.
 
         Returns ``[(ubatch, slot), ...]``; raises NoSlotError when the batch does not fit.
@@ -143,11 +145,30 @@ class Memory(Protocol):
         """Parse and check the section(s) at ``offset`` without changing anything; returns ``(commit, end)``."""
 
 
-class MemoryPart(Memory, Protocol):
+class MemoryPart(Memory[_S_co], Protocol[_S_co]):
     """A memory a composite drives (`PairedMemory`): a `Memory` that checks a sequence operation's arguments."""
 
     def check_op(self, op: str, *args: object) -> tuple[int, ...]:
         """The arguments of sequence operation ``op`` normalised, or the error ``op`` would raise; changes nothing."""
+
+
+class Restorable(Protocol):
+    """What restoring consecutive state sections (`read_parts`) needs of each part: stage its section, and clear a
+    sequence (`clear_seq`, llama.cpp's state_clear) when a restore that is not atomic fails. Every `Memory` is one."""
+
+    def clear(self, data: bool = True) -> None: ...
+    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool: ...
+    def stage_state(
+        self, data: Buffer, seq_id: int = -1, flags: int = 0, offset: int = 0
+    ) -> tuple[Callable[[], None], int]: ...
+
+
+class RowStore(Protocol):
+    """Where `store_rows` puts a placed ubatch's K / V rows of a layer: the attention cache that owns the layer (a
+    `kvref.memory.kv_cache.KVCache`), at the cells of its slot info."""
+
+    def cpy_k(self, il: int, k_cur: npt.ArrayLike, sinfo: SlotInfo) -> None: ...
+    def cpy_v(self, il: int, v_cur: npt.ArrayLike, sinfo: SlotInfo) -> None: ...
 
 
 class Decodable(Protocol[_P, _S]):
@@ -166,11 +187,11 @@ class Decodable(Protocol[_P, _S]):
     def init_batch(self, balloc: BatchAllocr, n_ubatch: int, embd_all: bool = False) -> list[tuple[UBatch, _P]]: ...
     def _decode_n_seq_max(self) -> int: ...
     def _apply(self, prepared: _P, ubatch: UBatch) -> _S: ...
-    def _owner(self, il: int, slot: _S) -> tuple[KVCache, SlotInfo]: ...
+    def _owner(self, il: int, slot: _S) -> tuple[RowStore, SlotInfo]: ...
 
 
 def stage_parts(
-    parts: Sequence[Memory], data: Buffer, seq_id: int, flags: int, offset: int = 0
+    parts: Sequence[Memory[object]], data: Buffer, seq_id: int, flags: int, offset: int = 0
 ) -> tuple[Callable[[], None], int]:
     """Stage consecutive sections, one per part; nothing changes unless every one of them checks out."""
     commits = []
@@ -188,7 +209,7 @@ def stage_parts(
     return commit_all, offset
 
 
-def clear_seq(part: Memory, seq_id: int) -> None:
+def clear_seq(part: Restorable, seq_id: int) -> None:
     """What llama.cpp's state_clear leaves in a memory: the sequence removed (everything for seq_id -1)."""
     if seq_id == -1:
         part.clear(True)
@@ -198,7 +219,13 @@ def clear_seq(part: Memory, seq_id: int) -> None:
 
 
 def read_parts(
-    parts: Sequence[Memory], data: Buffer, seq_id: int, flags: int, undo_before: bool = False, *, atomic: bool = True
+    parts: Sequence[Restorable],
+    data: Buffer,
+    seq_id: int,
+    flags: int,
+    undo_before: bool = False,
+    *,
+    atomic: bool = True,
 ) -> int:
     """state_read of consecutive sections, one per part.
 
@@ -212,7 +239,7 @@ def read_parts(
     propagates. Bytes after the last section are kvref's own check: refused before anything changes.
     """
     offset = 0
-    staged: list[tuple[Memory, Callable[[], None]]] = []
+    staged: list[tuple[Restorable, Callable[[], None]]] = []
     for part in parts:
         try:
             commit, offset = part.stage_state(data, seq_id, flags, offset)
@@ -249,7 +276,7 @@ def read_all(
     return end
 
 
-def sections_of(parts: Sequence[Memory], seq_id: int, flags: int, copy: bool = True) -> list[Section]:
+def sections_of(parts: Sequence[Memory[object]], seq_id: int, flags: int, copy: bool = True) -> list[Section]:
     out: list[Section] = []
     for part in parts:
         out.extend(part.state_sections(seq_id, flags, copy=copy))
@@ -336,10 +363,10 @@ class PairedMemory(Generic[_P, _S]):
     other (``_state_parts(flags)``). The subclasses say what differs: ``seq_rm``'s result, which part's
     positions count, how a batch is split, and what a failed restore leaves."""
 
-    def _pair(self) -> Sequence[MemoryPart]:
+    def _pair(self) -> Sequence[MemoryPart[object]]:
         raise NotImplementedError
 
-    def _state_parts(self, flags: int) -> Sequence[MemoryPart]:
+    def _state_parts(self, flags: int) -> Sequence[MemoryPart[object]]:
         raise NotImplementedError
 
     def check_op(self, op: str, *args: object) -> tuple[int, ...]:
@@ -435,7 +462,7 @@ class PairedMemory(Generic[_P, _S]):
     def _apply(self, slot: _P, ubatch: UBatch) -> _S:
         raise NotImplementedError
 
-    def _owner(self, il: int, slot: _S) -> tuple[KVCache, SlotInfo]:
+    def _owner(self, il: int, slot: _S) -> tuple[RowStore, SlotInfo]:
         raise NotImplementedError
 
     def decode(
@@ -464,6 +491,8 @@ __all__ = [
     "Memory",
     "MemoryPart",
     "PairedMemory",
+    "Restorable",
+    "RowStore",
     "clear_seq",
     "decode_batch",
     "decode_seq_bound",

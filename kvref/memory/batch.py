@@ -12,9 +12,9 @@ The flow mirrors llama.cpp (October 2026, ``src/llama-batch.cpp``):
    llama.cpp; ``split_whole`` runs the splitter a memory's ``init_batch`` picks.
 
 The common batch (token ids, one sequence id per token) is checked in one pass by the slots twins' kernels
-(``kvref.memory._slots_py`` states them: ``single_seq_ids``, ``single_seq_batch``, ``seq_lists``); any other batch, and
-any batch that breaks a rule, goes through the general path below, which states every rule in order and raises
-llama.cpp's reason. Both paths leave the allocator in the same state.
+(``kvref.memory.slot_kernels``; ``kvref.memory._slots_py`` states them: ``single_seq_ids``, ``single_seq_batch``,
+``seq_lists``); any other batch, and any batch that breaks a rule, goes through the general path below, which states
+every rule in order and raises llama.cpp's reason. Both paths leave the allocator in the same state.
 
 Sequence-id order inside a token: llama.cpp stores a token's sequence ids in a
 ``std::unordered_set<llama_seq_id>``, so ``ubatch.seq_id[i]`` lists them in that set's iteration
@@ -34,7 +34,7 @@ import numpy.typing as npt
 
 from ..constants import LLAMA_MAX_SEQ
 from ..errors import ArgumentError, BatchError
-from . import slots as _slots
+from . import slot_kernels as _kernels
 
 if TYPE_CHECKING:
     from ..hparams import HParams
@@ -101,7 +101,7 @@ class UBatch:
                 raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
             token, pos, seq, logits = whole
             n = len(token)
-            seq_id, seq_id_unq, seq_idx = _slots.kernels.seq_lists(seq)
+            seq_id, seq_id_unq, seq_idx = _kernels.impl.seq_lists(seq)
             self.__init__(
                 equal_seqs=False, n_tokens=n, n_seq_tokens=1, n_seqs=n, n_seqs_unq=len(seq_id_unq), n_pos=1,
                 token=token, embd=None, pos=pos, n_seq_id=np.ones(n, np.int32), seq_id=seq_id, seq_id_unq=seq_id_unq,
@@ -133,7 +133,7 @@ _NARROW_INTS = frozenset(np.dtype(t) for t in (np.int8, np.int16, np.int32, np.u
 def _int32s(values: npt.ArrayLike, name: str) -> npt.NDArray[np.int64]:
     """``values`` as int64 after checking they are integers that fit llama.cpp's int32 (BatchError naming
     ``name[i]`` otherwise)."""
-    fast: npt.NDArray[np.int64] | None = _slots.kernels.int32_values(values, -(2**31))  # checked at C speed
+    fast: npt.NDArray[np.int64] | None = _kernels.impl.int32_values(values, -(2**31))  # checked at C speed
     if fast is not None:
         return fast
     arr = np.asarray(values).reshape(-1)
@@ -184,7 +184,7 @@ class Batch:
 
     def __post_init__(self) -> None:
         if self.embd is None and self.logits is None:
-            common = _slots.kernels.token_batch(self.tokens, self.pos, self.seq_ids)  # checked at C speed
+            common = _kernels.impl.token_batch(self.tokens, self.pos, self.seq_ids)  # checked at C speed
             if common is not None:
                 self.tokens, self.pos, self.seq_ids = common
                 return
@@ -211,7 +211,7 @@ class Batch:
             if len(self.pos) < n or len(self.pos) % n:
                 raise BatchError(f"pos has {len(self.pos)} entries, expected a multiple of n_tokens = {n}")
         if self.seq_ids is not None:
-            plain = _slots.kernels.plain_seq_ids(self.seq_ids)  # lists of plain ints: copied at C speed
+            plain = _kernels.impl.plain_seq_ids(self.seq_ids)  # lists of plain ints: copied at C speed
             self.seq_ids = (
                 plain
                 if plain is not None
@@ -436,7 +436,7 @@ class BatchAllocr:
         n = tokens.shape[0]
         if not (logits is None or (type(logits) is np.ndarray and logits.dtype == np.bool_ and logits.shape == (n,))):
             return False
-        ids = _slots.kernels.single_seq_ids(batch.seq_ids, n, self.n_seq_max)
+        ids = _kernels.impl.single_seq_ids(batch.seq_ids, n, self.n_seq_max)
         if ids is None:
             return False
         seq, present, seq_idx = ids
@@ -444,7 +444,7 @@ class BatchAllocr:
             mem_pos_max = [-1] * len(present) if memory is None else _seq_pos_max_all(memory, present)
         except Exception:
             return False  # the general path asks the memory again, where llama.cpp would
-        p = _slots.kernels.single_seq_batch(tokens, pos, seq, present, mem_pos_max, -1 if n_vocab is None else n_vocab,
+        p = _kernels.impl.single_seq_batch(tokens, pos, seq, present, mem_pos_max, -1 if n_vocab is None else n_vocab,
                                 self.n_pos_per_embd > 1)  # fmt: skip
         if p is None:
             return False
@@ -596,7 +596,7 @@ class BatchAllocr:
     def seq_id(self) -> list[list[int]]:
         """``seq_id[i]``: the sequence ids of token i (in the order ``seq_id_order`` gives)."""
         if self._seq_id is None:
-            self._seq_id = _slots.kernels.seq_lists(self._single())[0]
+            self._seq_id = _kernels.impl.seq_lists(self._single())[0]
         return self._seq_id
 
     @property
@@ -911,7 +911,7 @@ class BatchAllocr:
         self.out_ids.extend(batch_idxs[output != 0].tolist())
 
         if self._seq1 is not None:
-            seq_id, seq_id_unq, seq_idx = _slots.kernels.seq_lists(self._seq1[ix])
+            seq_id, seq_id_unq, seq_idx = _kernels.impl.seq_lists(self._seq1[ix])
         else:
             seq_set_unq = 0
             for i in idxs:

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, TypeAlias
+
 from ..archs import NO_MEMORY_ARCHS, UNSUPPORTED_ARCHS
 from ..args import as_int
 from ..constants import LLAMA_MAX_SEQ, UINT32_MAX
@@ -29,6 +31,15 @@ from .hybrid import HybridMemory
 from .kv_cache import KVCache
 from .kv_cache_iswa import KVCacheISWA
 from .recurrent import RecurrentMemory
+
+if TYPE_CHECKING:
+    from .hybrid import HybridSlot
+    from .kv_cache_iswa import ISWASlot
+    from .recurrent import RecurrentSlot
+    from .slots import SlotInfo
+
+    # what the decode of the memory create_memory builds places each ubatch in (`Memory`'s type parameter)
+    _Slot: TypeAlias = "SlotInfo | ISWASlot | HybridSlot | RecurrentSlot"
 
 # --- the factory --------------------------------------------------------------------------------------------
 
@@ -149,7 +160,7 @@ def create_memory(
     n_rs_seq: int = 0,
     causal_attn: bool | None = None,
     compat: Profile | str = DEFAULT,
-) -> Memory | None:
+) -> Memory[_Slot] | None:
     """The memory llama.cpp creates for this model and these context parameters (None: no memory).
 
     Mirrors llama_model::create_memory after llama_context's parameter resolution (`context_params`):
@@ -195,7 +206,7 @@ def create_memory(
         raise KVRefError(f"llama.cpp builds a dedicated memory for {arch!r}, which kvref does not model")
     v_trans = not cp.flash_attn
 
-    mem: Memory
+    mem: Memory[_Slot]
     if hparams.is_recurrent_arch():
         mem = RecurrentMemory(
             hparams,

@@ -132,7 +132,7 @@ class HybridMemory(PairedMemory[SlotInfo | ISWASlot, HybridSlot]):
         """The attention part: a KVCache, or a KVCacheISWA for hybrid_iswa (llama_memory_hybrid::get_mem_attn)."""
         return self.attn
 
-    def _pair(self) -> Sequence[MemoryPart]:
+    def _pair(self) -> Sequence[MemoryPart[object]]:
         return [self.attn, self.recr]
 
     def get_mem_recr(self) -> RecurrentMemory:
@@ -222,7 +222,7 @@ class HybridMemory(PairedMemory[SlotInfo | ISWASlot, HybridSlot]):
 
     # --- state ---------------------------------------------------------------------------------------------
 
-    def _state_parts(self, flags: int) -> Sequence[MemoryPart]:
+    def _state_parts(self, flags: int) -> Sequence[MemoryPart[object]]:
         if self.kind == "hybrid_iswa":
             # llama_memory_hybrid_iswa hands the flags to the iSWA cache (which then skips its base)
             return [self.attn, self.recr]

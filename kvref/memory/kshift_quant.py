@@ -32,7 +32,8 @@ Where llama.cpp 0.3.36 does not get through the graph, `check_quantized_shift` n
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
@@ -43,7 +44,31 @@ from ..ggml.types import GGMLType, ggml_type, traits, type_name
 from .kshift import GGML_CPU, RopeKernel, RopeParams, check_k_rows, rope_f32
 
 if TYPE_CHECKING:
-    from .kv_cache import KVCache
+    from ..hparams import HParams
+    from ..profile import Profile
+
+
+class ShiftLayer(Protocol):
+    """A layer of a `ShiftCache`: the model layer it holds."""
+
+    @property
+    def il(self) -> int: ...
+
+
+class ShiftCache(Protocol):
+    """What the K-shift checks read of a KV cache (a `kvref.memory.kv_cache.KVCache`): its K type, whether
+    llama.cpp rotates its K rows, its layers, the model and the llama.cpp profile."""
+
+    @property
+    def type_k(self) -> GGMLType: ...
+    @property
+    def attn_rot_k(self) -> bool: ...
+    @property
+    def layers(self) -> Sequence[ShiftLayer]: ...
+    @property
+    def hparams(self) -> HParams: ...
+    @property
+    def profile(self) -> Profile: ...
 
 
 def shift_quantized_k_rows(
@@ -78,7 +103,7 @@ def shift_quantized_k_rows(
     buf[...] = quantize_cpu(y.reshape(n_cells, -1), t)
 
 
-def check_shift_type(cache: KVCache) -> int:
+def check_shift_type(cache: ShiftCache) -> int:
     """The K rotation size the K-shift of ``cache`` uses (0 for a float K cache), or `KShiftError` naming why
     llama.cpp does not shift a K cache of this type. Changes nothing."""
     if cache.type_k == GGMLType.BF16:
@@ -91,7 +116,7 @@ def check_shift_type(cache: KVCache) -> int:
     return check_quantized_shift(cache) if traits(cache.type_k).is_quantized else 0
 
 
-def check_quantized_shift(cache: KVCache) -> int:
+def check_quantized_shift(cache: ShiftCache) -> int:
     """The K rotation size ``cache``'s quantized K-shift uses, or `KShiftError` naming why llama.cpp does
     not shift this cache (see the module doc). Changes nothing."""
     hp = cache.hparams
@@ -124,4 +149,4 @@ def check_quantized_shift(cache: KVCache) -> int:
     return k_rot_size(hp.n_embd_head_k_l(cache.layers[0].il))  # attn_rot_k: every layer has this head size
 
 
-__all__ = ["check_quantized_shift", "check_shift_type", "shift_quantized_k_rows"]
+__all__ = ["ShiftCache", "ShiftLayer", "check_quantized_shift", "check_shift_type", "shift_quantized_k_rows"]

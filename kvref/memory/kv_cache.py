@@ -32,6 +32,7 @@ from ..ggml.types import GGMLType, ggml_type, row_size, traits
 from ..hparams import HParams, RopeType, SWAType
 from ..profile import DEFAULT, Profile, first_release, resolve
 from . import kv_state as _kv_state
+from . import slot_kernels as _kernels
 from . import slots as _slots
 from .base import ContextParams, decode_batch, decode_seq_bound, store_rows
 from .batch import UBatch
@@ -473,7 +474,7 @@ class KVCache:
 
     def k_shift_input(self) -> npt.NDArray[np.int32]:
         """set_input_k_shift: int32 [n_stream * size], each cell's pending shift, 0 for empty cells."""
-        from .mask import k_shift_input
+        from .mask_kernels import k_shift_input  # on first use: the mask twin is not loaded with the cache
 
         return k_shift_input(self).reshape(-1)
 
@@ -592,7 +593,7 @@ class KVCache:
         cells = self._cells[0]
         if cells.get_has_shift() or self._mrope:
             return None
-        kernel = _slots.kernels.place_single if write else _slots.kernels.plan_single
+        kernel = _kernels.impl.place_single if write else _kernels.impl.plan_single
         plan: SinglePlan | None = kernel(
             cells, self.heads[0], tokens, pos, batch.seq_ids, self._seq_bound, self.n_swa, self.swa_type
         )
@@ -628,7 +629,7 @@ class KVCache:
                     if p > removed.get(sid, -1):
                         removed[sid] = p
                     cells.rm(idx)
-        if not _slots.kernels.place_planned(cells, plan):
+        if not _kernels.impl.place_planned(cells, plan):
             raise AssertionError("a planned decode step could not be placed")  # plan_single checked every value
         if removed:
             _slots.purge_below(self, removed)

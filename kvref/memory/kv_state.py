@@ -49,8 +49,8 @@ count or the destination id is wrong). Rows of cells no sequence holds any more 
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING, BinaryIO, TypeVar, cast
+from collections.abc import Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeVar, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -60,23 +60,60 @@ from ..constants import LLAMA_MAX_SEQ, N_SEQ_WORDS, TOKEN_NULL
 from ..errors import CellError, FormatError, NoSlotError
 from ..ggml.types import traits
 from ..hparams import SWAType, is_masked_swa
-from .base import clear_seq, read_parts
+from . import slot_kernels as _kernels
+from .base import Restorable, clear_seq, read_parts
 from .batch import UBatch
 from .cells import KVCells
-from .slots import SlotInfo, apply_ubatch, find_slot_seq, kernels
+from .slots import SlotCache, SlotInfo, apply_ubatch, find_slot_seq
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
+    from ..ggml.types import GGMLType
+    from ..profile import Profile
     from ..state import Cells, KVData, KVSpec, KVStream, TransposedRows
     from ..state.sections import KVSection
-    from .kv_cache import KVCache
 
 CELL_EXT_SIZE = 12  # llama_kv_cell_ext with a token: i32 x, y, tok (Profile.cell_ext_size)
 
 
+class LayerBuffers(Protocol):
+    """A layer of a `StateCache` (a `kvref.memory.kv_cache.CacheLayer`): the model layer, its K buffer and its V buffer
+    (None without V: MLA), uint8, one row block per stream."""
+
+    @property
+    def il(self) -> int: ...
+    @property
+    def k(self) -> npt.NDArray[np.uint8]: ...
+    @property
+    def v(self) -> npt.NDArray[np.uint8] | None: ...
+
+
+class StateCache(SlotCache, Restorable, Protocol):
+    """What the state code reads and writes of a KV cache (a `kvref.memory.kv_cache.KVCache`): the slot code's view
+    (`SlotCache`: a sequence restore places its cells as a ubatch) and a restore's (`Restorable`), plus the cache's
+    shape, types and buffers, its llama.cpp profile, and a fork of some streams to try placements on."""
+
+    @property
+    def profile(self) -> Profile: ...
+    @property
+    def type_k(self) -> GGMLType: ...
+    @property
+    def type_v(self) -> GGMLType: ...
+    @property
+    def v_trans(self) -> bool: ...
+    @property
+    def n_stream(self) -> int: ...
+    @property
+    def n_seq_max(self) -> int: ...
+    @property
+    def layers(self) -> Sequence[LayerBuffers]: ...
+    def get_size(self) -> int: ...
+    def fork(self, streams: Iterable[int] | None = None) -> StateCache: ...
+
+
 # ---------------------------------------------------------------------------------------------- layout
-def has_cell_ext(cache: KVCache) -> bool:
+def has_cell_ext(cache: StateCache) -> bool:
     """llama_kv_cache::has_cell_ext: M-RoPE needs the 2-D position, the PLE n-gram hash the token id.
 
     Never with ``Profile.cell_ext_size`` 0; PLE models only with ``Profile.cell_ext_ple``.
@@ -89,7 +126,7 @@ def has_cell_ext(cache: KVCache) -> bool:
     return hp.n_pos_per_embd() > 1 or hp.ple_n_heads > 0
 
 
-def ext_size(cache: KVCache) -> int:
+def ext_size(cache: StateCache) -> int:
     """Bytes of cell ext per cell in the cache's state: ``Profile.cell_ext_size`` when it has one, else 0."""
     return cache.profile.cell_ext_size if has_cell_ext(cache) else 0
 
@@ -100,11 +137,11 @@ def _ext_xyt(ext: npt.NDArray[np.int32], i: int) -> tuple[int, int, int]:
     return int(row[0]), int(row[1]), (int(row[2]) if len(row) > 2 else -1)
 
 
-def _v_width(cache: KVCache, il: int) -> int:
+def _v_width(cache: StateCache, il: int) -> int:
     return int(cache.hparams.n_embd_v_gqa(il))
 
 
-def spec(cache: KVCache) -> KVSpec:
+def spec(cache: StateCache) -> KVSpec:
     """The cache as ``kvref.state`` sees it: what a section must match to be restored here."""
     from ..state import KVLayerSpec, KVSpec
 
@@ -172,7 +209,7 @@ def _take(a: npt.NDArray[_G], idx: npt.NDArray[np.intp], axis: int = 0) -> npt.N
     return a[(slice(None),) * axis + (run,)]
 
 
-def written_cells(cache: KVCache, stream: int, seq_id: int = -1) -> npt.NDArray[np.intp]:
+def written_cells(cache: StateCache, stream: int, seq_id: int = -1) -> npt.NDArray[np.intp]:
     """Indices of the cells state_write writes for ``stream`` (ascending)."""
     cells = cache.cells(stream)
     pos = np.asarray(cells.pos, dtype=np.int64)
@@ -192,7 +229,7 @@ def written_cells(cache: KVCache, stream: int, seq_id: int = -1) -> npt.NDArray[
     return idx
 
 
-def state_section(cache: KVCache, seq_id: int = -1, flags: int = 0, *, copy: bool = True) -> KVSection:
+def state_section(cache: StateCache, seq_id: int = -1, flags: int = 0, *, copy: bool = True) -> KVSection:
     """The section llama_kv_cache::state_write writes, as ``kvref.state`` objects (``flags`` change nothing).
 
     Rows are copies, so the section stays valid when the cache changes afterwards; with ``copy=False`` the
@@ -229,7 +266,7 @@ def state_section(cache: KVCache, seq_id: int = -1, flags: int = 0, *, copy: boo
     return KVSection(streams, has_n_stream=cache.profile.kv_streams)
 
 
-def _kv_data(cache: KVCache, s: int, idx: npt.NDArray[np.intp], copy: bool = True) -> KVData:
+def _kv_data(cache: StateCache, s: int, idx: npt.NDArray[np.intp], copy: bool = True) -> KVData:
     """The K/V rows of cells ``idx`` of stream ``s`` as ``kvref.state.KVData``: copies, or with ``copy=False``
     views of the buffers when the cells are one run (a transposed V block is then ``n_embd`` strided rows)."""
     from ..state import KVData, LayerRows, TransposedRows
@@ -277,21 +314,21 @@ def _bytes2d(comp: npt.NDArray[np.generic[object]], n_embd: int) -> npt.NDArray[
     return comp.reshape(n_embd, -1).view(np.uint8)
 
 
-def state_write(cache: KVCache, seq_id: int = -1, flags: int = 0) -> bytes:
+def state_write(cache: StateCache, seq_id: int = -1, flags: int = 0) -> bytes:
     from ..state import section_bytes
 
     # the rows are serialized straight from the buffers: views, copied once into the bytes returned
     return section_bytes(state_section(cache, seq_id, flags, copy=False))
 
 
-def state_size(cache: KVCache, seq_id: int = -1, flags: int = 0) -> int:
+def state_size(cache: StateCache, seq_id: int = -1, flags: int = 0) -> int:
     """The byte count of what ``state_write`` writes (llama_state_get_size's share for this cache)."""
     from ..state import sections_size
 
     return sections_size(state_section(cache, seq_id, flags, copy=False))
 
 
-def state_write_into(cache: KVCache, dst: Buffer | BinaryIO, seq_id: int = -1, flags: int = 0) -> int:
+def state_write_into(cache: StateCache, dst: Buffer | BinaryIO, seq_id: int = -1, flags: int = 0) -> int:
     """``state_write`` into a caller's writable buffer (or a binary file): each row block is copied once, from
     the cache's buffers into ``dst``; returns the byte count."""
     from ..state import write_sections_into
@@ -356,7 +393,7 @@ class _CellBlock:
         return cast("KVCells", self)
 
 
-def _reserve_ubatch(cache: KVCache, cells: Cells, dest: int, has_ext: bool, i0: int = 0, i1: int = -1) -> UBatch:
+def _reserve_ubatch(cache: StateCache, cells: Cells, dest: int, has_ext: bool, i0: int = 0, i1: int = -1) -> UBatch:
     """ubatch_reserve(cell_count, 1) filled as state_read_meta fills it (built at once: every token's
     ``seq_id`` is the same one-element list, which nothing changes); of the section's cells ``[i0, i1)`` (all
     by default: `_apply_restore` places a large section a part at a time)."""
@@ -382,7 +419,7 @@ def _reserve_ubatch(cache: KVCache, cells: Cells, dest: int, has_ext: bool, i0: 
     )  # fmt: skip
 
 
-def _slot_after_seq_rm(cache: KVCache, strm: int, seq_id: int, n: int, cont: bool) -> SlotInfo | None:
+def _slot_after_seq_rm(cache: StateCache, strm: int, seq_id: int, n: int, cont: bool) -> SlotInfo | None:
     """find_slot for the restore's ubatch (``n`` cells of ``seq_id``) as it runs once ``seq_id`` is removed from its
     stream, without copying the stream's cells: the destination's cells are removed from the cache itself and put
     back exactly as they were (pos, ext, sequence bits, the head) before returning. None when it does not fit."""
@@ -436,7 +473,7 @@ def _held_ext(ext: npt.NDArray[np.int32], held: npt.NDArray[np.int32] | npt.NDAr
 _UNDO_CHUNK = 1 << 13  # cells per KVCells.set() when a trial placement is undone (bounds its temporaries)
 
 
-def _apply_restore(cache: KVCache, sinfo: SlotInfo, cells: Cells, seq_id: int, has_ext: bool) -> None:
+def _apply_restore(cache: StateCache, sinfo: SlotInfo, cells: Cells, seq_id: int, has_ext: bool) -> None:
     """apply_ubatch of the restore's ubatch (`_reserve_ubatch` of all the section's cells) into ``sinfo``.
 
     When every target cell is empty, the ubatch's tokens only fill those cells (the slot's cells are distinct and
@@ -445,7 +482,7 @@ def _apply_restore(cache: KVCache, sinfo: SlotInfo, cells: Cells, seq_id: int, h
     by a sequence whose window has moved past it: apply_ubatch removes it first) the ubatch is applied whole."""
     idxs = sinfo.idxs[0]
     n = len(idxs)
-    if n <= _APPLY_CHUNK or kernels.used_targets(cache.cells(sinfo.strm[0]), idxs, n):
+    if n <= _APPLY_CHUNK or _kernels.impl.used_targets(cache.cells(sinfo.strm[0]), idxs, n):
         apply_ubatch(cache, sinfo, _reserve_ubatch(cache, cells, seq_id, has_ext))
         return
     for i0 in range(0, n, _APPLY_CHUNK):
@@ -457,7 +494,7 @@ def _apply_restore(cache: KVCache, sinfo: SlotInfo, cells: Cells, seq_id: int, h
 _APPLY_CHUNK = 1 << 14  # cells per apply_ubatch of a large sequence restore (bounds its ubatch and temporaries)
 
 
-def _check_whole_cells(cache: KVCache, st: KVStream, at: int) -> None:
+def _check_whole_cells(cache: StateCache, st: KVStream, at: int) -> None:
     """Raise what placing the section's cells one by one (`_whole_cells`) would raise, checked at once: a
     negative position, or a sequence id listed twice in a cell (the walk then names the first bad cell)."""
     c, _ = _filled(st)
@@ -479,7 +516,7 @@ def _set_whole_cells(cells: KVCells, c: Cells) -> None:
         cells.set(i0, _CellBlock.of_section(c, i0, i1).as_cells())
 
 
-def _whole_cells(cache: KVCache, st: KVStream, at: int) -> KVCells:
+def _whole_cells(cache: StateCache, st: KVStream, at: int) -> KVCells:
     """A stream's cells after a whole restore: cell i holds the i-th cell of the section (cell by cell: only to
     raise the error of the first bad cell, see `_check_whole_cells`)."""
     c, _ = _filled(st)
@@ -523,12 +560,12 @@ def _filled(st: KVStream) -> tuple[Cells, KVData]:
     return st.cells, st.data
 
 
-def _empty_cells_like(cache: KVCache, size: int) -> KVCells:
+def _empty_cells_like(cache: StateCache, size: int) -> KVCells:
     """Empty cells of the same twin as the cache's (so a Python-twin cache stays pure Python)."""
     return type(cache.cells(0))(size)
 
 
-def copy_rows(cache: KVCache, strm: int, idxs: npt.NDArray[np.int64] | npt.NDArray[np.intp], data: KVData) -> None:
+def copy_rows(cache: StateCache, strm: int, idxs: npt.NDArray[np.int64] | npt.NDArray[np.intp], data: KVData) -> None:
     """Write a section's K/V rows (``data``: a ``kvref.state.KVData``) into cells ``idxs`` of stream ``strm``."""
     size = cache.get_size()
     run = _run(np.asarray(idxs))
@@ -573,7 +610,7 @@ _SCATTER_ROWWISE = 4096  # cells from which `_scatter_elements` goes component b
 
 
 def stage_state(
-    cache: KVCache, data: Buffer, seq_id: int = -1, flags: int = 0, offset: int = 0
+    cache: StateCache, data: Buffer, seq_id: int = -1, flags: int = 0, offset: int = 0
 ) -> tuple[Callable[[], None], int]:
     """Parse, validate and dry-run the section at ``offset``; returns ``(commit, end)``. Changes nothing."""
     from ..state import mismatch, read_kv_section
@@ -668,7 +705,7 @@ def stage_state(
     return commit_seq, end
 
 
-def state_read(cache: KVCache, data: Buffer, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
+def state_read(cache: StateCache, data: Buffer, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
     """Restore what ``state_write`` wrote; returns the bytes read (trailing bytes are a FormatError).
 
     On failure the cache is untouched, or with ``atomic=False`` left as llama.cpp leaves it
@@ -677,7 +714,7 @@ def state_read(cache: KVCache, data: Buffer, seq_id: int = -1, flags: int = 0, *
     return read_parts([cache], data, seq_id, flags, atomic=atomic)
 
 
-def state_read_failed(cache: KVCache, seq_id: int, exc: Exception) -> None:
+def state_read_failed(cache: StateCache, seq_id: int, exc: Exception) -> None:
     """llama_kv_cache::state_read after a failure: the n_stream count is compared before anything changes
     (and a bad destination id is an assert there); past it, a whole restore has cleared the cache and a
     sequence restore ends in state_clear, which removes the destination sequence."""
@@ -690,6 +727,8 @@ def state_read_failed(cache: KVCache, seq_id: int, exc: Exception) -> None:
 
 __all__ = [
     "CELL_EXT_SIZE",
+    "LayerBuffers",
+    "StateCache",
     "clone_cells",
     "copy_rows",
     "ext_size",

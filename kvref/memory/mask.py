@@ -1,8 +1,9 @@
 """Graph inputs a KV cache fills: the KQ mask, T5 position buckets, the K-shift, K/V row indices.
 
 Callers use this module only; ``KVREF_BACKEND`` picks the twin that does the work (``_mask_c`` or
-``_mask_py``, see ``kvref._backend``). The twins take raw arrays (``fill_kq_mask_raw`` and friends, also
-exported here); the functions below gather those arrays from a ``KVCache`` and a ``UBatch``:
+``_mask_py``, see ``kvref.memory.mask_kernels``). The twins take raw arrays (``fill_kq_mask_raw`` and friends, also
+exported here); the functions below gather those arrays from a ``KVCache`` and a ``UBatch`` (the K-shift input,
+which a KV cache gathers for itself, is ``kvref.memory.mask_kernels.k_shift_input``, re-exported here):
 
     placed = cache.decode(batch)                    # [(ubatch, slot_info), ...]
     ub, sinfo = placed[-1]
@@ -18,8 +19,17 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from .._backend import select
 from ..errors import ArgumentError, KVRefError
+from . import mask_kernels as _kernels
+from .mask_kernels import (
+    BACKEND,
+    NonCausalType,
+    fill_k_shift_raw,
+    fill_kq_mask_raw,
+    fill_pos_bucket_raw,
+    k_shift_input,
+    relative_position_bucket,
+)
 from .slots import SlotInfo
 
 if TYPE_CHECKING:
@@ -30,27 +40,9 @@ if TYPE_CHECKING:
     from .kv_cache import KVCache
     from .kv_cache_iswa import ISWASlot
 
-_impl = select("memory.mask")
-
-if TYPE_CHECKING:  # type checkers see the Python twin's functions (the twins share one API, see _mask_c.pyi)
-    from ._mask_py import (
-        NonCausalType,
-        fill_k_shift_raw,
-        fill_kq_mask_raw,
-        fill_pos_bucket_raw,
-        relative_position_bucket,
-    )
-else:
-    fill_kq_mask_raw = _impl.fill_kq_mask_raw
-    fill_pos_bucket_raw = _impl.fill_pos_bucket_raw
-    fill_k_shift_raw = _impl.fill_k_shift_raw
-    relative_position_bucket = _impl.relative_position_bucket
-    NonCausalType = _impl.NonCausalType
-BACKEND = "cython" if _impl.__name__.endswith("_c") else "python"
-
 
 def attention_cache(
-    memory: Memory, sinfo: SlotInfo | ISWASlot | HybridSlot | None = None, *, swa: bool = False
+    memory: Memory[object], sinfo: SlotInfo | ISWASlot | HybridSlot | None = None, *, swa: bool = False
 ) -> tuple[KVCache, SlotInfo | None]:
     """The KVCache (and its slot info) whose mask a memory's graph uses.
 
@@ -80,7 +72,7 @@ def mask_n_kv(cache: KVCache, ubatch: UBatch, sinfo: SlotInfo | None = None) -> 
 
 
 def fill_kq_mask(
-    cache: Memory,
+    cache: Memory[object],
     ubatch: UBatch,
     out: MaskArray | None = None,
     *,
@@ -129,9 +121,9 @@ def fill_kq_mask(
     if len(ubatch.seq_id_unq) == 1:  # one sequence: every token's (only) id
         tok_seq = np.full(n_tokens, ubatch.seq_id_unq[0], dtype=np.int32)
     else:
-        tok_seq = _impl.first_seq_ids(ubatch.seq_id, n_tokens)
-    # through _impl (not the name bound above): tests wrap the twin by replacing kvref.memory.mask._impl
-    mask: MaskArray = _impl.fill_kq_mask_raw(
+        tok_seq = _kernels.impl.first_seq_ids(ubatch.seq_id, n_tokens)
+    # through impl (not the name bound above): tests wrap the twin by replacing kvref.memory.mask_kernels.impl
+    mask: MaskArray = _kernels.impl.fill_kq_mask_raw(
         out,
         [c.pos for c in cells],
         [c.seq for c in cells],
@@ -184,20 +176,8 @@ def fill_pos_bucket(
         key_pos, bidirectional = np.asarray(cache.cells(0).pos)[:n_kv], False
     if out is None:
         out = np.empty((n_tokens, key_pos.shape[0]), dtype=np.int32)
-    buckets: npt.NDArray[np.int32] = _impl.fill_pos_bucket_raw(out, key_pos, tok_pos, n_buckets, bidirectional)
+    buckets: npt.NDArray[np.int32] = _kernels.impl.fill_pos_bucket_raw(out, key_pos, tok_pos, n_buckets, bidirectional)
     return buckets
-
-
-def k_shift_input(cache: KVCache, out: npt.NDArray[np.int32] | None = None) -> npt.NDArray[np.int32]:
-    """llama_kv_cache::set_input_k_shift: int32 ``(n_stream, size)``, each cell's pending shift, 0 when empty.
-
-    ``.reshape(-1)`` gives llama.cpp's flat ``[n_stream * size]`` tensor.
-    """
-    cells = [cache.cells(s) for s in range(cache.n_stream)]
-    if out is None:
-        out = np.empty((len(cells), cache.get_size()), dtype=np.int32)
-    shift: npt.NDArray[np.int32] = _impl.fill_k_shift_raw(out, [c.pos for c in cells], [c.shift for c in cells])
-    return shift
 
 
 def k_idxs(cache: KVCache, ubatch: UBatch, sinfo: SlotInfo) -> npt.NDArray[np.int64]:

@@ -43,7 +43,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, BinaryIO, Protocol
+from typing import TYPE_CHECKING, BinaryIO
 
 import numpy as np
 import numpy.typing as npt
@@ -57,13 +57,14 @@ from ..profile import DEFAULT, Profile, resolve
 from ..state import sections_size, write_sections_into
 from . import recurrent_state as _recurrent_state
 from .base import ContextParams, decode_batch
+from .recurrent_state import SlotUBatch
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
     from ..state import RecurrentSection, RecurrentSpec
+    from .base import RowStore
     from .batch import Batch, BatchAllocr, UBatch
-    from .kv_cache import KVCache
     from .slots import SlotInfo
 
 log = logging.getLogger("kvref.memory.recurrent")
@@ -94,21 +95,6 @@ class RecurrentSlot:
     @property
     def s_copy_extra(self) -> npt.NDArray[np.int32]:
         return self.s_copy[self.n_seqs :]
-
-
-class SlotUBatch(Protocol):
-    """What ``find_slot`` reads from a ubatch: a `kvref.memory.batch.UBatch`, or the one a state restore reserves."""
-
-    @property
-    def n_seq_tokens(self) -> int: ...
-    @property
-    def n_seqs(self) -> int: ...
-    @property
-    def equal_seqs(self) -> bool: ...
-    @property
-    def seq_id(self) -> list[list[int]]: ...
-    @property
-    def pos(self) -> npt.NDArray[np.int32]: ...
 
 
 def _pad(x: int, n: int) -> int:
@@ -681,7 +667,7 @@ class RecurrentMemory:
     def _apply(self, prepared: None, ubatch: UBatch) -> RecurrentSlot:
         return self.apply_ubatch(ubatch)
 
-    def _owner(self, il: int, slot: RecurrentSlot) -> tuple[KVCache, SlotInfo]:
+    def _owner(self, il: int, slot: RecurrentSlot) -> tuple[RowStore, SlotInfo]:
         # decode_batch asks only when given K/V rows, which a recurrent memory's decode does not take
         raise KVRefError(f"layer {il} has no KV cache (a recurrent memory)")
 

@@ -44,9 +44,9 @@ memory cleared for ``seq_id == -1``; rows are not zeroed).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -55,19 +55,84 @@ from ..errors import FormatError, KVRefError
 from ..state import RecurrentLayerSpec, RecurrentSpec, read_recurrent_section, section_bytes
 from ..state.cells import Cells
 from ..state.sections import LayerRows, RecurrentLayer, RecurrentSection, TransposedRows
-from .base import clear_seq, read_parts
+from .base import Restorable, clear_seq, read_parts
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-    from .recurrent import RecurrentMemory
+    from ..ggml.types import GGMLType
+    from ..hparams import HParams
+    from ..profile import Profile
 
 # a memory's bookkeeping (no rows): pos, src, src0, tail, seq, head, used, n, rs_z, rs_idx
 Bookkeeping = tuple[list[int], list[int], list[int], list[int], list[set[int]], int, int, int, int, list[int]]
 
 
+class SlotUBatch(Protocol):
+    """What ``find_slot`` reads from a ubatch: a `kvref.memory.batch.UBatch`, or the one a state restore reserves."""
+
+    @property
+    def n_seq_tokens(self) -> int: ...
+    @property
+    def n_seqs(self) -> int: ...
+    @property
+    def equal_seqs(self) -> bool: ...
+    @property
+    def seq_id(self) -> list[list[int]]: ...
+    @property
+    def pos(self) -> npt.NDArray[np.int32]: ...
+
+
+class StateMemory(Restorable, Protocol):
+    """What the state code reads and writes of a recurrent memory (a `kvref.memory.recurrent.RecurrentMemory`):
+    a restore's view (`Restorable`); the bookkeeping, which a restore replays on the memory itself and puts back
+    (`Bookkeeping`: assigned); the cells' sizes, types and R / S (/ PLE) buffers per layer; the model and the
+    llama.cpp profile; and the memory's own slot search and rollback index."""
+
+    pos: list[int]
+    src: list[int]
+    src0: list[int]
+    tail: list[int]
+    seq: list[set[int]]
+    head: int
+    used: int
+    n: int
+    rs_z: int
+    rs_idx: list[int]
+
+    @property
+    def size(self) -> int: ...
+    @property
+    def n_seq_max(self) -> int: ...
+    @property
+    def n_rs_seq(self) -> int: ...
+    @property
+    def type_r(self) -> GGMLType: ...
+    @property
+    def type_s(self) -> GGMLType: ...
+    @property
+    def r_row(self) -> int: ...
+    @property
+    def s_row(self) -> int: ...
+    @property
+    def p_row(self) -> int: ...
+    @property
+    def n_embd_s(self) -> int: ...
+    @property
+    def p_l(self) -> Sequence[npt.NDArray[np.uint8] | None]: ...
+    @property
+    def layers(self) -> Sequence[int]: ...
+    @property
+    def hparams(self) -> HParams: ...
+    @property
+    def profile(self) -> Profile: ...
+    def _rs(self, il: int) -> tuple[npt.NDArray[np.uint8], npt.NDArray[np.uint8], npt.NDArray[np.uint8] | None]: ...
+    def find_slot(self, ub: SlotUBatch) -> bool: ...
+    def _set_rs_idx(self, seq_id: int, idx: int) -> None: ...
+
+
 # ---------------------------------------------------------------------------------------------- layout
-def spec(mem: RecurrentMemory) -> RecurrentSpec:
+def spec(mem: StateMemory) -> RecurrentSpec:
     """The memory as ``kvref.state`` sees it: what a section must match to be restored here."""
     layers = tuple(
         RecurrentLayerSpec(
@@ -86,7 +151,7 @@ def spec(mem: RecurrentMemory) -> RecurrentSpec:
 
 
 # ---------------------------------------------------------------------------------------------- write
-def state_section(mem: RecurrentMemory, seq_id: int = -1, flags: int = 0) -> RecurrentSection:
+def state_section(mem: StateMemory, seq_id: int = -1, flags: int = 0) -> RecurrentSection:
     """The recurrent section llama_memory_recurrent::state_write would write, as kvref.state objects."""
     # Profile.recurrent_rows_from_src: rows are read from the cell's src in the rollback plane, else from
     # the cell itself
@@ -135,13 +200,13 @@ def state_section(mem: RecurrentMemory, seq_id: int = -1, flags: int = 0) -> Rec
     return RecurrentSection(cells, 0, mem.hparams.n_layer, r_layers, s_layers)
 
 
-def state_write(mem: RecurrentMemory, seq_id: int = -1, flags: int = 0) -> bytes:
+def state_write(mem: StateMemory, seq_id: int = -1, flags: int = 0) -> bytes:
     """The bytes of llama_memory_recurrent::state_write (``flags`` do not change them)."""
     return section_bytes(state_section(mem, seq_id, flags))
 
 
 # ---------------------------------------------------------------------------------------------- read
-def _snapshot(mem: RecurrentMemory) -> Bookkeeping:
+def _snapshot(mem: StateMemory) -> Bookkeeping:
     """A copy of the memory's bookkeeping (cells, head, used, n, rs_z, rollback indices); no rows."""
     return (
         list(mem.pos),
@@ -157,7 +222,7 @@ def _snapshot(mem: RecurrentMemory) -> Bookkeeping:
     )
 
 
-def _restore(mem: RecurrentMemory, snap: Bookkeeping) -> None:
+def _restore(mem: StateMemory, snap: Bookkeeping) -> None:
     """Put back the bookkeeping ``_snapshot`` took (copies of it: the snapshot stays reusable)."""
     (mem.pos, mem.src, mem.src0, mem.tail, mem.seq, mem.head, mem.used, mem.n, mem.rs_z, mem.rs_idx) = (
         list(snap[0]),
@@ -186,14 +251,12 @@ def _reserve_ubatch(pos: npt.NDArray[np.int32], seq_id: int) -> _ReservedUBatch:
     return _ReservedUBatch(n, np.asarray(pos, np.int32), [[seq_id]] * n)
 
 
-def parse_section(
-    mem: RecurrentMemory, data: Buffer, seq_id: int = -1, offset: int = 0
-) -> tuple[RecurrentSection, int]:
+def parse_section(mem: StateMemory, data: Buffer, seq_id: int = -1, offset: int = 0) -> tuple[RecurrentSection, int]:
     """Parse and format-check the recurrent section at ``offset``; returns it and its end offset."""
     return read_recurrent_section(data, spec(mem), seq_id=seq_id, offset=offset)
 
 
-def check_section(mem: RecurrentMemory, sec: RecurrentSection, seq_id: int = -1) -> Bookkeeping:
+def check_section(mem: StateMemory, sec: RecurrentSection, seq_id: int = -1) -> Bookkeeping:
     """Replay state_read_meta on a copy of the bookkeeping; returns the bookkeeping after the restore.
 
     Nothing changes here: a refusal raises FormatError, success hands ``apply_section`` the result.
@@ -242,7 +305,7 @@ def check_section(mem: RecurrentMemory, sec: RecurrentSection, seq_id: int = -1)
         _restore(mem, snap)
 
 
-def apply_section(mem: RecurrentMemory, sec: RecurrentSection, after: Bookkeeping, seq_id: int = -1) -> None:
+def apply_section(mem: StateMemory, sec: RecurrentSection, after: Bookkeeping, seq_id: int = -1) -> None:
     """Commit a section checked by ``check_section`` (``after`` is what it returned)."""
     if seq_id == -1:
         mem.clear(True)  # a whole restore starts from zeroed buffers (clear(true) in state_read_meta)
@@ -261,7 +324,7 @@ def apply_section(mem: RecurrentMemory, sec: RecurrentSection, after: Bookkeepin
 
 
 def stage_state(
-    mem: RecurrentMemory, data: Buffer, seq_id: int = -1, flags: int = 0, offset: int = 0
+    mem: StateMemory, data: Buffer, seq_id: int = -1, flags: int = 0, offset: int = 0
 ) -> tuple[Callable[[], None], int]:
     """Parse and check the section at ``offset`` without changing anything; returns ``(commit, end)``."""
     sec, end = parse_section(mem, data, seq_id, offset)
@@ -269,7 +332,7 @@ def stage_state(
     return (lambda: apply_section(mem, sec, after, seq_id)), end
 
 
-def state_read(mem: RecurrentMemory, data: Buffer, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
+def state_read(mem: StateMemory, data: Buffer, seq_id: int = -1, flags: int = 0, *, atomic: bool = True) -> int:
     """Restore what ``state_write`` wrote; returns the bytes read (trailing bytes are an error).
 
     Everything is checked before anything changes; on error the memory is untouched, or with
@@ -279,7 +342,7 @@ def state_read(mem: RecurrentMemory, data: Buffer, seq_id: int = -1, flags: int 
     return read_parts([mem], data, seq_id, flags, atomic=atomic)
 
 
-def state_read_failed(mem: RecurrentMemory, seq_id: int, exc: Exception) -> None:
+def state_read_failed(mem: StateMemory, seq_id: int, exc: Exception) -> None:
     """llama_memory_recurrent::state_read after a failure: state_clear removes the destination sequence
     (clears everything for seq_id -1); rows are not zeroed here."""
     del exc
@@ -287,6 +350,9 @@ def state_read_failed(mem: RecurrentMemory, seq_id: int, exc: Exception) -> None
 
 
 __all__ = [
+    "Bookkeeping",
+    "SlotUBatch",
+    "StateMemory",
     "apply_section",
     "check_section",
     "parse_section",

@@ -1,10 +1,10 @@
 """Where a ubatch's tokens land in the KV cache: llama_kv_cache's find_slot, apply_ubatch and prepare.
 
-The functions take the cache and work through its public surface (``cells(stream)``, ``heads``,
-``seq_to_stream``, ``n_swa``/``swa_type``, ``seq_rm``); ``KVCache`` exposes them as methods. The per-cell
-work (find_slot's walk over one stream, the checks on apply_ubatch's target cells) is done by a twin module
-that ``KVREF_BACKEND`` picks, ``_slots_c`` or ``_slots_py`` (see ``kvref._backend``); ``kvref/memory/_slots_py.py``
-states it in full.
+The functions take the cache and work through what `SlotCache` names of it (``cells(stream)``, ``heads``,
+``seq_to_stream``, ``n_swa``/``swa_type``, ...); ``KVCache`` exposes them as methods. The per-cell
+work (find_slot's walk over one stream, the checks on apply_ubatch's target cells) is done by the twin module
+that ``KVREF_BACKEND`` picks, ``_slots_c`` or ``_slots_py`` (``kvref.memory.slot_kernels``);
+``kvref/memory/_slots_py.py`` states it in full.
 
 Rules (llama-kv-cache.cpp as the default profile's llama.cpp has them; older builds differ only where noted):
 
@@ -35,24 +35,21 @@ errors, at the same point) and restores the heads as llama.cpp does.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
 
-from .._backend import select
 from ..errors import BatchError, KVRefError
 from . import _slots_py
+from . import slot_kernels as _kernels
 from .cells import LLAMA_MAX_SEQ, TOKEN_NULL, KVCells
 
 if TYPE_CHECKING:
+    from ..hparams import HParams, SWAType
     from .batch import UBatch
-    from .kv_cache import KVCache
 
-_impl = select("memory.slots")
-BACKEND = "cython" if _impl.__name__.endswith("_c") else "python"
-# the twin module itself: kvref.memory.batch hands it the allocator's per-token work (``single_seq_ids``, ...)
-kernels = _impl
+BACKEND = _kernels.BACKEND
 CellIdxs = list[int] | npt.NDArray[np.int64]  # one stream's cells of a slot
 
 
@@ -104,8 +101,29 @@ class SlotInfo:
         return ix == list(range(h, h + len(ix)))
 
 
+class SlotCache(Protocol):
+    """What the slot code reads and writes of the KV cache it places ubatches in (a `kvref.memory.kv_cache.KVCache`):
+    each stream's cells and head (``heads[s]`` is assigned), the stream of each sequence, the sliding window, the
+    model (apply_ubatch's ext values), and the cache's own sequence check and head update."""
+
+    @property
+    def hparams(self) -> HParams: ...
+    @property
+    def heads(self) -> list[int]: ...
+    @property
+    def seq_to_stream(self) -> list[int]: ...
+    @property
+    def n_swa(self) -> int: ...
+    @property
+    def swa_type(self) -> SWAType: ...
+    def cells(self, stream: int) -> KVCells: ...
+    def get_n_stream(self) -> int: ...
+    def check_seq(self, seq_id: object, name: str = "seq_id") -> int: ...
+    def _lower_head(self, stream: int, new_head: int) -> None: ...
+
+
 # ---------------------------------------------------------------------------------------------- helpers
-def usable_cells(cache: KVCache, stream: int) -> npt.NDArray[np.bool_]:
+def usable_cells(cache: SlotCache, stream: int) -> npt.NDArray[np.bool_]:
     """find_slot's "can use" test for every cell of a stream (bool array), for inspection.
 
     find_slot itself tests only the cells it walks over (see ``kvref/memory/_slots_py.py``).
@@ -115,7 +133,7 @@ def usable_cells(cache: KVCache, stream: int) -> npt.NDArray[np.bool_]:
 
 
 # ---------------------------------------------------------------------------------------------- find_slot
-def find_slot(cache: KVCache, ubatch: UBatch, cont: bool = False) -> SlotInfo | None:
+def find_slot(cache: SlotCache, ubatch: UBatch, cont: bool = False) -> SlotInfo | None:
     """Find cells for every token of the ubatch without changing anything; None when it does not fit."""
     n_tokens = int(ubatch.n_tokens)
     n_seqs = 1
@@ -141,28 +159,30 @@ def find_slot(cache: KVCache, ubatch: UBatch, cont: bool = False) -> SlotInfo | 
         s0 = min(s0, strm)
         s1 = max(s1, strm)
         strms.append(strm)
-        idxs = _impl.find_cells(cache.cells(strm), cache.heads[strm], n_tokens, cont, cache.n_swa, cache.swa_type)
+        idxs = _kernels.impl.find_cells(
+            cache.cells(strm), cache.heads[strm], n_tokens, cont, cache.n_swa, cache.swa_type
+        )
         if idxs is None:
             return None
         all_idxs.append(idxs.tolist())
     return SlotInfo(s0, s1, strms, all_idxs)
 
 
-def find_slot_seq(cache: KVCache, seq_id: int, n_tokens: int, cont: bool = False) -> SlotInfo | None:
+def find_slot_seq(cache: SlotCache, seq_id: int, n_tokens: int, cont: bool = False) -> SlotInfo | None:
     """``find_slot`` of a ubatch of ``n_tokens`` tokens that all belong to ``seq_id`` alone (the ubatch a sequence
     restore reserves), without building it (find_slot reads only the count and the sequence); the slot holds the
     cells as find_cells' int64 array (8 bytes a cell, where a list of ints takes 40)."""
     if not 0 <= seq_id < len(cache.seq_to_stream):
         cache.check_seq(seq_id)  # raises
     strm = cache.seq_to_stream[seq_id]
-    idxs = _impl.find_cells(cache.cells(strm), cache.heads[strm], n_tokens, cont, cache.n_swa, cache.swa_type)
+    idxs = _kernels.impl.find_cells(cache.cells(strm), cache.heads[strm], n_tokens, cont, cache.n_swa, cache.swa_type)
     if idxs is None:
         return None
     return SlotInfo(strm, strm, [strm], [idxs])
 
 
 # ---------------------------------------------------------------------------------------------- apply
-def _check_seq_ids(cache: KVCache, seq_ids: list[list[int]]) -> None:
+def _check_seq_ids(cache: SlotCache, seq_ids: list[list[int]]) -> None:
     """``cache.check_seq`` of every sequence id of these tokens (their range is checked in one go first)."""
     flat = [sid for ids in seq_ids for sid in ids]
     try:
@@ -174,7 +194,7 @@ def _check_seq_ids(cache: KVCache, seq_ids: list[list[int]]) -> None:
         cache.check_seq(int(sid))
 
 
-# per stream: the used target cells ((cell, seq_id, pos) each) and the tokens' sequence ids (_impl.seq_flat, or None)
+# per stream: the used target cells ((cell, seq_id, pos) each) and the tokens' sequence ids (seq_flat's, or None)
 # (ApplyChecks: what apply_ubatch's checks found, for apply_checked)
 _Ints = int | npt.NDArray[np.int64] | npt.NDArray[np.int32]  # one value for every token, or one per token
 _SeqFlat = tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int, int, bool]
@@ -182,7 +202,7 @@ _Plan = tuple[list[list[tuple[int, int, int]]], list[_SeqFlat | None]]
 ApplyChecks = _Plan
 
 
-def _apply_checks(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch) -> _Plan:
+def _apply_checks(cache: SlotCache, sinfo: SlotInfo, ubatch: UBatch) -> _Plan:
     """What apply_ubatch checks before it changes anything, in its order: the slot size, then per stream the target
     cells (llama.cpp asserts a used target holds exactly one sequence) and the tokens' sequence ids."""
     size = sinfo.size()
@@ -192,9 +212,9 @@ def _apply_checks(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch) -> _Plan:
     used, seqs = [], []
     n_seq_ok = len(cache.seq_to_stream)
     for s in range(n_stream):
-        used.append(_impl.used_targets(cache.cells(sinfo.strm[s]), sinfo.idxs[s], size))
+        used.append(_kernels.impl.used_targets(cache.cells(sinfo.strm[s]), sinfo.idxs[s], size))
         rows = ubatch.seq_id[s * size : (s + 1) * size]
-        flat = _impl.seq_flat(rows)
+        flat = _kernels.impl.seq_flat(rows)
         if flat is None:
             _check_seq_ids(cache, rows)
         elif flat[2] < 0 or flat[3] >= n_seq_ok:
@@ -205,7 +225,7 @@ def _apply_checks(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch) -> _Plan:
 
 
 def _ext_values(
-    cache: KVCache, ubatch: UBatch, pos_all: npt.NDArray[np.int64], rows: slice[int, int, None]
+    cache: SlotCache, ubatch: UBatch, pos_all: npt.NDArray[np.int64], rows: slice[int, int, None]
 ) -> tuple[_Ints, _Ints, _Ints] | None:
     """The (x, y, tok) apply_ubatch writes into the cells of ``rows`` (arrays or one value for all); None when it
     leaves the ext as it is: ext is written when the batch has 2-D positions, token ids, or the model has per-layer
@@ -230,18 +250,18 @@ def _ext_values(
     return xs, ys, toks
 
 
-def apply_ubatch(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch) -> None:
+def apply_ubatch(cache: SlotCache, sinfo: SlotInfo, ubatch: UBatch) -> None:
     """Write the ubatch's tokens into the cells of ``sinfo`` (llama_kv_cache::apply_ubatch)."""
     _apply_writes(cache, sinfo, ubatch, _apply_checks(cache, sinfo, ubatch))
 
 
-def apply_checked(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch, checked: ApplyChecks) -> None:
+def apply_checked(cache: SlotCache, sinfo: SlotInfo, ubatch: UBatch, checked: ApplyChecks) -> None:
     """``apply_ubatch`` whose checks ``prepare_checked`` already made: valid only while the cells are as that
     prepare left them (a decode step applying its only ubatch right after preparing it)."""
     _apply_writes(cache, sinfo, ubatch, checked)
 
 
-def _apply_writes(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch, plan: _Plan) -> None:
+def _apply_writes(cache: SlotCache, sinfo: SlotInfo, ubatch: UBatch, plan: _Plan) -> None:
     used, seqs = plan
     size = len(sinfo.idxs[0])
     pos_all = np.asarray(ubatch.pos, dtype=np.int64)
@@ -288,7 +308,7 @@ def _apply_writes(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch, plan: _Plan) 
         cache.heads[sinfo.strm[s]] = int(sinfo.idxs[s][-1]) + 1
 
 
-def purge_below(cache: KVCache, removed: dict[int, int]) -> None:
+def purge_below(cache: SlotCache, removed: dict[int, int]) -> None:
     """apply_ubatch's last writes: each sequence that lost a cell to the ubatch (``removed``: sequence -> highest
     position removed) loses its cells from its seq_pos_min up to that position, so its positions stay gap-free
     (llama.cpp's seq_rm: the freed cells also lower the stream's head, as ``KVCache.seq_rm`` does)."""
@@ -300,7 +320,7 @@ def purge_below(cache: KVCache, removed: dict[int, int]) -> None:
             cache._lower_head(stream, cells.seq_rm_range(sid, p_min, removed[sid] + 1))
 
 
-def _writes_cannot_fail(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch, plan: _Plan) -> bool:
+def _writes_cannot_fail(cache: SlotCache, sinfo: SlotInfo, ubatch: UBatch, plan: _Plan) -> bool:
     """True when apply_ubatch, its checks passed (``plan``), only fills empty cells and none of its writes can
     refuse: no target cell is used (so nothing is removed or purged), every token has one sequence id, positions
     and ext values fit (``KVCells.place`` with ``check``). Such an apply is undone exactly by prepare's restore."""
@@ -319,7 +339,7 @@ def _writes_cannot_fail(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch, plan: _
 
 
 # ---------------------------------------------------------------------------------------------- prepare
-def prepare(cache: KVCache, ubatches: list[UBatch]) -> list[SlotInfo]:
+def prepare(cache: SlotCache, ubatches: list[UBatch]) -> list[SlotInfo]:
     """Check that all ubatches fit, one after the other; returns their slots, or [] when one does not fit.
 
     The cells and heads are restored afterwards (see the module docstring for what is not restored). The last
@@ -329,7 +349,7 @@ def prepare(cache: KVCache, ubatches: list[UBatch]) -> list[SlotInfo]:
     return prepare_checked(cache, ubatches)[0]
 
 
-def prepare_checked(cache: KVCache, ubatches: list[UBatch]) -> tuple[list[SlotInfo], ApplyChecks | None]:
+def prepare_checked(cache: SlotCache, ubatches: list[UBatch]) -> tuple[list[SlotInfo], ApplyChecks | None]:
     """``prepare``, and apply_ubatch's checks of the last ubatch when prepare only checked it (else None), for
     `apply_checked`."""
     if not ubatches:
@@ -384,6 +404,7 @@ def _any_shift(cells: KVCells, idxs: CellIdxs) -> bool:
 
 __all__ = [
     "ApplyChecks",
+    "SlotCache",
     "SlotInfo",
     "apply_checked",
     "apply_ubatch",

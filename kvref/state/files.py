@@ -22,7 +22,7 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from io import BytesIO
-from typing import TYPE_CHECKING, BinaryIO
+from typing import BinaryIO
 
 import numpy as np
 import numpy.typing as npt
@@ -42,9 +42,7 @@ from .legacy import (
     write_seq_v1,
 )
 from .sections import MEMORY, MemorySections
-
-if TYPE_CHECKING:
-    from .summary import Summary
+from .summary import Summary, summarize
 
 Check = Callable[[int, Env], str | None]
 
@@ -105,8 +103,6 @@ class StateObject(Record):
 
     def summary(self) -> Summary:
         """A JSON-ready description (`kvref.state.summary.summarize`): what ``kvref inspect --json`` prints."""
-        from .summary import summarize
-
         return summarize(self)
 
 

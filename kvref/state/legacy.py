@@ -51,7 +51,7 @@ from __future__ import annotations
 
 import struct
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -66,7 +66,6 @@ from .sections import KVData, KVSection, KVStream, LayerRows, MemorySections, Tr
 
 if TYPE_CHECKING:
     from ..hparams import HParams
-    from .files import LegacySessionFile, LegacyStateBlob
 
 # the session version of the era, the oldest kvref reads
 SESSION_VERSION_RNG = 8
@@ -612,24 +611,63 @@ def write_seq_v1(raw: RawSeq, tokens: npt.NDArray[np.int32] | None, w: Writer) -
         w.array(x.data, "rows")
 
 
-def write_raw_kv(obj: LegacySessionFile | LegacyStateBlob, w: Writer) -> None:
+class RawOutputs(Protocol):
+    """The output block `write_raw_kv` writes (a `kvref.state.files.Outputs`)."""
+
+    @property
+    def output_pos(self) -> npt.NDArray[np.int32]: ...
+    @property
+    def logits(self) -> npt.NDArray[np.float32]: ...
+    @property
+    def embeddings(self) -> npt.NDArray[np.float32]: ...
+
+
+class RawKVState(Protocol):
+    """What `write_raw_kv` writes of a state of session version 5 .. 7 (a `kvref.state.files.LegacyStateBlob`, or a
+    `RawKVSession`): its kind, rng, outputs and KV section as read."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def rng(self) -> str | None: ...
+    @property
+    def outputs(self) -> RawOutputs | None: ...
+    @property
+    def raw_kv(self) -> RawKV | None: ...
+
+
+class RawKVSession(RawKVState, Protocol):
+    """A `RawKVState` of kind "session" (a `kvref.state.files.LegacySessionFile`): its file header too."""
+
+    @property
+    def magic(self) -> int: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def hparams_raw(self) -> bytes: ...
+    @property
+    def tokens(self) -> npt.NDArray[np.int32]: ...
+
+
+def write_raw_kv(obj: RawKVState, w: Writer) -> None:
     """The v5 .. v7 bytes of ``obj``: its header, tokens, rng and outputs, and its KV section as read (``raw_kv``)."""
     raw = obj.raw_kv
     if raw is None or obj.rng is None or obj.outputs is None:
         raise FormatError("a session version 5 .. 7 state is written back only as read (raw KV, rng, outputs)",
                           field="version", offset=w.n)  # fmt: skip
     if obj.kind == "session":
-        version, hparams = getattr(obj, "version", None), getattr(obj, "hparams_raw", b"")
-        ver = RAW_KV_VERSIONS.get(version)  # type: ignore[arg-type]
+        f = cast("RawKVSession", obj)
+        version, hparams = f.version, f.hparams_raw
+        ver = RAW_KV_VERSIONS.get(version)
         # what `read_raw_kv` reads back: the hparams size and v_trans field of the version
         if ver is None or len(hparams) != ver.hparams_size or raw.v_trans_field != ver.v_trans_field:
             raise FormatError(f"session version {version} with a {len(hparams)}-byte hparams struct: kvref writes "
                               "versions 5 .. 7 back only as read", field="hparams", offset=w.n + 8)  # fmt: skip
-        w.u32(obj.magic, "magic")  # type: ignore[union-attr]
-        w.u32(obj.version, "version")  # type: ignore[union-attr]
-        w.raw(obj.hparams_raw)  # type: ignore[union-attr]
-        w.u32(len(obj.tokens), "n_token_count")  # type: ignore[union-attr]
-        w.array(np.asarray(obj.tokens, np.int32), "tokens")  # type: ignore[union-attr]
+        w.u32(f.magic, "magic")
+        w.u32(f.version, "version")
+        w.raw(f.hparams_raw)
+        w.u32(len(f.tokens), "n_token_count")
+        w.array(np.asarray(f.tokens, np.int32), "tokens")
     rng = obj.rng.encode("ascii")
     w.u64(len(rng), "rng_size")
     w.raw(rng)
@@ -664,7 +702,10 @@ __all__ = [
     "SESSION_VERSION_RNG",
     "RawKV",
     "RawKVParts",
+    "RawKVSession",
+    "RawKVState",
     "RawKVVersion",
+    "RawOutputs",
     "RawSeq",
     "RngField",
     "check_rng",

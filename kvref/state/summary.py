@@ -5,7 +5,8 @@ Only metadata is touched (cell tables, layer headers); tensor rows are reported 
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, TypeAlias, cast
+from collections.abc import Sized
+from typing import Protocol, TypeAlias, cast
 
 import numpy as np
 import numpy.typing as npt
@@ -13,13 +14,64 @@ import numpy.typing as npt
 from ..errors import FormatError
 from .cells import Cells
 from .constants import Magic
-from .sections import KVSection, LayerRows, RecurrentSection, TransposedRows
-
-if TYPE_CHECKING:
-    from .files import SeqFile, SeqStateBlob, SessionFile, StateBlob, StateObject
+from .sections import KVSection, LayerRows, MemorySections, RecurrentSection, TransposedRows
 
 Json: TypeAlias = "bool | int | float | str | list[Json] | dict[str, Json] | None"
 Summary: TypeAlias = "dict[str, Json]"
+
+
+class Container(Protocol):
+    """What `summarize` reads of every container (a `kvref.state.files.StateObject`): its kind, its memory and the
+    note `kvref.state.load` may leave; by kind, the fields of a `FileHeader` ("session", "seq"), a `ContextHeader`
+    ("session", "state") or a `SeqBlobHeader` ("seq_state")."""
+
+    @property
+    def kind(self) -> str: ...
+    @property
+    def memory(self) -> MemorySections: ...
+    @property
+    def note(self) -> str | None: ...
+
+
+class FileHeader(Protocol):
+    """The header of a session or sequence file (`kvref.state.files.SessionFile`, ``SeqFile``)."""
+
+    @property
+    def magic(self) -> int: ...
+    @property
+    def version(self) -> int: ...
+    @property
+    def tokens(self) -> npt.NDArray[np.int32]: ...
+
+
+class OutputBlock(Protocol):
+    """The v9 output block, by its sizes (a `kvref.state.files.Outputs`)."""
+
+    @property
+    def output_pos(self) -> Sized: ...
+    @property
+    def logits(self) -> Sized: ...
+    @property
+    def embeddings(self) -> Sized: ...
+
+
+class ContextHeader(Protocol):
+    """What precedes the memory in a context state (`kvref.state.files.SessionFile`, ``StateBlob``)."""
+
+    @property
+    def arch(self) -> str: ...
+    @property
+    def outputs(self) -> OutputBlock | None: ...
+    @property
+    def rng(self) -> str | None: ...
+
+
+class SeqBlobHeader(Protocol):
+    """The prefix of a sequence blob (`kvref.state.files.SeqStateBlob`): the id it was saved from, or None."""
+
+    @property
+    def seq_id(self) -> int | None: ...
+
 
 _N_FIRST_TOKENS = 16
 
@@ -102,21 +154,21 @@ def _token_field(tokens: npt.NDArray[np.int32]) -> Summary:
     return out
 
 
-def summarize(obj: StateObject) -> Summary:
+def summarize(obj: Container) -> Summary:
     """The JSON-ready description of a session file, sequence file or blob (see the module docstring)."""
-    # narrowed by the container's ``kind`` (files.py imports this module, so no isinstance on its classes here)
+    # narrowed by the container's ``kind`` (the containers of kvref.state.files are built on this module)
     out: Summary = {"format": obj.kind}
     if obj.kind in ("session", "seq"):
-        f = cast("SessionFile | SeqFile", obj)
+        f = cast("FileHeader", obj)
         out["magic"] = Magic(f.magic).to_bytes(4, "big").decode("latin-1")
         out["version"] = f.version
         out["n_tokens"] = len(f.tokens)
         out["first_tokens"] = [int(t) for t in f.tokens[:_N_FIRST_TOKENS]]
         out["token_field"] = _token_field(f.tokens)
     if obj.kind == "seq_state":
-        out["seq_id"] = cast("SeqStateBlob", obj).seq_id
+        out["seq_id"] = cast("SeqBlobHeader", obj).seq_id
     if obj.kind in ("session", "state"):
-        c = cast("SessionFile | StateBlob", obj)
+        c = cast("ContextHeader", obj)
         out["arch"] = c.arch
         o = c.outputs
         if o is not None:
@@ -124,10 +176,19 @@ def summarize(obj: StateObject) -> Summary:
         if c.rng is not None:  # session version 8 (2024): the sampler's std::mt19937, as text (state/legacy.py)
             out["rng"] = {"bytes": len(c.rng)}
     out["layout"] = obj.memory.layout
-    if getattr(obj, "note", None):
+    if obj.note:
         out["note"] = obj.note
     out["sections"] = [_kv(s) if isinstance(s, KVSection) else _recurrent(s) for s in obj.memory.sections]
     return out
 
 
-__all__ = ["Json", "Summary", "summarize"]
+__all__ = [
+    "Container",
+    "ContextHeader",
+    "FileHeader",
+    "Json",
+    "OutputBlock",
+    "SeqBlobHeader",
+    "Summary",
+    "summarize",
+]
