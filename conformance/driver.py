@@ -92,7 +92,7 @@ PRODUCERS = {
         "whole_restore_last_stream": True,
     },
     # 0.3.0 (September 2024, the first of session v9): 0.2.90's llama.cpp without the rng string (the sampler
-    # refactor dropped it and bumped the version); no memory API yet (generate.py installs generate_legacy's shim)
+    # refactor dropped it and bumped the version); no memory API yet (generate.py installs shim_2024's shim)
     "0.3.0": {
         "llama_cpp_commit": "ea9c32be71b91b42ecc538bd902e93cbb5fb36cb",  # CHANGELOG.md of the sdist
         "llama_cpp_commit_date": "2024-09-25",
@@ -130,7 +130,7 @@ PRODUCERS = {
         },
     },
     # 0.2.90 (August 2024): session v8 = the 0.3.12 layout plus the sampler's rng string after the arch; no
-    # memory API (generate_legacy.py maps driver's calls onto llama_kv_cache_*); no SWA, no M-RoPE yet
+    # memory API (shim_2024.py maps driver's calls onto llama_kv_cache_*); no SWA, no M-RoPE yet
     "0.2.90": {
         "llama_cpp_commit": "1d1ccce67613674c75c9c7e3fa4c1e24e428ba48",
         "llama_cpp_commit_date": None,

@@ -69,3 +69,28 @@ def test_the_memory_wing_names_the_factory_exports() -> None:
     assert tuple(factory.__all__) == memory.FACTORY_NAMES
     with pytest.raises(AttributeError, match="no attribute 'nothing'"):
         memory.nothing  # noqa: B018
+
+
+# the wings in import order: a module may import its own wing and the ones before it, never one after
+WING_ORDER = ["kvref", "kvref.ggml", "kvref.state", "kvref.memory", "kvref.jobs"]
+# the package's face and entry points stand above every wing
+ABOVE_THE_WINGS = ("kvref", "kvref.__main__", "kvref.cells", "kvref.mask", "kvref._moved")
+
+
+def _wing(module: str) -> int:
+    parts = module.split(".")
+    name = ".".join(parts[:2]) if len(parts) > 2 or (len(parts) == 2 and parts[1] in WINGS) else "kvref"
+    return WING_ORDER.index(name)
+
+
+def test_imports_go_one_way_between_wings() -> None:
+    from test_import_graph import import_graph
+
+    wrong = [
+        f"{src} -> {dst}"
+        for src, dsts in import_graph().items()
+        if src.startswith("kvref") and src not in ABOVE_THE_WINGS
+        for dst in dsts
+        if dst.startswith("kvref") and _wing(dst) > _wing(src)
+    ]
+    assert not wrong, wrong

@@ -168,3 +168,15 @@ def test_save_memory_refuses_a_fifo_untouched(tmp_path: Path) -> None:
     with pytest.raises(SaveTargetError, match="is a FIFO"):
         kvref.save_memory(mem, fifo, kind="seq", seq_id=0)
     assert stat.S_ISFIFO(os.stat(fifo).st_mode) and sorted(p.name for p in tmp_path.iterdir()) == ["pipe"]
+
+
+def test_a_saved_state_has_a_one_line_repr(tmp_path: Path) -> None:
+    import kvref
+
+    hp = kvref.HParams.from_gguf(Path(__file__).resolve().parent.parent / "conformance" / "models" / "llama-tiny.gguf")
+    mem = kvref.create_memory(hp, n_ctx=64, n_seq_max=1)
+    mem.decode(kvref.Batch(tokens=list(range(1, 9)), seq_ids=[[0]] * 8))
+    out = kvref.save_memory(mem, tmp_path / "s.ggsn", tokens=list(range(1, 9)))
+    assert repr(out) == "<SessionFile version 10: arch 'llama', kv memory, 1 stream, 8 cells, 8 tokens>"
+    old = kvref.save_memory(mem, tmp_path / "old.ggsq", kind="seq", seq_id=0, era="2025")
+    assert repr(old) == "<SeqFile version 2: kv memory, 1 stream, 8 cells, 0 tokens>"

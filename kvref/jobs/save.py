@@ -93,8 +93,9 @@ def save_memory(
     (-1 for the others); ``tokens`` the token list of a file; ``arch`` the arch string (default the model's);
     ``flags`` LLAMA_STATE_SEQ_FLAGS (PARTIAL_ONLY: only the SWA cache of an iSWA memory / the recurrent part of
     a hybrid); ``era`` (or its alias ``compat``) the layout to write (an era name, compat name, release or
-    Profile; default the memory's own). ``sidecar=True`` writes ``<path>.kvref.json`` too (``model``: the GGUF
-    file, for its sha256). Raises ConversionError when the era cannot hold the memory's content.
+    Profile; default the memory's own: a memory `kvref.restore` built from an older file writes that file's
+    layout again, pass ``era="2026-10"`` to upgrade). ``sidecar=True`` writes ``<path>.kvref.json`` too
+    (``model``: the GGUF file, for its sha256). Raises ConversionError when the era cannot hold the memory's content.
     """
     if era is not None and compat is not None and era != compat:
         raise ArgumentError("era= and compat= name the same thing: pass one")

@@ -105,6 +105,23 @@ class StateObject(Record):
         """A JSON-ready description (`kvref.state.summary.summarize`): what ``kvref inspect --json`` prints."""
         return summarize(self)
 
+    def __repr__(self) -> str:
+        """One line (the rows are not printed): ``<SeqFile version 3: kv memory, 1 stream, 10 cells, 10 tokens>``."""
+        version = getattr(self, "version", None)
+        streams = [st for sec in self.memory.kv_sections for st in sec.streams]
+        cells = sum(st.cells.n for st in streams if st.cells is not None)
+        cells += sum(sec.cell_count for sec in self.memory.recurrent_sections)
+        parts = [f"{self.memory.layout} memory", f"{len(streams)} stream{'s' if len(streams) != 1 else ''}",
+                 f"{cells} cell{'s' if cells != 1 else ''}"]  # fmt: skip
+        tokens = getattr(self, "tokens", None)
+        if tokens is not None:
+            parts.append(f"{len(tokens)} token{'s' if len(tokens) != 1 else ''}")
+        arch = getattr(self, "arch", None)
+        if arch:
+            parts.insert(0, f"arch {arch!r}")
+        head = type(self).__name__ + (f" version {version}" if version is not None else "")
+        return f"<{head}: {', '.join(parts)}>"
+
 
 @dataclass(eq=False)
 class Outputs(Record):
@@ -115,7 +132,7 @@ class Outputs(Record):
     embeddings: npt.NDArray[np.float32]
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class SessionFile(StateObject):
     """A session file (llama_state_save_file, magic 'ggsn'): version, tokens, then the context state.
 
@@ -133,7 +150,7 @@ class SessionFile(StateObject):
     kind = "session"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class SeqFile(StateObject):
     """A sequence file (llama_state_seq_save_file, magic 'ggsq'): version, tokens, then one sequence's memory."""
 
@@ -145,7 +162,7 @@ class SeqFile(StateObject):
     kind = "seq"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class StateBlob(StateObject):
     """A llama_state_get_data blob: the context state (arch, the v9 output block when present, memory)."""
 
@@ -157,7 +174,7 @@ class StateBlob(StateObject):
     kind = "state"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class SeqStateBlob(StateObject):
     """``seq_id`` is the id the blob was saved from (None for blobs without the io_magic prefix)."""
 
@@ -168,7 +185,7 @@ class SeqStateBlob(StateObject):
     kind = "seq_state"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class LegacySessionFile(SessionFile):
     """A session file of version 5, 6 or 7 (`kvref.state.legacy`): written back as read, its KV section from ``raw_kv``
     (``memory`` is what a later llama.cpp writes for the same cache); `kvref.state.eras.to_era` upgrades it."""
@@ -180,7 +197,7 @@ class LegacySessionFile(SessionFile):
         return _written(f, lambda w: write_raw_kv(self, w))
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class LegacyStateBlob(StateBlob):
     """A state blob of the llama.cpp of session versions 5 .. 7 (llama_copy_state_data); see `LegacySessionFile`."""
 
@@ -190,7 +207,7 @@ class LegacyStateBlob(StateBlob):
         return _written(f, lambda w: write_raw_kv(self, w))
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class LegacySeqFile(SeqFile):
     """A sequence file of version 1 (`kvref.state.legacy.read_seq_v1`): written back as read from ``raw_seq``;
     ``memory`` is the same cells and rows in the layout of version 2 (cells without seq id, as in 2024)."""
@@ -203,7 +220,7 @@ class LegacySeqFile(SeqFile):
         return _written(f, lambda w: write_seq_v1(raw, tokens, w))
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, repr=False)
 class LegacySeqStateBlob(SeqStateBlob):
     """A llama_state_seq_get_data blob of the llama.cpp of sequence version 1; see `LegacySeqFile`."""
 
