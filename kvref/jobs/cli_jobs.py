@@ -10,7 +10,11 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-from typing import Any
+from typing import TYPE_CHECKING, cast
+
+if TYPE_CHECKING:
+    from ..state import KVSection, StateObject
+    from ..state.summary_types import StateSummary
 
 # the label of each section of a layout, in write order (kvref inspect's headings)
 SECTION_LABELS: dict[str, tuple[str, ...]] = {
@@ -29,7 +33,7 @@ def plural(n: int, word: str) -> str:
     return f"{n} {word}{'' if n == 1 else 's'}"
 
 
-def enrich_summary(summary: dict[str, Any], obj: Any, size: int | None) -> dict[str, Any]:
+def enrich_summary(summary: StateSummary, obj: StateObject, size: int | None) -> StateSummary:
     """Add what ``kvref inspect`` shows beyond ``obj.summary()``: ``file_size``, ``eras`` (the eras whose layout
     the state has), every section's ``label``, and the full ``tokens`` list."""
     from ..state.eras import ERAS, matching_eras
@@ -41,11 +45,13 @@ def enrich_summary(summary: dict[str, Any], obj: Any, size: int | None) -> dict[
     labels = SECTION_LABELS.get(obj.memory.layout, ())
     for i, sec in enumerate(summary.get("sections", [])):
         sec["label"] = labels[i] if i < len(labels) else sec["kind"]
-        note = rotation_note(obj.memory.sections[i], eras) if sec["kind"] == "kv" else None
-        if note:
-            sec["rotation"] = note
-    if hasattr(obj, "tokens"):
-        summary["tokens"] = [int(t) for t in obj.tokens]
+        if sec["kind"] == "kv":
+            note = rotation_note(cast("KVSection", obj.memory.sections[i]), eras)  # the summary's kind
+            if note:
+                sec["rotation"] = note
+    tokens = getattr(obj, "tokens", None)  # session and sequence files
+    if tokens is not None:
+        summary["tokens"] = [int(t) for t in tokens]
     return summary
 
 
@@ -227,7 +233,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def rotation_note(sec: Any, eras: list[str]) -> str | None:
+def rotation_note(sec: KVSection, eras: list[str]) -> str | None:
     """``kvref inspect``'s line on llama.cpp's attention rotation for a KV section (None when it cannot apply)."""
     from ..ggml.types import traits
     from .tensors import era_rotates
