@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypedDict
 
 from . import _backend, _moved, errors
 from .constants import LLAMA_MAX_SEQ
@@ -95,7 +95,18 @@ def backend() -> str:
     return BACKEND
 
 
-def about() -> dict[str, str]:
+class About(TypedDict):
+    """What `about` returns: kvref's version, the active backend, the default compat generation, and the
+    llama-cpp-python release and llama.cpp commit it follows."""
+
+    kvref: str
+    backend: str
+    compat: str
+    llama_cpp_python: str
+    llama_cpp: str
+
+
+def about() -> About:
     """What this kvref is: its version, the active backend, and the llama.cpp it follows by default."""
     from .compat import DEFAULT, NAMED, REFERENCE_COMMIT
 
@@ -133,6 +144,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "LLAMA_MAX_SEQ",
+    "About",
     "BatchError",
     "CellError",
     "FormatError",
