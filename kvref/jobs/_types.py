@@ -29,7 +29,5 @@ AnySlot: TypeAlias = "SlotInfo | ISWASlot | HybridSlot | RecurrentSlot"
 StateSource: TypeAlias = "Source | StateObject"
 # a model: a GGUF file, or its hyper-parameters
 ModelSource: TypeAlias = "str | os.PathLike[str] | HParams"
-# a path a job writes
-PathLike: TypeAlias = "str | os.PathLike[str]"
 
-__all__ = ["AnyMemory", "AnySlot", "LeafMemory", "ModelSource", "PathLike", "StateSource"]
+__all__ = ["AnyMemory", "AnySlot", "LeafMemory", "ModelSource", "StateSource"]
