@@ -8,11 +8,45 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from . import _backend, _moved, errors
 from .constants import LLAMA_MAX_SEQ
 from .errors import BatchError, CellError, FormatError, KVRefError, NoSlotError, SequenceError
+
+if TYPE_CHECKING:  # what __getattr__ hands out, as the type checker sees it (imported on first use at run time)
+    from . import cells as cells
+    from . import compat as compat
+    from . import ggml as ggml
+    from . import hparams as hparams
+    from . import jobs as jobs
+    from . import mask as mask
+    from . import memory as memory
+    from . import state as state
+    from .errors import HParamsError as HParamsError
+    from .ggml.types import GGMLType as GGMLType
+    from .hparams import HParams as HParams
+    from .hparams import RopeType as RopeType
+    from .hparams import SWAType as SWAType
+    from .jobs.check import check_file as check_file
+    from .jobs.convert import convert as convert
+    from .jobs.diff import diff as diff
+    from .jobs.restore import Restored as Restored
+    from .jobs.restore import restore as restore
+    from .jobs.save import save_memory as save_memory
+    from .memory.batch import Batch as Batch
+    from .memory.batch import BatchAllocr as BatchAllocr
+    from .memory.batch import UBatch as UBatch
+    from .memory.cells import KVCells as KVCells
+    from .memory.factory import Memory as Memory
+    from .memory.factory import context_params as context_params
+    from .memory.factory import create_memory as create_memory
+    from .memory.hybrid import HybridMemory as HybridMemory
+    from .memory.kv_cache import KVCache as KVCache
+    from .memory.kv_cache import SlotInfo as SlotInfo
+    from .memory.kv_cache_iswa import KVCacheISWA as KVCacheISWA
+    from .memory.recurrent import RecurrentMemory as RecurrentMemory
+    from .profile import Profile as Profile
 
 __version__ = "0.1.0"
 
@@ -61,7 +95,18 @@ def backend() -> str:
     return BACKEND
 
 
-def about() -> dict[str, str]:
+class About(TypedDict):
+    """What `about` returns: kvref's version, the active backend, the default compat generation, and the
+    llama-cpp-python release and llama.cpp commit it follows."""
+
+    kvref: str
+    backend: str
+    compat: str
+    llama_cpp_python: str
+    llama_cpp: str
+
+
+def about() -> About:
     """What this kvref is: its version, the active backend, and the llama.cpp it follows by default."""
     from .compat import DEFAULT, NAMED, REFERENCE_COMMIT
 
@@ -83,7 +128,7 @@ def about_line() -> str:
     )
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> object:  # every public name is typed above; this serves kvref 0.1's moved paths
     if name in _LAZY:
         value = getattr(importlib.import_module(_LAZY[name]), name)
         globals()[name] = value  # resolved once: later lookups are plain attribute reads (kvref.Batch in a loop)
@@ -99,6 +144,7 @@ def __dir__() -> list[str]:
 
 __all__ = [
     "LLAMA_MAX_SEQ",
+    "About",
     "BatchError",
     "CellError",
     "FormatError",

@@ -12,11 +12,12 @@ the per-arch ``load_arch_hparams`` of the architectures listed in ``SUPPORTED_AR
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Literal, TypedDict, TypeVar, cast, overload
 
 import numpy as np
+import numpy.typing as npt
 
 from ._backend import select
 from .archs import _ARCH_ROPE_IF_MROPE, ARCH_ROPE_TYPE, HYBRID_ARCHS, RECURRENT_ARCHS
@@ -26,7 +27,22 @@ from .errors import HParamsError
 _gguf = select("gguf")  # the walk over a vocabulary's strings: kvref/_gguf_py.py, or its Cython twin
 
 
-def is_masked_swa(n_swa: int, swa_type: SWAType | int, p0: Any, p1: Any) -> Any:
+_Positions = npt.NDArray[np.int32] | npt.NDArray[np.int64]  # positions (cells keep int32, batches int64)
+
+
+@overload
+def is_masked_swa(n_swa: int, swa_type: SWAType | int, p0: int, p1: int) -> bool: ...
+@overload
+def is_masked_swa(
+    n_swa: int, swa_type: SWAType | int, p0: _Positions, p1: _Positions | int
+) -> npt.NDArray[np.bool_]: ...
+@overload
+def is_masked_swa(n_swa: int, swa_type: SWAType | int, p0: int, p1: _Positions) -> npt.NDArray[np.bool_]: ...
+
+
+def is_masked_swa(
+    n_swa: int, swa_type: SWAType | int, p0: _Positions | int, p1: _Positions | int
+) -> bool | npt.NDArray[np.bool_]:
     """llama_hparams::is_masked_swa: is key position p0 outside the window of query position p1.
 
     ``p0`` and ``p1`` are ints (the result is a bool) or NumPy integer arrays (elementwise, broadcast).
@@ -55,17 +71,21 @@ def swa_pattern(n_layer: int, n_pattern: int, dense_first: bool = False) -> tupl
     return tuple(n_pattern == 0 or il % n_pattern < n_pattern - 1 for il in range(n_layer))
 
 
-def _per_layer(name: str, value: Any, n_layer: int, conv: type) -> Any:
+_V = TypeVar("_V", int, bool)  # a per-layer field's value: a count or a flag
+
+
+def _per_layer(name: str, value: _V | Sequence[_V], n_layer: int, conv: Callable[[_V], _V]) -> _V | tuple[_V, ...]:
     """Scalar stays scalar; a sequence must have one entry per layer and becomes a tuple."""
     if isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
-        return conv(value)
+        return conv(cast(_V, value))  # a str / bytes is converted (or refused) like any scalar
     if len(value) != n_layer:
         raise HParamsError(f"{name} has {len(value)} per-layer values, expected n_layer = {n_layer}")
     return tuple(conv(v) for v in value)
 
 
-def _at(value: Any, il: int) -> Any:
-    return value[il] if isinstance(value, tuple) else value
+def _at(value: _V | Sequence[_V], il: int) -> _V:
+    # __post_init__ made every per-layer field a scalar or a tuple
+    return value[il] if isinstance(value, tuple) else cast(_V, value)
 
 
 @dataclass
@@ -112,7 +132,7 @@ class HParams:
     n_layer_nextn: int = 0  # trailing MTP blocks (counted in n_layer)
     n_embd_head_k_mla: int = 0  # MLA (deepseek2): both non-zero, the cache then stores no V
     n_embd_head_v_mla: int = 0
-    rope_sections: tuple[int, int, int, int] = (0, 0, 0, 0)
+    rope_sections: tuple[int, ...] = (0, 0, 0, 0)  # the four M-RoPE sections (__post_init__ checks the count)
     rope_layers: bool | Sequence[bool] = True  # llama.cpp's rope_pattern: layers that use RoPE
     n_ctx_train: int = 0
     n_ff: int | Sequence[int] = 0
@@ -169,7 +189,7 @@ class HParams:
             raise HParamsError("n_embd_head_k_mla and n_embd_head_v_mla must be both zero or both non-zero")
         if len(self.rope_sections) != 4:
             raise HParamsError(f"rope_sections needs 4 values, got {len(self.rope_sections)}")
-        self.rope_sections = tuple(int(x) for x in self.rope_sections)  # type: ignore[assignment]
+        self.rope_sections = tuple(int(x) for x in self.rope_sections)
 
         # llama.cpp's defaults: head sizes from n_embd / n_head(0) (0 for non-transformers), n_rot
         # from the key head size, SWA variants from the full-attention values
@@ -207,7 +227,7 @@ class HParams:
     def n_head_kv_l(self, il: int = 0) -> int:
         """llama_hparams::n_head_kv(il): KV heads of layer il."""
         self._check_il(il)
-        return _at(self.n_head_kv, il)
+        return _at(cast("int | Sequence[int]", self.n_head_kv), il)  # None became n_head in __post_init__
 
     def n_ff_l(self, il: int = 0) -> int:
         """llama_hparams::n_ff(il): feed-forward width of layer il."""
@@ -446,6 +466,62 @@ def _arch_required(arch: str) -> tuple[str, ...]:
     return table.get(arch, ())
 
 
+# a GGUF metadata value as gguf's ReaderField.contents() gives it: a scalar, or an array flattened to a list
+GGUFScalar = str | int | float | bool
+GGUFContents = GGUFScalar | list[GGUFScalar]
+_GGUFPerLayer = GGUFScalar | tuple[GGUFScalar, ...]  # get_key_or_arr: one value for all layers, or one per layer
+_D = TypeVar("_D")
+
+
+class HParamsArgs(TypedDict, total=False):
+    """`HParams` keyword arguments: the fields `HParams.from_gguf` reads from a GGUF file and the conformance
+    runner from a golden case's ``model.hparams`` (``HParams(**args)``)."""
+
+    arch: str
+    n_layer: int
+    n_layer_nextn: int
+    n_layer_kv_from_start: int
+    n_embd: int
+    n_ff: int | Sequence[int]
+    n_head: int | Sequence[int]
+    n_head_kv: int | Sequence[int] | None
+    n_embd_head_k: int
+    n_embd_head_v: int
+    n_embd_head_k_swa: int
+    n_embd_head_v_swa: int
+    n_embd_head_k_mla: int
+    n_embd_head_v_mla: int
+    n_rot: int
+    n_rot_swa: int
+    n_lora_kv: int
+    n_ctx_train: int
+    n_vocab: int
+    causal_attn: bool
+    swa_layers: bool | Sequence[bool]
+    recurrent_layers: bool | Sequence[bool]
+    rope_layers: bool | Sequence[bool]
+    n_swa: int
+    swa_type: SWAType
+    rope_type: RopeType
+    rope_freq_base: float
+    rope_freq_scale: float
+    rope_freq_base_swa: float | None
+    rope_freq_scale_swa: float | None
+    rope_sections: tuple[int, ...]
+    use_alibi: bool
+    f_max_alibi_bias: float
+    non_causal_type: int
+    n_rel_attn_bkts: int
+    ssm_d_conv: int
+    ssm_d_inner: int
+    ssm_d_state: int
+    ssm_n_group: int
+    ssm_dt_rank: int
+    wkv_head_size: int
+    token_shift_count: int
+    n_shortconv_l_cache: int
+
+
 class _GGUFValue:
     """One metadata value as stored: its type (``types``: the value type, then an array's element types, as
     gguf's ReaderField has them), decoded on demand. Arrays are not materialised until asked for."""
@@ -455,16 +531,16 @@ class _GGUFValue:
     def __init__(self, types: list[int], parser: _GGUFParser, offset: int, count: int = 1) -> None:
         self.types = types
         self._parser, self._offset, self._count = parser, offset, count
-        self._decoded: Any = _REQUIRED
+        self._decoded: GGUFContents | None = None  # not decoded yet (no value decodes to None)
 
     @property
     def n_elements(self) -> int:
         """An array's element count, nested arrays flattened as gguf does (1 for a scalar)."""
         return self._count
 
-    def contents(self) -> Any:
+    def contents(self) -> GGUFContents:
         """The value as gguf's ReaderField.contents() gives it (str, int, float, bool, or a flat list)."""
-        if self._decoded is _REQUIRED:
+        if self._decoded is None:
             self._decoded = self._parser.decode(self.types, self._offset)
         return self._decoded
 
@@ -482,7 +558,7 @@ class _GGUFParser:
     in one step, string arrays by their length prefixes. Every count is bounded by the bytes left, so a lying
     header fails fast instead of allocating or looping."""
 
-    def __init__(self, buf: Any, end: int, order: str = "<") -> None:
+    def __init__(self, buf: memoryview, end: int, order: str = "<") -> None:
         import struct
 
         self.buf, self.end, self.order = buf, end, order
@@ -552,16 +628,17 @@ class _GGUFParser:
             at += count * smallest
         return types, count, at
 
-    def decode(self, types: list[int], at: int) -> Any:
+    def decode(self, types: list[int], at: int) -> GGUFContents:
         """The value at ``at`` as gguf's ReaderField.contents() returns it."""
         vtype = types[0]
         if vtype == _GGUF_STRING:
             return self.string(at, "value")[0].decode("utf-8")
         if vtype != _GGUF_ARRAY:
-            return self._struct.unpack_from(self.order + _GGUF_SCALARS[vtype], self.buf, at)[0]
+            v: GGUFScalar = self._struct.unpack_from(self.order + _GGUF_SCALARS[vtype], self.buf, at)[0]
+            return v
         return list(self._elements(at))
 
-    def _elements(self, at: int) -> Any:
+    def _elements(self, at: int) -> Iterator[GGUFScalar]:
         etype, count = self.u32(at, "array"), self.u64(at + 4, "array")
         at += 12
         if count == 0:
@@ -612,7 +689,7 @@ class _GGUFParser:
         if align is not None:
             if align.types != [4]:
                 raise ValueError("Bad type for general.alignment field")
-            a = align.contents()
+            a = cast(int, align.contents())  # types [4]: a u32
             if a == 0 or a & (a - 1):
                 raise ValueError("Invalid alignment: must be a non-zero power of two")
         return fields
@@ -649,7 +726,12 @@ class _GGUFMeta:
         f = self.fields.get(self.key(suffix))
         return f is not None and bool(f.types) and f.types[0] == self._array
 
-    def get(self, suffix: str, default: Any = _REQUIRED, *, full_key: bool = False) -> Any:
+    @overload
+    def get(self, suffix: str, *, full_key: bool = False) -> GGUFScalar: ...
+    @overload
+    def get(self, suffix: str, default: _D, *, full_key: bool = False) -> GGUFScalar | _D: ...
+
+    def get(self, suffix: str, default: object = _REQUIRED, *, full_key: bool = False) -> object:
         """A scalar value; ``default`` when absent (absent and no default: llama.cpp's error)."""
         key = suffix if full_key else self.key(suffix)
         f = self.fields.get(key)
@@ -661,13 +743,20 @@ class _GGUFMeta:
             raise HParamsError(f"key {key} has wrong type array but expected a scalar")
         return f.contents()
 
-    def get_arr(self, suffix: str) -> list | None:
+    def get_arr(self, suffix: str) -> list[GGUFScalar] | None:
         """An array value, or ``None`` when absent or not an array (llama.cpp's optional get_arr)."""
         if not self.is_array(suffix):
             return None
-        return list(self.fields[self.key(suffix)].contents())
+        return list(cast("list[GGUFScalar]", self.fields[self.key(suffix)].contents()))
 
-    def get_key_or_arr(self, suffix: str, n: int, default: Any = None, required: bool = False) -> Any:
+    @overload
+    def get_key_or_arr(self, suffix: str, n: int, *, required: Literal[True]) -> _GGUFPerLayer: ...
+    @overload
+    def get_key_or_arr(self, suffix: str, n: int, *, required: bool = False) -> _GGUFPerLayer | None: ...
+    @overload
+    def get_key_or_arr(self, suffix: str, n: int, default: _D, required: bool = False) -> _GGUFPerLayer | _D: ...
+
+    def get_key_or_arr(self, suffix: str, n: int, default: object = None, required: bool = False) -> object:
         """A scalar (applies to all n) or an array of exactly n values; ``default`` when absent."""
         key = self.key(suffix)
         if key not in self.fields:
@@ -681,6 +770,11 @@ class _GGUFMeta:
                 raise HParamsError(f"key {key} has wrong array length; expected {n}, got {len(vals)}")
             return tuple(vals)
         return self.get(suffix)
+
+
+def _ints(value: _GGUFPerLayer) -> int | tuple[int, ...]:
+    """A per-layer count as `HParams` converts it (``int`` of the value, or of each layer's)."""
+    return tuple(int(x) for x in value) if isinstance(value, tuple) else int(value)
 
 
 def _read_gguf_metadata(path: str) -> dict[str, _GGUFValue]:
@@ -714,7 +808,7 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
         )
     m.arch = arch
 
-    kw: dict[str, Any] = {"arch": arch}
+    kw: HParamsArgs = {"arch": arch}
     # common part of load_hparams
     kw["n_ctx_train"] = int(m.get(K.LLM.CONTEXT_LENGTH))
     n_embd = int(m.get(K.LLM.EMBEDDING_LENGTH))
@@ -730,10 +824,11 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
     kw["n_layer_nextn"] = n_nextn
     n_trunk = n_layer - n_nextn
 
-    n_ff = m.get_key_or_arr(K.LLM.FEED_FORWARD_LENGTH, n_layer, 0)
+    # as int here (HParams would convert them the same way): the head counts are read below
+    n_ff = _ints(m.get_key_or_arr(K.LLM.FEED_FORWARD_LENGTH, n_layer, 0))
     kw["n_ff"] = n_ff
-    n_head = m.get_key_or_arr(K.Attention.HEAD_COUNT, n_layer, 0)
-    n_head_kv = m.get_key_or_arr(K.Attention.HEAD_COUNT_KV, n_layer, n_head)  # default: n_head
+    n_head = _ints(m.get_key_or_arr(K.Attention.HEAD_COUNT, n_layer, 0))
+    n_head_kv = _ints(m.get_key_or_arr(K.Attention.HEAD_COUNT_KV, n_layer, n_head))  # default: n_head
     kw["n_head"], kw["n_head_kv"] = n_head, n_head_kv
     head0 = int(n_head[0] if isinstance(n_head, tuple) else n_head)
 
@@ -771,13 +866,13 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
             raise HParamsError(f"key not found in model: {m.key(suffix)}")
 
     recurrent = arch in RECURRENT_ARCHS  # is_recr defaults to the arch being recurrent
-    swa_layers: Any = False
-    recr: Any = recurrent
+    swa_layers: bool | tuple[bool, ...] = False
+    recr: bool | tuple[bool, ...] = recurrent
     rope_sections: tuple[int, ...] = (0, 0, 0, 0)
     f_max_alibi_bias = 0.0
     base_swa = scale_swa = None
 
-    def load_swa_pattern(n_pattern: int, dense_first: bool = False) -> Any:
+    def load_swa_pattern(n_pattern: int, dense_first: bool = False) -> tuple[bool, ...]:
         # an explicit per-layer array wins; else every n-th layer is dense (key may override n)
         arr = m.get_arr("attention.sliding_window_pattern")
         if arr is not None:
@@ -792,7 +887,7 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
         n_pattern = int(m.get("attention.sliding_window_pattern", n_pattern))
         return swa_pattern(n_trunk, n_pattern, dense_first) + (False,) * n_nextn
 
-    def per_layer(v: Any, il: int) -> int:
+    def per_layer(v: int | tuple[int, ...], il: int) -> int:
         return int(v[il] if isinstance(v, tuple) else v)
 
     if arch == "gemma2":
@@ -886,6 +981,7 @@ __all__ = [
     "RECURRENT_ARCHS",
     "SUPPORTED_ARCHS",
     "HParams",
+    "HParamsArgs",
     "HParamsError",
     "RopeType",
     "SWAType",

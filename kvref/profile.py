@@ -21,7 +21,7 @@ import dataclasses
 import functools
 from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TypeAlias, TypeVar
 
 from .errors import CompatError
 
@@ -47,9 +47,13 @@ RS_ROLLBACK_ARCHS = frozenset({
 RS_ROLLBACK_ARCHS_2026_08 = frozenset({"qwen35", "qwen35moe", "deepseek4", "nemotron_h", "nemotron_h_moe"})
 
 # ------------------------------------------------------------------------------------------------ the table
+# what a behaviour's value is: the type of its Profile field
+Behaviour: TypeAlias = bool | int | str | tuple[int, int] | frozenset[str]
+_B = TypeVar("_B", bool, int, str, tuple[int, int], frozenset[str])
+
 # field -> ((first llama-cpp-python release with the value, value), ...), oldest first. The only place a
 # release is tied to a behaviour; ``Profile`` documents what each value means.
-TABLE: dict[str, tuple[tuple[str, Any], ...]] = {
+TABLE: dict[str, tuple[tuple[str, Behaviour], ...]] = {
     # PR #14363
     "kv_streams": (("0.3.12", False), ("0.3.15", True)),
     "whole_restore_clear": (("0.3.12", "once"), ("0.3.15", "per_stream"), ("0.3.36", "once")),
@@ -92,7 +96,7 @@ TABLE: dict[str, tuple[tuple[str, Any], ...]] = {
 }  # fmt: skip
 
 # the values a field may take, where it is one of a few
-CHOICES: dict[str, tuple[Any, ...]] = {
+CHOICES: dict[str, tuple[Behaviour, ...]] = {
     "whole_restore_clear": ("once", "per_stream"),
     "cell_ext_size": (0, 8, 12),
     "get_n_kv_streams": ("all", "slot"),
@@ -107,7 +111,7 @@ def _key(release: str) -> tuple[int, ...]:
     return tuple(int(x) for x in release.split("."))
 
 
-def value_at(name: str, release: str) -> Any:
+def value_at(name: str, release: str) -> Behaviour:
     """The value of behaviour ``name`` in ``release`` (a release in RELEASES), read off TABLE."""
     value = TABLE[name][0][1]
     for first, v in TABLE[name]:
@@ -116,8 +120,12 @@ def value_at(name: str, release: str) -> Any:
     return value
 
 
-def _newest(name: str) -> Any:
-    return TABLE[name][-1][1]
+def _newest(name: str, kind: type[_B]) -> _B:
+    """The newest value of behaviour ``name``: its Profile field's default, of the field's type ``kind``."""
+    value = TABLE[name][-1][1]
+    if not isinstance(value, kind):
+        raise TypeError(f"TABLE[{name!r}] holds {value!r}, not the {kind.__name__} of Profile.{name}")
+    return value
 
 
 @dataclass(frozen=True, repr=False)
@@ -129,81 +137,81 @@ class Profile:
     TABLE says which releases have which value; a field's docstring says what llama.cpp does under each.
     """
 
-    kv_streams: bool = _newest("kv_streams")
+    kv_streams: bool = _newest("kv_streams", bool)
     """True: one cell table per stream (the context's ``kv_unified`` chooses one or ``n_seq_max``), the KV
     section starts with ``u32 n_stream``, an empty stream is only its zero ``cell_count`` and restoring it
     changes nothing. False (before PR #14363): one cache for every sequence (``kv_unified`` is forced), no
     ``n_stream`` field, an empty section still carries the data header (``v_trans``, ``n_layer``, each layer's
     type and row size), and a sequence restore of an empty section fails (``find_slot`` of zero tokens)."""
-    whole_restore_clear: str = _newest("whole_restore_clear")
+    whole_restore_clear: str = _newest("whole_restore_clear", str)
     """A whole restore (``seq_id == -1``): ``"once"``: ``clear(true)`` up front (even of an empty section),
     then every stream is read; ``"per_stream"``: empty streams are skipped and every other stream's read begins
     with ``clear(true)``, so only the last non-empty stream survives and an all-empty section changes nothing."""
-    kv_seq_rm_all_asserts: bool = _newest("kv_seq_rm_all_asserts")
+    kv_seq_rm_all_asserts: bool = _newest("kv_seq_rm_all_asserts", bool)
     """True: KV ``seq_rm(-1, ...)`` hits ``GGML_ASSERT(seq_id >= 0 ...)`` before its ``seq_id < 0`` branch (an
     abort: kvref raises SequenceError). False: it removes every sequence."""
-    n_ctx_pad: int = _newest("n_ctx_pad")
+    n_ctx_pad: int = _newest("n_ctx_pad", int)
     """The context pads ``n_ctx`` to this (not unified: ``n_ctx_seq = pad(n_ctx / n_seq_max)``). 1: the
     context does not pad; create_memory pads to ``n_kv_pad`` per stream instead (``pad(ceil(n_ctx /
     n_seq_max))``, a recurrent model's n_ctx as given, a hybrid model's as if unified)."""
-    n_kv_pad: tuple[int, int] = _newest("n_kv_pad")
+    n_kv_pad: tuple[int, int] = _newest("n_kv_pad", tuple)
     """The KV cache's ``n_pad`` as create_memory builds it: (without, with flash attention)."""
-    n_batch_min: int = _newest("n_batch_min")
+    n_batch_min: int = _newest("n_batch_min", int)
     """``n_batch`` is raised to at least this (GGML_KQ_MASK_PAD 64); 0: no minimum."""
-    swa_size_pad: int = _newest("swa_size_pad")
+    swa_size_pad: int = _newest("swa_size_pad", int)
     """The iSWA cache pads its SWA cache size to this; 0: to the cache's ``n_pad``."""
-    get_n_kv_pad: int = _newest("get_n_kv_pad")
+    get_n_kv_pad: int = _newest("get_n_kv_pad", int)
     """``get_n_kv`` pads ``used_max_p1`` to ``max(n_pad, get_n_kv_pad)``."""
-    get_n_kv_streams: str = _newest("get_n_kv_streams")
+    get_n_kv_streams: str = _newest("get_n_kv_streams", str)
     """``get_n_kv`` takes the maximum over ``"all"`` streams, or over the ``"slot"``'s streams only."""
-    cell_ext_size: int = _newest("cell_ext_size")
+    cell_ext_size: int = _newest("cell_ext_size", int)
     """Bytes of ``llama_kv_cell_ext`` per cell in the state of a cache that has one: 0 (none written or read),
     8 (``i32 x, y``) or 12 (``i32 x, y, tok``). M-RoPE caches have one (see also ``cell_ext_ple``)."""
-    cell_ext_ple: bool = _newest("cell_ext_ple")
+    cell_ext_ple: bool = _newest("cell_ext_ple", bool)
     """True: a model with per-layer-embedding n-grams (``ple_n_heads > 0``) has a cell ext too (its token)."""
-    shift_refuses_mrope: bool = _newest("shift_refuses_mrope")
+    shift_refuses_mrope: bool = _newest("shift_refuses_mrope", bool)
     """True: ``get_can_shift`` is false for M-RoPE (and step35's per-layer rope dims); False: always true."""
-    kshift_skips_nope: bool = _newest("kshift_skips_nope")
+    kshift_skips_nope: bool = _newest("kshift_skips_nope", bool)
     """True: the K-shift leaves layers without rope (``!hparams.has_rope(il)``) alone; False: ropes every layer."""
-    seq_restore_contiguous: bool = _newest("seq_restore_contiguous")
+    seq_restore_contiguous: bool = _newest("seq_restore_contiguous", bool)
     """True: a sequence restore places its cells with ``find_slot(cont=true)`` (one contiguous block) and moves
     the stream's head to the first restored cell; False: ``find_slot(cont=false)``, head left by apply_ubatch."""
-    seq_save_keeps_masked_swa: bool = _newest("seq_save_keeps_masked_swa")
+    seq_save_keeps_masked_swa: bool = _newest("seq_save_keeps_masked_swa", bool)
     """True: a sequence save writes every non-empty cell of the sequence; False: it leaves out the cells
     SWA-masked against the sequence's last position."""
-    decode_seq_id_bound: str = _newest("decode_seq_id_bound")
+    decode_seq_id_bound: str = _newest("decode_seq_id_bound", str)
     """The bound llama_decode puts on seq ids: ``"n_seq_max"`` (the context's, unified or not:
     llama_batch_ext) or ``"llama_max_seq_if_unified"`` (``kv_unified ? LLAMA_MAX_SEQ : n_seq_max``)."""
-    recurrent_seq_rm_rule: str = _newest("recurrent_seq_rm_rule")
+    recurrent_seq_rm_rule: str = _newest("recurrent_seq_rm_rule", str)
     """Which partial removals recurrent ``seq_rm`` refuses: ``"cuts_tail"``: ``0 < p0 <= pos < p1`` (unless a
     rollback snapshot serves it; a whole-range removal resets the rollback index); ``"any_end_inside"``: any
     range with an end strictly inside ``(0, pos]`` (no rollback: ``n_rs_seq`` is refused)."""
-    recurrent_seq_rm_checks_n_seq_max: bool = _newest("recurrent_seq_rm_checks_n_seq_max")
+    recurrent_seq_rm_checks_n_seq_max: bool = _newest("recurrent_seq_rm_checks_n_seq_max", bool)
     """True: recurrent ``seq_rm`` refuses any id outside ``[0, n_seq_max)`` (every negative id too); False: a
     negative id is accepted for the whole range (or an empty one), and an id ``>= mem_size`` is refused."""
-    recurrent_split_sequential: bool = _newest("recurrent_split_sequential")
+    recurrent_split_sequential: bool = _newest("recurrent_split_sequential", bool)
     """The recurrent memory's equal splits: ``split_equal(sequential=true)`` (consecutive sequences only) or
     ``false``."""
-    recurrent_restore_seq_bound: str = _newest("recurrent_restore_seq_bound")
+    recurrent_restore_seq_bound: str = _newest("recurrent_restore_seq_bound", str)
     """A recurrent whole restore bounds seq ids by ``"n_seq_max"`` or by the cell count (``"mem_size"``)."""
-    rs_rollback_archs: frozenset[str] = _newest("rs_rollback_archs")
+    rs_rollback_archs: frozenset[str] = _newest("rs_rollback_archs", frozenset)
     """llm_arch_supports_rs_rollback: the archs that keep ``n_rs_seq`` (rollback snapshots); other archs get it
     clamped to 0. Empty: llama.cpp has no ``n_rs_seq`` (a RecurrentMemory refuses one)."""
-    recurrent_rows_from_src: bool = _newest("recurrent_rows_from_src")
+    recurrent_rows_from_src: bool = _newest("recurrent_rows_from_src", bool)
     """True: recurrent state files take each cell's rows from its ``src`` in the rollback plane; False: from
     the cell itself."""
-    recurrent_rollback_split: str = _newest("recurrent_rollback_split")
+    recurrent_rollback_split: str = _newest("recurrent_rollback_split", str)
     """With ``n_rs_seq > 0`` the recurrent memory splits ``"equal"`` (``split_equal(..., n_rs_seq + 1)``) or by
     sequence (``"seq"``: ``split_seq``)."""
-    recurrent_rollback_single_use: bool = _newest("recurrent_rollback_single_use")
+    recurrent_rollback_single_use: bool = _newest("recurrent_rollback_single_use", bool)
     """True: a rollback is refused while one is pending (single use); False: the pending index is replaced."""
-    hybrid_restore_undo: bool = _newest("hybrid_restore_undo")
+    hybrid_restore_undo: bool = _newest("hybrid_restore_undo", bool)
     """True: when a hybrid restore's recurrent part fails, the attention part just restored is cleared for the
     sequence again; False: it is kept."""
-    attn_rotation: bool = _newest("attn_rotation")
+    attn_rotation: bool = _newest("attn_rotation", bool)
     """True: a quantized K (V) cache whose head size is a multiple of 64 is stored Walsh-Hadamard rotated unless
     LLAMA_ATTN_ROT_DISABLE is set (`kvref.ggml.rotation`); False: never rotated."""
-    kv_seq_save_ids: bool = _newest("kv_seq_save_ids")
+    kv_seq_save_ids: bool = _newest("kv_seq_save_ids", bool)
     """True: the KV cells of a sequence save list the saved id (``n_seq_id`` 1) and a sequence restore requires
     that; False (llama.cpp of 2024): they list none (``n_seq_id`` 0), and a restore requires none."""
     name: str = field(default="", compare=False)
@@ -233,7 +241,7 @@ class Profile:
         return self.name
 
     @property
-    def signature(self) -> tuple[Any, ...]:
+    def signature(self) -> tuple[Behaviour, ...]:
         """Every behaviour field's value, in field order (what ``kvref.compat.era`` compares)."""
         return tuple(getattr(self, f) for f in TABLE)
 
@@ -261,11 +269,11 @@ _KNOWN: dict[str, str] = {**NAMED, **{r: r for r in RELEASES}}
 
 
 @functools.cache
-def _signature(release: str) -> tuple[Any, ...]:
+def _signature(release: str) -> tuple[Behaviour, ...]:
     return tuple(value_at(f, release) for f in TABLE)
 
 
-def name_of(signature: Iterable[Any]) -> str:
+def name_of(signature: Iterable[Behaviour]) -> str:
     """The compat name of a behaviour signature: the named generation that behaves so, else the first release
     that does, else ``"custom"``."""
     sig = tuple(signature)
@@ -278,7 +286,8 @@ def name_of(signature: Iterable[Any]) -> str:
 @functools.cache
 def _profile(name: str) -> Profile:
     release = _KNOWN[name]
-    return Profile(**{f: value_at(f, release) for f in TABLE}, name=name)
+    # each row's value is its field's (the fields' defaults are checked so, _newest): mypy cannot pair names and types
+    return Profile(**{f: value_at(f, release) for f in TABLE}, name=name)  # type: ignore[arg-type]
 
 
 def for_release(release: str) -> Profile:
@@ -304,7 +313,7 @@ def resolve(compat: Profile | str) -> Profile:
     )
 
 
-def first_release(name: str, value: Any, after: str | None = None) -> str:
+def first_release(name: str, value: Behaviour, after: str | None = None) -> str:
     """The first release (after ``after``, when given) in which behaviour ``name`` takes ``value`` (from TABLE)."""
     return next(r for r, v in TABLE[name] if v == value and (after is None or _key(r) > _key(after)))
 
@@ -319,6 +328,7 @@ __all__ = [
     "RS_ROLLBACK_ARCHS",
     "RS_ROLLBACK_ARCHS_2026_08",
     "TABLE",
+    "Behaviour",
     "CompatError",
     "Profile",
     "first_release",

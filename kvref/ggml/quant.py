@@ -31,6 +31,7 @@ Both store ``d`` as f16 rounded to nearest even. The other types' ggml-cpu ``fro
 from __future__ import annotations
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import QuantError
 from .rows import FLOAT_TYPES, from_f32, to_f32
@@ -57,7 +58,7 @@ def _gguf_type(t: GGMLType) -> object:
     return GGMLQuantizationType(int(t))
 
 
-def dequantize(raw: np.ndarray, t: GGMLType | int | str) -> np.ndarray:
+def dequantize(raw: npt.ArrayLike, t: GGMLType | int | str) -> npt.NDArray[np.float32]:
     """Raw rows (``uint8``, last axis a whole number of blocks) -> a new float32 array, last axis in elements."""
     t = _check(t)
     raw = np.ascontiguousarray(raw, dtype=np.uint8)
@@ -75,7 +76,7 @@ def dequantize(raw: np.ndarray, t: GGMLType | int | str) -> np.ndarray:
     return np.asarray(out, dtype=np.float32).reshape(*raw.shape[:-1], n)
 
 
-def quantize(x: np.ndarray, t: GGMLType | int | str) -> np.ndarray:
+def quantize(x: npt.ArrayLike, t: GGMLType | int | str) -> npt.NDArray[np.uint8]:
     """float values (last axis a whole number of blocks) -> raw rows of type ``t`` (``uint8``)."""
     t = _check(t)
     x = np.ascontiguousarray(x, dtype=np.float32)
@@ -95,7 +96,7 @@ def quantize(x: np.ndarray, t: GGMLType | int | str) -> np.ndarray:
     return np.ascontiguousarray(out, dtype=np.uint8).reshape(*x.shape[:-1], nbytes)
 
 
-def _q8_0_cpu(x: np.ndarray) -> np.ndarray:
+def _q8_0_cpu(x: npt.NDArray[np.float32]) -> npt.NDArray[np.uint8]:
     """ggml-cpu's quantize_row_q8_0 on x86 with AVX/AVX2: rows of float32 -> q8_0 blocks (34 bytes each)."""
     blocks = x.reshape(-1, 32)
     amax = np.abs(blocks).max(axis=1)
@@ -110,7 +111,7 @@ def _q8_0_cpu(x: np.ndarray) -> np.ndarray:
     return out
 
 
-def quantize_cpu(x: np.ndarray, t: GGMLType | int | str) -> np.ndarray:
+def quantize_cpu(x: npt.ArrayLike, t: GGMLType | int | str) -> npt.NDArray[np.uint8]:
     """Like `quantize`, with the quantizer ggml's CPU backend runs in a graph (``from_float`` of ggml-cpu's type
     traits, x86 AVX2 build): what llama.cpp writes when a decode stores K/V rows or the K-shift requantizes them."""
     t = _check(t)

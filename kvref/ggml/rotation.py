@@ -29,6 +29,7 @@ import os
 from collections.abc import Mapping
 
 import numpy as np
+import numpy.typing as npt
 
 from .types import GGMLType, traits
 
@@ -55,7 +56,7 @@ def rotation_disabled(environ: Mapping[str, str] | None = None) -> bool:
     return value is not None and _atoi(value) != 0
 
 
-def hadamard(n: int) -> np.ndarray:
+def hadamard(n: int) -> npt.NDArray[np.float32]:
     """ggml_gen_hadamard: the ``n x n`` orthonormal Walsh-Hadamard matrix (float32; ``n`` a power of two)."""
     if n <= 0 or n & (n - 1):
         raise ValueError(f"the Hadamard size must be a power of two, not {n}")
@@ -97,7 +98,7 @@ def shared_head_size(sizes: list[int]) -> int:
     return sizes[0] if all(s == sizes[0] for s in sizes) else -1
 
 
-def rotate(x: np.ndarray, n: int) -> np.ndarray:
+def rotate(x: npt.ArrayLike, n: int) -> npt.NDArray[np.float32]:
     """``llama_mul_mat_hadamard`` on float rows: every run of ``n`` consecutive values of the last axis times
     ``H_n`` (float32). Its own inverse: ``rotate(rotate(x, n), n) == x`` up to float rounding."""
     x = np.asarray(x, dtype=np.float32)
@@ -108,7 +109,7 @@ def rotate(x: np.ndarray, n: int) -> np.ndarray:
     return np.ascontiguousarray(y.reshape(x.shape), dtype=np.float32)
 
 
-def fwht(x: np.ndarray, n: int) -> np.ndarray:
+def fwht(x: npt.ArrayLike, n: int) -> npt.NDArray[np.float32]:
     """ggml-cpu's ``ggml_compute_forward_fwht``: every run of ``n`` consecutive values of the last axis
     transformed as llama.cpp's CPU backend rotates K/V rows (bit-exact float32). Returns a new float32 array."""
     if n <= 0 or n & (n - 1):

@@ -12,14 +12,21 @@ Quantized types raise ``KVRefError``: kvref does not quantize yet.
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import KVRefError
 from .types import GGMLType, ggml_type, type_name
 
 FLOAT_TYPES = (GGMLType.F32, GGMLType.F16, GGMLType.BF16)
 
-_ITEM = {GGMLType.F32: np.float32, GGMLType.F16: np.float16, GGMLType.BF16: np.uint16}
+# the element view of a float row: float32, float16, or the bf16 bit patterns as uint16
+ElementRows = npt.NDArray[np.float32] | npt.NDArray[np.float16] | npt.NDArray[np.uint16]
+_ITEM: dict[GGMLType, type[np.float32] | type[np.float16] | type[np.uint16]] = {
+    GGMLType.F32: np.float32, GGMLType.F16: np.float16, GGMLType.BF16: np.uint16,
+}  # fmt: skip
 
 
 def _check(t: GGMLType | int | str) -> GGMLType:
@@ -29,12 +36,12 @@ def _check(t: GGMLType | int | str) -> GGMLType:
     return t
 
 
-def typed(buf: np.ndarray, t: GGMLType | int | str) -> np.ndarray:
+def typed(buf: npt.NDArray[np.uint8], t: GGMLType | int | str) -> ElementRows:
     """View raw bytes (last axis) as the element type: float32, float16, or uint16 holding bf16 bits."""
-    return buf.view(_ITEM[_check(t)])
+    return cast(ElementRows, buf.view(_ITEM[_check(t)]))  # the dtype is one of _ITEM's
 
 
-def to_f32(buf: np.ndarray, t: GGMLType | int | str) -> np.ndarray:
+def to_f32(buf: npt.NDArray[np.uint8], t: GGMLType | int | str) -> npt.NDArray[np.float32]:
     """Decode raw bytes (last axis a whole number of elements) to a new float32 array."""
     t = _check(t)
     v = buf.view(_ITEM[t])
@@ -43,7 +50,7 @@ def to_f32(buf: np.ndarray, t: GGMLType | int | str) -> np.ndarray:
     return v.astype(np.float32)
 
 
-def bf16_bits(x: np.ndarray) -> np.ndarray:
+def bf16_bits(x: npt.ArrayLike) -> npt.NDArray[np.uint16]:
     """ggml_compute_fp32_to_bf16 on every element: the bf16 bit pattern as uint16."""
     u = np.ascontiguousarray(x, dtype=np.float32).view(np.uint32).astype(np.uint64)
     nan = (u & 0x7FFFFFFF) > 0x7F800000
@@ -52,7 +59,7 @@ def bf16_bits(x: np.ndarray) -> np.ndarray:
     return np.where(nan, quiet, rounded).astype(np.uint16)
 
 
-def from_f32(x: np.ndarray, t: GGMLType | int | str) -> np.ndarray:
+def from_f32(x: npt.ArrayLike, t: GGMLType | int | str) -> npt.NDArray[np.uint8]:
     """Encode float values as the storage type; returns raw bytes, last axis ``n * element size``."""
     t = _check(t)
     x = np.asarray(x, dtype=np.float32)
@@ -66,4 +73,4 @@ def from_f32(x: np.ndarray, t: GGMLType | int | str) -> np.ndarray:
     return out.view(np.uint8).reshape(*x.shape[:-1], -1) if x.ndim else out.view(np.uint8)
 
 
-__all__ = ["FLOAT_TYPES", "bf16_bits", "from_f32", "to_f32", "typed"]
+__all__ = ["FLOAT_TYPES", "ElementRows", "bf16_bits", "from_f32", "to_f32", "typed"]

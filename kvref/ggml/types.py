@@ -112,6 +112,9 @@ TYPE_TRAITS: dict[GGMLType, TypeTraits] = {
 
 _BY_NAME = {tr.name.lower(): t for t, tr in TYPE_TRAITS.items()}
 
+# a ggml type as callers give it: the enum, its wire id or its name (what `ggml_type` resolves)
+TypeLike = GGMLType | int | str
+
 
 def ggml_type(t: GGMLType | int | str) -> GGMLType:
     """Resolve a type given as enum, wire id or name (``"f16"``, ``"q8_0"``, ``"Q4_K"``)."""
@@ -143,4 +146,14 @@ def row_size(t: GGMLType | int | str, n: int) -> int:
     return n // tr.block_size * tr.type_size
 
 
-__all__ = ["TYPE_TRAITS", "GGMLType", "GGMLTypeError", "TypeTraits", "ggml_type", "row_size", "traits", "type_name"]
+__all__ = [
+    "TYPE_TRAITS",
+    "GGMLType",
+    "GGMLTypeError",
+    "TypeLike",
+    "TypeTraits",
+    "ggml_type",
+    "row_size",
+    "traits",
+    "type_name",
+]

@@ -23,11 +23,18 @@ from __future__ import annotations
 import os
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict, cast
 
 from ..errors import FormatError, KVRefError
 from ..profile import Profile
 from ..state.eras import Era
+
+if TYPE_CHECKING:
+    from ..ggml.types import TypeLike
+    from ..state import SeqFile, SessionFile
+    from ._types import AnyMemory, ModelSource
+
+Fix = str | int | None  # the value of the option that fixes a mismatch (None: the option alone)
 
 # which kvref check option fixes a mismatch the restore blames on a field
 _FIELD_OPTION = {
@@ -46,6 +53,16 @@ _FIELD_OPTION = {
 }
 
 
+class LoadCheckJSON(TypedDict):
+    """`LoadCheck.to_json`: what ``kvref check --json`` prints."""
+
+    ok: bool
+    reason: str | None
+    option: str | None
+    fix: Fix
+    notes: list[str]
+
+
 @dataclass
 class LoadCheck:
     """The answer: ``ok``; else ``reason`` (the first mismatch), ``option`` (the kvref check option / command that
@@ -54,10 +71,10 @@ class LoadCheck:
     ok: bool
     reason: str = ""
     option: str | None = None
-    fix: Any = None
+    fix: Fix = None
     notes: list[str] = field(default_factory=list)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> LoadCheckJSON:
         """A JSON-ready dict."""
         return {"ok": self.ok, "reason": self.reason or None, "option": self.option, "fix": self.fix,
                 "notes": self.notes}  # fmt: skip
@@ -74,7 +91,7 @@ class LoadCheck:
         return f"no: {self.reason}{fix}"
 
 
-def _no(reason: str, option: str | None = None, fix: Any = None, notes: list[str] | None = None) -> LoadCheck:
+def _no(reason: str, option: str | None = None, fix: Fix = None, notes: list[str] | None = None) -> LoadCheck:
     return LoadCheck(False, reason, option, fix, notes or [])
 
 
@@ -101,8 +118,8 @@ def _llama_cpp(compat: Profile | str | None) -> tuple[Profile, Era]:
 
 
 def check_file(
-    path: str | os.PathLike[str] | bytes, model: Any, *, n_ctx: int = 512, n_seq_max: int = 1,
-    kv_unified: bool = False, flash_attn: bool | str = "auto", type_k: Any = "f16", type_v: Any = "f16",
+    path: str | os.PathLike[str] | bytes, model: ModelSource, *, n_ctx: int = 512, n_seq_max: int = 1,
+    kv_unified: bool = False, flash_attn: bool | str = "auto", type_k: TypeLike = "f16", type_v: TypeLike = "f16",
     swa_full: bool = True, seq_id: int | None = None, compat: Profile | str | None = None,
 ) -> LoadCheck:  # fmt: skip
     """Would llama.cpp (``compat``) with the GGUF ``model`` (or an HParams) and this context load the state file
@@ -134,14 +151,15 @@ def check_file(
     req = requirements(obj)
     # 2. container version and era layout
     if obj.kind in ("session", "seq"):
+        version = cast("SessionFile | SeqFile", obj).version
         want = target.session_version if obj.kind == "session" else target.seq_version
-        if obj.version != want:
+        if version != want:
             return _no(
-                f"{obj.kind} file version {obj.version}; llama.cpp of era {target.name} ({target.releases}) reads "
+                f"{obj.kind} file version {version}; llama.cpp of era {target.name} ({target.releases}) reads "
                 f"only version {want}",
                 # a session of version 5 .. 7 is read with the model's layer widths, on conversion too
                 "kvref convert FILE OUT --model MODEL --to-era"
-                if obj.kind == "session" and obj.version < 8
+                if obj.kind == "session" and version < 8
                 else "kvref convert FILE OUT --to-era",
                 target.name,
             )
@@ -168,7 +186,10 @@ def check_file(
     if obj.memory.layout not in (full, partial):
         return _no(f"the file holds a {obj.memory.layout} memory, this model has a {full} memory")
     try:
-        mem = create_memory(hp, n_ctx, n_seq_max, kv_unified, flash_attn, type_k, type_v, swa_full, compat=profile)
+        mem = cast(
+            "AnyMemory | None",  # create_memory builds one of them
+            create_memory(hp, n_ctx, n_seq_max, kv_unified, flash_attn, type_k, type_v, swa_full, compat=profile),
+        )
     except KVRefError as e:
         return _no(f"llama.cpp would not create this context: {e}")
     if mem is None:
@@ -239,4 +260,4 @@ def check_file(
     return LoadCheck(True, notes=notes)
 
 
-__all__ = ["LoadCheck", "check_file"]
+__all__ = ["LoadCheck", "LoadCheckJSON", "check_file"]

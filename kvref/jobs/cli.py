@@ -10,10 +10,13 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 from ..errors import KVRefError
 from . import cli_jobs
+
+if TYPE_CHECKING:
+    from ..state.summary_types import CellsSummary, RowsSummary, StateSummary
 
 Subcommand = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
 
@@ -56,12 +59,12 @@ def _fmt_bytes(n: int) -> str:
     return str(n)
 
 
-def _rows_line(name: str, d: dict[str, Any]) -> str:
+def _rows_line(name: str, d: RowsSummary) -> str:
     extra = f" (transposed, el {d['el_size']} x {d['n_embd']})" if d.get("transposed") else ""
     return f"{name} {d['type']:>6} row {d['row_size']:>6} B  {_fmt_bytes(d['bytes']):>10}{extra}"
 
 
-def _print_cells(d: dict[str, Any], indent: str) -> None:
+def _print_cells(d: CellsSummary, indent: str) -> None:
     from .cli_jobs import plural
 
     print(f"{indent}cells: {d['cell_count']}" + (f", ext {d['ext_size']} B" if d.get("ext_size") else ""))
@@ -69,7 +72,7 @@ def _print_cells(d: dict[str, Any], indent: str) -> None:
         print(f"{indent}  seq {s:>3}: pos {r['pos_min']}..{r['pos_max']}  ({plural(r['n_cells'], 'cell')})")
 
 
-def _print_summary(s: dict[str, Any]) -> None:
+def _print_summary(s: StateSummary) -> None:
     head = f"{s['format']}"
     if "version" in s:
         head += f" '{s['magic']}' version {s['version']}"
@@ -82,8 +85,8 @@ def _print_summary(s: dict[str, Any]) -> None:
     if "n_tokens" in s:
         more = " ..." if s["n_tokens"] > len(s["first_tokens"]) else ""
         print(f"tokens: {s['n_tokens']}  [{', '.join(map(str, s['first_tokens']))}{more}]")
-        tf = s.get("token_field", {})
-        if tf.get("form", "plain") != "plain":
+        tf = s.get("token_field")
+        if tf is not None and tf.get("form", "plain") != "plain":
             media = tf.get("media", [])
             print(
                 f"token field: {tf['form']}"
@@ -122,12 +125,12 @@ def _print_summary(s: dict[str, Any]) -> None:
                 f"{sec['n_state_layers']} of {sec['n_layer']} layers with state"
             )
             _print_cells(sec, "  ")
-            for layer in sec["layers"]:
-                r = layer["r"]
+            for rl in sec["layers"]:
+                r = rl["r"]
                 line = f"R {r['type']:>6} row {r['row_size']:>6} B  {_fmt_bytes(r['bytes']):>10}   " + _rows_line(
-                    "S", layer["s"]
+                    "S", rl["s"]
                 )
-                print(f"  state layer {layer['index']:>3}: {line}")
+                print(f"  state layer {rl['index']:>3}: {line}")
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -138,8 +141,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
     obj = state.load(source, kind=args.kind, layout=args.layout, ext_size=args.ext_size, model=args.model)
     size = len(source) if isinstance(source, bytes) else os.path.getsize(source)
-    summary = enrich_summary(obj.summary(), obj, size, all_tokens=args.all)
-    if args.model is not None and hasattr(obj, "tokens"):
+    summary = enrich_summary(cast("StateSummary", obj.summary()), obj, size, all_tokens=args.all)
+    if args.model is not None and getattr(obj, "tokens", None) is not None:
         from ..state.server_tokens import read_prompt
         from ..vocab import detokenize, vocabulary
 
@@ -196,8 +199,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not getattr(args, "run", None):
         parser.error("a command is required")  # usage on stderr, exit 2 (argparse's convention)
+    run: Callable[[argparse.Namespace], int] = args.run
     try:
-        return args.run(args)
+        return run(args)
     except KVRefError as e:
         print(f"kvref {args.command}: {type(e).__name__}: {e}", file=sys.stderr)
         readings = getattr(e, "readings", [])

@@ -11,7 +11,12 @@ import argparse
 import json
 import os
 import sys
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, TextIO, cast
+
+if TYPE_CHECKING:
+    from ..state import KVSection, StateObject
+    from ..state.summary_types import StateSummary
 
 import numpy as np
 
@@ -51,7 +56,9 @@ TOKENS_IN_JSON = 1 << 16
 TOKENS_AS_TEXT = 1024
 
 
-def enrich_summary(summary: dict[str, Any], obj: Any, size: int | None, *, all_tokens: bool = False) -> dict[str, Any]:
+def enrich_summary(
+    summary: StateSummary, obj: StateObject, size: int | None, *, all_tokens: bool = False
+) -> StateSummary:
     """Add what ``kvref inspect`` shows beyond ``obj.summary()``: ``file_size``, ``eras`` (the eras whose layout
     the state has), every section's ``label``, and the ``tokens`` (an int32 array, as `dump_json` writes it): all
     of them when there are at most `TOKENS_IN_JSON` or ``all_tokens``, else ``tokens_omitted``, their count."""
@@ -64,18 +71,20 @@ def enrich_summary(summary: dict[str, Any], obj: Any, size: int | None, *, all_t
     labels = SECTION_LABELS.get(obj.memory.layout, ())
     for i, sec in enumerate(summary.get("sections", [])):
         sec["label"] = labels[i] if i < len(labels) else sec["kind"]
-        note = rotation_note(obj.memory.sections[i], eras) if sec["kind"] == "kv" else None
-        if note:
-            sec["rotation"] = note
-    if hasattr(obj, "tokens"):
-        if all_tokens or len(obj.tokens) <= TOKENS_IN_JSON:
-            summary["tokens"] = obj.tokens
+        if sec["kind"] == "kv":
+            note = rotation_note(cast("KVSection", obj.memory.sections[i]), eras)  # the summary's kind
+            if note:
+                sec["rotation"] = note
+    tokens = getattr(obj, "tokens", None)  # session and sequence files
+    if tokens is not None:
+        if all_tokens or len(tokens) <= TOKENS_IN_JSON:
+            summary["tokens"] = tokens
         else:
-            summary["tokens_omitted"] = len(obj.tokens)
+            summary["tokens_omitted"] = len(tokens)
     return summary
 
 
-def dump_json(doc: dict[str, Any], out: Any) -> None:
+def dump_json(doc: Mapping[str, object], out: TextIO) -> None:
     """``json.dump(doc, out, indent=2)``, with a NumPy integer array at the top level written as a JSON list a
     million values at a time (a 20M-token file's token list never becomes 20M Python objects at once)."""
     arrays = {k: v for k, v in doc.items() if isinstance(v, np.ndarray)}
@@ -306,7 +315,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     return 0
 
 
-def rotation_note(sec: Any, eras: list[str]) -> str | None:
+def rotation_note(sec: KVSection, eras: list[str]) -> str | None:
     """``kvref inspect``'s line on llama.cpp's attention rotation for a KV section (None when it cannot apply)."""
     from ..ggml.types import traits
     from .tensors import era_rotates

@@ -34,25 +34,66 @@ not ship the goldens: run from a checkout, or pass ``--root``.
 
 from __future__ import annotations
 
+import argparse
 import copy
 import json
 import sys
 import time
 import traceback
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Literal, TypedDict, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from .. import about, about_line
 from ..errors import BatchError, CheckFailed, CompatWarning, KVRefError, NoSlotError, Unsupported
 from ..profile import Profile
 
 if TYPE_CHECKING:
-    from ..hparams import HParams
+    from ..hparams import HParams, HParamsArgs
+    from ..memory.base import MemoryPart
+    from ..memory.batch import UBatch
+    from ..memory.hybrid import HybridSlot
+    from ..memory.kv_cache import KVCache
+    from ..memory.kv_cache_iswa import ISWASlot
+    from ..memory.slots import SlotInfo
+    from ..state import (
+        Cells,
+        KVSection,
+        LayerRows,
+        RecurrentSection,
+        SeqFile,
+        SessionFile,
+        StateObject,
+        TransposedRows,
+    )
+    from ._types import AnyMemory, AnySlot, LeafMemory
+    from .case_schema import (
+        Case,
+        CaseResultJSON,
+        ConformanceJSON,
+        ExpectedFailures,
+        Graph,
+        GraphInput,
+        Ints,
+        InvalidEntry,
+        InvalidManifest,
+        Observed,
+        ObservedContext,
+        Producer,
+        SSMParams,
+        TraceOp,
+    )
+
+    AnySection = KVSection | RecurrentSection
+    # kvref's value of each graph input llama.cpp captured, by (tensor, swa), or why kvref cannot compute it
+    GraphValues = dict[tuple[str, bool], npt.NDArray[np.generic[object]] | KVRefError]
+    # the ubatches of one decode as they were placed: (ubatch, slot; None for llama_encode, its graph inputs)
+    Placed = list[tuple[UBatch, AnySlot | None, GraphValues]]
 
 CHECKS = ("parse", "replay", "graph", "restore")
 # The operations of a trace (case.json's ``trace``, case.schema.json): the one vocabulary conformance/driver.py
@@ -131,8 +172,9 @@ def list_cases(root: Path) -> list[str]:
     return sorted(p.parent.name for p in (root / "golden").glob("*/case.json"))
 
 
-def load_case(root: Path, case_id: str) -> dict:
-    return json.loads((root / "golden" / case_id / "case.json").read_text())
+def load_case(root: Path, case_id: str) -> Case:
+    case: Case = json.loads((root / "golden" / case_id / "case.json").read_text())
+    return case
 
 
 def load_expected_failures(root: Path) -> dict[str, dict[str, str]]:
@@ -141,20 +183,21 @@ def load_expected_failures(root: Path) -> dict[str, dict[str, str]]:
     if not p.exists():
         return {}
     out: dict[str, dict[str, str]] = {}
-    for e in json.loads(p.read_text()).get("cases", []):
+    doc: ExpectedFailures = json.loads(p.read_text())
+    for e in doc.get("cases", []):
         for c in e["checks"]:
             out.setdefault(e["id"], {})[c] = e["reason"]
     return out
 
 
 # ---------------------------------------------------------------------------------------------- model + memory
-def hparams_from_case(case: dict) -> Any:
+def hparams_from_case(case: Case) -> HParams:
     """kvref.HParams from a case's recorded ``model.hparams``."""
     from ..hparams import HParams, RopeType, SWAType
 
     h = case["model"]["hparams"]
-    ssm = h.get("ssm") or {}
-    kw: dict[str, Any] = dict(
+    ssm: SSMParams = h.get("ssm") or {}
+    kw: HParamsArgs = dict(
         arch=h["arch"], n_layer=h["n_layer"], n_embd=h["n_embd"], n_head=h["n_head"], n_head_kv=h["n_head_kv"],
         n_embd_head_k=h["n_embd_head_k"], n_embd_head_v=h["n_embd_head_v"], swa_layers=h["swa_layers"],
         recurrent_layers=h["recurrent_layers"], n_swa=h["n_swa"], swa_type=SWAType[h["swa_type"].upper()],
@@ -172,15 +215,16 @@ def hparams_from_case(case: dict) -> Any:
                  "non_causal_type", "f_max_alibi_bias", "n_rel_attn_bkts", "n_layer_kv_from_start"):  # fmt: skip
         if h.get(name) is not None:
             kw[name] = h[name]
-    if h.get("rope_sections"):
-        kw["rope_sections"] = tuple(h["rope_sections"])
+    sections = h.get("rope_sections")
+    if sections:
+        kw["rope_sections"] = tuple(sections)
     return HParams(**kw)
 
 
-def _hp_facts(hp: HParams) -> dict[str, Any]:
+def _hp_facts(hp: HParams) -> dict[str, object]:
     """What decides the memory layout, per layer."""
     n = hp.n_layer
-    facts: dict[str, Any] = {
+    facts: dict[str, object] = {
         "n_layer": n,
         "n_pos_per_embd": hp.n_pos_per_embd(),
         "n_swa": hp.n_swa if hp.is_swa_any() else 0,
@@ -205,12 +249,13 @@ def _hp_facts(hp: HParams) -> dict[str, Any]:
     return facts
 
 
-def check_hparams(root: Path, case: dict, hp: Any) -> None:
+def check_hparams(root: Path, case: Case, hp: HParams) -> None:
     """When the case's GGUF is committed, HParams.from_gguf must agree with the recorded hyper-parameters."""
     from ..hparams import HParams
 
     m = case["model"]
-    path = root / m["path"] if m.get("path") else None
+    rel = m.get("path")
+    path = root / rel if rel else None
     if not m.get("committed") or path is None or not path.exists():
         return
     a, b = _hp_facts(HParams.from_gguf(path)), _hp_facts(hp)
@@ -219,29 +264,31 @@ def check_hparams(root: Path, case: dict, hp: Any) -> None:
             raise CheckFailed(f"HParams.from_gguf({m['file']}).{k} = {a[k]}, case.json says {b.get(k)}")
 
 
-def compat_for(case: dict) -> Profile:
+def compat_for(case: Case) -> Profile:
     """The kvref.profile.Profile of the llama.cpp that produced the case (from its producer's
     llama-cpp-python version; the default when the case does not say)."""
     from ..compat import for_llama_cpp_python
 
     with warnings.catch_warnings():  # the goldens are what checks a producer older than the releases read
         warnings.simplefilter("ignore", CompatWarning)
-        return for_llama_cpp_python((case.get("producer") or {}).get("llama_cpp_python"))
+        producer = case.get("producer")
+        return for_llama_cpp_python(producer.get("llama_cpp_python") if producer else None)
 
 
-def create_memory_for(case: dict, hp: Any) -> Any:
+def create_memory_for(case: Case, hp: HParams) -> AnyMemory | None:
     """The memory create_memory builds for the case's context, reproducing its producer's llama.cpp."""
     from ..memory.factory import create_memory
 
     c = case["context"]
-    return create_memory(
+    mem = create_memory(
         hp, n_ctx=c["n_ctx"], n_seq_max=c["n_seq_max"], kv_unified=c["kv_unified"], flash_attn=c["flash_attn"],
         type_k=c["type_k"], type_v=c["type_v"], swa_full=c.get("swa_full", False), n_ubatch=c["n_ubatch"],
         n_batch=c["n_batch"], n_rs_seq=c.get("n_rs_seq", 0), compat=compat_for(case),
     )  # fmt: skip
+    return cast("AnyMemory | None", mem)  # create_memory builds one of them
 
 
-def check_memory_shape(case: dict, mem: Any) -> None:
+def check_memory_shape(case: Case, mem: AnyMemory) -> None:
     """The memory kvref built has the kind and sizes llama.cpp logged."""
     want = case["memory"]
     kind = {"KVCache": "kv", "KVCacheISWA": "iswa", "RecurrentMemory": "recurrent", "HybridMemory": "hybrid"}
@@ -251,64 +298,80 @@ def check_memory_shape(case: dict, mem: Any) -> None:
     if got != want["type"]:
         raise CheckFailed(f"kvref built a {got} memory, llama.cpp a {want['type']} one")
     leaves = leaf_parts(mem, 0)
-    for leaf in leaves:
-        if type(leaf).__name__ == "KVCache":
-            if leaf.n_stream != want["n_stream"]:
-                raise CheckFailed(f"n_stream {leaf.n_stream}, llama.cpp {want['n_stream']}")
-            if want.get("v_trans") is not None and leaf.v_trans != want["v_trans"]:
-                raise CheckFailed(f"v_trans {leaf.v_trans}, llama.cpp {want['v_trans']}")
-    kv = [leaf for leaf in leaves if type(leaf).__name__ == "KVCache"]
+    kv = [cast("KVCache", leaf) for leaf in leaves if type(leaf).__name__ == "KVCache"]
+    for cache in kv:
+        if cache.n_stream != want["n_stream"]:
+            raise CheckFailed(f"n_stream {cache.n_stream}, llama.cpp {want['n_stream']}")
+        if want.get("v_trans") is not None and cache.v_trans != want["v_trans"]:
+            raise CheckFailed(f"v_trans {cache.v_trans}, llama.cpp {want['v_trans']}")
     # llama.cpp's attention rotation flags, as its KV caches logged them (0.3.36 goldens recorded since the rotation
     # cases; older ones carry no such key), in construction order: base before SWA
-    caches = (case.get("observed_context") or {}).get("memory_log", {}).get("caches", [])
+    observed = case.get("observed_context")
+    caches = observed.get("memory_log", {}).get("caches", []) if observed else []
     logged = [c for c in caches if "attn_rot_k" in c]
     if logged and len(logged) == len(kv):
-        for c, leaf in zip(logged, kv, strict=True):
+        for c, cache in zip(logged, kv, strict=True):
             for which in ("k", "v"):
-                got_rot, want_rot = bool(getattr(leaf, f"attn_rot_{which}")), bool(c[f"attn_rot_{which}"])
+                got_rot = bool(getattr(cache, f"attn_rot_{which}"))
+                want_rot = bool(c["attn_rot_k"] if which == "k" else c["attn_rot_v"])
                 if got_rot != want_rot:
                     raise CheckFailed(f"attn_rot_{which} {got_rot}, llama.cpp {want_rot} ({c['module']})")
-    sizes = {"kv_size": kv[0].get_size() if kv else None, "kv_size_swa": kv[-1].get_size() if len(kv) > 1 else None}
+    sizes: dict[Literal["kv_size", "kv_size_swa"], int | None] = {
+        "kv_size": kv[0].get_size() if kv else None, "kv_size_swa": kv[-1].get_size() if len(kv) > 1 else None,
+    }  # fmt: skip
     for name, got_size in sizes.items():
         if want.get(name) is not None and got_size != want[name]:
             raise CheckFailed(f"{name} {got_size} cells, llama.cpp {want[name]}")
 
 
 # ---------------------------------------------------------------------------------------------- memory parts
-def leaf_parts(mem: Any, flags: int) -> list[Any]:
+def leaf_parts(mem: AnyMemory | MemoryPart, flags: int) -> list[LeafMemory]:
     """The single-section memories (KVCache, RecurrentMemory) a state of ``mem`` with ``flags`` is made of."""
     parts = getattr(mem, "_state_parts", None)
     if parts is None:
-        return [mem]
-    out: list[Any] = []
+        return [cast("LeafMemory", mem)]  # a memory without parts is one of them
+    out: list[LeafMemory] = []
     for p in parts(flags):
         out.extend(leaf_parts(p, flags))
     return out
 
 
-def memory_sections(obj: Any) -> list[Any]:
+def memory_sections(obj: StateObject) -> list[AnySection]:
     return list(obj.memory.sections)
 
 
-def section_bytes(sections: list[Any]) -> bytes:
+def section_bytes(sections: Sequence[AnySection]) -> bytes:
     from ..state import section_bytes as sb
 
     return sb(*sections)
 
 
 # ---------------------------------------------------------------------------------------------- artefacts
-def artefact_hints(op: dict, producer: dict | None = None) -> dict[str, Any]:
+class ArtefactHints(TypedDict, total=False):
+    """`kvref.state.load` arguments for an artefact (`artefact_hints`): its kind and layout, and what the
+    producer's format generation decides."""
+
+    kind: str
+    layout: str
+    ext_size: int
+    seq_header: bool
+    outputs: bool
+    n_stream_field: bool
+
+
+def artefact_hints(op: TraceOp, producer: Producer | None = None) -> ArtefactHints:
     """kvref.state.load options for the artefact a save op describes (``producer``: case.json's, for the
     format generation: sequence-blob prefix, v9 output block, cell ext size)."""
     from ..state import LAYOUTS
 
-    producer = producer or {}
     sections = tuple("kv" if s.startswith("kv") else s for s in op.get("sections") or ())
     layout = next((name for name, kinds in LAYOUTS.items() if kinds == sections), op.get("layout"))
     kind = _KIND[op["kind"]]
-    hints: dict[str, Any] = {"kind": kind, "layout": layout}
+    hints: ArtefactHints = {"kind": kind, "layout": cast(str, layout)}  # a save op names its layout (the schema)
     if op.get("cell_ext") is not None:
-        hints["ext_size"] = int(producer.get("cell_ext_size") or 12) if op["cell_ext"] else 0
+        hints["ext_size"] = int((producer.get("cell_ext_size") if producer else None) or 12) if op["cell_ext"] else 0
+    if not producer:  # none recorded: the reader infers the rest
+        return hints
     if kind == "seq_state" and producer.get("seq_data_prefix") is not None:
         hints["seq_header"] = bool(producer["seq_data_prefix"])
     if kind in ("session", "state") and producer.get("output_block") is not None:
@@ -318,7 +381,7 @@ def artefact_hints(op: dict, producer: dict | None = None) -> dict[str, Any]:
     return hints
 
 
-def save_ops(case: dict) -> dict[str, dict]:
+def save_ops(case: Case) -> dict[str, TraceOp]:
     return {op["file"]: op for op in case["trace"] if op["op"] == "save" and op.get("file")}
 
 
@@ -327,14 +390,14 @@ class Artefacts:
     the directory of the case's directory; ``model``: what `kvref.state.load` needs for a session of version 7
     (the ``legacy-0.2.83-*`` goldens, kept in ``golden-v7/``: most readers of ``golden/`` load without a model)."""
 
-    def __init__(self, root: Path, case: dict, golden: str = "golden", model: Any = None) -> None:
+    def __init__(self, root: Path, case: Case, golden: str = "golden", model: object = None) -> None:
         self.dir = root / golden / case["id"]
         self.saves = save_ops(case)
-        self.producer = case.get("producer") or {}
+        self.producer: Producer | None = case.get("producer") or None
         self.model = model
-        self._cache: dict[str, Any] = {}
+        self._cache: dict[str, StateObject] = {}
 
-    def get(self, file: str) -> Any:
+    def get(self, file: str) -> StateObject:
         if file not in self._cache:
             from .. import state
 
@@ -344,12 +407,15 @@ class Artefacts:
 
 
 # ---------------------------------------------------------------------------------------------- comparisons
-def cell_table(sec: Any) -> list[list[tuple]]:
+CellRow = tuple[int, tuple[int, ...], tuple[int, ...]]  # a cell: position, sequence ids, ext
+
+
+def cell_table(sec: AnySection) -> list[list[CellRow]]:
     """Per stream (one for a recurrent section): ``[(pos, seq ids, ext), ...]`` in written order."""
     from ..state import KVSection
 
     streams = [st.cells for st in sec.streams] if isinstance(sec, KVSection) else [sec.cells]
-    out: list[list[tuple]] = []
+    out: list[list[CellRow]] = []
     for c in streams:
         if c is None:
             out.append([])
@@ -358,7 +424,7 @@ def cell_table(sec: Any) -> list[list[tuple]]:
     return out
 
 
-def compare_cells(mine: list[Any], theirs: list[Any], where: str) -> None:
+def compare_cells(mine: Sequence[AnySection], theirs: Sequence[AnySection], where: str) -> None:
     kinds = [type(s).__name__ for s in mine], [type(s).__name__ for s in theirs]
     if kinds[0] != kinds[1]:
         raise CheckFailed(f"{where}: sections {kinds[0]}, llama.cpp {kinds[1]}")
@@ -384,7 +450,9 @@ def first_difference(a: bytes, b: bytes) -> str:
     return f"{len(a)} bytes vs llama.cpp's {len(b)}, first difference at byte {at}"
 
 
-def inject_rows(leaves: list[Any], mine: list[Any], theirs: list[Any], seq_id: int) -> list[Any]:
+def inject_rows(
+    leaves: list[LeafMemory], mine: Sequence[AnySection], theirs: Sequence[AnySection], seq_id: int
+) -> list[AnySection]:
     """Copy the golden's rows into the replayed memory at the cells it writes; return its sections again.
 
     KV caches get the rows in their buffers (so state_write's gather is checked); recurrent sections get
@@ -393,28 +461,29 @@ def inject_rows(leaves: list[Any], mine: list[Any], theirs: list[Any], seq_id: i
     from ..memory.kv_state import copy_rows, written_cells
     from ..state import KVSection
 
-    out = []
+    out: list[AnySection] = []
     for leaf, a, b in zip(leaves, mine, theirs, strict=True):
         if isinstance(b, KVSection):
+            cache = cast("KVCache", leaf)  # where llama.cpp wrote a KV section
             for s, st in enumerate(b.streams):
                 if st.cells is not None and st.data is not None:  # a stream with cells always has its rows
-                    copy_rows(leaf, s, written_cells(leaf, s, seq_id), st.data)
-            out.extend(leaf.state_sections(seq_id, 0))
+                    copy_rows(cache, s, written_cells(cache, s, seq_id), st.data)
+            out.extend(cache.state_sections(seq_id, 0))
         else:
-            a = copy.copy(a)
-            a.r, a.s = b.r, b.s
-            out.append(a)
+            rec = copy.copy(cast("RecurrentSection", a))
+            rec.r, rec.s = b.r, b.s
+            out.append(rec)
     return out
 
 
-def relabel(sections: list[Any], dest: int, n_stream_of: Callable[[Any], int]) -> list[Any]:
+def relabel(sections: Sequence[AnySection], dest: int, n_stream_of: Callable[[AnySection], object]) -> list[AnySection]:
     """The golden sections as a restore into ``dest`` writes them back: seq ids ``dest``, stream moved."""
     from ..state import Cells, KVSection, KVStream
 
-    def cells(c: Any) -> Any:
+    def cells(c: Cells) -> Cells:
         return Cells(c.pos, np.full_like(c.seq_id, dest), c.seq_start, c.ext, c.ext_size)
 
-    out: list[Any] = []
+    out: list[AnySection] = []
     for sec in sections:
         sec = copy.copy(sec)
         if isinstance(sec, KVSection):
@@ -422,7 +491,7 @@ def relabel(sections: list[Any], dest: int, n_stream_of: Callable[[Any], int]) -
             streams = [KVStream(None, None) for _ in sec.streams]
             target = dest if len(sec.streams) > 1 else 0
             for st in full:
-                streams[target] = KVStream(cells(st.cells), st.data)
+                streams[target] = KVStream(cells(cast("Cells", st.cells)), st.data)  # full: streams with cells
             sec.streams = streams
         else:
             sec.cells = cells(sec.cells)
@@ -430,12 +499,12 @@ def relabel(sections: list[Any], dest: int, n_stream_of: Callable[[Any], int]) -
     return out
 
 
-def last_stream_only(sections: list[Any]) -> list[Any]:
+def last_stream_only(sections: Sequence[AnySection]) -> list[AnySection]:
     """The golden sections as a whole restore with ``Profile.whole_restore_clear`` ``"per_stream"`` writes them
     back: each stream's read begins with clear(true), so of a KV section only the last non-empty stream survives."""
     from ..state import KVSection, KVStream
 
-    out: list[Any] = []
+    out: list[AnySection] = []
     for sec in sections:
         if isinstance(sec, KVSection):
             sec = copy.copy(sec)
@@ -446,7 +515,7 @@ def last_stream_only(sections: list[Any]) -> list[Any]:
 
 
 # ---------------------------------------------------------------------------------------------- the checks
-def check_parse(root: Path, case: dict, arts: Artefacts) -> str:
+def check_parse(root: Path, case: Case, arts: Artefacts) -> str:
     n = 0
     for file in arts.saves:
         path = arts.dir / file
@@ -459,14 +528,16 @@ def check_parse(root: Path, case: dict, arts: Artefacts) -> str:
     return f"{n} artefacts"
 
 
-def _observe(mem: Any, n_seq: int) -> dict:
+def _observe(mem: AnyMemory, n_seq: int) -> Observed:
     return {
         "seq_pos_min": [mem.seq_pos_min(s) for s in range(n_seq)],
         "seq_pos_max": [mem.seq_pos_max(s) for s in range(n_seq)],
     }
 
 
-def _decode(mem: Any, op: dict, hp: HParams, n_ubatch: int, on_ubatch: Callable[[Any, Any], None] | None = None) -> int:
+def _decode(
+    mem: AnyMemory, op: TraceOp, hp: HParams, n_ubatch: int, on_ubatch: Callable[[UBatch, AnySlot], None] | None = None
+) -> int:
     """llama_decode's return value: 0, 1 (no slot), -1 (invalid batch).
 
     Token ids below n_vocab are checked here (the memories do not know the vocabulary); everything else,
@@ -476,9 +547,10 @@ def _decode(mem: Any, op: dict, hp: HParams, n_ubatch: int, on_ubatch: Callable[
     from ..memory.batch import Batch
 
     n_vocab = hp.n_vocab
-    if any(t < 0 or (n_vocab and t >= n_vocab) for t in op["tokens"]):
+    tokens = cast("list[int]", op["tokens"])  # a decode's tokens are recorded
+    if any(t < 0 or (n_vocab and t >= n_vocab) for t in tokens):
         return -1  # llama_batch_allocr::init: invalid token id
-    batch = Batch(tokens=op["tokens"], pos=op.get("pos"), seq_ids=op["seq_ids"], logits=op.get("logits"))
+    batch = Batch(tokens=tokens, pos=op.get("pos"), seq_ids=op["seq_ids"], logits=op.get("logits"))
     try:
         if on_ubatch is None:
             mem.decode(batch, n_ubatch)
@@ -491,12 +563,12 @@ def _decode(mem: Any, op: dict, hp: HParams, n_ubatch: int, on_ubatch: Callable[
     return 0
 
 
-def _encode(op: dict, hp: Any, n_seq: int, inputs: bool) -> tuple[int, list[tuple[Any, Any, dict]]]:
+def _encode(op: TraceOp, hp: HParams, n_seq: int, inputs: bool) -> tuple[int, Placed]:
     """llama_encode's return value (0, or -1 for a batch llama_batch_allocr::init refuses) and, with ``inputs``,
     the cache-less graph inputs of its one ubatch (``[(ubatch, None, {(tensor, swa): array})]``)."""
     from ..memory.batch import Batch, allocr_for
 
-    batch = Batch(tokens=op["tokens"], pos=op.get("pos"), seq_ids=op["seq_ids"])
+    batch = Batch(tokens=op["tokens"], pos=op.get("pos"), seq_ids=op["seq_ids"])  # tokens: recorded
     balloc = allocr_for(hp)
     try:
         balloc.init(batch, None, n_vocab=hp.n_vocab or None, n_seq_max=n_seq, output_all=True)
@@ -508,12 +580,12 @@ def _encode(op: dict, hp: Any, n_seq: int, inputs: bool) -> tuple[int, list[tupl
     return 0, [(ub, None, graph_inputs(None, ub, None, op["graph"], hp))]
 
 
-def _capacity_refused(op: dict, arts: Artefacts) -> bool:
+def _capacity_refused(op: TraceOp, arts: Artefacts) -> bool:
     """llama_state_load_file / llama_state_seq_load_file refuse files with more tokens than the capacity."""
     cap = op.get("n_token_capacity")
     if cap is None or op["kind"] not in ("session", "seq"):
         return False
-    return len(arts.get(op["file"]).tokens) > cap
+    return len(cast("SessionFile | SeqFile", arts.get(op["file"])).tokens) > cap
 
 
 class CarriedRows:
@@ -524,12 +596,14 @@ class CarriedRows:
     cells, a restore, ``clear`` and a cross-stream ``seq_cp`` (rows copied at the next update) drop the mark.
     Inactive for composite memories."""
 
-    def __init__(self, mem: Any) -> None:
+    def __init__(self, mem: AnyMemory) -> None:
         from ..ggml.types import traits
 
-        kv = type(mem).__name__ == "KVCache"
-        self.mem = mem if kv and traits(mem.type_k).is_quantized else None
-        self.flags = None if self.mem is None else np.zeros((mem.n_stream, mem.get_size()), dtype=bool)
+        kv = cast("KVCache", mem) if type(mem).__name__ == "KVCache" else None
+        self.mem = kv if kv is not None and traits(kv.type_k).is_quantized else None
+        self.flags: npt.NDArray[np.bool_] | None = (
+            None if self.mem is None else np.zeros((self.mem.n_stream, self.mem.get_size()), dtype=bool)
+        )
         self.compared = 0  # cells compared
 
     @property
@@ -537,10 +611,11 @@ class CarriedRows:
         """Is the memory a quantized plain KV cache (else every method does nothing)?"""
         return self.mem is not None
 
-    def placed(self, _ub: Any, slot: Any) -> None:
+    def placed(self, _ub: UBatch, slot: AnySlot) -> None:
         """A decode's ubatch went into ``slot``: its cells hold kvref's rows now (an ``on_ubatch`` callback)."""
         if self.flags is not None:
-            for strm, idxs in zip(slot.strm, slot.idxs, strict=True):
+            sinfo = cast("SlotInfo", slot)  # active: a plain KV cache, whose slots are SlotInfo
+            for strm, idxs in zip(sinfo.strm, sinfo.idxs, strict=True):
                 self.flags[strm, np.asarray(idxs, dtype=np.intp)] = False
 
     def reset(self, stream: int | None = None) -> None:
@@ -548,21 +623,23 @@ class CarriedRows:
         if self.flags is not None:
             self.flags[slice(None) if stream is None else stream] = False
 
-    def compare_and_mark(self, where: str, seq_id: int, theirs: list[Any]) -> None:
+    def compare_and_mark(self, where: str, seq_id: int, theirs: Sequence[AnySection]) -> None:
         """Compare the carried cells a save writes with llama.cpp's rows, then mark every written cell."""
         if self.mem is None or self.flags is None:
             return
         from ..memory.kv_state import written_cells
 
         mem = self.mem
-        for s, st in enumerate(theirs[0].streams):
+        for s, st in enumerate(cast("KVSection", theirs[0]).streams):  # a KV cache's one section
             if st.cells is None or st.data is None:
                 continue
             idxs = written_cells(mem, s, seq_id)
             keep = self.flags[s, idxs]
             if keep.any():
                 k_bufs = [layer.k[s] for layer in mem.layers]
-                parts = [("K", li, buf, r) for li, (buf, r) in enumerate(zip(k_bufs, st.data.k, strict=True))]
+                parts: list[tuple[str, int, npt.NDArray[np.uint8], LayerRows | TransposedRows]] = [
+                    ("K", li, buf, r) for li, (buf, r) in enumerate(zip(k_bufs, st.data.k, strict=True))
+                ]
                 if not mem.v_trans:
                     v_bufs = [layer.v[s] for layer in mem.layers if layer.v is not None]
                     parts += [("V", li, buf, r) for li, (buf, r) in enumerate(zip(v_bufs, st.data.v, strict=True))]
@@ -580,7 +657,7 @@ class CarriedRows:
             self.flags[s, idxs] = True
 
 
-def check_replay(root: Path, case: dict, arts: Artefacts) -> str:
+def check_replay(root: Path, case: Case, arts: Artefacts) -> str:
     hp = hparams_from_case(case)
     check_hparams(root, case, hp)
     init = case["trace"][0]
@@ -603,7 +680,7 @@ def check_replay(root: Path, case: dict, arts: Artefacts) -> str:
 
 
 def replay_trace(
-    case: dict, mem: Any, arts: Artefacts, hp: Any = None, graph: GraphCounts | None = None
+    case: Case, mem: AnyMemory, arts: Artefacts, hp: HParams | None = None, graph: GraphCounts | None = None
 ) -> dict[str, int]:
     """Run the case's trace (after op 0, init) on ``mem`` and compare every step with what llama.cpp recorded: the
     one interpreter of TRACE_OPS on kvref (the replay and graph checks, the tests' golden replays).
@@ -615,8 +692,9 @@ def replay_trace(
     """
     hp = hparams_from_case(case) if hp is None else hp
     trace = case["trace"]
-    n_seq = case["observed_context"]["n_seq_max"]
-    n_ubatch = case["observed_context"]["n_ubatch"]
+    observed = cast("ObservedContext", case["observed_context"])  # the context was created: it was observed
+    n_seq = observed["n_seq_max"]
+    n_ubatch = observed["n_ubatch"]
     saves = restores = 0
     carried = CarriedRows(mem)
     causal: bool | None = None  # llama_set_causal_attn (set_causal); None: the model's causal_attn
@@ -625,9 +703,11 @@ def replay_trace(
         where = f"op {k} ({kind}{' ' + op['file'] if op.get('file') else ''})"
         if kind == "decode" and graph is not None and "graph" in op:
             shifts = expected_shifts(mem)
-            placed: list[tuple[Any, Any, dict]] = []
+            placed: Placed = []
 
-            def on_ubatch(ub: Any, slot: Any, g: dict = op["graph"], out: list = placed, c: Any = causal) -> None:
+            def on_ubatch(
+                ub: UBatch, slot: AnySlot, g: Graph = op["graph"], out: Placed = placed, c: bool | None = causal
+            ) -> None:
                 out.append((ub, slot, graph_inputs(mem, ub, slot, g, hp, c)))
                 carried.placed(ub, slot)
 
@@ -647,8 +727,9 @@ def replay_trace(
                 raise CheckFailed(f"{where}: seq_rm returned {ret}, llama.cpp {op['ret']}")
         elif kind == "seq_cp":
             mem.seq_cp(op["seq_id_src"], op["seq_id_dst"], op["p0"], op["p1"])
-            if carried.active and mem.get_stream(op["seq_id_src"]) != mem.get_stream(op["seq_id_dst"]):
-                carried.reset(mem.get_stream(op["seq_id_dst"]))
+            kv = carried.mem  # the memory itself when active (a plain KV cache)
+            if kv is not None and kv.get_stream(op["seq_id_src"]) != kv.get_stream(op["seq_id_dst"]):
+                carried.reset(kv.get_stream(op["seq_id_dst"]))
         elif kind == "seq_keep":
             mem.seq_keep(op["seq_id"])
         elif kind == "seq_add":
@@ -723,7 +804,7 @@ class GraphCounts:
     shifts: int = 0
 
 
-def decode_ints(x: Any) -> np.ndarray:
+def decode_ints(x: Ints) -> npt.NDArray[np.int64]:
     """An int list of case.json's graph inputs: a plain list, or ``{"runs": [[first, step, count], ...]}``."""
     if isinstance(x, dict):
         parts = [f + d * np.arange(n, dtype=np.int64) for f, d, n in x["runs"]]
@@ -731,7 +812,7 @@ def decode_ints(x: Any) -> np.ndarray:
     return np.asarray(x, dtype=np.int64)
 
 
-def decode_mask(e: dict) -> np.ndarray:
+def decode_mask(e: GraphInput) -> npt.NDArray[np.float32]:
     """A captured KQ mask, float32 ``shape``: -inf where ``finite`` (np.packbits, base64) is 0, else 0 or the
     entry of ``values`` (``[[flat index, value], ...]``)."""
     import base64
@@ -744,7 +825,8 @@ def decode_mask(e: dict) -> np.ndarray:
     out = np.where(bits[:n].astype(bool), np.float32(0), np.float32(-np.inf)).astype(np.float32)
     for i, v in e.get("values", []):
         out[i] = v
-    return out.reshape(shape)
+    mask: npt.NDArray[np.float32] = out.reshape(shape)
+    return mask
 
 
 # GGML_KQ_MASK_PAD of the llama.cpp vendored by each producer of goldens: the KQ mask had its rows (per stream)
@@ -754,9 +836,10 @@ def decode_mask(e: dict) -> np.ndarray:
 KQ_MASK_PAD = (("0.2.82", 32), ("0.3.8", 64), ("0.3.35", 1))
 
 
-def kq_mask_pad(case: dict) -> int:
+def kq_mask_pad(case: Case) -> int:
     """The KQ mask row padding of the case's producer (``KQ_MASK_PAD``; 1 for the current release)."""
-    release = (case.get("producer") or {}).get("llama_cpp_python")
+    producer = case.get("producer")
+    release = producer.get("llama_cpp_python") if producer else None
     if not release:
         return 1
     key = tuple(int(x) for x in release.split("."))
@@ -767,16 +850,16 @@ def kq_mask_pad(case: dict) -> int:
     return pad
 
 
-def has_graph_inputs(case: dict) -> bool:
+def has_graph_inputs(case: Case) -> bool:
     """The case's decodes carry the graph inputs llama.cpp computed with (written by conformance/capture.py)."""
     return any("graph" in op for op in case["trace"])
 
 
-def _attention_caches(mem: Any) -> list[tuple[bool, Any]]:
+def _attention_caches(mem: AnyMemory) -> list[tuple[bool, KVCache]]:
     """``[(swa, KVCache), ...]``: the memory's attention caches in llama.cpp's update order (base, then SWA)."""
     from ..memory.mask import attention_cache
 
-    out: list[tuple[bool, Any]] = []
+    out: list[tuple[bool, KVCache]] = []
     for swa in (False, True):
         try:
             cache, _ = attention_cache(mem, None, swa=swa)
@@ -787,7 +870,7 @@ def _attention_caches(mem: Any) -> list[tuple[bool, Any]]:
     return out
 
 
-def expected_shifts(mem: Any) -> list[tuple[bool, np.ndarray]]:
+def expected_shifts(mem: AnyMemory) -> list[tuple[bool, npt.NDArray[np.int32]]]:
     """The K-shift inputs the next memory update computes with: ``[(swa, int32[n_stream * size]), ...]`` for each
     attention cache with a pending shift and at least one roped layer (llama.cpp builds no ROPE otherwise)."""
     out = []
@@ -799,7 +882,7 @@ def expected_shifts(mem: Any) -> list[tuple[bool, np.ndarray]]:
     return out
 
 
-def _pos_input(ub: Any, hp: Any) -> np.ndarray:
+def _pos_input(ub: UBatch, hp: HParams) -> npt.NDArray[np.int64]:
     """llm_graph_input_pos::set_input: the positions, one block per rope section; token batches under M-RoPE
     get (p, p, p, 0)."""
     n = int(ub.n_tokens)
@@ -811,22 +894,26 @@ def _pos_input(ub: Any, hp: Any) -> np.ndarray:
     return pos[: n * npe]
 
 
-def graph_inputs(mem: Any, ub: Any, slot: Any, graph: dict, hp: Any, causal: bool | None = None) -> dict:
+def graph_inputs(
+    mem: AnyMemory | None, ub: UBatch, slot: AnySlot | None, graph: Graph, hp: HParams, causal: bool | None = None
+) -> GraphValues:
     """kvref's value of every input llama.cpp captured for the decode's ubatches, right after ``ub`` is placed:
     ``{(tensor, swa): array}`` (masks shaped (n_stream, n_tps, n_kv)). ``causal``: the context's causal_attn
     (the trace's last ``set_causal``; None: the model's). ``mem`` None: a cache-less graph (llama_encode), whose
     only input kvref computes is T5's ``pos_bucket``."""
     from ..memory.mask import attention_cache, fill_kq_mask, fill_pos_bucket
 
-    out: dict = {}
+    out: GraphValues = {}
+    # a memory's graph has attention inputs only where its slots are attention slots
+    attn, attn_slot = cast("AnyMemory", mem), cast("SlotInfo | ISWASlot | HybridSlot | None", slot)
     wanted = {(e["tensor"], e["swa"], e.get("type")) for u in graph.get("ubatches", []) for e in u["inputs"]}
     for tensor, swa, typ in sorted(wanted, key=str):
         try:
             if tensor == "kq_mask":
                 dtype = np.float16 if typ == "f16" else np.float32
-                out[(tensor, swa)] = fill_kq_mask(mem, ub, sinfo=slot, swa=swa, dtype=dtype, causal=causal)
+                out[(tensor, swa)] = fill_kq_mask(attn, ub, sinfo=attn_slot, swa=swa, dtype=dtype, causal=causal)
             elif tensor in ("k_idxs", "v_idxs"):
-                cache, sinfo = attention_cache(mem, slot, swa=swa)
+                cache, sinfo = attention_cache(attn, attn_slot, swa=swa)
                 out[(tensor, swa)] = np.asarray(getattr(cache, tensor)(ub, sinfo), dtype=np.int64)
             elif tensor == "pos":
                 out[(tensor, swa)] = _pos_input(ub, hp)
@@ -835,14 +922,14 @@ def graph_inputs(mem: Any, ub: Any, slot: Any, graph: dict, hp: Any, causal: boo
                 if mem is None:
                     buckets = fill_pos_bucket(None, ub, n_buckets=hp.n_rel_attn_bkts)
                 else:
-                    buckets = fill_pos_bucket(attention_cache(mem, slot, swa=swa)[0], ub)
+                    buckets = fill_pos_bucket(attention_cache(mem, attn_slot, swa=swa)[0], ub)
                 out[(tensor, swa)] = buckets.reshape(-1).astype(np.int64)
         except KVRefError as e:
             out[(tensor, swa)] = e
     return out
 
 
-def _first_diff(a: np.ndarray, b: np.ndarray) -> str:
+def _first_diff(a: npt.NDArray[np.generic[object]], b: npt.NDArray[np.generic[object]]) -> str:
     if a.shape != b.shape:
         return f"shape {list(a.shape)}, llama.cpp {list(b.shape)}"
     fa, fb = a.reshape(-1), b.reshape(-1)
@@ -853,15 +940,15 @@ def _first_diff(a: np.ndarray, b: np.ndarray) -> str:
 
 
 def compare_graph_inputs(
-    where: str, graph: dict, shifts: list[tuple[bool, np.ndarray]], placed: list[tuple[Any, Any, dict]],
-    counts: GraphCounts, mask_pad: int = 1,
+    where: str, graph: Graph, shifts: list[tuple[bool, npt.NDArray[np.int32]]], placed: Placed, counts: GraphCounts,
+    mask_pad: int = 1,
 ) -> None:  # fmt: skip
     """Compare llama.cpp's captured inputs of one decode (``graph``: K-shift, then per ubatch) with kvref's.
     ``mask_pad``: the producer's KQ mask row padding (`kq_mask_pad`); its padding rows must be all -inf."""
     theirs_shift = graph.get("shift", [])
     if [s["swa"] for s in theirs_shift] != [swa for swa, _ in shifts]:
 
-        def names(xs: list) -> str:
+        def names(xs: list[bool]) -> str:
             return ", ".join("swa" if x else "base" for x in xs) or "none"
 
         raise CheckFailed(f"{where}: K-shift of caches [{names([swa for swa, _ in shifts])}], "
@@ -888,15 +975,15 @@ def compare_graph_inputs(
                 raise CheckFailed(f"{label}: kvref has no such input")
             mine = np.asarray(got)
             if e["tensor"] == "kq_mask":
-                theirs = decode_mask(e)
+                their_mask = decode_mask(e)
                 mine = mine.astype(np.float32)
                 if mask_pad > 1:
-                    theirs = _unpad_mask(label, mine.shape, theirs, mask_pad)
-                if mine.shape != theirs.shape:
+                    their_mask = _unpad_mask(label, mine.shape, their_mask, mask_pad)
+                if mine.shape != their_mask.shape:
                     raise CheckFailed(f"{label}: shape (n_stream, n_tps, n_kv) {list(mine.shape)}, "
-                                      f"llama.cpp {list(theirs.shape)}")  # fmt: skip
-                if not np.array_equal(mine, theirs):
-                    raise CheckFailed(f"{label}: {_first_diff(mine, theirs)}")
+                                      f"llama.cpp {list(their_mask.shape)}")  # fmt: skip
+                if not np.array_equal(mine, their_mask):
+                    raise CheckFailed(f"{label}: {_first_diff(mine, their_mask)}")
             else:
                 theirs = decode_ints(e["data"])
                 if mine.shape != theirs.shape or (mine != theirs).any():
@@ -906,7 +993,9 @@ def compare_graph_inputs(
     counts.decodes += 1
 
 
-def _unpad_mask(label: str, shape: tuple[int, ...], theirs: np.ndarray, pad: int) -> np.ndarray:
+def _unpad_mask(
+    label: str, shape: tuple[int, ...], theirs: npt.NDArray[np.float32], pad: int
+) -> npt.NDArray[np.float32]:
     """The rows of a padded captured mask that belong to tokens, after checking the padding: ``shape`` kvref's
     (n_stream, n_tps, n_kv); llama.cpp's has ``n_tps`` rounded up to a multiple of ``pad``, the rest -inf."""
     n_stream, n_tps, n_kv = shape
@@ -922,7 +1011,7 @@ def _unpad_mask(label: str, shape: tuple[int, ...], theirs: np.ndarray, pad: int
     return theirs[:, :n_tps]
 
 
-def check_graph(root: Path, case: dict, arts: Artefacts) -> str:
+def check_graph(root: Path, case: Case, arts: Artefacts) -> str:
     """Replay the trace; at every decode with captured graph inputs, compare kvref's with llama.cpp's."""
     if not has_graph_inputs(case):
         return "no captured graph inputs (not applicable)"
@@ -936,11 +1025,11 @@ def check_graph(root: Path, case: dict, arts: Artefacts) -> str:
             f"{counts.shifts} K-shift inputs")  # fmt: skip
 
 
-def check_restore(root: Path, case: dict, arts: Artefacts) -> str:
+def check_restore(root: Path, case: Case, arts: Artefacts) -> str:
     if not arts.saves:
         return "no artefacts"
     hp = hparams_from_case(case)
-    n_seq = case["observed_context"]["n_seq_max"]
+    n_seq = cast("ObservedContext", case["observed_context"])["n_seq_max"]  # artefacts: the context was created
     n = 0
     for file, op in arts.saves.items():
         theirs = memory_sections(arts.get(file))
@@ -950,7 +1039,7 @@ def check_restore(root: Path, case: dict, arts: Artefacts) -> str:
         seq_id = -1 if seq_id is None or op.get("scope") == "context" else seq_id
         targets = [seq_id] if seq_id == -1 else [seq_id] + ([(seq_id + 1) % n_seq] if n_seq > 1 else [])
         for dest in targets:
-            mem = create_memory_for(case, hp)
+            mem = cast("AnyMemory", create_memory_for(case, hp))  # a case with artefacts has a memory
             mem.state_read(data, dest, flags, atomic=False)
             want = theirs if dest == seq_id else relabel(theirs, dest, lambda s: s)
             if dest == -1 and compat_for(case).whole_restore_clear == "per_stream":
@@ -964,7 +1053,7 @@ def check_restore(root: Path, case: dict, arts: Artefacts) -> str:
     return f"{n} restores"
 
 
-def _invalid_entry(root: Path, e: dict) -> str | None:
+def _invalid_entry(root: Path, e: InvalidEntry) -> str | None:
     """None when the entry behaves as the manifest says, else what happened.
 
     A fault a reader without the model can see must fail ``kvref.state.load`` naming its field. A
@@ -978,6 +1067,7 @@ def _invalid_entry(root: Path, e: dict) -> str | None:
     case = load_case(root, e["source"]["case"])
     op = save_ops(case)[e["source"]["file"]]
     path = root / "invalid" / e["file"]
+    loaded: BaseException | None
     try:
         state.load(path, **artefact_hints(op, case.get("producer")))
         loaded = None
@@ -997,7 +1087,7 @@ def _invalid_entry(root: Path, e: dict) -> str | None:
     data = blob[len(src.read_bytes()) - n_mem :] if len(blob) == src.stat().st_size else None
     if data is None:
         return "needs_hparams fault changed the file length: cannot locate the memory section"
-    mem = create_memory_for(case, hparams_from_case(case))
+    mem = cast("AnyMemory", create_memory_for(case, hparams_from_case(case)))  # its source case has a memory
     seq_id = op.get("seq_id", -1)
     seq_id = -1 if seq_id is None or op.get("scope") == "context" else seq_id
     try:
@@ -1011,7 +1101,7 @@ def _invalid_entry(root: Path, e: dict) -> str | None:
 
 
 def check_invalid(root: Path) -> str:
-    manifest = json.loads((root / "invalid" / "manifest.json").read_text())
+    manifest: InvalidManifest = json.loads((root / "invalid" / "manifest.json").read_text())
     for e in manifest["files"]:
         problem = _invalid_entry(root, e)
         if problem is not None:
@@ -1079,7 +1169,7 @@ def stale_expectations(root: Path) -> list[str]:
 
 
 # ---------------------------------------------------------------------------------------------- CLI
-def add_arguments(p: Any) -> None:
+def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--case", action="append", metavar="ID", help="run only this case (repeatable); 'invalid' for invalid/"
     )
@@ -1089,15 +1179,15 @@ def add_arguments(p: Any) -> None:
     )
 
 
-def main(args: Any) -> int:
+def main(args: argparse.Namespace) -> int:
     root = find_root(args.root)
-    ids = args.case or None
+    ids: list[str] | None = args.case or None
     if ids:
         unknown = sorted(set(ids) - set(all_case_ids(root)))
         if unknown:
             raise KVRefError(f"unknown case(s): {', '.join(unknown)}")
     t0 = time.perf_counter()
-    results = []
+    results: list[CaseResult] = []
     width = max(len(c) for c in (ids or all_case_ids(root)))
     if not args.json:
         print(about_line())
@@ -1114,13 +1204,13 @@ def main(args: Any) -> int:
     failed = [r for r in results if not r.ok]
     total = time.perf_counter() - t0
     if args.json:
-        out = {
+        out: ConformanceJSON = {
             **about(),
             "root": str(root),
             "seconds": round(total, 3),
             "ok": not failed and not stale,
             "stale_expectations": stale,
-            "cases": [{**asdict(r), "ok": r.ok, "status": r.status} for r in results],
+            "cases": [cast("CaseResultJSON", {**asdict(r), "ok": r.ok, "status": r.status}) for r in results],
         }
         json.dump(out, sys.stdout, indent=2)
         print()
@@ -1136,6 +1226,7 @@ def main(args: Any) -> int:
 __all__ = [
     "CHECKS",
     "TRACE_OPS",
+    "ArtefactHints",
     "Artefacts",
     "CaseResult",
     "CheckFailed",

@@ -19,12 +19,19 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import ArgumentError, ConversionError, NotYetImplemented
 from ..profile import Profile
+
+if TYPE_CHECKING:
+    from ..ggml.types import TypeLike
+    from ..hparams import HParams
+    from ..state import MemorySections, SeqFile, SeqStateBlob, SessionFile, StateObject
+    from ._types import ModelSource, StateSource
 
 
 def parse_map(text: str) -> dict[int, int]:
@@ -41,7 +48,7 @@ def parse_map(text: str) -> dict[int, int]:
     return out
 
 
-def _load(src: Any, model: Any = None) -> Any:
+def _load(src: StateSource, model: ModelSource | None = None) -> StateObject:
     import copy
 
     from .. import state
@@ -50,23 +57,24 @@ def _load(src: Any, model: Any = None) -> Any:
     return copy.copy(src) if isinstance(src, state.StateObject) else state.load(src, model=model)
 
 
-def _arch(arch: str | None, model: Any, obj: Any) -> str | None:
+def _arch(arch: str | None, model: ModelSource | None, obj: StateObject) -> str | None:
     if arch is not None:
         return arch
     if model is not None:
         from ..hparams import HParams
 
         return (model if isinstance(model, HParams) else HParams.from_gguf(model)).arch
-    return getattr(obj, "arch", None)
+    own: str | None = getattr(obj, "arch", None)  # sessions and state blobs name it
+    return own
 
 
-def _era_rotates(obj: Any) -> bool:
+def _era_rotates(obj: StateObject) -> bool:
     from .tensors import _era_rotates as rotates
 
     return rotates(obj)
 
 
-def _hparams_of(model: Any) -> Any:
+def _hparams_of(model: ModelSource | None) -> HParams | None:
     if model is None:
         return None
     from ..hparams import HParams
@@ -74,7 +82,9 @@ def _hparams_of(model: Any) -> Any:
     return model if isinstance(model, HParams) else HParams.from_gguf(model)
 
 
-def _container(kind: str, memory: Any, *, tokens: Any, arch: str | None, seq_id: int | None) -> Any:
+def _container(
+    kind: str, memory: MemorySections, *, tokens: npt.ArrayLike | None, arch: str | None, seq_id: int | None
+) -> StateObject:
     from .. import state
 
     toks = np.asarray([] if tokens is None else tokens, dtype=np.int32)
@@ -97,12 +107,13 @@ def _container(kind: str, memory: Any, *, tokens: Any, arch: str | None, seq_id:
 
 
 def convert(
-    src: Any, dst: str | os.PathLike[str] | None = None, *, era: Profile | str | None = None, seq: int | None = None,
-    merge: Sequence[Any] = (), seq_map: Mapping[int, int] | str | None = None, streams: str | None = None,
-    n_stream: int | None = None, kind: str | None = None, tokens: Sequence[int] | None = None,
-    arch: str | None = None, model: Any = None, type_k: Any = None, type_v: Any = None, sidecar: bool = False,
+    src: StateSource, dst: str | os.PathLike[str] | None = None, *, era: Profile | str | None = None,
+    seq: int | None = None, merge: Sequence[StateSource] = (), seq_map: Mapping[int, int] | str | None = None,
+    streams: str | None = None, n_stream: int | None = None, kind: str | None = None,
+    tokens: Sequence[int] | None = None, arch: str | None = None, model: ModelSource | None = None,
+    type_k: TypeLike | None = None, type_v: TypeLike | None = None, sidecar: bool = False,
     head_dim: int | None = None, progress: bool | None = None,
-) -> Any:  # fmt: skip
+) -> StateObject:  # fmt: skip
     """Rewrite the state ``src`` (a path, bytes or loaded state) and write it to ``dst`` (when given); returns the
     new state object.
 
@@ -158,12 +169,13 @@ def convert(
         toks = tokens if tokens is not None else getattr(obj, "tokens", None)
         obj = _container(kind, obj.memory, tokens=toks, arch=the_arch, seq_id=sid)
     elif tokens is not None and hasattr(obj, "tokens"):
-        obj.tokens = np.asarray(tokens, np.int32)
+        cast("SessionFile | SeqFile", obj).tokens = np.asarray(tokens, np.int32)
     if seq_map:
         mapping = parse_map(seq_map) if isinstance(seq_map, str) else dict(seq_map)
         obj.memory = remap_sequences(obj.memory, mapping)
-        if obj.kind == "seq_state" and getattr(obj, "seq_id", None) is not None:
-            obj.seq_id = mapping.get(obj.seq_id, obj.seq_id)
+        blob = cast("SeqStateBlob", obj) if obj.kind == "seq_state" else None
+        if blob is not None and blob.seq_id is not None:
+            blob.seq_id = mapping.get(blob.seq_id, blob.seq_id)
     if streams is not None and not (merge and streams == "per-seq"):
         obj.memory = restream(obj.memory, streams, n_stream)
     if type_k is not None or type_v is not None:

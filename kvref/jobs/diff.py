@@ -13,11 +13,19 @@ from __future__ import annotations
 import hashlib
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from ..state import KVSection, RecurrentSection, TransposedRows
+
+if TYPE_CHECKING:
+    from ..state import Cells, KVStream, LayerRows, RecurrentLayer, StateObject
+    from ._types import ModelSource, StateSource
+
+    Rows = LayerRows | TransposedRows | RecurrentLayer  # one layer's K, V, R or S
+    Table = KVStream | RecurrentSection  # what holds a cell table and its rows
 
 MAX_LISTED = 100  # differences listed one by one; the counts cover all of them
 
@@ -28,8 +36,8 @@ class Difference:
     "s", ...), where (section / stream / layer / cell, None when not applicable) and the two values (shortened)."""
 
     what: str
-    a: Any = None
-    b: Any = None
+    a: object = None
+    b: object = None
     section: int | None = None
     stream: int | None = None
     layer: int | None = None
@@ -43,6 +51,39 @@ class Difference:
 
     def __str__(self) -> str:
         return f"{self.where()}: {self.what} {self.a!r} vs {self.b!r}"
+
+
+class DifferenceJSON(TypedDict):
+    """One `Difference` in `DiffResult.to_json`."""
+
+    what: str
+    a: object  # a JSON value: the first 8 items of a long list, the str() of anything else
+    b: object
+    where: str
+    section: int | None
+    stream: int | None
+    layer: int | None
+    cell: int | None
+
+
+class CellOrderJSON(TypedDict):
+    """A stream that holds the same cells in another order."""
+
+    section: int
+    stream: int
+
+
+class DiffJSON(TypedDict):
+    """`DiffResult.to_json`: what ``kvref diff --json`` prints."""
+
+    equal: bool
+    sizes: list[int]
+    first_byte: int | None
+    total: int
+    counts: dict[str, int]
+    cell_order_only: list[CellOrderJSON]
+    first: DifferenceJSON | None
+    differences: list[DifferenceJSON]
 
 
 @dataclass
@@ -70,7 +111,7 @@ class DiffResult:
         if len(self.differences) < MAX_LISTED:
             self.differences.append(d)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self) -> DiffJSON:
         """A JSON-ready dict (what ``kvref diff --json`` prints)."""
         return {
             "equal": self.equal,
@@ -100,20 +141,21 @@ class DiffResult:
         return out
 
 
-def _jd(d: Difference) -> dict[str, Any]:
+def _jd(d: Difference) -> DifferenceJSON:
     return {"what": d.what, "a": _short(d.a), "b": _short(d.b), "where": d.where(), "section": d.section,
             "stream": d.stream, "layer": d.layer, "cell": d.cell}  # fmt: skip
 
 
-def _short(x: Any) -> Any:
+def _short(x: object) -> object:
     if isinstance(x, np.generic):
-        return x.item()
+        item: object = x.item()
+        return item
     if isinstance(x, list | tuple) and len(x) > 8:
         return [*list(x[:8]), "..."]
     return x if isinstance(x, int | str | float | bool | list | tuple | type(None)) else str(x)
 
 
-def _per_cell(x: Any, n: int) -> np.ndarray:
+def _per_cell(x: Rows, n: int) -> npt.NDArray[np.uint8]:
     """Rows of a tensor as (n_cells, bytes) for comparison (transposed V / S regrouped per cell)."""
     data = np.asarray(x.data)
     if isinstance(x, TransposedRows):
@@ -121,18 +163,18 @@ def _per_cell(x: Any, n: int) -> np.ndarray:
     return data.reshape(n, -1)
 
 
-def _tensors(sec: Any, st: Any) -> list[tuple[str, int, Any]]:
+def _tensors(sec: KVSection | RecurrentSection, st: Table) -> list[tuple[str, int, Rows]]:
     """``[(name, layer index, rows), ...]`` of a stream (KV) or recurrent section."""
     if isinstance(sec, RecurrentSection):
-        out = [("r", il, x) for il, x in enumerate(sec.r)] + [("s", il, x) for il, x in enumerate(sec.s)]
-        return out
-    d = st.data
+        out: list[tuple[str, int, Rows]] = [("r", il, x) for il, x in enumerate(sec.r)]
+        return out + [("s", il, x) for il, x in enumerate(sec.s)]
+    d = cast("KVStream", st).data  # a KV section's table is a stream
     if d is None:
         return []
     return [("k", il, x) for il, x in enumerate(d.k)] + [("v", il, x) for il, x in enumerate(d.v)]
 
 
-def _cell_keys(cells: Any, tensors: list[tuple[str, int, Any]]) -> list[bytes]:
+def _cell_keys(cells: Cells, tensors: list[tuple[str, int, Rows]]) -> list[bytes]:
     n = cells.n
     h = [hashlib.sha256() for _ in range(n)]
     for i in range(n):
@@ -146,7 +188,10 @@ def _cell_keys(cells: Any, tensors: list[tuple[str, int, Any]]) -> list[bytes]:
     return [x.digest() for x in h]
 
 
-def _compare_table(res: DiffResult, k: int, s: int | None, sec_a: Any, sec_b: Any, a: Any, b: Any) -> None:
+def _compare_table(
+    res: DiffResult, k: int, s: int | None, sec_a: KVSection | RecurrentSection, sec_b: KVSection | RecurrentSection,
+    a: Table | None, b: Table | None,
+) -> None:  # fmt: skip
     """Compare one stream (or recurrent section): cells, then rows per layer."""
     ca, cb = a.cells if a is not None else None, b.cells if b is not None else None
     na, nb = (ca.n if ca is not None else 0), (cb.n if cb is not None else 0)
@@ -155,7 +200,7 @@ def _compare_table(res: DiffResult, k: int, s: int | None, sec_a: Any, sec_b: An
         return
     if na == 0:
         return
-    ta, tb = _tensors(sec_a, a), _tensors(sec_b, b)
+    ta, tb = _tensors(sec_a, cast("Table", a)), _tensors(sec_b, cast("Table", b))  # they have cells
     layout_a = [(n, il, x.type, x.row_size) for n, il, x in ta]
     layout_b = [(n, il, x.type, x.row_size) for n, il, x in tb]
     if layout_a != layout_b:
@@ -191,7 +236,7 @@ def _compare_table(res: DiffResult, k: int, s: int | None, sec_a: Any, sec_b: An
         res.add(d)
 
 
-def _header(res: DiffResult, a: Any, b: Any) -> None:
+def _header(res: DiffResult, a: StateObject, b: StateObject) -> None:
     if a.kind != b.kind:
         res.add(Difference("kind", a.kind, b.kind))
     for name in ("version", "arch", "seq_id"):
@@ -217,7 +262,7 @@ def _header(res: DiffResult, a: Any, b: Any) -> None:
                 res.add(Difference(f"outputs.{name}", f"{xa.size} values", f"{xb.size} values"))
 
 
-def diff(a: Any, b: Any, *, model: Any = None) -> DiffResult:
+def diff(a: StateSource, b: StateSource, *, model: ModelSource | None = None) -> DiffResult:
     """Compare two states (paths, bytes or loaded state objects); see `DiffResult`. ``model`` (a GGUF path or
     HParams) is what a session of version 5 .. 7 needs to be read."""
     from .. import state
@@ -244,8 +289,8 @@ def diff(a: Any, b: Any, *, model: Any = None) -> DiffResult:
                     res.add(Difference("v_trans", p.data.v_trans, q.data.v_trans, k, s))
                     continue
                 _compare_table(res, k, s, x, y, p, q)
-        else:
-            _compare_table(res, k, None, x, y, x, y)
+        else:  # two recurrent sections (of one kind, not both KV)
+            _compare_table(res, k, None, x, y, cast("RecurrentSection", x), cast("RecurrentSection", y))
     if len(ma.sections) != len(mb.sections):
         res.add(Difference("sections", len(ma.sections), len(mb.sections)))
     ba, bb = sa.to_bytes(), sb.to_bytes()
@@ -257,4 +302,4 @@ def diff(a: Any, b: Any, *, model: Any = None) -> DiffResult:
     return res
 
 
-__all__ = ["MAX_LISTED", "DiffResult", "Difference", "diff"]
+__all__ = ["MAX_LISTED", "CellOrderJSON", "DiffJSON", "DiffResult", "Difference", "DifferenceJSON", "diff"]

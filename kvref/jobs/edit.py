@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import EditError
 from ..state import (
@@ -26,9 +27,11 @@ from ..state import (
     TransposedRows,
 )
 
+Indices = npt.NDArray[np.intp]  # cells of a table, by index
+
 
 # ------------------------------------------------------------------------------------------- rows
-def _take_rows(x: LayerRows | TransposedRows, idx: np.ndarray) -> LayerRows | TransposedRows:
+def _take_rows(x: LayerRows | TransposedRows, idx: Indices) -> LayerRows | TransposedRows:
     if isinstance(x, TransposedRows):
         n = x.data.shape[1] // x.el_size if x.el_size else 0
         cols = np.asarray(x.data).reshape(x.n_embd, n, x.el_size)[:, idx, :]
@@ -47,11 +50,11 @@ def _cat_rows(xs: Sequence[LayerRows | TransposedRows], where: str) -> LayerRows
     return LayerRows(a.type, a.row_size, np.concatenate([np.asarray(x.data) for x in xs], axis=0))
 
 
-def _cells(cells: Cells, idx: np.ndarray, ids: Sequence[Sequence[int]]) -> Cells:
+def _cells(cells: Cells, idx: Indices, ids: Sequence[Sequence[int]]) -> Cells:
     return Cells.from_lists(cells.pos[idx].tolist(), ids, cells.ext[idx] if cells.ext_size else None, cells.ext_size)
 
 
-def take_stream(st: KVStream, idx: np.ndarray, ids: Sequence[Sequence[int]] | None = None) -> KVStream:
+def take_stream(st: KVStream, idx: Indices, ids: Sequence[Sequence[int]] | None = None) -> KVStream:
     """The cells ``idx`` of a stream (with their rows); ``ids``: their new sequence id lists (default: kept)."""
     if st.cells is None or len(idx) == 0:
         return KVStream(None, None)
@@ -93,7 +96,7 @@ def cat_streams(streams: Sequence[KVStream], where: str = "") -> KVStream:
     return KVStream(Cells.from_lists(pos.tolist(), ids, ext, cells[0].ext_size), KVData(d0.v_trans, k, v))  # type: ignore[arg-type]
 
 
-def _take_recurrent(sec: RecurrentSection, idx: np.ndarray, ids: Sequence[Sequence[int]]) -> RecurrentSection:
+def _take_recurrent(sec: RecurrentSection, idx: Indices, ids: Sequence[Sequence[int]]) -> RecurrentSection:
     idx = np.asarray(idx, dtype=np.intp)
     r = [
         RecurrentLayer(
@@ -126,7 +129,7 @@ def _cat_recurrent(secs: Sequence[RecurrentSection], ids: Sequence[Sequence[int]
     return RecurrentSection(Cells.from_lists(pos.tolist(), ids), a.s_trans, a.n_layer, r, s)
 
 
-def _holding(cells: Cells, seq: int) -> np.ndarray:
+def _holding(cells: Cells, seq: int) -> Indices:
     return np.flatnonzero(np.isin(np.arange(cells.n), cells.cell_seq()[cells.seq_id == seq]))
 
 

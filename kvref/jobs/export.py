@@ -24,18 +24,42 @@ from __future__ import annotations
 
 import json
 import os
-from typing import TYPE_CHECKING, Any, BinaryIO
+from typing import TYPE_CHECKING, BinaryIO, TypeAlias, TypedDict
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import KVRefError
 from .progress import Progress
 
 if TYPE_CHECKING:
+    from typing_extensions import NotRequired
+
+    from ..hparams import HParams
+    from ._types import ModelSource, StateSource
     from .tensors import KVTensors, RecurrentTensors
 
+Arrays: TypeAlias = "dict[str, npt.NDArray[np.generic[object]]]"  # by name (the module doc's table)
 
-def _seq_mask(seq_id: np.ndarray, seq_start: np.ndarray) -> np.ndarray:
+
+class TensorMeta(TypedDict):
+    """One tensor in the metadata: its ggml type in the file (None: a layer without V) and, for K / V, whether
+    llama.cpp's attention rotation was undone."""
+
+    type: str | None
+    unrotated: NotRequired[bool]
+
+
+class ExportMeta(TypedDict):
+    """The metadata an export carries (``kvref`` key / ``__kvref__`` array, as JSON)."""
+
+    layout: str
+    kind: str
+    unrotate: bool
+    tensors: dict[str, TensorMeta]
+
+
+def _seq_mask(seq_id: npt.NDArray[np.int32], seq_start: npt.NDArray[np.int64]) -> npt.NDArray[np.uint8]:
     n = len(seq_start) - 1
     width = int(seq_id.max()) + 1 if seq_id.size else 0
     mask = np.zeros((n, width), np.uint8)
@@ -45,9 +69,9 @@ def _seq_mask(seq_id: np.ndarray, seq_start: np.ndarray) -> np.ndarray:
 
 
 def export_arrays(
-    source: Any, *, hparams: Any = None, model: Any = None, head_dim: int | None = None, unrotate: bool = True,
-    progress: bool | None = None,
-) -> tuple[dict[str, np.ndarray], dict[str, Any]]:  # fmt: skip
+    source: StateSource, *, hparams: HParams | None = None, model: ModelSource | None = None,
+    head_dim: int | None = None, unrotate: bool = True, progress: bool | None = None,
+) -> tuple[Arrays, ExportMeta]:  # fmt: skip
     """The arrays `export` writes and its metadata, by name (see the module doc)."""
     from .. import state
     from .tensors import state_tensors
@@ -60,8 +84,8 @@ def export_arrays(
     )  # fmt: skip
     with Progress(total, "export", enabled=progress) as bar:
         ts = state_tensors(obj, hparams=hparams, model=model, head_dim=head_dim, unrotate=unrotate, progress=bar)
-    arrays: dict[str, np.ndarray] = {}
-    meta: dict[str, Any] = {"layout": obj.memory.layout, "kind": obj.kind, "unrotate": unrotate, "tensors": {}}
+    arrays: Arrays = {}
+    meta: ExportMeta = {"layout": obj.memory.layout, "kind": obj.kind, "unrotate": unrotate, "tensors": {}}
     layers: dict[str, list[int]] = {}
 
     def cells(base: str, t: KVTensors | RecurrentTensors) -> None:
@@ -94,9 +118,10 @@ def export_arrays(
 
 
 def export(
-    source: Any, out: str | os.PathLike[str], *, fmt: str | None = None, hparams: Any = None, model: Any = None,
-    head_dim: int | None = None, unrotate: bool = True, progress: bool | None = None, stream: BinaryIO | None = None,
-) -> dict[str, np.ndarray]:  # fmt: skip
+    source: StateSource, out: str | os.PathLike[str], *, fmt: str | None = None, hparams: HParams | None = None,
+    model: ModelSource | None = None, head_dim: int | None = None, unrotate: bool = True,
+    progress: bool | None = None, stream: BinaryIO | None = None,
+) -> Arrays:  # fmt: skip
     """Write the tensors of ``source`` (a path, bytes or loaded state) to ``out``: ``fmt`` "npz" or "safetensors"
     (default: from the suffix; another suffix is an error). ``stream``: write the npz there instead (``out`` only
     names it in messages). Returns the arrays written."""
@@ -119,13 +144,14 @@ def export(
             ) from None
         save_file(arrays, path, metadata={"kvref": json.dumps(meta)})
     else:
-        named: dict[str, Any] = {"__kvref__": np.asarray(json.dumps(meta)), **arrays}
+        named: Arrays = {"__kvref__": np.asarray(json.dumps(meta)), **arrays}
+        # numpy's stub types **kwds against savez's own allow_pickle too; no array has that name
         if stream is not None:
-            np.savez(stream, **named)
+            np.savez(stream, **named)  # type: ignore[arg-type]
         else:
             with open(path, "wb") as f:
-                np.savez(f, **named)
+                np.savez(f, **named)  # type: ignore[arg-type]
     return arrays
 
 
-__all__ = ["export", "export_arrays"]
+__all__ = ["ExportMeta", "TensorMeta", "export", "export_arrays"]

@@ -12,11 +12,21 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import KVRefError
+
+if TYPE_CHECKING:
+    from matplotlib.patches import Patch
+
+    from ..hparams import HParams
+    from ..state import Cells, KVSection, RecurrentSection, StateObject
+    from ..state.load import Source
+    from ._types import AnyMemory, StateSource
 
 # each layout's sections in write order (kvref.jobs.cli_jobs.SECTION_LABELS says the same at length)
 _LABELS = {
@@ -35,15 +45,15 @@ class Panel:
     """What one panel shows: a title, cell indices, positions, per-cell sequence ids, shifts, SWA info."""
 
     title: str
-    cells: np.ndarray
-    pos: np.ndarray
+    cells: npt.NDArray[np.int64]
+    pos: npt.NDArray[np.int32]
     seqs: list[tuple[int, ...]]
-    shift: np.ndarray | None = None
+    shift: npt.NDArray[np.int32] | None = None
     n_swa: int = 0
     swa_type: int = 0
 
 
-def _pyplot() -> Any:
+def _pyplot() -> ModuleType:
     try:
         import matplotlib
 
@@ -54,21 +64,21 @@ def _pyplot() -> Any:
     return plt
 
 
-def _seqs(cells: Any) -> list[tuple[int, ...]]:
+def _seqs(cells: Cells) -> list[tuple[int, ...]]:
     return [cells.seq_ids(i) for i in range(cells.n)]
 
 
-def state_panels(obj: Any, hparams: Any = None) -> list[Panel]:
+def state_panels(obj: StateObject, hparams: HParams | None = None) -> list[Panel]:
     """The panels of a loaded state; ``hparams`` marks the SWA window of an SWA section."""
     labels = _LABELS.get(obj.memory.layout, ())
     out = []
     for si, sec in enumerate(obj.memory.sections):
         label = labels[si] if si < len(labels) else sec.kind
-        swa = hparams is not None and "SWA" in label and hparams.n_swa > 0
-        n_swa = int(hparams.n_swa) if swa else 0
-        swa_type = int(hparams.swa_type) if swa else 0
+        swa = hparams if hparams is not None and "SWA" in label and hparams.n_swa > 0 else None
+        n_swa = int(swa.n_swa) if swa is not None else 0
+        swa_type = int(swa.swa_type) if swa is not None else 0
         if sec.kind == "kv":
-            for s, st in enumerate(sec.streams):
+            for s, st in enumerate(cast("KVSection", sec).streams):
                 c = st.cells
                 if c is None:
                     out.append(Panel(f"section {si} ({label}), stream {s}: empty", np.zeros(0, np.int64),
@@ -77,12 +87,12 @@ def state_panels(obj: Any, hparams: Any = None) -> list[Panel]:
                 out.append(Panel(f"section {si} ({label}), stream {s}", np.arange(c.n), np.asarray(c.pos),
                                  _seqs(c), None, n_swa, swa_type))  # fmt: skip
         else:
-            c = sec.cells
+            c = cast("RecurrentSection", sec).cells
             out.append(Panel(f"section {si} ({label})", np.arange(c.n), np.asarray(c.pos), _seqs(c)))
     return out
 
 
-def memory_panels(mem: Any) -> list[Panel]:
+def memory_panels(mem: AnyMemory) -> list[Panel]:
     """The panels of a memory: every stream of every cache, with its cell indices and pending K-shift."""
     from ..memory.kv_cache import KVCache
     from ..memory.kv_state import written_cells
@@ -127,7 +137,7 @@ def draw(panels: list[Panel], out: str | os.PathLike[str], title: str = "") -> s
     vmin, vmax = (int(all_pos.min()), int(max(all_pos.max(), all_pos.min() + 1))) if all_pos is not None else (0, 1)
     cmap = plt.get_cmap("viridis")
     norm = plt.Normalize(vmin, vmax)
-    legend: dict[str, Any] = {}
+    legend: dict[str, Patch] = {}
     for ax, p in zip(axes[:, 0], panels, strict=False):
         ids = sorted({x for t in p.seqs for x in t})
         row = {sid: k for k, sid in enumerate(ids)}
@@ -176,7 +186,13 @@ def draw(panels: list[Panel], out: str | os.PathLike[str], title: str = "") -> s
     return path
 
 
-def plot(source: Any, out: str | os.PathLike[str], *, hparams: Any = None, model: Any = None) -> str:
+def plot(
+    source: StateSource | AnyMemory,
+    out: str | os.PathLike[str],
+    *,
+    hparams: HParams | None = None,
+    model: str | os.PathLike[str] | None = None,
+) -> str:
     """Draw a state (path, bytes or loaded state) or a memory to ``out``; returns the path."""
     from .. import state
 
@@ -185,8 +201,11 @@ def plot(source: Any, out: str | os.PathLike[str], *, hparams: Any = None, model
 
         hparams = HParams.from_gguf(os.fspath(model))
     if hasattr(source, "state_sections") and hasattr(source, "profile"):
-        return draw(memory_panels(source), out, f"{type(source).__name__} ({source.profile.name})")
-    obj = source if isinstance(source, state.StateObject) else state.load(source, model=hparams)  # (versions 5 .. 7)
+        mem = cast("AnyMemory", source)
+        return draw(memory_panels(mem), out, f"{type(mem).__name__} ({mem.profile.name})")
+    obj = (
+        source if isinstance(source, state.StateObject) else state.load(cast("Source", source), model=hparams)
+    )  # (versions 5 .. 7)
     name = os.path.basename(os.fspath(source)) if isinstance(source, str | os.PathLike) else obj.kind
     return draw(state_panels(obj, hparams), out, f"{name}: {obj.kind}, {obj.memory.layout} memory")
 

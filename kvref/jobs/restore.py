@@ -18,12 +18,35 @@ import mmap
 import os
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict, cast
 
 from ..errors import ContextMismatch, FormatError, KVRefError
 from ..ggml.types import type_name
 from ..hparams import HParams, SWAType
 from ..profile import Profile
+
+if TYPE_CHECKING:
+    from typing_extensions import Unpack
+
+    from ..ggml.types import TypeLike
+    from ..memory.base import MemoryPart
+    from ..state import KVSection, RecurrentSection, StateObject
+    from ..state.load import LoadOptions
+    from ._types import AnyMemory, LeafMemory, ModelSource, StateSource
+
+    class RestoreLoadOptions(TypedDict, total=False):
+        """What `restore` hands `kvref.state.load`: the ``layout`` and its keyword options (`LoadOptions`) but
+        the model, which is restore's own."""
+
+        layout: str
+        ext_size: int | None
+        n_stream_field: bool | None
+        has_v: bool | None
+        outputs: bool | None
+        ple: bool
+        n_state_layers: int | None
+        seq_header: bool | None
+
 
 PARTIAL_ONLY = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
 
@@ -63,7 +86,21 @@ class Requirements:
         return None if self.v_trans is None else not self.v_trans
 
 
-def requirements(obj: Any) -> Requirements:
+class MemoryArgs(TypedDict, total=False):
+    """``create_memory`` keyword arguments (`context_for` gives every one of them)."""
+
+    n_ctx: int
+    n_seq_max: int
+    kv_unified: bool
+    flash_attn: bool
+    type_k: TypeLike
+    type_v: TypeLike
+    swa_full: bool
+    n_ubatch: int
+    compat: Profile
+
+
+def requirements(obj: StateObject) -> Requirements:
     """What the loaded state ``obj`` fixes about its memory (see `Requirements`)."""
     from ..state.eras import matching_eras
 
@@ -103,30 +140,34 @@ def requirements(obj: Any) -> Requirements:
     return req
 
 
-def _load(source: Any, hp: HParams | None, kind: str, options: dict[str, Any]) -> tuple[Any, int]:
+def _load(source: StateSource, hp: HParams | None, kind: str, options: RestoreLoadOptions) -> tuple[StateObject, int]:
     """Load ``source`` (a path, bytes or an already loaded state) reading the layout the model's memory writes;
     returns the object and the flags it was saved with (PARTIAL_ONLY when it holds only the partial layout)."""
     from .. import state
 
+    obj: StateObject | None
     if isinstance(source, state.StateObject):
         obj = source
     else:
         if isinstance(source, str | os.PathLike) and not os.path.exists(source):
             raise FileNotFoundError(source)
+        given = "layout" in options
+        layout = options.pop("layout", "auto")
+        load_options = cast("LoadOptions", options)  # the rest are load's keyword options
         if hp is not None:  # what a session of version 5 .. 7 needs to be read at all
-            options = {"model": hp, **options}
-        layouts: list[str | None] = list(memory_layout(hp)) if hp is not None and "layout" not in options else []
+            load_options = {"model": hp, **load_options}
+        layouts: list[str | None] = list(memory_layout(hp)) if hp is not None and not given else []
         obj = None
         first: FormatError | None = None
         for lay in [x for x in layouts if x]:
             try:
-                obj = state.load(source, kind, lay, **options)
+                obj = state.load(source, kind, lay, **load_options)
                 break
             except FormatError as e:
                 first = first or e
         if obj is None:
             try:
-                obj = state.load(source, kind, options.pop("layout", "auto"), **options)
+                obj = state.load(source, kind, layout, **load_options)
             except FormatError:
                 if first is not None:
                     raise first from None
@@ -148,9 +189,10 @@ def _compat_of(req: Requirements) -> str:
 
 def context_for(
     req: Requirements, hp: HParams, *, seq_id: int = -1, n_ctx: int | None = None, n_seq_max: int | None = None,
-    kv_unified: bool | None = None, flash_attn: bool | str | None = None, type_k: Any = None, type_v: Any = None,
-    swa_full: bool | None = None, n_ubatch: int = 512, compat: Profile | str | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    kv_unified: bool | None = None, flash_attn: bool | str | None = None, type_k: TypeLike | None = None,
+    type_v: TypeLike | None = None, swa_full: bool | None = None, n_ubatch: int = 512,
+    compat: Profile | str | None = None,
+) -> MemoryArgs:  # fmt: skip
     """The ``create_memory`` keyword arguments of a memory that can restore a state with these requirements: the
     parameters given, the rest inferred. A given parameter that cannot work raises `ContextMismatch` naming it.
     ``seq_id``: the destination of a sequence restore (-1 for a whole one)."""
@@ -264,7 +306,7 @@ def context_for(
     }
 
 
-def _type_id(t: Any) -> int:
+def _type_id(t: TypeLike) -> int:
     from ..ggml.types import ggml_type
 
     return int(ggml_type(t))
@@ -276,13 +318,13 @@ class Restored:
     (``seq_id``, -1 for a whole restore), the ``flags`` it was read with, and ``context`` (the ``create_memory``
     arguments used; empty after ``restore(into=...)``). Unpacks as ``memory, state``."""
 
-    memory: Any
-    state: Any
+    memory: AnyMemory
+    state: StateObject
     seq_id: int = -1
     flags: int = 0
-    context: dict[str, Any] = field(default_factory=dict)
+    context: MemoryArgs = field(default_factory=MemoryArgs)
 
-    def __iter__(self) -> Iterator[Any]:
+    def __iter__(self) -> Iterator[AnyMemory | StateObject]:
         yield self.memory
         yield self.state
 
@@ -293,7 +335,7 @@ class Restored:
         return [] if t is None else [int(x) for x in t]
 
 
-def model_hparams(model: Any = None, hparams: HParams | None = None) -> HParams:
+def model_hparams(model: ModelSource | None = None, hparams: HParams | None = None) -> HParams:
     """``hparams``, or the hyper-parameters of the GGUF file ``model`` (an HParams passes through)."""
     if hparams is not None:
         return hparams
@@ -306,15 +348,15 @@ def model_hparams(model: Any = None, hparams: HParams | None = None) -> HParams:
     return HParams.from_gguf(model)
 
 
-def leaf_caches(mem: Any, flags: int = 0) -> list[Any]:
+def leaf_caches(mem: AnyMemory | MemoryPart, flags: int = 0) -> list[LeafMemory]:
     """The single-section memories (KVCache, RecurrentMemory) ``mem``'s state is made of, in write order."""
     parts = getattr(mem, "_state_parts", None)
     if parts is None:
-        return [mem]
+        return [cast("LeafMemory", mem)]  # a memory without parts is one of them
     return [leaf for p in parts(flags) for leaf in leaf_caches(p, flags)]
 
 
-def memory_has_ext(mem: Any) -> bool:
+def memory_has_ext(mem: AnyMemory) -> bool:
     """Does the memory's attention cache write a cell ext (M-RoPE; PLE from 2026-10)?"""
     from ..memory.kv_cache import KVCache
     from ..memory.kv_state import has_cell_ext
@@ -323,10 +365,11 @@ def memory_has_ext(mem: Any) -> bool:
 
 
 def restore(
-    source: Any, model: Any = None, *, hparams: HParams | None = None, into: Any = None, kind: str = "auto",
-    seq_id: int | None = None, n_ctx: int | None = None, n_seq_max: int | None = None, kv_unified: bool | None = None,
-    flash_attn: bool | str | None = None, type_k: Any = None, type_v: Any = None, swa_full: bool | None = None,
-    n_ubatch: int = 512, compat: Profile | str | None = None, **load_options: Any,
+    source: StateSource, model: ModelSource | None = None, *, hparams: HParams | None = None,
+    into: AnyMemory | None = None, kind: str = "auto", seq_id: int | None = None, n_ctx: int | None = None,
+    n_seq_max: int | None = None, kv_unified: bool | None = None, flash_attn: bool | str | None = None,
+    type_k: TypeLike | None = None, type_v: TypeLike | None = None, swa_full: bool | None = None,
+    n_ubatch: int = 512, compat: Profile | str | None = None, **load_options: Unpack[RestoreLoadOptions],
 ) -> Restored:  # fmt: skip
     """Build the memory a state file needs and restore the file into it; returns a `Restored` (``memory, state``).
 
@@ -359,7 +402,7 @@ def restore(
         if not isinstance(getattr(into, "hparams", None), HParams):
             raise KVRefError(f"into= takes a kvref memory (create_memory's result), not {type(into).__name__}")
     hp = into.hparams if into is not None else model_hparams(model, hparams)
-    obj, flags = _load(source, hp, kind, dict(load_options))
+    obj, flags = _load(source, hp, kind, load_options)  # a dict of its own already (the ** call made it)
     req = requirements(obj)
     if req.scope == "sequence":
         dest = seq_id if seq_id is not None else getattr(obj, "seq_id", None)
@@ -375,14 +418,14 @@ def restore(
             raise ContextMismatch(
                 f"the file was written by a {req.arch!r} model, the memory is of a {hp.arch!r} model", "model"
             )
-        ctx: dict[str, Any] = {}
-        mem: Any = into
+        ctx: MemoryArgs = {}
+        mem: AnyMemory | None = into
     else:
         ctx = context_for(
             req, hp, seq_id=dest, n_ctx=n_ctx, n_seq_max=n_seq_max, kv_unified=kv_unified, flash_attn=flash_attn,
             type_k=type_k, type_v=type_v, swa_full=swa_full, n_ubatch=n_ubatch, compat=compat,
         )  # fmt: skip
-        mem = create_memory(hp, **ctx)
+        mem = cast("AnyMemory | None", create_memory(hp, **ctx))  # create_memory builds one of them
     if mem is None:
         raise KVRefError(f"a {hp.arch!r} model has no memory: there is nothing to restore into")
     sections = convert_sections(obj.memory, era(mem.profile), has_ext=memory_has_ext(mem)).sections
@@ -391,7 +434,10 @@ def restore(
     return Restored(mem, obj, dest, flags, ctx)
 
 
-def _unchanged(old: Sequence[Any], new: Sequence[Any]) -> bool:
+Sections = Sequence["KVSection | RecurrentSection"]
+
+
+def _unchanged(old: Sections, new: Sections) -> bool:
     """Are the converted sections the loaded ones as they are (same layout: cells, rows and n_stream field)?"""
     if len(old) != len(new):
         return False
@@ -408,7 +454,7 @@ def _unchanged(old: Sequence[Any], new: Sequence[Any]) -> bool:
     return True
 
 
-def _memory_bytes(source: Any, old: Sequence[Any], new: Sequence[Any]) -> memoryview | None:
+def _memory_bytes(source: StateSource, old: Sections, new: Sections) -> memoryview | None:
     """The loaded file's own memory bytes when they are restored as they are: a view of the bytes given, or of a
     read-only mapping of the file (the memory is the last part of every state file and blob). None when the
     sections changed on the way (another era's layout) or the source is an object: they are then serialized."""
@@ -436,6 +482,7 @@ def _memory_bytes(source: Any, old: Sequence[Any], new: Sequence[Any]) -> memory
 __all__ = [
     "PARTIAL_ONLY",
     "ContextMismatch",
+    "MemoryArgs",
     "Requirements",
     "Restored",
     "context_for",

@@ -13,9 +13,10 @@ quantized ``type_v``. iq4_nl can be read but not written (`kvref.ggml.quant`).
 from __future__ import annotations
 
 import copy
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import ConversionError
 from ..ggml import rotation as rot
@@ -23,8 +24,14 @@ from ..ggml.quant import QuantError, can_quantize, dequantize, quantize
 from ..ggml.types import GGMLType, ggml_type, row_size, traits, type_name
 from .progress import Progress
 
+if TYPE_CHECKING:
+    from ..ggml.types import TypeLike
+    from ..hparams import HParams
+    from ..state import KVSection, StateObject
+    from .tensors import _KVShape
 
-def _check_target(t: Any, what: str) -> GGMLType | None:
+
+def _check_target(t: TypeLike | None, what: str) -> GGMLType | None:
     if t is None:
         return None
     gt = ggml_type(t)
@@ -34,7 +41,7 @@ def _check_target(t: Any, what: str) -> GGMLType | None:
     return gt
 
 
-def _rows_bytes(obj: Any) -> int:
+def _rows_bytes(obj: StateObject) -> int:
     return sum(
         int(r.data.nbytes)
         for sec in obj.memory.kv_sections
@@ -44,8 +51,8 @@ def _rows_bytes(obj: Any) -> int:
     )
 
 
-def _retype_rows(x_raw: np.ndarray, src: int, dst: GGMLType, n_rot: int | None, src_rot: bool, dst_rot: bool,
-                 what: str) -> np.ndarray:  # fmt: skip
+def _retype_rows(x_raw: npt.NDArray[np.uint8], src: int, dst: GGMLType, n_rot: int | None, src_rot: bool,
+                 dst_rot: bool, what: str) -> npt.NDArray[np.uint8]:  # fmt: skip
     if src == dst and src_rot == dst_rot:
         return x_raw
     x = dequantize(x_raw, src)
@@ -61,9 +68,9 @@ def _retype_rows(x_raw: np.ndarray, src: int, dst: GGMLType, n_rot: int | None, 
 
 
 def retype(
-    obj: Any, *, type_k: Any = None, type_v: Any = None, src_rotates: bool, dst_rotates: bool, hparams: Any = None,
-    head_dim: int | None = None, progress: bool | None = None,
-) -> Any:  # fmt: skip
+    obj: StateObject, *, type_k: TypeLike | None = None, type_v: TypeLike | None = None, src_rotates: bool,
+    dst_rotates: bool, hparams: HParams | None = None, head_dim: int | None = None, progress: bool | None = None,
+) -> StateObject:  # fmt: skip
     """A copy of the state ``obj`` with its KV rows in ``type_k`` / ``type_v`` (None: unchanged).
 
     ``src_rotates`` / ``dst_rotates``: does the llama.cpp that wrote / will read the file rotate quantized rows
@@ -82,9 +89,10 @@ def retype(
             if shape is None:
                 sections.append(sec)
                 continue
-            new_sec = copy.copy(sec)
+            kv = cast("KVSection", sec)  # a section with a shape is a KV section
+            new_sec = copy.copy(kv)
             new_sec.streams = []
-            for s, st in enumerate(sec.streams):
+            for s, st in enumerate(kv.streams):
                 if st.data is None:
                     new_sec.streams.append(st)
                     continue
@@ -126,7 +134,7 @@ def retype(
     return out
 
 
-def _rot_flags(src: int, dst: GGMLType, n_embd: int, src_era: bool, dst_era: bool, shape: Any,
+def _rot_flags(src: int, dst: GGMLType, n_embd: int, src_era: bool, dst_era: bool, shape: _KVShape,
                which: str) -> tuple[bool, bool]:  # fmt: skip
     """Are the rows rotated now / must they be rotated in the output? Raises when that depends on an unknown head
     size."""

@@ -22,17 +22,22 @@ from __future__ import annotations
 
 import os
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from ..errors import ArgumentError, KVRefError
 from ..profile import Profile
 
+if TYPE_CHECKING:
+    from ..state import KVSection, RecurrentSection, SeqStateBlob, StateObject
+    from ..state.load import LoadOptions
+    from ._types import AnyMemory
+
 KINDS = ("session", "seq", "state", "seq_state")
 
 
-def _layout_of(sections: Sequence[Any]) -> str:
+def _layout_of(sections: Sequence[KVSection | RecurrentSection]) -> str:
     from ..state import LAYOUTS
 
     kinds = tuple(s.kind for s in sections)
@@ -43,9 +48,9 @@ def _layout_of(sections: Sequence[Any]) -> str:
 
 
 def state_of(
-    mem: Any, kind: str = "session", *, seq_id: int = -1, tokens: Sequence[int] = (), arch: str | None = None,
+    mem: AnyMemory, kind: str = "session", *, seq_id: int = -1, tokens: Sequence[int] = (), arch: str | None = None,
     flags: int = 0, era: Profile | str | None = None, copy: bool = True,
-) -> Any:  # fmt: skip
+) -> StateObject:  # fmt: skip
     """The state object (``kvref.state.SessionFile`` / ``SeqFile`` / ``StateBlob`` / ``SeqStateBlob``) llama.cpp
     would write for ``mem``, in the layout of ``era`` (default: the memory's own profile). Rows are copies, or with
     ``copy=False`` may be views of the memory's buffers, valid until it changes (`Memory.state_sections`)."""
@@ -66,7 +71,7 @@ def state_of(
     memory = state.MemorySections(_layout_of(sections), sections)
     toks = np.asarray(list(tokens), dtype=np.int32)
     arch = arch or mem.hparams.arch
-    obj: Any
+    obj: StateObject
     if kind == "session":
         obj = state.SessionFile(version=own.session_version, tokens=toks, arch=arch, outputs=None, memory=memory)
     elif kind == "seq":
@@ -79,11 +84,11 @@ def state_of(
 
 
 def save_memory(
-    mem: Any, path: str | os.PathLike[str] | None = None, kind: str = "session", *, seq_id: int = -1,
+    mem: AnyMemory, path: str | os.PathLike[str] | None = None, kind: str = "session", *, seq_id: int = -1,
     tokens: Sequence[int] = (), arch: str | None = None, flags: int = 0, era: Profile | str | None = None,
     compat: Profile | str | None = None, sidecar: bool = False, model: str | os.PathLike[str] | None = None,
     durable: bool = True,
-) -> Any:  # fmt: skip
+) -> StateObject:  # fmt: skip
     """Write ``mem`` as llama.cpp's ``kind`` of state to ``path`` (crash-safe, `kvref.state.save`; ``durable=False``
     skips its fsyncs, as llama.cpp's save does); returns the state object written: read back from ``path``
     (memory-mapped; the rows are written straight from the memory's buffers), or with no ``path`` built with copies
@@ -106,7 +111,7 @@ def save_memory(
 
         state.save(obj, path, durable=durable)
         # the object the file holds: independent of the memory, whose buffers the rows were written from
-        header = {"seq_header": obj.has_header} if kind == "seq_state" else {}
+        header: LoadOptions = {"seq_header": cast("SeqStateBlob", obj).has_header} if kind == "seq_state" else {}
         obj = state.load(path, kind, obj.memory.layout, **header)
         if sidecar:
             from .sidecar import write_sidecar

@@ -29,15 +29,69 @@ import json
 import os
 import stat
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict, cast
 
 from ..errors import FormatError
 from ..state.atomic import atomic_write
+
+if TYPE_CHECKING:
+    from ..profile import Profile
+    from ..state import StateObject
+    from ._types import AnyMemory
 
 SUFFIX = ".kvref.json"
 VERSION = 1
 MAX_BYTES = 1 << 20  # a sidecar is well under a kilobyte; anything larger is not one
 _HEX64 = frozenset("0123456789abcdef")
+
+
+class Payload(TypedDict):
+    """The state file's bytes: ``size`` and ``sha256`` (hex)."""
+
+    size: int
+    sha256: str
+
+
+class LlamaCpp(TypedDict):
+    """The behaviour profile the file was saved with (`kvref.profile`) and the llama-cpp-python release it names."""
+
+    profile: str
+    llama_cpp_python: str
+
+
+class SidecarModel(TypedDict):
+    """The model: its file name and sha256 (None when not given) and the arch."""
+
+    file: str | None
+    sha256: str | None
+    arch: str | None
+
+
+class SidecarContext(TypedDict):
+    """The context parameters of the memory the file was saved from (`memory_context`)."""
+
+    n_ctx: int
+    n_seq_max: int
+    kv_unified: bool
+    flash_attn: bool
+    type_k: str | None
+    type_v: str | None
+    swa_full: bool
+
+
+class Sidecar(TypedDict):
+    """``<file>.kvref.json`` (the module doc): what `write_sidecar` writes and `read_sidecar` returns. A reader
+    keeps to the keys it knows (later versions may add some) and treats a missing one as unknown."""
+
+    kvref_sidecar: int
+    file: str
+    kind: str
+    payload: Payload
+    era: str | None
+    llama_cpp: LlamaCpp | None
+    model: SidecarModel
+    context: SidecarContext | None
+    written_by: str
 
 
 def sidecar_path(path: str | os.PathLike[str]) -> Path:
@@ -62,7 +116,7 @@ def sha256_file(path: str | os.PathLike[str]) -> str:
     return h.hexdigest()
 
 
-def memory_context(mem: Any) -> dict[str, Any] | None:
+def memory_context(mem: AnyMemory) -> SidecarContext | None:
     """The context parameters a memory was built with (None when it was built without ``create_memory``)."""
     from ..ggml.types import type_name
     from ..memory.kv_cache import KVCache
@@ -84,8 +138,8 @@ def memory_context(mem: Any) -> dict[str, Any] | None:
 
 
 def write_sidecar(
-    path: str | os.PathLike[str], *, model: str | os.PathLike[str] | None = None, memory: Any = None,
-    state: Any = None, context: dict[str, Any] | None = None,
+    path: str | os.PathLike[str], *, model: str | os.PathLike[str] | None = None, memory: AnyMemory | None = None,
+    state: StateObject | None = None, context: SidecarContext | None = None,
 ) -> Path:  # fmt: skip
     """Write ``<path>.kvref.json`` for the state file at ``path``; returns the sidecar's path.
 
@@ -99,11 +153,11 @@ def write_sidecar(
 
     obj = state if state is not None else st.load(path)
     eras = matching_eras(obj)
-    profile = getattr(memory, "profile", None)
-    llama = None
+    profile: Profile | None = getattr(memory, "profile", None)
+    llama: LlamaCpp | None = None
     if profile is not None:
         llama = {"profile": profile.name, "llama_cpp_python": NAMED.get(profile.name, profile.name)}
-    doc = {
+    doc: Sidecar = {
         "kvref_sidecar": VERSION,
         "file": Path(path).name,
         "kind": obj.kind,
@@ -124,7 +178,7 @@ def write_sidecar(
     return out
 
 
-def read_sidecar(path: str | os.PathLike[str]) -> dict[str, Any] | None:
+def read_sidecar(path: str | os.PathLike[str]) -> Sidecar | None:
     """The sidecar of the state file at ``path`` as a dict, or None when there is none. A sidecar that is not a
     regular file, is larger than `MAX_BYTES`, is not JSON or has a field of the wrong type is a `FormatError`."""
     p = sidecar_path(path)
@@ -149,7 +203,7 @@ def read_sidecar(path: str | os.PathLike[str]) -> dict[str, Any] | None:
     if not isinstance(doc, dict) or doc.get("kvref_sidecar") != VERSION:
         raise FormatError(f'{p}: not a kvref sidecar of version {VERSION} (no "kvref_sidecar": {VERSION})')
     _check_fields(p, doc)
-    return doc
+    return cast(Sidecar, doc)  # its version's layout, every known field of its type (checked above)
 
 
 # field -> (allowed JSON types, whether null is allowed); a sha256 is also checked to be 64 lowercase hex digits
@@ -172,19 +226,19 @@ _FIELDS: dict[str, tuple[tuple[type, ...], bool]] = {
 }
 
 
-def _check_fields(p: Path, doc: dict[str, Any]) -> None:
+def _check_fields(p: Path, doc: dict[str, object]) -> None:
     for name, (types, nullable) in _FIELDS.items():
         parent, _, leaf = name.rpartition(".")
         holder = doc.get(parent) if parent else doc
         if not isinstance(holder, dict) or leaf not in holder:
             continue
-        value = holder[leaf]
+        value: object = holder[leaf]
         if value is None and nullable:
             continue
         ok = isinstance(value, types) and not isinstance(value, bool)
-        if ok and leaf == "sha256":
+        if ok and isinstance(value, str) and leaf == "sha256":
             ok = len(value) == 64 and set(value) <= _HEX64
-        if ok and leaf == "size":
+        if ok and isinstance(value, int) and leaf == "size":
             ok = value >= 0
         if not ok:
             want = {"sha256": "64 hex digits", "size": "a byte count"}.get(leaf, " or ".join(t.__name__ for t in types))
@@ -198,16 +252,31 @@ def verify_sidecar(path: str | os.PathLike[str], model: str | os.PathLike[str] |
     if doc is None:
         return []
     problems = []
-    payload = doc.get("payload") or {}
-    if payload.get("size") is not None and payload["size"] != os.path.getsize(path):
-        problems.append(f"the file has {os.path.getsize(path)} bytes, its sidecar says {payload['size']}")
-    elif payload.get("sha256") and payload["sha256"] != sha256_file(path):
+    payload = doc.get("payload")
+    size, sha = (payload.get("size"), payload.get("sha256")) if payload else (None, None)
+    if size is not None and size != os.path.getsize(path):
+        problems.append(f"the file has {os.path.getsize(path)} bytes, its sidecar says {size}")
+    elif sha and sha != sha256_file(path):
         problems.append("the file's sha256 differs from its sidecar's: the file changed after it was written")
-    want = (doc.get("model") or {}).get("sha256")
+    doc_model = doc.get("model")
+    want = doc_model.get("sha256") if doc_model else None
     if model is not None and want and want != sha256_file(model):
-        name = (doc.get("model") or {}).get("file") or "another model"
+        name = (doc_model.get("file") if doc_model else None) or "another model"
         problems.append(f"the sidecar says the file was written with {name} (sha256 {want[:12]}...), not {model}")
     return problems
 
 
-__all__ = ["SUFFIX", "memory_context", "read_sidecar", "sha256_file", "sidecar_path", "verify_sidecar", "write_sidecar"]
+__all__ = [
+    "SUFFIX",
+    "LlamaCpp",
+    "Payload",
+    "Sidecar",
+    "SidecarContext",
+    "SidecarModel",
+    "memory_context",
+    "read_sidecar",
+    "sha256_file",
+    "sidecar_path",
+    "verify_sidecar",
+    "write_sidecar",
+]

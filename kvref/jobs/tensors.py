@@ -39,15 +39,26 @@ from __future__ import annotations
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
+import numpy.typing as npt
 
 from ..errors import KVRefError
 from ..ggml import rotation as rot
 from ..ggml.quant import dequantize, quantize
 from ..ggml.types import GGMLType, traits, type_name
 from ..profile import value_at
+
+if TYPE_CHECKING:
+    from ..hparams import HParams
+    from ..memory.kv_cache import KVCache
+    from ..memory.recurrent import RecurrentMemory
+    from ..state import KVSection, LayerRows, RecurrentSection, StateObject, TransposedRows
+    from ._types import AnyMemory, LeafMemory, ModelSource, StateSource
+    from .progress import Progress
+
+F32 = npt.NDArray[np.float32]
 
 
 def era_rotates(name: str) -> bool:
@@ -65,12 +76,12 @@ class KVTensors:
     stream: int
     layer: int
     il: int | None
-    k: np.ndarray  # (n_cells, n_head_kv, head_dim_k)
-    v: np.ndarray | None  # (n_cells, n_head_kv, head_dim_v); None without V (MLA)
-    pos: np.ndarray  # (n_cells,) int32
-    seq_id: np.ndarray  # int32, every cell's ids one after the other (CSR with seq_start)
-    seq_start: np.ndarray  # (n_cells + 1,) int64
-    cells: np.ndarray  # (n_cells,) int64: cell indices in the cache (0..n-1 for a file)
+    k: F32  # (n_cells, n_head_kv, head_dim_k)
+    v: F32 | None  # (n_cells, n_head_kv, head_dim_v); None without V (MLA)
+    pos: npt.NDArray[np.int32]  # (n_cells,)
+    seq_id: npt.NDArray[np.int32]  # every cell's ids one after the other (CSR with seq_start)
+    seq_start: npt.NDArray[np.int64]  # (n_cells + 1,)
+    cells: npt.NDArray[np.int64]  # (n_cells,): cell indices in the cache (0..n-1 for a file)
     type_k: str
     type_v: str | None
     unrotated_k: bool = False  # was llama.cpp's rotation undone
@@ -88,11 +99,11 @@ class RecurrentTensors:
     section: int
     layer: int
     il: int | None
-    r: np.ndarray  # (n_cells, *r_shape)
-    s: np.ndarray  # (n_cells, *s_shape)
-    pos: np.ndarray
-    seq_id: np.ndarray
-    seq_start: np.ndarray
+    r: F32  # (n_cells, *r_shape)
+    s: F32  # (n_cells, *s_shape)
+    pos: npt.NDArray[np.int32]
+    seq_id: npt.NDArray[np.int32]
+    seq_start: npt.NDArray[np.int64]
     type_r: str
     type_s: str
 
@@ -129,7 +140,7 @@ class _KVShape:
         return rot.attn_rot(t, h_all, h0, disabled=False)
 
 
-def recurrent_shapes(hp: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
+def recurrent_shapes(hp: HParams) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     """The per-cell shape of R and S for ``hp``'s arch (table in the module doc), or None when kvref does not
     know it (the rows then stay flat)."""
     arch = hp.arch
@@ -145,7 +156,7 @@ def recurrent_shapes(hp: Any) -> tuple[tuple[int, ...], tuple[int, ...]] | None:
     return None
 
 
-def _model_leaves(hp: Any, layout: str) -> list[Any] | None:
+def _model_leaves(hp: HParams, layout: str) -> list[LeafMemory] | None:
     """The single-section memories llama.cpp builds for ``hp`` whose sections make ``layout`` (None if unknown)."""
     from ..memory.factory import create_memory
     from .restore import PARTIAL_ONLY, leaf_caches, memory_layout
@@ -158,10 +169,10 @@ def _model_leaves(hp: Any, layout: str) -> list[Any] | None:
         mem = create_memory(hp, n_ctx=256, n_seq_max=1, flash_attn=True, type_k="f16", type_v="f16")
     except KVRefError:
         return None
-    return None if mem is None else leaf_caches(mem, flags)
+    return None if mem is None else leaf_caches(cast("AnyMemory", mem), flags)  # create_memory builds one
 
 
-def _hparams(hparams: Any, model: Any) -> Any:
+def _hparams(hparams: HParams | None, model: ModelSource | None) -> HParams | None:
     if hparams is not None or model is None:
         return hparams
     from ..hparams import HParams
@@ -169,7 +180,7 @@ def _hparams(hparams: Any, model: Any) -> Any:
     return model if isinstance(model, HParams) else HParams.from_gguf(os.fspath(model))
 
 
-def _era_rotates(obj: Any) -> bool:
+def _era_rotates(obj: StateObject) -> bool:
     from ..state.eras import matching_eras
 
     eras = matching_eras(obj) if hasattr(obj, "kind") else []
@@ -177,7 +188,7 @@ def _era_rotates(obj: Any) -> bool:
 
 
 # ------------------------------------------------------------------------------------------- rows -> arrays
-def _rows_f32(rows: Any) -> np.ndarray:
+def _rows_f32(rows: LayerRows | TransposedRows) -> F32:
     """A LayerRows / TransposedRows -> (n_cells, n_embd) float32."""
     from ..state import TransposedRows
 
@@ -188,15 +199,15 @@ def _rows_f32(rows: Any) -> np.ndarray:
     return dequantize(np.asarray(rows.data), rows.type)
 
 
-def _heads(x: np.ndarray, head: int | None) -> np.ndarray:
+def _heads(x: F32, head: int | None) -> F32:
     n = x.shape[1]
     if head is None or head <= 0 or n % head:
         return x.reshape(x.shape[0], 1, n)
     return x.reshape(x.shape[0], n // head, head)
 
 
-def _maybe_unrotate(x: np.ndarray, t: int, head: int | None, rotated: bool | None, n_rot: int | None,
-                    what: str, unrotate: bool) -> tuple[np.ndarray, bool]:  # fmt: skip
+def _maybe_unrotate(x: F32, t: int, head: int | None, rotated: bool | None, n_rot: int | None,
+                    what: str, unrotate: bool) -> tuple[F32, bool]:  # fmt: skip
     if not unrotate or not traits(t).is_quantized:
         return x, False
     if rotated is None:
@@ -213,7 +224,9 @@ def _maybe_unrotate(x: np.ndarray, t: int, head: int | None, rotated: bool | Non
     return rot.rotate(x, n_rot), True
 
 
-def _section_shapes(obj: Any, hp: Any, head_dim: int | None, rotated: bool | None) -> list[_KVShape | None]:
+def _section_shapes(
+    obj: StateObject, hp: HParams | None, head_dim: int | None, rotated: bool | None
+) -> list[_KVShape | None]:
     """Per section of ``obj.memory``: its _KVShape (None for recurrent sections)."""
     mem = obj.memory
     era_rot = _era_rotates(obj) if rotated is None else rotated
@@ -225,10 +238,11 @@ def _section_shapes(obj: Any, hp: Any, head_dim: int | None, rotated: bool | Non
         if sec.kind != "kv":
             out.append(None)
             continue
-        data = next((st.data for st in sec.streams if st.data is not None and st.data.k), None)
+        kv = cast("KVSection", sec)
+        data = next((st.data for st in kv.streams if st.data is not None and st.data.k), None)
         shape = _KVShape()
-        if leaves is not None:
-            leaf = leaves[i]
+        if leaves is not None and hp is not None:
+            leaf = cast("KVCache", leaves[i])  # the model's memory has a KV cache where the file has a KV section
             shape.il = [layer.il for layer in leaf.layers]
             shape.head_k = [hp.n_embd_head_k_l(il) for il in shape.il]
             shape.head_v = [hp.n_embd_head_v_l(il) for il in shape.il]
@@ -251,8 +265,8 @@ def _section_shapes(obj: Any, hp: Any, head_dim: int | None, rotated: bool | Non
     return out
 
 
-def _kv_entries(sec: Any, si: int, shape: _KVShape, unrotate: bool, cells_idx: list[np.ndarray] | None,
-                progress: Any = None) -> list[KVTensors]:  # fmt: skip
+def _kv_entries(sec: KVSection, si: int, shape: _KVShape, unrotate: bool, cells_idx: list[npt.NDArray[np.int64]] | None,
+                progress: Progress | None = None) -> list[KVTensors]:  # fmt: skip
     out = []
     for s, st in enumerate(sec.streams):
         if st.cells is None or st.data is None:
@@ -288,7 +302,9 @@ def _kv_entries(sec: Any, si: int, shape: _KVShape, unrotate: bool, cells_idx: l
     return out
 
 
-def _recurrent_entries(sec: Any, si: int, hp: Any, il: list[int] | None) -> list[RecurrentTensors]:
+def _recurrent_entries(
+    sec: RecurrentSection, si: int, hp: HParams | None, il: list[int] | None
+) -> list[RecurrentTensors]:
     shapes = recurrent_shapes(hp) if hp is not None else None
     out = []
     c = sec.cells
@@ -307,8 +323,8 @@ def _recurrent_entries(sec: Any, si: int, hp: Any, il: list[int] | None) -> list
 
 
 def state_tensors(
-    obj: Any, *, hparams: Any = None, model: Any = None, head_dim: int | None = None, unrotate: bool = True,
-    rotated: bool | None = None, progress: Any = None,
+    obj: StateSource, *, hparams: HParams | None = None, model: ModelSource | None = None,
+    head_dim: int | None = None, unrotate: bool = True, rotated: bool | None = None, progress: Progress | None = None,
 ) -> Tensors:  # fmt: skip
     """The tensors of a loaded state (``kvref.state`` object, or a path / bytes to load). ``rotated``: force the
     answer to "did llama.cpp rotate these rows" (default: its rule, for the file's era)."""
@@ -324,17 +340,17 @@ def state_tensors(
         leaves = _model_leaves(hp, obj.memory.layout)
         for leaf in leaves or []:
             if getattr(leaf, "kind", "") == "recurrent":
-                rec_il = list(leaf.layers)
+                rec_il = list(cast("RecurrentMemory", leaf).layers)
     for si, sec in enumerate(obj.memory.sections):
         shape = shapes[si]
-        if shape is not None:
-            out.kv.extend(_kv_entries(sec, si, shape, unrotate, None, progress))
+        if shape is not None:  # a KV section (_section_shapes)
+            out.kv.extend(_kv_entries(cast("KVSection", sec), si, shape, unrotate, None, progress))
         else:
-            out.recurrent.extend(_recurrent_entries(sec, si, hp, rec_il))
+            out.recurrent.extend(_recurrent_entries(cast("RecurrentSection", sec), si, hp, rec_il))
     return out
 
 
-def memory_tensors(mem: Any, *, unrotate: bool = True) -> Tensors:
+def memory_tensors(mem: AnyMemory, *, unrotate: bool = True) -> Tensors:
     """The tensors of a memory's used cells (KVCache, RecurrentMemory, iSWA, hybrid); rotation per the caches'
     `attn_rot_k` / `attn_rot_v`."""
     from ..memory.kv_cache import KVCache
@@ -350,14 +366,14 @@ def memory_tensors(mem: Any, *, unrotate: bool = True) -> Tensors:
             shape = _KVShape(il, [hp.n_embd_head_k_l(i) for i in il], [hp.n_embd_head_v_l(i) for i in il],
                              leaf.attn_rot_k, leaf.attn_rot_v)  # fmt: skip
             idx = [written_cells(leaf, s, -1).astype(np.int64) for s in range(leaf.n_stream)]
-            out.kv.extend(_kv_entries(sec, si, shape, unrotate, idx))
+            out.kv.extend(_kv_entries(cast("KVSection", sec), si, shape, unrotate, idx))  # a KVCache's section
         else:
-            out.recurrent.extend(_recurrent_entries(sec, si, hp, list(leaf.layers)))
+            out.recurrent.extend(_recurrent_entries(cast("RecurrentSection", sec), si, hp, list(leaf.layers)))
     return out
 
 
 # ------------------------------------------------------------------------------------------- arrays -> rows
-def encode_rows(x: np.ndarray, t: GGMLType | int | str, *, rotate_n: int | None = None) -> np.ndarray:
+def encode_rows(x: npt.ArrayLike, t: GGMLType | int | str, *, rotate_n: int | None = None) -> npt.NDArray[np.uint8]:
     """Float rows ``(n_cells, n_embd)`` (or ``(n_cells, n_head, head_dim)``) -> raw rows of type ``t``, rotated
     first with ``H_{rotate_n}`` when given (what llama.cpp stores for a rotating cache)."""
     x = np.asarray(x, np.float32)

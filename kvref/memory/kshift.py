@@ -50,6 +50,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import cache, lru_cache
+from typing import cast
 
 import numpy as np
 import numpy.typing as npt
@@ -62,6 +63,9 @@ ROPE_NORM = 0  # GGML_ROPE_TYPE_NORMAL
 ROPE_NEOX = 2  # GGML_ROPE_TYPE_NEOX
 
 _F = np.float32
+F32Rows = npt.NDArray[np.float32]
+Positions = npt.NDArray[np.int32] | npt.NDArray[np.int64]  # a cell's rotation position (int32 in llama.cpp)
+Rows = npt.NDArray[np.uint8]  # K rows as bytes, (n_cells, row bytes)
 
 
 @dataclass(frozen=True)
@@ -103,7 +107,7 @@ NO_FMA = RopeKernel(fma=False)  # a build without FMA contraction (-ffp-contract
 
 @dataclass(frozen=True)
 class _Libm:
-    sincosf: Callable[[np.ndarray], tuple[np.ndarray, np.ndarray]]
+    sincosf: Callable[[F32Rows], tuple[F32Rows, F32Rows]]
     powf: Callable[[float, float], float]
     logf: Callable[[float], float]
 
@@ -126,7 +130,7 @@ def _libm() -> _Libm | None:
         fp = ctypes.POINTER(ctypes.c_float)
         sincos.restype, sincos.argtypes = None, [ctypes.c_float, fp, fp]
 
-    def sincosf(theta: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    def sincosf(theta: F32Rows) -> tuple[F32Rows, F32Rows]:
         # one call per distinct angle (by bit pattern, so -0.0 stays apart from 0.0)
         u, inv = np.unique(np.ascontiguousarray(theta, dtype=_F).view(np.uint32), return_inverse=True)
         c = np.empty(u.size, dtype=_F)
@@ -147,17 +151,17 @@ def _libm() -> _Libm | None:
 
 def _powf(x: np.float32, y: np.float32, k: RopeKernel) -> np.float32:
     lib = _libm() if k.libm else None
-    return _F(lib.powf(float(x), float(y))) if lib else _F(float(x) ** float(y))
+    return _f32(lib.powf(float(x), float(y)) if lib else float(x) ** float(y))
 
 
 def _logf(x: np.float32, k: RopeKernel) -> np.float32:
     if x <= 0:
-        return _F(-np.inf) if x == 0 else _F(np.nan)
+        return _f32(-np.inf if x == 0 else np.nan)
     lib = _libm() if k.libm else None
-    return _F(lib.logf(float(x))) if lib else _F(math.log(float(x)))
+    return _f32(lib.logf(float(x)) if lib else math.log(float(x)))
 
 
-def _sincos(theta: np.ndarray, k: RopeKernel) -> tuple[np.ndarray, np.ndarray]:
+def _sincos(theta: F32Rows, k: RopeKernel) -> tuple[F32Rows, F32Rows]:
     lib = _libm() if k.libm else None
     if lib:
         return lib.sincosf(theta)
@@ -168,7 +172,7 @@ def _sincos(theta: np.ndarray, k: RopeKernel) -> tuple[np.ndarray, np.ndarray]:
 # ---------------------------------------------------------------------------------------------- arithmetic
 
 
-def fma_f32(a: npt.ArrayLike, b: npt.ArrayLike, c: npt.ArrayLike) -> np.ndarray:
+def fma_f32(a: npt.ArrayLike, b: npt.ArrayLike, c: npt.ArrayLike) -> F32Rows:
     """``fmaf(a, b, c)`` element-wise on float32 arrays: ``a*b + c`` rounded once, exactly.
 
     ``a*b`` is exact in float64; ``s = a*b + c`` in float64 with its error ``e`` (TwoSum) is made round-to-odd
@@ -195,7 +199,7 @@ def _yarn_corr_dims(p: RopeParams, k: RopeKernel) -> tuple[np.float32, np.float3
         denom = _f32(beta) * _F(2) * _f32(math.pi)
         ratio = _f32(p.n_ctx_orig) / denom
         num = _f32(p.n_dims) * _logf(ratio, k)
-        return num / (_F(2) * _logf(_f32(p.freq_base), k))
+        return _f32(num / (_F(2) * _logf(_f32(p.freq_base), k)))
 
     with np.errstate(divide="ignore", invalid="ignore"):
         start = np.floor(corr_dim(p.beta_fast))
@@ -203,11 +207,11 @@ def _yarn_corr_dims(p: RopeParams, k: RopeKernel) -> tuple[np.float32, np.float3
     return max(_F(0), start), min(_f32(p.n_dims - 1), end)
 
 
-def _f32(x: float) -> np.float32:
-    return _F(x)
+def _f32(x: float | np.float32) -> np.float32:
+    return cast(np.float32, _F(x))  # numpy's stubs type the scalar constructor's result as Any
 
 
-def cos_sin(pos: np.ndarray, p: RopeParams, kernel: RopeKernel = GGML_CPU) -> tuple[np.ndarray, np.ndarray]:
+def cos_sin(pos: Positions, p: RopeParams, kernel: RopeKernel = GGML_CPU) -> tuple[F32Rows, F32Rows]:
     """ggml_rope_cache_init for each position: float32 (cos, sin) of shape (len(pos), n_dims/2)."""
     if p.n_dims % 2:
         raise KVRefError(f"rope: n_dims {p.n_dims} is odd")
@@ -218,7 +222,7 @@ def cos_sin(pos: np.ndarray, p: RopeParams, kernel: RopeKernel = GGML_CPU) -> tu
 
 
 @lru_cache(maxsize=2)  # the layers of one cache share their parameters (iSWA: two caches)
-def _table(p: RopeParams, kernel: RopeKernel, upos_bytes: bytes) -> tuple[np.ndarray, np.ndarray]:
+def _table(p: RopeParams, kernel: RopeKernel, upos_bytes: bytes) -> tuple[F32Rows, F32Rows]:
     """cos_sin of the distinct positions ``upos`` (int64 bytes); the arrays are shared, never written."""
     upos = np.frombuffer(upos_bytes, dtype=np.int64)
     half = p.n_dims // 2
@@ -254,8 +258,8 @@ def _table(p: RopeParams, kernel: RopeKernel, upos_bytes: bytes) -> tuple[np.nda
 
 
 def rope_f32(
-    x: np.ndarray, pos: np.ndarray, p: RopeParams, offs: int = 0, kernel: RopeKernel = GGML_CPU, f32_op: bool = True
-) -> np.ndarray:
+    x: npt.ArrayLike, pos: Positions, p: RopeParams, offs: int = 0, kernel: RopeKernel = GGML_CPU, f32_op: bool = True
+) -> F32Rows:
     """Rotate float32 rows ``x[cell, head, :]`` by their cell's position; dims ``[offs, offs+n_dims)``.
 
     ``f32_op``: the ggml rope runs on an f32 tensor (False: on f16); ggml's vectorised f32 NORM loop rounds a
@@ -291,7 +295,7 @@ def rope_f32(
 
 
 def check_k_rows(
-    buf: np.ndarray,
+    buf: Rows,
     t: GGMLType,
     n_head_kv: int,
     n_embd_head_k: int,
@@ -308,11 +312,11 @@ def check_k_rows(
 
 
 def shift_k_rows(
-    buf: np.ndarray,
+    buf: Rows,
     type_k: GGMLType | int | str,
     n_head_kv: int,
     n_embd_head_k: int,
-    shift: np.ndarray,
+    shift: Positions,
     p: RopeParams,
     n_embd_nope: int = 0,
     kernel: RopeKernel = GGML_CPU,

@@ -35,13 +35,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
-
 from ..errors import KShiftError
 from ..ggml.quant import can_quantize, dequantize, quantize_cpu
 from ..ggml.rotation import fwht, k_rot_size
 from ..ggml.types import GGMLType, ggml_type, traits, type_name
-from .kshift import GGML_CPU, RopeKernel, RopeParams, check_k_rows, rope_f32
+from .kshift import GGML_CPU, Positions, RopeKernel, RopeParams, Rows, check_k_rows, rope_f32
 
 if TYPE_CHECKING:
     from ..hparams import HParams
@@ -72,11 +70,11 @@ class ShiftCache(Protocol):
 
 
 def shift_quantized_k_rows(
-    buf: np.ndarray,
+    buf: Rows,
     type_k: GGMLType | int | str,
     n_head_kv: int,
     n_embd_head_k: int,
-    shift: np.ndarray,
+    shift: Positions,
     p: RopeParams,
     rot: int,
     kernel: RopeKernel = GGML_CPU,

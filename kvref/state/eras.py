@@ -35,6 +35,7 @@ import copy
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
@@ -83,7 +84,7 @@ class Era:
     @property
     def ext_size(self) -> int:
         """Bytes of cell ext a cache with one writes (0, 8 or 12)."""
-        return int(value_at("cell_ext_size", self.first))
+        return int(cast(int, value_at("cell_ext_size", self.first)))  # the row of an int field
 
     @property
     def releases(self) -> str:
