@@ -427,3 +427,11 @@ def test_place_single_twins_agree(spec, data) -> None:
             answers.append((got, cells_snapshot(cells)))
         assert same(answers[0][0], answers[1][0]), (cls, answers)
         assert answers[0][1] == answers[1][1]
+
+
+def test_single_seq_ids_declines_an_id_past_llama_max_seq() -> None:
+    """n_seq_max above LLAMA_MAX_SEQ (a caller's value, not one llama.cpp builds): an id of 256 is left to the
+    general path, which names it; the Python twin raised IndexError (hypothesis found it)."""
+    for m in twins():
+        assert m.single_seq_ids([[256]], 1, 300) is None
+        assert m.single_seq_ids([[255]], 1, 300) is not None

@@ -215,7 +215,8 @@ def single_seq_ids(
     ``seq_idx`` (int32[LLAMA_MAX_SEQ]: each id's index in that list, -1 for the others).
 
     ``seq_ids`` None means sequence 0 for every token (llama_batch_compat's default). None when a token has not
-    exactly one id, when an id is not a plain ``int`` in a one-element list, or is outside ``[0, n_seq_max)``.
+    exactly one id, when an id is not a plain ``int`` in a one-element list, or is outside
+    ``[0, min(n_seq_max, LLAMA_MAX_SEQ))``.
     """
     if n_tokens <= 0:
         return None
@@ -228,7 +229,7 @@ def single_seq_ids(
         if type(ids) is not list or len(ids) != 1 or type(ids[0]) is not int:
             return None
         flat.append(ids[0])
-    if min(flat) < 0 or max(flat) >= n_seq_max:
+    if min(flat) < 0 or max(flat) >= min(n_seq_max, LLAMA_MAX_SEQ):  # the general path says what is wrong
         return None
     unq = sorted(set(flat))
     return np.array(flat, dtype=np.int32), unq, _seq_index(unq)
