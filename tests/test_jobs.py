@@ -328,3 +328,12 @@ def test_inspect_shows_size_eras_labels_and_every_token(capsys: pytest.CaptureFi
     assert main(["inspect", str(G / "mamba-seq-cp-rm" / "01-session.ggsn")]) == 0
     out = capsys.readouterr().out
     assert "(1 cell)" in out and "1 cells" not in out
+
+
+def test_an_iswa_state_has_no_era_before_the_swa_cache(tmp_path: Path) -> None:
+    src = G / "gemma3-iswa" / "01-session.ggsn"
+    with pytest.raises(ConversionError, match=r"2024-09 layout .* has no sliding-window cache"):
+        kvref.convert(src, tmp_path / "x.ggsn", era="2024-09")
+    assert not (tmp_path / "x.ggsn").exists()
+    old = kvref.convert(src, era="2025-07")
+    assert matching_eras(old) == ["2025-07"]  # the 0.3.0 .. 0.3.9 layout is the same bytes, but had no iSWA

@@ -116,6 +116,11 @@ ERAS: dict[str, Era] = {
 CURRENT = "2026-10"
 
 
+# the first llama-cpp-python release whose llama.cpp has the iSWA cache (two KV sections; before it gemma2's window
+# masks one full cache: kvref.compat.for_llama_cpp_python)
+FIRST_ISWA_RELEASE = "0.3.10"
+
+
 def _key(release: str) -> tuple[int, ...]:
     return tuple(int(x) for x in release.split("."))
 
@@ -220,6 +225,8 @@ def matching_eras(obj: StateObject) -> list[str]:
             continue  # an M-RoPE cache of this era writes an ext
         if (ple or obj.memory.layout == "hybrid_idx") and e.name != CURRENT:
             continue
+        if obj.memory.layout in ("iswa", "hybrid_iswa") and _key(e.last) < _key(FIRST_ISWA_RELEASE):
+            continue  # no SWA cache before 0.3.10
         # a sequence save's KV cells list the saved id from 2025 on, none in 2024 (llama.cpp since 2025 writes none
         # only for an id >= n_seq_max, a file its restore refuses: such a file is taken for 2024's)
         if obj.kind in ("seq", "seq_state") and _kv_cells(obj.memory) and _kv_seq_ids(obj.memory) != e.seq_kv_ids:
@@ -321,6 +328,12 @@ def convert_sections(
     e = era(target)
     if mem.layout == "hybrid_idx" and e.name != CURRENT:
         raise ConversionError(f"the hybrid_idx memory exists only in the {CURRENT} layout, not in {e.name}")
+    if mem.layout in ("iswa", "hybrid_iswa") and _key(e.last) < _key(FIRST_ISWA_RELEASE):
+        raise ConversionError(
+            f"the {e.name} layout ({e.releases}) has no sliding-window cache: llama.cpp before "
+            f"{FIRST_ISWA_RELEASE} keeps one KV cache for every layer and writes one section, this {mem.layout} "
+            "state has a base and a SWA section"
+        )
     if has_ext is None:
         has_ext = any(st.cells is not None and st.cells.ext_size > 0 for s in mem.kv_sections for st in s.streams)
     want_ext = e.ext_size if has_ext else 0
