@@ -337,3 +337,22 @@ def test_an_iswa_state_has_no_era_before_the_swa_cache(tmp_path: Path) -> None:
     assert not (tmp_path / "x.ggsn").exists()
     old = kvref.convert(src, era="2025-07")
     assert matching_eras(old) == ["2025-07"]  # the 0.3.0 .. 0.3.9 layout is the same bytes, but had no iSWA
+
+
+def test_diff_says_which_sequences_lost_gained_and_changed(capsys: pytest.CaptureFixture[str]) -> None:
+    """After seq_rm(1, 5, -1) and seq_rm(0, 2, 6) (llama-shared-prefix's trace between its two session saves) the
+    cell counts differ; diff still says, per sequence, which positions went (and that nothing else changed)."""
+    case = G / "llama-shared-prefix"
+    res = kvref.diff(case / "01-session.ggsn", case / "09-session.ggsn")
+    got = {(c.seq, tuple(c.lost), tuple(c.gained), tuple(c.changed)) for c in res.sequences}
+    assert got == {(0, ((2, 5),), (), ()), (1, ((5, 9),), (), ())}  # seq 0 held 0..10 and seq 1 0..9
+    assert main(["diff", str(case / "01-session.ggsn"), str(case / "09-session.ggsn")]) == 1
+    assert "section 0 stream 0 seq 1: lost pos 5..9 (5 positions)" in capsys.readouterr().out
+    # a context shift (llama-context-shift: seq_rm(0, 4, 12), seq_add(0, 12, -1, -8), then a decode): positions
+    # 4..15 stay but their K rows were re-rotated, and the new token sits at 16
+    shift = G / "llama-context-shift"
+    (c,) = kvref.diff(shift / "01-session.ggsn", shift / "05-session.ggsn").sequences
+    assert (c.seq, c.lost, c.gained, c.changed) == (0, [], [(16, 16)], [(4, 15)])
+    assert c.first_change == "pos 4 layer 0 k"
+    js = kvref.diff(shift / "01-session.ggsn", shift / "05-session.ggsn").to_json()
+    assert js["sequences"][0]["gained"] == [[16, 16]]

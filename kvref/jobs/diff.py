@@ -73,6 +73,53 @@ class CellOrderJSON(TypedDict):
     stream: int
 
 
+@dataclass
+class SeqChange:
+    """How one sequence of one stream (or recurrent section) changed from a to b, by position: the positions it
+    ``lost`` and ``gained`` (as ``(first, last)`` runs) and those it holds on both sides whose cell differs
+    (``changed``: position, ext or any layer's row bytes, wherever the cell sits), with the first such difference."""
+
+    section: int
+    stream: int | None
+    seq: int
+    lost: list[tuple[int, int]]
+    gained: list[tuple[int, int]]
+    changed: list[tuple[int, int]]
+    first_change: str | None = None
+
+    def to_json(self) -> SeqChangeJSON:
+        """A JSON-ready dict: the runs as ``[first, last]`` pairs."""
+        return {
+            "section": self.section,
+            "stream": self.stream,
+            "seq": self.seq,
+            "lost": [list(r) for r in self.lost],
+            "gained": [list(r) for r in self.gained],
+            "changed": [list(r) for r in self.changed],
+            "first_change": self.first_change,
+        }
+
+    def line(self) -> str:
+        """``section 0 stream 0 seq 1: lost pos 5..9 (5 positions); gained ...; changed rows at ...``."""
+        where = f"section {self.section}" + (f" stream {self.stream}" if self.stream is not None else "")
+        parts = [f"{what} {_runs_text(runs)}" for what, runs in (("lost", self.lost), ("gained", self.gained),
+                 ("changed rows at", self.changed)) if runs]  # fmt: skip
+        first = f" (first: {self.first_change})" if self.first_change else ""
+        return f"{where} seq {self.seq}: {'; '.join(parts)}{first}"
+
+
+class SeqChangeJSON(TypedDict):
+    """One `SeqChange` in `DiffResult.to_json`: runs as ``[first, last]`` pairs."""
+
+    section: int
+    stream: int | None
+    seq: int
+    lost: list[list[int]]
+    gained: list[list[int]]
+    changed: list[list[int]]
+    first_change: str | None
+
+
 class DiffJSON(TypedDict):
     """`DiffResult.to_json`: what ``kvref diff --json`` prints."""
 
@@ -82,6 +129,7 @@ class DiffJSON(TypedDict):
     total: int
     counts: dict[str, int]
     cell_order_only: list[CellOrderJSON]
+    sequences: list[SeqChangeJSON]
     first: DifferenceJSON | None
     differences: list[DifferenceJSON]
 
@@ -96,6 +144,7 @@ class DiffResult:
     total: int = 0
     counts: Counter[str] = field(default_factory=Counter)
     cell_order_only: list[tuple[int, int]] = field(default_factory=list)
+    sequences: list[SeqChange] = field(default_factory=list)
     first_byte: int | None = None
     sizes: tuple[int, int] = (0, 0)
 
@@ -120,6 +169,7 @@ class DiffResult:
             "total": self.total,
             "counts": dict(self.counts),
             "cell_order_only": [{"section": s, "stream": t} for s, t in self.cell_order_only],
+            "sequences": [c.to_json() for c in self.sequences],
             "first": _jd(self.differences[0]) if self.differences else None,
             "differences": [_jd(d) for d in self.differences],
         }
@@ -135,6 +185,7 @@ class DiffResult:
             out.append(f"first differing byte: {self.first_byte} (sizes {self.sizes[0]} and {self.sizes[1]} bytes)")
         for s, t in self.cell_order_only:
             out.append(f"section {s} stream {t}: the same cells, differing only in cell order inside the stream")
+        out += [c.line() for c in self.sequences]
         if self.total:
             by = ", ".join(f"{k} {v}" for k, v in sorted(self.counts.items()))
             out.append(f"{self.total} difference{'s' if self.total != 1 else ''} ({by})")
@@ -197,6 +248,7 @@ def _compare_table(
     na, nb = (ca.n if ca is not None else 0), (cb.n if cb is not None else 0)
     if na != nb:
         res.add(Difference("cell_count", na, nb, k, s))
+        _compare_sequences(res, k, s, sec_a, sec_b, a, b)
         return
     if na == 0:
         return
@@ -234,6 +286,76 @@ def _compare_table(
         return
     for d in found:
         res.add(d)
+    if found:
+        _compare_sequences(res, k, s, sec_a, sec_b, a, b)
+
+
+def _runs(values: npt.NDArray[np.int64]) -> list[tuple[int, int]]:
+    """Sorted distinct ints as ``(first, last)`` runs of consecutive values."""
+    if not len(values):
+        return []
+    breaks = np.flatnonzero(np.diff(values) != 1)
+    starts = np.concatenate([[0], breaks + 1])
+    ends = np.concatenate([breaks, [len(values) - 1]])
+    return [(int(values[i]), int(values[j])) for i, j in zip(starts, ends, strict=True)]
+
+
+def _runs_text(runs: list[tuple[int, int]], most: int = 6) -> str:
+    n = sum(b - a + 1 for a, b in runs)
+    text = ", ".join(f"{a}" if a == b else f"{a}..{b}" for a, b in runs[:most])
+    more = f", ... ({len(runs) - most} more runs)" if len(runs) > most else ""
+    return f"pos {text}{more} ({n} position{'s' if n != 1 else ''})"
+
+
+def _seq_cells(cells: Cells | None) -> dict[int, tuple[npt.NDArray[np.int64], npt.NDArray[np.int64]]]:
+    """Per sequence id: its positions (sorted) and the cell holding each, from the flat seq_id lists."""
+    if cells is None or not cells.n:
+        return {}
+    counts = np.diff(cells.seq_start)
+    cell_of = np.repeat(np.arange(cells.n, dtype=np.int64), counts)
+    pos_of = cells.pos.astype(np.int64)[cell_of]
+    ids = cells.seq_id.astype(np.int64)
+    out = {}
+    for sid in np.unique(ids).tolist():
+        sel = ids == sid
+        order = np.argsort(pos_of[sel], kind="stable")
+        out[sid] = (pos_of[sel][order], cell_of[sel][order])
+    return out
+
+
+def _compare_sequences(
+    res: DiffResult, k: int, s: int | None, sec_a: KVSection | RecurrentSection, sec_b: KVSection | RecurrentSection,
+    a: Table | None, b: Table | None,
+) -> None:  # fmt: skip
+    """Which positions each sequence lost, gained, or holds with another cell (rows compared wherever each cell
+    sits): what changed after more decoding, a context shift or a cut, however the cells moved."""
+    ca, cb = (a.cells if a is not None else None), (b.cells if b is not None else None)
+    sa, sb = _seq_cells(ca), _seq_cells(cb)
+    ta = _tensors(sec_a, a) if a is not None and ca is not None and ca.n else []
+    tb = _tensors(sec_b, b) if b is not None and cb is not None and cb.n else []
+    same_layout = [(n, il, x.type, x.row_size) for n, il, x in ta] == [(n, il, x.type, x.row_size) for n, il, x in tb]
+    rows_a = [(n, il, _per_cell(x, ca.n)) for n, il, x in ta] if same_layout and ca is not None else []
+    rows_b = [_per_cell(x, cb.n) for _, _, x in tb] if same_layout and cb is not None else []
+    for sid in sorted(set(sa) | set(sb)):
+        pa, ia = sa.get(sid, (np.zeros(0, np.int64), np.zeros(0, np.int64)))
+        pb, ib = sb.get(sid, (np.zeros(0, np.int64), np.zeros(0, np.int64)))
+        both, ja, jb = np.intersect1d(pa, pb, assume_unique=True, return_indices=True)
+        differs = np.zeros(len(both), bool)
+        first = None
+        if ca is not None and cb is not None and len(both):
+            xa, xb = ca.ext[ia[ja]], cb.ext[ib[jb]]
+            if xa.shape == xb.shape:
+                differs |= (xa != xb).any(axis=1)
+            for (name, il, ra), rb in zip(rows_a, rows_b, strict=True):
+                bad = (ra[ia[ja]] != rb[ib[jb]]).any(axis=1)
+                if bad.any() and first is None:
+                    i = int(np.flatnonzero(bad)[0])
+                    first = f"pos {int(both[i])} layer {il} {name}"
+                differs |= bad
+        change = SeqChange(k, s, sid, _runs(np.setdiff1d(pa, pb)), _runs(np.setdiff1d(pb, pa)),
+                           _runs(both[differs]), first)  # fmt: skip
+        if change.lost or change.gained or change.changed:
+            res.sequences.append(change)
 
 
 def _header(res: DiffResult, a: StateObject, b: StateObject) -> None:
@@ -302,4 +424,14 @@ def diff(a: StateSource, b: StateSource, *, model: ModelSource | None = None) ->
     return res
 
 
-__all__ = ["MAX_LISTED", "CellOrderJSON", "DiffJSON", "DiffResult", "Difference", "DifferenceJSON", "diff"]
+__all__ = [
+    "MAX_LISTED",
+    "CellOrderJSON",
+    "DiffJSON",
+    "DiffResult",
+    "Difference",
+    "DifferenceJSON",
+    "SeqChange",
+    "SeqChangeJSON",
+    "diff",
+]
