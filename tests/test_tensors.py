@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 from pathlib import Path
@@ -199,3 +200,26 @@ def test_inspect_rotation_note(capsys: pytest.CaptureFixture[str]) -> None:
     assert "probably written with llama.cpp's attention rotation" in capsys.readouterr().out
     assert main(["inspect", str(F16)]) == 0
     assert "rotation" not in capsys.readouterr().out
+
+
+def test_jamba_recurrent_rows_have_mambas_shape() -> None:
+    from kvref.jobs.conformance import hparams_from_case
+
+    hp = hparams_from_case(json.loads((GOLD / "jamba-hybrid" / "case.json").read_text()))
+    obj = kvref.state.load(GOLD / "jamba-hybrid" / "01-session.ggsn")
+    r = tensors.state_tensors(obj, hparams=hp).recurrent[0]
+    assert r.r.shape[1:] == (hp.ssm_d_inner, hp.ssm_d_conv - 1) and r.s.shape[1:] == (hp.ssm_d_inner, hp.ssm_d_state)
+    assert r.il is not None and r.il >= 0
+
+
+def test_a_model_that_did_not_write_the_state_is_refused(tmp_path: Path) -> None:
+    gemma = GOLD / "gemma3-iswa" / "01-session.ggsn"
+    with pytest.raises(kvref.KVRefError, match="written by a 'gemma3' model, the model given is 'llama'"):
+        kexport.export(gemma, tmp_path / "x.npz", model=LLAMA)
+    assert not (tmp_path / "x.npz").exists()
+    # a sequence file names no arch: the memory layout and the layer count tell
+    with pytest.raises(kvref.KVRefError, match="holds a iswa memory, a 'llama' model builds a kv one"):
+        tensors.state_tensors(GOLD / "gemma3-iswa" / "03-seq-seq0.ggsq", model=LLAMA)
+    three = dataclasses.replace(kvref.HParams.from_gguf(LLAMA), n_layer=3)
+    with pytest.raises(kvref.KVRefError, match="section 0 holds 2 layers, the model's kv cache 3"):
+        tensors.state_tensors(GOLD / "llama-shared-prefix" / "03-seq-seq0.ggsq", hparams=three)

@@ -23,15 +23,15 @@ known (from the memory llama.cpp would build for it).
 Recurrent shapes (read off llama.cpp's graph builders, ``models/mamba-base.cpp``, ``models/rwkv6-base.cpp``,
 ``llm_graph_context::build_rwkv_token_shift_load`` and ggml-cpu's ``rwkv_wkv6``), NumPy order:
 
-=========== ====================================== =============================================
-arch        R (n_embd_r per cell)                  S (n_embd_s per cell)
-=========== ====================================== =============================================
-mamba       (d_inner, d_conv - 1)                  (d_inner, d_state)
-mamba2      (d_inner + 2 n_group d_state, d_conv-1) (n_head, d_inner / n_head, d_state), n_head = dt_rank
-rwkv6       (token_shift_count, n_embd)            (n_head, head_size [key], head_size [value])
-=========== ====================================== =============================================
+============ ======================================= =====================================================
+arch         R (n_embd_r per cell)                   S (n_embd_s per cell)
+============ ======================================= =====================================================
+mamba, jamba (d_inner, d_conv - 1)                   (d_inner, d_state)
+mamba2       (d_inner + 2 n_group d_state, d_conv-1) (n_head, d_inner / n_head, d_state), n_head = dt_rank
+rwkv6        (token_shift_count, n_embd)             (n_head, head_size [key], head_size [value])
+============ ======================================= =====================================================
 
-Other archs (hybrids included) keep the flat rows ``(n_cells, n_embd_r)`` / ``(n_cells, n_embd_s)``.
+Other archs (the other hybrids included) keep the flat rows ``(n_cells, n_embd_r)`` / ``(n_cells, n_embd_s)``.
 """
 
 from __future__ import annotations
@@ -145,7 +145,7 @@ def recurrent_shapes(hp: HParams) -> tuple[tuple[int, ...], tuple[int, ...]] | N
     know it (the rows then stay flat)."""
     arch = hp.arch
     d_conv, d_inner, d_state = hp.ssm_d_conv, hp.ssm_d_inner, hp.ssm_d_state
-    if arch == "mamba":
+    if arch in ("mamba", "jamba"):  # jamba's recurrent layers are Mamba-1 blocks
         return (d_inner, d_conv - 1), (d_inner, d_state)
     if arch == "mamba2" and hp.ssm_dt_rank > 0:
         n_head = hp.ssm_dt_rank
@@ -222,6 +222,34 @@ def _maybe_unrotate(x: F32, t: int, head: int | None, rotated: bool | None, n_ro
         return x, False
     assert n_rot is not None and head is not None
     return rot.rotate(x, n_rot), True
+
+
+def _check_model_fits(obj: StateObject, hp: HParams) -> None:
+    """A KVRefError unless ``hp``'s model could have written ``obj``: its arch (when the file names one), the memory
+    layout and each section's layer count. Head sizes, layer ids and R/S shapes come from the model, so a wrong one
+    would label every tensor wrongly."""
+    from .restore import memory_layout
+
+    why = None
+    arch = getattr(obj, "arch", None)
+    leaves = _model_leaves(hp, obj.memory.layout)
+    if arch and arch != hp.arch:
+        why = f"the file was written by a {arch!r} model, the model given is {hp.arch!r}"
+    elif leaves is None or len(leaves) != len(obj.memory.sections):
+        why = f"the file holds a {obj.memory.layout} memory, a {hp.arch!r} model builds a {memory_layout(hp)[0]} one"
+    else:
+        for i, (sec, leaf) in enumerate(zip(obj.memory.sections, leaves, strict=True)):
+            if sec.kind == "kv":
+                n = next((st.data.n_layer for st in cast("KVSection", sec).streams if st.data is not None), None)
+            else:
+                n = len(cast("RecurrentSection", sec).r)
+            want = len(cast("KVCache | RecurrentMemory", leaf).layers)
+            if n is not None and n != want:
+                why = f"section {i} holds {n} layers, the model's {sec.kind} cache {want}"
+                break
+    if why is not None:
+        raise KVRefError(f"the model does not fit this state: {why}. Give the model that wrote it (--model), or "
+                         "none (layers are then numbered within their section and rows stay flat)")  # fmt: skip
 
 
 def _section_shapes(
@@ -333,6 +361,8 @@ def state_tensors(
     if not isinstance(obj, state.StateObject):
         obj = state.load(obj)
     hp = _hparams(hparams, model)
+    if hp is not None:
+        _check_model_fits(obj, hp)
     shapes = _section_shapes(obj, hp, head_dim, rotated)
     out = Tensors()
     rec_il = None
