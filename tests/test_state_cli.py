@@ -236,3 +236,15 @@ def test_inspect_bounds_its_output_and_all_gives_every_token(tmp_path: Path, cap
     assert main(["inspect", "--json", "--model", model, str(big)]) == 0
     s = json.loads(capsys.readouterr().out)
     assert s["text_of_tokens"] == 1024 and s["text"]
+
+
+def test_inspect_with_the_model_names_the_model_layers(capsys) -> None:
+    """Gemma 3 (tiny: layer 5 of 6 is full attention, 0..4 slide): the base section's layer 0 is model layer 5."""
+    path = str(GOLDEN / "gemma3-iswa" / "01-session.ggsn")
+    assert main(["inspect", "--json", path, "--model", str(GOLDEN.parent / "models" / "gemma3-tiny.gguf")]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert [lay["il"] for lay in s["sections"][0]["streams"][0]["layers"]] == [5]
+    assert [lay["il"] for lay in s["sections"][1]["streams"][0]["layers"]] == [0, 1, 2, 3, 4]
+    assert main(["inspect", path, "--model", str(GOLDEN.parent / "models" / "llama-tiny.gguf")]) == 0
+    out = capsys.readouterr().out
+    assert "note: the model does not fit this state" in out and "model layer" not in out

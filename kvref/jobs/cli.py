@@ -16,6 +16,7 @@ from ..errors import KVRefError
 from . import cli_jobs
 
 if TYPE_CHECKING:
+    from ..state import StateObject
     from ..state.summary_types import CellsSummary, RowsSummary, StateSummary
 
 Subcommand = tuple[str, str, Callable[[argparse.ArgumentParser], None], Callable[[argparse.Namespace], int]]
@@ -118,7 +119,8 @@ def _print_summary(s: StateSummary) -> None:
                 _print_cells(st, "    ")
                 for layer in st.get("layers", []):
                     line = _rows_line("K", layer["k"]) + ("   " + _rows_line("V", layer["v"]) if "v" in layer else "")
-                    print(f"    layer {layer['layer']:>3}: {line}")
+                    model = f" (model layer {layer['il']})" if "il" in layer else ""
+                    print(f"    layer {layer['layer']:>3}{model}: {line}")
         else:
             print(
                 f"section {i}: {sec.get('label', 'recurrent')}, s_trans {sec['s_trans']}, "
@@ -130,7 +132,28 @@ def _print_summary(s: StateSummary) -> None:
                 line = f"R {r['type']:>6} row {r['row_size']:>6} B  {_fmt_bytes(r['bytes']):>10}   " + _rows_line(
                     "S", rl["s"]
                 )
-                print(f"  state layer {rl['index']:>3}: {line}")
+                model = f" (model layer {rl['il']})" if "il" in rl else ""
+                print(f"  state layer {rl['index']:>3}{model}: {line}")
+
+
+def _label_model_layers(summary: StateSummary, obj: StateObject, model: str) -> None:
+    """Each layer's model layer (``il``) from the memory the model builds, or a note when the model does not fit."""
+    from ..hparams import HParams
+    from .tensors import section_layer_ids
+
+    try:
+        ids = section_layer_ids(obj, HParams.from_gguf(model))
+    except KVRefError as e:
+        summary["note"] = str(e)
+        return
+    for sec, il in zip(summary["sections"], ids, strict=True):
+        if sec["kind"] == "kv":
+            for st in sec["streams"]:
+                for layer in st.get("layers", []):
+                    layer["il"] = il[layer["layer"]]
+        else:
+            for rl in sec["layers"]:
+                rl["il"] = il[rl["index"]]
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -142,6 +165,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     obj = state.load(source, kind=args.kind, layout=args.layout, ext_size=args.ext_size, model=args.model)
     size = len(source) if isinstance(source, bytes) else os.path.getsize(source)
     summary = enrich_summary(cast("StateSummary", obj.summary()), obj, size, all_tokens=args.all)
+    if args.model is not None:
+        _label_model_layers(summary, obj, args.model)
     if args.model is not None and getattr(obj, "tokens", None) is not None:
         from ..state.server_tokens import read_prompt
         from ..vocab import detokenize, vocabulary

@@ -252,6 +252,16 @@ def _check_model_fits(obj: StateObject, hp: HParams) -> None:
                          "none (layers are then numbered within their section and rows stay flat)")  # fmt: skip
 
 
+def section_layer_ids(obj: StateObject, hp: HParams) -> list[list[int]]:
+    """Per section of ``obj.memory``, the model layer (``il``) of each of its layers, as the memory llama.cpp builds
+    for ``hp`` holds them (a KVRefError when the model could not have written the state)."""
+    from ..memory.kv_cache import KVCache
+
+    _check_model_fits(obj, hp)
+    leaves = _model_leaves(hp, obj.memory.layout) or []
+    return [[layer.il for layer in leaf.layers] if isinstance(leaf, KVCache) else list(leaf.layers) for leaf in leaves]
+
+
 def _section_shapes(
     obj: StateObject, hp: HParams | None, head_dim: int | None, rotated: bool | None
 ) -> list[_KVShape | None]:
@@ -421,5 +431,6 @@ __all__ = [
     "era_rotates",
     "memory_tensors",
     "recurrent_shapes",
+    "section_layer_ids",
     "state_tensors",
 ]

@@ -47,6 +47,7 @@ class KVLayerSummary(TypedDict):
     """One layer of a KV stream (``v`` absent without V)."""
 
     layer: int
+    il: NotRequired[int]  # the model's layer (kvref inspect --model)
     k: RowsSummary
     v: NotRequired[RowsSummary]
 
@@ -89,6 +90,7 @@ class RecurrentLayerSummary(TypedDict):
     """One recurrent layer with state."""
 
     index: int
+    il: NotRequired[int]  # the model's layer (kvref inspect --model)
     r: RecurrentRowsSummary
     s: RowsSummary
     p: NotRequired[PLERowsSummary]
