@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import importlib
 import logging
-from typing import TYPE_CHECKING, TypedDict
+from typing import TYPE_CHECKING
 
 from . import _backend, _moved, errors
+from .about import About, about, about_line, backend
+from .about import __version__ as __version__
 from .constants import LLAMA_MAX_SEQ
 from .errors import BatchError, CellError, FormatError, KVRefError, NoSlotError, SequenceError
 
@@ -48,8 +50,6 @@ if TYPE_CHECKING:  # what __getattr__ hands out, as the type checker sees it (im
     from .memory.recurrent import RecurrentMemory as RecurrentMemory
     from .profile import Profile as Profile
 
-__version__ = "0.1.0"
-
 # kvref logs what llama.cpp logs (e.g. a recurrent find_slot refusing a gap) on the "kvref" logger; like any
 # library it prints nothing unless the application configures logging.
 logging.getLogger("kvref").addHandler(logging.NullHandler())
@@ -86,46 +86,6 @@ _LAZY = {
     "check_file": "kvref.jobs.check",
 }
 _SUBMODULES = ("cells", "mask", "ggml", "state", "memory", "jobs", "hparams", "compat")
-
-
-def backend() -> str:
-    """``"cython"`` or ``"python"``: the twin the selector modules picked (see ``KVREF_BACKEND``)."""
-    from .memory.cells import BACKEND
-
-    return BACKEND
-
-
-class About(TypedDict):
-    """What `about` returns: kvref's version, the active backend, the default compat generation, and the
-    llama-cpp-python release and llama.cpp commit it follows."""
-
-    kvref: str
-    backend: str
-    compat: str
-    llama_cpp_python: str
-    llama_cpp: str
-
-
-def about() -> About:
-    """What this kvref is: its version, the active backend, and the llama.cpp it follows by default."""
-    from .compat import DEFAULT, NAMED, REFERENCE_COMMIT
-
-    return {
-        "kvref": __version__,
-        "backend": backend(),
-        "compat": DEFAULT,
-        "llama_cpp_python": NAMED[DEFAULT],
-        "llama_cpp": REFERENCE_COMMIT,
-    }
-
-
-def about_line() -> str:
-    """`about` as one line, as ``kvref --version`` and ``kvref conformance`` print it."""
-    a = about()
-    return (
-        f"kvref {a['kvref']} ({a['backend']} backend), following llama.cpp {a['llama_cpp']} "
-        f"(llama-cpp-python {a['llama_cpp_python']}, compat {a['compat']!r})"
-    )
 
 
 def __getattr__(name: str) -> object:  # every public name is typed above; this serves kvref 0.1's moved paths

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, TypeAlias, TypedDict
 
-from .. import About
+from ..about import About
 
 if TYPE_CHECKING:
     from typing_extensions import NotRequired  # typing.NotRequired from Python 3.11

@@ -207,7 +207,7 @@ SUBCOMMANDS: list[Subcommand] = [
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from .. import about_line
+    from ..about import about_line
 
     p = argparse.ArgumentParser(prog="kvref", description="llama.cpp memory modules and state files, in Python")
     p.add_argument("--version", action="version", version=about_line(), help="print kvref's version and exit")

@@ -49,7 +49,7 @@ from typing import TYPE_CHECKING, Literal, TypedDict, cast
 import numpy as np
 import numpy.typing as npt
 
-from .. import about, about_line
+from ..about import about, about_line
 from ..errors import BatchError, CheckFailed, CompatWarning, KVRefError, NoSlotError, Unsupported
 from ..profile import Profile
 

@@ -146,8 +146,8 @@ def write_sidecar(
     ``model``: the GGUF file (its sha256 is recorded); ``memory``: the memory the file was saved from (its profile
     and context); ``state``: the loaded state (default: ``path`` loaded); ``context`` overrides the context.
     """
-    from .. import __version__
     from .. import state as st
+    from ..about import __version__
     from ..profile import NAMED
     from ..state.eras import era, matching_eras
 
