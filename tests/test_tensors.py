@@ -223,3 +223,22 @@ def test_a_model_that_did_not_write_the_state_is_refused(tmp_path: Path) -> None
     three = dataclasses.replace(kvref.HParams.from_gguf(LLAMA), n_layer=3)
     with pytest.raises(kvref.KVRefError, match="section 0 holds 2 layers, the model's kv cache 3"):
         tensors.state_tensors(GOLD / "llama-shared-prefix" / "03-seq-seq0.ggsq", hparams=three)
+
+
+def test_plot_ticks_whole_cells(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A recurrent section of two cells: matplotlib's default ticks fell at 0.5; a cell is whole."""
+    pytest.importorskip("matplotlib")
+    from matplotlib.figure import Figure
+
+    from kvref.jobs.plot import plot
+
+    ticks: list[float] = []
+    save = Figure.savefig
+
+    def record(fig: Figure, *args: object, **kw: object) -> None:
+        ticks.extend(t for ax in fig.axes[:-1] for t in ax.get_xticks())  # the last axes is the colour bar
+        save(fig, *args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Figure, "savefig", record)
+    plot(GOLD / "mamba-seq-cp-rm" / "01-session.ggsn", tmp_path / "r.png")
+    assert ticks and all(float(t).is_integer() for t in ticks), ticks

@@ -128,6 +128,7 @@ def draw(panels: list[Panel], out: str | os.PathLike[str], title: str = "") -> s
                          f"suffix), not {suffix or 'a file without a suffix'}")  # fmt: skip
     plt = _pyplot()
     from matplotlib.patches import Patch, Rectangle
+    from matplotlib.ticker import MaxNLocator
 
     n = max(len(panels), 1)
     heights = [max(1.2, 0.35 * (len({x for t in p.seqs for x in t}) or 1) + 0.9) for p in panels] or [1.5]
@@ -172,6 +173,7 @@ def draw(panels: list[Panel], out: str | os.PathLike[str], title: str = "") -> s
         extra = f", SWA window {p.n_swa}" if p.n_swa else ""
         ax.set_title(f"{p.title}: {len(p.cells)} cells{extra}", fontsize=10, loc="left")
         ax.set_xlabel("cell", fontsize=8)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # cells are whole: no tick at 0.5
         ax.tick_params(labelsize=8)
         ax.grid(axis="x", alpha=0.2)
     sm = plt.cm.ScalarMappable(norm=norm, cmap=cmap)
