@@ -43,7 +43,7 @@ from typing import Any
 import numpy as np
 
 from . import rotation as rot
-from .errors import KVRefError
+from .errors import FormatError, KVRefError
 from .ggml import GGMLType, traits, type_name
 from .profile import value_at
 from .quant import dequantize, quantize
@@ -207,7 +207,12 @@ def _maybe_unrotate(x: np.ndarray, t: int, head: int | None, rotated: bool | Non
         )
     if not rotated:
         return x, False
-    assert n_rot is not None and head is not None
+    if n_rot is None or head is None:  # the model given has fewer layers than the state: not the state's model
+        raise FormatError(
+            f"{what} rows of a layer the model has no head size for: the state has more layers than the model given "
+            "(its model is another one)",
+            field="n_layer",
+        )
     return rot.rotate(x, n_rot), True
 
 
