@@ -637,9 +637,12 @@ class KVCells:
             self._check_index(int(ia[k]))
         if np.unique(ia).size != ia.size:
             raise CellError("pos_set_many: a cell index appears twice")
-        if ia.size and (np.any(self._pos[ia] != -1) or np.any(self._seq[ia] != 0)):
-            raise CellError("pos_set_many: a target cell is not empty")
-        if ia.size and (pa.min() < 0 or pa.max() > POS_MAX):
+        # the first element pos_set would refuse: its cell is not empty, or its position is outside [0, 2^31)
+        taken = (self._pos[ia] != -1) | self._seq[ia].any(axis=1)
+        bad = taken | (pa < 0) | (pa > POS_MAX)
+        if bad.any():
+            if taken[np.flatnonzero(bad)[0]]:
+                raise CellError("pos_set_many: a target cell is not empty")
             raise CellError("pos_set_many: a position is outside [0, 2^31)")
         self._pos[ia] = pa  # pos_set of every listed cell, all checked above
         self._n_used += int(ia.size)

@@ -213,6 +213,12 @@ def _maybe_unrotate(x: np.ndarray, t: int, head: int | None, rotated: bool | Non
             "(its model is another one)",
             field="n_layer",
         )
+    if x.shape[1] % n_rot:  # the model's head size is not the one the state's rows were written with
+        raise FormatError(
+            f"{what} rows of {x.shape[1]} values are not whole {n_rot}-element rotation blocks of heads of {head}: "
+            "the model given is not the state's (another head size)",
+            field="k_row_size" if what == "K" else "v_row_size",
+        )
     return rot.rotate(x, n_rot), True
 
 

@@ -365,3 +365,18 @@ def test_integers_past_int64_are_refused_as_out_of_range(cells_cls: type) -> Non
     assert snapshot(c) == before
     c.pos_set_many(np.array([10], np.uint64), [np.int8(3)])  # any integer type is an integer
     assert c.pos_get(10) == 3
+
+
+def test_the_first_refused_element_of_pos_set_many_names_the_error_in_both_twins() -> None:
+    """Found by the cells fuzzer: the Python twin once named a later cell that was not empty before an earlier
+    position that was out of range."""
+    res = []
+    for cls in TWINS:
+        c = filled(cls)
+        before = snapshot(c)
+        res.append(outcome(lambda c=c: c.pos_set_many([6, 2], [-1, 5])))
+        res.append(outcome(lambda c=c: c.pos_set_many([2, 6], [-1, 5])))
+        assert snapshot(c) == before
+    assert res[0] == ("CellError", "pos_set_many: a position is outside [0, 2^31)")
+    assert res[1] == ("CellError", "pos_set_many: a target cell is not empty")
+    assert res[len(res) // 2 :] == res[: len(res) // 2]

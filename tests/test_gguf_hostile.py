@@ -170,3 +170,16 @@ def test_a_model_with_fewer_layers_than_the_state_is_a_format_error_when_exporti
     model.write_bytes(bytes(data))
     with pytest.raises(FormatError, match="more layers than the model"):
         export_arrays(state, model=model)
+
+
+def test_a_model_of_another_head_size_is_a_format_error_when_exporting_rotated_rows(tmp_path: Path) -> None:
+    """Found by the GGUF fuzzer: undoing the attention rotation with the wrong head size was a plain ValueError."""
+    qwen = ROOT / "conformance" / "models" / "qwen3-h128-tiny.gguf"
+    state = ROOT / "conformance" / "golden" / "qwen3-h128-q4_0-k-rot-kshift" / "01-state.bin"
+    data = bytearray(qwen.read_bytes())
+    at = _read_gguf_metadata(str(qwen))["qwen3.attention.key_length"]._offset
+    data[at : at + 4] = struct.pack("<I", 256)
+    model = tmp_path / "h256.gguf"
+    model.write_bytes(bytes(data))
+    with pytest.raises(FormatError, match="not the state's"):
+        export_arrays(state, model=model)
