@@ -291,7 +291,13 @@ def run_batch(
         outcomes.update(res.outcomes)
         if res.status == "ok":
             break
-        blamed = res.blamed if res.blamed is not None else next(i for i in pending if i not in res.done)
+        not_done = [i for i in pending if i not in res.done]
+        if res.blamed is None and not not_done:  # died after its last input (at exit: a heap corrupted earlier)
+            last = pending[-1]
+            where = f"at exit, after inputs {pending[0]}..{last} in the same process"
+            results[last] = [*results.get(last, []), on_kill(last, res.status, res.info, where)]
+            break
+        blamed = res.blamed if res.blamed is not None else not_done[0]
         alone = run_child(argv, [blamed], backend, timeout) if len(pending) > 1 else res
         if alone.status != "ok":
             results[blamed] = [on_kill(blamed, alone.status, alone.info, "reproduces alone in a fresh process")]

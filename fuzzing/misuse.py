@@ -18,7 +18,22 @@ Checks (each program in a capped, watched child process):
 - the twins agree: the same program gives the same results, errors (class and message) and states under
   KVREF_BACKEND=python and KVREF_BACKEND=cython.
 
+Two more attack classes go at one ``KVCells`` (``kvref.cells``, the twin KVREF_BACKEND picks) directly:
+
+- ``--target cells``: programs over the whole KVCells API with the hostile arguments above plus integers whose
+  ``__index__`` calls back into the same cells (resize, reset, rm, a range removal, a read, a place; the refusal
+  propagates or is caught by the argument), set() sources whose ``pos`` does the same, and lists and NumPy arrays
+  of all of these. Checks: only kvref errors; a refused call changes nothing (the full state: arrays, used set,
+  every sequence's index); the cells stay whole after every call (used count, used set and per-sequence index
+  agree with the arrays); the twins agree on every result, error and state.
+- ``--target threads``: 2-4 threads run such programs on one KVCells while another resizes it, with a switch
+  interval of a microsecond (and, on the Cython cells, the slot kernels' find_cells / place_single among the
+  calls). Checks: no crash, no hang, only kvref errors, the cells whole at the end. Interleavings are not
+  reproducible, so the twins are not compared; a finding re-runs its program alone to confirm.
+
     python fuzzing/misuse.py --programs 5000 --seed 1 --jobs 2
+    python fuzzing/misuse.py --target cells --programs 5000 --seed 1 --jobs 2
+    python fuzzing/misuse.py --target threads --programs 300 --seed 1 --jobs 2
     python fuzzing/misuse.py --show 17 --seed 1            # print program 17 as Python
 """
 
@@ -30,6 +45,7 @@ import json
 import random
 import sys
 import tempfile
+import threading
 import time
 from functools import cache
 from pathlib import Path
@@ -310,7 +326,7 @@ def program_source(prog: dict[str, Any]) -> str:
     cfg = prog["config"]
     lines = [
         "import numpy as np, kvref, json",
-        "from kvref import conformance as C",
+        "from kvref.jobs import conformance as C",
         "from kvref.memory.batch import Batch",
         f"case = json.load(open('conformance/golden/{MODELS[cfg['model']]}/case.json'))",
         f"mem = kvref.create_memory(C.hparams_from_case(case), n_ctx={cfg['n_ctx']}, n_seq_max={cfg['n_seq_max']}, "
@@ -334,6 +350,425 @@ def program_source(prog: dict[str, Any]) -> str:
         else:
             lines.append(f"mem.{name}({', '.join(show(a) for a in args)})")
     return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------------- cells programs
+# an argument of a cells op is a descriptor as above, or ["reenter", v, action, swallow] (an int v whose __index__
+# first runs ``action`` on the cells under test), ["list", [descriptors]], ["nparr", dtype, [ints]] or, for set(),
+# ["other", kind, n]
+REENTER_ACTIONS = ["resize", "resize0", "reset", "rm0", "seq_rm_all", "read", "place"]
+TARGETS = ("memory", "cells", "threads")
+
+
+def _action(cells: Any, action: str) -> Any:
+    if action == "resize":
+        return cells.resize(3)
+    if action == "resize0":
+        return cells.resize(0)
+    if action == "reset":
+        return cells.reset()
+    if action == "rm0":
+        return cells.rm(0)
+    if action == "seq_rm_all":
+        return cells.seq_rm_range(-1, 0, 1 << 30)
+    if action == "read":
+        return cells.seq_pos_max(0)
+    return cells.place([0], [1], [0])
+
+
+class Reenter:
+    """An integer whose ``__index__`` calls back into the cells first: the nested call must be refused."""
+
+    def __init__(self, cells: Any, value: int, action: str, swallow: bool) -> None:
+        self.cells, self.value, self.action, self.swallow = cells, value, action, swallow
+
+    def __index__(self) -> int:
+        from kvref.errors import KVRefError
+
+        try:
+            _action(self.cells, self.action)
+        except KVRefError:
+            if not self.swallow:
+                raise
+        return self.value
+
+    def __repr__(self) -> str:
+        return f"Reenter({self.value})"
+
+
+class OtherCells:
+    """set()'s other: another cells' arrays, whose ``pos`` first calls back into the target cells."""
+
+    def __init__(self, src: Any, target: Any, action: str) -> None:
+        self.src, self.target, self.action = src, target, action
+
+    @property
+    def pos(self) -> Any:
+        _action(self.target, self.action)
+        return self.src.pos
+
+    @property
+    def ext(self) -> Any:
+        return self.src.ext
+
+    @property
+    def seq(self) -> Any:
+        return self.src.seq
+
+
+def _pattern_cells(cls: type, n: int) -> Any:
+    c = cls(n)
+    for i in range(n):
+        c.pos_set(i, i + 1)
+        c.seq_add(i, i % 3)
+    return c
+
+
+def cvalue(arg: Any, cells: Any) -> Any:
+    """The Python value a cells-op descriptor stands for (``cells``: the cells under test)."""
+    import numpy as np
+
+    kind = arg[0]
+    if kind == "reenter":
+        return Reenter(cells, arg[1], arg[2], arg[3])
+    if kind == "list":
+        return [cvalue(x, cells) for x in arg[1]]
+    if kind == "nparr":
+        return np.array(arg[2], dtype=np.int64).astype(arg[1])
+    if kind == "other":
+        _, what, n = arg
+        if what == "cells":
+            return _pattern_cells(type(cells), n)
+        if what == "evil":
+            return OtherCells(_pattern_cells(type(cells), n), cells, "resize")
+        return {"none": None, "array": np.zeros(3), "int": 5}[what]
+    return value(arg, [])
+
+
+def cshow(arg: Any) -> str:
+    kind = arg[0]
+    if kind == "reenter":
+        return f"Reenter(c, {arg[1]}, {arg[2]!r}, {arg[3]})"
+    if kind == "list":
+        return "[" + ", ".join(cshow(x) for x in arg[1]) + "]"
+    if kind == "nparr":
+        return f"np.array({arg[2]}, dtype=np.int64).astype({arg[1]!r})"
+    if kind == "other":
+        _, what, n = arg
+        if what == "cells":
+            return f"_pattern_cells(type(c), {n})"
+        if what == "evil":
+            return f"OtherCells(_pattern_cells(type(c), {n}), c, 'resize')"
+        return {"none": "None", "array": "np.zeros(3)", "int": "5"}[what]
+    return show(arg)
+
+
+def make_cells_ops(rng: random.Random, size: int, n_ops: int, hostile: float, slot_ops: bool) -> list[list[Any]]:
+    """``n_ops`` cells ops on cells of about ``size`` cells, a share ``hostile`` of their arguments hostile."""
+
+    def h(normal: int) -> list[Any]:
+        r = rng.random()
+        if r < hostile * 0.45:
+            return weird(rng)
+        if r < hostile:
+            return ["reenter", normal, rng.choice(REENTER_ACTIONS), rng.random() < 0.5]
+        return ["int", normal]
+
+    def idx() -> list[Any]:
+        return h(rng.choice([rng.randrange(max(size, 1)), rng.randrange(-1, size + 2)]))
+
+    def pos() -> list[Any]:
+        return h(rng.choice([rng.randrange(40), rng.randrange(-2, 3), 2**31 - 1, 2**31]))
+
+    def seq() -> list[Any]:
+        return h(rng.choice([0, 0, 1, 1, 2, 3, rng.randrange(-1, 257)]))
+
+    def small() -> list[Any]:
+        return h(rng.choice([-5, -2, -1, 0, 1, 2, 3, 7, 40]))
+
+    def many(gen: Any) -> list[Any]:
+        k = rng.choice([0, 1, 2, 3, 5, 8])
+        r = rng.random()
+        if r < 0.15:
+            dtype = rng.choice(["int64", "int32", "uint8", "int8", "uint64"])
+            return ["nparr", dtype, [rng.randrange(4) for _ in range(k)]]
+        if r < 0.2 and hostile:
+            return weird(rng)
+        return ["list", [gen() for _ in range(k)]]
+
+    ops: list[list[Any]] = []
+    for _ in range(n_ops):
+        r = rng.random()
+        if r < 0.03:
+            ops.append(["resize", [h(rng.choice([0, 1, 8, 16, 32, 64]))]])
+        elif r < 0.05:
+            ops.append([rng.choice(["reset", "reset_shift"]), []])
+        elif r < 0.22:
+            ops.append(["pos_set", [idx(), pos()]])
+        elif r < 0.35:
+            ops.append(["seq_add", [idx(), seq()]])
+        elif r < 0.38:
+            ops.append([rng.choice(["seq_rm", "seq_keep", "seq_has"]), [idx(), seq()]])
+        elif r < 0.42:
+            one = ["rm", "pos_get", "ext_get", "is_empty", "seq_get", "seq_count", "seq_get_all", "get_shift"]
+            ops.append([rng.choice(one), [idx()]])
+        elif r < 0.47:
+            ops.append([rng.choice(["pos_add", "pos_div"]), [idx(), small()]])
+        elif r < 0.50:
+            ops.append(["pos_set_shifted", [idx(), pos(), small()]])
+        elif r < 0.53:
+            ops.append(["ext_set", [idx(), small(), small(), pos()]])
+        elif r < 0.56:
+            ops.append(["pos_in", [idx(), pos(), pos()]])
+        elif r < 0.60:
+            name = rng.choice(["seq_pos_min", "seq_pos_max", "seq_pos_get", "seq_keep_all"])
+            ops.append([name, [seq()]])
+        elif r < 0.62:
+            ops.append(["seq_pos_tok_le", [seq(), pos()]])
+        elif r < 0.66:
+            ops.append(["pos_set_many", [many(idx), many(pos)]])
+        elif r < 0.69:
+            ops.append(["seq_add_many", [many(idx), seq() if rng.random() < 0.3 else many(seq)]])
+        elif r < 0.71:
+            ops.append(["ext_set_many", [many(idx), small(), many(small), pos()]])
+        elif r < 0.73:
+            ops.append(["pos_add_many", [many(idx), small()]])
+        elif r < 0.75:
+            ops.append([rng.choice(["seq_pos_min_many", "seq_pos_max_many"]), [many(seq)]])
+        elif r < 0.79:
+            k = rng.choice([1, 2, 3])
+            ext = ["list", [many(small), small(), many(pos)]] if rng.random() < 0.5 else ["none"]
+            ops.append(
+                [
+                    "place",
+                    [
+                        ["list", [idx() for _ in range(k)]],
+                        ["list", [pos() for _ in range(k)]],
+                        ["list", [seq() for _ in range(k)]],
+                        ext,
+                        ["bool", rng.random() < 0.2],
+                    ],
+                ]
+            )
+        elif r < 0.83:
+            ops.append(["seq_rm_range", [h(rng.choice([-1, 0, 1, 2])), pos(), pos()]])
+        elif r < 0.85:
+            ops.append(["seq_cp_range", [seq(), seq(), pos(), pos()]])
+        elif r < 0.88:
+            ops.append([rng.choice(["seq_add_range", "seq_div_range"]), [seq(), pos(), pos(), small()]])
+        elif r < 0.91:
+            ops.append(["cp", [idx(), h(rng.randrange(0, 5))] if rng.random() < 0.5 else [many(idx)]])
+        elif r < 0.94:
+            n = rng.choice([0, 1, 2, 4])
+            other = ["other", rng.choice(["cells", "cells", "evil", "none", "array", "int"]), n]
+            ops.append(["set", [idx() if rng.random() < 0.6 else many(idx), other]])
+        elif r < 0.97 or not slot_ops:
+            ops.append([rng.choice(["used_cells", "used_min", "used_max_p1", "get_used", "size"]), []])
+        else:
+            n = rng.randrange(1, 6)
+            ops.append([rng.choice(["find_cells", "place_single"]), [rng.randrange(size + 2), n, rng.random() < 0.5]])
+    return ops  # fmt: skip
+
+
+def make_cells_program(seed: int, index: int, target: str = "cells") -> dict[str, Any]:
+    """Program ``index`` of a ``--target cells`` (or ``threads``) campaign ``seed``."""
+    rng = random.Random(f"misuse-{target}:{seed}:{index}")
+    size = rng.choice([4, 8, 16, 33, 64])
+    hostile = rng.choice([0.05, 0.15, 0.3])
+    if target == "cells":
+        return {"seed": seed, "index": index, "target": target, "size": size,
+                "ops": make_cells_ops(rng, size, rng.randint(8, 40), hostile, False)}  # fmt: skip
+    n_threads = rng.choice([2, 3, 4])
+    return {
+        "seed": seed,
+        "index": index,
+        "target": target,
+        "size": size,
+        "switch": rng.choice([1e-6, 1e-6, 1e-5]),
+        "resizes": [rng.choice([0, 1, 8, 16, 64, 128]) for _ in range(rng.choice([50, 200, 500]))],
+        "threads": [make_cells_ops(rng, size, rng.randint(50, 300), hostile, True) for _ in range(n_threads)],
+    }
+
+
+def call_cells(cells: Any, name: str, args: list[Any]) -> Any:
+    if name in ("find_cells", "place_single"):  # the slot kernels on these cells (the Cython cells only)
+        import numpy as np
+
+        from kvref.memory import slots
+
+        head, n, cont = args
+        if name == "find_cells":
+            return slots._impl.find_cells(cells, head, n, cont, 4, 1)
+        return slots._impl.place_single(cells, head, np.arange(n, dtype=np.int64), None, [[2]] * n, 4, 4, 1)
+    return getattr(cells, name)(*(cvalue(a, cells) for a in args))
+
+
+def cells_source(prog: dict[str, Any]) -> str:
+    """A ``--target cells`` program as a Python script."""
+    lines = [
+        "import numpy as np",
+        "from kvref.cells import KVCells",
+        "import sys; sys.path.insert(0, 'fuzzing')",
+        "from misuse import Reenter, OtherCells, _pattern_cells",
+        f"c = KVCells({prog['size']})",
+    ]
+    for name, args in prog["ops"]:
+        lines.append(f"c.{name}({', '.join(cshow(a) for a in args)})")
+    return "\n".join(lines)
+
+
+def cells_state(c: Any) -> tuple[Any, ...]:
+    """Everything observable about a KVCells."""
+    import numpy as np
+
+    pmin = c.seq_pos_min_many(np.arange(256))
+    return (
+        c.size(),
+        c.get_used(),
+        c.get_has_shift(),
+        c.used_min(),
+        c.used_max_p1(),
+        c.used_cells().tobytes(),
+        np.asarray(c.pos).tobytes(),
+        np.asarray(c.shift).tobytes(),
+        np.asarray(c.ext).tobytes(),
+        np.asarray(c.seq).tobytes(),
+        pmin.tobytes(),
+        c.seq_pos_max_many(np.arange(256)).tobytes(),
+        tuple(tuple(c.seq_pos_get(int(s))) for s in np.flatnonzero(pmin != -1)),
+    )
+
+
+def cells_torn(c: Any) -> str | None:
+    """What does not agree with the arrays (None: the cells are whole)."""
+    import numpy as np
+
+    n = c.size()
+    pos, ext, seq = np.asarray(c.pos), np.asarray(c.ext), np.asarray(c.seq)
+    if pos.shape != (n,) or ext.shape != (n, 3) or seq.shape != (n, 4):
+        return f"size {n} but arrays {pos.shape} {ext.shape} {seq.shape}"
+    used = np.flatnonzero(pos != -1)
+    if c.get_used() != used.size or c.used_cells().tolist() != used.tolist():
+        return f"get_used {c.get_used()} / used_cells for {used.size} used cells"
+    if np.any(seq[pos == -1] != 0):
+        return "an empty cell holds sequences"
+    for s in range(256):
+        held = np.flatnonzero((seq[:, s >> 6] >> np.uint64(s & 63)) & np.uint64(1))
+        want = sorted(zip(pos[held].tolist(), held.tolist(), strict=True))
+        if c.seq_pos_get(s) != want:
+            return f"the index of sequence {s} is out of step with the arrays"
+    return None
+
+
+def _cresult(res: Any) -> Any:
+    import numpy as np
+
+    if isinstance(res, np.ndarray):
+        return f"{res.dtype}:{hashlib.sha256(res.tobytes()).hexdigest()[:16]}:{res.shape}"
+    if hasattr(res, "seq_pos_get"):
+        return "cells:" + _cdigest(cells_state(res))
+    if isinstance(res, tuple):  # place_single's plan
+        return [_cresult(x) for x in res]
+    return f"{type(res).__name__}:{res!r}"
+
+
+def _cdigest(state: tuple[Any, ...]) -> str:
+    return hashlib.sha256(repr(state).encode()).hexdigest()[:16]
+
+
+def run_cells_program(prog: dict[str, Any], backend: str) -> tuple[list[Finding], list[Any]]:
+    """One ``--target cells`` program: findings and the outcome (per op: result or error, and the state digest)."""
+    from kvref.cells import KVCells
+    from kvref.errors import KVRefError
+
+    idx = prog["index"]
+    found: list[Finding] = []
+    outcome: list[Any] = []
+    c = KVCells(prog["size"])
+    for k, (name, args) in enumerate(prog["ops"]):
+        rec: dict[str, Any] = {"op": name}
+        before = cells_state(c)
+        tag = ",".join(kinds(args)) or ("reenter" if "reenter" in repr(args) else "int")
+        try:
+            rec["ok"] = _cresult(call_cells(c, name, args))
+        except KVRefError as e:
+            rec["err"] = f"{type(e).__name__}: {e}"
+            if cells_state(c) != before:
+                msg = f"op {k} {name} refused ({type(e).__name__}: {e}) but changed the cells"
+                found.append(Finding("partial", f"cells.{name}({tag}):{type(e).__name__}", msg, idx, backend))
+        except Exception as e:
+            rec["err"] = f"{type(e).__name__}: {e}"
+            msg = f"op {k} {name}: {type(e).__name__}: {e}"
+            sig = f"cells.{name}({tag}):{exception_signature(e)}"
+            found.append(Finding("exception", sig, msg, idx, backend, format_exc(e)))
+        torn = cells_torn(c)
+        if torn is not None:
+            found.append(Finding("partial", f"cells.{name}:torn", f"after op {k} {name}: {torn}", idx, backend))
+            outcome.append(rec)
+            return found, outcome
+        rec["state"] = _cdigest(cells_state(c))
+        outcome.append(rec)
+    return found, outcome
+
+
+def run_threads_program(prog: dict[str, Any], backend: str) -> tuple[list[Finding], None]:
+    """One ``--target threads`` program: every thread's ops and the resizes at once, a microsecond per switch."""
+    from kvref.cells import KVCells
+    from kvref.errors import KVRefError
+
+    idx = prog["index"]
+    c = KVCells(prog["size"])
+    errors: list[tuple[str, BaseException]] = []
+    slot_ops = backend == "cython"  # the Python slot twin reads the cells through calls it does not hold together
+
+    def work(ops: list[list[Any]]) -> None:
+        for name, args in ops:
+            if name in ("find_cells", "place_single") and not slot_ops:
+                continue
+            try:
+                call_cells(c, name, args)
+            except KVRefError:
+                pass
+            except Exception as e:
+                errors.append((name, e))
+
+    def resize() -> None:
+        for n in prog["resizes"]:
+            try:
+                c.resize(n)
+            except KVRefError:
+                pass
+            except Exception as e:
+                errors.append(("resize", e))
+
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(prog["switch"])
+    try:
+        threads = [threading.Thread(target=work, args=(ops,)) for ops in prog["threads"]]
+        threads.append(threading.Thread(target=resize))
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    found = [
+        Finding("exception", f"threads.{name}:{exception_signature(e)}", f"{name}: {type(e).__name__}: {e}", idx,
+                backend, format_exc(e))
+        for name, e in errors
+    ]  # fmt: skip
+    torn = cells_torn(c)
+    if torn is not None:
+        found.append(Finding("partial", "threads:torn", f"after the threads: {torn}", idx, backend))
+    return found, None
+
+
+def run_any(seed: int, index: int, target: str, backend: str) -> tuple[list[Finding], Any]:
+    if target == "memory":
+        return run_program(make_program(seed, index), backend)
+    if target == "cells":
+        return run_cells_program(make_cells_program(seed, index, target), backend)
+    return run_threads_program(make_cells_program(seed, index, target), backend)
 
 
 # --------------------------------------------------------------------------------------------- running
@@ -460,11 +895,31 @@ def _twin_signature(a: list[Any], b: list[Any]) -> str:
     return "length"
 
 
-def save_reproducer(out_dir: Path, f: Finding, seed: int) -> str:
-    prog = make_program(seed, f.input_id)
+def make_any(seed: int, index: int, target: str) -> dict[str, Any]:
+    return make_program(seed, index) if target == "memory" else make_cells_program(seed, index, target)
+
+
+def n_ops(prog: dict[str, Any]) -> int:
+    if prog.get("target") == "threads":
+        return sum(len(ops) for ops in prog["threads"]) + len(prog["resizes"])
+    return len(prog["ops"])
+
+
+def save_reproducer(out_dir: Path, f: Finding, seed: int, target: str = "memory") -> str:
+    prog = make_any(seed, f.input_id, target)
     out_dir.mkdir(parents=True, exist_ok=True)
-    stem = out_dir / f"{f.category}-s{seed}-p{f.input_id}-{f.backend}"
-    stem.with_suffix(".py").write_text(f"# {f.category} {f.signature}: {f.message}\n" + program_source(prog) + "\n")
+    stem = out_dir / f"{target}-{f.category}-s{seed}-p{f.input_id}-{f.backend}"
+    if target == "memory":
+        src = program_source(prog)
+    elif target == "cells":
+        src = cells_source(prog)
+    else:  # an interleaving is not reproducible: the script re-runs the program in this process
+        src = (
+            "import sys; sys.path.insert(0, 'fuzzing')\nimport misuse\nfrom kvref._backend import requested\n"
+            f"print(misuse.run_threads_program(misuse.make_cells_program({seed}, {f.input_id}, 'threads'), "
+            "requested()))"
+        )
+    stem.with_suffix(".py").write_text(f"# {f.category} {f.signature}: {f.message}\n" + src + "\n")
     stem.with_suffix(".json").write_text(json.dumps({"program": prog, "finding": f.to_json()}, indent=1))
     return str(stem.with_suffix(".py"))
 
@@ -482,8 +937,10 @@ def run_campaign(
     out_dir: Path | None = DEFAULT_OUT,
     known: dict[str, str] | None = None,
     progress: bool = False,
+    target: str = "memory",
 ) -> Report:
-    """Run programs ``start .. start + programs`` of ``seed`` under every backend in ``backends`` and compare."""
+    """Run programs ``start .. start + programs`` of ``seed`` (of ``target``: memory, cells or threads) under every
+    backend in ``backends`` and compare."""
 
     def on_kill(i: int, backend: str, status: str, info: str, where: str) -> Finding:
         first = info.strip().splitlines()[0] if info.strip() else status
@@ -497,6 +954,8 @@ def run_campaign(
         str(seed),
         "--mem-cap-mb",
         str(mem_cap_mb),
+        "--target",
+        target,
     ]
     results, outcomes = campaign(
         lambda b: argv, list(range(start, start + programs)), list(backends), jobs, batch, timeout, on_kill, progress
@@ -505,14 +964,14 @@ def run_campaign(
     for fs in results.values():
         report.findings.extend(fs)
     report.findings.extend(twin_findings(outcomes, _twin_signature))
-    report.extra["ops"] = sum(len(make_program(seed, i)["ops"]) for i in {i for _, i in results})
+    report.extra["ops"] = sum(n_ops(make_any(seed, i, target)) for i in {i for _, i in results})
     apply_known(report.findings, KNOWN_ISSUES if known is None else known)
     if out_dir is not None:
         seen: set[tuple[str, str]] = set()
-        for f in sorted(report.findings, key=lambda f: (len(make_program(seed, f.input_id)["ops"]), f.input_id)):
+        for f in sorted(report.findings, key=lambda f: (n_ops(make_any(seed, f.input_id, target)), f.input_id)):
             if (f.category, f.signature) not in seen:
                 seen.add((f.category, f.signature))
-                f.repro = save_reproducer(out_dir, f, seed)
+                f.repro = save_reproducer(out_dir, f, seed, target)
     return report
 
 
@@ -527,17 +986,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=30.0, help="seconds one program may take")
     p.add_argument("--mem-cap-mb", type=int, default=1024, help="address space a child may add (RLIMIT_AS)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    p.add_argument("--target", choices=TARGETS, default="memory", help="what the programs attack (see above)")
     p.add_argument("--show", type=int, help="print program SHOW of --seed as Python and exit")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.show is not None:
-        print(program_source(make_program(a.seed, a.show)))
+        prog = make_any(a.seed, a.show, a.target)
+        print(program_source(prog) if a.target == "memory" else cells_source(prog) if a.target == "cells" else prog)
         return 0
     if a.child:
         from kvref._backend import requested
 
         backend = requested()
-        return child_main(lambda i: run_program(make_program(a.seed, i), backend), a.mem_cap_mb)
+        return child_main(lambda i: run_any(a.seed, i, a.target, backend), a.mem_cap_mb)
     backends = BACKENDS if a.backend == "both" else (a.backend,)
     t0 = time.monotonic()
     report = run_campaign(
@@ -551,9 +1012,10 @@ def main(argv: list[str] | None = None) -> int:
         start=a.start,
         out_dir=a.out,
         progress=True,
+        target=a.target,
     )
     report.extra["seconds"] = round(time.monotonic() - t0)
-    report.print("misuse")
+    report.print("misuse" if a.target == "memory" else f"misuse {a.target}")
     return 1 if report.findings else 0
 
 

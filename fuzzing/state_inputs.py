@@ -17,7 +17,17 @@ Each input is checked in a child process (address space capped, watched for hang
   holding the golden's state), raises nothing but kvref errors, and when it refuses, every sequence's
   ``state_write`` and position range are unchanged.
 
+With ``--target gguf`` the inputs are hostile GGUF models instead: a committed tiny model
+(``conformance/models/``) with 1-3 of its metadata fields changed in place (an integer or float value, a value's or
+an array's element type, an array's count, a byte of a string value or of a key, a string's length), or cut,
+or with bytes inserted or deleted among its key/value pairs. Each is given, as the model, to
+``HParams.from_gguf``, the vocabulary reader, ``kvref.restore`` / ``kvref.state.load`` / the tensors export /
+``check_file`` of the goldens written with that model, and (when its hyper-parameters load) to a memory that
+decodes, shifts, writes and reads back a few tokens. Checks: nothing but kvref errors (a MemoryError for a cache
+the model really asks for, beyond the child's address-space cap, is no finding), and both twins the same.
+
     python fuzzing/state_inputs.py --inputs 100000 --seed 1 --jobs 2          # a long campaign
+    python fuzzing/state_inputs.py --target gguf --inputs 3000 --seed 1 --jobs 2
     python fuzzing/state_inputs.py --replay fuzz-out/state/<finding>.json     # re-run one saved input
 """
 
@@ -54,6 +64,7 @@ from fuzz_common import (
 )
 
 GOLDEN = ROOT / "conformance" / "golden"
+GOLDEN_DIRS = (GOLDEN, ROOT / "conformance" / "golden-v7")
 DEFAULT_OUT = Path(tempfile.gettempdir()) / "kvref-fuzz" / "state"
 
 # Findings that belong to modules this fuzzer's owner may not change, not fixed yet:
@@ -508,9 +519,203 @@ def check_state_read(inp: Input, backend: str) -> tuple[list[Finding], str | Non
     return found, outcome
 
 
+# --------------------------------------------------------------------------------------------- hostile GGUF models
+@cache
+def gguf_models() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """Every committed model with the golden artefacts written with it (two per case at most), in a stable order."""
+    by_model: dict[str, list[str]] = {}
+    for root in GOLDEN_DIRS:
+        for d in sorted(root.iterdir()) if root.is_dir() else []:
+            if not (d / "case.json").exists():
+                continue
+            m = json.loads((d / "case.json").read_text()).get("model") or {}
+            path = ROOT / "conformance" / (m.get("path") or "-")
+            if m.get("committed") and path.exists():
+                files = sorted(p for p in d.iterdir() if p.is_file() and p.suffix != ".json")[:2]
+                by_model.setdefault(str(path), []).extend(str(p) for p in files)
+    return tuple((m, tuple(arts[:8])) for m, arts in sorted(by_model.items()))
+
+
+@dataclass(frozen=True)
+class GGUFField:
+    key: str
+    key_at: int  # the key's bytes
+    type_at: int  # its u32 value type
+    value_at: int
+    types: tuple[int, ...]
+
+
+@cache
+def gguf_fields(model: str) -> tuple[GGUFField, ...]:
+    from kvref.hparams import _read_gguf_metadata
+
+    out = []
+    for key, v in _read_gguf_metadata(model).items():
+        if key.startswith("GGUF."):
+            continue
+        at = v._offset  # the reader keeps where each value starts
+        out.append(GGUFField(key, at - 4 - len(key.encode()), at - 4, at, tuple(v.types)))
+    return tuple(out)
+
+
+_SCALAR_FMT = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "B", 10: "Q", 11: "q", 12: "d"}
+
+
+@dataclass
+class GGUFInput:
+    index: int
+    model_index: int
+    data: bytes
+    ops: list[str] = field(default_factory=list)
+
+
+def make_gguf_input(seed: int, index: int) -> GGUFInput:
+    """Hostile GGUF ``index`` of campaign ``seed`` (deterministic): a committed model with 1-3 mutations."""
+    import struct
+
+    rng = random.Random(f"gguf:{seed}:{index}")
+    models = gguf_models()
+    mi = rng.randrange(len(models))
+    model = models[mi][0]
+    b = bytearray(Path(model).read_bytes())
+    fields = [f for f in gguf_fields(model) if f.value_at < len(b)]
+    kv_end = max(f.value_at for f in fields) + 16
+    ops: list[str] = []
+    for _ in range(rng.choice((1, 1, 2, 3))):
+        here = [f for f in fields if f.value_at + 12 <= len(b)]  # what an earlier cut or deletion left
+        if not here:
+            break
+        f = rng.choice(here)
+        t = f.types[0]
+        r = rng.random()
+        if r < 0.12:  # the structure: a key byte, a cut, bytes inserted or deleted among the pairs
+            at = rng.randrange(min(kv_end, len(b)))
+            how = rng.choice(["key", "cut", "insert", "delete"])
+            if how == "key":
+                b[f.key_at + rng.randrange(max(1, len(f.key)))] = rng.choice([0xFF, 0xC3, 0x80])
+                ops.append(f"{f.key}: a key byte not UTF-8")
+            elif how == "cut":
+                del b[at:]
+                ops.append(f"cut @{at}")
+            elif how == "insert":
+                n = rng.choice([1, 4, 8])
+                b[at:at] = rng.randbytes(n)
+                ops.append(f"insert {n} @{at}")
+            else:
+                n = rng.choice([1, 4, 8])
+                del b[at : at + n]
+                ops.append(f"delete {n} @{at}")
+        elif r < 0.25:  # the value's type
+            nt = rng.choice([0, 1, 4, 5, 6, 7, 8, 9, 10, 12, 13, 99])
+            struct.pack_into("<I", b, f.type_at, nt)
+            ops.append(f"{f.key}: type {t} -> {nt}")
+        elif t in _SCALAR_FMT:
+            fmt = "<" + _SCALAR_FMT[t]
+            if t in (6, 12):
+                v: Any = rng.choice([0.0, -1.0, 1e30, float("nan"), float("inf"), 0.5])
+            else:
+                size = struct.calcsize(fmt)
+                cur = int.from_bytes(b[f.value_at : f.value_at + size], "little")
+                v = rng.choice([0, 1, 2, 3, 7, 255, 4096, cur - 1, cur + 1, cur * 2, 2**31 - 1, 2**31, 2**32 - 1])
+                v = rng.choice([v, 2**63, 2**64 - 1]) if size == 8 else v
+                v &= (1 << (8 * size)) - 1
+                if fmt[-1].islower():  # a signed type: the same bits
+                    v = v - (1 << (8 * size)) if v >= 1 << (8 * size - 1) else v
+            struct.pack_into(fmt, b, f.value_at, v)
+            ops.append(f"{f.key} = {v}")
+        elif t == 8:
+            n = int.from_bytes(b[f.value_at : f.value_at + 8], "little")
+            if n and rng.random() < 0.7 and f.value_at + 8 + n <= len(b):
+                at = f.value_at + 8 + rng.randrange(n)
+                b[at] = rng.choice([0xFF, 0xC3, 0x80, 0xED, 0x00])
+                ops.append(f"{f.key}: string byte {at - f.value_at - 8} -> {b[at]:#04x}")
+            else:
+                nn = rng.choice([0, n + 1, n - 1 if n else 0, 2**31, 2**62])
+                struct.pack_into("<Q", b, f.value_at, nn)
+                ops.append(f"{f.key}: string length {n} -> {nn}")
+        elif rng.random() < 0.5:  # an array's count
+            cur = int.from_bytes(b[f.value_at + 4 : f.value_at + 12], "little")
+            nn = rng.choice([0, 1, cur - 1 if cur else 0, cur + 1, 2**32, 2**62])
+            struct.pack_into("<Q", b, f.value_at + 4, nn)
+            ops.append(f"{f.key}: array count {cur} -> {nn}")
+        else:  # an array's element type
+            nt = rng.choice([0, 4, 5, 6, 7, 8, 9, 12, 99])
+            struct.pack_into("<I", b, f.value_at, nt)
+            ops.append(f"{f.key}: array element type -> {nt}")
+    return GGUFInput(index, mi, bytes(b), ops)
+
+
+_gguf_dir: list[Path] = []
+
+
+def check_gguf_input(inp: GGUFInput, backend: str) -> tuple[list[Finding], dict[str, Any]]:
+    """Every job that takes a model, on one hostile GGUF: kvref errors only. Returns the findings and the outcome."""
+    import kvref
+    from kvref import Batch
+    from kvref.hparams import HParams
+    from kvref.jobs.check import check_file
+    from kvref.jobs.export import export_arrays
+    from kvref.vocab import detokenize, vocabulary
+
+    if not _gguf_dir:
+        _gguf_dir.append(Path(tempfile.mkdtemp(prefix="kvref-fuzz-gguf-")))
+    path = _gguf_dir[0] / "model.gguf"
+    path.write_bytes(inp.data)
+    found: list[Finding] = []
+    outcome: dict[str, Any] = {}
+    hp: list[Any] = []
+
+    def memory() -> Any:
+        mem = kvref.create_memory(hp[0], n_ctx=64, n_seq_max=2, type_k="f16", type_v="f16")
+        mem.decode(Batch(tokens=[1, 2, 3, 4], seq_ids=[[0], [0], [1], [1]]))
+        mem.seq_add(0, 0, -1, 3)
+        mem.update()
+        mem.state_read(mem.state_write(0), 1)
+        return mem.seq_pos_max(1)
+
+    _, arts = gguf_models()[inp.model_index]
+    jobs: list[tuple[str, Any]] = [
+        ("from_gguf", lambda: hp.append(HParams.from_gguf(path)) or hp[0].arch),
+        ("vocabulary", lambda: len(detokenize([0, 1, 2], vocabulary(path)))),
+        ("memory", lambda: memory() if hp else None),
+    ]
+    for art in arts[:2]:
+        name = Path(art).parent.name + "/" + Path(art).name
+        jobs += [
+            (f"restore:{name}", lambda art=art: type(kvref.restore(art, model=path)).__name__),
+            (f"load:{name}", lambda art=art: kvref.state.load(art, model=path).kind),
+            (f"export:{name}", lambda art=art: len(export_arrays(art, model=path)[0])),
+            (f"check:{name}", lambda art=art: check_file(art, path).ok),
+        ]
+    for job, run in jobs:
+        try:
+            outcome[job] = f"ok:{run()}"
+        except MemoryError:  # a cache the model really asks for, beyond the child's cap: not a finding
+            outcome[job] = "MemoryError"
+        except Exception as e:
+            outcome[job] = f"{type(e).__name__}: {str(e).replace(str(path), '<model>')}"
+            if not _kvref_error(e):
+                msg = f"{job} of a hostile {Path(gguf_models()[inp.model_index][0]).name}: {type(e).__name__}: {e}"
+                found.append(
+                    Finding("exception", f"gguf:{job.split(':')[0]}:{exception_signature(e)}", msg, inp.index,
+                            backend, format_exc(e))
+                )  # fmt: skip
+    return found, outcome
+
+
 # --------------------------------------------------------------------------------------------- reproducers
-def save_reproducer(out_dir: Path, seed: int, f: Finding) -> str:
-    """Write the input's bytes (``.bin``) and what is needed to re-run it (``.json``); returns the json path."""
+def save_reproducer(out_dir: Path, seed: int, f: Finding, target: str = "state") -> str:
+    """Write the input's bytes (``.bin``, ``.gguf``) and what is needed to re-run it (``.json``); returns the json
+    path."""
+    if target == "gguf":
+        g = make_gguf_input(seed, f.input_id)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        stem = out_dir / f"gguf-{f.category}-s{seed}-i{f.input_id}-{f.backend}"
+        stem.with_suffix(".gguf").write_bytes(g.data)
+        meta_g = {"target": "gguf", "seed": seed, "index": f.input_id, "backend": f.backend,
+                  "model": gguf_models()[g.model_index][0], "mutations": g.ops, "finding": f.to_json()}  # fmt: skip
+        stem.with_suffix(".json").write_text(json.dumps(meta_g, indent=1))
+        return str(stem.with_suffix(".json"))
     inp = make_input(seed, f.input_id)
     art = artefacts()[inp.art_index]
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -532,8 +737,8 @@ def save_reproducer(out_dir: Path, seed: int, f: Finding) -> str:
 
 
 # --------------------------------------------------------------------------------------------- campaigns
-def _script_argv(seed: int, mem_cap_mb: int, traced: bool) -> list[str]:
-    argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--seed", str(seed)]
+def _script_argv(seed: int, mem_cap_mb: int, traced: bool, target: str = "state") -> list[str]:
+    argv = [sys.executable, str(Path(__file__).resolve()), "--child", "--seed", str(seed), "--target", target]
     argv += ["--mem-cap-mb", str(mem_cap_mb)] + (["--tracemalloc"] if traced else [])
     return argv
 
@@ -552,15 +757,17 @@ def run_campaign(
     out_dir: Path | None = DEFAULT_OUT,
     known: dict[str, str] | None = None,
     progress: bool = False,
+    target: str = "state",
 ) -> Report:
-    """Check inputs ``start .. start + inputs`` of ``seed`` under ``backends`` ("alternate": batches take turns)."""
+    """Check inputs ``start .. start + inputs`` of ``seed`` (``target``: state files, or ``gguf`` models) under
+    ``backends`` ("alternate": batches take turns)."""
 
     def on_kill(i: int, backend: str, status: str, info: str, where: str) -> Finding:
         first = info.strip().splitlines()[0] if info.strip() else status
         return Finding(status, f"{status}:{first}", f"{status} ({first}), {where}", i, backend, info)
 
     results, outcomes = campaign(
-        lambda b: _script_argv(seed, mem_cap_mb, traced),
+        lambda b: _script_argv(seed, mem_cap_mb, traced, target),
         list(range(start, start + inputs)),
         list(backends),
         jobs,
@@ -577,19 +784,28 @@ def run_campaign(
     apply_known(report.findings, KNOWN_ISSUES if known is None else known)
     if out_dir is not None:
         seen: set[tuple[str, str]] = set()
-        for f in sorted(report.findings, key=lambda f: (len(make_input(seed, f.input_id).data), f.input_id)):
+        make = make_gguf_input if target == "gguf" else make_input
+        for f in sorted(report.findings, key=lambda f: (len(make(seed, f.input_id).data), f.input_id)):
             if (f.category, f.signature) not in seen:
                 seen.add((f.category, f.signature))
-                f.repro = save_reproducer(out_dir, seed, f)
+                f.repro = save_reproducer(out_dir, seed, f, target)
     return report
 
 
 def replay(path: Path) -> int:
     """Re-run a saved reproducer in this process (KVREF_BACKEND decides the backend) and print what happens."""
     meta = json.loads(path.read_text())
-    inp = make_input(meta["seed"], meta["index"])
     from kvref._backend import requested
 
+    if meta.get("target") == "gguf":
+        g = make_gguf_input(meta["seed"], meta["index"])
+        found, out = check_gguf_input(g, requested())
+        print(f"outcome: {out}\n{meta['model']} mutated by: {'; '.join(g.ops)}")
+        for f in found:
+            print(f"[{f.category}] {f.signature}: {f.message}\n{f.detail}")
+        print("no finding" if not found else f"{len(found)} finding(s)")
+        return 1 if found else 0
+    inp = make_input(meta["seed"], meta["index"])
     findings, outcome = check_input(inp, requested())
     print(f"outcome: {outcome}")
     print(f"{meta['golden']} mutated by: {'; '.join(inp.ops)}")
@@ -613,6 +829,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--tracemalloc", action="store_true", help="also bound the traced peak of load + to_bytes")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="where reproducers go")
     p.add_argument("--replay", type=Path, help="re-run one saved reproducer (.json) in this process")
+    p.add_argument("--target", choices=["state", "gguf"], default="state", help="state files, or GGUF models")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     if a.replay:
@@ -621,6 +838,8 @@ def main(argv: list[str] | None = None) -> int:
         from kvref._backend import requested
 
         backend = requested()
+        if a.target == "gguf":
+            return child_main(lambda i: check_gguf_input(make_gguf_input(a.seed, i), backend), a.mem_cap_mb)
         return child_main(lambda i: check_input(make_input(a.seed, i), backend, traced=a.tracemalloc), a.mem_cap_mb)
     backends = list(BACKENDS) if a.backend == "both" else [a.backend]
     t0 = time.monotonic()
@@ -636,9 +855,10 @@ def main(argv: list[str] | None = None) -> int:
         start=a.start,
         out_dir=a.out,
         progress=True,
+        target=a.target,
     )
     report.extra["seconds"] = round(time.monotonic() - t0)
-    report.print("state inputs")
+    report.print("state inputs" if a.target == "state" else "gguf models")
     return 1 if report.findings else 0
 
 

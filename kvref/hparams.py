@@ -526,10 +526,10 @@ class _GGUFValue:
     """One metadata value as stored: its type (``types``: the value type, then an array's element types, as
     gguf's ReaderField has them), decoded on demand. Arrays are not materialised until asked for."""
 
-    __slots__ = ("_count", "_decoded", "_offset", "_parser", "types")
+    __slots__ = ("_count", "_decoded", "_offset", "_parser", "key", "types")
 
-    def __init__(self, types: list[int], parser: _GGUFParser, offset: int, count: int = 1) -> None:
-        self.types = types
+    def __init__(self, types: list[int], parser: _GGUFParser, offset: int, count: int = 1, key: str = "") -> None:
+        self.types, self.key = types, key
         self._parser, self._offset, self._count = parser, offset, count
         self._decoded: GGUFContents | None = None  # not decoded yet (no value decodes to None)
 
@@ -539,15 +539,34 @@ class _GGUFValue:
         return self._count
 
     def contents(self) -> GGUFContents:
-        """The value as gguf's ReaderField.contents() gives it (str, int, float, bool, or a flat list)."""
+        """The value as gguf's ReaderField.contents() gives it (str, int, float, bool, or a flat list).
+
+        A string that is not UTF-8 is an HParamsError naming the key (llama.cpp keeps the bytes, but no key whose
+        value kvref reads can hold such a string)."""
         if self._decoded is None:
-            self._decoded = self._parser.decode(self.types, self._offset)
+            try:
+                self._decoded = self._parser.decode(self.types, self._offset)
+            except UnicodeDecodeError as e:
+                raise HParamsError(
+                    f"key {self.key}: a string of its value is not valid UTF-8 ({e.reason} at byte {e.start})"
+                ) from None
         return self._decoded
+
+    def raw_strings(self) -> list[bytes]:
+        """The strings of an array of strings, as bytes (not decoded)."""
+        return list(self._parser.raw_strings(self._offset))
 
 
 # value type -> struct format and size (GGUFValueType: 0 u8 .. 7 bool, 8 string, 9 array, 10 u64 .. 12 f64)
 _GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_INTS = frozenset({0, 1, 2, 3, 4, 5, 10, 11})
+_GGUF_TYPE_NAMES = {0: "u8", 1: "i8", 2: "u16", 3: "i16", 4: "u32", 5: "i32", 6: "f32", 7: "bool", 8: "string"}
+_GGUF_TYPE_NAMES |= {9: "array", 10: "u64", 11: "i64", 12: "f64"}
+# what a key read as each kind may hold: llama.cpp wants the exact type; kvref takes any integer for an integer and
+# refuses what cannot be one (a string, an array, NaN)
+_GGUF_KINDS = {"int": _GGUF_INTS, "float": _GGUF_INTS | {6, 12}, "bool": _GGUF_INTS | {7}, "str": {8}}
+_MAX_NESTING = 8  # arrays of arrays: gguf-py flattens them, llama.cpp refuses them
 
 
 class _GGUFParser:
@@ -592,7 +611,7 @@ class _GGUFParser:
             raise ValueError(f"Unknown/unhandled field type {raw}")
         return raw
 
-    def skip(self, vtype: int, at: int, what: str) -> tuple[list[int], int, int]:
+    def skip(self, vtype: int, at: int, what: str, depth: int = 0) -> tuple[list[int], int, int]:
         """Step over one value: (its types, its element count (1 for a scalar), the offset after it)."""
         if vtype == _GGUF_STRING:
             n = self.u64(at, what)
@@ -617,9 +636,11 @@ class _GGUFParser:
                 self._need(at, 8 if short == _gguf.TRUNCATED_LENGTH else 0, what)
                 raise ValueError(f"truncated GGUF metadata: a string of {what} runs past the end")
         elif etype == _GGUF_ARRAY:
+            if depth >= _MAX_NESTING:  # llama.cpp's gguf reader refuses nested arrays outright
+                raise ValueError(f"array {what} nests arrays more than {_MAX_NESTING} deep")
             leaves = 0
             for i in range(count):  # nested arrays (gguf's reader flattens them): walk each
-                sub, n, at = self.skip(_GGUF_ARRAY, at, what)
+                sub, n, at = self.skip(_GGUF_ARRAY, at, what, depth + 1)
                 leaves += n
                 if i == 0:
                     types += sub[1:]
@@ -637,6 +658,14 @@ class _GGUFParser:
             v: GGUFScalar = self._struct.unpack_from(self.order + _GGUF_SCALARS[vtype], self.buf, at)[0]
             return v
         return list(self._elements(at))
+
+    def raw_strings(self, at: int) -> Iterator[bytes]:
+        """The strings of the array of strings at ``at``, undecoded."""
+        count = self.u64(at + 4, "array")
+        at += 12
+        for _ in range(count):
+            raw, at = self.string(at, "array")
+            yield raw
 
     def _elements(self, at: int) -> Iterator[GGUFScalar]:
         etype, count = self.u32(at, "array"), self.u64(at + 4, "array")
@@ -668,9 +697,9 @@ class _GGUFParser:
             version = swapped_version
         if version not in (2, 3):
             raise ValueError(f"Sorry, file appears to be version {version} which we cannot handle")
-        fields: dict[str, _GGUFValue] = {"GGUF.version": _GGUFValue([4], self, 4)}
-        fields["GGUF.tensor_count"] = _GGUFValue([10], self, 8)
-        fields["GGUF.kv_count"] = _GGUFValue([10], self, 16)
+        fields: dict[str, _GGUFValue] = {"GGUF.version": _GGUFValue([4], self, 4, key="GGUF.version")}
+        fields["GGUF.tensor_count"] = _GGUFValue([10], self, 8, key="GGUF.tensor_count")
+        fields["GGUF.kv_count"] = _GGUFValue([10], self, 16, key="GGUF.kv_count")
         n_kv = self.u64(16, "kv_count")
         at = 24
         if n_kv * 13 > self.end - at:  # every pair takes at least a key length, a type and one byte of value
@@ -678,12 +707,16 @@ class _GGUFParser:
         for _ in range(n_kv):
             start = at
             raw, at = self.string(at, "key")
-            key = raw.decode("utf-8")
+            try:
+                key = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                why = f"{e.reason} at byte {e.start}"
+                raise ValueError(f"the key at offset {start} is not valid UTF-8 ({why})") from None
             vtype = self.value_type(self.u32(at, key))
             types, count, after = self.skip(vtype, at + 4, key)
             if key in fields:
                 raise KeyError(f"Duplicate {key} already in list at offset {start}")
-            fields[key] = _GGUFValue(types, self, at + 4, count)
+            fields[key] = _GGUFValue(types, self, at + 4, count, key)
             at = after
         align = fields.get("general.alignment")
         if align is not None:
@@ -743,6 +776,34 @@ class _GGUFMeta:
             raise HParamsError(f"key {key} has wrong type array but expected a scalar")
         return f.contents()
 
+    def get_int(self, suffix: str, default: object = _REQUIRED, *, full_key: bool = False) -> int:
+        """An integer scalar (any GGUF integer type); HParamsError naming the key for any other type."""
+        return int(cast("int", self._typed(suffix, default, full_key, "int")))
+
+    def get_float(self, suffix: str, default: object = _REQUIRED) -> float:
+        """A number (f32, f64 or an integer type) as a float; HParamsError naming the key for any other type."""
+        return float(cast("float", self._typed(suffix, default, False, "float")))
+
+    def get_bool(self, suffix: str, default: object = _REQUIRED) -> bool:
+        """A bool (or an integer); HParamsError naming the key for any other type."""
+        return bool(self._typed(suffix, default, False, "bool"))
+
+    def get_str(self, suffix: str, default: object = _REQUIRED, *, full_key: bool = False) -> str:
+        """A string; HParamsError naming the key for any other type."""
+        return str(self._typed(suffix, default, full_key, "str"))
+
+    def _typed(self, suffix: str, default: object, full_key: bool, kind: str) -> object:
+        key = suffix if full_key else self.key(suffix)
+        f = self.fields.get(key)
+        if f is None or not f.types or f.types[0] == self._array:
+            return self.get(suffix, default, full_key=full_key)  # absent: the default, or llama.cpp's errors
+        if f.types[0] not in _GGUF_KINDS[kind]:
+            raise HParamsError(
+                f"key {key} has type {_GGUF_TYPE_NAMES.get(f.types[0], f.types[0])} but kvref reads it as "
+                f"{'a ' + kind if kind != 'int' else 'an integer'}"
+            )
+        return f.contents()
+
     def get_arr(self, suffix: str) -> list[GGUFScalar] | None:
         """An array value, or ``None`` when absent or not an array (llama.cpp's optional get_arr)."""
         if not self.is_array(suffix):
@@ -764,12 +825,16 @@ class _GGUFMeta:
                 raise HParamsError(f"key not found in model: {key}")
             return default
         if self.is_array(suffix):
+            f = self.fields[key]
+            if f.n_elements and (len(f.types) != 2 or f.types[1] not in _GGUF_INTS):
+                names = "/".join(_GGUF_TYPE_NAMES.get(t, str(t)) for t in f.types)
+                raise HParamsError(f"key {key} is an array of type {names} but kvref reads it as integers")
             vals = self.get_arr(suffix)
             assert vals is not None
             if len(vals) != n:
                 raise HParamsError(f"key {key} has wrong array length; expected {n}, got {len(vals)}")
             return tuple(vals)
-        return self.get(suffix)
+        return self.get_int(suffix)
 
 
 def _ints(value: _GGUFPerLayer) -> int | tuple[int, ...]:
@@ -799,7 +864,7 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
     arch = m.get(K.General.ARCHITECTURE, "", full_key=True)
     if not arch:
         raise HParamsError("unknown model architecture: key general.architecture is missing or empty")
-    arch = str(arch)
+    arch = m.get_str(K.General.ARCHITECTURE, full_key=True)
     if arch not in SUPPORTED_ARCHS:
         known = arch in ARCH_ROPE_TYPE or arch in _ARCH_ROPE_IF_MROPE or arch in HYBRID_ARCHS
         raise HParamsError(
@@ -810,15 +875,15 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
 
     kw: HParamsArgs = {"arch": arch}
     # common part of load_hparams
-    kw["n_ctx_train"] = int(m.get(K.LLM.CONTEXT_LENGTH))
-    n_embd = int(m.get(K.LLM.EMBEDDING_LENGTH))
+    kw["n_ctx_train"] = m.get_int(K.LLM.CONTEXT_LENGTH)
+    n_embd = m.get_int(K.LLM.EMBEDDING_LENGTH)
     kw["n_embd"] = n_embd
-    kw["causal_attn"] = bool(m.get(K.Attention.CAUSAL, True))
-    n_layer = int(m.get(K.LLM.BLOCK_COUNT))
+    kw["causal_attn"] = m.get_bool(K.Attention.CAUSAL, True)
+    n_layer = m.get_int(K.LLM.BLOCK_COUNT)
     if not 0 < n_layer <= LLAMA_MAX_LAYERS:
         raise HParamsError(f"key {m.key(K.LLM.BLOCK_COUNT)} = {n_layer} must be in [1, {LLAMA_MAX_LAYERS}]")
     kw["n_layer"] = n_layer
-    n_nextn = int(m.get("nextn_predict_layers", 0))
+    n_nextn = m.get_int("nextn_predict_layers", 0)
     if n_nextn > n_layer:
         raise HParamsError(f"key {m.key('nextn_predict_layers')} = {n_nextn} > block_count = {n_layer}")
     kw["n_layer_nextn"] = n_nextn
@@ -832,32 +897,32 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
     kw["n_head"], kw["n_head_kv"] = n_head, n_head_kv
     head0 = int(n_head[0] if isinstance(n_head, tuple) else n_head)
 
-    kw["rope_freq_base"] = float(m.get(K.Rope.FREQ_BASE, 10000.0))
-    ropescale = float(m.get(K.Rope.SCALING_FACTOR, 0.0))
+    kw["rope_freq_base"] = m.get_float(K.Rope.FREQ_BASE, 10000.0)
+    ropescale = m.get_float(K.Rope.SCALING_FACTOR, 0.0)
     if ropescale == 0.0:
-        ropescale = float(m.get("rope.scale_linear", 0.0))  # the old key name
+        ropescale = m.get_float("rope.scale_linear", 0.0)  # the old key name
     kw["rope_freq_scale"] = 1.0 if ropescale == 0.0 else 1.0 / ropescale
 
     if head0 > 0:
-        hk = int(m.get(K.Attention.KEY_LENGTH, n_embd // head0))
-        hv = int(m.get(K.Attention.VALUE_LENGTH, n_embd // head0))
-        n_rot = int(m.get(K.Rope.DIMENSION_COUNT, hk))
+        hk = m.get_int(K.Attention.KEY_LENGTH, n_embd // head0)
+        hv = m.get_int(K.Attention.VALUE_LENGTH, n_embd // head0)
+        n_rot = m.get_int(K.Rope.DIMENSION_COUNT, hk)
         if arch in ("llama", "deci", "falcon", "llama-embed") and n_rot != hk:
             raise HParamsError(f"invalid n_rot: {n_rot}, expected {hk} (key {m.key(K.Rope.DIMENSION_COUNT)})")
     else:  # non-transformer: no heads
         hk = hv = n_rot = 0
     kw["n_embd_head_k"], kw["n_embd_head_v"], kw["n_rot"] = hk, hv, n_rot
-    kw["n_embd_head_k_swa"] = int(m.get("attention.key_length_swa", hk))
-    kw["n_embd_head_v_swa"] = int(m.get("attention.value_length_swa", hv))
-    kw["n_rot_swa"] = int(m.get("rope.dimension_count_swa", n_rot))
-    kw["n_embd_head_k_mla"] = int(m.get("attention.key_length_mla", 0))
-    kw["n_embd_head_v_mla"] = int(m.get("attention.value_length_mla", 0))
+    kw["n_embd_head_k_swa"] = m.get_int("attention.key_length_swa", hk)
+    kw["n_embd_head_v_swa"] = m.get_int("attention.value_length_swa", hv)
+    kw["n_rot_swa"] = m.get_int("rope.dimension_count_swa", n_rot)
+    kw["n_embd_head_k_mla"] = m.get_int("attention.key_length_mla", 0)
+    kw["n_embd_head_v_mla"] = m.get_int("attention.value_length_mla", 0)
     if arch in ("minicpm3", "plm"):  # their load_arch_hparams read the KV LoRA rank (it decides the K-shift)
-        kw["n_lora_kv"] = int(m.get(K.Attention.KV_LORA_RANK, 0))
+        kw["n_lora_kv"] = m.get_int(K.Attention.KV_LORA_RANK, 0)
     if arch in ("t5", "t5encoder"):  # T5's relative-position bucket count
-        kw["n_rel_attn_bkts"] = int(m.get(K.Attention.REL_BUCKETS_COUNT, 0))
+        kw["n_rel_attn_bkts"] = m.get_int(K.Attention.REL_BUCKETS_COUNT, 0)
     if m.has(K.LLM.VOCAB_SIZE):
-        kw["n_vocab"] = int(m.get(K.LLM.VOCAB_SIZE))
+        kw["n_vocab"] = m.get_int(K.LLM.VOCAB_SIZE)
     elif K.Tokenizer.LIST in m.fields:
         kw["n_vocab"] = m.fields[K.Tokenizer.LIST].n_elements  # the token count only: the strings stay unread
 
@@ -884,7 +949,7 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
             # llama.cpp copies the array over an all-dense default
             flags = [bool(x) for x in arr[:n_layer]] + [False] * max(0, n_layer - len(arr))
             return tuple(flags)
-        n_pattern = int(m.get("attention.sliding_window_pattern", n_pattern))
+        n_pattern = m.get_int("attention.sliding_window_pattern", n_pattern)
         return swa_pattern(n_trunk, n_pattern, dense_first) + (False,) * n_nextn
 
     def per_layer(v: int | tuple[int, ...], il: int) -> int:
@@ -895,36 +960,36 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
         kw["n_swa"] = 4096  # gemma 2's default window
         swa_layers = load_swa_pattern(2)
         base_swa, scale_swa = kw["rope_freq_base"], kw["rope_freq_scale"]
-        base_swa = float(m.get("rope.freq_base_swa", base_swa))
-        kw["n_swa"] = int(m.get(K.Attention.SLIDING_WINDOW, kw["n_swa"]))
+        base_swa = m.get_float("rope.freq_base_swa", base_swa)
+        kw["n_swa"] = m.get_int(K.Attention.SLIDING_WINDOW, kw["n_swa"])
     elif arch == "llama4":
         # llama4 refuses a model without experts when it loads the tensors
-        if int(m.get(K.LLM.EXPERT_COUNT, 0)) == 0:
+        if m.get_int(K.LLM.EXPERT_COUNT, 0) == 0:
             raise HParamsError(f"llama4 model cannot have zero experts (key {m.key(K.LLM.EXPERT_COUNT)})")
         # a window key of 0 turns chunked attention off; any other value is ignored: the chunk is 8192
-        if m.has(K.Attention.SLIDING_WINDOW) and int(m.get(K.Attention.SLIDING_WINDOW)) == 0:
+        if m.has(K.Attention.SLIDING_WINDOW) and m.get_int(K.Attention.SLIDING_WINDOW) == 0:
             kw["swa_type"] = SWAType.NONE
         else:
             kw["swa_type"], kw["n_swa"] = SWAType.CHUNKED, 8192
             swa_layers = load_swa_pattern(4)  # 3 chunked, 1 full
             base_swa, scale_swa = kw["rope_freq_base"], kw["rope_freq_scale"]
-            base_swa = float(m.get("rope.freq_base_swa", base_swa))
+            base_swa = m.get_float("rope.freq_base_swa", base_swa)
     elif arch == "gemma3":
-        n_swa = int(m.get(K.Attention.SLIDING_WINDOW, 0))
+        n_swa = m.get_int(K.Attention.SLIDING_WINDOW, 0)
         if m.has(K.Attention.SLIDING_WINDOW) and n_swa > 0:
             kw["swa_type"], kw["n_swa"] = SWAType.STANDARD, n_swa
             swa_layers = load_swa_pattern(6)
-            base_swa = float(m.get("rope.freq_base_swa", 10000.0))  # llama_hparams' own defaults
+            base_swa = m.get_float("rope.freq_base_swa", 10000.0)  # llama_hparams' own defaults
             scale_swa = 1.0
         else:
             kw["swa_type"] = SWAType.NONE
     elif arch in ("mamba", "mamba2", "jamba", "falcon-h1", "granitehybrid", "nemotron_h"):
-        kw["ssm_d_conv"] = int(m.get(K.SSM.CONV_KERNEL))
-        kw["ssm_d_inner"] = int(m.get(K.SSM.INNER_SIZE))
-        kw["ssm_d_state"] = int(m.get(K.SSM.STATE_SIZE))
-        kw["ssm_dt_rank"] = int(m.get(K.SSM.TIME_STEP_RANK))
+        kw["ssm_d_conv"] = m.get_int(K.SSM.CONV_KERNEL)
+        kw["ssm_d_inner"] = m.get_int(K.SSM.INNER_SIZE)
+        kw["ssm_d_state"] = m.get_int(K.SSM.STATE_SIZE)
+        kw["ssm_dt_rank"] = m.get_int(K.SSM.TIME_STEP_RANK)
         if arch != "mamba" and arch != "jamba":
-            kw["ssm_n_group"] = int(m.get("ssm.group_count"))
+            kw["ssm_n_group"] = m.get_int("ssm.group_count")
         if arch in ("jamba", "granitehybrid"):
             # a layer is recurrent exactly when it has no KV heads
             recr = tuple(il < n_trunk and per_layer(n_head_kv, il) == 0 for il in range(n_layer))
@@ -937,11 +1002,11 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
             )
         if arch == "granitehybrid":
             # granite uses rope_finetuned as the rope switch for every layer, default on
-            kw["rope_layers"] = bool(m.get(K.Rope.SCALING_FINETUNED, True))
+            kw["rope_layers"] = m.get_bool(K.Rope.SCALING_FINETUNED, True)
     elif arch == "lfm2":
-        kw["n_shortconv_l_cache"] = int(m.get("shortconv.l_cache"))
+        kw["n_shortconv_l_cache"] = m.get_int("shortconv.l_cache")
         recr = tuple(il < n_trunk and per_layer(n_head_kv, il) == 0 for il in range(n_layer))
-        n_swa = int(m.get(K.Attention.SLIDING_WINDOW, 0))
+        n_swa = m.get_int(K.Attention.SLIDING_WINDOW, 0)
         if m.has(K.Attention.SLIDING_WINDOW) and n_swa > 0:
             kw["swa_type"], kw["n_swa"] = SWAType.STANDARD, n_swa
             swa_layers = tuple(il < n_trunk and not recr[il] for il in range(n_layer))
@@ -949,12 +1014,12 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
         sec = m.get_key_or_arr(K.Rope.DIMENSION_SECTIONS, 4, required=True)
         rope_sections = tuple(int(x) for x in (sec if isinstance(sec, tuple) else (sec,) * 4))
     elif arch in ("rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"):
-        kw["wkv_head_size"] = int(m.get(K.WKV.HEAD_SIZE))
-        kw["token_shift_count"] = int(m.get(K.LLM.TOKEN_SHIFT_COUNT, 2))
+        kw["wkv_head_size"] = m.get_int(K.WKV.HEAD_SIZE)
+        kw["token_shift_count"] = m.get_int(K.LLM.TOKEN_SHIFT_COUNT, 2)
     elif arch in ("bloom", "refact", "jina-bert-v2"):
         f_max_alibi_bias = 8.0  # hard-coded in llama.cpp for these archs
     elif arch in ("mpt", "jais"):
-        f_max_alibi_bias = float(m.get(K.Attention.MAX_ALIBI_BIAS, 0.0))
+        f_max_alibi_bias = m.get_float(K.Attention.MAX_ALIBI_BIAS, 0.0)
     elif arch == "baichuan" and n_trunk == 40:
         f_max_alibi_bias = 8.0  # only the 13B variant uses ALiBi
 
@@ -970,7 +1035,33 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
         kw["rope_type"] = RopeType.MROPE if use_mrope else _ARCH_ROPE_IF_MROPE[arch]
     else:
         kw["rope_type"] = ARCH_ROPE_TYPE[arch]
-    return cls(**kw)
+    hp = cls(**kw)
+    _check_attention_widths(hp, m)
+    return hp
+
+
+def _check_attention_widths(hp: HParams, m: _GGUFMeta) -> None:
+    """Every layer the attention cache keeps has K (and V) rows of at least one element: head counts or head sizes
+    of 0 on such a layer (llama.cpp cannot build its attention tensors) are an HParamsError naming the keys."""
+    from gguf import Keys as K
+
+    kind = hp.memory_kind()
+    if kind == "recurrent":
+        return
+    for il in range(hp.n_layer):
+        if not hp.has_kv(il) or (kind.startswith("hybrid") and not hp.attn_layer_filter(il)):
+            continue
+        widths = [("K", hp.n_embd_k_gqa(il), hp.n_embd_head_k_l(il), K.Attention.KEY_LENGTH)]
+        if not hp.is_mla():
+            widths.append(("V", hp.n_embd_v_gqa(il), hp.n_embd_head_v_l(il), K.Attention.VALUE_LENGTH))
+        for what, width, head, size_key in widths:
+            if width <= 0:
+                raise HParamsError(
+                    f"layer {il} has attention but {what} rows of {width} elements: {hp.n_head_kv_l(il)} KV heads "
+                    f"(keys {m.key(K.Attention.HEAD_COUNT_KV)}, {m.key(K.Attention.HEAD_COUNT)}) of {head} elements "
+                    f"(key {m.key(size_key)}, or {m.key(K.LLM.EMBEDDING_LENGTH)} / head count); llama.cpp cannot "
+                    "build that layer's attention"
+                )
 
 
 __all__ = [

@@ -17,15 +17,18 @@ _BYTE = re.compile(r"<0x([0-9A-Fa-f]{2})>")
 
 
 def vocabulary(model: str | os.PathLike[str]) -> list[str]:
-    """The token pieces of a GGUF model (``tokenizer.ggml.tokens``)."""
-    try:
-        from gguf import GGUFReader
-    except ImportError as e:
-        raise HParamsError(f"reading a vocabulary needs the 'gguf' package: {e}") from e
-    field = GGUFReader(os.fspath(model), "r").fields.get("tokenizer.ggml.tokens")
+    """The token pieces of a GGUF model (``tokenizer.ggml.tokens``), read by kvref's GGUF metadata reader (the one
+    ``HParams.from_gguf`` uses): a file that is not a GGUF model, or whose token list is not an array of strings, is
+    an HParamsError naming the file or the key; a piece that is not UTF-8 reads with replacement characters."""
+    from .hparams import _GGUFMeta
+
+    key = "tokenizer.ggml.tokens"
+    field = _GGUFMeta(model).fields.get(key)
     if field is None:
-        raise HParamsError(f"{model} has no tokenizer.ggml.tokens: no vocabulary to read tokens with")
-    return [bytes(field.parts[i]).decode("utf-8", "replace") for i in field.data]
+        raise HParamsError(f"{os.fspath(model)} has no {key}: no vocabulary to read tokens with")
+    if field.n_elements and field.types != [9, 8]:  # GGUFValueType ARRAY of STRING
+        raise HParamsError(f"key {key} is not an array of strings")
+    return [raw.decode("utf-8", "replace") for raw in field.raw_strings()] if field.n_elements else []
 
 
 def detokenize(tokens: Iterable[int], vocab: list[str]) -> str:

@@ -53,6 +53,33 @@ def test_side_files_campaign():
     _fail_on_new(report, "side files")
 
 
+def test_misuse_cells_campaign(tmp_path):
+    """Programs on one KVCells: hostile and re-entrant arguments (issue 22 section 2)."""
+    report = misuse.run_campaign(
+        80, seed=0, jobs=2, backends=BACKENDS, batch=40, out_dir=tmp_path, timeout=30, target="cells"
+    )
+    assert report.inputs == 80 and report.extra["ops"] >= 1000
+    _fail_on_new(report, "misuse cells")
+
+
+def test_misuse_threads_campaign(tmp_path):
+    """Threads on one KVCells racing resize(), a microsecond per switch."""
+    report = misuse.run_campaign(
+        12, seed=0, jobs=2, backends=BACKENDS, batch=6, out_dir=tmp_path, timeout=60, target="threads"
+    )
+    assert report.inputs == 12 and report.extra["ops"] >= 2000
+    _fail_on_new(report, "misuse threads")
+
+
+def test_hostile_gguf_campaign(tmp_path):
+    """Committed tiny models with their metadata mutated, given as the model to every job that takes one."""
+    report = state_inputs.run_campaign(
+        150, seed=0, jobs=2, backends=BACKENDS, batch=75, out_dir=tmp_path, timeout=30, target="gguf"
+    )
+    assert report.inputs == 150
+    _fail_on_new(report, "gguf models")
+
+
 def test_mutations_reach_every_field_kind():
     """The structure-aware mutations know the fields of every golden (offsets from the parse)."""
     names: set[str] = set()
@@ -73,6 +100,11 @@ def test_inputs_are_reproducible():
     assert misuse.make_program(3, 41) == misuse.make_program(3, 41)
     src = misuse.program_source(misuse.make_program(3, 41))
     assert src.startswith("import numpy as np") and "mem = kvref.create_memory(" in src
+    for target in ("cells", "threads"):
+        assert misuse.make_cells_program(3, 41, target) == misuse.make_cells_program(3, 41, target)
+    assert "c = KVCells(" in misuse.cells_source(misuse.make_cells_program(3, 41, "cells"))
+    g1, g2 = state_inputs.make_gguf_input(3, 41), state_inputs.make_gguf_input(3, 41)
+    assert (g1.data, g1.ops) == (g2.data, g2.ops) and g1.ops
 
 
 CHILD = """
@@ -102,6 +134,25 @@ def test_harness_blames_crashes_and_hangs():
     assert "alone" in results[3][0].message
     assert all(not results[i] for i in (0, 1, 2, 4, 6, 7))
     assert outcomes[7] == 7 and outcomes[3] is None
+
+
+CHILD_DIES_AT_EXIT = """
+import json, os, sys
+ids = json.loads(sys.stdin.read())
+for i in ids:
+    print(json.dumps({"start": i}), flush=True)
+    print(json.dumps({"done": i, "findings": [], "outcome": i}), flush=True)
+os.abort()  # after the last input, before the end line (a heap corrupted earlier, found when freed)
+"""
+
+
+def test_harness_blames_a_death_at_exit_on_the_last_input():
+    def on_kill(i, status, info, where):
+        return fuzz_common.Finding(status, status, f"{info.splitlines()[0]} {where}", i, "python")
+
+    results, _ = fuzz_common.run_batch([sys.executable, "-c", CHILD_DIES_AT_EXIT], [0, 1, 2], "python", 5.0, on_kill)
+    assert [f.category for f in results[2]] == ["crash"] and "at exit" in results[2][0].message
+    assert not results[0] and not results[1]
 
 
 def test_known_issues_are_explained():

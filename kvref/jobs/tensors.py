@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import KVRefError
+from ..errors import FormatError, KVRefError
 from ..ggml import rotation as rot
 from ..ggml.quant import dequantize, quantize
 from ..ggml.types import GGMLType, traits, type_name
@@ -220,7 +220,18 @@ def _maybe_unrotate(x: F32, t: int, head: int | None, rotated: bool | None, n_ro
         )
     if not rotated:
         return x, False
-    assert n_rot is not None and head is not None
+    if n_rot is None or head is None:  # the model given has fewer layers than the state: not the state's model
+        raise FormatError(
+            f"{what} rows of a layer the model has no head size for: the state has more layers than the model given "
+            "(its model is another one)",
+            field="n_layer",
+        )
+    if x.shape[1] % n_rot:  # the model's head size is not the one the state's rows were written with
+        raise FormatError(
+            f"{what} rows of {x.shape[1]} values are not whole {n_rot}-element rotation blocks of heads of {head}: "
+            "the model given is not the state's (another head size)",
+            field="k_row_size" if what == "K" else "v_row_size",
+        )
     return rot.rotate(x, n_rot), True
 
 

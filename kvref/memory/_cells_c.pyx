@@ -18,9 +18,12 @@ What differs is only how the work is done:
 
 Every index reaching a C loop has been range-checked before, which is why bounds checks are off.
 
-Threads: every method keeps the GIL for its whole run (its C loops are ``with nogil(False)``: releasing it would let
-another thread resize or re-index the cells under a running loop), so each call is atomic and a KVCells may be
-shared between threads, as the Python twin's lock allows.
+Threads and re-entry (the contract is the Python twin's): the guard is a busy flag and an owner thread id, set and
+cleared under the GIL (a few nanoseconds; an OS lock would double the cost of a one-cell call), taken by every method
+but size(), len(), get_used() and get_has_shift(). A second thread that finds it taken waits with the GIL released,
+on a lock made the first time anyone has to wait; the thread that holds it refuses a nested call with CellError.
+The C loops keep the GIL too (``with nogil(False)``), and the slot kernels (``_slots_c.pyx``) take the same guard
+while they read the cells' buffers, so no pointer is used after a Python-level call could have moved it.
 """
 
 from libc.stdint cimport INT64_MAX, INT64_MIN, int32_t, int64_t, uint8_t, uint32_t, uint64_t
@@ -34,11 +37,16 @@ import numpy as np
 
 from kvref.constants cimport LLAMA_MAX_SEQ as MAX_SEQ, N_SEQ_WORDS as N_WORDS
 
+from cpython.exc cimport PyErr_CheckSignals
 from cpython.number cimport PyNumber_Index
+from cpython.pythread cimport (
+    NOWAIT_LOCK, PY_LOCK_INTR, PyLockStatus, PyThread_acquire_lock, PyThread_allocate_lock, PyThread_free_lock,
+    PyThread_get_thread_ident, PyThread_type_lock,
+)
 
-from ..args import check_alloc
+from ..args import check_alloc, int64_values
 from ..constants import CELL_BYTES, INT32_MIN, LLAMA_MAX_SEQ, N_SEQ_WORDS, POS_MAX, TOKEN_NULL
-from ..errors import ArgumentTypeError, CellError, SequenceError
+from ..errors import ArgumentTypeError, CellError, KVRefError, SequenceError
 
 cnp.import_array()
 
@@ -149,6 +157,10 @@ cdef extern from *:
 cdef extern from "Python.h":
     long long PyLong_AsLongLongAndOverflow(object o, int* overflow) except? -1
 
+cdef extern from "pythread.h":
+    PyLockStatus PyThread_acquire_lock_timed(PyThread_type_lock lock, long long microseconds,
+                                             int intr_flag) nogil
+
 
 cdef inline object _as_int(object o):
     """``o`` as a Python int, integers only (operator.index), as the Python twin takes it."""
@@ -163,7 +175,11 @@ cdef inline object _as_int(object o):
 cdef inline int64_t _clamp64(object o) except? -1:
     """int(o) saturated to int64: exact for every range comparison the methods make."""
     cdef int overflow = 0
-    cdef long long v = PyLong_AsLongLongAndOverflow(_as_int(o), &overflow)
+    cdef long long v
+    if type(o) is int:
+        v = PyLong_AsLongLongAndOverflow(o, &overflow)
+    else:
+        v = PyLong_AsLongLongAndOverflow(_as_int(o), &overflow)
     if overflow > 0:
         return C_INT64_MAX
     if overflow < 0:
@@ -172,10 +188,30 @@ cdef inline int64_t _clamp64(object o) except? -1:
 
 
 cdef inline int _seq_id(object seq_id) except -1:
+    cdef int64_t s
+    if type(seq_id) is int:
+        s = _clamp64(seq_id)
+        if 0 <= s < MAX_SEQ:
+            return <int>s
+    return _seq_id_slow(seq_id)
+
+
+cdef int _seq_id_slow(object seq_id) except -1:
+    """_seq_id of anything: converted once (one __index__ call), refused with that value."""
+    seq_id = _as_int(seq_id)
     cdef int64_t s = _clamp64(seq_id)
     if s < 0 or s >= MAX_SEQ:
-        raise SequenceError(f"seq_id {_as_int(seq_id)} is outside [0, {LLAMA_MAX_SEQ})")
+        raise SequenceError(f"seq_id {seq_id} is outside [0, {LLAMA_MAX_SEQ})")
     return <int>s
+
+
+cdef Py_ssize_t _index_slow(object i, Py_ssize_t n) except -1:
+    """KVCells._index of anything: converted once (one __index__ call), refused with that value."""
+    i = _as_int(i)
+    cdef int64_t v = _clamp64(i)
+    if v < 0 or v >= n:
+        raise CellError(f"cell index {i} is outside [0, {n})")
+    return <Py_ssize_t>v
 
 
 cdef inline int32_t _wrap32(int64_t v) noexcept nogil:
@@ -193,8 +229,8 @@ cdef inline int32_t _clamp_key(int64_t p) noexcept nogil:
 
 
 cdef bint _to_i64(object a, vector[int64_t]& out, Py_ssize_t n) except -1:
-    """Fill ``out`` with ``a`` as int64 values, as ``np.asarray(a, dtype=np.int64)`` reads it: flattened when
-    ``n`` < 0, else broadcast to ``n`` values (one value repeated). False when that conversion fails."""
+    """Fill ``out`` with ``a`` as ``int64_values`` (kvref.args) reads it: flattened when ``n`` < 0, else broadcast
+    to ``n`` values (one value repeated). False when it refuses ``a`` (any kvref error)."""
     cdef int overflow = 0
     cdef long long v
     cdef Py_ssize_t k, m
@@ -204,10 +240,10 @@ cdef bint _to_i64(object a, vector[int64_t]& out, Py_ssize_t n) except -1:
     if type(a) is int:
         v = PyLong_AsLongLongAndOverflow(a, &overflow)
         if overflow:
-            return False
-        out.assign(1 if n < 0 else n, v)
+            v = C_INT64_MAX if overflow > 0 else C_INT64_MIN  # saturated, as int64_values does
+        out.resize(1 if n < 0 else n, v)
         return True
-    if type(a) is list:  # plain ints read directly (anything else goes through NumPy below)
+    if type(a) is list:  # plain ints read directly (anything else goes through int64_values below)
         m = len(<list>a)
         if n < 0 or m == n:
             out.reserve(m)
@@ -217,16 +253,14 @@ cdef bint _to_i64(object a, vector[int64_t]& out, Py_ssize_t n) except -1:
                     break
                 v = PyLong_AsLongLongAndOverflow(o, &overflow)
                 if overflow:
-                    return False
+                    v = C_INT64_MAX if overflow > 0 else C_INT64_MIN
                 out.push_back(v)
             if <Py_ssize_t>out.size() == m:
                 return True
             out.clear()
     try:
-        arr = np.asarray(a, dtype=np.int64)
-        if not (arr.ndim == 1 and (n < 0 or arr.shape[0] == n) and cnp.PyArray_IS_C_CONTIGUOUS(arr)):
-            arr = np.ascontiguousarray(arr.reshape(-1) if n < 0 else np.broadcast_to(arr, (n,)))
-    except (TypeError, ValueError, OverflowError):
+        arr = int64_values(a, "values", None if n < 0 else n)
+    except KVRefError:
         return False
     d = <const int64_t*>cnp.PyArray_DATA(arr)
     out.assign(d, d + arr.shape[0])
@@ -239,6 +273,40 @@ cdef inline cnp.ndarray _ro(cnp.ndarray a):
     return v
 
 
+def _cells_arrays(other):
+    """``other``'s (pos, ext, seq) as integer arrays of the cells' shapes, for set(); the same checks as the Python
+    twin's ``_cells_arrays``."""
+    try:
+        pos, ext, seq = np.asarray(other.pos), np.asarray(other.ext), np.asarray(other.seq)
+    except AttributeError:
+        raise ArgumentTypeError(f"set: expected cells (pos, ext and seq arrays), got {type(other).__name__}") from None
+    if any(a.dtype.kind not in "biu" for a in (pos, ext, seq)):
+        raise ArgumentTypeError("set: the other cells' pos/ext/seq are not integer arrays")
+    n = pos.shape[0] if pos.ndim == 1 else -1
+    if n < 0 or ext.shape != (n, 3) or seq.shape != (n, N_SEQ_WORDS):
+        raise CellError("set: the other cells' pos/ext/seq arrays do not have the cells' shapes")
+    return pos, ext, seq
+
+
+cdef str _nested(str what):
+    return (f"{what}: these cells are already inside a call in this thread (an argument's __index__, a finalizer, "
+            "...): the nested call is refused and nothing changes")
+
+
+cdef inline int _take(KVCells c, str what, CellsGuard& g) except -1:
+    """KVCells._enter, inlined into the methods."""
+    if c._busy:
+        c._wait(what)
+    else:
+        c._busy = 1
+        c._owner = PyThread_get_thread_ident()
+    g.busy = &c._busy
+    g.owner = &c._owner
+    g.waiters = &c._waiters
+    g.gate = &c._gate
+    return 0
+
+
 cdef class KVCells:
     """The cells of one KV stream: positions, shifts, ext and sequence sets, with llama.cpp's rules."""
 
@@ -249,29 +317,78 @@ cdef class KVCells:
     def __init__(self, size=0):
         self.resize(size)
 
+    def __dealloc__(self):
+        if self._gate != NULL:
+            PyThread_free_lock(self._gate)
+            self._gate = NULL
+
+    # ------------------------------------------------------------------ the guard (see the module docstring)
+    cdef int _enter(self, str what, CellsGuard& g) except -1:
+        """Take the guard for a call of method ``what``; ``g`` (a local of the caller) gives it back when the caller
+        returns, whatever the path."""
+        return _take(self, what, g)
+
+    cdef int _wait(self, str what) except -1:
+        """The guard is taken: a nested call from the thread holding it is refused; another thread waits for it."""
+        cdef long me = PyThread_get_thread_ident()
+        cdef PyLockStatus got
+        if self._owner == me:
+            raise CellError(_nested(what))
+        if self._gate == NULL:  # the first wait: a lock, held except while a returning call signals the waiters
+            self._gate = PyThread_allocate_lock()
+            if self._gate == NULL:
+                raise MemoryError("cannot allocate the cells' lock")
+            PyThread_acquire_lock(self._gate, NOWAIT_LOCK)
+        self._waiters += 1
+        try:
+            while self._busy:
+                with nogil:
+                    got = PyThread_acquire_lock_timed(self._gate, -1, 1)
+                if got == PY_LOCK_INTR:
+                    PyErr_CheckSignals()  # a KeyboardInterrupt ends the wait
+        finally:
+            self._waiters -= 1
+        self._busy = 1
+        self._owner = me
+        return 0
+
     # ------------------------------------------------------------------ whole-array state
     def resize(self, n):
-        """Give the cells ``n`` slots, all empty (llama.cpp's resize() ends with reset())."""
+        """Give the cells ``n`` slots, all empty (llama.cpp's resize() ends with reset()).
+
+        Everything is allocated before anything is replaced: a resize that fails (MemoryError, a refused size)
+        leaves the cells as they were.
+        """
+        cdef CellsGuard guard
+        _take(self, "resize", guard)
         n = _as_int(n)
         if n < 0:
             raise CellError(f"cannot resize cells to {n}")
         if n > 0xFFFFFFFF:
             raise CellError(f"cannot resize cells to {n} (cell indices are uint32)")
         check_alloc(n * CELL_BYTES, f"{n} KV cells", "use fewer cells")
-        self._pos_arr = np.empty(n, dtype=np.int32)
-        self._shift_arr = np.empty(n, dtype=np.int32)
-        self._ext_arr = np.empty((n, 3), dtype=np.int32)
-        self._seq_arr = np.empty((n, N_WORDS), dtype=np.uint64)
-        self._pos = <int32_t*>cnp.PyArray_DATA(self._pos_arr)
-        self._shift = <int32_t*>cnp.PyArray_DATA(self._shift_arr)
-        self._ext = <int32_t*>cnp.PyArray_DATA(self._ext_arr)
-        self._seq = <uint64_t*>cnp.PyArray_DATA(self._seq_arr)
+        cdef cnp.ndarray pos_arr = np.empty(n, dtype=np.int32)
+        cdef cnp.ndarray shift_arr = np.empty(n, dtype=np.int32)
+        cdef cnp.ndarray ext_arr = np.empty((n, 3), dtype=np.int32)
+        cdef cnp.ndarray seq_arr = np.empty((n, N_WORDS), dtype=np.uint64)
+        cdef vector[uint8_t] mark
+        mark.resize(n)  # zeros; std::bad_alloc is a MemoryError
+        self._pos_arr, self._shift_arr, self._ext_arr, self._seq_arr = pos_arr, shift_arr, ext_arr, seq_arr
+        self._pos = <int32_t*>cnp.PyArray_DATA(pos_arr)
+        self._shift = <int32_t*>cnp.PyArray_DATA(shift_arr)
+        self._ext = <int32_t*>cnp.PyArray_DATA(ext_arr)
+        self._seq = <uint64_t*>cnp.PyArray_DATA(seq_arr)
         self._n = n
-        self._mark.assign(n, 0)
-        self.reset()
+        self._mark.swap(mark)
+        self._reset()
 
     def reset(self):
         """Make every cell empty, with no pending shift and a null ext (llama_kv_cells::reset); the size stays."""
+        cdef CellsGuard guard
+        _take(self, "reset", guard)
+        self._reset()
+
+    cdef void _reset(self) noexcept:
         cdef Py_ssize_t i
         cdef int w, s
         with nogil(False):
@@ -292,6 +409,8 @@ cdef class KVCells:
 
     def reset_shift(self):
         """Zero every cell's pending shift and clear has_shift (llama_kv_cells::reset_shift)."""
+        cdef CellsGuard guard
+        _take(self, "reset_shift", guard)
         cdef Py_ssize_t i
         self._has_shift = False
         with nogil(False):
@@ -321,16 +440,22 @@ cdef class KVCells:
 
     def used_min(self):
         """Index of the first used cell, 0 when none is used."""
+        cdef CellsGuard guard
+        _take(self, "used_min", guard)
         self._tighten()
         return self._lo
 
     def used_max_p1(self):
         """Index of the last used cell + 1, 0 when none is used."""
+        cdef CellsGuard guard
+        _take(self, "used_max_p1", guard)
         self._tighten()
         return self._hi
 
     def used_cells(self):
         """Indices of the used cells, ascending (llama.cpp's ``used`` set)."""
+        cdef CellsGuard guard
+        _take(self, "used_cells", guard)
         cdef cnp.ndarray out = np.empty(self._n_used, dtype=np.int32)
         cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
         cdef Py_ssize_t i, k = 0
@@ -521,10 +646,13 @@ cdef class KVCells:
 
     # ------------------------------------------------------------------ argument checks
     cdef Py_ssize_t _index(self, object i) except -1:
-        cdef int64_t v = _clamp64(i)
-        if v < 0 or v >= self._n:
-            raise CellError(f"cell index {_as_int(i)} is outside [0, {self._n})")
-        return <Py_ssize_t>v
+        """A cell index checked against the size."""
+        cdef int64_t v
+        if type(i) is int:
+            v = _clamp64(i)
+            if 0 <= v < self._n:
+                return <Py_ssize_t>v
+        return _index_slow(i, self._n)
 
     cdef Py_ssize_t _used(self, object i, str what) except -1:
         cdef Py_ssize_t v = self._index(i)
@@ -536,7 +664,7 @@ cdef class KVCells:
         """Validate a position delta (int32) for cells whose largest position is max_pos (-1: no cells)."""
         cdef int64_t v = _clamp64(d)
         if v < C_INT32_MIN or v > C_POS_MAX:
-            raise CellError(f"{what}: delta {_as_int(d)} is outside the int32 range")
+            raise CellError(f"{what}: delta {d} is outside the int32 range")
         if max_pos >= 0 and max_pos + v > C_POS_MAX:
             raise CellError(f"{what}: a position would exceed {POS_MAX}")
         return v
@@ -545,11 +673,11 @@ cdef class KVCells:
         cdef Py_ssize_t size = self._n
         cdef cnp.ndarray idxs
         if n is None:
-            idxs = np.ascontiguousarray(np.asarray(i, dtype=np.int64).reshape(-1))
+            idxs = int64_values(i, "i")
             if idxs.size and (idxs.min() < 0 or idxs.max() >= size):
                 raise CellError(f"cell index outside [0, {size})")
             return idxs
-        i, n = int(i), int(n)
+        i, n = _as_int(i), _as_int(n)
         if i < 0 or n < 0 or i + n > size:
             raise CellError(f"cell range [{i}, {i + n}) is outside [0, {size})")
         return np.arange(i, i + n, dtype=np.int64)
@@ -560,6 +688,8 @@ cdef class KVCells:
 
         Shifts are not copied: llama.cpp only copies cells with no pending shift (asserted there).
         """
+        cdef CellsGuard guard
+        _take(self, "cp", guard)
         cdef cnp.ndarray idxs = self._cp_indices(i, n)
         cdef const int64_t[::1] iv = idxs
         cdef Py_ssize_t k = idxs.shape[0]
@@ -570,6 +700,8 @@ cdef class KVCells:
                 raise CellError("cp: a copied cell has a pending shift (apply the K-shift first)")
         res = type(self)(k)
         cdef KVCells r = <KVCells?>res
+        if r._n != k:
+            raise CellError(f"cp: {type(self).__name__}({k}) made {r._n} cells")
         with nogil(False):
             for j in range(k):
                 idx = iv[j]
@@ -584,7 +716,9 @@ cdef class KVCells:
 
     def set(self, i, other):
         """Overwrite cells ``[i, i + len(other))`` (or the cells listed in ``i``) with ``other``'s cells."""
-        raw_pos = np.asarray(other.pos)
+        cdef CellsGuard guard
+        _take(self, "set", guard)
+        raw_pos, raw_ext, raw_seq = _cells_arrays(other)
         cdef Py_ssize_t n = raw_pos.shape[0]
         cdef cnp.ndarray idxs
         if isinstance(i, (int, np.integer)):
@@ -598,11 +732,10 @@ cdef class KVCells:
         for j in range(n):
             if self._shift[iv[j]] != 0:
                 raise CellError("set: a target cell has a pending shift (apply the K-shift first)")
-        raw_ext, raw_seq = np.asarray(other.ext), np.asarray(other.seq)
-        if raw_pos.ndim != 1 or raw_ext.shape != (n, 3) or raw_seq.shape != (n, N_WORDS):
-            raise CellError("set: the other cells' pos/ext/seq arrays do not have the cells' shapes")
         if n and (raw_pos.min() < -1 or raw_pos.max() > POS_MAX):
             raise CellError("set: the other cells hold a position outside [-1, 2^31)")
+        if n and (raw_ext.min() < INT32_MIN or raw_ext.max() > POS_MAX):
+            raise CellError("set: the other cells hold an ext value outside the int32 range")
         cdef const int32_t[::1] opos = np.ascontiguousarray(raw_pos, dtype=np.int32)
         cdef const int32_t[:, ::1] oext = np.ascontiguousarray(raw_ext, dtype=np.int32)
         cdef const uint64_t[:, ::1] oseq = np.ascontiguousarray(raw_seq, dtype=np.uint64)
@@ -641,16 +774,23 @@ cdef class KVCells:
     # ------------------------------------------------------------------ per-cell operations
     def is_empty(self, i):
         """True when cell ``i`` holds no position (llama_kv_cells::is_empty)."""
+        cdef CellsGuard guard
+        _take(self, "is_empty", guard)
         return self._pos[self._index(i)] == -1
 
     def rm(self, i):
         """Clear a used cell."""
+        cdef CellsGuard guard
+        _take(self, "rm", guard)
         cdef Py_ssize_t v = self._used(i, "rm")
         self._sp_rm_cell(v)
         self._free(v, True)
 
     def seq_rm(self, i, seq_id):
         """Remove ``seq_id`` from a cell that has it; True when the cell became empty."""
+        cdef CellsGuard guard
+        _take(self, "seq_rm", guard)
+        i, seq_id = _as_int(i), _as_int(seq_id)
         cdef int s = _seq_id(seq_id)
         cdef Py_ssize_t v = self._used(i, "seq_rm")
         if not self._has(v, s):
@@ -664,6 +804,9 @@ cdef class KVCells:
 
     def seq_keep(self, i, seq_id):
         """Keep only ``seq_id`` in the cell; True when the cell became empty (it did not hold it)."""
+        cdef CellsGuard guard
+        _take(self, "seq_keep", guard)
+        i, seq_id = _as_int(i), _as_int(seq_id)
         cdef int s = _seq_id(seq_id)
         cdef Py_ssize_t v = self._index(i)
         cdef int w
@@ -683,6 +826,8 @@ cdef class KVCells:
 
     def seq_count(self, i):
         """The number of sequences a used cell belongs to (llama_kv_cells::seq_count)."""
+        cdef CellsGuard guard
+        _take(self, "seq_count", guard)
         cdef Py_ssize_t v = self._used(i, "seq_count")
         cdef int w, c = 0
         for w in range(N_WORDS):
@@ -702,15 +847,23 @@ cdef class KVCells:
 
     def seq_get_all(self, i):
         """The sequence ids that see cell i, ascending."""
+        cdef CellsGuard guard
+        _take(self, "seq_get_all", guard)
         return self._seqs_of(self._index(i))
 
     def seq_has(self, i, seq_id):
         """True when cell ``i`` belongs to ``seq_id`` (llama_kv_cells::seq_has)."""
+        cdef CellsGuard guard
+        _take(self, "seq_has", guard)
+        i, seq_id = _as_int(i), _as_int(seq_id)
         cdef Py_ssize_t v = self._index(i)
         return self._has(v, _seq_id(seq_id))
 
     def seq_add(self, i, seq_id):
         """Add ``seq_id`` to a used cell that does not hold it yet."""
+        cdef CellsGuard guard
+        _take(self, "seq_add", guard)
+        i, seq_id = _as_int(i), _as_int(seq_id)
         cdef int s = _seq_id(seq_id)
         cdef Py_ssize_t v = self._used(i, "seq_add")
         if self._has(v, s):
@@ -720,13 +873,18 @@ cdef class KVCells:
 
     def seq_get(self, i):
         """The only sequence of a cell that has exactly one."""
+        cdef CellsGuard guard
+        _take(self, "seq_get", guard)
+        i = _as_int(i)
         seqs = self._seqs_of(self._index(i))
         if len(seqs) != 1:
-            raise CellError(f"seq_get: cell {_as_int(i)} holds {len(seqs)} sequences, not exactly one")
+            raise CellError(f"seq_get: cell {i} holds {len(seqs)} sequences, not exactly one")
         return seqs[0]
 
     def seq_pos_min(self, seq_id):
         """Like llama_kv_cells::seq_pos_min: the smallest position of ``seq_id``, or -1 when it holds no cell."""
+        cdef CellsGuard guard
+        _take(self, "seq_pos_min", guard)
         cdef int s = _seq_id(seq_id)
         if self._seq_pos[s].empty():
             return -1
@@ -734,6 +892,8 @@ cdef class KVCells:
 
     def seq_pos_max(self, seq_id):
         """Like llama_kv_cells::seq_pos_max: the largest position of ``seq_id``, or -1 when it holds no cell."""
+        cdef CellsGuard guard
+        _take(self, "seq_pos_max", guard)
         return self._seq_pos_max_c(_seq_id(seq_id))
 
     cdef int64_t _seq_pos_max_c(self, int s) noexcept nogil:
@@ -743,6 +903,8 @@ cdef class KVCells:
 
     def seq_pos_get(self, seq_id):
         """The (pos, cell) pairs of the sequence, ordered by position then cell."""
+        cdef CellsGuard guard
+        _take(self, "seq_pos_get", guard)
         cdef int s = _seq_id(seq_id)
         cdef list out = []
         cdef PosSet.iterator it = self._seq_pos[s].begin()
@@ -753,6 +915,9 @@ cdef class KVCells:
 
     def seq_pos_tok_le(self, seq_id, p):
         """Token of the sequence's cell at the largest position <= p (highest cell on ties), else -1."""
+        cdef CellsGuard guard
+        _take(self, "seq_pos_tok_le", guard)
+        seq_id, p = _as_int(seq_id), _as_int(p)
         cdef int s = _seq_id(seq_id)
         cdef int64_t pv = _clamp64(p)
         cdef PosSet.iterator it
@@ -766,17 +931,24 @@ cdef class KVCells:
 
     def pos_get(self, i):
         """The position of a used cell (llama_kv_cells::pos_get)."""
+        cdef CellsGuard guard
+        _take(self, "pos_get", guard)
         return self._pos[self._used(i, "pos_get")]
 
     def ext_get(self, i):
         """(x, y, tok) of a used cell."""
+        cdef CellsGuard guard
+        _take(self, "ext_get", guard)
         cdef Py_ssize_t v = self._used(i, "ext_get")
         return (self._ext[3 * v], self._ext[3 * v + 1], self._ext[3 * v + 2])
 
     def ext_set(self, i, x=0, y=0, tok=TOKEN_NULL):
         """Set (x, y, tok) of cell i (empty or not, as llama.cpp allows); each value must be an int32."""
+        cdef CellsGuard guard
+        _take(self, "ext_set", guard)
+        i, x, y, tok = _as_int(i), _as_int(x), _as_int(y), _as_int(tok)
         cdef Py_ssize_t v = self._index(i)
-        vals = (_as_int(x), _as_int(y), _as_int(tok))
+        vals = (x, y, tok)
         cdef int64_t xv = _clamp64(vals[0]), yv = _clamp64(vals[1]), tv = _clamp64(vals[2])
         if not (C_INT32_MIN <= xv <= C_POS_MAX and C_INT32_MIN <= yv <= C_POS_MAX and C_INT32_MIN <= tv <= C_POS_MAX):
             raise CellError(f"ext_set: {vals} has a value outside the int32 range")
@@ -786,25 +958,37 @@ cdef class KVCells:
 
     def get_shift(self, i):
         """The pending shift of a used cell (llama_kv_cells::get_shift)."""
+        cdef CellsGuard guard
+        _take(self, "get_shift", guard)
         return self._shift[self._used(i, "get_shift")]
 
     def pos_in(self, i, p0, p1):
         """True when the cell is used and p0 <= pos < p1."""
+        cdef CellsGuard guard
+        _take(self, "pos_in", guard)
+        i, p0, p1 = _as_int(i), _as_int(p0), _as_int(p1)
         cdef int32_t p = self._pos[self._index(i)]
         return p >= _clamp64(p0) and p < _clamp64(p1) and p != -1
 
     def pos_set(self, i, p):
         """Place position p in an empty cell (has_shift is not touched)."""
+        cdef CellsGuard guard
+        _take(self, "pos_set", guard)
+        self._pos_set(_as_int(i), _as_int(p))
+
+    cdef Py_ssize_t _pos_set(self, object i, object p) except -1:
+        """pos_set of converted arguments; returns the cell."""
         cdef Py_ssize_t v = self._index(i)
         if self._pos[v] != -1 or self._any(v):
             raise CellError(f"pos_set: cell {v} is not empty")
         cdef int64_t pv = _clamp64(p)
         if pv < 0:
-            raise CellError(f"pos_set: position {_as_int(p)} is negative")
+            raise CellError(f"pos_set: position {p} is negative")
         if pv > C_POS_MAX:
-            raise CellError(f"pos_set: position {_as_int(p)} is above {POS_MAX}")
+            raise CellError(f"pos_set: position {p} is above {POS_MAX}")
         self._pos[v] = <int32_t>pv
         self._on_used(v)
+        return v
 
     def pos_set_shifted(self, i, p, shift):
         """pos_set(i, p) with a pending shift ``shift`` already recorded (has_shift set when it is not 0).
@@ -813,9 +997,11 @@ cdef class KVCells:
         intermediate position can be negative (only an assert, compiled out, objects), but the cell always
         ends at ``p`` with shift ``shift``: this is that end state.
         """
-        self.pos_set(i, p)
-        cdef Py_ssize_t v = self._index(i)
-        cdef int32_t sh = _wrap32(_clamp64(shift))
+        cdef CellsGuard guard
+        _take(self, "pos_set_shifted", guard)
+        i, p, shift = _as_int(i), _as_int(p), _as_int(shift)
+        cdef int32_t sh = <int32_t>((shift - C_INT32_MIN) % 4294967296 + C_INT32_MIN)  # wrapped as an int32
+        cdef Py_ssize_t v = self._pos_set(i, p)
         if sh != 0:
             self._shift[v] = sh
             self._has_shift = True
@@ -827,23 +1013,31 @@ cdef class KVCells:
         an int32 and the new position must not pass POS_MAX (CellError, cell unchanged); the shift wraps
         as an int32, like llama.cpp's.
         """
+        cdef CellsGuard guard
+        _take(self, "pos_add", guard)
+        i, d = _as_int(i), _as_int(d)
         cdef Py_ssize_t v = self._used(i, "pos_add")
         cdef int64_t dv = self._delta("pos_add", d, self._pos[v])
         return self._pos_add_c(v, dv)
 
     def pos_div(self, i, d):
         """pos //= d; the change goes into shift."""
+        cdef CellsGuard guard
+        _take(self, "pos_div", guard)
+        i, d = _as_int(i), _as_int(d)
         cdef Py_ssize_t v = self._used(i, "pos_div")
         cdef int64_t dv = _clamp64(d)
         if dv <= 0:
-            raise CellError(f"pos_div: divisor {_as_int(d)} is not positive")
+            raise CellError(f"pos_div: divisor {d} is not positive")
         self._pos_div_c(v, dv)
 
     # ------------------------------------------------------------------ bulk forms
     def pos_set_many(self, idxs, positions):
         """``pos_set(idxs[k], positions[k])`` for every k; all-or-nothing."""
-        ia = np.ascontiguousarray(np.asarray(idxs, dtype=np.int64).reshape(-1))
-        pa = np.ascontiguousarray(np.asarray(positions, dtype=np.int64).reshape(-1))
+        cdef CellsGuard guard
+        _take(self, "pos_set_many", guard)
+        ia = int64_values(idxs, "idxs")
+        pa = int64_values(positions, "positions")
         if ia.shape != pa.shape:
             raise CellError(f"pos_set_many: {ia.size} indices for {pa.size} positions")
         cdef const int64_t[::1] iv = ia
@@ -898,8 +1092,10 @@ cdef class KVCells:
 
     def seq_add_many(self, idxs, seq_ids):
         """``seq_add(idxs[k], seq_ids[k])`` (or one seq id for all); all-or-nothing."""
-        ia = np.ascontiguousarray(np.asarray(idxs, dtype=np.int64).reshape(-1))
-        sa = np.broadcast_to(np.asarray(seq_ids, dtype=np.int64), ia.shape)
+        cdef CellsGuard guard
+        _take(self, "seq_add_many", guard)
+        ia = int64_values(idxs, "idxs")
+        sa = int64_values(seq_ids, "seq_ids", ia.shape[0])
         cdef const int64_t[::1] iv = ia
         cdef const int64_t[:] sv = sa
         cdef Py_ssize_t k = 0, j, m = iv.shape[0], n = self._n
@@ -953,10 +1149,12 @@ cdef class KVCells:
         The first element that ``ext_set`` would refuse (an index outside the cells, a value outside int32) is
         named in the error, and no cell changes.
         """
-        ia = np.ascontiguousarray(np.asarray(idxs, dtype=np.int64).reshape(-1))
-        xa = np.broadcast_to(np.asarray(xs, dtype=np.int64), ia.shape)
-        ya = np.broadcast_to(np.asarray(ys, dtype=np.int64), ia.shape)
-        ta = np.broadcast_to(np.asarray(toks, dtype=np.int64), ia.shape)
+        cdef CellsGuard guard
+        _take(self, "ext_set_many", guard)
+        ia = int64_values(idxs, "idxs")
+        xa = int64_values(xs, "xs", ia.shape[0])
+        ya = int64_values(ys, "ys", ia.shape[0])
+        ta = int64_values(toks, "toks", ia.shape[0])
         cdef const int64_t[::1] iv = ia
         cdef const int64_t[:] xv = xa
         cdef const int64_t[:] yv = ya
@@ -991,6 +1189,8 @@ cdef class KVCells:
         True when the writes are done (or, with ``check``, would be); False, and nothing changes, when one of them
         would be refused (see the Python twin).
         """
+        cdef CellsGuard guard
+        _take(self, "place", guard)
         cdef vector[int64_t] iv, pv, sv, xv, yv, tv
         cdef bint with_ext = ext is not None
         if not (_to_i64(idxs, iv, -1) and _to_i64(positions, pv, -1) and _to_i64(seq_ids, sv, -1)):
@@ -999,6 +1199,10 @@ cdef class KVCells:
         if <Py_ssize_t>pv.size() != m or <Py_ssize_t>sv.size() != m:
             return False
         if with_ext:
+            try:
+                ext = tuple(ext)
+            except TypeError:
+                return False
             if len(ext) != 3:
                 return False
             if not (_to_i64(ext[0], xv, m) and _to_i64(ext[1], yv, m) and _to_i64(ext[2], tv, m)):
@@ -1046,7 +1250,10 @@ cdef class KVCells:
 
     def pos_add_many(self, idxs, d):
         """``pos_add(i, d)`` for every listed used cell; returns which cells were freed (bool array)."""
-        ia = np.ascontiguousarray(np.asarray(idxs, dtype=np.int64).reshape(-1))
+        cdef CellsGuard guard
+        _take(self, "pos_add_many", guard)
+        ia = int64_values(idxs, "idxs")
+        d = _as_int(d)
         cdef const int64_t[::1] iv = ia
         cdef Py_ssize_t k = 0, m = iv.shape[0], n = self._n
         cdef int64_t idx, max_pos = -1
@@ -1113,11 +1320,8 @@ cdef class KVCells:
                     r[k] = deref(self._seq_pos[q].begin()).first
             else:
                 return res
-        arr = np.asarray(seq_ids).reshape(-1)
-        if arr.dtype.kind not in "biu":
-            arr = np.array([_seq_id(x) for x in arr], dtype=np.int64)
-        # int64 without a copy when it already is; uint64 >= 2^63 turns negative and is rejected below
-        cdef const int64_t[::1] sv = np.ascontiguousarray(arr, dtype=np.int64)
+        arr = int64_values(seq_ids, "seq_ids")
+        cdef const int64_t[::1] sv = arr
         m = sv.shape[0]
         cdef cnp.ndarray out = np.empty(m, dtype=np.int32)
         cdef int32_t* o = <int32_t*>cnp.PyArray_DATA(out)
@@ -1136,15 +1340,19 @@ cdef class KVCells:
                     break
                 o[k] = table[v]
         if bad >= 0:
-            _seq_id(arr[bad])  # raises, naming the caller's value
+            _seq_id(int(arr[bad]))  # raises, naming the value
         return out
 
     def seq_pos_min_many(self, seq_ids):
         """``seq_pos_min`` of every listed sequence, as an int32 array."""
+        cdef CellsGuard guard
+        _take(self, "seq_pos_min_many", guard)
         return self._seq_pos_ends_many(seq_ids, False)
 
     def seq_pos_max_many(self, seq_ids):
         """``seq_pos_max`` of every listed sequence, as an int32 array."""
+        cdef CellsGuard guard
+        _take(self, "seq_pos_max_many", guard)
         return self._seq_pos_ends_many(seq_ids, True)
 
     # ------------------------------------------------------------------ range operations
@@ -1175,6 +1383,9 @@ cdef class KVCells:
 
     def seq_rm_range(self, seq_id, p0, p1):
         """Remove ``seq_id`` (every sequence when -1) from the used cells with p0 <= pos < p1."""
+        cdef CellsGuard guard
+        _take(self, "seq_rm_range", guard)
+        seq_id, p0, p1 = _as_int(seq_id), _as_int(p0), _as_int(p1)
         cdef Py_ssize_t i, first = self._n
         cdef int64_t a = _clamp64(p0), b = _clamp64(p1)
         cdef int32_t p
@@ -1211,6 +1422,9 @@ cdef class KVCells:
 
         A cell that already holds ``seq_dst`` is left as it is (what a release build of llama.cpp does).
         """
+        cdef CellsGuard guard
+        _take(self, "seq_cp_range", guard)
+        seq_src, seq_dst, p0, p1 = _as_int(seq_src), _as_int(seq_dst), _as_int(p0), _as_int(p1)
         cdef int src = _seq_id(seq_src)
         cdef int dst = _seq_id(seq_dst)
         cdef int64_t a = _clamp64(p0), b = _clamp64(p1)
@@ -1229,6 +1443,8 @@ cdef class KVCells:
 
     def seq_keep_all(self, seq_id):
         """``seq_keep(i, seq_id)`` on every cell."""
+        cdef CellsGuard guard
+        _take(self, "seq_keep_all", guard)
         cdef int s = _seq_id(seq_id)
         cdef Py_ssize_t i, first = self._n
         cdef int t, w
@@ -1251,6 +1467,9 @@ cdef class KVCells:
 
     def seq_add_range(self, seq_id, p0, p1, delta):
         """``pos_add(i, delta)`` on every cell of ``seq_id`` with p0 <= pos < p1; all-or-nothing."""
+        cdef CellsGuard guard
+        _take(self, "seq_add_range", guard)
+        seq_id, p0, p1, delta = _as_int(seq_id), _as_int(p0), _as_int(p1), _as_int(delta)
         cdef int s = _seq_id(seq_id)
         cdef int64_t a = _clamp64(p0), b = _clamp64(p1)
         cdef vector[uint32_t] cells
@@ -1271,10 +1490,13 @@ cdef class KVCells:
 
     def seq_div_range(self, seq_id, p0, p1, d):
         """``pos_div(i, d)`` on every cell of ``seq_id`` with p0 <= pos < p1."""
+        cdef CellsGuard guard
+        _take(self, "seq_div_range", guard)
+        seq_id, p0, p1, d = _as_int(seq_id), _as_int(p0), _as_int(p1), _as_int(d)
         cdef int s = _seq_id(seq_id)
         cdef int64_t dv = _clamp64(d)
         if dv <= 0:
-            raise CellError(f"seq_div_range: divisor {_as_int(d)} is not positive")
+            raise CellError(f"seq_div_range: divisor {d} is not positive")
         cdef int64_t a = _clamp64(p0), b = _clamp64(p1)
         cdef vector[uint32_t] cells
         self._collect(s, a, b, cells)

@@ -16,8 +16,21 @@ entries of the touched cells are filtered out before the change and merged back,
 method is worse than O(n log n) in the cells it touches (a few entries still go in one by one).
 
 Where llama.cpp only asserts (an index out of range, ``seq_add`` on an empty cell, ``pos_set`` on a used
-cell, ...), both twins raise ``CellError`` / ``SequenceError`` and leave the cells unchanged. Bulk methods
-validate every element before changing anything.
+cell, ...), both twins raise ``CellError`` / ``SequenceError`` and leave the cells unchanged. Every method converts
+all its arguments first (integers as ``operator.index`` takes them; bulk arguments through
+``kvref.args.int64_values``; anything else is an ``ArgumentTypeError``), then checks them, then changes the cells:
+a refused call changes nothing, and both twins refuse the same calls with the same error. A resize that fails
+(a refused size, MemoryError) leaves the cells as they were.
+
+Threads and re-entry (the contract of both twins): a ``KVCells`` may be shared between threads. Every method but
+``size()``, ``len()``, ``get_used()`` and ``get_has_shift()`` (which read one number) runs under the object's
+guard, so calls from several threads run one at a time and each is atomic; a thread waits while another's call
+runs. A call made while the same thread is already inside a call on the same cells (from an argument's
+``__index__``, a ``pos`` property of the ``other`` given to ``set()``, a finalizer, ...) is refused with
+``CellError`` and changes nothing; the outer call goes on, or fails, with what that code did. Here the guard is a
+``threading.Lock`` and its owner thread; the Cython twin keeps a flag and an owner under the GIL, which its slot
+kernels (``_slots_c.pyx``) take too while they read the cells' buffers. The read-only ``pos`` / ``shift`` /
+``ext`` / ``seq`` views stay valid arrays after a resize (they keep the old buffers alive).
 """
 
 from __future__ import annotations
@@ -27,14 +40,14 @@ import functools
 import operator
 import threading
 from collections.abc import Callable, Iterable, Sequence
-from typing import Concatenate, ParamSpec, TypeVar, cast
+from typing import Concatenate, ParamSpec, TypeVar
 
 import numpy as np
 import numpy.typing as npt
 
-from ..args import check_alloc
+from ..args import check_alloc, int64_values
 from ..constants import CELL_BYTES, INT32_MIN, LLAMA_MAX_SEQ, N_SEQ_WORDS, POS_MAX, TOKEN_NULL
-from ..errors import ArgumentTypeError, CellError, SequenceError
+from ..errors import ArgumentTypeError, CellError, KVRefError, SequenceError
 
 IntArray = npt.NDArray[np.int32]
 _P = ParamSpec("_P")
@@ -47,6 +60,28 @@ def _as_int(value: object) -> int:
         return operator.index(value)  # type: ignore[arg-type]
     except TypeError:
         raise ArgumentTypeError(f"expected an integer, got {type(value).__name__} {value!r}") from None
+
+
+def _nested(what: str) -> str:
+    return (
+        f"{what}: these cells are already inside a call in this thread (an argument's __index__, a finalizer, "
+        "...): the nested call is refused and nothing changes"
+    )
+
+
+def _cells_arrays(other: object) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], npt.NDArray[np.uint64]]:
+    """``other``'s (pos, ext, seq) arrays, of the cells' shapes, for set(): integers only (seq words as uint64)."""
+    try:
+        pos, ext, seq = np.asarray(other.pos), np.asarray(other.ext), np.asarray(other.seq)  # type: ignore[attr-defined]
+    except AttributeError:
+        raise ArgumentTypeError(f"set: expected cells (pos, ext and seq arrays), got {type(other).__name__}") from None
+    if any(a.dtype.kind not in "biu" for a in (pos, ext, seq)):
+        raise ArgumentTypeError("set: the other cells' pos/ext/seq are not integer arrays")
+    n = pos.shape[0] if pos.ndim == 1 else -1
+    if n < 0 or ext.shape != (n, 3) or seq.shape != (n, N_SEQ_WORDS):
+        raise CellError("set: the other cells' pos/ext/seq arrays do not have the cells' shapes")
+    # read as int64 as the cells' checks read them (a uint64 past int64 saturates), seq words bit for bit
+    return int64_values(pos, "pos"), int64_values(ext, "ext").reshape(n, 3), seq.astype(np.uint64)
 
 
 def _check_seq(seq_id: int) -> int:
@@ -103,27 +138,38 @@ class KVCells:
     """The cells of one KV stream: positions, shifts, ext and sequence sets, with llama.cpp's rules."""
 
     def __init__(self, size: int = 0) -> None:
-        # every public method runs under this lock (see `_atomic_methods`): calls from several threads serialise
-        self._lock = threading.RLock()
+        # the guard of the public methods (see `_atomic_methods` and the module docstring): a lock and its owner
+        self._lock = threading.Lock()
+        self._owner: int | None = None
         self.resize(size)
 
     # ------------------------------------------------------------------ whole-array state
     def resize(self, n: int) -> None:
-        """Give the cells ``n`` slots, all empty (llama.cpp's resize() ends with reset())."""
+        """Give the cells ``n`` slots, all empty (llama.cpp's resize() ends with reset()).
+
+        Everything is allocated before anything is replaced: a resize that fails (MemoryError, a refused size)
+        leaves the cells as they were.
+        """
         n = _as_int(n)
         if n < 0:
             raise CellError(f"cannot resize cells to {n}")
         if n > 0xFFFFFFFF:
             raise CellError(f"cannot resize cells to {n} (cell indices are uint32)")
         check_alloc(n * CELL_BYTES, f"{n} KV cells", "use fewer cells")
-        self._pos = np.empty(n, dtype=np.int32)
-        self._shift = np.empty(n, dtype=np.int32)
-        self._ext = np.empty((n, 3), dtype=np.int32)
-        self._seq = np.empty((n, N_SEQ_WORDS), dtype=np.uint64)
-        self.reset()
+        pos = np.empty(n, dtype=np.int32)
+        shift = np.empty(n, dtype=np.int32)
+        ext = np.empty((n, 3), dtype=np.int32)
+        seq = np.empty((n, N_SEQ_WORDS), dtype=np.uint64)
+        seq_pos: list[list[tuple[int, int]]] = [[] for _ in range(LLAMA_MAX_SEQ)]
+        self._pos, self._shift, self._ext, self._seq, self._seq_pos = pos, shift, ext, seq, seq_pos
+        self._reset()
 
     def reset(self) -> None:
         """Make every cell empty, with no pending shift and a null ext (llama_kv_cells::reset); the size stays."""
+        self._reset()
+
+    def _reset(self) -> None:
+        seq_pos: list[list[tuple[int, int]]] = [[] for _ in range(LLAMA_MAX_SEQ)]
         self._pos.fill(-1)
         self._shift.fill(0)
         self._ext[:, :2] = 0
@@ -131,7 +177,7 @@ class KVCells:
         self._seq.fill(0)
         self._has_shift = False
         self._n_used = 0
-        self._seq_pos: list[list[tuple[int, int]]] = [[] for _ in range(LLAMA_MAX_SEQ)]
+        self._seq_pos = seq_pos
 
     def reset_shift(self) -> None:
         """Zero every cell's pending shift and clear has_shift (llama_kv_cells::reset_shift)."""
@@ -325,6 +371,8 @@ class KVCells:
         if np.any(self._shift[idxs] != 0):
             raise CellError("cp: a copied cell has a pending shift (apply the K-shift first)")
         res = type(self)(len(idxs))
+        if res.size() != len(idxs):
+            raise CellError(f"cp: {type(self).__name__}({len(idxs)}) made {res.size()} cells")
         res._pos[:] = self._pos[idxs]
         res._ext[:] = self._ext[idxs]
         res._seq[:] = self._seq[idxs]
@@ -335,18 +383,18 @@ class KVCells:
     def _cp_indices(self, i: CellIndices, n: int | None) -> npt.NDArray[np.int64]:
         size = self._pos.shape[0]
         if n is None:
-            idxs = np.asarray(i, dtype=np.int64).reshape(-1)
+            idxs = int64_values(i, "i")
             if idxs.size and (idxs.min() < 0 or idxs.max() >= size):
                 raise CellError(f"cell index outside [0, {size})")
             return idxs
-        i, n = int(cast(int, i)), int(n)  # with a count, ``i`` is the first cell (cp / set pass an int)
+        i, n = _as_int(i), _as_int(n)  # with a count, ``i`` is the first cell (cp / set pass an int)
         if i < 0 or n < 0 or i + n > size:
             raise CellError(f"cell range [{i}, {i + n}) is outside [0, {size})")
         return np.arange(i, i + n, dtype=np.int64)
 
     def set(self, i: CellIndices, other: KVCells) -> None:
         """Overwrite cells ``[i, i + len(other))`` (or the cells listed in ``i``) with ``other``'s cells."""
-        other_pos = np.asarray(other.pos)
+        other_pos, other_ext, other_seq = _cells_arrays(other)
         n = other_pos.shape[0]
         if isinstance(i, (int, np.integer)):
             idxs = self._cp_indices(i, n)
@@ -356,11 +404,10 @@ class KVCells:
                 raise CellError(f"set: {idxs.shape[0]} indices for {n} cells")
         if np.any(self._shift[idxs] != 0):
             raise CellError("set: a target cell has a pending shift (apply the K-shift first)")
-        other_ext, other_seq = np.asarray(other.ext), np.asarray(other.seq)
-        if other_pos.ndim != 1 or other_ext.shape != (n, 3) or other_seq.shape != (n, N_SEQ_WORDS):
-            raise CellError("set: the other cells' pos/ext/seq arrays do not have the cells' shapes")
         if n and (other_pos.min() < -1 or other_pos.max() > POS_MAX):
             raise CellError("set: the other cells hold a position outside [-1, 2^31)")
+        if n and (other_ext.min() < INT32_MIN or other_ext.max() > POS_MAX):
+            raise CellError("set: the other cells hold an ext value outside the int32 range")
         if np.any(other_seq[other_pos == -1] != 0):
             raise CellError("set: the other cells hold an empty cell with sequences")
         # other cell j is written to cell idxs[j], j = 0, 1, ...: what each target cell holds in the end
@@ -402,6 +449,7 @@ class KVCells:
 
     def seq_rm(self, i: int, seq_id: int) -> bool:
         """Remove ``seq_id`` from a cell that has it; True when the cell became empty."""
+        i, seq_id = _as_int(i), _as_int(seq_id)
         s = _check_seq(seq_id)
         i = self._check_used(i, "seq_rm")
         if not self._has(i, s):
@@ -415,6 +463,7 @@ class KVCells:
 
     def seq_keep(self, i: int, seq_id: int) -> bool:
         """Keep only ``seq_id`` in the cell; True when the cell became empty (it did not hold it)."""
+        i, seq_id = _as_int(i), _as_int(seq_id)
         s = _check_seq(seq_id)
         i = self._check_index(i)
         if self._has(i, s):
@@ -440,10 +489,12 @@ class KVCells:
 
     def seq_has(self, i: int, seq_id: int) -> bool:
         """True when cell ``i`` belongs to ``seq_id`` (llama_kv_cells::seq_has)."""
+        i, seq_id = _as_int(i), _as_int(seq_id)
         return self._has(self._check_index(i), _check_seq(seq_id))
 
     def seq_add(self, i: int, seq_id: int) -> None:
         """Add ``seq_id`` to a used cell that does not hold it yet."""
+        i, seq_id = _as_int(i), _as_int(seq_id)
         s = _check_seq(seq_id)
         i = self._check_used(i, "seq_add")
         if self._has(i, s):
@@ -453,6 +504,7 @@ class KVCells:
 
     def seq_get(self, i: int) -> int:
         """The only sequence of a cell that has exactly one."""
+        i = _as_int(i)
         seqs = self._seqs_of(self._check_index(i))
         if len(seqs) != 1:
             raise CellError(f"seq_get: cell {i} holds {len(seqs)} sequences, not exactly one")
@@ -474,8 +526,9 @@ class KVCells:
 
     def seq_pos_tok_le(self, seq_id: int, p: int) -> int:
         """Token of the sequence's cell at the largest position <= p (highest cell on ties), else -1."""
+        seq_id, p = _as_int(seq_id), _as_int(p)
         lst = self._seq_pos[_check_seq(seq_id)]
-        k = bisect.bisect_right(lst, (int(p), 2**32))
+        k = bisect.bisect_right(lst, (p, 2**32))
         if k == 0:
             return TOKEN_NULL
         return int(self._ext[lst[k - 1][1], 2])
@@ -491,8 +544,9 @@ class KVCells:
 
     def ext_set(self, i: int, x: int = 0, y: int = 0, tok: int = TOKEN_NULL) -> None:
         """Set (x, y, tok) of cell i (empty or not, as llama.cpp allows); each value must be an int32."""
+        i, x, y, tok = _as_int(i), _as_int(x), _as_int(y), _as_int(tok)
         i = self._check_index(i)
-        vals = (int(x), int(y), int(tok))
+        vals = (x, y, tok)
         if not all(INT32_MIN <= v <= POS_MAX for v in vals):
             raise CellError(f"ext_set: {vals} has a value outside the int32 range")
         self._ext[i] = vals
@@ -503,22 +557,26 @@ class KVCells:
 
     def pos_in(self, i: int, p0: int, p1: int) -> bool:
         """True when the cell is used and p0 <= pos < p1."""
-        p0, p1 = _as_int(p0), _as_int(p1)
+        i, p0, p1 = _as_int(i), _as_int(p0), _as_int(p1)
         p = self._pos[self._check_index(i)]
         return bool(p >= p0 and p < p1 and p != -1)
 
     def pos_set(self, i: int, p: int) -> None:
         """Place position p in an empty cell (has_shift is not touched)."""
+        self._pos_set(_as_int(i), _as_int(p))
+
+    def _pos_set(self, i: int, p: int) -> int:
+        """pos_set of converted arguments; returns the cell."""
         i = self._check_index(i)
         if self._pos[i] != -1 or self._seq[i].any():
             raise CellError(f"pos_set: cell {i} is not empty")
-        p = int(p)
         if p < 0:
             raise CellError(f"pos_set: position {p} is negative")
         if p > POS_MAX:
             raise CellError(f"pos_set: position {p} is above {POS_MAX}")
         self._pos[i] = p
         self._n_used += 1
+        return i
 
     def pos_set_shifted(self, i: int, p: int, shift: int) -> None:
         """pos_set(i, p) with a pending shift ``shift`` already recorded (has_shift set when it is not 0).
@@ -527,10 +585,11 @@ class KVCells:
         intermediate position can be negative (only an assert, compiled out, objects), but the cell always
         ends at ``p`` with shift ``shift``: this is that end state.
         """
-        self.pos_set(i, p)
-        sh = _wrap32(int(shift))
+        i, p, shift = _as_int(i), _as_int(p), _as_int(shift)
+        sh = _wrap32(shift)
+        i = self._pos_set(i, p)
         if sh != 0:
-            self._shift[int(i)] = sh
+            self._shift[i] = sh
             self._has_shift = True
 
     def pos_add(self, i: int, d: int) -> bool:
@@ -540,6 +599,7 @@ class KVCells:
         an int32 and the new position must not pass POS_MAX (CellError, cell unchanged); the shift wraps
         as an int32, like llama.cpp's.
         """
+        i, d = _as_int(i), _as_int(d)
         i = self._check_used(i, "pos_add")
         d = self._check_delta("pos_add", d, self._pos[i : i + 1])
         self._seq_pos_rm_cell(i)
@@ -555,8 +615,8 @@ class KVCells:
 
     def pos_div(self, i: int, d: int) -> None:
         """pos //= d; the change goes into shift."""
+        i, d = _as_int(i), _as_int(d)
         i = self._check_used(i, "pos_div")
-        d = int(d)
         if d <= 0:
             raise CellError(f"pos_div: divisor {d} is not positive")
         self._seq_pos_rm_cell(i)
@@ -569,25 +629,28 @@ class KVCells:
     # ------------------------------------------------------------------ bulk forms
     def pos_set_many(self, idxs: Iterable[int], positions: Iterable[int]) -> None:
         """``pos_set(idxs[k], positions[k])`` for every k; all-or-nothing."""
-        ia = np.asarray(idxs, dtype=np.int64).reshape(-1)
-        pa = np.asarray(positions, dtype=np.int64).reshape(-1)
+        ia = int64_values(idxs, "idxs")
+        pa = int64_values(positions, "positions")
         if ia.shape != pa.shape:
             raise CellError(f"pos_set_many: {ia.size} indices for {pa.size} positions")
         for k in range(ia.size):
             self._check_index(int(ia[k]))
         if np.unique(ia).size != ia.size:
             raise CellError("pos_set_many: a cell index appears twice")
-        if ia.size and (np.any(self._pos[ia] != -1) or np.any(self._seq[ia] != 0)):
-            raise CellError("pos_set_many: a target cell is not empty")
-        if ia.size and (pa.min() < 0 or pa.max() > POS_MAX):
+        # the first element pos_set would refuse: its cell is not empty, or its position is outside [0, 2^31)
+        taken = (self._pos[ia] != -1) | self._seq[ia].any(axis=1)
+        bad = taken | (pa < 0) | (pa > POS_MAX)
+        if bad.any():
+            if taken[np.flatnonzero(bad)[0]]:
+                raise CellError("pos_set_many: a target cell is not empty")
             raise CellError("pos_set_many: a position is outside [0, 2^31)")
         self._pos[ia] = pa  # pos_set of every listed cell, all checked above
         self._n_used += int(ia.size)
 
     def seq_add_many(self, idxs: Iterable[int], seq_ids: int | Iterable[int]) -> None:
         """``seq_add(idxs[k], seq_ids[k])`` (or one seq id for all); all-or-nothing."""
-        ia = np.asarray(idxs, dtype=np.int64).reshape(-1)
-        sa = np.broadcast_to(np.asarray(seq_ids, dtype=np.int64), ia.shape)
+        ia = int64_values(idxs, "idxs")
+        sa = int64_values(seq_ids, "seq_ids", ia.size)
         for k in range(ia.size):
             i, s = self._check_used(int(ia[k]), "seq_add_many"), _check_seq(int(sa[k]))
             if self._has(i, s):
@@ -607,8 +670,8 @@ class KVCells:
         The first element that ``ext_set`` would refuse (an index outside the cells, a value outside int32) is
         named in the error, and no cell changes.
         """
-        ia = np.asarray(idxs, dtype=np.int64).reshape(-1)
-        vals = [np.broadcast_to(np.asarray(v, dtype=np.int64), ia.shape) for v in (xs, ys, toks)]
+        ia = int64_values(idxs, "idxs")
+        vals = [int64_values(v, name, ia.size) for v, name in ((xs, "xs"), (ys, "ys"), (toks, "toks"))]
         bad = (ia < 0) | (ia >= self.size())
         for v in vals:
             bad |= (v < INT32_MIN) | (v > POS_MAX)
@@ -637,16 +700,21 @@ class KVCells:
         outside ``[0, POS_MAX]``, an ext value outside int32, a sequence id outside ``[0, LLAMA_MAX_SEQ)``, or
         values that are not integers. The caller then makes the writes one kind at a time, which raise the error.
         """
+        try:
+            ia = int64_values(idxs, "idxs")
+            pa = int64_values(positions, "positions")
+            sa = int64_values(seq_ids, "seq_ids")
+            if ext is not None:
+                ext = tuple(ext)  # type: ignore[assignment]
+        except (KVRefError, TypeError):  # TypeError: an ext that is not a sequence
+            return False
         if ext is not None and len(ext) != 3:
             return False
-        try:
-            ia = np.asarray(idxs, dtype=np.int64).reshape(-1)
-            pa = np.asarray(positions, dtype=np.int64).reshape(-1)
-            sa = np.asarray(seq_ids, dtype=np.int64).reshape(-1)
-            vals = [np.broadcast_to(np.asarray(v, dtype=np.int64), ia.shape) for v in ext] if ext is not None else []
-        except (TypeError, ValueError, OverflowError):
-            return False
         if pa.shape != ia.shape or sa.shape != ia.shape:
+            return False
+        try:
+            vals = [int64_values(v, "ext", ia.size) for v in ext] if ext is not None else []
+        except KVRefError:
             return False
         if ia.size == 0:
             return True
@@ -672,7 +740,8 @@ class KVCells:
 
     def pos_add_many(self, idxs: Iterable[int], d: int) -> npt.NDArray[np.bool_]:
         """``pos_add(i, d)`` for every listed used cell; returns which cells were freed (bool array)."""
-        ia = np.asarray(idxs, dtype=np.int64).reshape(-1)
+        ia = int64_values(idxs, "idxs")
+        d = _as_int(d)
         for k in range(ia.size):
             self._check_used(int(ia[k]), "pos_add_many")
         if np.unique(ia).size != ia.size:
@@ -682,11 +751,13 @@ class KVCells:
 
     def seq_pos_min_many(self, seq_ids: Iterable[int]) -> IntArray:
         """``seq_pos_min`` of every listed sequence, as an int32 array."""
-        return np.array([self.seq_pos_min(int(s)) for s in np.asarray(seq_ids).reshape(-1)], dtype=np.int32)
+        lists = [self._seq_pos[_check_seq(s)] for s in int64_values(seq_ids, "seq_ids").tolist()]
+        return np.array([lst[0][0] if lst else -1 for lst in lists], dtype=np.int32)
 
     def seq_pos_max_many(self, seq_ids: Iterable[int]) -> IntArray:
         """``seq_pos_max`` of every listed sequence, as an int32 array."""
-        return np.array([self.seq_pos_max(int(s)) for s in np.asarray(seq_ids).reshape(-1)], dtype=np.int32)
+        lists = [self._seq_pos[_check_seq(s)] for s in int64_values(seq_ids, "seq_ids").tolist()]
+        return np.array([lst[-1][0] if lst else -1 for lst in lists], dtype=np.int32)
 
     # ------------------------------------------------------------------ range operations
     # The loops of llama_kv_cache's sequence operations over one stream. Positions are a half-open
@@ -715,8 +786,8 @@ class KVCells:
 
         A cell that already holds ``seq_dst`` is left as it is (what a release build of llama.cpp does).
         """
+        seq_src, seq_dst, p0, p1 = _as_int(seq_src), _as_int(seq_dst), _as_int(p0), _as_int(p1)
         src, dst = _check_seq(seq_src), _check_seq(seq_dst)
-        p0, p1 = _as_int(p0), _as_int(p1)
         if src == dst:
             return
         cells = np.flatnonzero(self._in_range(p0, p1) & self._has_all(src) & ~self._has_all(dst))
@@ -740,8 +811,8 @@ class KVCells:
 
     def seq_add_range(self, seq_id: int, p0: int, p1: int, delta: int) -> int:
         """``pos_add(i, delta)`` on every cell of ``seq_id`` with p0 <= pos < p1; all-or-nothing."""
+        seq_id, p0, p1, delta = _as_int(seq_id), _as_int(p0), _as_int(p1), _as_int(delta)
         s = _check_seq(seq_id)
-        p0, p1 = _as_int(p0), _as_int(p1)
         cells = np.flatnonzero(self._in_range(p0, p1) & self._has_all(s))
         delta = self._check_delta("seq_add_range", delta, self._pos[cells])
         freed = cells[self._pos_add_all(cells, delta)]
@@ -749,8 +820,8 @@ class KVCells:
 
     def seq_div_range(self, seq_id: int, p0: int, p1: int, d: int) -> None:
         """``pos_div(i, d)`` on every cell of ``seq_id`` with p0 <= pos < p1."""
+        seq_id, p0, p1, d = _as_int(seq_id), _as_int(p0), _as_int(p1), _as_int(d)
         s = _check_seq(seq_id)
-        p0, p1, d = _as_int(p0), _as_int(p1), _as_int(d)
         if d <= 0:
             raise CellError(f"seq_div_range: divisor {d} is not positive")
         cells = np.flatnonzero(self._in_range(p0, p1) & self._has_all(s))
@@ -768,21 +839,37 @@ class KVCells:
         return f"KVCells(size={self.size()}, used={self._n_used}, has_shift={self._has_shift})"
 
 
-def _atomic_methods(cls: type) -> type:
-    """Run every public method of ``cls`` under the object's lock: each call is atomic, so a KVCells may be shared
-    between threads (the Cython twin keeps the GIL through each call for the same contract)."""
+# the methods that read one number run without the guard (as in the Cython twin)
+_UNGUARDED = frozenset({"size", "get_used", "get_has_shift"})
 
-    def locked(f: Callable[Concatenate[KVCells, _P], _R]) -> Callable[Concatenate[KVCells, _P], _R]:
+
+def _atomic_methods(cls: type) -> type:
+    """Run every public method of ``cls`` but those in ``_UNGUARDED`` under the object's guard (the module docstring
+    states the contract): a call waits for another thread's call to end; a nested call from the thread already inside
+    a call is refused with CellError before it does anything."""
+
+    def guarded(f: Callable[Concatenate[KVCells, _P], _R]) -> Callable[Concatenate[KVCells, _P], _R]:
+        what = f.__name__
+
         @functools.wraps(f)
         def run(self: KVCells, *args: _P.args, **kw: _P.kwargs) -> _R:
-            with self._lock:
+            me = threading.get_ident()
+            if not self._lock.acquire(blocking=False):
+                if self._owner == me:  # only this thread sets it to its id, and clears it before it lets go
+                    raise CellError(_nested(what))
+                self._lock.acquire()
+            self._owner = me
+            try:
                 return f(self, *args, **kw)
+            finally:
+                self._owner = None
+                self._lock.release()
 
         return run
 
     for name, f in list(vars(cls).items()):
-        if not name.startswith("_") and callable(f):
-            setattr(cls, name, locked(f))
+        if not name.startswith("_") and callable(f) and name not in _UNGUARDED:
+            setattr(cls, name, guarded(f))
     return cls
 
 

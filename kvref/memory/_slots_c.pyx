@@ -7,6 +7,9 @@ at a time from the head, reading the KVCells' ``pos`` and ``seq`` arrays through
 tests about as many cells as it places tokens, whatever the cache size. The SWA test asks
 ``cells.seq_pos_max`` once per sequence it meets (remembered for the rest of the call).
 
+On the Cython KVCells each kernel holds the cells' guard (``KVCells._enter``) while it reads their buffers and asks
+``seq_pos_max`` in C: another thread's call cannot move the buffers under it, and a nested call is refused.
+
 ``used_targets`` checks the slot in C when it is an int64 array (find_cells' answer, read in place) or every
 index is a plain int; anything unusual (a repeated or out-of-range index, a shared target cell, an index that is
 not an int) is handed to the Python twin, which changes nothing and raises the error it states.
@@ -23,7 +26,7 @@ cimport numpy as cnp
 
 import numpy as np
 
-from kvref.memory._cells_c cimport KVCells as CKVCells
+from kvref.memory._cells_c cimport CellsGuard, KVCells as CKVCells
 from kvref.constants cimport LLAMA_MAX_SEQ as MAX_SEQ, N_SEQ_WORDS as N_WORDS
 
 from kvref.memory._slots_py import used_targets as _used_targets_py
@@ -71,6 +74,7 @@ cdef inline bint _masked_swa(int64_t n_swa, int swa_type, int64_t p0, int64_t p1
 
 
 cdef struct Cells:
+    void* kv              # the Cython KVCells (its seq_pos_max in C), else NULL (seq_pos_max is called)
     const int32_t* pos
     const uint64_t* seq   # [n][N_WORDS]
     int64_t n_swa
@@ -96,7 +100,7 @@ cdef inline int _can_use(Cells* c, int64_t idx, object seq_pos_max) except -1:
     if n != 1:
         return 0
     if c.pos_max[s] == UNKNOWN:
-        c.pos_max[s] = seq_pos_max(s)
+        c.pos_max[s] = (<CKVCells>c.kv)._seq_pos_max_c(s) if c.kv != NULL else seq_pos_max(s)
     return _masked_swa(c.n_swa, c.swa_type, p, c.pos_max[s] + 1)
 
 
@@ -112,9 +116,10 @@ cdef int64_t _init_cells(Cells* c, object cells, object n_swa, object swa_type, 
     ``keep``) and set the window; returns the cell count."""
     cdef cnp.ndarray pos, seq
     cdef int64_t size
-    if type(cells) is CKVCells:
+    if type(cells) is CKVCells:  # the caller holds its guard
         size = (<CKVCells>cells)._n
         _set_cells(c, (<CKVCells>cells)._pos, (<CKVCells>cells)._seq, _clamp_swa(n_swa), swa_type)
+        c.kv = <void*>cells
         return size
     size = cells.size()
     pos = _array(cells.pos, np.int32, 1)
@@ -139,6 +144,7 @@ cdef inline int64_t _clamp_swa(object n_swa) except? -1:
 
 cdef inline void _set_cells(Cells* c, const int32_t* pos, const uint64_t* seq, int64_t n_swa, int swa_type) noexcept:
     cdef int k
+    c.kv = NULL
     c.pos = pos
     c.seq = seq
     c.swa_type = swa_type
@@ -189,6 +195,9 @@ def find_cells(cells, head, n_tokens, cont, n_swa, swa_type):
 
     ``head`` is the stream's head; ``n_swa`` / ``swa_type`` the cache's window (see the module docstring).
     """
+    cdef CellsGuard guard
+    if type(cells) is CKVCells:
+        (<CKVCells>cells)._enter("find_cells", guard)
     size = cells.size()
     if n_tokens > size:
         return None
@@ -580,7 +589,9 @@ def plan_single(cells, head, tokens, pos, seq_ids, n_seq_max, n_swa, swa_type):
     """A decode step of the common batch on one stream's cells, planned but not written (kvref/memory/_slots_py.py
     states it). On the Cython KVCells with int64 token and position arrays, one C pass; otherwise the parts in
     turn. None when any part declines."""
+    cdef CellsGuard guard
     if type(cells) is CKVCells and _int64_vector(tokens) and (pos is None or _int64_vector(pos)):
+        (<CKVCells>cells)._enter("plan_single", guard)
         return _plan_single_c(<CKVCells>cells, head, tokens, pos, seq_ids, n_seq_max, n_swa, swa_type)
     cdef Py_ssize_t n = tokens.shape[0]
     ids = single_seq_ids(seq_ids, n, n_seq_max) if 0 < n <= cells.size() else None
@@ -604,7 +615,9 @@ def place_single(cells, head, tokens, pos, seq_ids, n_seq_max, n_swa, swa_type):
     """A whole decode step of the common batch on one stream's cells (kvref/memory/_slots_py.py states it): plan_single,
     then place_planned. None, with nothing changed, when any part declines."""
     cdef tuple planned
+    cdef CellsGuard guard
     if type(cells) is CKVCells and _int64_vector(tokens) and (pos is None or _int64_vector(pos)):
+        (<CKVCells>cells)._enter("place_single", guard)
         planned = _plan_single_c(<CKVCells>cells, head, tokens, pos, seq_ids, n_seq_max, n_swa, swa_type)
         if planned is None or not _place_planned_c(<CKVCells>cells, planned[0], planned[1], planned[2], planned[3]):
             return None
@@ -620,7 +633,10 @@ def place_planned(cells, plan):
     states it); on the Cython KVCells straight from the plan's buffers. False, with nothing changed, otherwise."""
     idxs, p, seq, tok = plan
     cdef cnp.npy_intp n = idxs.shape[0]
-    if (type(cells) is CKVCells and _int64_vector(idxs) and all(_int32_vector(a, n) for a in (p, seq, tok))):
+    cdef CellsGuard guard
+    if type(cells) is CKVCells and _int64_vector(idxs) and _int32_vector(p, n) and _int32_vector(seq, n) \
+            and _int32_vector(tok, n):
+        (<CKVCells>cells)._enter("place_planned", guard)
         return _place_planned_c(<CKVCells>cells, idxs, p, seq, tok)
     return cells.place(idxs, p, seq, (0, 0, tok))
 
@@ -686,9 +702,10 @@ cdef tuple _plan_single_c(CKVCells cells, object head, cnp.ndarray tokens, objec
     # find_cells from the head: empty cells, or window-freed ones of a sliding-window cache
     cdef Cells c
     _set_cells(&c, cells._pos, cells._seq, _clamp_swa(n_swa), swa_type)
+    c.kv = <void*>cells
     cdef cnp.ndarray idxs = cnp.PyArray_EMPTY(1, &n, cnp.NPY_INT64, 0)
-    if not _find_cells_c(&c, size, _search_start(head, size, cells._n_used, n), n, False,
-                         cells.seq_pos_max if c.swa else None, <int64_t*>cnp.PyArray_DATA(idxs)):
+    if not _find_cells_c(&c, size, _search_start(head, size, cells._n_used, n), n, False, None,
+                         <int64_t*>cnp.PyArray_DATA(idxs)):
         return None
     return idxs, p, seq, tok
 

@@ -24,6 +24,10 @@ its ``n_tokens`` cells, so its cost grows with the cells it tests, not with the 
 
 The cells come back as an int64 array (8 bytes a cell: a restore places every cell of a sequence at once).
 
+Threads: these functions reach the cells only through their public methods and read-only views, each call atomic
+under the cells' guard (``kvref/_cells_py.py``), and a view keeps its buffer alive. The Cython twin reads the Cython
+cells' buffers directly, so it holds their guard for the whole kernel.
+
 The module also holds the per-token work of a decode step's other parts, so that the Cython twin can do it in C:
 the batch allocator's checks of a batch whose tokens have one sequence id each (``kvref.memory.batch`` takes its general
 path whenever these answer None), and the reading of a ubatch's sequence ids for apply_ubatch (``seq_flat``).
