@@ -594,12 +594,12 @@ def call_cells(cells: Any, name: str, args: list[Any]) -> Any:
     if name in ("find_cells", "place_single"):  # the slot kernels on these cells (the Cython cells only)
         import numpy as np
 
-        from kvref.memory import slots
+        from kvref.memory import slot_kernels
 
         head, n, cont = args
         if name == "find_cells":
-            return slots._impl.find_cells(cells, head, n, cont, 4, 1)
-        return slots._impl.place_single(cells, head, np.arange(n, dtype=np.int64), None, [[2]] * n, 4, 4, 1)
+            return slot_kernels.impl.find_cells(cells, head, n, cont, 4, 1)
+        return slot_kernels.impl.place_single(cells, head, np.arange(n, dtype=np.int64), None, [[2]] * n, 4, 4, 1)
     return getattr(cells, name)(*(cvalue(a, cells) for a in args))
 
 
