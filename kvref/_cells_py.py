@@ -34,7 +34,7 @@ import numpy.typing as npt
 
 from .args import check_alloc
 from .constants import CELL_BYTES, INT32_MIN, LLAMA_MAX_SEQ, N_SEQ_WORDS, POS_MAX, TOKEN_NULL
-from .errors import ArgumentTypeError, CellError, SequenceError
+from .errors import ArgumentTypeError, CellError, CorruptionError, SequenceError
 
 IntArray = npt.NDArray[np.int32]
 _P = ParamSpec("_P")
@@ -64,6 +64,27 @@ def _wrap32(v: int) -> int:
 def _wrap32_all(v: npt.NDArray[np.int64]) -> IntArray:
     """``_wrap32`` of every element."""
     return ((v - INT32_MIN) % 2**32 + INT32_MIN).astype(np.int32)
+
+
+def _div_toward_zero(old: npt.NDArray[np.int64], d: int) -> npt.NDArray[np.int64]:
+    """``old / d`` as C divides integers (toward zero), as llama_kv_cells::pos_div does; ``d`` != 0. A divisor past
+    int32 divides every int32 position to 0, as 2^32 does (and keeps the arithmetic in int64)."""
+    q = np.abs(old) // min(abs(d), 2**32)
+    res: npt.NDArray[np.int64] = np.where((old < 0) != (d < 0), -q, q)
+    return res
+
+
+def _check_divisor(what: str, d: int, old: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """The positions ``old`` divided by ``d`` (`_div_toward_zero`), or the error kvref raises where llama.cpp dies
+    (d = 0: SIGFPE) or corrupts its cells (a position becoming -1: empty, yet still used); nothing is changed."""
+    if d == 0:
+        raise CellError(f"{what}: division by 0 (llama.cpp dies of SIGFPE)")
+    new = _div_toward_zero(old, d)
+    if (new == -1).any():
+        p = int(old[np.flatnonzero(new == -1)[0]])
+        raise CorruptionError(f"{what}: position {p} / {d} is -1, which marks an empty cell (llama.cpp keeps the cell "
+                              "used and in its sequences while it reads as empty)")  # fmt: skip
+    return new
 
 
 def _bits(words: Iterable[int]) -> list[int]:
@@ -201,13 +222,12 @@ class KVCells:
             raise CellError(f"{what}: cell {i} is empty")
         return i
 
-    def _check_delta(self, what: str, d: int, positions: npt.NDArray[np.int32]) -> int:
-        """Validate a position delta (a llama_pos: int32) for cells at ``positions``: no position may pass POS_MAX."""
+    def _check_delta(self, what: str, d: int) -> int:
+        """Validate a position delta (a llama_pos: int32). A position it moves past POS_MAX wraps as llama.cpp's int32
+        does (to a negative one: the cell is freed)."""
         d = _as_int(d)
         if not INT32_MIN <= d <= POS_MAX:
             raise CellError(f"{what}: delta {d} is outside the int32 range")
-        if positions.size and int(positions.max()) + d > POS_MAX:
-            raise CellError(f"{what}: a position would exceed {POS_MAX}")
         return d
 
     def _has(self, i: int, s: int) -> bool:
@@ -305,7 +325,7 @@ class KVCells:
         if not cells.size:
             return np.zeros(0, dtype=bool)
         self._seq_pos_rm_cells(cells)
-        new_pos = self._pos[cells].astype(np.int64) + d
+        new_pos = _wrap32_all(self._pos[cells].astype(np.int64) + d)
         freed = new_pos < 0
         kept = cells[~freed]
         self._has_shift = True
@@ -359,8 +379,9 @@ class KVCells:
         other_ext, other_seq = np.asarray(other.ext), np.asarray(other.seq)
         if other_pos.ndim != 1 or other_ext.shape != (n, 3) or other_seq.shape != (n, N_SEQ_WORDS):
             raise CellError("set: the other cells' pos/ext/seq arrays do not have the cells' shapes")
-        if n and (other_pos.min() < -1 or other_pos.max() > POS_MAX):
-            raise CellError("set: the other cells hold a position outside [-1, 2^31)")
+        if n and (other_pos.min() < INT32_MIN or other_pos.max() > POS_MAX):
+            # a position below -1 is a cell seq_div moved there (llama.cpp divides toward zero, by any divisor)
+            raise CellError("set: the other cells hold a position outside int32")
         if np.any(other_seq[other_pos == -1] != 0):
             raise CellError("set: the other cells hold an empty cell with sequences")
         # other cell j is written to cell idxs[j], j = 0, 1, ...: what each target cell holds in the end
@@ -508,13 +529,17 @@ class KVCells:
         return bool(p >= p0 and p < p1 and p != -1)
 
     def pos_set(self, i: int, p: int) -> None:
-        """Place position p in an empty cell (has_shift is not touched)."""
+        """Place position p in an empty cell (has_shift is not touched). Any int32 but -1, which marks an empty cell
+        (llama.cpp would keep the cell used while it reads as empty: CorruptionError); a position below -1 is one a
+        seq_div by a negative divisor left, as a state restores it."""
         i = self._check_index(i)
         if self._pos[i] != -1 or self._seq[i].any():
             raise CellError(f"pos_set: cell {i} is not empty")
         p = int(p)
-        if p < 0:
-            raise CellError(f"pos_set: position {p} is negative")
+        if p == -1:
+            raise CorruptionError("pos_set: position -1 marks an empty cell")
+        if p < INT32_MIN:
+            raise CellError(f"pos_set: position {p} is below {INT32_MIN}")
         if p > POS_MAX:
             raise CellError(f"pos_set: position {p} is above {POS_MAX}")
         self._pos[i] = p
@@ -537,13 +562,13 @@ class KVCells:
         """pos += d and shift += d; True when the position went negative and the cell was freed.
 
         As in llama.cpp, a cell freed here keeps its ext (only rm/seq_rm/seq_keep reset it). ``d`` must be
-        an int32 and the new position must not pass POS_MAX (CellError, cell unchanged); the shift wraps
-        as an int32, like llama.cpp's.
+        an int32 (CellError, cell unchanged); the position and the shift wrap as int32s, like llama.cpp's (a
+        position moved past POS_MAX turns negative: the cell is freed).
         """
         i = self._check_used(i, "pos_add")
-        d = self._check_delta("pos_add", d, self._pos[i : i + 1])
+        d = self._check_delta("pos_add", d)
         self._seq_pos_rm_cell(i)
-        new_pos = int(self._pos[i]) + d
+        new_pos = _wrap32(int(self._pos[i]) + d)
         self._has_shift = True
         if new_pos < 0:
             self._free(i, reset_ext=False)
@@ -554,15 +579,15 @@ class KVCells:
         return False
 
     def pos_div(self, i: int, d: int) -> None:
-        """pos //= d; the change goes into shift."""
+        """pos /= d, dividing toward zero as C does (a negative d gives a negative position); the change goes into
+        shift. CellError for d = 0 (llama.cpp's SIGFPE), CorruptionError when the position would become -1."""
         i = self._check_used(i, "pos_div")
-        d = int(d)
-        if d <= 0:
-            raise CellError(f"pos_div: divisor {d} is not positive")
-        self._seq_pos_rm_cell(i)
+        d = _as_int(d)
         old = int(self._pos[i])
-        self._pos[i] = old // d
-        self._shift[i] = _wrap32(int(self._shift[i]) + old - old // d)
+        new = int(_check_divisor("pos_div", d, np.array([old], dtype=np.int64))[0])
+        self._seq_pos_rm_cell(i)
+        self._pos[i] = new
+        self._shift[i] = _wrap32(int(self._shift[i]) + old - new)
         self._seq_pos_add_cell(i)
         self._has_shift = True
 
@@ -579,8 +604,8 @@ class KVCells:
             raise CellError("pos_set_many: a cell index appears twice")
         if ia.size and (np.any(self._pos[ia] != -1) or np.any(self._seq[ia] != 0)):
             raise CellError("pos_set_many: a target cell is not empty")
-        if ia.size and (pa.min() < 0 or pa.max() > POS_MAX):
-            raise CellError("pos_set_many: a position is outside [0, 2^31)")
+        if ia.size and ((pa == -1).any() or pa.min() < INT32_MIN or pa.max() > POS_MAX):
+            raise CellError("pos_set_many: a position is -1 (an empty cell) or outside int32")
         self._pos[ia] = pa  # pos_set of every listed cell, all checked above
         self._n_used += int(ia.size)
 
@@ -654,7 +679,7 @@ class KVCells:
             return False
         if np.any(self._pos[ia] != -1) or np.any(self._seq[ia] != 0):
             return False
-        if pa.min() < 0 or pa.max() > POS_MAX or sa.min() < 0 or sa.max() >= LLAMA_MAX_SEQ:
+        if (pa == -1).any() or pa.min() < INT32_MIN or pa.max() > POS_MAX or sa.min() < 0 or sa.max() >= LLAMA_MAX_SEQ:
             return False
         if any(v.min() < INT32_MIN or v.max() > POS_MAX for v in vals):
             return False
@@ -677,7 +702,7 @@ class KVCells:
             self._check_used(int(ia[k]), "pos_add_many")
         if np.unique(ia).size != ia.size:
             raise CellError("pos_add_many: a cell index appears twice")
-        d = self._check_delta("pos_add_many", d, self._pos[ia])
+        d = self._check_delta("pos_add_many", d)
         return self._pos_add_all(ia, d)
 
     def seq_pos_min_many(self, seq_ids: Iterable[int]) -> IntArray:
@@ -743,24 +768,26 @@ class KVCells:
         s = _check_seq(seq_id)
         p0, p1 = _as_int(p0), _as_int(p1)
         cells = np.flatnonzero(self._in_range(p0, p1) & self._has_all(s))
-        delta = self._check_delta("seq_add_range", delta, self._pos[cells])
+        delta = self._check_delta("seq_add_range", delta)
         freed = cells[self._pos_add_all(cells, delta)]
         return int(freed[0]) if freed.size else self.size()
 
-    def seq_div_range(self, seq_id: int, p0: int, p1: int, d: int) -> None:
-        """``pos_div(i, d)`` on every cell of ``seq_id`` with p0 <= pos < p1."""
+    def seq_div_range(self, seq_id: int, p0: int, p1: int, d: int, check: bool = False) -> None:
+        """``pos_div(i, d)`` on every cell of ``seq_id`` with p0 <= pos < p1; all-or-nothing. No cell in range: nothing
+        happens, whatever ``d`` (llama.cpp divides nothing). With ``check`` nothing is changed, the errors are raised
+        all the same (a composite memory checks every cache before changing any)."""
         s = _check_seq(seq_id)
         p0, p1, d = _as_int(p0), _as_int(p1), _as_int(d)
-        if d <= 0:
-            raise CellError(f"seq_div_range: divisor {d} is not positive")
         cells = np.flatnonzero(self._in_range(p0, p1) & self._has_all(s))
         if not cells.size:
             return
-        self._seq_pos_rm_cells(cells)
         old = self._pos[cells].astype(np.int64)
-        d = min(d, POS_MAX + 1)  # positions are below 2^31: a larger divisor gives 0 all the same (and fits int64)
-        self._pos[cells] = old // d
-        self._shift[cells] = _wrap32_all(self._shift[cells].astype(np.int64) + old - old // d)
+        new = _check_divisor("seq_div_range", d, old)
+        if check:
+            return
+        self._seq_pos_rm_cells(cells)
+        self._pos[cells] = new
+        self._shift[cells] = _wrap32_all(self._shift[cells].astype(np.int64) + old - new)
         self._seq_pos_add_cells(cells)
         self._has_shift = True
 
