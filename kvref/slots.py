@@ -291,13 +291,14 @@ def _apply_writes(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch, plan: _Plan) 
 def purge_below(cache: KVCache, removed: dict[int, int]) -> None:
     """apply_ubatch's last writes: each sequence that lost a cell to the ubatch (``removed``: sequence -> highest
     position removed) loses its cells from its seq_pos_min up to that position, so its positions stay gap-free
-    (llama.cpp's seq_rm: the freed cells also lower the stream's head, as ``KVCache.seq_rm`` does)."""
+    (llama.cpp's seq_rm: the freed cells also lower the stream's head, as ``KVCache.seq_rm`` does; its range starts
+    at 0 at the lowest, so cells a seq_div moved below 0 stay)."""
     for sid in sorted(removed):
         stream = cache.seq_to_stream[sid]
         cells = cache.cells(stream)
         p_min = cells.seq_pos_min(sid)
         if p_min <= removed[sid]:
-            cache._lower_head(stream, cells.seq_rm_range(sid, p_min, removed[sid] + 1))
+            cache._lower_head(stream, cells.seq_rm_range(sid, max(p_min, 0), removed[sid] + 1))
 
 
 def _writes_cannot_fail(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch, plan: _Plan) -> bool:
