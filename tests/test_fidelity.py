@@ -269,6 +269,19 @@ def test_swa_purge_keeps_positions_below_zero() -> None:
     assert mem.seq_pos_min(0) == -7
 
 
+# ---------------------------------------------------------------------------------------------- context
+@pytest.mark.parametrize("flash_attn", [True, "auto"])
+def test_a_q8_0_k_whose_block_does_not_divide_the_head_size_is_refused(flash_attn: bool | str) -> None:
+    """llama_init_from_model: "K cache type q8_0 with block size 32 does not divide n_embd_head_k=16"."""
+    hp = kvref.HParams.from_gguf(MODELS / "qwen3-tiny.gguf")
+    with pytest.raises(KVRefError, match="does not divide n_embd_head_k=16"):
+        kvref.create_memory(hp, n_ctx=256, flash_attn=flash_attn, type_k="q8_0", type_v="f16")
+    with pytest.raises(KVRefError, match="does not divide n_embd_head_v=16"):
+        kvref.create_memory(hp, n_ctx=256, flash_attn=flash_attn, type_k="f16", type_v="q8_0")
+    llama = kvref.HParams.from_gguf(MODELS / "llama-tiny.gguf")  # head 32: a whole q8_0 block
+    kvref.create_memory(llama, n_ctx=256, flash_attn=flash_attn, type_k="q8_0", type_v="q8_0")
+
+
 # ---------------------------------------------------------------------------------------------- the cell twins
 def _cells(cls: type, cells: dict[int, tuple[int, list[int]]], n: int = 6) -> Any:
     c = cls(n)
