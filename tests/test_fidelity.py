@@ -269,7 +269,7 @@ def test_swa_purge_keeps_positions_below_zero() -> None:
     assert mem.seq_pos_min(0) == -7
 
 
-# ---------------------------------------------------------------------------------------------- context
+# ---------------------------------------------------------------------------------------------- context, load
 @pytest.mark.parametrize("flash_attn", [True, "auto"])
 def test_a_q8_0_k_whose_block_does_not_divide_the_head_size_is_refused(flash_attn: bool | str) -> None:
     """llama_init_from_model: "K cache type q8_0 with block size 32 does not divide n_embd_head_k=16"."""
@@ -280,6 +280,31 @@ def test_a_q8_0_k_whose_block_does_not_divide_the_head_size_is_refused(flash_att
         kvref.create_memory(hp, n_ctx=256, flash_attn=flash_attn, type_k="f16", type_v="q8_0")
     llama = kvref.HParams.from_gguf(MODELS / "llama-tiny.gguf")  # head 32: a whole q8_0 block
     kvref.create_memory(llama, n_ctx=256, flash_attn=flash_attn, type_k="q8_0", type_v="q8_0")
+
+
+def test_state_load_takes_a_llama_cpp_python_llama_state() -> None:
+    """llama-cpp-python's LlamaState (Llama.save_state()) holds llama_state_get_data's bytes in llama_state."""
+    llama_cpp = pytest.importorskip("llama_cpp.llama")
+    mem = fill(memory("llama"))
+    arch = b"llama"
+    blob = len(arch).to_bytes(4, "little") + arch + mem.state_write()
+    st = llama_cpp.LlamaState(np.zeros(3, np.intc), np.zeros((3, 1), np.single), 3, blob + b"\0" * 5, len(blob), 0)
+    obj = kvref.state.load(st)
+    assert obj.kind == "state" and obj.to_bytes() == blob
+    bad = llama_cpp.LlamaState(np.zeros(0, np.intc), np.zeros((0, 1), np.single), 0, blob, len(blob) + 1, 0)
+    with pytest.raises(kvref.errors.FormatError, match="llama_state_size"):
+        kvref.state.load(bad)
+
+
+@pytest.mark.parametrize("model", ["llama", "lfm2", "mamba"])
+def test_a_sequence_blob_of_id_minus_one_holds_the_whole_memory(model: str) -> None:
+    """llama_state_seq_get_data(ctx, -1) writes every sequence, each cell with its ids (as a context state does):
+    the blob's header says -1, and the reader takes the cells as they are."""
+    mem = fill(memory(model))
+    mem.seq_cp(0, 2, -1, -1)  # a cell of two sequences
+    blob = (0xAF143CD8).to_bytes(4, "little") + (-1).to_bytes(4, "little", signed=True) + mem.state_write(-1)
+    st = kvref.state.load(blob, kind="seq_state", seq_header=True)
+    assert st.seq_id == -1 and st.to_bytes() == blob
 
 
 # ---------------------------------------------------------------------------------------------- the cell twins
