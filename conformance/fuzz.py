@@ -20,7 +20,9 @@ a valid plan: that is how failures are minimised (--keep).
 
 --case-out writes one case (its directory name is the case id; by default without the extra
 whole-state saves --check-every adds during fuzzing, to keep committed goldens small).
-Each llama.cpp run happens in a child process, so a llama.cpp abort (GGML_ASSERT) loses one trace only.
+Each llama.cpp run happens in a child process: where llama.cpp dies (GGML_ASSERT, SIGFPE, an uncaught exception) the
+op is recorded with "ret": "aborts" and the child runs the plan again without it (`run_child`), so kvref is checked
+to refuse exactly there (a kvref.errors class, nothing changed).
 """
 
 from __future__ import annotations
@@ -244,6 +246,11 @@ def fmt_ranges(xs: list[int]) -> str:
 # ------------------------------------------------------------------ running a plan in llama.cpp (child side)
 
 
+def _llama_pos(p: int) -> int:
+    """``p`` as the llama_pos (int32) the llama_batch holds: a position continuing one at INT32_MAX wraps."""
+    return (p + 2**31) % 2**32 - 2**31
+
+
 def resolve(r, op: dict, saved: dict[str, dict]) -> list[dict]:
     """The case.json ops one plan op stands for, now, on driver.Run ``r`` (see PLAN_KEYS); ``saved``: the last
     plan save of each kind (its recorded op)."""
@@ -267,10 +274,11 @@ def resolve(r, op: dict, saved: dict[str, dict]) -> list[dict]:
             for s in ids:  # the others then continue one past the first (what fuzz.py has always done)
                 nxt[s] = nxt[s0] + 1
             logits.append(lg)
+        pos = [_llama_pos(p) for p in pos]
         return [{**o, "tokens": o["tokens"][: len(seq_ids)], "pos": pos, "seq_ids": seq_ids, "logits": logits}]
     if k == "decode" and "after" in op:
         p = max(r.pos_max(op["after"]) + 1, 0)
-        return [{**o, "pos": [p + x for x in o["pos"]]}]
+        return [{**o, "pos": [_llama_pos(p + x) for x in o["pos"]]}]
     if k in ("state_load", "seq_restore") and "file" not in o:
         src = saved.get(o["kind"])
         if src is None:
@@ -283,8 +291,17 @@ def resolve(r, op: dict, saved: dict[str, dict]) -> list[dict]:
     return [o]
 
 
-def execute(r, plan: dict, keep: list[int] | None, check_every: int) -> list[int]:
-    """Run the plan's ops (only ``keep`` when given) on driver.Run ``r``; return, per trace op, its plan index."""
+def execute(
+    r, plan: dict, keep: list[int] | None, check_every: int, aborts: dict[str, dict] | None = None, progress=None
+) -> list[int]:
+    """Run the plan's ops (only ``keep`` when given) on driver.Run ``r``; return, per trace op, its plan index.
+
+    Every case.json op a plan op stands for has a key, ``"<plan index>.<k>"`` (``k`` its place among the ops the
+    plan op resolved to, ``c`` for the check point after it): an op whose key is in ``aborts`` is recorded as one
+    that kills llama.cpp (driver.Run.record_abort, with the recorded abort) instead of being performed; before and
+    after every op it performs, a JSON line goes to ``progress`` (an open text file), so that the parent knows
+    which op a dead child died in (`run_child`)."""
+    aborts = aborts or {}
     saved: dict[str, dict] = {}  # kind -> the recorded op of the plan's last save of that kind
     owner: list[int] = [-1]  # trace[0] is init
     idx = keep if keep is not None else list(range(len(plan["ops"])))
@@ -293,21 +310,33 @@ def execute(r, plan: dict, keep: list[int] | None, check_every: int) -> list[int
     def mark(i):
         owner.extend([i] * (len(r.trace) - len(owner)))
 
+    def perform(key: str, op: dict) -> None:
+        if key in aborts:
+            r.record_abort(op, aborts[key])
+            return
+        if progress is not None:
+            progress.write(json.dumps({"calling": key, "op": op}) + "\n")
+            progress.flush()
+        r.apply(op)
+        if progress is not None:
+            progress.write(json.dumps({"done": key}) + "\n")
+            progress.flush()
+
     for i in idx:
         ops = resolve(r, plan["ops"][i], saved)
         if not ops:
             continue  # a restore with nothing to restore: not an op of the trace
-        for op in ops:
-            r.apply(op)
-            if op["op"] == "save":
+        for k, op in enumerate(ops):
+            perform(f"{i}.{k}", op)
+            if op["op"] == "save" and r.trace[-1]["ret"] not in ("aborts", 0):  # 0 bytes: no artefact
                 saved[op["kind"]] = r.trace[-1]
         mark(i)
         done += 1
         if check_every and done % check_every == 0:
-            r.apply(CHECK_POINT)  # a whole-memory cell-table check point for the replay
+            perform(f"{i}.c", CHECK_POINT)  # a whole-memory cell-table check point for the replay
             mark(i)
     if check_every and done % check_every:
-        r.apply(CHECK_POINT)
+        perform("end.c", CHECK_POINT)
         mark(idx[-1] if idx else -1)
     return owner
 
@@ -317,8 +346,12 @@ def child_main(a) -> int:
     import generate
     import tinymodels
 
-    plan = make_plan(a.model, a.seed, (a.min_ops, a.max_ops))
+    if a.plan_file:
+        plan = json.loads(Path(a.plan_file).read_text())
+    else:
+        plan = make_plan(a.model, a.seed, (a.min_ops, a.max_ops))
     keep = parse_ranges(a.keep) if a.keep is not None else None
+    aborts = json.loads(Path(a.aborts_file).read_text()) if a.aborts_file else {}
     out = Path(a.case_out).resolve()
     cid = out.name
     vers = generate.versions()
@@ -330,14 +363,22 @@ def child_main(a) -> int:
     owner: list[int] = []
 
     def script(r, _tok):
-        owner.extend(execute(r, plan, keep, a.check_every))
+        if a.progress:
+            with open(a.progress, "w") as progress:
+                owner.extend(execute(r, plan, keep, a.check_every, aborts, progress))
+        else:
+            owner.extend(execute(r, plan, keep, a.check_every, aborts))
 
-    desc = (
-        f"fuzz.py plan for model {a.model}, seed {a.seed}"
-        + (f", ops {a.keep}" if keep is not None else f", {len(plan['ops'])} ops")
-        + f" (n_ubatch {cp['n_ubatch']}). {a.description}".rstrip()
-    )
-    case = generate.Case(cid, plan["arch"], desc.strip(), ["fuzz"], script, **{k: v for k, v in cp.items()})
+    if plan.get("description"):
+        desc = f"{plan['description']} {a.description}"
+    else:
+        desc = (
+            f"fuzz.py plan for model {a.model}, seed {a.seed}"
+            + (f", ops {a.keep}" if keep is not None else f", {len(plan['ops'])} ops")
+            + f" (n_ubatch {cp['n_ubatch']}). {a.description}".rstrip()
+        )
+    covers = plan.get("covers", ["fuzz"])
+    case = generate.Case(cid, plan["arch"], desc.strip(), covers, script, **{k: v for k, v in cp.items()})
     doc = generate.run_case(case, m, vers, golden_dir=out.parent)
     if a.meta_out:
         Path(a.meta_out).write_text(json.dumps({"owner": owner, "n_plan": len(plan["ops"])}))
@@ -347,6 +388,52 @@ def child_main(a) -> int:
 
 
 # ------------------------------------------------------------------ the fuzz loop (parent side)
+
+
+# a trace may record this many ops that kill llama.cpp (each costs one more child run)
+MAX_ABORTS = 200
+
+
+def _abort_message(stderr: str) -> str | None:
+    """The GGML_ASSERT / GGML_ABORT line a dead llama.cpp printed ("<file>:<line>: <message>", the build path cut
+    to the llama.cpp tree), or the last line of an uncaught exception's report."""
+    import re
+
+    for line in stderr.splitlines():
+        if re.search(r"\.(c|cpp|h):\d+: ", line):
+            return re.sub(r"^.*?vendor/llama\.cpp/", "", line).strip()
+    for line in reversed(stderr.splitlines()):
+        if "terminate called" in line or "what()" in line:
+            return line.strip()
+    return None
+
+
+def run_child(cmd: list[str], timeout: int = 600) -> tuple[bool, str, dict[str, dict]]:
+    """Run a child (``cmd``: this script with --case-out) until its trace is complete. When llama.cpp kills it
+    (a signal: GGML_ASSERT, an uncaught exception, SIGFPE) inside an op, that op is recorded as aborting and the
+    child runs again, skipping it there (`execute`); returns (ok, why not, the aborting ops by key)."""
+    import signal
+
+    aborts: dict[str, dict] = {}
+    with tempfile.TemporaryDirectory(prefix="kvref-child-") as tmp:
+        a_file, progress = Path(tmp) / "aborts.json", Path(tmp) / "progress.jsonl"
+        while True:
+            a_file.write_text(json.dumps(aborts))
+            progress.unlink(missing_ok=True)
+            argv = [*cmd, "--aborts-file", str(a_file), "--progress", str(progress)]
+            env = {**os.environ, "GGML_NO_BACKTRACE": "1"}  # ggml would run gdb on the dying process
+            p = subprocess.run(argv, capture_output=True, text=True, timeout=timeout, env=env)
+            if p.returncode == 0:
+                return True, "", aborts
+            lines = progress.read_text().splitlines() if progress.exists() else []
+            last = json.loads(lines[-1]) if lines else {}
+            key = last.get("calling")
+            if p.returncode < 0 and key is not None and key not in aborts and len(aborts) < MAX_ABORTS:
+                aborts[key] = {"signal": signal.Signals(-p.returncode).name, "message": _abort_message(p.stderr)}
+                continue
+            tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
+            where = f" in op {key}" if key is not None else ""
+            return False, f"llama.cpp run failed{where} (rc {p.returncode}): {' | '.join(tail)}", aborts
 
 
 def gen_case(
@@ -374,11 +461,8 @@ def gen_case(
         cmd += ["--keep", fmt_ranges(keep) if keep else ""]
     if meta is not None:
         cmd += ["--meta-out", str(meta)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if p.returncode != 0:
-        tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-        return False, f"llama.cpp run failed (rc {p.returncode}): {' | '.join(tail)}"
-    return True, ""
+    ok, why, _aborts = run_child(cmd)
+    return ok, why
 
 
 def replay(root: Path, cid: str) -> tuple[str, str]:
@@ -503,6 +587,9 @@ def main(argv=None) -> int:
     ap.add_argument("--minimise", action="store_true", help="minimise every failing trace")
     ap.add_argument("--max-tries", type=int, default=80, help="llama.cpp runs per minimisation")
     ap.add_argument("--meta-out", help=argparse.SUPPRESS)
+    ap.add_argument("--plan-file", help=argparse.SUPPRESS)  # with --case-out: a plan (JSON) instead of make_plan's
+    ap.add_argument("--aborts-file", help=argparse.SUPPRESS)  # with --case-out: ops to record as aborting (run_child)
+    ap.add_argument("--progress", help=argparse.SUPPRESS)  # with --case-out: where execute() reports each op
     ap.add_argument(
         "--model-dir",
         type=Path,
