@@ -22,7 +22,8 @@ a valid plan: that is how failures are minimised (--keep).
 whole-state saves --check-every adds during fuzzing, to keep committed goldens small).
 Each llama.cpp run happens in a child process: where llama.cpp dies (GGML_ASSERT, SIGFPE, an uncaught exception) the
 op is recorded with "ret": "aborts" and the child runs the plan again without it (`run_child`), so kvref is checked
-to refuse exactly there (a kvref.errors class, nothing changed).
+to refuse exactly there (a kvref.errors class, nothing changed). Plans carry a few edge operations (`insert_edges`,
+conformance/edges.py's arguments); --no-edges leaves them out.
 """
 
 from __future__ import annotations
@@ -63,8 +64,9 @@ MODELS: dict[str, tuple[str, dict]] = {
     "mamba2": ("mamba2", dict(n_seq_max=2)),
     "rwkv6": ("rwkv6", dict(n_seq_max=2)),
     "lfm2": ("lfm2", dict(n_seq_max=2)),
-    # not "lfm2-swa": llama.cpp 0.3.36 aborts on most of its traces (GGML_ASSERT(buffer) in ggml-backend.cpp:
-    # its iSWA base cache has no layer, so no buffer); the lfm2-swa-hybrid-iswa golden covers that memory
+    # llama.cpp 0.3.36 aborts in the first decode after a shift (GGML_ASSERT(buffer) in ggml-backend.cpp: its iSWA
+    # base cache has no layer, so the K-shift input gets no buffer): recorded as "aborts", the trace goes on
+    "lfm2-swa": ("lfm2-swa", dict(n_seq_max=2)),
 }
 N_VOCAB = 128
 UBATCHES = (3, 5, 8, 16, 32, 256)
@@ -89,9 +91,9 @@ CHECK_POINT = {"op": "save", "kind": "state_data"}
 # ------------------------------------------------------------------ plans (pure, no llama.cpp)
 
 
-def make_plan(model: str, seed: int, n_ops: tuple[int, int] = (20, 60)) -> dict:
+def make_plan(model: str, seed: int, n_ops: tuple[int, int] = (20, 60), edges: bool = True) -> dict:
     """A seeded plan: context params and a list of ops in case.json's vocabulary, without results (see PLAN_KEYS
-    for what is resolved at run time)."""
+    for what is resolved at run time); with ``edges``, a few edge operations inserted (`insert_edges`)."""
     arch, extra = MODELS[model]
     rng = random.Random(f"{model}:{seed}")
     n_seq = extra["n_seq_max"]
@@ -220,7 +222,62 @@ def make_plan(model: str, seed: int, n_ops: tuple[int, int] = (20, 60)) -> dict:
                 ops.append({"op": "seq_restore", "kind": kind, "dest_seq_id": d, "rm_first": rm_first})
             else:
                 ops.append({"op": "state_load", "kind": kind})
+    if edges:
+        ops = insert_edges(ops, model, seed, n_seq, cp, mrope)
     return {"model": model, "seed": seed, "arch": arch, "cparams": cp, "ops": ops}
+
+
+def insert_edges(ops: list[dict], model: str, seed: int, n_seq: int, cp: dict, mrope: bool) -> list[dict]:
+    """``ops`` with a few edge operations inserted at random places (conformance/edges.py's arguments: ids past every
+    bound, negative, reversed and int32-wide ranges, deltas past the position range, divisors <= 1, decodes at -1 and
+    over n_batch, saves and restores of edge ids). Their own random stream: the ops drawn before keep their draws.
+    Where llama.cpp dies in one, the trace records ``"ret": "aborts"`` and goes on (`run_child`)."""
+    import edges as E
+
+    rng = random.Random(f"{model}:{seed}:edges")
+    ids = E.seq_ids(n_seq)
+
+    def seq(edge_share: float = 0.5) -> int:
+        return rng.choice(ids) if rng.random() < edge_share else rng.randrange(n_seq)
+
+    def rng_range() -> tuple[int, int]:
+        return rng.choice(E.RANGES) if rng.random() < 0.6 else (rng.randrange(-1, 40), rng.randrange(-1, 40))
+
+    def one() -> dict:
+        k = rng.choice(["seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "seq_pos", "decode", "restore", "save"])
+        p0, p1 = rng_range()
+        if k == "seq_rm":
+            return {"op": "seq_rm", "seq_id": seq(), "p0": p0, "p1": p1}
+        if k == "seq_cp":
+            return {"op": "seq_cp", "seq_id_src": seq(0.3), "seq_id_dst": seq(0.3), "p0": p0, "p1": p1}
+        if k == "seq_keep":
+            return {"op": "seq_keep", "seq_id": seq(0.3)}
+        if k == "seq_add" and not mrope:
+            return {"op": "seq_add", "seq_id": seq(0.3), "p0": p0, "p1": p1, "delta": rng.choice(E.DELTAS)}
+        if k == "seq_div" and not mrope:
+            return {"op": "seq_div", "seq_id": seq(0.3), "p0": p0, "p1": p1, "d": rng.choice(E.DIVISORS)}
+        if k == "seq_pos":
+            return {"op": rng.choice(["seq_pos_min", "seq_pos_max"]), "seq_id": seq()}
+        if k == "decode":
+            how = rng.choice(["minus1", "below", "over_n_batch", "int32_max"])
+            if how == "over_n_batch":  # continues a sequence (positions resolved at run time)
+                s, n = rng.randrange(n_seq), cp["n_batch"] + rng.randint(1, 4)
+                toks = [rng.randrange(4, N_VOCAB) for _ in range(n)]
+                return {"op": "decode", "tokens": toks, "seq_ids": [[s]] * n, "logits": [0] * (n - 1) + [1]}
+            pos = {"minus1": [-1, 0], "below": [-2], "int32_max": [E.I32_MAX]}[how]
+            s = rng.randrange(n_seq)
+            return {"op": "decode", "tokens": [rng.randrange(4, N_VOCAB) for _ in pos], "pos": pos,
+                    "seq_ids": [[s]] * len(pos), "logits": [0] * (len(pos) - 1) + [1]}  # fmt: skip
+        if k == "restore":
+            return {"op": "seq_restore", "kind": rng.choice(["seq", "seq_data"]), "dest_seq_id": seq()}
+        if k == "save":
+            return {"op": "save", "kind": "seq_data", "seq_id": seq(), "flags": 0}
+        return {"op": "seq_pos_max", "seq_id": seq()}
+
+    out = list(ops)
+    for _ in range(rng.randint(3, 8)):
+        out.insert(rng.randrange(len(out) + 1), one())
+    return out
 
 
 def parse_ranges(text: str) -> list[int]:
@@ -349,7 +406,7 @@ def child_main(a) -> int:
     if a.plan_file:
         plan = json.loads(Path(a.plan_file).read_text())
     else:
-        plan = make_plan(a.model, a.seed, (a.min_ops, a.max_ops))
+        plan = make_plan(a.model, a.seed, (a.min_ops, a.max_ops), edges=not a.no_edges)
     keep = parse_ranges(a.keep) if a.keep is not None else None
     aborts = json.loads(Path(a.aborts_file).read_text()) if a.aborts_file else {}
     out = Path(a.case_out).resolve()
@@ -461,6 +518,8 @@ def gen_case(
         cmd += ["--keep", fmt_ranges(keep) if keep else ""]
     if meta is not None:
         cmd += ["--meta-out", str(meta)]
+    if args.no_edges:
+        cmd += ["--no-edges"]
     ok, why, _aborts = run_child(cmd)
     return ok, why
 
@@ -556,7 +615,7 @@ def fuzz_main(a) -> int:
             print(line[:400])
             sys.stdout.flush()
             if st == "fail" and a.minimise:
-                n_plan = len(make_plan(model, seed, (a.min_ops, a.max_ops))["ops"])
+                n_plan = len(make_plan(model, seed, (a.min_ops, a.max_ops), edges=not a.no_edges)["ops"])
                 keep, last = minimise(model, seed, work, a, signature(d), n_plan)
                 msg = f"  minimised: --model {model} --seed {seed} --keep {fmt_ranges(keep)}  ({len(keep)} ops): {last}"
                 print(msg[:500])
@@ -580,6 +639,7 @@ def main(argv=None) -> int:
         default=None,
         help="add a whole-state save every N ops (default 5 when fuzzing, 0 with --case-out)",
     )
+    ap.add_argument("--no-edges", action="store_true", help="plans without the edge operations (insert_edges)")
     ap.add_argument("--min-ops", type=int, default=20)
     ap.add_argument("--max-ops", type=int, default=60)
     ap.add_argument("--work", help="fuzz work dir (default: a new temp dir)")
