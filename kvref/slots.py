@@ -42,7 +42,7 @@ import numpy.typing as npt
 
 from . import _slots_py
 from ._backend import select
-from .cells import LLAMA_MAX_SEQ, TOKEN_NULL, KVCells
+from .cells import LLAMA_MAX_SEQ, POS_MAX, TOKEN_NULL, KVCells
 from .errors import BatchError, KVRefError
 
 if TYPE_CHECKING:
@@ -298,7 +298,9 @@ def purge_below(cache: KVCache, removed: dict[int, int]) -> None:
         cells = cache.cells(stream)
         p_min = cells.seq_pos_min(sid)
         if p_min <= removed[sid]:
-            cache._lower_head(stream, cells.seq_rm_range(sid, max(p_min, 0), removed[sid] + 1))
+            # removed + 1 is an int32 sum there: past INT32_MAX it wraps negative, which seq_rm reads as INT32_MAX
+            p1 = removed[sid] + 1 if removed[sid] < POS_MAX else POS_MAX
+            cache._lower_head(stream, cells.seq_rm_range(sid, max(p_min, 0), p1))
 
 
 def _writes_cannot_fail(cache: KVCache, sinfo: SlotInfo, ubatch: UBatch, plan: _Plan) -> bool:

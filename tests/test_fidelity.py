@@ -210,6 +210,19 @@ def test_hybrid_iswa_decode_after_a_shift_is_refused() -> None:
     mem.decode(kvref.Batch(tokens=[5], seq_ids=[[1]]), 32)
 
 
+def test_swa_window_test_at_seq_pos_max_plus_one_wraps() -> None:
+    """find_slot may reuse a cell outside its own sequence's window for a query at seq_pos_max + 1, an int32 sum in
+    llama.cpp: for a cell at INT32_MAX it wraps to INT32_MIN, and a chunked window does not mask the cell (golden
+    fuzz-llama4-chunked-swa-reuse-int32-max)."""
+    mem = memory("llama4", n_seq_max=2)
+    mem.decode(kvref.Batch(tokens=list(range(5, 15)), seq_ids=[[0]] * 10), 32)
+    mem.seq_add(0, I32_MIN, I32_MAX, I32_MAX)  # pos 0 -> INT32_MAX, the others wrap negative: dropped
+    mem.seq_add(0, -1, 21, -4)  # no cell in range: the heads go back to 0, where the cell at INT32_MAX is
+    mem.decode(kvref.Batch(tokens=[5, 6, 7, 8], seq_ids=[[1]] * 4), 32)
+    assert (mem.seq_pos_min(0), mem.seq_pos_max(0)) == (I32_MAX, I32_MAX)
+    assert (mem.seq_pos_min(1), mem.seq_pos_max(1)) == (0, 3)
+
+
 # ---------------------------------------------------------------------------------------------- seq_cp
 @pytest.mark.parametrize(("p0", "p1"), [(I32_MAX, -1), (-1, I32_MAX), (I32_MAX, I32_MAX), (3, -1), (0, 100), (254, -1)])
 def test_cross_stream_seq_cp_of_a_partial_range_or_an_end_at_int32_max_is_refused(p0: int, p1: int) -> None:
