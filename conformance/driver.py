@@ -585,9 +585,31 @@ class Run:
         L.llama_memory_seq_div(self.mem, seq_id, p0, p1, d)
         self._push({"op": "seq_div", "seq_id": seq_id, "p0": p0, "p1": p1, "d": d}, _take_log())
 
+    def seq_pos_min_op(self, seq_id) -> int:
+        """llama_memory_seq_pos_min of any id, recorded as an op (the observation after every op covers the ids
+        below n_seq_max only)."""
+        _take_log()
+        ret = int(L.llama_memory_seq_pos_min(self.mem, seq_id))
+        self._push({"op": "seq_pos_min", "seq_id": seq_id, "ret": ret}, _take_log())
+        return ret
+
+    def seq_pos_max_op(self, seq_id) -> int:
+        """llama_memory_seq_pos_max of any id, recorded as an op."""
+        _take_log()
+        ret = int(L.llama_memory_seq_pos_max(self.mem, seq_id))
+        self._push({"op": "seq_pos_max", "seq_id": seq_id, "ret": ret}, _take_log())
+        return ret
+
     def clear(self, data=True):
         L.llama_memory_clear(self.mem, data)
         self._push({"op": "clear", "data": data})
+
+    def record_abort(self, op: dict, abort: dict) -> dict:
+        """Record ``op`` (its call's arguments, as Run.apply takes them) as one that kills llama.cpp: ``ret``
+        "aborts", ``abort`` what the dead process showed (signal, return code, GGML_ASSERT message), and the
+        memory as it was before the call (the op is not performed: the process that performed it died, and the
+        trace goes on in one that skipped it)."""
+        return self._push({**op, "ret": "aborts", "abort": abort})
 
     def set_causal(self, causal: bool):
         """llama_set_causal_attn: the following decodes build their KQ masks causally or not (the image path of
@@ -620,8 +642,9 @@ class Run:
         op["v_trans"] = (not self.cp["flash_attn"]) if self.kind != "recurrent" else None
         op["n_stream"] = 1 if self.cp["kv_unified"] or not PRODUCER.get("n_stream_field", True) else self.n_seq_max
         op["scope"] = "context" if whole else "sequence"
-        op["size"] = path.stat().st_size
-        op["sha256"] = sha256(path)
+        data = path.read_bytes() if path.exists() else b""  # a save of 0 bytes writes no file
+        op["size"] = len(data)
+        op["sha256"] = hashlib.sha256(data).hexdigest()
 
     def _obs_sizes(self, op: dict, seq_id):
         op.setdefault("observed_sizes", {})["state_size"] = int(L.llama_state_get_size(self.ctx))
@@ -705,7 +728,8 @@ class Run:
         else:
             ret = int(L.llama_state_seq_get_data(self.ctx, buf, size, seq_id))
         lines = _take_log()
-        path.write_bytes(bytes(buf)[:ret])
+        if ret:  # 0 bytes: llama.cpp caught an exception writing it, and there is no artefact
+            path.write_bytes(bytes(buf)[:ret])
         op = {
             "op": "save",
             "kind": "seq_data",
@@ -863,4 +887,6 @@ _APPLY = {
     "seq_restore": _apply_seq_restore,
     "set_causal": lambda r, op: r.set_causal(op["causal"]),
     "encode": lambda r, op: r.encode(op["tokens"], op["pos"], op["seq_ids"]),
+    "seq_pos_min": lambda r, op: r.seq_pos_min_op(op["seq_id"]),
+    "seq_pos_max": lambda r, op: r.seq_pos_max_op(op["seq_id"]),
 }

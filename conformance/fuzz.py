@@ -20,7 +20,10 @@ a valid plan: that is how failures are minimised (--keep).
 
 --case-out writes one case (its directory name is the case id; by default without the extra
 whole-state saves --check-every adds during fuzzing, to keep committed goldens small).
-Each llama.cpp run happens in a child process, so a llama.cpp abort (GGML_ASSERT) loses one trace only.
+Each llama.cpp run happens in a child process: where llama.cpp dies (GGML_ASSERT, SIGFPE, an uncaught exception) the
+op is recorded with "ret": "aborts" and the child runs the plan again without it (`run_child`), so kvref is checked
+to refuse exactly there (a kvref.errors class, nothing changed). Plans carry a few edge operations (`insert_edges`,
+conformance/edges.py's arguments); --no-edges leaves them out.
 """
 
 from __future__ import annotations
@@ -30,7 +33,6 @@ import json
 import os
 import random
 import shutil
-import subprocess
 import sys
 import tempfile
 import time
@@ -38,6 +40,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+
+import child  # noqa: E402  (beside this script)
 
 # model key -> (tiny model, context params); n_ubatch is drawn per seed
 MODELS: dict[str, tuple[str, dict]] = {
@@ -61,8 +65,9 @@ MODELS: dict[str, tuple[str, dict]] = {
     "mamba2": ("mamba2", dict(n_seq_max=2)),
     "rwkv6": ("rwkv6", dict(n_seq_max=2)),
     "lfm2": ("lfm2", dict(n_seq_max=2)),
-    # not "lfm2-swa": llama.cpp 0.3.36 aborts on most of its traces (GGML_ASSERT(buffer) in ggml-backend.cpp:
-    # its iSWA base cache has no layer, so no buffer); the lfm2-swa-hybrid-iswa golden covers that memory
+    # llama.cpp 0.3.36 aborts in the first decode after a shift (GGML_ASSERT(buffer) in ggml-backend.cpp: its iSWA
+    # base cache has no layer, so the K-shift input gets no buffer): recorded as "aborts", the trace goes on
+    "lfm2-swa": ("lfm2-swa", dict(n_seq_max=2)),
 }
 N_VOCAB = 128
 UBATCHES = (3, 5, 8, 16, 32, 256)
@@ -87,9 +92,9 @@ CHECK_POINT = {"op": "save", "kind": "state_data"}
 # ------------------------------------------------------------------ plans (pure, no llama.cpp)
 
 
-def make_plan(model: str, seed: int, n_ops: tuple[int, int] = (20, 60)) -> dict:
+def make_plan(model: str, seed: int, n_ops: tuple[int, int] = (20, 60), edges: bool = True) -> dict:
     """A seeded plan: context params and a list of ops in case.json's vocabulary, without results (see PLAN_KEYS
-    for what is resolved at run time)."""
+    for what is resolved at run time); with ``edges``, a few edge operations inserted (`insert_edges`)."""
     arch, extra = MODELS[model]
     rng = random.Random(f"{model}:{seed}")
     n_seq = extra["n_seq_max"]
@@ -218,7 +223,62 @@ def make_plan(model: str, seed: int, n_ops: tuple[int, int] = (20, 60)) -> dict:
                 ops.append({"op": "seq_restore", "kind": kind, "dest_seq_id": d, "rm_first": rm_first})
             else:
                 ops.append({"op": "state_load", "kind": kind})
+    if edges:
+        ops = insert_edges(ops, model, seed, n_seq, cp, mrope)
     return {"model": model, "seed": seed, "arch": arch, "cparams": cp, "ops": ops}
+
+
+def insert_edges(ops: list[dict], model: str, seed: int, n_seq: int, cp: dict, mrope: bool) -> list[dict]:
+    """``ops`` with a few edge operations inserted at random places (conformance/edges.py's arguments: ids past every
+    bound, negative, reversed and int32-wide ranges, deltas past the position range, divisors <= 1, decodes at -1 and
+    over n_batch, saves and restores of edge ids). Their own random stream: the ops drawn before keep their draws.
+    Where llama.cpp dies in one, the trace records ``"ret": "aborts"`` and goes on (`run_child`)."""
+    import edges as E
+
+    rng = random.Random(f"{model}:{seed}:edges")
+    ids = E.seq_ids(n_seq)
+
+    def seq(edge_share: float = 0.5) -> int:
+        return rng.choice(ids) if rng.random() < edge_share else rng.randrange(n_seq)
+
+    def rng_range() -> tuple[int, int]:
+        return rng.choice(E.RANGES) if rng.random() < 0.6 else (rng.randrange(-1, 40), rng.randrange(-1, 40))
+
+    def one() -> dict:
+        k = rng.choice(["seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "seq_pos", "decode", "restore", "save"])
+        p0, p1 = rng_range()
+        if k == "seq_rm":
+            return {"op": "seq_rm", "seq_id": seq(), "p0": p0, "p1": p1}
+        if k == "seq_cp":
+            return {"op": "seq_cp", "seq_id_src": seq(0.3), "seq_id_dst": seq(0.3), "p0": p0, "p1": p1}
+        if k == "seq_keep":
+            return {"op": "seq_keep", "seq_id": seq(0.3)}
+        if k == "seq_add" and not mrope:
+            return {"op": "seq_add", "seq_id": seq(0.3), "p0": p0, "p1": p1, "delta": rng.choice(E.DELTAS)}
+        if k == "seq_div" and not mrope:
+            return {"op": "seq_div", "seq_id": seq(0.3), "p0": p0, "p1": p1, "d": rng.choice(E.DIVISORS)}
+        if k == "seq_pos":
+            return {"op": rng.choice(["seq_pos_min", "seq_pos_max"]), "seq_id": seq()}
+        if k == "decode":
+            how = rng.choice(["minus1", "below", "over_n_batch", "int32_max"])
+            if how == "over_n_batch":  # continues a sequence (positions resolved at run time)
+                s, n = rng.randrange(n_seq), cp["n_batch"] + rng.randint(1, 4)
+                toks = [rng.randrange(4, N_VOCAB) for _ in range(n)]
+                return {"op": "decode", "tokens": toks, "seq_ids": [[s]] * n, "logits": [0] * (n - 1) + [1]}
+            pos = {"minus1": [-1, 0], "below": [-2], "int32_max": [E.I32_MAX]}[how]
+            s = rng.randrange(n_seq)
+            return {"op": "decode", "tokens": [rng.randrange(4, N_VOCAB) for _ in pos], "pos": pos,
+                    "seq_ids": [[s]] * len(pos), "logits": [0] * (len(pos) - 1) + [1]}  # fmt: skip
+        if k == "restore":
+            return {"op": "seq_restore", "kind": rng.choice(["seq", "seq_data"]), "dest_seq_id": seq()}
+        if k == "save":
+            return {"op": "save", "kind": "seq_data", "seq_id": seq(), "flags": 0}
+        return {"op": "seq_pos_max", "seq_id": seq()}
+
+    out = list(ops)
+    for _ in range(rng.randint(3, 8)):
+        out.insert(rng.randrange(len(out) + 1), one())
+    return out
 
 
 def parse_ranges(text: str) -> list[int]:
@@ -244,6 +304,11 @@ def fmt_ranges(xs: list[int]) -> str:
 # ------------------------------------------------------------------ running a plan in llama.cpp (child side)
 
 
+def _llama_pos(p: int) -> int:
+    """``p`` as the llama_pos (int32) the llama_batch holds: a position continuing one at INT32_MAX wraps."""
+    return (p + 2**31) % 2**32 - 2**31
+
+
 def resolve(r, op: dict, saved: dict[str, dict]) -> list[dict]:
     """The case.json ops one plan op stands for, now, on driver.Run ``r`` (see PLAN_KEYS); ``saved``: the last
     plan save of each kind (its recorded op)."""
@@ -267,10 +332,11 @@ def resolve(r, op: dict, saved: dict[str, dict]) -> list[dict]:
             for s in ids:  # the others then continue one past the first (what fuzz.py has always done)
                 nxt[s] = nxt[s0] + 1
             logits.append(lg)
+        pos = [_llama_pos(p) for p in pos]
         return [{**o, "tokens": o["tokens"][: len(seq_ids)], "pos": pos, "seq_ids": seq_ids, "logits": logits}]
     if k == "decode" and "after" in op:
         p = max(r.pos_max(op["after"]) + 1, 0)
-        return [{**o, "pos": [p + x for x in o["pos"]]}]
+        return [{**o, "pos": [_llama_pos(p + x) for x in o["pos"]]}]
     if k in ("state_load", "seq_restore") and "file" not in o:
         src = saved.get(o["kind"])
         if src is None:
@@ -283,8 +349,17 @@ def resolve(r, op: dict, saved: dict[str, dict]) -> list[dict]:
     return [o]
 
 
-def execute(r, plan: dict, keep: list[int] | None, check_every: int) -> list[int]:
-    """Run the plan's ops (only ``keep`` when given) on driver.Run ``r``; return, per trace op, its plan index."""
+def execute(
+    r, plan: dict, keep: list[int] | None, check_every: int, aborts: dict[str, dict] | None = None, progress=None
+) -> list[int]:
+    """Run the plan's ops (only ``keep`` when given) on driver.Run ``r``; return, per trace op, its plan index.
+
+    Every case.json op a plan op stands for has a key, ``"<plan index>.<k>"`` (``k`` its place among the ops the
+    plan op resolved to, ``c`` for the check point after it): an op whose key is in ``aborts`` is recorded as one
+    that kills llama.cpp (driver.Run.record_abort, with the recorded abort) instead of being performed; before and
+    after every op it performs, a JSON line goes to ``progress`` (an open text file), so that the parent knows
+    which op a dead child died in (`run_child`)."""
+    aborts = aborts or {}
     saved: dict[str, dict] = {}  # kind -> the recorded op of the plan's last save of that kind
     owner: list[int] = [-1]  # trace[0] is init
     idx = keep if keep is not None else list(range(len(plan["ops"])))
@@ -293,21 +368,33 @@ def execute(r, plan: dict, keep: list[int] | None, check_every: int) -> list[int
     def mark(i):
         owner.extend([i] * (len(r.trace) - len(owner)))
 
+    def perform(key: str, op: dict) -> None:
+        if key in aborts:
+            r.record_abort(op, aborts[key])
+            return
+        if progress is not None:
+            progress.write(json.dumps({"calling": key, "op": op}) + "\n")
+            progress.flush()
+        r.apply(op)
+        if progress is not None:
+            progress.write(json.dumps({"done": key}) + "\n")
+            progress.flush()
+
     for i in idx:
         ops = resolve(r, plan["ops"][i], saved)
         if not ops:
             continue  # a restore with nothing to restore: not an op of the trace
-        for op in ops:
-            r.apply(op)
-            if op["op"] == "save":
+        for k, op in enumerate(ops):
+            perform(f"{i}.{k}", op)
+            if op["op"] == "save" and r.trace[-1]["ret"] not in ("aborts", 0):  # 0 bytes: no artefact
                 saved[op["kind"]] = r.trace[-1]
         mark(i)
         done += 1
         if check_every and done % check_every == 0:
-            r.apply(CHECK_POINT)  # a whole-memory cell-table check point for the replay
+            perform(f"{i}.c", CHECK_POINT)  # a whole-memory cell-table check point for the replay
             mark(i)
     if check_every and done % check_every:
-        r.apply(CHECK_POINT)
+        perform("end.c", CHECK_POINT)
         mark(idx[-1] if idx else -1)
     return owner
 
@@ -317,8 +404,12 @@ def child_main(a) -> int:
     import generate
     import tinymodels
 
-    plan = make_plan(a.model, a.seed, (a.min_ops, a.max_ops))
+    if a.plan_file:
+        plan = json.loads(Path(a.plan_file).read_text())
+    else:
+        plan = make_plan(a.model, a.seed, (a.min_ops, a.max_ops), edges=not a.no_edges)
     keep = parse_ranges(a.keep) if a.keep is not None else None
+    aborts = json.loads(Path(a.aborts_file).read_text()) if a.aborts_file else {}
     out = Path(a.case_out).resolve()
     cid = out.name
     vers = generate.versions()
@@ -330,14 +421,22 @@ def child_main(a) -> int:
     owner: list[int] = []
 
     def script(r, _tok):
-        owner.extend(execute(r, plan, keep, a.check_every))
+        if a.progress:
+            with open(a.progress, "w") as progress:
+                owner.extend(execute(r, plan, keep, a.check_every, aborts, progress))
+        else:
+            owner.extend(execute(r, plan, keep, a.check_every, aborts))
 
-    desc = (
-        f"fuzz.py plan for model {a.model}, seed {a.seed}"
-        + (f", ops {a.keep}" if keep is not None else f", {len(plan['ops'])} ops")
-        + f" (n_ubatch {cp['n_ubatch']}). {a.description}".rstrip()
-    )
-    case = generate.Case(cid, plan["arch"], desc.strip(), ["fuzz"], script, **{k: v for k, v in cp.items()})
+    if plan.get("description"):
+        desc = f"{plan['description']} {a.description}"
+    else:
+        desc = (
+            f"fuzz.py plan for model {a.model}, seed {a.seed}"
+            + (f", ops {a.keep}" if keep is not None else f", {len(plan['ops'])} ops")
+            + f" (n_ubatch {cp['n_ubatch']}). {a.description}".rstrip()
+        )
+    covers = plan.get("covers", ["fuzz"])
+    case = generate.Case(cid, plan["arch"], desc.strip(), covers, script, **{k: v for k, v in cp.items()})
     doc = generate.run_case(case, m, vers, golden_dir=out.parent)
     if a.meta_out:
         Path(a.meta_out).write_text(json.dumps({"owner": owner, "n_plan": len(plan["ops"])}))
@@ -374,11 +473,10 @@ def gen_case(
         cmd += ["--keep", fmt_ranges(keep) if keep else ""]
     if meta is not None:
         cmd += ["--meta-out", str(meta)]
-    p = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
-    if p.returncode != 0:
-        tail = (p.stderr or p.stdout).strip().splitlines()[-3:]
-        return False, f"llama.cpp run failed (rc {p.returncode}): {' | '.join(tail)}"
-    return True, ""
+    if args.no_edges:
+        cmd += ["--no-edges"]
+    ok, why, _aborts = child.run_child(cmd)
+    return ok, why
 
 
 def replay(root: Path, cid: str) -> tuple[str, str]:
@@ -472,7 +570,7 @@ def fuzz_main(a) -> int:
             print(line[:400])
             sys.stdout.flush()
             if st == "fail" and a.minimise:
-                n_plan = len(make_plan(model, seed, (a.min_ops, a.max_ops))["ops"])
+                n_plan = len(make_plan(model, seed, (a.min_ops, a.max_ops), edges=not a.no_edges)["ops"])
                 keep, last = minimise(model, seed, work, a, signature(d), n_plan)
                 msg = f"  minimised: --model {model} --seed {seed} --keep {fmt_ranges(keep)}  ({len(keep)} ops): {last}"
                 print(msg[:500])
@@ -496,6 +594,7 @@ def main(argv=None) -> int:
         default=None,
         help="add a whole-state save every N ops (default 5 when fuzzing, 0 with --case-out)",
     )
+    ap.add_argument("--no-edges", action="store_true", help="plans without the edge operations (insert_edges)")
     ap.add_argument("--min-ops", type=int, default=20)
     ap.add_argument("--max-ops", type=int, default=60)
     ap.add_argument("--work", help="fuzz work dir (default: a new temp dir)")
@@ -503,6 +602,9 @@ def main(argv=None) -> int:
     ap.add_argument("--minimise", action="store_true", help="minimise every failing trace")
     ap.add_argument("--max-tries", type=int, default=80, help="llama.cpp runs per minimisation")
     ap.add_argument("--meta-out", help=argparse.SUPPRESS)
+    ap.add_argument("--plan-file", help=argparse.SUPPRESS)  # with --case-out: a plan (JSON) instead of make_plan's
+    ap.add_argument("--aborts-file", help=argparse.SUPPRESS)  # with --case-out: ops to record as aborting (run_child)
+    ap.add_argument("--progress", help=argparse.SUPPRESS)  # with --case-out: where execute() reports each op
     ap.add_argument(
         "--model-dir",
         type=Path,

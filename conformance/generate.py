@@ -616,6 +616,19 @@ CASES: list[Case] = [
         type_v="q8_0",
     ),
     Case(
+        "qwen3-q8_0-k-fa-head16-refused",
+        "qwen3",
+        "A q8_0 K cache with flash attention on, on a model whose head size (16) is not a multiple of q8_0's block "
+        "(32): llama_init_from_model refuses the context (only an `init` op). With flash attention off llama.cpp "
+        "aborts creating it instead (GGML_ASSERT in ggml_view); kvref refuses both.",
+        ["init-refused"],
+        s_init_refused,
+        n_seq_max=1,
+        flash_attn=True,
+        type_k="q8_0",
+        type_v="f16",
+    ),
+    Case(
         "llama-shared-prefix",
         "llama",
         "A prefix decoded once and shared by seq_cp (whole and partial range), three continuations, "

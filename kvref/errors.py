@@ -45,6 +45,13 @@ class CellError(KVRefError, ValueError):
     """
 
 
+class CorruptionError(CellError):
+    """An operation after which llama.cpp's cells would contradict themselves: a cell placed or moved to position -1,
+    which reads as empty but stays used and in its sequences (llama.cpp goes on; later decodes reuse the cell with
+    the old sequences still in it). kvref refuses it and changes nothing; the conformance replay stops comparing
+    with llama.cpp until its memory is reset."""
+
+
 class SequenceError(KVRefError, ValueError):
     """A sequence id outside the range the memory accepts, or an operation not allowed on it."""
 
@@ -138,6 +145,7 @@ __all__ = [
     "CompatWarning",
     "ContextMismatch",
     "ConversionError",
+    "CorruptionError",
     "EditError",
     "FormatError",
     "GGMLTypeError",

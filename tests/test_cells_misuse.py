@@ -377,6 +377,6 @@ def test_the_first_refused_element_of_pos_set_many_names_the_error_in_both_twins
         res.append(outcome(lambda c=c: c.pos_set_many([6, 2], [-1, 5])))
         res.append(outcome(lambda c=c: c.pos_set_many([2, 6], [-1, 5])))
         assert snapshot(c) == before
-    assert res[0] == ("CellError", "pos_set_many: a position is outside [0, 2^31)")
+    assert res[0] == ("CellError", "pos_set_many: a position is -1 (an empty cell) or outside int32")
     assert res[1] == ("CellError", "pos_set_many: a target cell is not empty")
     assert res[len(res) // 2 :] == res[: len(res) // 2]

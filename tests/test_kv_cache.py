@@ -11,7 +11,7 @@ import pytest
 from kv_cache_helpers import HP, layout, place, seq_run, snapshot
 
 import kvref
-from kvref.errors import KVRefError, SequenceError
+from kvref.errors import CellError, CorruptionError, KVRefError, SequenceError
 from kvref.ggml.types import row_size
 from kvref.hparams import SWAType
 from kvref.memory.batch import Batch
@@ -210,10 +210,14 @@ def test_seq_div():
     assert np.asarray(c.cells(0).shift).tolist() == [0, 0, 1, 2, 2, 0]
     before = snapshot(c)
     c.seq_div(0, -1, -1, 1)
-    for d in (0, -2):
-        with pytest.raises(SequenceError):
-            c.seq_div(0, -1, -1, d)
+    c.seq_div(0, 10, 20, 0)  # no cell in range: nothing, whatever d (as llama.cpp)
+    with pytest.raises(CellError, match="SIGFPE"):  # a cell in range: llama.cpp dies of SIGFPE
+        c.seq_div(0, -1, -1, 0)
+    with pytest.raises(CorruptionError):  # 2 / -2 = -1: an empty cell's mark
+        c.seq_div(0, -1, -1, -2)
     assert snapshot(c) == before
+    c.seq_div(0, 2, 6, -1)  # toward zero, as C divides: 2, 5 -> -2, -5 (the cells stay)
+    assert layout(c) == ["0:0", "1:0", "1:0", "1:0", "-2:0", "-5:0"]
 
 
 def test_seq_add_div_refused_for_mrope():

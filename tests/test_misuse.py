@@ -9,7 +9,14 @@ import pytest
 from recurrent_helpers import mamba_hparams
 from test_memory_factory import jamba, llama
 
-from kvref.errors import ArgumentError, ArgumentTypeError, BatchError, CellError, KVRefError, SequenceError
+from kvref.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    BatchError,
+    CorruptionError,
+    KVRefError,
+    SequenceError,
+)
 from kvref.memory.batch import Batch
 from kvref.memory.factory import create_memory
 
@@ -75,23 +82,30 @@ def test_non_integers_are_type_errors_and_change_nothing(kind: str, call) -> Non
 
 
 @pytest.mark.parametrize("kind", list(KINDS))
-def test_a_batch_with_a_negative_position_is_a_batch_error(kind: str) -> None:
+def test_a_batch_with_a_position_below_minus_one_is_a_batch_error(kind: str) -> None:
+    """Positions below -1 decrease from a sequence's start (-1): llama_decode returns -1. A token at -1 itself is
+    decoded by llama.cpp; an attention cache would keep its cell used while it reads as empty (CorruptionError)."""
     mem = KINDS[kind]()
     before = fingerprint(mem)
-    with pytest.raises(BatchError, match=r"pos\[0\] = -1"):
-        mem.decode(Batch(tokens=[7], pos=[-1]))
+    with pytest.raises(BatchError, match=r"pos\[0\] = -2"):
+        mem.decode(Batch(tokens=[7], pos=[-2]))
+    if kind != "recurrent":
+        with pytest.raises(CorruptionError):
+            mem.decode(Batch(tokens=[7], pos=[-1]))
     assert fingerprint(mem) == before
 
 
 def test_recurrent_seq_add_stays_in_int32() -> None:
+    """A shift past int32 is refused; a position moved past INT32_MAX wraps as llama.cpp's int32 does."""
     mem = filled("recurrent")
     before = fingerprint(mem)
-    with pytest.raises(CellError, match="leaves int32"):
-        mem.seq_add(0, 0, -1, 2**31 - 1)
     with pytest.raises(ArgumentError, match="shift = 2147483648 is outside int32"):
         mem.seq_add(0, 0, -1, 2**31)
     assert fingerprint(mem) == before
-    mem.state_write()  # and nothing broken was stored
+    p = mem.seq_pos_max(0)
+    mem.seq_add(0, 0, -1, 2**31 - 1)
+    assert mem.seq_pos_min(0) == p + 2**31 - 1 - 2**32
+    mem.state_write()  # and what was stored is a state
 
 
 @pytest.mark.parametrize("kind", list(KINDS))

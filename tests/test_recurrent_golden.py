@@ -36,6 +36,7 @@ def test_replay_matches_llama_cpp(case_id):
         n_seq_max=n_seq_max,
         n_rs_seq=case["context"].get("n_rs_seq", 0),
         compat=compat_for(case),
+        cparams=C.create_memory_for(case, hp).cparams,  # its n_batch: llama_decode asserts a batch past it
     )
     mem.kv_unified = case["context"]["kv_unified"]
     logged = case["observed_context"]["memory_log"]["caches"][0]

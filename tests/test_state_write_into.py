@@ -104,7 +104,7 @@ def test_write_into_gives_state_write_bytes(kind: str, seq_id: int) -> None:
 def test_long_transposed_v_rows_go_in_one_strided_copy() -> None:
     """V stored transposed with rows of 2,500 cells (5,000 bytes: `Writer.array` writes them as rows): a buffer
     takes them in one strided copy, a file row by row; the same bytes, and a buffer one byte short is refused."""
-    mem = kvref.create_memory(_llama(), 4096, 1)
+    mem = kvref.create_memory(_llama(), 4096, 1, n_batch=4096)  # a decode takes at most n_batch tokens
     mem.decode(kvref.Batch(tokens=[t % 7 for t in range(2500)]), n_ubatch=2500)
     rng = np.random.default_rng(5)
     for buf in _buffers(mem):

@@ -65,10 +65,21 @@ def test_a_size_beyond_memory_is_refused_before_allocating(monkeypatch: pytest.M
 
 
 @pytest.mark.parametrize("twin", MASK_TWINS)
-def test_a_negative_cell_position_is_an_empty_cell(twin) -> None:
-    """llama.cpp marks an empty cell with -1; both twins read any negative position as empty (masked)."""
-    pos = np.array([0, -5, 2, -1], np.int32)
-    seq = seq_bits([{0}, {0}, {0}, {0}])
-    out = np.empty((1, 1, 4), np.float32)
+def test_only_position_minus_one_is_an_empty_cell(twin) -> None:
+    """llama.cpp marks an empty cell with -1; a position below it is a cell a seq_div by a negative divisor moved
+    there, attended like any other (both twins, through every pass: one token, several of one sequence, ALiBi)."""
+    pos = np.array([0, -5, 2, -1, -(2**31)], np.int32)
+    seq = seq_bits([{0}, {0}, {0}, {0}, {0}])
+    out = np.empty((1, 1, 5), np.float32)
     twin.fill_kq_mask_raw(out, [pos], [seq], None, [0], np.array([3], np.int64), np.array([0], np.int64))
-    assert out[0, 0].tolist() == [0.0, float("-inf"), 0.0, float("-inf")]
+    assert out[0, 0].tolist() == [0.0, 0.0, 0.0, float("-inf"), 0.0]
+    out = np.empty((1, 2, 5), np.float32)
+    twin.fill_kq_mask_raw(out, [pos], [seq], None, [0], np.array([1, 3], np.int64), np.array([0, 0], np.int64))
+    assert out[0].tolist() == [[0.0, 0.0, float("-inf"), float("-inf"), 0.0], [0.0, 0.0, 0.0, float("-inf"), 0.0]]
+    twin.fill_kq_mask_raw(out, [pos], [seq], None, [0], np.array([1, 3], np.int64), np.array([0, 0], np.int64),
+                          alibi=True)  # fmt: skip
+    assert out[0, 1].tolist() == [-3.0, -8.0, -1.0, float("-inf"), float(np.float32(-(2**31) - 3))]
+    out = np.empty((1, 1, 5), np.float32)  # a window of 4 (standard): p1 - p0 < 4
+    twin.fill_kq_mask_raw(out, [pos], [seq], None, [0], np.array([3], np.int64), np.array([0], np.int64),
+                          n_swa=4, swa_type=1)  # fmt: skip
+    assert out[0, 0].tolist() == [0.0, float("-inf"), 0.0, float("-inf"), float("-inf")]

@@ -244,12 +244,20 @@ class SaveSizes(TypedDict, total=False):
     seq_state_size: int
 
 
+class OpAbort(TypedDict):
+    """How llama.cpp died in an op (``"ret": "aborts"``): the signal and the GGML_ASSERT / exception line."""
+
+    signal: str
+    message: str | None
+
+
 class TraceOp(TypedDict):
     """One llama.cpp call of a trace (the schema's ``op``, ``op_init`` .. ``op_encode``): ``op`` and, per op, its
     arguments and results."""
 
     op: str  # one of kvref.jobs.conformance.TRACE_OPS
-    ret: NotRequired[int | bool]  # bool: init, seq_rm, a session save / load; int otherwise
+    ret: NotRequired[int | bool | str]  # bool: init, seq_rm, a session save / load; "aborts": llama.cpp died
+    abort: NotRequired[OpAbort]  # with "ret": "aborts"
     errors: NotRequired[list[str]]
     observed: NotRequired[Observed]
     # decode, encode
@@ -416,6 +424,7 @@ __all__ = [
     "Observed",
     "ObservedContext",
     "ObservedModel",
+    "OpAbort",
     "Producer",
     "SSMParams",
     "SaveHeader",

@@ -11,7 +11,10 @@ For every ``<root>/golden/<case-id>/`` the runner makes these checks:
              stream: cell order, positions, sequence ids, ext) must match the golden's, then the golden's K/V
              (or R/S) rows are copied into the replayed memory at the cells it writes and its
              ``state_write`` must equal the golden memory bytes exactly; restores feed the golden's memory
-             bytes to ``state_read``;
+             bytes to ``state_read``; an op llama.cpp died in (``"ret": "aborts"``) must raise a kvref error that
+             stands for no return value and change nothing, and where kvref refuses an op that leaves llama.cpp's
+             cells contradicting themselves (``CorruptionError``) nothing is compared until llama.cpp's memory is
+             reset;
 ``graph``    the trace runs again; at every decode that carries the graph inputs llama.cpp computed with
              (``op["graph"]``, captured by conformance/capture.py), kvref's K-shift input (before the decode),
              KQ masks (base and SWA), K/V row indices and positions (after each ubatch is placed) must equal
@@ -43,6 +46,7 @@ import traceback
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Literal, TypedDict, cast
 
@@ -50,7 +54,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..about import about, about_line
-from ..errors import BatchError, CheckFailed, CompatWarning, KVRefError, NoSlotError, Unsupported
+from ..errors import BatchError, CheckFailed, CompatWarning, CorruptionError, KVRefError, NoSlotError, Unsupported
 from ..profile import Profile
 
 if TYPE_CHECKING:
@@ -100,7 +104,14 @@ CHECKS = ("parse", "replay", "graph", "restore")
 # records (Run.apply performs any of them in llama.cpp), conformance/fuzz.py plans in, and replay_trace
 # interprets on kvref. ``init`` is op 0 only: the context (kvref: create_memory).
 TRACE_OPS = ("init", "decode", "seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "clear", "save", "state_load",
-             "seq_restore", "set_causal", "encode")  # fmt: skip
+             "seq_restore", "set_causal", "encode", "seq_pos_min", "seq_pos_max")  # fmt: skip
+# the ``ret`` of an op that kills llama.cpp (GGML_ASSERT, SIGFPE, an uncaught exception): recorded with ``abort``
+# (what the dead process showed) and the memory as it was before the call; kvref must raise a KVRefError there and
+# change nothing
+ABORTS = "aborts"
+# what kvref's side of an op gives where llama.cpp goes on with its cells contradicting themselves (a cell at position
+# -1: kvref.errors.CorruptionError): the replay cannot compare with llama.cpp again until its memory is reset
+CORRUPTS = "corrupts"
 INVALID_CASE = "invalid"
 PARTIAL_ONLY = 1
 _KIND = {"session": "session", "seq": "seq", "state_data": "state", "seq_data": "seq_state"}
@@ -382,7 +393,8 @@ def artefact_hints(op: TraceOp, producer: Producer | None = None) -> ArtefactHin
 
 
 def save_ops(case: Case) -> dict[str, TraceOp]:
-    return {op["file"]: op for op in case["trace"] if op["op"] == "save" and op.get("file")}
+    """The case's artefacts: ``{file: its save op}`` (a save that returned 0 bytes wrote no artefact)."""
+    return {op["file"]: op for op in case["trace"] if op["op"] == "save" and op.get("file") and op.get("ret") != 0}
 
 
 class Artefacts:
@@ -537,8 +549,9 @@ def _observe(mem: AnyMemory, n_seq: int) -> Observed:
 
 def _decode(
     mem: AnyMemory, op: TraceOp, hp: HParams, n_ubatch: int, on_ubatch: Callable[[UBatch, AnySlot], None] | None = None
-) -> int:
-    """llama_decode's return value: 0, 1 (no slot), -1 (invalid batch).
+) -> int | str:
+    """llama_decode's return value: 0, 1 (no slot), -1 (invalid batch); `CORRUPTS` where kvref refuses a decode that
+    leaves llama.cpp's cells contradicting themselves.
 
     Token ids below n_vocab are checked here (the memories do not know the vocabulary); everything else,
     sequence ids included, is the memory's decode() (BatchError -> -1, NoSlotError -> 1). ``on_ubatch`` goes
@@ -550,8 +563,8 @@ def _decode(
     tokens = cast("list[int]", op["tokens"])  # a decode's tokens are recorded
     if any(t < 0 or (n_vocab and t >= n_vocab) for t in tokens):
         return -1  # llama_batch_allocr::init: invalid token id
-    batch = Batch(tokens=tokens, pos=op.get("pos"), seq_ids=op["seq_ids"], logits=op.get("logits"))
     try:
+        batch = Batch(tokens=tokens, pos=op.get("pos"), seq_ids=op["seq_ids"], logits=op.get("logits"))
         if on_ubatch is None:
             mem.decode(batch, n_ubatch)
         else:
@@ -560,6 +573,8 @@ def _decode(
         return -1
     except NoSlotError:
         return 1
+    except CorruptionError:
+        return CORRUPTS
     return 0
 
 
@@ -676,7 +691,13 @@ def check_replay(root: Path, case: Case, arts: Artefacts) -> str:
     check_memory_shape(case, mem)
     r = replay_trace(case, mem, arts, hp)
     rows = f", {r['carried_rows']} shifted rows" if r.get("carried_rows") else ""
-    return f"{r['ops']} ops, {r['saves']} saves, {r['restores']} restores{rows}"
+    corrupting = (
+        f", {r['corrupting']} refused as corrupting llama.cpp's cells ({r['not_compared']} ops until its reset not "
+        "compared)"
+        if r["corrupting"]
+        else ""
+    )
+    return f"{r['ops']} ops, {r['saves']} saves, {r['restores']} restores{rows}{corrupting}"
 
 
 def replay_trace(
@@ -698,10 +719,22 @@ def replay_trace(
     saves = restores = 0
     carried = CarriedRows(mem)
     causal: bool | None = None  # llama_set_causal_attn (set_causal); None: the model's causal_attn
+    # where kvref refused an op after which llama.cpp's cells contradict themselves (CORRUPTS): until a clear or a
+    # whole restore resets llama.cpp's memory, nothing is compared (nor performed)
+    corrupt: str | None = None
+    refused = skipped = 0
     for k, op in enumerate(trace[1:], start=1):
         kind = op["op"]
         where = f"op {k} ({kind}{' ' + op['file'] if op.get('file') else ''})"
-        if kind == "decode" and graph is not None and "graph" in op:
+        if corrupt is not None:
+            if kind == "clear" or (kind == "state_load" and op["ret"] not in (0, False)):
+                corrupt = None
+            else:
+                skipped += 1
+                continue
+        if op.get("ret") == ABORTS:
+            _replay_abort(mem, op, where, arts, n_ubatch)
+        elif kind == "decode" and graph is not None and "graph" in op:
             shifts = expected_shifts(mem)
             placed: Placed = []
 
@@ -712,6 +745,9 @@ def replay_trace(
                 carried.placed(ub, slot)
 
             ret = _decode(mem, op, hp, n_ubatch, on_ubatch)
+            if ret == CORRUPTS and op["ret"] == 0:
+                corrupt, refused = where, refused + 1
+                continue
             if ret != op["ret"]:
                 raise CheckFailed(f"{where}: decode returned {ret}, llama.cpp {op['ret']}")
             compare_graph_inputs(
@@ -719,6 +755,9 @@ def replay_trace(
             )
         elif kind == "decode":
             ret = _decode(mem, op, hp, n_ubatch, carried.placed if carried.active else None)
+            if ret == CORRUPTS and op["ret"] == 0:
+                corrupt, refused = where, refused + 1
+                continue
             if ret != op["ret"]:
                 raise CheckFailed(f"{where}: decode returned {ret}, llama.cpp {op['ret']}")
         elif kind == "seq_rm":
@@ -735,7 +774,11 @@ def replay_trace(
         elif kind == "seq_add":
             mem.seq_add(op["seq_id"], op["p0"], op["p1"], op["delta"])
         elif kind == "seq_div":
-            mem.seq_div(op["seq_id"], op["p0"], op["p1"], op["d"])
+            try:
+                mem.seq_div(op["seq_id"], op["p0"], op["p1"], op["d"])
+            except CorruptionError:
+                corrupt, refused = where, refused + 1
+                continue
         elif kind == "clear":
             mem.clear(op.get("data", True))
             carried.reset()
@@ -748,6 +791,13 @@ def replay_trace(
                 compare_graph_inputs(f"{case['id']}: {where}", op["graph"], [], placed, graph)
         elif kind == "set_causal":
             causal = bool(op["causal"])  # a context setting: only the masks of later decodes change
+        elif kind in ("seq_pos_min", "seq_pos_max"):
+            ret = getattr(mem, kind)(op["seq_id"])
+            if ret != op["ret"]:
+                raise CheckFailed(f"{where}: {kind}({op['seq_id']}) returned {ret}, llama.cpp {op['ret']}")
+        elif kind == "save" and op["ret"] == 0:
+            # llama_state_seq_get_data(_ext) caught an exception (a sequence id its memory cannot hold): 0 bytes
+            _refuses(mem, where, "wrote a state where llama.cpp wrote 0 bytes", partial(_save_call, mem, op))
         elif kind == "save":
             seq_id, flags = op.get("seq_id", -1), op.get("flags", 0)
             if seq_id is None:
@@ -790,7 +840,83 @@ def replay_trace(
             got = _observe(mem, n_seq)
             if got != op["observed"]:
                 raise CheckFailed(f"{where}: observed {got}, llama.cpp {op['observed']}")
-    return {"ops": len(trace), "saves": saves, "restores": restores, "carried_rows": carried.compared}
+    return {"ops": len(trace), "saves": saves, "restores": restores, "carried_rows": carried.compared,
+            "corrupting": refused, "not_compared": skipped}  # fmt: skip
+
+
+def _snapshot(mem: AnyMemory) -> tuple[bytes, list[tuple[int, int]]]:
+    """What a refused op must leave as it was: the whole memory's state bytes (cells and rows) and every sequence's
+    position range (ids up to LLAMA_MAX_SEQ: a unified cache holds them all)."""
+    from ..constants import LLAMA_MAX_SEQ
+
+    def ranges(ids: range) -> list[tuple[int, int]]:
+        out = []
+        for s in ids:
+            try:
+                out.append((mem.seq_pos_min(s), mem.seq_pos_max(s)))
+            except KVRefError:
+                out.append((-2, -2))  # an id this memory does not hold: the same answer before and after
+        return out
+
+    return bytes(mem.state_write()), ranges(range(LLAMA_MAX_SEQ))
+
+
+def _refuses(mem: AnyMemory, where: str, what: str, call: Callable[[], object]) -> None:
+    """``call`` must raise a KVRefError and leave ``mem`` as it was (``what``: the failure when it does not raise)."""
+    before = _snapshot(mem)
+    try:
+        call()
+    except KVRefError as e:
+        if _snapshot(mem) != before:
+            raise CheckFailed(f"{where}: kvref refused ({type(e).__name__}: {e}) but changed the memory") from None
+        return
+    raise CheckFailed(f"{where}: kvref {what}")
+
+
+def _save_call(mem: AnyMemory, op: TraceOp) -> object:
+    """kvref's counterpart of a save op: the bytes of the memory section(s) it writes."""
+    seq_id = op.get("seq_id")
+    return mem.state_write(-1 if seq_id is None else seq_id, op.get("flags", 0) or 0)
+
+
+def _replay_abort(mem: AnyMemory, op: TraceOp, where: str, arts: Artefacts, n_ubatch: int) -> None:
+    """An op that kills llama.cpp (``"ret": "aborts"``): kvref's call must raise a KVRefError that is not one of the
+    errors standing for a return value (a decode's BatchError is -1, NoSlotError 1) and change nothing."""
+    from ..memory.batch import Batch
+
+    kind = op["op"]
+    calls: dict[str, Callable[[], object]] = {
+        "seq_rm": lambda: mem.seq_rm(op["seq_id"], op["p0"], op["p1"]),
+        "seq_cp": lambda: mem.seq_cp(op["seq_id_src"], op["seq_id_dst"], op["p0"], op["p1"]),
+        "seq_keep": lambda: mem.seq_keep(op["seq_id"]),
+        "seq_add": lambda: mem.seq_add(op["seq_id"], op["p0"], op["p1"], op["delta"]),
+        "seq_div": lambda: mem.seq_div(op["seq_id"], op["p0"], op["p1"], op["d"]),
+        "seq_pos_min": lambda: mem.seq_pos_min(op["seq_id"]),
+        "seq_pos_max": lambda: mem.seq_pos_max(op["seq_id"]),
+        "clear": lambda: mem.clear(op.get("data", True)),
+        "save": lambda: _save_call(mem, op),
+    }
+    if kind == "decode":
+
+        def decode() -> object:
+            tokens = cast("list[int]", op["tokens"])  # a decode's tokens are recorded
+            batch = Batch(tokens=tokens, pos=op.get("pos"), seq_ids=op["seq_ids"], logits=op.get("logits"))
+            try:
+                return mem.decode(batch, n_ubatch)
+            except (BatchError, NoSlotError) as e:
+                ret = -1 if isinstance(e, BatchError) else 1
+                raise CheckFailed(
+                    f"{where}: kvref's decode returned {ret} ({type(e).__name__}: {e}) where llama.cpp aborts"
+                ) from None
+
+        calls["decode"] = decode
+    elif kind in ("state_load", "seq_restore"):
+        data = section_bytes(memory_sections(arts.get(op["file"])))
+        seq_id = op["dest_seq_id"] if kind == "seq_restore" else -1
+        calls[kind] = lambda: mem.state_read(data, seq_id, op.get("flags", 0) or 0)
+    if kind not in calls:
+        raise Unsupported(f"{where}: kvref has no counterpart of an aborting {kind}")
+    _refuses(mem, where, f"went on where llama.cpp aborts ({op['abort']})", calls[kind])
 
 
 # ---------------------------------------------------------------------------------------------- graph inputs
@@ -1037,6 +1163,10 @@ def check_restore(root: Path, case: Case, arts: Artefacts) -> str:
         flags = op.get("flags", 0) or 0
         seq_id = op.get("seq_id", -1)
         seq_id = -1 if seq_id is None or op.get("scope") == "context" else seq_id
+        if not -1 <= seq_id < n_seq:
+            # the save of an id past n_seq_max (kept in a unified cache): its cells carry no id, and a sequence
+            # restore of them is refused (no restore round trip to check)
+            continue
         targets = [seq_id] if seq_id == -1 else [seq_id] + ([(seq_id + 1) % n_seq] if n_seq > 1 else [])
         for dest in targets:
             mem = cast("AnyMemory", create_memory_for(case, hp))  # a case with artefacts has a memory

@@ -269,7 +269,10 @@ def context_for(
     cells = max(req.kv_cells or [0])
     want_seq = cells if kv_unified or n_seq_max == 1 else cells * n_seq_max
     if n_ctx is None:
-        n_ctx = max(want_seq, 1)
+        # the cells the file needs, as the context rounds them up anyway (the same memory): a context of fewer would
+        # also take fewer tokens per decode (llama.cpp's n_batch is at most the n_ctx asked for)
+        rounded = context_params(hp, max(want_seq, 1), n_seq_max, kv_unified=kv_unified, compat=profile)
+        n_ctx = max(want_seq, rounded.n_ctx, 1)
     cp = context_params(hp, n_ctx, n_seq_max, kv_unified=kv_unified, flash_attn=bool(flash_attn), compat=profile)
     size = cp.n_ctx_seq  # create_memory's kv_size (cells per stream)
     if req.kv_cells and req.kv_cells[0] > size:
@@ -471,11 +474,10 @@ def _memory_bytes(source: StateSource, old: Sections, new: Sections) -> memoryvi
             if os.fstat(f.fileno()).st_size <= start:
                 return None
             view = memoryview(mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ))  # lives as long as its views
-    else:
-        try:
-            view = memoryview(source).cast("B")
-        except TypeError:
-            return None
+    elif isinstance(source, bytes | bytearray | memoryview):
+        view = memoryview(source).cast("B")
+    else:  # a llama-cpp-python LlamaState: its sections are serialized
+        return None
     return view[start:]
 
 

@@ -79,7 +79,8 @@ cdef class KVCells:
     cdef Py_ssize_t _index(self, object i) except -1
     cdef Py_ssize_t _pos_set(self, object i, object p) except -1
     cdef Py_ssize_t _used(self, object i, str what) except -1
-    cdef int64_t _delta(self, str what, object d, int64_t max_pos) except? -1
+    cdef int64_t _delta(self, str what, object d) except? -1
+    cdef int64_t _divisor(self, str what, object d, vector[uint32_t]& cells) except? -1
     cdef cnp.ndarray _cp_indices(self, object i, object n)
     cdef list _seqs_of(self, Py_ssize_t v)
     cdef int _mark_dups(self, const int64_t[::1] iv) noexcept nogil

@@ -46,7 +46,7 @@ from cpython.pythread cimport (
 
 from ..args import check_alloc, int64_values
 from ..constants import CELL_BYTES, INT32_MIN, LLAMA_MAX_SEQ, N_SEQ_WORDS, POS_MAX, TOKEN_NULL
-from ..errors import ArgumentTypeError, CellError, KVRefError, SequenceError
+from ..errors import ArgumentTypeError, CellError, CorruptionError, KVRefError, SequenceError
 
 cnp.import_array()
 
@@ -97,8 +97,14 @@ cdef extern from *:
         s.insert(hint, std::move(node));
     }
 
+    /* The position p + d as llama.cpp's int32 addition leaves it: wrapped past INT32_MAX (to a negative one). */
+    static inline int64_t kvref_add32(int64_t p, int64_t d) {
+        return (int64_t) (int32_t) (uint32_t) (uint64_t) (p + d);
+    }
+
     /* Re-key, in one ordered walk, every entry of s whose cell is marked: its position becomes p / d
-       (div) or p + d, and it is dropped when that is negative. When the new keys keep the set's order
+       (div, toward zero) or p + d wrapped to int32, dropped when a sum is negative (the cell is freed; a
+       quotient stays, negative or not). When the new keys keep the set's order
        (checked first: the usual case of a uniform shift) they are written in place -- the key is only
        const to protect the ordering, which is preserved here; otherwise the set is rebuilt sorted. */
     static inline void kvref_ps_rekey(kvref_pos_set &s, const uint8_t *mark, int64_t d, int div) {
@@ -107,8 +113,8 @@ cdef extern from *:
         for (const auto &e : s) {
             int64_t p = e.first;
             if (mark[e.second]) {
-                p = div ? p / d : p + d;
-                if (p < 0) continue;
+                p = div ? p / d : kvref_add32(p, d);
+                if (!div && p < 0) continue;
             }
             std::pair<int32_t, uint32_t> cur((int32_t) p, e.second);
             if (have_prev && !(prev < cur)) { in_order = false; break; }
@@ -118,8 +124,8 @@ cdef extern from *:
         if (in_order) {
             for (auto it = s.begin(); it != s.end();) {
                 if (mark[it->second]) {
-                    int64_t p = div ? it->first / d : it->first + d;
-                    if (p < 0) { it = s.erase(it); continue; }
+                    int64_t p = div ? it->first / d : kvref_add32(it->first, d);
+                    if (!div && p < 0) { it = s.erase(it); continue; }
                     const_cast<int32_t &>(it->first) = (int32_t) p;
                 }
                 ++it;
@@ -131,8 +137,8 @@ cdef extern from *:
         for (const auto &e : s) {
             int64_t p = e.first;
             if (mark[e.second]) {
-                p = div ? p / d : p + d;
-                if (p < 0) continue;
+                p = div ? p / d : kvref_add32(p, d);
+                if (!div && p < 0) continue;
             }
             v.emplace_back((int32_t) p, e.second);
         }
@@ -151,6 +157,7 @@ cdef extern from *:
     void ps_erase_range "kvref_ps_erase_range"(PosSet& s, PosSet.iterator first, PosSet.iterator last) noexcept nogil
     void ps_move "kvref_ps_move"(PosSet& s, int32_t p_old, int32_t p_new, uint32_t i) noexcept nogil
     void ps_rekey "kvref_ps_rekey"(PosSet& s, const uint8_t* mark, int64_t d, int div) noexcept nogil
+    int64_t add32 "kvref_add32"(int64_t p, int64_t d) noexcept nogil
     int popcount "kvref_popcount"(uint64_t w) noexcept nogil
     int ctz "kvref_ctz"(uint64_t w) noexcept nogil
 
@@ -561,8 +568,8 @@ cdef class KVCells:
         self._n_used -= 1
 
     cdef bint _pos_add_c(self, Py_ssize_t i, int64_t d) noexcept nogil:
-        """pos_add on a used cell with a validated delta."""
-        cdef int64_t new_pos = <int64_t>self._pos[i] + d
+        """pos_add on a used cell with a validated delta (the sum wraps as an int32)."""
+        cdef int64_t new_pos = add32(self._pos[i], d)
         self._has_shift = True
         if new_pos < 0:
             self._sp_rm_cell(i)
@@ -574,7 +581,7 @@ cdef class KVCells:
         return False
 
     cdef void _pos_div_c(self, Py_ssize_t i, int64_t d) noexcept nogil:
-        """pos_div on a used cell (pos >= 0) with a validated divisor d > 0."""
+        """pos_div on a used cell with a validated divisor (not 0, the quotient not -1): toward zero (cdivision)."""
         cdef int64_t old = self._pos[i]
         cdef int64_t new_pos = old // d
         self._sp_move_cell(i, <int32_t>new_pos)
@@ -585,7 +592,8 @@ cdef class KVCells:
     cdef void _shift_cells(self, vector[uint32_t]& cells, int64_t d, bint div, uint8_t* freed) noexcept nogil:
         """pos_add(i, d) (or pos_div(i, d) when div) on every listed cell: used, distinct, d validated.
 
-        freed[k] (when not NULL) tells whether cells[k] was freed. A sequence whose index has a large
+        freed[k] (when not NULL) tells whether cells[k] was freed (a sum that wrapped or went negative; a quotient
+        never frees). A sequence whose index has a large
         share of its entries moving is re-keyed in one ordered walk (ps_rekey) instead of entry by entry.
         """
         cdef Py_ssize_t k, m = cells.size()
@@ -596,7 +604,7 @@ cdef class KVCells:
         cdef uint64_t bulk[N_WORDS]
         cdef uint8_t* mark = self._mark.data()
         cdef int64_t old, new_pos
-        cdef bint any_bulk = False
+        cdef bint any_bulk = False, gone
         if m == 0:
             return
         memset(bulk, 0, sizeof(bulk))
@@ -624,24 +632,25 @@ cdef class KVCells:
         for k in range(m):
             i = cells[k]
             old = self._pos[i]
-            new_pos = old // d if div else old + d
+            new_pos = old // d if div else add32(old, d)
+            gone = not div and new_pos < 0
             if new_pos != old:
                 for w in range(N_WORDS):
                     word = self._seq[N_WORDS * i + w] & ~bulk[w]
                     while word:
                         s = w * 64 + ctz(word)
-                        if new_pos < 0:
+                        if gone:
                             ps_erase(self._seq_pos[s], <int32_t>old, i)
                         else:
                             ps_move(self._seq_pos[s], <int32_t>old, <int32_t>new_pos, i)
                         word &= word - 1
-            if new_pos < 0:
+            if gone:
                 self._free(i, False)  # pos_add keeps ext, as llama.cpp's does
             else:
                 self._pos[i] = <int32_t>new_pos
                 self._shift[i] = _wrap32(<int64_t>self._shift[i] + (old - new_pos if div else d))
             if freed != NULL:
-                freed[k] = new_pos < 0
+                freed[k] = gone
         self._has_shift = True
 
     # ------------------------------------------------------------------ argument checks
@@ -660,13 +669,34 @@ cdef class KVCells:
             raise CellError(f"{what}: cell {v} is empty")
         return v
 
-    cdef int64_t _delta(self, str what, object d, int64_t max_pos) except? -1:
-        """Validate a position delta (int32) for cells whose largest position is max_pos (-1: no cells)."""
+    cdef int64_t _delta(self, str what, object d) except? -1:
+        """Validate a position delta (int32); a position it moves past POS_MAX wraps (to a negative one: freed)."""
         cdef int64_t v = _clamp64(d)
         if v < C_INT32_MIN or v > C_POS_MAX:
-            raise CellError(f"{what}: delta {d} is outside the int32 range")
-        if max_pos >= 0 and max_pos + v > C_POS_MAX:
-            raise CellError(f"{what}: a position would exceed {POS_MAX}")
+            raise CellError(f"{what}: delta {_as_int(d)} is outside the int32 range")
+        return v
+
+    cdef int64_t _divisor(self, str what, object d, vector[uint32_t]& cells) except? -1:
+        """Validate a divisor for the listed cells (see the Python twin's _check_divisor): not 0 (llama.cpp's SIGFPE),
+        no quotient -1 (an empty cell that stays used: CorruptionError). A divisor past int64 is clamped (every
+        int32 position divides to 0 either way)."""
+        cdef int64_t v = _clamp64(d)
+        cdef Py_ssize_t k
+        cdef int64_t old = 0
+        cdef bint bad = False
+        if cells.size() == 0:
+            return v
+        if v == 0:
+            raise CellError(f"{what}: division by 0 (llama.cpp dies of SIGFPE)")
+        with nogil(False):
+            for k in range(<Py_ssize_t>cells.size()):
+                old = self._pos[cells[k]]
+                if old / v == -1:
+                    bad = True
+                    break
+        if bad:
+            raise CorruptionError(f"{what}: position {old} / {_as_int(d)} is -1, which marks an empty cell (llama.cpp "
+                                  "keeps the cell used and in its sequences while it reads as empty)")
         return v
 
     cdef cnp.ndarray _cp_indices(self, object i, object n):
@@ -732,8 +762,9 @@ cdef class KVCells:
         for j in range(n):
             if self._shift[iv[j]] != 0:
                 raise CellError("set: a target cell has a pending shift (apply the K-shift first)")
-        if n and (raw_pos.min() < -1 or raw_pos.max() > POS_MAX):
-            raise CellError("set: the other cells hold a position outside [-1, 2^31)")
+        if n and (raw_pos.min() < INT32_MIN or raw_pos.max() > POS_MAX):
+            # a position below -1 is a cell seq_div moved there (llama.cpp divides toward zero, by any divisor)
+            raise CellError("set: the other cells hold a position outside int32")
         if n and (raw_ext.min() < INT32_MIN or raw_ext.max() > POS_MAX):
             raise CellError("set: the other cells hold an ext value outside the int32 range")
         cdef const int32_t[::1] opos = np.ascontiguousarray(raw_pos, dtype=np.int32)
@@ -971,7 +1002,7 @@ cdef class KVCells:
         return p >= _clamp64(p0) and p < _clamp64(p1) and p != -1
 
     def pos_set(self, i, p):
-        """Place position p in an empty cell (has_shift is not touched)."""
+        """Place position p in an empty cell (has_shift is not touched): any int32 but -1 (see the Python twin)."""
         cdef CellsGuard guard
         _take(self, "pos_set", guard)
         self._pos_set(_as_int(i), _as_int(p))
@@ -982,8 +1013,10 @@ cdef class KVCells:
         if self._pos[v] != -1 or self._any(v):
             raise CellError(f"pos_set: cell {v} is not empty")
         cdef int64_t pv = _clamp64(p)
-        if pv < 0:
-            raise CellError(f"pos_set: position {p} is negative")
+        if pv == -1:
+            raise CorruptionError("pos_set: position -1 marks an empty cell")
+        if pv < C_INT32_MIN:
+            raise CellError(f"pos_set: position {p} is below {INT32_MIN}")
         if pv > C_POS_MAX:
             raise CellError(f"pos_set: position {p} is above {POS_MAX}")
         self._pos[v] = <int32_t>pv
@@ -1010,25 +1043,26 @@ cdef class KVCells:
         """pos += d and shift += d; True when the position went negative and the cell was freed.
 
         As in llama.cpp, a cell freed here keeps its ext (only rm/seq_rm/seq_keep reset it). ``d`` must be
-        an int32 and the new position must not pass POS_MAX (CellError, cell unchanged); the shift wraps
-        as an int32, like llama.cpp's.
+        an int32 (CellError, cell unchanged); the position and the shift wrap as int32s, like llama.cpp's (a
+        position moved past POS_MAX turns negative: the cell is freed).
         """
         cdef CellsGuard guard
         _take(self, "pos_add", guard)
         i, d = _as_int(i), _as_int(d)
         cdef Py_ssize_t v = self._used(i, "pos_add")
-        cdef int64_t dv = self._delta("pos_add", d, self._pos[v])
+        cdef int64_t dv = self._delta("pos_add", d)
         return self._pos_add_c(v, dv)
 
     def pos_div(self, i, d):
-        """pos //= d; the change goes into shift."""
+        """pos /= d, dividing toward zero as C does (a negative d gives a negative position); the change goes into
+        shift. CellError for d = 0 (llama.cpp's SIGFPE), CorruptionError when the position would become -1."""
         cdef CellsGuard guard
         _take(self, "pos_div", guard)
         i, d = _as_int(i), _as_int(d)
         cdef Py_ssize_t v = self._used(i, "pos_div")
-        cdef int64_t dv = _clamp64(d)
-        if dv <= 0:
-            raise CellError(f"pos_div: divisor {d} is not positive")
+        cdef vector[uint32_t] one
+        one.push_back(<uint32_t>v)
+        cdef int64_t dv = self._divisor("pos_div", d, one)
         self._pos_div_c(v, dv)
 
     # ------------------------------------------------------------------ bulk forms
@@ -1059,7 +1093,7 @@ cdef class KVCells:
                     if self._pos[idx] != -1 or self._any(idx):
                         err = 3
                         break
-                    if pv[k] < 0 or pv[k] > C_POS_MAX:
+                    if pv[k] == -1 or pv[k] < C_INT32_MIN or pv[k] > C_POS_MAX:
                         err = 4
                         break
             if not err:
@@ -1074,7 +1108,7 @@ cdef class KVCells:
         if err == 3:
             raise CellError("pos_set_many: a target cell is not empty")
         if err == 4:
-            raise CellError("pos_set_many: a position is outside [0, 2^31)")
+            raise CellError("pos_set_many: a position is -1 (an empty cell) or outside int32")
 
     cdef int _mark_dups(self, const int64_t[::1] iv) noexcept nogil:
         """2 when an (already range-checked) index appears twice in iv, else 0; leaves _mark all zero."""
@@ -1223,7 +1257,7 @@ cdef class KVCells:
                 ok = False
                 break
             mark[idx] = 1
-            if pos[k] < 0 or pos[k] > C_POS_MAX or seq[k] < 0 or seq[k] >= MAX_SEQ:
+            if pos[k] == -1 or pos[k] < C_INT32_MIN or pos[k] > C_POS_MAX or seq[k] < 0 or seq[k] >= MAX_SEQ:
                 ok = False
                 break
             if with_ext and not (C_INT32_MIN <= x[k] <= C_POS_MAX and C_INT32_MIN <= y[k] <= C_POS_MAX
@@ -1256,7 +1290,7 @@ cdef class KVCells:
         d = _as_int(d)
         cdef const int64_t[::1] iv = ia
         cdef Py_ssize_t k = 0, m = iv.shape[0], n = self._n
-        cdef int64_t idx, max_pos = -1
+        cdef int64_t idx
         cdef int err = 0
         with nogil(False):
             for k in range(m):
@@ -1267,8 +1301,6 @@ cdef class KVCells:
                 if self._pos[idx] == -1:
                     err = 3
                     break
-                if self._pos[idx] > max_pos:
-                    max_pos = self._pos[idx]
             if not err:
                 err = self._mark_dups(iv)
         if err == 1:
@@ -1277,7 +1309,7 @@ cdef class KVCells:
             raise CellError("pos_add_many: a cell index appears twice")
         if err == 3:
             raise CellError(f"pos_add_many: cell {iv[k]} is empty")
-        cdef int64_t dv = self._delta("pos_add_many", d, max_pos)
+        cdef int64_t dv = self._delta("pos_add_many", d)
         cdef cnp.ndarray out = np.empty(m, dtype=np.bool_)
         cdef uint8_t* o = <uint8_t*>cnp.PyArray_DATA(out)
         cdef vector[uint32_t] cells
@@ -1473,12 +1505,10 @@ cdef class KVCells:
         cdef int s = _seq_id(seq_id)
         cdef int64_t a = _clamp64(p0), b = _clamp64(p1)
         cdef vector[uint32_t] cells
-        cdef int64_t max_pos = -1, dv
+        cdef int64_t dv
         cdef Py_ssize_t k, first = self._n
         self._collect(s, a, b, cells)
-        if cells.size():
-            max_pos = self._pos[cells.back()]  # entries come in position order
-        dv = self._delta("seq_add_range", delta, max_pos)
+        dv = self._delta("seq_add_range", delta)
         cdef vector[uint8_t] freed
         with nogil(False):
             freed.resize(cells.size())
@@ -1488,18 +1518,19 @@ cdef class KVCells:
                     first = cells[k]
         return first
 
-    def seq_div_range(self, seq_id, p0, p1, d):
-        """``pos_div(i, d)`` on every cell of ``seq_id`` with p0 <= pos < p1."""
+    def seq_div_range(self, seq_id, p0, p1, d, check=False):
+        """``pos_div(i, d)`` on every cell of ``seq_id`` with p0 <= pos < p1; all-or-nothing. No cell in range: nothing
+        happens, whatever ``d``. With ``check`` nothing is changed, the errors are raised all the same."""
         cdef CellsGuard guard
         _take(self, "seq_div_range", guard)
         seq_id, p0, p1, d = _as_int(seq_id), _as_int(p0), _as_int(p1), _as_int(d)
         cdef int s = _seq_id(seq_id)
-        cdef int64_t dv = _clamp64(d)
-        if dv <= 0:
-            raise CellError(f"seq_div_range: divisor {d} is not positive")
         cdef int64_t a = _clamp64(p0), b = _clamp64(p1)
         cdef vector[uint32_t] cells
         self._collect(s, a, b, cells)
+        cdef int64_t dv = self._divisor("seq_div_range", d, cells)
+        if check or cells.size() == 0:
+            return
         with nogil(False):
             self._shift_cells(cells, dv, True, NULL)
 

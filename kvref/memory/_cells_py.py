@@ -47,7 +47,7 @@ import numpy.typing as npt
 
 from ..args import check_alloc, int64_values
 from ..constants import CELL_BYTES, INT32_MIN, LLAMA_MAX_SEQ, N_SEQ_WORDS, POS_MAX, TOKEN_NULL
-from ..errors import ArgumentTypeError, CellError, KVRefError, SequenceError
+from ..errors import ArgumentTypeError, CellError, CorruptionError, KVRefError, SequenceError
 
 IntArray = npt.NDArray[np.int32]
 _P = ParamSpec("_P")
@@ -99,6 +99,27 @@ def _wrap32(v: int) -> int:
 def _wrap32_all(v: npt.NDArray[np.int64]) -> IntArray:
     """``_wrap32`` of every element."""
     return ((v - INT32_MIN) % 2**32 + INT32_MIN).astype(np.int32)
+
+
+def _div_toward_zero(old: npt.NDArray[np.int64], d: int) -> npt.NDArray[np.int64]:
+    """``old / d`` as C divides integers (toward zero), as llama_kv_cells::pos_div does; ``d`` != 0. A divisor past
+    int32 divides every int32 position to 0, as 2^32 does (and keeps the arithmetic in int64)."""
+    q = np.abs(old) // min(abs(d), 2**32)
+    res: npt.NDArray[np.int64] = np.where((old < 0) != (d < 0), -q, q)
+    return res
+
+
+def _check_divisor(what: str, d: int, old: npt.NDArray[np.int64]) -> npt.NDArray[np.int64]:
+    """The positions ``old`` divided by ``d`` (`_div_toward_zero`), or the error kvref raises where llama.cpp dies
+    (d = 0: SIGFPE) or corrupts its cells (a position becoming -1: empty, yet still used); nothing is changed."""
+    if d == 0:
+        raise CellError(f"{what}: division by 0 (llama.cpp dies of SIGFPE)")
+    new = _div_toward_zero(old, d)
+    if (new == -1).any():
+        p = int(old[np.flatnonzero(new == -1)[0]])
+        raise CorruptionError(f"{what}: position {p} / {d} is -1, which marks an empty cell (llama.cpp keeps the cell "
+                              "used and in its sequences while it reads as empty)")  # fmt: skip
+    return new
 
 
 def _bits(words: Iterable[int]) -> list[int]:
@@ -247,13 +268,12 @@ class KVCells:
             raise CellError(f"{what}: cell {i} is empty")
         return i
 
-    def _check_delta(self, what: str, d: int, positions: npt.NDArray[np.int32]) -> int:
-        """Validate a position delta (a llama_pos: int32) for cells at ``positions``: no position may pass POS_MAX."""
+    def _check_delta(self, what: str, d: int) -> int:
+        """Validate a position delta (a llama_pos: int32). A position it moves past POS_MAX wraps as llama.cpp's int32
+        does (to a negative one: the cell is freed)."""
         d = _as_int(d)
         if not INT32_MIN <= d <= POS_MAX:
             raise CellError(f"{what}: delta {d} is outside the int32 range")
-        if positions.size and int(positions.max()) + d > POS_MAX:
-            raise CellError(f"{what}: a position would exceed {POS_MAX}")
         return d
 
     def _has(self, i: int, s: int) -> bool:
@@ -351,7 +371,7 @@ class KVCells:
         if not cells.size:
             return np.zeros(0, dtype=bool)
         self._seq_pos_rm_cells(cells)
-        new_pos = self._pos[cells].astype(np.int64) + d
+        new_pos = _wrap32_all(self._pos[cells].astype(np.int64) + d)
         freed = new_pos < 0
         kept = cells[~freed]
         self._has_shift = True
@@ -404,8 +424,9 @@ class KVCells:
                 raise CellError(f"set: {idxs.shape[0]} indices for {n} cells")
         if np.any(self._shift[idxs] != 0):
             raise CellError("set: a target cell has a pending shift (apply the K-shift first)")
-        if n and (other_pos.min() < -1 or other_pos.max() > POS_MAX):
-            raise CellError("set: the other cells hold a position outside [-1, 2^31)")
+        if n and (other_pos.min() < INT32_MIN or other_pos.max() > POS_MAX):
+            # a position below -1 is a cell seq_div moved there (llama.cpp divides toward zero, by any divisor)
+            raise CellError("set: the other cells hold a position outside int32")
         if n and (other_ext.min() < INT32_MIN or other_ext.max() > POS_MAX):
             raise CellError("set: the other cells hold an ext value outside the int32 range")
         if np.any(other_seq[other_pos == -1] != 0):
@@ -562,7 +583,9 @@ class KVCells:
         return bool(p >= p0 and p < p1 and p != -1)
 
     def pos_set(self, i: int, p: int) -> None:
-        """Place position p in an empty cell (has_shift is not touched)."""
+        """Place position p in an empty cell (has_shift is not touched). Any int32 but -1, which marks an empty cell
+        (llama.cpp would keep the cell used while it reads as empty: CorruptionError); a position below -1 is one a
+        seq_div by a negative divisor left, as a state restores it."""
         self._pos_set(_as_int(i), _as_int(p))
 
     def _pos_set(self, i: int, p: int) -> int:
@@ -570,8 +593,10 @@ class KVCells:
         i = self._check_index(i)
         if self._pos[i] != -1 or self._seq[i].any():
             raise CellError(f"pos_set: cell {i} is not empty")
-        if p < 0:
-            raise CellError(f"pos_set: position {p} is negative")
+        if p == -1:
+            raise CorruptionError("pos_set: position -1 marks an empty cell")
+        if p < INT32_MIN:
+            raise CellError(f"pos_set: position {p} is below {INT32_MIN}")
         if p > POS_MAX:
             raise CellError(f"pos_set: position {p} is above {POS_MAX}")
         self._pos[i] = p
@@ -596,14 +621,14 @@ class KVCells:
         """pos += d and shift += d; True when the position went negative and the cell was freed.
 
         As in llama.cpp, a cell freed here keeps its ext (only rm/seq_rm/seq_keep reset it). ``d`` must be
-        an int32 and the new position must not pass POS_MAX (CellError, cell unchanged); the shift wraps
-        as an int32, like llama.cpp's.
+        an int32 (CellError, cell unchanged); the position and the shift wrap as int32s, like llama.cpp's (a
+        position moved past POS_MAX turns negative: the cell is freed).
         """
         i, d = _as_int(i), _as_int(d)
         i = self._check_used(i, "pos_add")
-        d = self._check_delta("pos_add", d, self._pos[i : i + 1])
+        d = self._check_delta("pos_add", d)
         self._seq_pos_rm_cell(i)
-        new_pos = int(self._pos[i]) + d
+        new_pos = _wrap32(int(self._pos[i]) + d)
         self._has_shift = True
         if new_pos < 0:
             self._free(i, reset_ext=False)
@@ -614,15 +639,15 @@ class KVCells:
         return False
 
     def pos_div(self, i: int, d: int) -> None:
-        """pos //= d; the change goes into shift."""
+        """pos /= d, dividing toward zero as C does (a negative d gives a negative position); the change goes into
+        shift. CellError for d = 0 (llama.cpp's SIGFPE), CorruptionError when the position would become -1."""
         i, d = _as_int(i), _as_int(d)
         i = self._check_used(i, "pos_div")
-        if d <= 0:
-            raise CellError(f"pos_div: divisor {d} is not positive")
-        self._seq_pos_rm_cell(i)
         old = int(self._pos[i])
-        self._pos[i] = old // d
-        self._shift[i] = _wrap32(int(self._shift[i]) + old - old // d)
+        new = int(_check_divisor("pos_div", d, np.array([old], dtype=np.int64))[0])
+        self._seq_pos_rm_cell(i)
+        self._pos[i] = new
+        self._shift[i] = _wrap32(int(self._shift[i]) + old - new)
         self._seq_pos_add_cell(i)
         self._has_shift = True
 
@@ -637,13 +662,13 @@ class KVCells:
             self._check_index(int(ia[k]))
         if np.unique(ia).size != ia.size:
             raise CellError("pos_set_many: a cell index appears twice")
-        # the first element pos_set would refuse: its cell is not empty, or its position is outside [0, 2^31)
+        # the first element pos_set would refuse: its cell is not empty, or its position is -1 or outside int32
         taken = (self._pos[ia] != -1) | self._seq[ia].any(axis=1)
-        bad = taken | (pa < 0) | (pa > POS_MAX)
+        bad = taken | (pa == -1) | (pa < INT32_MIN) | (pa > POS_MAX)
         if bad.any():
             if taken[np.flatnonzero(bad)[0]]:
                 raise CellError("pos_set_many: a target cell is not empty")
-            raise CellError("pos_set_many: a position is outside [0, 2^31)")
+            raise CellError("pos_set_many: a position is -1 (an empty cell) or outside int32")
         self._pos[ia] = pa  # pos_set of every listed cell, all checked above
         self._n_used += int(ia.size)
 
@@ -722,7 +747,7 @@ class KVCells:
             return False
         if np.any(self._pos[ia] != -1) or np.any(self._seq[ia] != 0):
             return False
-        if pa.min() < 0 or pa.max() > POS_MAX or sa.min() < 0 or sa.max() >= LLAMA_MAX_SEQ:
+        if (pa == -1).any() or pa.min() < INT32_MIN or pa.max() > POS_MAX or sa.min() < 0 or sa.max() >= LLAMA_MAX_SEQ:
             return False
         if any(v.min() < INT32_MIN or v.max() > POS_MAX for v in vals):
             return False
@@ -746,7 +771,7 @@ class KVCells:
             self._check_used(int(ia[k]), "pos_add_many")
         if np.unique(ia).size != ia.size:
             raise CellError("pos_add_many: a cell index appears twice")
-        d = self._check_delta("pos_add_many", d, self._pos[ia])
+        d = self._check_delta("pos_add_many", d)
         return self._pos_add_all(ia, d)
 
     def seq_pos_min_many(self, seq_ids: Iterable[int]) -> IntArray:
@@ -814,24 +839,26 @@ class KVCells:
         seq_id, p0, p1, delta = _as_int(seq_id), _as_int(p0), _as_int(p1), _as_int(delta)
         s = _check_seq(seq_id)
         cells = np.flatnonzero(self._in_range(p0, p1) & self._has_all(s))
-        delta = self._check_delta("seq_add_range", delta, self._pos[cells])
+        delta = self._check_delta("seq_add_range", delta)
         freed = cells[self._pos_add_all(cells, delta)]
         return int(freed[0]) if freed.size else self.size()
 
-    def seq_div_range(self, seq_id: int, p0: int, p1: int, d: int) -> None:
-        """``pos_div(i, d)`` on every cell of ``seq_id`` with p0 <= pos < p1."""
+    def seq_div_range(self, seq_id: int, p0: int, p1: int, d: int, check: bool = False) -> None:
+        """``pos_div(i, d)`` on every cell of ``seq_id`` with p0 <= pos < p1; all-or-nothing. No cell in range: nothing
+        happens, whatever ``d`` (llama.cpp divides nothing). With ``check`` nothing is changed, the errors are raised
+        all the same (a composite memory checks every cache before changing any)."""
         seq_id, p0, p1, d = _as_int(seq_id), _as_int(p0), _as_int(p1), _as_int(d)
         s = _check_seq(seq_id)
-        if d <= 0:
-            raise CellError(f"seq_div_range: divisor {d} is not positive")
         cells = np.flatnonzero(self._in_range(p0, p1) & self._has_all(s))
         if not cells.size:
             return
-        self._seq_pos_rm_cells(cells)
         old = self._pos[cells].astype(np.int64)
-        d = min(d, POS_MAX + 1)  # positions are below 2^31: a larger divisor gives 0 all the same (and fits int64)
-        self._pos[cells] = old // d
-        self._shift[cells] = _wrap32_all(self._shift[cells].astype(np.int64) + old - old // d)
+        new = _check_divisor("seq_div_range", d, old)
+        if check:
+            return
+        self._seq_pos_rm_cells(cells)
+        self._pos[cells] = new
+        self._shift[cells] = _wrap32_all(self._shift[cells].astype(np.int64) + old - new)
         self._seq_pos_add_cells(cells)
         self._has_shift = True
 

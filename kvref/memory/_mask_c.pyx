@@ -174,8 +174,17 @@ cdef inline int64_t _lower_bound(const uint64_t* keys, int64_t n, uint64_t key) 
     return lo
 
 
+cdef inline uint64_t _key(int64_t p, int64_t j) noexcept nogil:
+    # a cell's key: (pos + 2^31) << 32 | cell, ordered by position (any int32: a seq_div by a negative divisor
+    # leaves cells below 0), then by cell
+    return (<uint64_t>(p + POS_INF) << 32) | <uint64_t>j
+
+
+cdef inline int64_t _key_pos(uint64_t key) noexcept nogil:
+    return <int64_t>(key >> 32) - POS_INF
+
+
 cdef inline int64_t _cell(uint64_t key) noexcept nogil:
-    # keys are pos << 32 | cell
     return <int64_t>((key << 32) >> 32)
 
 
@@ -188,7 +197,7 @@ cdef inline int _is_2d_later(const int32_t* ext, int64_t cell, int32_t x, int32_
 # ------------------------------------------------------------------------------------------ the cell pass
 
 cdef struct Members:
-    # one sequence's member cells as keys pos << 32 | cell, sorted by key once listed
+    # one sequence's member cells as keys (`_key`), sorted by key once listed
     uint64_t* keys
     int64_t n
     int64_t cap
@@ -224,7 +233,7 @@ cdef inline int _push(Members* m, uint64_t key) noexcept nogil:
 cdef inline void _interval(const KQArgs* a, int64_t p1, int64_t pos_min,
                            int64_t* lo_out, int64_t* hi_out) noexcept nogil:
     # the interval [lo, hi] of positions a token at p1 attends (empty when hi < lo)
-    cdef int64_t lo = 0, hi = POS_INF - 1, wlo, whi, half
+    cdef int64_t lo = -POS_INF, hi = POS_INF - 1, wlo, whi, half
     if a.causal:
         hi = p1
     if a.swa_type != 0:
@@ -264,10 +273,10 @@ cdef inline int _put(elem_t* out, Members* m, const Direct* t, const int32_t* ex
         out[t.row + j] = _alibi_value(KEEP, <int64_t>p0 - t.p1) if alibi else KEEP
         return 1
     if m.n < m.cap:
-        m.keys[m.n] = (<uint64_t>p0 << 32) | <uint64_t>j
+        m.keys[m.n] = _key(p0, j)
         m.n += 1
         return 1
-    return _push(m, (<uint64_t>p0 << 32) | <uint64_t>j)
+    return _push(m, _key(p0, j))
 
 
 cdef int _cell_pass(elem_t* out, const KQArgs* a, const int32_t* pos, const uint64_t* seq, const int32_t* ext,
@@ -348,7 +357,7 @@ cdef int _cell_pass(elem_t* out, const KQArgs* a, const int32_t* pos, const uint
                 if b == 0:
                     continue
                 p0 = pos[j]
-                if p0 < 0:
+                if p0 == -1:
                     continue
                 while b:
                     k = kvref_ctz64(b)
@@ -380,9 +389,9 @@ cdef int _cell_pass(elem_t* out, const KQArgs* a, const int32_t* pos, const uint
             if b == 0:
                 continue
             p0 = pos[j]
-            if p0 < 0:
+            if p0 == -1:
                 continue
-            key = (<uint64_t>p0 << 32) | <uint64_t>j
+            key = _key(p0, j)
             while b:
                 k = kvref_ctz64(b)
                 b &= b - 1
@@ -410,7 +419,7 @@ cdef int _cell_pass(elem_t* out, const KQArgs* a, const int32_t* pos, const uint
             if bits == 0:
                 continue
             p0 = pos[j]
-            if p0 < 0:
+            if p0 == -1:
                 continue
             while bits:
                 s = w * 64 + kvref_ctz64(bits)
@@ -425,8 +434,8 @@ cdef int _cell_pass(elem_t* out, const KQArgs* a, const int32_t* pos, const uint
         bits = listed[w]
         for j in range(n_kv):
             p0 = pos[j]
-            if p0 >= 0 and (seq[j * N_WORDS + w] & bits):
-                key = (<uint64_t>p0 << 32) | <uint64_t>j
+            if p0 != -1 and (seq[j * N_WORDS + w] & bits):
+                key = _key(p0, j)
                 if m.n > 0 and m.keys[m.n - 1] > key:
                     m.unsorted = 1
                 m.keys[m.n] = key
@@ -434,7 +443,7 @@ cdef int _cell_pass(elem_t* out, const KQArgs* a, const int32_t* pos, const uint
         return 1
     for j in range(n_kv):
         p0 = pos[j]
-        if p0 < 0:
+        if p0 == -1:
             continue
         for k in range(n_words):
             w = words[k]
@@ -448,7 +457,7 @@ cdef int _cell_pass(elem_t* out, const KQArgs* a, const int32_t* pos, const uint
             bits = b & listed[w]
             if bits == 0:
                 continue
-            key = (<uint64_t>p0 << 32) | <uint64_t>j
+            key = _key(p0, j)
             s = w * 64 + kvref_ctz64(bits)
             if (bits & (bits - 1)) == 0 and mem[s].n < mem[s].cap:
                 # one listed sequence in this word and room in its list (the usual case): plain append
@@ -518,7 +527,7 @@ cdef void _kq_rows(elem_t* out, const KQArgs* a, const Members* mem, const int32
                 _fill(row + c0, c1 - c0, DROP)
                 if a.alibi:
                     while k < m and _cell(ks[k]) < c1:
-                        row[_cell(ks[k])] = _alibi_value(KEEP, <int64_t>(ks[k] >> 32) - p1)
+                        row[_cell(ks[k])] = _alibi_value(KEEP, _key_pos(ks[k]) - p1)
                         k += 1
                 else:
                     while k < m and _cell(ks[k]) < c1:
@@ -535,12 +544,12 @@ cdef void _kq_rows(elem_t* out, const KQArgs* a, const Members* mem, const int32
         if hi < lo:
             ra = rb = 0
         else:
-            ra = _lower_bound(ks, m, <uint64_t>lo << 32)
-            rb = _lower_bound(ks, m, <uint64_t>(hi + 1) << 32)
+            ra = _lower_bound(ks, m, _key(lo, 0))
+            rb = m if hi >= POS_INF - 1 else _lower_bound(ks, m, _key(hi + 1, 0))
         # with the 2-D rule the cells at exactly p1 (the top of the range) are tested one by one
         e0 = rb
         if check_2d and rb > ra:
-            e0 = _lower_bound(ks + ra, rb - ra, <uint64_t>p1 << 32) + ra
+            e0 = _lower_bound(ks + ra, rb - ra, _key(p1, 0)) + ra
 
         if first_cell[s] == -2:
             # a sequence laid out in position order in consecutive cells (a prompt, one stream per
@@ -558,7 +567,7 @@ cdef void _kq_rows(elem_t* out, const KQArgs* a, const Members* mem, const int32
             _fill(row, n_kv, DROP)
             if a.alibi:
                 for k in range(ra, rb):
-                    row[_cell(ks[k])] = _alibi_value(KEEP, <int64_t>(ks[k] >> 32) - p1)
+                    row[_cell(ks[k])] = _alibi_value(KEEP, _key_pos(ks[k]) - p1)
             else:
                 for k in range(ra, rb):
                     row[_cell(ks[k])] = KEEP

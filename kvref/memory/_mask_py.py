@@ -10,8 +10,8 @@ A token is described by its position ``p1`` and its *first* sequence id (llama.c
 ``seq_id[i][0]``); it reads the cells of the cache stream ``seq_to_stream[seq]``. Cell ``j`` (position
 ``p0``) is attended, value 0 (or ``-|p0 - p1|`` under ALiBi), when all of these hold, else ``-inf``:
 
-- the cell is used (``p0 >= 0``: llama.cpp marks an empty cell with -1; kvref reads every negative position as
-  empty) and holds the token's sequence;
+- the cell is used (``p0 != -1``: llama.cpp marks an empty cell with -1; a position below it is a cell a seq_div
+  by a negative divisor moved there, attended like any other) and holds the token's sequence;
 - causal: ``p0 <= p1``; with 2-D (M-RoPE) positions, a cell at ``p0 == p1`` is masked when its (x, y) comes
   after the token's: ``y_cell > y_tok`` or (``y_cell == y_tok`` and ``x_cell > x_tok``);
 - with a sliding window (``swa_type != NONE``): not ``is_masked_swa(n_swa, swa_type, p0, p1)``, except that
@@ -248,7 +248,7 @@ def fill_kq_mask_raw(
             s = tok_seq[idx]
             # the cell is used and holds the token's (first) sequence
             bit = (words[:, s >> 6].T >> (s & 63).astype(np.uint64)[:, None]) & np.uint64(1)
-            att = (p0 >= 0) & (bit != 0)
+            att = (p0 != -1) & (bit != 0)
             if causal:
                 att &= p0 <= p1
                 if tok_x is not None and tok_y is not None:  # is_2d

@@ -18,7 +18,7 @@ The batch allocator's kernels (``plain_seq_ids``, ``single_seq_ids``, ``single_s
 ``seq_flat``) read Python lists and NumPy buffers in one C pass each, with the answers of the Python twin.
 """
 
-from libc.stdint cimport INT32_MIN as INT32_MIN_C, INT64_MIN, int32_t, int64_t, uint64_t
+from libc.stdint cimport INT32_MIN as INT32_MIN_C, INT64_MIN, int32_t, int64_t, uint32_t, uint64_t
 from libcpp.algorithm cimport sort
 from libcpp.vector cimport vector
 
@@ -101,7 +101,8 @@ cdef inline int _can_use(Cells* c, int64_t idx, object seq_pos_max) except -1:
         return 0
     if c.pos_max[s] == UNKNOWN:
         c.pos_max[s] = (<CKVCells>c.kv)._seq_pos_max_c(s) if c.kv != NULL else seq_pos_max(s)
-    return _masked_swa(c.n_swa, c.swa_type, p, c.pos_max[s] + 1)
+    # seq_pos_max + 1 is an int32 sum in llama.cpp: past INT32_MAX it wraps to INT32_MIN
+    return _masked_swa(c.n_swa, c.swa_type, p, <int32_t><uint32_t>(c.pos_max[s] + 1))
 
 
 cdef cnp.ndarray _array(object a, object dtype, int ndim):

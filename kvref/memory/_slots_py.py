@@ -92,7 +92,8 @@ class Usable:
         seq_ids = np.argmax(bits[single], axis=1).tolist()
         for s in set(seq_ids) - self.pos_max.keys():
             self.pos_max[s] = int(self.seq_pos_max(s))
-        query = np.array([self.pos_max[s] + 1 for s in seq_ids], dtype=np.int64)
+        # seq_pos_max + 1 is an int32 sum in llama.cpp: past INT32_MAX it wraps to INT32_MIN
+        query = np.array([(self.pos_max[s] + 1 + 2**31) % 2**32 - 2**31 for s in seq_ids], dtype=np.int64)
         usable[single] = is_masked_swa(self.n_swa, self.swa_type, pos[single], query)
         return usable
 

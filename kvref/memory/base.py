@@ -22,7 +22,7 @@ import numpy.typing as npt
 
 from ..args import as_buffer, as_int, as_state_args
 from ..constants import LLAMA_MAX_SEQ
-from ..errors import ArgumentError, ArgumentTypeError, FormatError, KVRefError
+from ..errors import ArgumentError, ArgumentTypeError, CorruptionError, FormatError, KVRefError
 from ..profile import Profile, resolve
 from ..state import section_bytes
 from .batch import BatchAllocr
@@ -181,6 +181,10 @@ class Decodable(Protocol[_P, _S]):
     def profile(self) -> Profile: ...
     @property
     def kv_unified(self) -> bool: ...
+    @property
+    def kind(self) -> str: ...
+    @property
+    def cparams(self) -> ContextParams | None: ...
     def seq_pos_min(self, seq_id: int) -> int: ...
     def seq_pos_max(self, seq_id: int) -> int: ...
     def update(self) -> bool: ...
@@ -326,6 +330,7 @@ def decode_batch(
         balloc = BatchAllocr(memory.hparams.n_pos_per_embd())
     n_seq_max = decode_seq_bound(memory.profile, memory.kv_unified, memory._decode_n_seq_max())
     balloc.init(batch, memory=memory, n_seq_max=n_seq_max, output_all=embd_all)
+    check_decode(memory, balloc)
     memory.update()
     out = []
     for ub, prepared in memory.init_batch(balloc, n_ubatch, embd_all):
@@ -333,6 +338,25 @@ def decode_batch(
         store_rows(memory, ub, slot, k, v, on_ubatch)
         out.append((ub, slot))
     return out
+
+
+def over_n_batch(cparams: ContextParams | None, batch: Batch) -> bool:
+    """More tokens than the context's n_batch, where llama_decode asserts (`check_decode` raises; a decode's fast path
+    leaves such a batch to it)."""
+    return cparams is not None and batch.n_tokens > cparams.n_batch
+
+
+def check_decode(memory: Decodable[_P, _S], balloc: BatchAllocr) -> None:
+    """What llama_decode refuses by dying (or by corrupting its cells) after the batch validated, before the memory
+    changes: more tokens than the context's n_batch (GGML_ASSERT: ArgumentError), and a token at position -1 for an
+    attention cache (it would sit in a cell that reads as empty yet stays used, in its sequence: CorruptionError)."""
+    n_tokens = balloc.get_n_tokens()
+    cparams = memory.cparams
+    if cparams is not None and n_tokens > cparams.n_batch:
+        raise ArgumentError(f"a batch of {n_tokens} tokens is more than n_batch = {cparams.n_batch} (llama.cpp aborts)")
+    if memory.kind != "recurrent" and bool((np.asarray(balloc.pos[:n_tokens]) == -1).any()):
+        raise CorruptionError("a token at position -1 would leave a cell that reads as empty but stays used and in its "
+                              "sequence (llama.cpp decodes it so)")  # fmt: skip
 
 
 def store_rows(
@@ -493,9 +517,11 @@ __all__ = [
     "PairedMemory",
     "Restorable",
     "RowStore",
+    "check_decode",
     "clear_seq",
     "decode_batch",
     "decode_seq_bound",
+    "over_n_batch",
     "read_all",
     "read_parts",
     "sections_of",

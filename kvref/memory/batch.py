@@ -203,11 +203,12 @@ class Batch:
             raise BatchError("n_tokens == 0")  # llama_context::decode rejects empty batches
         if self.pos is not None:
             self.pos = _int32s(self.pos, "pos")
-            if self.pos.size and self.pos.min() < 0:
-                # llama.cpp's cells hold positions >= 0 (a negative one asserts in the KV cache and reads as an
-                # empty cell in the recurrent memory): refused before any memory sees it
-                i = int(np.flatnonzero(self.pos < 0)[0])
-                raise BatchError(f"pos[{i}] = {int(self.pos[i])}: positions must be >= 0")
+            if self.pos.size and self.pos.min() < -1:
+                # llama_batch_allocr::init: a sequence's positions start above -1 (its running position) and never
+                # decrease, so a position below -1 is refused ("positions are decreasing"); -1 itself starts an empty
+                # sequence (a KV cache refuses it when placing: kvref.errors.CorruptionError)
+                i = int(np.flatnonzero(self.pos < -1)[0])
+                raise BatchError(f"pos[{i}] = {int(self.pos[i])}: sequence positions are decreasing (not allowed)")
             if len(self.pos) < n or len(self.pos) % n:
                 raise BatchError(f"pos has {len(self.pos)} entries, expected a multiple of n_tokens = {n}")
         if self.seq_ids is not None:

@@ -13,7 +13,7 @@ from ..archs import NO_MEMORY_ARCHS, UNSUPPORTED_ARCHS
 from ..args import as_int
 from ..constants import LLAMA_MAX_SEQ, UINT32_MAX
 from ..errors import ArgumentError, KVRefError
-from ..ggml.types import GGMLType
+from ..ggml.types import GGMLType, traits
 from ..hparams import HParams, SWAType
 from ..profile import DEFAULT, Profile, resolve
 from ..profile import RS_ROLLBACK_ARCHS as RS_ROLLBACK_ARCHS
@@ -145,6 +145,26 @@ def context_params(
     )
 
 
+def check_cache_types(
+    hparams: HParams, type_k: GGMLType | int | str, type_v: GGMLType | int | str, flash_attn: bool
+) -> None:
+    """What llama_init_from_model refuses of the cache types (the context is not created: KVRefError): with flash
+    attention on (or auto) a quantized K or V type whose block does not divide every layer's head size."""
+    if not flash_attn:
+        return
+    for name, t, head in (("K", type_k, hparams.n_embd_head_k_l), ("V", type_v, hparams.n_embd_head_v_l)):
+        tr = traits(t)
+        if not tr.is_quantized:
+            continue
+        for il in range(hparams.n_layer):
+            if head(il) % tr.block_size:
+                which = name.lower()
+                raise KVRefError(
+                    f"{name} cache type {tr.name} with block size {tr.block_size} does not divide "
+                    f"n_embd_head_{which}={head(il)} (llama_init_from_model refuses the context)"
+                )
+
+
 def create_memory(
     hparams: HParams,
     n_ctx: int = 0,
@@ -198,6 +218,7 @@ def create_memory(
         causal_attn=causal_attn,
         compat=profile,
     )
+    check_cache_types(hparams, type_k, type_v, cp.flash_attn)
     n_pad = kv_pad(cp.flash_attn, profile)
     arch = hparams.arch
     if arch in NO_MEMORY_ARCHS:
@@ -313,6 +334,7 @@ __all__ = [
     "ContextParams",
     "Memory",
     "PairedMemory",
+    "check_cache_types",
     "context_params",
     "create_memory",
     "kv_pad",

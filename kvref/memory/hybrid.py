@@ -155,11 +155,14 @@ class HybridMemory(PairedMemory[SlotInfo | ISWASlot, HybridSlot]):
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         """The recurrent part first, which may refuse (False, nothing changed), then the attention part."""
-        # the recurrent part goes first because it may refuse, and then nothing has changed; an argument either
-        # part refuses is refused before either changes
-        seq_id, p0, p1 = self.check_op("seq_rm", seq_id, p0, p1)
-        if not self.recr.seq_rm(seq_id, p0, p1):
+        # the recurrent part answers first: where it refuses (an id past n_seq_max, a range cutting its state),
+        # llama.cpp returns false without asking the attention part, whose assert on the id is never reached;
+        # where it accepts, an id the attention part refuses is refused before either part changes
+        seq_id, p0, p1 = self.recr.check_op("seq_rm", seq_id, p0, p1)
+        if self.recr.seq_rm_refused(seq_id, p0, p1):
             return False
+        self.attn.check_op("seq_rm", seq_id, p0, p1)
+        self.recr.seq_rm(seq_id, p0, p1)
         return bool(self.attn.seq_rm(seq_id, p0, p1))
 
     def seq_pos_min(self, seq_id: int) -> int:
@@ -235,9 +238,11 @@ class HybridMemory(PairedMemory[SlotInfo | ISWASlot, HybridSlot]):
         With ``atomic=False``, as llama.cpp: the attention part is restored before the recurrent section is
         read; a failing part is left as llama.cpp leaves it (the sequence removed). When the recurrent part
         fails, ``Profile.hybrid_restore_undo`` clears the restored attention part for the sequence again
-        (llama_memory_hybrid::state_read); without it the attention part is kept."""
+        (llama_memory_hybrid::state_read); without it, and always for hybrid_iswa (llama_memory_hybrid_iswa), the
+        attention part is kept."""
         seq_id, flags = as_state_args(seq_id, flags)
-        undo = self.profile.hybrid_restore_undo
+        # llama_memory_hybrid_iswa::state_read reads one part after the other and undoes nothing
+        undo = self.profile.hybrid_restore_undo and self.kind == "hybrid"
         return read_parts(self._state_parts(flags), data, seq_id, flags, undo_before=undo, atomic=atomic)
 
     @property

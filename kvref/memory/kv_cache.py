@@ -25,7 +25,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..args import args_name, as_int32, as_range, as_seq_id, as_state_args, check_alloc
-from ..errors import KVRefError, NoSlotError, SequenceError
+from ..errors import KShiftError, KVRefError, NoSlotError, SequenceError
 from ..ggml import rotation as _rotation
 from ..ggml.rows import from_f32, typed
 from ..ggml.types import GGMLType, ggml_type, row_size, traits
@@ -34,7 +34,7 @@ from ..profile import DEFAULT, Profile, first_release, resolve
 from . import kv_state as _kv_state
 from . import slot_kernels as _kernels
 from . import slots as _slots
-from .base import ContextParams, decode_batch, decode_seq_bound, store_rows
+from .base import ContextParams, decode_batch, decode_seq_bound, over_n_batch, store_rows
 from .batch import UBatch
 from .cells import LLAMA_MAX_SEQ, POS_MAX, KVCells
 from .kshift import GGML_CPU, ROPE_NEOX, RopeKernel, RopeParams, shift_k_rows
@@ -73,6 +73,11 @@ class CacheLayer:
     il: int
     k: npt.NDArray[np.uint8]  # uint8 (n_stream, size, k row bytes)
     v: npt.NDArray[np.uint8] | None  # uint8, layout per v_trans; None for MLA (no V cache)
+
+
+def _add32(a: int, b: int) -> int:
+    """``a + b`` as an int32 sum in llama.cpp: wrapped past INT32_MAX."""
+    return (a + b + 2**31) % 2**32 - 2**31
 
 
 def _norm_range(p0: int, p1: int) -> tuple[int, int]:
@@ -292,10 +297,10 @@ class KVCache:
             src, dst = self.check_seq(args[0], "seq_id_src"), self.check_seq(args[1], "seq_id_dst")
             p0, p1 = as_range(*args[2:])
             # llama.cpp's "full range" test for a copy across streams, on the raw arguments: an open end, 0, or
-            # >= size - 1
+            # >= size - 1; p + 1 is an int32 sum, so an end at INT32_MAX wraps below the size (and asserts too)
             n = self.get_size()
             s0, s1 = self.seq_to_stream[src], self.seq_to_stream[dst]
-            if s0 != s1 and ((p0 > 0 and p0 + 1 < n) or (p1 > 0 and p1 + 1 < n)):
+            if s0 != s1 and ((p0 > 0 and _add32(p0, 1) < n) or (p1 > 0 and _add32(p1, 1) < n)):
                 raise SequenceError(
                     f"seq_cp across streams ({s0} -> {s1}) only copies the full range, got [{p0}, {p1})"
                 )
@@ -305,8 +310,10 @@ class KVCache:
         if op in ("seq_add", "seq_div"):
             seq_id, (p0, p1), x = self.check_seq(args[0]), as_range(*args[1:3]), as_int32(args[3], args_name(op))
             self._check_pos_ops(op)
-            if op == "seq_div" and x != 1 and x <= 0:
-                raise SequenceError(f"seq_div: divisor {x} is not positive")
+            a, b = _norm_range(p0, p1)
+            if op == "seq_div" and x != 1 and a != b:
+                # d = 0 with a cell in range (llama.cpp's SIGFPE), a quotient of -1 (an empty cell that stays used)
+                self._cells[self.seq_to_stream[seq_id]].seq_div_range(seq_id, a, b, x, check=True)
             return seq_id, p0, p1, x
         raise KVRefError(f"unknown sequence operation {op!r}")
 
@@ -375,7 +382,10 @@ class KVCache:
         self.heads[s] = first if first != cells.size() else 0
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
-        """Integer-divide the positions of ``seq_id`` in [p0, p1) by ``d``."""
+        """Divide the positions of ``seq_id`` in [p0, p1) by ``d``, toward zero as C does: a negative ``d`` moves them
+        below 0 (the cells stay). Refused (nothing changes) where llama.cpp dies, ``d`` = 0 with a cell in range
+        (SIGFPE: CellError), or would leave a cell at -1, which reads as empty (CorruptionError); with no cell in
+        range nothing happens, whatever ``d``."""
         seq_id, p0, p1, d = self.check_op("seq_div", seq_id, p0, p1, d)
         s = self.seq_to_stream[seq_id]
         if d == 1:
@@ -448,6 +458,10 @@ class KVCache:
             raise KVRefError("the KV cache / model configuration does not support K-shift")
         k_rot = 0  # a quantized K cache's rotation size (kvref.memory.kshift_quant); refused where llama.cpp crashes
         if do_shift and self.hparams.rope_type != RopeType.NONE:
+            if not self.layers:
+                # the shift graph of a cache without a layer (lfm2-swa's iSWA base) never uses its k_shift input, so
+                # the input gets no buffer and setting it asserts (GGML_ASSERT(buffer) in ggml-backend.cpp)
+                raise KShiftError("a K-shift of a KV cache without a layer: llama.cpp asserts (GGML_ASSERT(buffer))")
             k_rot = check_shift_type(self)
         copies = list(zip(self._sc_src, self._sc_dst, strict=True))
         self._sc_src, self._sc_dst = [], []
@@ -562,7 +576,7 @@ class KVCache:
         the batch does not fit; the cells and heads are then as prepare() leaves them after a failure: the
         pending update applied and, with SWA, any purge done while trying earlier ubatches kept (as in
         llama.cpp)."""
-        if balloc is None and not embd_all and self.n_stream == 1:
+        if balloc is None and not embd_all and self.n_stream == 1 and not over_n_batch(self.cparams, batch):
             step = self._decode_single(batch, n_ubatch)
             if step is not None:  # the common step, done in one call: what decode_batch would have done
                 ub, slot = step

@@ -23,6 +23,7 @@ from .base import (
     ContextParams,
     PairedMemory,
     decode_batch,
+    over_n_batch,
     read_parts,
     store_rows,
 )
@@ -245,7 +246,7 @@ class KVCacheISWA(PairedMemory[ISWASlot, ISWASlot]):
         each layer. The common step of a one-stream memory (`KVCache._single`) is planned in both caches and
         then written, with nothing changed unless both plans hold: what prepare and apply_ubatch of both caches do
         to a single ubatch (`_decode_single`)."""
-        if balloc is None and not embd_all and self.base.n_stream == 1:
+        if balloc is None and not embd_all and self.base.n_stream == 1 and not over_n_batch(self.cparams, batch):
             step = self._decode_single(batch, n_ubatch)
             if step is not None:
                 ub, slot = step

@@ -57,7 +57,7 @@ import numpy.typing as npt
 
 from ..args import as_buffer
 from ..constants import LLAMA_MAX_SEQ, N_SEQ_WORDS, TOKEN_NULL
-from ..errors import CellError, FormatError, NoSlotError
+from ..errors import CellError, FormatError, NoSlotError, SequenceError
 from ..ggml.types import traits
 from ..hparams import SWAType, is_masked_swa
 from . import slot_kernels as _kernels
@@ -240,8 +240,11 @@ def state_section(cache: StateCache, seq_id: int = -1, flags: int = 0, *, copy: 
 
     del flags
     seq_id = int(seq_id)
-    if seq_id != -1:
-        cache.check_seq(seq_id)
+    if not -1 <= seq_id < LLAMA_MAX_SEQ and any(cache.cells(s).get_used() for s in range(cache.n_stream)):
+        # llama.cpp asks each used cell whether it holds the id (std::bitset::test, which throws past its
+        # LLAMA_MAX_SEQ bits): llama_state_seq_get_data then writes 0 bytes. Any other id is written, a stream
+        # the id does not map to (n_seq_max and above without kv_unified) with no cell of it
+        raise SequenceError(f"seq_id {seq_id} is outside [0, {LLAMA_MAX_SEQ}): llama.cpp throws saving it")
     n_ext = ext_size(cache) // 4
     streams = []
     for s in range(cache.n_stream):
@@ -496,9 +499,11 @@ _APPLY_CHUNK = 1 << 14  # cells per apply_ubatch of a large sequence restore (bo
 
 def _check_whole_cells(cache: StateCache, st: KVStream, at: int) -> None:
     """Raise what placing the section's cells one by one (`_whole_cells`) would raise, checked at once: a
-    negative position, or a sequence id listed twice in a cell (the walk then names the first bad cell)."""
+    position -1 (an empty cell's mark: llama.cpp would keep it used while it reads as empty), or a sequence id
+    listed twice in a cell (the walk then names the first bad cell). A position below -1 is one a seq_div by a
+    negative divisor left: restored as it is, as llama.cpp does."""
     c, _ = _filled(st)
-    bad = bool((c.pos < 0).any())
+    bad = bool((c.pos == -1).any())
     if not bad and len(c.seq_id):
         bad = int(c.seq_id.min()) < 0 or int(c.seq_id.max()) >= LLAMA_MAX_SEQ
         if not bad and int(np.diff(c.seq_start).max()) > 1:
@@ -665,11 +670,11 @@ def stage_state(
     trial = cache.fork([strm]) if len(streams) > 1 else None
     for _, st in streams:
         st_cells, st_data = _filled(st)
-        if st_cells.n and int(st_cells.pos.min()) < 0:
-            # what placing the cells would refuse, said before anything changes
-            i = int(np.argmax(st_cells.pos < 0))
+        if st_cells.n and bool((st_cells.pos == -1).any()):
+            # what placing the cells would refuse, said before anything changes (a position below -1 is restored)
+            i = int(np.argmax(st_cells.pos == -1))
             raise FormatError(
-                f"cell {i}: position {int(st_cells.pos[i])} is outside [0, 2^31)",
+                f"cell {i}: position -1 marks an empty cell (llama.cpp would keep it used while it reads as empty)",
                 field="pos",
                 offset=st.offsets.get("cells", offset),
             )

@@ -266,12 +266,9 @@ class RecurrentMemory:
             return (as_seq_id(args[0]),)
         if op in ("seq_add", "seq_div"):
             seq_id, (p0, p1), x = as_seq_id(args[0]), as_range(*args[1:3]), as_int32(args[3], args_name(op))
-            if op == "seq_div" and x == 0:
-                raise SequenceError("seq_div by 0")
-            if op == "seq_add" and x:
-                t = self._tail_cell_in_range(seq_id, 0 if p0 < 0 else p0, POS_MAX if p1 < 0 else p1)
-                if t >= 0 and not INT32_MIN <= self.pos[t] + x <= POS_MAX:
-                    raise CellError(f"seq_add: position {self.pos[t]} + {x} leaves int32 (llama_pos)")
+            a, b = 0 if p0 < 0 else p0, POS_MAX if p1 < 0 else p1
+            if op == "seq_div" and x == 0 and a != b and self._tail_cell_in_range(seq_id, a, b) >= 0:
+                raise SequenceError("seq_div by 0 of a position in range (llama.cpp dies of SIGFPE)")
             return seq_id, p0, p1, x
         raise KVRefError(f"unknown sequence operation {op!r}")
 
@@ -282,6 +279,16 @@ class RecurrentMemory:
         (unless a rollback snapshot covers it); a range that misses the tail, or covers it whole, succeeds.
         """
         seq_id, p0, p1 = self.check_op("seq_rm", seq_id, p0, p1)
+        return self._seq_rm(seq_id, p0, p1, apply=True)
+
+    def seq_rm_refused(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
+        """Would ``seq_rm`` return False (and change nothing)? Changes nothing (a hybrid memory asks before its
+        attention part checks the id: llama.cpp never reaches that part when the recurrent part refuses)."""
+        seq_id, p0, p1 = self.check_op("seq_rm", seq_id, p0, p1)
+        return not self._seq_rm(seq_id, p0, p1, apply=False)
+
+    def _seq_rm(self, seq_id: int, p0: int, p1: int, apply: bool) -> bool:
+        """seq_rm of checked arguments; with ``apply`` False only its answer, nothing changed."""
         new_head = self.size
         p0 = 0 if p0 < 0 else p0
         p1 = POS_MAX if p1 < 0 else p1
@@ -291,7 +298,7 @@ class RecurrentMemory:
         if self.profile.recurrent_seq_rm_checks_n_seq_max and (seq_id & 0xFFFFFFFF) >= self.n_seq_max:
             log.error("seq_rm: invalid seq_id (%d) - larger than n_seq_max (%d)", seq_id, self.n_seq_max)
             return False
-        if current and p0 == 0 and p1 == POS_MAX:
+        if current and p0 == 0 and p1 == POS_MAX and apply:
             self._set_rs_idx(seq_id, 0)  # before the id is checked: a negative id resets them all
 
         if seq_id >= self.size:
@@ -307,16 +314,20 @@ class RecurrentMemory:
                         # without the single-use rule a pending rollback index is replaced
                         pending = self.profile.recurrent_rollback_single_use and self.rs_idx[seq_id] != 0
                         if not pending and 1 <= rollback <= self.n_rs_seq:
+                            if not apply:
+                                return True
                             self._set_rs_idx(seq_id, rollback)
                             self.pos[t] = p0 - 1
                             return True
                         return False
                 elif (0 < p0 <= cpos) or (0 < p1 <= cpos):
                     return False  # "any_end_inside": any partial intersection is refused
-                if p0 <= cpos < p1:
+                if p0 <= cpos < p1 and apply:
                     self.tail[seq_id] = -1
         elif p0 != p1 and (p0 != 0 or p1 != POS_MAX):
             return False  # negative id: all or nothing (reachable only without recurrent_seq_rm_checks_n_seq_max)
+        if not apply:
+            return True
 
         for i in range(self.size):
             if not p0 <= self.pos[i] < p1:
@@ -388,7 +399,8 @@ class RecurrentMemory:
         return -1
 
     def seq_add(self, seq_id: int, p0: int, p1: int, shift: int) -> None:
-        """Shift the tail's pos only (a recurrent state has no per-token positions to rotate)."""
+        """Shift the tail's pos only (a recurrent state has no per-token positions to rotate); the sum wraps as
+        llama.cpp's int32 does (the cell stays, whatever its position)."""
         seq_id, p0, p1, shift = self.check_op("seq_add", seq_id, p0, p1, shift)
         if shift == 0:
             return
@@ -398,12 +410,13 @@ class RecurrentMemory:
             return
         t = self._tail_cell_in_range(seq_id, p0, p1)
         if t >= 0:
-            self.pos[t] += shift
+            self.pos[t] = (self.pos[t] + shift - INT32_MIN) % 2**32 + INT32_MIN
 
     def seq_div(self, seq_id: int, p0: int, p1: int, d: int) -> None:
-        """Divide the pos of the tail cell of ``seq_id`` by ``d`` (truncating, as C) when it lies in [p0, p1).
+        """Divide the pos of the tail cell of ``seq_id`` by ``d`` (toward zero, as C) when it lies in [p0, p1).
 
-        Like llama_memory_recurrent::seq_div; ``d == 0`` is a SequenceError.
+        Like llama_memory_recurrent::seq_div; ``d == 0`` with the tail in range is a SequenceError (llama.cpp dies of
+        SIGFPE), without it nothing happens.
         """
         seq_id, p0, p1, d = self.check_op("seq_div", seq_id, p0, p1, d)
         if d == 1:
@@ -414,12 +427,16 @@ class RecurrentMemory:
             return
         t = self._tail_cell_in_range(seq_id, p0, p1)
         if t >= 0:
-            self.pos[t] = int(self.pos[t] / d)  # C integer division truncates toward zero
+            q = abs(self.pos[t]) // abs(d)  # C integer division truncates toward zero
+            self.pos[t] = -q if (self.pos[t] < 0) != (d < 0) else q
 
     def seq_pos_min(self, seq_id: int) -> int:
-        """Like llama_memory_seq_pos_min: the smallest position of the cells of ``seq_id``, or -1 when it has none."""
-        ps = [self.pos[i] for i in range(self.size) if seq_id in self.seq[i]]
-        return min(ps) if ps else -1
+        """Like llama_memory_seq_pos_min: the smallest position of the cells of ``seq_id``, or -1 when it has none.
+
+        llama.cpp's running minimum starts at INT32_MAX, which also stands for "none": a cell at INT32_MAX reads as -1.
+        """
+        result = min([POS_MAX, *(self.pos[i] for i in range(self.size) if seq_id in self.seq[i])])
+        return -1 if result == POS_MAX else result
 
     def seq_pos_max(self, seq_id: int) -> int:
         """Like llama_memory_seq_pos_max: the largest position of the cells of ``seq_id``, or -1 when it has none

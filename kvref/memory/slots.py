@@ -43,7 +43,7 @@ import numpy.typing as npt
 from ..errors import BatchError, KVRefError
 from . import _slots_py
 from . import slot_kernels as _kernels
-from .cells import LLAMA_MAX_SEQ, TOKEN_NULL, KVCells
+from .cells import LLAMA_MAX_SEQ, POS_MAX, TOKEN_NULL, KVCells
 
 if TYPE_CHECKING:
     from ..hparams import HParams, SWAType
@@ -311,13 +311,16 @@ def _apply_writes(cache: SlotCache, sinfo: SlotInfo, ubatch: UBatch, plan: _Plan
 def purge_below(cache: SlotCache, removed: dict[int, int]) -> None:
     """apply_ubatch's last writes: each sequence that lost a cell to the ubatch (``removed``: sequence -> highest
     position removed) loses its cells from its seq_pos_min up to that position, so its positions stay gap-free
-    (llama.cpp's seq_rm: the freed cells also lower the stream's head, as ``KVCache.seq_rm`` does)."""
+    (llama.cpp's seq_rm: the freed cells also lower the stream's head, as ``KVCache.seq_rm`` does; its range starts
+    at 0 at the lowest, so cells a seq_div moved below 0 stay)."""
     for sid in sorted(removed):
         stream = cache.seq_to_stream[sid]
         cells = cache.cells(stream)
         p_min = cells.seq_pos_min(sid)
         if p_min <= removed[sid]:
-            cache._lower_head(stream, cells.seq_rm_range(sid, p_min, removed[sid] + 1))
+            # removed + 1 is an int32 sum there: past INT32_MAX it wraps negative, which seq_rm reads as INT32_MAX
+            p1 = removed[sid] + 1 if removed[sid] < POS_MAX else POS_MAX
+            cache._lower_head(stream, cells.seq_rm_range(sid, max(p_min, 0), p1))
 
 
 def _writes_cannot_fail(cache: SlotCache, sinfo: SlotInfo, ubatch: UBatch, plan: _Plan) -> bool:

@@ -19,7 +19,7 @@ import struct
 import sys
 from collections.abc import Callable
 from functools import partial
-from typing import TYPE_CHECKING, Literal, TypedDict, TypeVar, overload
+from typing import TYPE_CHECKING, Literal, Protocol, TypedDict, TypeVar, overload, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -57,8 +57,19 @@ if TYPE_CHECKING:
     from typing_extensions import Unpack  # typing.Unpack from Python 3.11
 
 KINDS = ("session", "seq", "state", "seq_state")
-# what `load` reads: a path (memory-mapped) or the bytes of a blob
-Source = str | os.PathLike[str] | bytes | bytearray | memoryview
+
+
+@runtime_checkable
+class LlamaStateLike(Protocol):
+    """llama-cpp-python's ``LlamaState`` (what ``Llama.save_state()`` returns), as `load` reads it: ``llama_state``
+    holds the bytes of llama_state_get_data (a context state blob), ``llama_state_size`` their count."""
+
+    llama_state: bytes
+    llama_state_size: int
+
+
+# what `load` reads: a path (memory-mapped), the bytes of a blob, or a llama-cpp-python LlamaState
+Source = str | os.PathLike[str] | bytes | bytearray | memoryview | LlamaStateLike
 
 # (has_outputs, n_stream_field, ext sizes) per container version, oldest first. Cell ext came after n_stream
 # (July 2025); 12-byte ext with the version bump of #27742; the v9 output block went away with #18862.
@@ -109,6 +120,13 @@ class Options(TypedDict):
 def _open(src: Source) -> memoryview:
     if isinstance(src, bytes | bytearray | memoryview):
         return memoryview(src).cast("B")
+    if isinstance(src, LlamaStateLike):
+        data = memoryview(src.llama_state).cast("B")
+        size = int(src.llama_state_size)
+        if not 0 <= size <= data.nbytes:
+            raise FormatError(f"LlamaState.llama_state_size is {size}, its llama_state holds {data.nbytes} bytes",
+                              field="llama_state_size")  # fmt: skip
+        return data[:size]
     with open(os.fspath(src), "rb") as f:
         size = os.fstat(f.fileno()).st_size
         if size == 0:
@@ -833,7 +851,8 @@ def load(
     seq_header: bool | None = None,
     model: object = None,
 ) -> StateObject:
-    """Parse a state file (path, memory-mapped) or blob (bytes) into its object model.
+    """Parse a state file (path, memory-mapped), blob (bytes) or llama-cpp-python ``LlamaState`` (its
+    ``llama_state`` bytes, a context state blob) into its object model.
 
     ``kind``: "session" ('ggsn' file), "seq" ('ggsq' file), "state" (llama_state_get_data blob),
     "seq_state" (llama_state_seq_get_data blob) or "auto". ``layout``: one of ``LAYOUTS`` ("kv", "iswa",
@@ -849,6 +868,8 @@ def load(
         raise ArgumentError(f"layout must be 'auto' or one of {tuple(LAYOUTS)}, not {layout!r}")
     if ext_size is not None and ext_size not in (0, 8, 12):
         raise ArgumentError(f"ext_size must be 0, 8 or 12, not {ext_size!r}")
+    if isinstance(src, LlamaStateLike) and kind == "auto":
+        kind = "state"  # a LlamaState holds llama_state_get_data's bytes
     buf = _open(src)
     old = raw_kv_kind(buf, kind)
     if old is not None:  # llama.cpp before July 2024: another format, read with the model's layer widths

@@ -323,6 +323,13 @@ def _check_layer_n_embd(prefix: str) -> Check:
     return check
 
 
+def _one_sequence(env: Env) -> bool:
+    """A sequence-scope state of one sequence, whose cells list that sequence alone (or, recurrent, no id). A sequence
+    blob of id -1 (llama_state_seq_get_data of every sequence, its header says so) is the whole memory's: its cells
+    list their ids as a context state does."""
+    return env_flag(env, "seq_scope") and env.get("io_seq_id") != -1
+
+
 def _cells_rows(env: Env, name: str) -> tuple[int, int]:
     return env_int(env, "cell_count"), env_int(env, name)
 
@@ -390,7 +397,7 @@ KV_STREAM = Struct(
             "cells",
             lambda env: env_int(env, "cell_count"),
             lambda env: env_int(env, "ext_size"),
-            lambda env: (0, 1) if env_flag(env, "seq_scope") else None,
+            lambda env: (0, 1) if _one_sequence(env) else None,
         ),
     ),
     # before PR #14363 (no n_stream field: llama-cpp-python 0.3.12 .. 0.3.14) state_write_data ran even for zero
@@ -518,7 +525,7 @@ RECURRENT_SECTION = Struct(
         "cells",
         lambda env: env_int(env, "cell_count"),
         lambda env: 0,
-        lambda env: (0,) if env_flag(env, "seq_scope") else None,
+        lambda env: (0,) if _one_sequence(env) else None,
     ),
     U32("s_trans", check=_check_flag),
     U32("n_layer", check=_check_n_layer),
