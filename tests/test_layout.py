@@ -94,3 +94,15 @@ def test_imports_go_one_way_between_wings() -> None:
         if dst.startswith("kvref") and _wing(dst) > _wing(src)
     ]
     assert not wrong, wrong
+
+
+def test_the_conformance_runner_finds_the_goldens_from_any_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """From another directory, the checkout's conformance/ beside kvref/ (a wheel: kvref/conformance_data/): the
+    runner moved into kvref/jobs/ and once looked one floor too low."""
+    from kvref.jobs.conformance import find_root
+
+    monkeypatch.chdir(tmp_path)
+    found = find_root()
+    assert (found / "golden").is_dir() and found in (PKG.parent / "conformance", PKG / "conformance_data")

@@ -169,8 +169,8 @@ def find_root(root: str | Path | None = None) -> Path:
         if not (p / "golden").is_dir():
             raise KVRefError(f"{p} has no golden/ directory")
         return p
-    here = Path(__file__).resolve().parent
-    for p in (Path.cwd() / "conformance", here.parent / "conformance", here / "conformance_data"):
+    package = Path(__file__).resolve().parent.parent  # kvref/: a checkout's conformance/ stands beside it
+    for p in (Path.cwd() / "conformance", package.parent / "conformance", package / "conformance_data"):
         if (p / "golden").is_dir():
             return p
     raise KVRefError(
