@@ -235,10 +235,10 @@ def _maybe_unrotate(x: F32, t: int, head: int | None, rotated: bool | None, n_ro
     return rot.rotate(x, n_rot), True
 
 
-def _check_model_fits(obj: StateObject, hp: HParams) -> None:
-    """A KVRefError unless ``hp``'s model could have written ``obj``: its arch (when the file names one), the memory
-    layout and each section's layer count. Head sizes, layer ids and R/S shapes come from the model, so a wrong one
-    would label every tensor wrongly."""
+def _fitting_leaves(obj: StateObject, hp: HParams) -> list[LeafMemory]:
+    """The memories ``hp``'s model builds for ``obj``'s sections, or a KVRefError unless the model could have
+    written ``obj``: its arch (when the file names one), the memory layout and each section's layer count. Head
+    sizes, layer ids and R/S shapes come from the model, so a wrong one would label every tensor wrongly."""
     from .restore import memory_layout
 
     why = None
@@ -258,9 +258,10 @@ def _check_model_fits(obj: StateObject, hp: HParams) -> None:
             if n is not None and n != want:
                 why = f"section {i} holds {n} layers, the model's {sec.kind} cache {want}"
                 break
-    if why is not None:
+    if why is not None or leaves is None:
         raise KVRefError(f"the model does not fit this state: {why}. Give the model that wrote it (--model), or "
                          "none (layers are then numbered within their section and rows stay flat)")  # fmt: skip
+    return leaves
 
 
 def section_layer_ids(obj: StateObject, hp: HParams) -> list[list[int]]:
@@ -268,18 +269,20 @@ def section_layer_ids(obj: StateObject, hp: HParams) -> list[list[int]]:
     for ``hp`` holds them (a KVRefError when the model could not have written the state)."""
     from ..memory.kv_cache import KVCache
 
-    _check_model_fits(obj, hp)
-    leaves = _model_leaves(hp, obj.memory.layout) or []
+    leaves = _fitting_leaves(obj, hp)
     return [[layer.il for layer in leaf.layers] if isinstance(leaf, KVCache) else list(leaf.layers) for leaf in leaves]
 
 
 def _section_shapes(
-    obj: StateObject, hp: HParams | None, head_dim: int | None, rotated: bool | None
-) -> list[_KVShape | None]:
-    """Per section of ``obj.memory``: its _KVShape (None for recurrent sections)."""
+    obj: StateObject, hp: HParams | None, head_dim: int | None, rotated: bool | None,
+    leaves: list[LeafMemory] | None = None,
+) -> list[_KVShape | None]:  # fmt: skip
+    """Per section of ``obj.memory``: its _KVShape (None for recurrent sections). ``leaves``: the model's memories
+    for the sections, when the caller has them (else built here from ``hp``)."""
     mem = obj.memory
     era_rot = _era_rotates(obj) if rotated is None else rotated
-    leaves = _model_leaves(hp, mem.layout) if hp is not None else None
+    if leaves is None and hp is not None:
+        leaves = _model_leaves(hp, mem.layout)
     if leaves is not None and [getattr(c, "kind", "") for c in leaves] != [s.kind for s in mem.sections]:
         leaves = None
     out: list[_KVShape | None] = []
@@ -382,16 +385,13 @@ def state_tensors(
     if not isinstance(obj, state.StateObject):
         obj = state.load(obj)
     hp = _hparams(hparams, model)
-    if hp is not None:
-        _check_model_fits(obj, hp)
-    shapes = _section_shapes(obj, hp, head_dim, rotated)
+    leaves = _fitting_leaves(obj, hp) if hp is not None else None
+    shapes = _section_shapes(obj, hp, head_dim, rotated, leaves)
     out = Tensors()
     rec_il = None
-    if hp is not None:
-        leaves = _model_leaves(hp, obj.memory.layout)
-        for leaf in leaves or []:
-            if getattr(leaf, "kind", "") == "recurrent":
-                rec_il = list(cast("RecurrentMemory", leaf).layers)
+    for leaf in leaves or []:
+        if getattr(leaf, "kind", "") == "recurrent":
+            rec_il = list(cast("RecurrentMemory", leaf).layers)
     for si, sec in enumerate(obj.memory.sections):
         shape = shapes[si]
         if shape is not None:  # a KV section (_section_shapes)
