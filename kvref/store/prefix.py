@@ -421,8 +421,10 @@ class Store:
                 continue
             n_l = self._swa_limit(ns, covered, L)
             if n_l < L:
-                why.append(f"section {i} (SWA, window {ns.n_swa}) holds the window before position {n_l} at most, "
-                           f"not before {L}: a sequence save keeps only the last window of its SWA cache")  # fmt: skip
+                held = np.flatnonzero(covered[:L])
+                why.append(f"section {i} (SWA, window {ns.n_swa}) holds positions {held[0] if held.size else L} .. "
+                           f"{L - 1} of this prefix, not the window a cut at {L} needs (a sequence save keeps only "
+                           f"the last window of its SWA cache): the longest servable cut is {n_l}")  # fmt: skip
                 L = n_l
         return L, why
 
