@@ -15,7 +15,7 @@ import kvref
 from kvref._moved import MOVED
 
 PKG = Path(kvref.__file__).resolve().parent
-WINGS = {"ggml", "memory", "state", "jobs"}
+WINGS = {"ggml", "memory", "state", "store", "jobs"}
 
 
 def test_the_root_holds_at_most_22_modules() -> None:
@@ -72,7 +72,7 @@ def test_the_memory_wing_names_the_factory_exports() -> None:
 
 
 # the wings in import order: a module may import its own wing and the ones before it, never one after
-WING_ORDER = ["kvref", "kvref.ggml", "kvref.state", "kvref.memory", "kvref.jobs"]
+WING_ORDER = ["kvref", "kvref.ggml", "kvref.state", "kvref.memory", "kvref.store", "kvref.jobs"]
 # the package's face and entry points stand above every wing
 ABOVE_THE_WINGS = ("kvref", "kvref.__main__", "kvref.about", "kvref.cells", "kvref.mask", "kvref._moved")
 

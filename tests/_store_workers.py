@@ -1,0 +1,65 @@
+"""Child-process bodies for tests/test_store_backends.py (a module of their own, so a spawned child imports little).
+
+Every value a worker writes carries its own checksum: ``payload + sha256(payload)``, see `make_value`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import random
+from pathlib import Path
+
+from kvref.store.sqlite_backend import INLINE_MAX, SQLiteBackend
+
+
+def make_value(tag: str, size: int) -> bytes:
+    """``size`` bytes (at least 40) whose last 32 are the sha256 of the rest, which starts with ``tag``."""
+    head = tag.encode() + b"|"
+    payload = head + random.Random(tag).randbytes(max(0, size - 32 - len(head)))
+    return payload + hashlib.sha256(payload).digest()
+
+
+def whole(value: bytes) -> bool:
+    return hashlib.sha256(value[:-32]).digest() == value[-32:]
+
+
+def size_for(i: int) -> int:
+    """Mostly small values, every fourth one large enough to go to a file."""
+    return INLINE_MAX + 1000 * (i % 7) if i % 4 == 0 else 100 + 37 * (i % 50)
+
+
+def writer(path: str, worker: int, n: int) -> int:
+    """Put ``n`` keys shared by every worker and ``n`` of its own; returns how many shared puts it won."""
+    won = 0
+    with SQLiteBackend(path) as store:
+        for i in range(n):
+            won += store.put(f"same-{i}", make_value(f"same-{i}-w{worker}", size_for(i)))
+            assert store.put(f"w{worker}-{i}", make_value(f"w{worker}-{i}", size_for(i + worker)))
+            if i % 5 == 0:
+                store.add_link(f"same-{i}", f"w{worker}-{i}")
+                store.incr("puts", 2)
+    return won
+
+
+def churner(path: str, progress: str) -> None:
+    """Puts, replaces, deletes and evicts until killed (a test sends SIGKILL); ``progress`` names a file whose size
+    grows by one byte per step done, so the test can kill it mid-sequence."""
+    store = SQLiteBackend(path)
+    rng = random.Random(0)
+    with open(progress, "ab", buffering=0) as mark:
+        for step in range(1_000_000):
+            k = f"c{rng.randrange(200)}"
+            op = rng.randrange(10)
+            if op < 6:
+                store.put(k, make_value(f"{k}-{step}", size_for(step)), replace=op < 3)
+            elif op < 8:
+                store.get(k)
+            elif op < 9:
+                store.delete([k])
+            else:
+                store.evict(4 * INLINE_MAX)
+            mark.write(b".")
+
+
+def progress_of(progress: Path) -> int:
+    return progress.stat().st_size if progress.exists() else 0
