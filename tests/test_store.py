@@ -6,15 +6,19 @@ values are never served. Every state here was written by a real llama.cpp (confo
 from __future__ import annotations
 
 import json
+import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from _redis import redis_url  # noqa: F401  (a fixture)
 
 import kvref
 import kvref.store
 from kvref.errors import ArgumentError, FormatError
-from kvref.store.backend import MemoryBackend
+from kvref.store.backend import Backend, MemoryBackend
+from kvref.store.backends import open_backend
 from kvref.store.prefix import Store
 
 ROOT = Path(__file__).resolve().parent.parent / "conformance"
@@ -61,9 +65,24 @@ def _seq_id(obj: object) -> int:
     return ids.pop() if len(ids) == 1 else 0
 
 
-@pytest.fixture
-def store() -> Store:
-    return Store(MemoryBackend(), chunk_tokens=4)
+@pytest.fixture(params=["memory", "embedded", "redis"])
+def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Store]:
+    """A store with chunks of 4 tokens on each backend (Redis: a real server, `_redis.redis_url`)."""
+    backend: Backend
+    if request.param == "memory":
+        backend = MemoryBackend()
+    elif request.param == "embedded":
+        backend = open_backend(tmp_path / "store")
+    else:
+        from kvref.store.redis_backend import RedisBackend
+
+        backend = RedisBackend(request.getfixturevalue("redis_url"), prefix=f"kvref-test-{uuid.uuid4().hex}:")
+    st = Store(backend, chunk_tokens=4)
+    try:
+        yield st
+    finally:
+        backend.delete(backend.keys())
+        st.close()
 
 
 @pytest.mark.parametrize("name", SEQ_FILES)
@@ -73,7 +92,9 @@ def test_a_stored_sequence_file_comes_back_byte_for_byte(name: str, store: Store
     obj = kvref.state.load(f)
     put = store.put(f, model=model)
     assert put.n_tokens == len(obj.tokens)
-    hit = store.get(obj.tokens, model=model, kind="seq", seq_id=_seq_id(obj), type_k=None, type_v=None)
+    n_stream = len(obj.memory.kv_sections[0].streams) if obj.memory.kv_sections else 1  # the context's streams
+    hit = store.get(obj.tokens, model=model, kind="seq", seq_id=_seq_id(obj), n_stream=n_stream, type_k=None,
+                    type_v=None)  # fmt: skip
     assert hit is not None and hit.n_tokens == len(obj.tokens) and hit.why == []
     assert hit.data == f.read_bytes()
 
@@ -85,7 +106,7 @@ def test_a_prompt_gets_the_prefix_it_shares_cut_at_the_token_where_it_leaves(sto
     toks = [int(t) for t in obj.tokens]
     store.put(f, model=model)
     for cut in range(1, len(toks)):  # mid-chunk and on chunk edges (chunks of 4)
-        prompt = toks[:cut] + [(toks[cut] + 1) % 128, 5]
+        prompt = [*toks[:cut], (toks[cut] + 1) % 128, 5]
         hit = store.get(prompt, model=model, kind="seq")
         assert hit is not None and hit.n_tokens == cut, cut
         got = kvref.state.load(hit.data)
@@ -110,11 +131,11 @@ def test_an_iswa_sequence_save_is_served_only_where_its_swa_cache_holds_the_wind
     toks = [int(t) for t in obj.tokens]
     store.put(f, model=model)
     assert store.lookup(toks, model=model).n_tokens == 13
-    assert store.lookup(toks[:12] + [0], model=model).n_tokens == 12  # needs 9 .. 11
-    look = store.lookup(toks[:10] + [0], model=model)
+    assert store.lookup([*toks[:12], 0], model=model).n_tokens == 12  # needs 9 .. 11
+    look = store.lookup([*toks[:10], 0], model=model)
     assert look.n_tokens == 0 and look.matched == 10
     assert any("SWA" in w and "window" in w for w in look.why), look.why
-    assert store.get(toks[:10] + [0], model=model) is None
+    assert store.get([*toks[:10], 0], model=model) is None
 
 
 def test_a_recurrent_state_is_served_only_at_its_checkpoint(store: Store) -> None:
@@ -122,8 +143,8 @@ def test_a_recurrent_state_is_served_only_at_its_checkpoint(store: Store) -> Non
     model = tiny_model("mamba-tiny")
     toks = [int(t) for t in kvref.state.load(f).tokens]
     assert store.put(f, model=model).checkpoint
-    assert store.lookup(toks + [1, 2], model=model).n_tokens == len(toks)
-    shorter = store.lookup(toks[:-1] + [(toks[-1] + 1) % 128], model=model)
+    assert store.lookup([*toks, 1, 2], model=model).n_tokens == len(toks)
+    shorter = store.lookup([*toks[:-1], (toks[-1] + 1) % 128], model=model)
     assert shorter.n_tokens == 0 and shorter.matched == len(toks) - 1
     assert any("recurrent" in w for w in shorter.why)
 
@@ -166,10 +187,10 @@ def test_a_damaged_value_is_a_reported_miss_never_served(store: Store, victim: s
     toks = [int(t) for t in kvref.state.load(f).tokens]
     store.put(f, model=model)
     be = store.backend
-    assert isinstance(be, MemoryBackend)
     # damage the value of the third chunk (positions 8 .. 11)
     third = None
-    for key in be.keys():
+    held = be.keys()
+    for key in held:
         if key.startswith(victim):
             value = be.get(key)
             assert value is not None
@@ -187,15 +208,17 @@ def test_a_damaged_value_is_a_reported_miss_never_served(store: Store, victim: s
     hit = store.get(toks, model=model, kind="seq")
     assert hit is not None and hit.n_tokens == 8  # the chunks before it, nothing of it
     assert store.stats()["corrupt"] == 1
-    assert third not in be.keys()  # dropped: the next put stores it again
+    held = be.keys()
+    assert third not in held  # dropped: the next put stores it again
     store.put(f, model=model)
     assert store.get(toks, model=model, kind="seq").data == f.read_bytes()  # type: ignore[union-attr]
 
 
-def _chunk_key_of(be: MemoryBackend, tokens: list[int]) -> str:
+def _chunk_key_of(be: Backend, tokens: list[int]) -> str:
     from kvref.store.chunks import ChunkMeta
 
-    for key in be.keys():
+    held = be.keys()
+    for key in held:
         if key.startswith("c:"):
             value = be.get(key)
             assert value is not None
@@ -205,22 +228,27 @@ def _chunk_key_of(be: MemoryBackend, tokens: list[int]) -> str:
 
 
 def test_capacity_evicts_the_ends_of_chains_before_the_prefixes_they_share() -> None:
-    case = GOLDEN / "llama-shared-prefix"
-    model = tiny_model(_case_model(case))
-    files = sorted(case.glob("*-seq-seq*.ggsq"))
-    sizes = []
-    for f in files:
-        probe = Store(MemoryBackend(), chunk_tokens=4)
-        probe.put(f, model=model)
-        sizes.append(probe.stats()["bytes"])
-    cap = max(sizes)  # room for one file's chunks, not for all
+    """Three prompts sharing their first 8 tokens (the same llama.cpp rows stored under three token lists): with room
+    for about two of them, the last put is whole and the shared head survives; the oldest tail went first."""
+    f = GOLDEN / "llama-f16-single-seq/03-seq-seq0.ggsq"
+    model = tiny_model("llama-tiny")
+    n = len(kvref.state.load(f).tokens)
+    head = list(range(1, 9))
+    prompts = [head + [100 + i] * (n - 8) for i in range(3)]
+    probe = Store(MemoryBackend(), chunk_tokens=4)
+    probe.put(f, model=model, tokens=prompts[0])
+    one = probe.stats()["bytes"]
+    assert isinstance(one, int)
+    cap = one * 17 // 10
     st = Store(MemoryBackend(), capacity_bytes=cap, chunk_tokens=4)
-    for f in files:
-        st.put(f, model=model)
+    for p in prompts:
+        st.put(f, model=model, tokens=p)
         assert st.stats()["bytes"] <= cap  # type: ignore[operator]
-    last = kvref.state.load(files[-1])
-    hit = st.get(last.tokens, model=model, kind="seq", seq_id=_seq_id(last))
-    assert hit is not None and hit.data == files[-1].read_bytes()
+    assert st.stats()["evicted_bytes"] > 0  # type: ignore[operator]
+    hit = st.get(prompts[2], model=model, kind="seq")
+    assert hit is not None and hit.n_tokens == n
+    first = st.lookup(prompts[0], model=model)
+    assert 8 <= first.n_tokens < n  # its own tail was evicted, the shared head was not
 
 
 def test_bad_arguments_get_clear_errors(store: Store, tmp_path: Path) -> None:
@@ -265,8 +293,9 @@ def test_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     model = str(tiny_model("llama-tiny"))
     url = str(tmp_path / "store")
     assert main(["store", "put", url, str(f), "--model", model, "--chunk-tokens", "4"]) == 0
+    assert "15 tokens" in capsys.readouterr().out
     toks = [int(t) for t in kvref.state.load(f).tokens]
-    (tmp_path / "prompt.json").write_text(json.dumps(toks[:6] + [127]))
+    (tmp_path / "prompt.json").write_text(json.dumps([*toks[:6], 127]))
     out = tmp_path / "slot.bin"
     assert main(["store", "get", url, "--model", model, "--tokens-from", str(tmp_path / "prompt.json"),
                  "-o", str(out), "--json"]) == 0  # fmt: skip
@@ -276,6 +305,7 @@ def test_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
     assert main(["store", "get", url, "--model", model, "--tokens-from", str(tmp_path / "other.txt"),
                  "-o", str(tmp_path / "none.bin")]) == 1  # fmt: skip
     assert not (tmp_path / "none.bin").exists()
+    assert "servable: 0 of 2 tokens" in capsys.readouterr().out
     assert main(["store", "stats", url, "--json"]) == 0
     stats = json.loads(capsys.readouterr().out)
     assert stats["hits"] == 1 and stats["misses"] == 1 and stats["chunk_tokens"] == 4

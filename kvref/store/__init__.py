@@ -27,9 +27,7 @@ if TYPE_CHECKING:
     from .llama_cache import LlamaCache
 
 
-def open(  # noqa: A001  (the API's name: kvref.store.open)
-    url: str | os.PathLike[str], *, capacity_bytes: int | None = None, chunk_tokens: int | None = None
-) -> Store:
+def open(url: str | os.PathLike[str], *, capacity_bytes: int | None = None, chunk_tokens: int | None = None) -> Store:
     """A `Store` on ``url``: a directory (the embedded default, no server), ``sqlite:///path``,
     ``redis://host:port/db`` (or ``rediss://``, ``unix://``; shared by several servers) or ``memory:``.
     ``capacity_bytes`` bounds the bytes kept (least recently used chunks go first); ``chunk_tokens`` (default

@@ -19,7 +19,6 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-
 META = "m:"
 
 
@@ -73,7 +72,7 @@ class Backend(ABC):
         """Every value's key (for `kvref store gc` and tests; not used on the lookup path)."""
         raise NotImplementedError
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027  (most backends hold nothing to release)
         """Release connections and handles."""
 
     def __enter__(self) -> Backend:

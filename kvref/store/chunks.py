@@ -29,7 +29,7 @@ import numpy.typing as npt
 from ..errors import ArgumentError, FormatError
 
 if TYPE_CHECKING:
-    from ..state import KVSection, RecurrentSection, StateObject
+    from ..state import Cells, KVSection, RecurrentSection, StateObject
     from .namespace import KVGeometry, RecurrentGeometry
 
 MAGIC = b"KVRS"
@@ -37,13 +37,14 @@ HEAD = struct.Struct("<4sBBHIQ")  # magic, format version, kind, reserved, crc32
 VERSION = 1
 META, PART, CHECKPOINT, RECORD = 1, 2, 3, 4
 U8 = npt.NDArray[np.uint8]
+Piece = bytes | memoryview | U8 | npt.NDArray[np.int32]
 
 
 class Corrupt(Exception):
     """A stored value failed its checksum or framing (the store reports a miss and drops it)."""
 
 
-def encode(kind: int, payload: Sequence[bytes | memoryview | np.ndarray]) -> bytes:
+def encode(kind: int, payload: Sequence[Piece]) -> bytes:
     """Frame ``payload`` (its pieces joined) as a record of ``kind``."""
     body = b"".join(p.tobytes() if isinstance(p, np.ndarray) else bytes(p) for p in payload)
     return HEAD.pack(MAGIC, VERSION, kind, 0, zlib.crc32(body), len(body)) + body
@@ -92,12 +93,8 @@ class Checkpoint:
     s: list[U8]  # (1, row_size), or (n_embd, 1, el_size) when transposed
 
 
-def _seq_cells(cells: object, seq_id: int) -> npt.NDArray[np.intp]:
-    from ..state import Cells
-
-    c = cast("Cells", cells)
-    hit = c.seq_id == seq_id
-    return np.unique(c.cell_seq()[hit])
+def _seq_cells(cells: Cells, seq_id: int) -> npt.NDArray[np.intp]:
+    return np.unique(cells.cell_seq()[cells.seq_id == seq_id])
 
 
 def _gather(rows: object, idx: npt.NDArray[np.intp]) -> U8:
@@ -221,7 +218,7 @@ def split_part(body: memoryview, geo: KVGeometry, m: int) -> tuple[list[U8], lis
 
 def encode_checkpoint(parent: str, cp: Checkpoint) -> bytes:
     """A checkpoint record."""
-    pieces: list[bytes | np.ndarray] = [struct.pack("<16si", bytes.fromhex(parent), cp.pos)]
+    pieces: list[Piece] = [struct.pack("<16si", bytes.fromhex(parent), cp.pos)]
     for r, p in zip(cp.r, cp.p, strict=True):
         pieces.append(r)
         if p is not None:
@@ -266,13 +263,24 @@ def decode_checkpoint(value: bytes, geo: RecurrentGeometry) -> tuple[str, Checkp
 # --- back to sections ---------------------------------------------------------------------------------------
 
 
-def kv_section(geo: KVGeometry, rows: SeqRows, ids: list[list[int]], n_stream: int, stream: int, ext_size: int,
+def _cells(pos: npt.NDArray[np.int32], seq_id: int | None, ext: npt.NDArray[np.int32] | None, ext_size: int) -> Cells:
+    """Cells at ``pos`` each listing ``seq_id`` (None: no id, as a recurrent sequence save writes them)."""
+    from ..state import Cells
+
+    m = len(pos)
+    if seq_id is None:
+        return Cells(pos, np.zeros(0, np.int32), np.zeros(m + 1, np.int64), ext, ext_size)
+    return Cells(pos, np.full(m, seq_id, np.int32), np.arange(m + 1, dtype=np.int64), ext, ext_size)
+
+
+def kv_section(geo: KVGeometry, rows: SeqRows, seq_id: int, n_stream: int, stream: int, ext_size: int,
                has_n_stream: bool) -> KVSection:  # fmt: skip
-    """An attention section holding ``rows`` in stream ``stream`` of ``n_stream`` (the others empty)."""
-    from ..state import Cells, KVData, KVSection, KVStream, LayerRows, TransposedRows
+    """An attention section holding ``rows`` (cells of ``seq_id``) in stream ``stream`` of ``n_stream`` (the
+    others empty)."""
+    from ..state import KVData, KVSection, KVStream, LayerRows, TransposedRows
 
     m = len(rows.pos)
-    cells = Cells.from_lists(rows.pos, ids, ext=rows.ext if ext_size else None, ext_size=ext_size)
+    cells = _cells(rows.pos, seq_id, rows.ext if ext_size else None, ext_size)
     k = [LayerRows(int(g[1]), int(g[2]), r) for g, r in zip(geo.k, rows.k, strict=True)]
     v: list[LayerRows | TransposedRows] = []
     for g, r in zip(geo.v, rows.v, strict=True):
@@ -285,9 +293,9 @@ def kv_section(geo: KVGeometry, rows: SeqRows, ids: list[list[int]], n_stream: i
     return KVSection(streams, has_n_stream=has_n_stream)
 
 
-def recurrent_section(geo: RecurrentGeometry, cp: Checkpoint, ids: list[int]) -> RecurrentSection:
-    """A recurrent section holding one cell: the checkpoint's state."""
-    from ..state import Cells, LayerRows, RecurrentLayer, RecurrentSection, TransposedRows
+def recurrent_section(geo: RecurrentGeometry, cp: Checkpoint, seq_id: int | None) -> RecurrentSection:
+    """A recurrent section holding one cell, the checkpoint's state, listing ``seq_id`` (None: no id)."""
+    from ..state import LayerRows, RecurrentLayer, RecurrentSection, TransposedRows
 
     r = [RecurrentLayer(int(cast(int, g[0])), int(cast(int, g[1])), x, None if g[2] is None else int(g[2]), p)
          for g, x, p in zip(geo.r, cp.r, cp.p, strict=True)]  # fmt: skip
@@ -297,7 +305,7 @@ def recurrent_section(geo: RecurrentGeometry, cp: Checkpoint, ids: list[int]) ->
             s.append(TransposedRows(int(g[1]), int(g[2]), int(g[3]), x.reshape(int(g[3]), int(g[2]))))
         else:
             s.append(LayerRows(int(g[1]), int(g[2]), x))
-    return RecurrentSection(Cells.from_lists([cp.pos], [ids]), geo.s_trans, geo.n_layer, r, s)
+    return RecurrentSection(_cells(np.array([cp.pos], np.int32), seq_id, None, 0), geo.s_trans, geo.n_layer, r, s)
 
 
 def concat(parts: list[SeqRows]) -> SeqRows:

@@ -52,6 +52,16 @@ def _write_disk_cache(stamp: tuple[int, ...], digest: str) -> None:
         pass  # a read-only home only costs the next process its own hash
 
 
+def _sha256(path: str | os.PathLike[str]) -> str:
+    h = hashlib.sha256()
+    buf = bytearray(8 << 20)
+    view = memoryview(buf)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buf):
+            h.update(view[:n])
+    return h.hexdigest()
+
+
 def model_id(model: str | os.PathLike[str]) -> str:
     """``"sha256:<hex>"`` of the GGUF file ``model``; a string already of that form is returned as it is (a caller
     who knows the digest saves the hash)."""
@@ -72,8 +82,7 @@ def model_id(model: str | os.PathLike[str]) -> str:
             return _cache[stamp]
     known = _read_disk_cache().get(",".join(map(str, stamp)))
     if known is None:
-        with open(model, "rb") as f:
-            known = PREFIX + hashlib.file_digest(f, "sha256").hexdigest()
+        known = PREFIX + _sha256(model)
         _write_disk_cache(stamp, known)
     with _lock:
         _cache[stamp] = known

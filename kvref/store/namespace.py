@@ -15,14 +15,14 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 from ..errors import ArgumentError, FormatError
 from ..ggml import type_name
 
 if TYPE_CHECKING:
     from ..hparams import HParams
-    from ..state import KVSection, RecurrentSection, StateObject
+    from ..state import KVSection, LayerRows, RecurrentSection, StateObject, TransposedRows
 
 # JSON shapes of a section's geometry: ("rows", type, row_size) / ("trans", type, el_size, n_embd)
 Rows = list[int | str]
@@ -182,7 +182,7 @@ def _extra(extra: Mapping[str, object] | None) -> tuple[tuple[str, str], ...]:
     return tuple(sorted((str(k), repr(v)) for k, v in (extra or {}).items()))
 
 
-def _rows(r: Any) -> Rows:
+def _rows(r: LayerRows | TransposedRows) -> Rows:
     from ..state import TransposedRows
 
     if isinstance(r, TransposedRows):
@@ -221,7 +221,9 @@ def namespace_of(
         else:
             secs.append(_recurrent_geometry(cast("RecurrentSection", sec)))
     if swa_index >= 0 and hp is None:
-        raise ArgumentError("an iSWA state needs the model's hyper-parameters (its window): pass model= as the GGUF path")
+        raise ArgumentError(
+            "an iSWA state needs the model's hyper-parameters (its window): pass model= as the GGUF path"
+        )
     eras = matching_eras(obj)
     arch = arch or getattr(obj, "arch", None) or (hp.arch if hp is not None else None)
     if not arch:
@@ -231,9 +233,7 @@ def namespace_of(
         for st in sec.streams:
             if st.cells is not None:
                 ext = max(ext, st.cells.ext_size)
-    quantized = any(
-        traits(int(r[1])).is_quantized for g in secs if isinstance(g, KVGeometry) for r in (*g.k, *g.v)
-    )
+    quantized = any(traits(int(r[1])).is_quantized for g in secs if isinstance(g, KVGeometry) for r in (*g.k, *g.v))
     rope: tuple[float, ...] = ()
     if hp is not None:
         rope = (float(hp.rope_type), float(hp.n_rot), hp.rope_freq_base, hp.rope_freq_scale,

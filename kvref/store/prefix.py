@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ArgumentError, ArgumentTypeError, FormatError, KVRefError
+from ..errors import ArgumentError, ArgumentTypeError, FormatError
 from .backend import META, Backend
 from .chunks import (
     PART,
@@ -63,7 +63,7 @@ if TYPE_CHECKING:
 KINDS = ("seq_state", "seq", "state", "session")
 DEFAULT_CHUNK_TOKENS = 256
 CONFIG = META + "config"
-Tokens = Sequence[int] | npt.NDArray[np.integer]
+Tokens = Sequence[int] | npt.NDArray[np.int32] | npt.NDArray[np.int64]
 
 
 def _h(*parts: bytes) -> str:
@@ -264,12 +264,12 @@ class Store:
             if m > n_tokens:
                 raise ArgumentError(f"the cells hold {m} positions but only {n_tokens} tokens were given")
             n = m if n is None else min(n, m)
-        for r in rows:
-            if isinstance(r, Checkpoint):
+        for cp in rows:
+            if isinstance(cp, Checkpoint):
                 if n is None:
-                    n = min(r.pos + 1, n_tokens)
-                if r.pos + 1 > n_tokens:
-                    raise ArgumentError(f"the recurrent state consumed {r.pos + 1} positions, {n_tokens} tokens given")
+                    n = min(cp.pos + 1, n_tokens)
+                if cp.pos + 1 > n_tokens:
+                    raise ArgumentError(f"the recurrent state consumed {cp.pos + 1} positions, {n_tokens} tokens given")
         if n is None:
             n = max((int(r.pos[-1]) + 1 for r in rows if isinstance(r, SeqRows) and len(r.pos)), default=0)
         for (_, geo), r in zip(ns.kv, [r for r in rows if isinstance(r, SeqRows)], strict=True):
@@ -323,8 +323,10 @@ class Store:
                     best, wrote = start, True
                 cover.append(best)
             if have is None or wrote:
-                ext = (ext_src.take(*np.searchsorted(ext_src.pos, [c0, c0 + len(chunk)])).ext
-                       if ext_src is not None and len(ext_src.pos) else np.zeros((len(chunk), 0), np.int32))  # fmt: skip
+                ext = np.zeros((len(chunk), 0), np.int32)
+                if ext_src is not None and len(ext_src.pos):
+                    lo, hi = np.searchsorted(ext_src.pos, [c0, c0 + len(chunk)])
+                    ext = ext_src.ext[lo:hi]
                 if ext.shape[0] != len(chunk):
                     ext = np.zeros((len(chunk), ext.shape[1]), np.int32)
                 value = ChunkMeta(parent, chunk, ext, cover).encode()
@@ -460,14 +462,14 @@ class Store:
         for ns in found:
             chain = self._walk(ns, prompt)
             L, reasons, cp = self._servable(ns, chain, damage, len(prompt))
-            if chain and (best.ns is None or L > best.look.n_tokens):
+            if chain and (best.ns is None or best.look.n_tokens < L):
                 best = _Plan(Lookup(L, sum(x.used for x in chain), reasons, ns.id), ns, chain, cp)
         return best
 
     def _servable(self, ns: Namespace, chain: list[_Link], damage: _Damage, n_prompt: int
                   ) -> tuple[int, list[str], int | None]:  # fmt: skip
         M = sum(link.used for link in chain)
-        why = [] if M == n_prompt else [f"the store shares the first {M} of the prompt's {n_prompt} tokens"]
+        why = [] if n_prompt == M else [f"the store shares the first {M} of the prompt's {n_prompt} tokens"]
         L, limits = self._limit(ns, chain, damage.cover)
         why += limits
         cp_at: int | None = None
@@ -554,12 +556,11 @@ class Store:
         for i, geo in enumerate(ns.sections):
             if isinstance(geo, KVGeometry):
                 rows = self._rows(ns, i, geo, chain, damage.cover, L)
-                ids = [[seq_id]] * len(rows.pos)
-                out.append(kv_section(geo, rows, ids, n_stream, stream, ns.ext_size, has_n_stream))
+                out.append(kv_section(geo, rows, seq_id, n_stream, stream, ns.ext_size, has_n_stream))
             else:
                 assert cp_at is not None
                 cp = self._checkpoint(ns, chain, cp_at, geo, damage)
-                out.append(recurrent_section(geo, cp, [] if scoped else [seq_id]))
+                out.append(recurrent_section(geo, cp, None if scoped else seq_id))
         return out
 
     def _rows(self, ns: Namespace, i: int, geo: KVGeometry, chain: list[_Link], cover: dict[tuple[str, int], int],
@@ -584,11 +585,11 @@ class Store:
                 if raw is None:
                     raise Corrupt("evicted")
                 k, v = split_part(decode(raw, PART), geo, n_cells)
-            except Corrupt as e:
+            except Corrupt:
                 if raw is not None:
                     self._drop([key])
-                del e
                 cover[(link.key, i)] = len(link.meta.tokens)
+                self._uncover(link, i)
                 raise _Missing from None
             p0 = link.start + start
             lo, hi = max(first, p0) - p0, min(L, link.start + len(link.meta.tokens)) - p0
@@ -596,6 +597,14 @@ class Store:
             ext = link.meta.ext[start:] if link.meta.ext.shape[1] else np.zeros((n_cells, ns.ext_size // 4), np.int32)
             parts.append(SeqRows(pos, ext, k, v).take(lo, hi))
         return concat(parts)
+
+    def _uncover(self, link: _Link, i: int) -> None:
+        """Record in the chunk's meta that section ``i``'s rows are gone (evicted or damaged), so the next put of
+        a state holding them stores them again."""
+        meta = link.meta
+        cover = list(meta.cover)
+        cover[i] = len(meta.tokens)
+        self.backend.put("c:" + link.key, ChunkMeta(meta.parent, meta.tokens, meta.ext, cover).encode(), replace=True)
 
     def _checkpoint(self, ns: Namespace, chain: list[_Link], L: int, geo: object, damage: _Damage) -> Checkpoint:
         from .namespace import RecurrentGeometry
@@ -702,9 +711,9 @@ class Store:
 
         dead = [f"c:{k}" for k in metas if not reach(k)]
         for k in keys:
-            if k.startswith("s") and ":" in k and k.split(":", 1)[1] not in metas:
-                dead.append(k)
-            elif k.startswith("s") and ":" in k and not alive.get(k.split(":", 1)[1], False):
+            if (k.startswith("s") and ":" in k and k.split(":", 1)[1] not in metas) or (
+                k.startswith("s") and ":" in k and not alive.get(k.split(":", 1)[1], False)
+            ):
                 dead.append(k)
         dropped += be.delete(dead)
         return {"evicted_bytes": freed, "dropped": dropped}
