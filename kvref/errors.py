@@ -129,6 +129,11 @@ class SaveTargetError(KVRefError, ValueError):
     a directory, a socket), so replacing it would destroy it. The message names the path and what it is."""
 
 
+class StoreError(KVRefError):
+    """The prefix store's backend could not do its part (a full disk, a database it cannot write, a Redis server
+    gone): the message names the store and the likely fix. What was stored before stays as it was."""
+
+
 class NotYetImplemented(KVRefError):
     """An option that is planned but not implemented yet (the message says which)."""
 
@@ -157,5 +162,6 @@ __all__ = [
     "QuantError",
     "SaveTargetError",
     "SequenceError",
+    "StoreError",
     "Unsupported",
 ]

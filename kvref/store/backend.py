@@ -35,6 +35,11 @@ class Backend(ABC):
         """`get` of each key (backends override it with one round trip)."""
         return [self.get(k) for k in keys]
 
+    def touch(self, keys: Sequence[str]) -> None:
+        """Mark these values as used, in this order (the last one the most recent), without reading them; keys
+        that do not exist are ignored (backends override it without reading the values)."""
+        self.get_many(keys)
+
     @abstractmethod
     def put(self, key: str, value: bytes, *, replace: bool = False) -> bool:
         """Store ``value`` under ``key``; an existing value is kept unless ``replace``. True when written."""
@@ -99,6 +104,12 @@ class MemoryBackend(Backend):
             if value is not None:
                 self._values.move_to_end(key)
             return value
+
+    def touch(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            for k in keys:
+                if k in self._values:
+                    self._values.move_to_end(k)
 
     def put(self, key: str, value: bytes, *, replace: bool = False) -> bool:
         with self._lock:

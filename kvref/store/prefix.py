@@ -292,6 +292,7 @@ class Store:
             parent = key
         old = be.get_many(["c:" + k for k in reversed(keys)])[::-1]
         new_chunks = new_bytes = 0
+        covers: list[list[int]] = []  # deepest chunk first
         ext_src = next((r for r, (_, g) in zip([x for x in rows if isinstance(x, SeqRows)], ns.kv, strict=True)
                         if not g.swa), None)  # fmt: skip
         for key, parent, c0, raw in reversed(list(zip(keys, parents, starts, old, strict=True))):
@@ -322,6 +323,7 @@ class Store:
                         new_bytes += len(value)
                     best, wrote = start, True
                 cover.append(best)
+            covers.append(cover)
             if have is None or wrote:
                 ext = np.zeros((len(chunk), 0), np.int32)
                 if ext_src is not None and len(ext_src.pos):
@@ -335,6 +337,8 @@ class Store:
                 new_bytes += len(value) if have is None else 0
         for key, parent in zip(keys, parents, strict=True):
             be.add_link("c:" + parent, key)
+        # a put is a use of every chunk it holds, kept ones too: deepest first, so shared heads stay the newest
+        be.touch([v for key, c in zip(keys[::-1], covers, strict=True) for v in _chunk_values(key, c)])
         checkpoint = False
         cps = [r for r in rows if isinstance(r, Checkpoint)]
         if cps and n:
@@ -531,15 +535,17 @@ class Store:
             except _Missing:
                 continue
             obj = self._container(ns, sections, kind, prompt[: look.n_tokens], seq_id)
-            self._touch(plan.chain)
+            self._touch(plan.chain, damage)
             self.backend.incr("hits")
             self.backend.incr("served_tokens", look.n_tokens)
             return Hit(look.n_tokens, obj.to_bytes(), kind, prompt[: look.n_tokens].copy(), seq_id, look.matched,
                        look.why, ns.id)  # fmt: skip
 
-    def _touch(self, chain: list[_Link]) -> None:
-        # the metas last, deepest first: a chain's shared head stays the most recently used
-        self.backend.get_many(["c:" + link.key for link in reversed(chain)])
+    def _touch(self, chain: list[_Link], damage: _Damage) -> None:
+        # deepest chunk first: a chain's shared head stays the most recently used
+        self.backend.touch([v for link in reversed(chain)
+                            for v in _chunk_values(link.key, [damage.cover.get((link.key, i), c)
+                                                              for i, c in enumerate(link.meta.cover)])])  # fmt: skip
 
     def _sections(
         self, ns: Namespace, chain: list[_Link], damage: _Damage, L: int, cp_at: int | None,
@@ -747,6 +753,11 @@ class _Plan:
 
 class _Missing(Exception):
     """A value the plan counted on was gone or damaged: plan again."""
+
+
+def _chunk_values(key: str, cover: list[int]) -> list[str]:
+    """A chunk's stored values: its section parts, then its meta."""
+    return [f"s{i}.{start}:{key}" for i, start in enumerate(cover)] + ["c:" + key]
 
 
 def _hparams(model: str | os.PathLike[str]) -> HParams:

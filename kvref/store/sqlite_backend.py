@@ -25,7 +25,7 @@ from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from kvref.errors import ArgumentError
+from kvref.errors import ArgumentError, StoreError
 from kvref.store.backend import META, Backend
 
 DB_NAME = "kvref-store.sqlite3"
@@ -148,7 +148,10 @@ class SQLiteBackend(Backend):
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
                     if not _busy(e) or time.monotonic() > deadline:
-                        raise
+                        raise StoreError(
+                            f"the store's database {self.db_path} failed ({e}): a full disk or a file size limit? free "
+                            f"space, or bound the store (capacity_bytes=, `kvref store gc {self.dir} --max-bytes N`)"
+                        ) from e
                 time.sleep(delay)
                 delay = min(delay * 2, 0.1)
 
@@ -222,14 +225,19 @@ class SQLiteBackend(Backend):
                 elif missing.get(k) != name:
                     missing[k] = name
                     todo.append(k)
-        if found:
-            # marked in a short write after the read, so a large read never holds other writers back; a value
-            # evicted in between is simply not marked
-            def touch(conn: sqlite3.Connection) -> None:
-                conn.executemany("UPDATE kv SET used = ? WHERE key = ? AND meta = 0", [(self._now(), k) for k in found])
-
-            self._write(touch)
+        # marked in a short write after the read, so a large read never holds other writers back; a value
+        # evicted in between is simply not marked
+        self.touch([k for k in keys if k in found])
         return [found.get(k) for k in keys]
+
+    def touch(self, keys: Sequence[str]) -> None:
+        if not keys:
+            return
+
+        def mark(conn: sqlite3.Connection) -> None:
+            conn.executemany("UPDATE kv SET used = ? WHERE key = ? AND meta = 0", [(self._now(), k) for k in keys])
+
+        self._write(mark)
 
     def put(self, key: str, value: bytes, *, replace: bool = False) -> bool:
         name: str | None = None
@@ -239,8 +247,15 @@ class SQLiteBackend(Backend):
             name = secrets.token_hex(16)
             path = self._blob(name)
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "xb") as f:  # a fresh name: nobody reads it before the row below commits
-                f.write(value)
+            try:
+                with open(path, "xb") as f:  # a fresh name: nobody reads it before the row below commits
+                    f.write(value)
+            except OSError as e:
+                path.unlink(missing_ok=True)
+                raise StoreError(
+                    f"the store {self.dir} cannot write {path.name} ({e.strerror}): free space, or bound the store "
+                    f"(capacity_bytes=, `kvref store gc {self.dir} --max-bytes N`)"
+                ) from e
         inline = b"" if name is not None else bytes(value)
 
         def write(conn: sqlite3.Connection) -> tuple[bool, str | None]:
