@@ -14,6 +14,7 @@ meaning of keys live in `kvref.store.prefix`. What every backend guarantees:
 
 from __future__ import annotations
 
+import itertools
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -52,9 +53,18 @@ class Backend(ABC):
     def add_link(self, parent: str, child: str) -> None:
         """Record that the chunk ``child`` follows ``parent`` (idempotent)."""
 
+    def add_links(self, pairs: Sequence[tuple[str, str]]) -> None:
+        """`add_link` of each (parent, child) (backends override it with one round trip)."""
+        for parent, child in pairs:
+            self.add_link(parent, child)
+
     @abstractmethod
     def links(self, parent: str) -> list[str]:
         """The children recorded for ``parent`` (in no particular order; may name evicted values)."""
+
+    def link_sample(self, parent: str, n: int = 1) -> list[str]:
+        """Up to ``n`` of ``parent``'s children, without listing them all (backends override it)."""
+        return self.links(parent)[:n]
 
     @abstractmethod
     def incr(self, name: str, n: int = 1) -> None:
@@ -140,6 +150,11 @@ class MemoryBackend(Backend):
     def links(self, parent: str) -> list[str]:
         with self._lock:
             return list(self._links.get(parent, ()))
+
+    def link_sample(self, parent: str, n: int = 1) -> list[str]:
+        with self._lock:
+            kids = self._links.get(parent, ())
+            return list(itertools.islice(kids, n))
 
     def incr(self, name: str, n: int = 1) -> None:
         with self._lock:

@@ -5,9 +5,12 @@ Keys (`kvref.store.backend` holds them):
 
 - ``c:<key>``: a chunk's meta (`ChunkMeta`); ``key = BLAKE2b(parent key, the chunk's tokens)`` where the first
   chunk's parent is the namespace's root key, so a key names a whole token prefix (LMCache's and vLLM's chained
-  block hashes). The link set ``c:<key>`` names the chunks that follow it: the radix index a prompt that leaves a
-  stored chunk mid-way is looked up in (SGLang's radix tree), so the longest common prefix is served whatever
-  token it ends on.
+  block hashes).
+- ``x:<BLAKE2b(parent, first l tokens)>``: link sets naming the chunks after ``parent`` that start with those l
+  tokens, for l = 1 .. 16 and every multiple of 16 (`LEVELS`): the index a prompt that leaves a stored chunk
+  mid-way is looked up in (SGLang's radix tree, by hash). A binary search over the levels finds the longest
+  stored prefix in a few lookups, and at most the siblings sharing its last 16 tokens are read to cut it at the
+  exact token, however many chunks follow the same parent.
 - ``s<i>.<start>:<key>``: section ``i``'s rows of the chunk's cells from offset ``start`` on.
 - ``r:<key>``: a recurrent checkpoint after the prefix that ends the chunk (full or partial) ``key``; the link
   set ``ck:<parent>`` lists the lengths past ``parent`` that have one.
@@ -62,6 +65,7 @@ if TYPE_CHECKING:
 
 KINDS = ("seq_state", "seq", "state", "session")
 DEFAULT_CHUNK_TOKENS = 256
+DENSE = 16  # prefix index levels: every length up to DENSE, then every multiple of it
 CONFIG = META + "config"
 Tokens = Sequence[int] | npt.NDArray[np.int32] | npt.NDArray[np.int64]
 
@@ -78,6 +82,15 @@ def chain_key(parent: str, tokens: npt.NDArray[np.int32]) -> str:
 def root_key(ns: Namespace) -> str:
     """The parent key of a namespace's first chunks."""
     return _h(b"kvref-store-root", bytes.fromhex(ns.id))
+
+
+def levels(n: int) -> list[int]:
+    """The prefix lengths indexed for a chunk of ``n`` tokens."""
+    return [*range(1, min(n, DENSE) + 1), *range(2 * DENSE, n + 1, DENSE)] + ([n] if n > DENSE and n % DENSE else [])
+
+
+def _level_key(parent: str, tokens: npt.NDArray[np.int32]) -> str:
+    return "x:" + chain_key(parent, tokens)
 
 
 def _checkpoint_key(prefix_key: str) -> str:
@@ -155,6 +168,7 @@ class Store:
         self.capacity_bytes = capacity_bytes
         self.chunk_tokens = self._chunk_tokens(chunk_tokens)
         self._namespaces: dict[str, Namespace] = {}
+        self._hparams: dict[str, HParams] = {}  # per model id: a GGUF header is parsed once per store
 
     def _chunk_tokens(self, asked: int | None) -> int:
         if asked is not None and not (isinstance(asked, int) and 1 <= asked <= 1 << 20):
@@ -222,7 +236,9 @@ class Store:
         obj = state if isinstance(state, StateObject) else state_mod.load(cast("Source", state))
         toks = self._put_tokens(obj, state, tokens)
         mid = model_id(model)
-        hp = hparams if hparams is not None or str(model).startswith("sha256:") else _hparams(model)
+        hp = hparams
+        if hp is None and not str(model).startswith("sha256:"):
+            hp = self._hparams.get(mid) or self._hparams.setdefault(mid, _hparams(model))
         ns = namespace_of(obj, mid, hp, extra=extra)
         seq = sequence_of(obj, seq_id)
         rows: list[SeqRows | Checkpoint | None] = []
@@ -335,8 +351,9 @@ class Store:
                 be.put("c:" + key, value, replace=True)
                 new_chunks += have is None
                 new_bytes += len(value) if have is None else 0
-        for key, parent in zip(keys, parents, strict=True):
-            be.add_link("c:" + parent, key)
+        be.add_links([(_level_key(parent, toks[c0 : c0 + lv]), key)
+                      for key, parent, c0 in zip(keys, parents, starts, strict=True)
+                      for lv in levels(len(toks[c0 : c0 + T]))])  # fmt: skip
         # a put is a use of every chunk it holds, kept ones too: deepest first, so shared heads stay the newest
         be.touch([v for key, c in zip(keys[::-1], covers, strict=True) for v in _chunk_values(key, c)])
         checkpoint = False
@@ -378,21 +395,40 @@ class Store:
             parent = key
         at = len(chain) * T
         if at < len(prompt):
-            rest = prompt[at : at + T]
-            kids = sorted(be.links("c:" + parent))
-            best: _Link | None = None
-            for key, raw in zip(kids, be.get_many(["c:" + k for k in kids]), strict=True):
-                meta = self._meta(key, raw, parent, None)
-                if meta is None:
-                    continue
-                m = min(len(meta.tokens), len(rest))
-                diff = np.flatnonzero(meta.tokens[:m] != rest[:m])
-                used = int(diff[0]) if diff.size else m
-                if used and (best is None or used > best.used):
-                    best = _Link(key, meta, at, used)
+            best = self._partial(parent, prompt[at : at + T], at)
             if best is not None:
                 chain.append(best)
         return chain
+
+    def _partial(self, parent: str, rest: npt.NDArray[np.int32], at: int) -> _Link | None:
+        """The stored chunk after ``parent`` sharing the most leading tokens with ``rest`` (fewer than all)."""
+        be = self.backend
+        lv = levels(len(rest))
+        lo, hi = -1, len(lv)  # lv[lo] is held by some chunk, lv[hi] by none (binary search: the levels nest)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if be.link_sample(_level_key(parent, rest[: lv[mid]]), 1):
+                lo = mid
+            else:
+                hi = mid
+        if lo < 0:
+            return None
+        level = _level_key(parent, rest[: lv[lo]])
+        # any one candidate will do when none can share more than lv[lo] tokens: all of ``rest`` is shared, or the
+        # next length is indexed for every chunk long enough (the dense levels) and none holds it
+        exact = lv[lo] == len(rest) or (lv[lo] < DENSE and lv[hi] == lv[lo] + 1)
+        kids = sorted(be.link_sample(level, 8) if exact else be.links(level))  # a few: a link may outlive its chunk
+        best: _Link | None = None
+        for key, raw in zip(kids, be.get_many(["c:" + k for k in kids]), strict=True):
+            meta = self._meta(key, raw, parent, None)
+            if meta is None:
+                continue
+            m = min(len(meta.tokens), len(rest))
+            diff = np.flatnonzero(meta.tokens[:m] != rest[:m])
+            used = int(diff[0]) if diff.size else m
+            if used and (best is None or used > best.used):
+                best = _Link(key, meta, at, used)
+        return best
 
     def _meta(self, key: str, raw: bytes | None, parent: str, want: npt.NDArray[np.int32] | None) -> ChunkMeta | None:
         if raw is None:

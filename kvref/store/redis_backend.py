@@ -204,8 +204,20 @@ class RedisBackend(Backend):
         self._r.sadd(self._l(parent), child)
 
     @_guarded
+    def add_links(self, pairs: Sequence[tuple[str, str]]) -> None:
+        pipe = self._r.pipeline(transaction=False)
+        for parent, child in pairs:
+            pipe.sadd(self._l(parent), child)
+        pipe.execute()
+
+    @_guarded
     def links(self, parent: str) -> list[str]:
         members = cast("set[bytes]", self._r.smembers(self._l(parent)))
+        return [m.decode() for m in members]
+
+    @_guarded
+    def link_sample(self, parent: str, n: int = 1) -> list[str]:
+        members = cast("list[bytes]", self._r.srandmember(self._l(parent), n))
         return [m.decode() for m in members]
 
     @_guarded

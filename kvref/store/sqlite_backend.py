@@ -303,9 +303,18 @@ class SQLiteBackend(Backend):
     def add_link(self, parent: str, child: str) -> None:
         self._retry(lambda c: c.execute("INSERT OR IGNORE INTO links VALUES (?, ?)", (parent, child)))
 
+    def add_links(self, pairs: Sequence[tuple[str, str]]) -> None:
+        if pairs:
+            self._write(lambda c: c.executemany("INSERT OR IGNORE INTO links VALUES (?, ?)", list(pairs)))
+
     def links(self, parent: str) -> list[str]:
         return self._retry(
             lambda c: [str(r[0]) for r in c.execute("SELECT child FROM links WHERE parent = ?", (parent,))]
+        )
+
+    def link_sample(self, parent: str, n: int = 1) -> list[str]:
+        return self._retry(
+            lambda c: [str(r[0]) for r in c.execute("SELECT child FROM links WHERE parent = ? LIMIT ?", (parent, n))]
         )
 
     def incr(self, name: str, n: int = 1) -> None:
