@@ -318,3 +318,21 @@ def test_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 def test_open_names_the_store_and_its_chunk_size(tmp_path: Path) -> None:
     st = kvref.store.open("memory:", chunk_tokens=16)
     assert st.chunk_tokens == 16 and st.stats()["url"] == "memory:"
+
+
+def test_a_llama_server_slot_file_with_its_packed_prompt(store: Store) -> None:
+    """llama-server 0.3.36 saves a slot's prompt packed (server_tokens::serialize): put reads the tokens out of it,
+    and a prompt with media (positions that are not token indices) is refused, naming why."""
+    from test_server_tokens import packed
+
+    f = GOLDEN / "llama-f16-single-seq/03-seq-seq0.ggsq"
+    model = tiny_model("llama-tiny")
+    obj = kvref.state.load(f)
+    toks = [int(t) for t in obj.tokens]
+    obj.tokens = packed(toks, [])
+    assert store.put(obj.to_bytes(), model=model).n_tokens == len(toks)
+    hit = store.get(toks, model=model, kind="seq")
+    assert hit is not None and hit.data == f.read_bytes()  # written back with the plain list llama-server also reads
+    obj.tokens = packed([*toks[:3], -1, *toks[4:]], [(3, b"\x01" * 8)])
+    with pytest.raises(ArgumentError, match="media"):
+        store.put(obj.to_bytes(), model=model)

@@ -256,8 +256,14 @@ class Store:
         if tokens is not None:
             return _tokens(tokens, "tokens")
         own = getattr(obj, "tokens", None)
-        if own is not None:
-            return np.asarray(own, np.int32)
+        if own is not None:  # a llama-server slot file may hold its packed prompt (kvref.state.server_tokens)
+            from ..state.server_tokens import read_prompt
+
+            prompt = read_prompt(np.asarray(own, np.int32))
+            if prompt.media:
+                raise ArgumentError(f"the file's prompt holds {len(prompt.media)} media chunk(s): the store keeps text "
+                                    "prompts, whose token i sits at position i")  # fmt: skip
+            return prompt.tokens
         ids = getattr(state, "input_ids", None)
         if ids is not None:  # a llama-cpp-python LlamaState
             return _tokens(np.asarray(ids)[: int(getattr(state, "n_tokens", len(ids)))], "LlamaState.input_ids")
