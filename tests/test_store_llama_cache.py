@@ -11,7 +11,8 @@ from __future__ import annotations
 
 import shutil
 import sys
-from collections.abc import Iterator, Sequence
+import uuid
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -19,8 +20,6 @@ import pytest
 
 import kvref.store
 from kvref.errors import ArgumentError, BackendError
-from kvref.store import backend as backend_mod
-from kvref.store import backends as backends_mod
 
 pytestmark = pytest.mark.live
 try:
@@ -32,6 +31,8 @@ except Exception as exc:  # not installed, or installed but broken (a missing sh
         "(pip install llama-cpp-python)",
         allow_module_level=True,
     )
+
+from _redis import redis_url  # noqa: E402, F401  (a fixture)
 
 ROOT = Path(__file__).resolve().parent.parent / "conformance"
 MODELS = ROOT / "models"
@@ -119,27 +120,7 @@ def prompts(seed: int = 7) -> list[list[int]]:
 
 
 def dir_url(tmp_path: Path) -> str:
-    url = str(tmp_path / "store")
-    try:
-        kvref.store.open(str(tmp_path / "probe")).close()  # not url: its first open fixes its chunk size
-    except NotImplementedError:
-        pytest.skip("kvref.store.backends.open_backend accepts only 'memory:' so far (the directory backend has "
-                    "not landed): nothing to reopen")  # fmt: skip
-    return url
-
-
-@pytest.fixture
-def shared_memory(monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
-    """``memory:shared``: one in-memory backend every open of that URL gets (a stand-in for a directory that two
-    LlamaCache objects open, while the directory backend is not there)."""
-    be = backend_mod.MemoryBackend()
-    real = backends_mod.open_backend
-
-    def open_backend(url: object) -> backend_mod.Backend:
-        return be if str(url) == "memory:shared" else real(url)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(backends_mod, "open_backend", open_backend)
-    yield "memory:shared"
+    return str(tmp_path / "store")
 
 
 @pytest.mark.parametrize("backend", ["memory", "dir"])
@@ -267,12 +248,13 @@ def test_another_model_never_hits(tmp_path: Path) -> None:
     assert loads == [N_SHARED + N_TAIL]
 
 
-@pytest.mark.parametrize("backend", ["memory", "dir", "shared"])
-def test_reopened_cache_hits(backend: str, tmp_path: Path, shared_memory: str) -> None:
+@pytest.mark.parametrize("backend", ["dir", "redis"])
+def test_reopened_cache_hits(backend: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
     """A new LlamaCache on the same store (a new process, another server) serves what an earlier one stored."""
-    if backend == "memory":
-        pytest.skip("a 'memory:' store lives and dies with its Store object: nothing to reopen")
-    url = shared_memory if backend == "shared" else dir_url(tmp_path)
+    if backend == "dir":
+        url = dir_url(tmp_path)
+    else:
+        url = f"{request.getfixturevalue('redis_url')}?prefix=kvref-llamacache-{uuid.uuid4().hex}:"
     path = model("llama-tiny")
     ps = prompts()
     first = kvref.store.LlamaCache(url, chunk_tokens=64)

@@ -42,7 +42,7 @@ class Backend(ABC):
         self.get_many(keys)
 
     @abstractmethod
-    def put(self, key: str, value: bytes, *, replace: bool = False) -> bool:
+    def put(self, key: str, value: bytes | bytearray, *, replace: bool = False) -> bool:
         """Store ``value`` under ``key``; an existing value is kept unless ``replace``. True when written."""
 
     @abstractmethod
@@ -121,7 +121,7 @@ class MemoryBackend(Backend):
                 if k in self._values:
                     self._values.move_to_end(k)
 
-    def put(self, key: str, value: bytes, *, replace: bool = False) -> bool:
+    def put(self, key: str, value: bytes | bytearray, *, replace: bool = False) -> bool:
         with self._lock:
             old = self._values.get(key)
             if old is not None and not replace:

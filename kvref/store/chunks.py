@@ -44,13 +44,23 @@ class Corrupt(Exception):
     """A stored value failed its checksum or framing (the store reports a miss and drops it)."""
 
 
-def encode(kind: int, payload: Sequence[Piece]) -> bytes:
-    """Frame ``payload`` (its pieces joined) as a record of ``kind``."""
-    body = b"".join(p.tobytes() if isinstance(p, np.ndarray) else bytes(p) for p in payload)
-    return HEAD.pack(MAGIC, VERSION, kind, 0, zlib.crc32(body), len(body)) + body
+def encode(kind: int, payload: Sequence[Piece]) -> bytearray:
+    """Frame ``payload`` (its pieces joined) as a record of ``kind``: each piece is copied once, into the record
+    (a transposed slice of V rows too), then checksummed."""
+    arrs = [np.frombuffer(p, np.uint8) if isinstance(p, (bytes, bytearray, memoryview)) else p for p in payload]
+    n = sum(int(a.nbytes) for a in arrs)
+    out = bytearray(HEAD.size + n)
+    buf = np.frombuffer(out, np.uint8)
+    at = HEAD.size
+    for a in arrs:
+        if a.nbytes:
+            np.copyto(buf[at : at + a.nbytes].view(a.dtype).reshape(a.shape), a)
+            at += int(a.nbytes)
+    HEAD.pack_into(out, 0, MAGIC, VERSION, kind, 0, zlib.crc32(memoryview(out)[HEAD.size :]), n)
+    return out
 
 
-def decode(value: bytes, kind: int) -> memoryview:
+def decode(value: bytes | bytearray, kind: int) -> memoryview:
     """The payload of a record of ``kind``; `Corrupt` when the frame or the checksum is wrong."""
     if len(value) < HEAD.size:
         raise Corrupt(f"{len(value)} bytes: shorter than a record header")
@@ -97,13 +107,13 @@ def _seq_cells(cells: Cells, seq_id: int) -> npt.NDArray[np.intp]:
     return np.unique(cells.cell_seq()[cells.seq_id == seq_id])
 
 
-def _gather(rows: object, idx: npt.NDArray[np.intp]) -> U8:
+def _gather(rows: object, idx: npt.NDArray[np.intp] | slice[int, int, None]) -> U8:
+    """The rows of cells ``idx`` (a slice when they are consecutive: views, no copy)."""
     from ..state import TransposedRows
 
     if isinstance(rows, TransposedRows):
-        d = rows.data.reshape(rows.n_embd, -1, rows.el_size)
-        return np.ascontiguousarray(d[:, idx])
-    return np.ascontiguousarray(cast("U8", rows.data)[idx])  # type: ignore[attr-defined]
+        return rows.data.reshape(rows.n_embd, -1, rows.el_size)[:, idx]
+    return cast("U8", rows.data)[idx]  # type: ignore[attr-defined]
 
 
 def sequence_of(obj: StateObject, seq_id: int | None) -> int:
@@ -138,8 +148,11 @@ def kv_rows(sec: KVSection, seq_id: int) -> SeqRows:
         pos = np.ascontiguousarray(st.cells.pos[idx])
         if pos.size > 1 and not (np.diff(pos) > 0).all():
             raise FormatError("the sequence has two cells at one position: the store keeps one row per token")
-        return SeqRows(pos, np.ascontiguousarray(st.cells.ext[idx]), [_gather(k, idx) for k in st.data.k],
-                       [_gather(v, idx) for v in st.data.v])  # fmt: skip
+        run: npt.NDArray[np.intp] | slice[int, int, None] = idx
+        if idx[-1] - idx[0] == idx.size - 1 and (idx.size == 1 or (np.diff(idx) == 1).all()):
+            run = slice(int(idx[0]), int(idx[-1]) + 1)  # the usual case: the rows are views
+        return SeqRows(pos, np.ascontiguousarray(st.cells.ext[idx]), [_gather(k, run) for k in st.data.k],
+                       [_gather(v, run) for v in st.data.v])  # fmt: skip
     return SeqRows(np.zeros(0, np.int32), np.zeros((0, 0), np.int32), [], [])
 
 
@@ -167,7 +180,7 @@ class ChunkMeta:
     ext: npt.NDArray[np.int32]  # (n, k)
     cover: list[int]  # per section: first covered offset (len(tokens): none; recurrent sections: len(tokens))
 
-    def encode(self) -> bytes:
+    def encode(self) -> bytearray:
         n, k = len(self.tokens), self.ext.shape[1] if self.ext.ndim == 2 else 0
         head = struct.pack("<16sIII", bytes.fromhex(self.parent), n, k, len(self.cover))
         return encode(META, [head, np.asarray(self.cover, "<i4"), self.tokens.astype("<i4"),
@@ -216,7 +229,7 @@ def split_part(body: memoryview, geo: KVGeometry, m: int) -> tuple[list[U8], lis
     return ks, vs
 
 
-def encode_checkpoint(parent: str, cp: Checkpoint) -> bytes:
+def encode_checkpoint(parent: str, cp: Checkpoint) -> bytearray:
     """A checkpoint record."""
     pieces: list[Piece] = [struct.pack("<16si", bytes.fromhex(parent), cp.pos)]
     for r, p in zip(cp.r, cp.p, strict=True):

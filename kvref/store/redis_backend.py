@@ -184,7 +184,7 @@ class RedisBackend(Backend):
             self._touch(keys=[self._lru, self._clock], args=list(keys))
 
     @_guarded
-    def put(self, key: str, value: bytes, *, replace: bool = False) -> bool:
+    def put(self, key: str, value: bytes | bytearray, *, replace: bool = False) -> bool:
         keys = [self._v(key), self._lru, self._size, self._usage, self._clock]
         args: list[bytes | str | int] = [key, bytes(value), int(replace), int(key.startswith(META))]
         return bool(self._put(keys=keys, args=args))

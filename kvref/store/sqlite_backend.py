@@ -239,7 +239,7 @@ class SQLiteBackend(Backend):
 
         self._write(mark)
 
-    def put(self, key: str, value: bytes, *, replace: bool = False) -> bool:
+    def put(self, key: str, value: bytes | bytearray, *, replace: bool = False) -> bool:
         name: str | None = None
         if len(value) >= self.inline_max:
             if not replace and self._exists(key):
