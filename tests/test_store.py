@@ -19,6 +19,7 @@ import kvref.store
 from kvref.errors import ArgumentError, FormatError
 from kvref.store.backend import Backend, MemoryBackend
 from kvref.store.backends import open_backend
+from kvref.store.chunks import ChunkMeta
 from kvref.store.prefix import Store
 
 ROOT = Path(__file__).resolve().parent.parent / "conformance"
@@ -249,6 +250,30 @@ def test_capacity_evicts_the_ends_of_chains_before_the_prefixes_they_share() -> 
     assert hit is not None and hit.n_tokens == n
     first = st.lookup(prompts[0], model=model)
     assert 8 <= first.n_tokens < n  # its own tail was evicted, the shared head was not
+
+
+def test_gc_drops_what_no_prefix_reaches_and_the_index_entries_of_evicted_chunks(store: Store) -> None:
+    f = GOLDEN / "llama-f16-single-seq/03-seq-seq0.ggsq"
+    model = tiny_model("llama-tiny")
+    n = len(kvref.state.load(f).tokens)
+    prompts = [[*range(1, 9), *[100 + i] * (n - 8)] for i in range(3)]
+    for p in prompts:
+        store.put(f, model=model, tokens=p)
+    be = store.backend
+    # prompt 1's first own chunk goes (as eviction would take it): its tail is now unreachable
+    second = [
+        k for k in be.keys() if k.startswith("c:") and list(ChunkMeta.decode(be.get(k) or b"").tokens) == [101] * 4
+    ]
+    assert len(second) == 1
+    be.delete(second)
+    held = len(be.keys())
+    res = store.gc()
+    assert res["evicted_bytes"] == 0 and res["dropped"] >= 2 and res["index_entries_dropped"] > 0
+    assert len(be.keys()) == held - res["dropped"]
+    for i, p in enumerate(prompts):
+        look = store.lookup([*p, 7], model=model)
+        assert look.n_tokens == (8 if i == 1 else n)
+    assert store.gc()["dropped"] == 0  # nothing more to drop
 
 
 def test_bad_arguments_get_clear_errors(store: Store, tmp_path: Path) -> None:

@@ -136,6 +136,24 @@ def test_get_many_keeps_order_and_duplicates(backend: Backend) -> None:
     assert backend.get_many(["y", "nope", "x", "x"]) == [make_value("y", BIG), None, b"1", b"1"]
 
 
+def test_touch_orders_and_peek_does_not(backend: Backend) -> None:
+    for k in "abc":
+        backend.put(k, k.encode() * 10)
+    backend.touch(["c", "b", "a", "gone"])  # a is now the newest, c the oldest
+    assert backend.peek_many(["c", "zz"]) == [b"c" * 10, None]  # a peek is no use: c stays the oldest
+    assert backend.evict(20) == 10
+    assert backend.keys() and backend.get("c") is None and backend.get("a") == b"a" * 10
+
+
+def test_batched_links_samples_and_pruning(backend: Backend) -> None:
+    backend.add_links([("x:1", "a"), ("x:1", "b"), ("x:2", "a"), ("y:1", "a"), ("x:1", "a")])
+    assert sorted(backend.links("x:1")) == ["a", "b"]
+    assert backend.link_sample("x:1", 1)[0] in ("a", "b") and len(backend.link_sample("x:1", 5)) == 2
+    assert backend.link_sample("none", 3) == []
+    assert backend.prune_links("x:", ["b"]) == 2  # a from x:1 and x:2; y:1 is not under the prefix
+    assert backend.links("x:1") == ["b"] and backend.links("x:2") == [] and backend.links("y:1") == ["a"]
+
+
 # -- the embedded backend ------------------------------------------------------------------------------------------
 
 

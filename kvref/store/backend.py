@@ -18,7 +18,7 @@ import itertools
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 META = "m:"
 
@@ -35,6 +35,10 @@ class Backend(ABC):
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         """`get` of each key (backends override it with one round trip)."""
         return [self.get(k) for k in keys]
+
+    def peek_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The values, without marking them used (``gc``'s walk must not reorder the LRU)."""
+        raise NotImplementedError
 
     def touch(self, keys: Sequence[str]) -> None:
         """Mark these values as used, in this order (the last one the most recent), without reading them; keys
@@ -87,6 +91,11 @@ class Backend(ABC):
         """Every value's key (for `kvref store gc` and tests; not used on the lookup path)."""
         raise NotImplementedError
 
+    def prune_links(self, prefix: str, alive: Collection[str]) -> int:
+        """In every link set whose parent starts with ``prefix``, drop the children not in ``alive`` (what
+        ``gc`` does for the index entries of evicted chunks); returns how many it dropped."""
+        raise NotImplementedError
+
     def close(self) -> None:  # noqa: B027  (most backends hold nothing to release)
         """Release connections and handles."""
 
@@ -114,6 +123,10 @@ class MemoryBackend(Backend):
             if value is not None:
                 self._values.move_to_end(key)
             return value
+
+    def peek_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        with self._lock:
+            return [self._values.get(k) for k in keys]
 
     def touch(self, keys: Sequence[str]) -> None:
         with self._lock:
@@ -185,6 +198,17 @@ class MemoryBackend(Backend):
     def keys(self) -> list[str]:
         with self._lock:
             return list(self._values)
+
+    def prune_links(self, prefix: str, alive: Collection[str]) -> int:
+        n = 0
+        with self._lock:
+            for parent in [p for p in self._links if p.startswith(prefix)]:
+                dead = self._links[parent].difference(alive)
+                n += len(dead)
+                self._links[parent] -= dead
+                if not self._links[parent]:
+                    del self._links[parent]
+        return n
 
 
 __all__ = ["META", "Backend", "MemoryBackend"]

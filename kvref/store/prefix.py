@@ -730,41 +730,34 @@ class Store:
                 be.incr("evicted_bytes", freed)
         roots = {root_key(ns) for m in be.links(META + "models") for ns in self.namespaces(m)}
         keys = be.keys()
-        metas = {k[2:] for k in keys if k.startswith("c:")}
-        dropped = 0
+        metas = sorted(k[2:] for k in keys if k.startswith("c:"))
         parent_of: dict[str, str] = {}
-        for k in sorted(metas):
-            raw = be.get("c:" + k)
+        for k, raw in zip(metas, be.peek_many(["c:" + k for k in metas]), strict=True):
             try:
-                parent_of[k] = ChunkMeta.decode(raw).parent if raw is not None else ""
+                if raw is not None:
+                    parent_of[k] = ChunkMeta.decode(raw).parent
             except Corrupt:
-                parent_of[k] = ""
+                pass  # no parent: unreachable, dropped below
         alive: dict[str, bool] = {}
 
-        def reach(k: str) -> bool:
-            seen = []
-            while k not in alive:
-                seen.append(k)
-                p = parent_of.get(k, "")
-                if p in roots:
-                    alive[k] = True
-                    break
-                if p not in parent_of:
-                    alive[k] = False
-                    break
-                k = p
-            for s in seen:
-                alive[s] = alive[k]
-            return alive[seen[0]] if seen else alive[k]
+        def reachable(key: str) -> bool:
+            """Does the chain of parents from ``key`` reach a namespace's root?"""
+            path: list[str] = []
+            k = key
+            while k not in roots and k not in alive and k in parent_of and len(path) <= len(parent_of):
+                path.append(k)
+                k = parent_of[k]
+            ok = k in roots or alive.get(k, False)
+            alive.update(dict.fromkeys(path, ok))
+            return ok
 
-        dead = [f"c:{k}" for k in metas if not reach(k)]
-        for k in keys:
-            if (k.startswith("s") and ":" in k and k.split(":", 1)[1] not in metas) or (
-                k.startswith("s") and ":" in k and not alive.get(k.split(":", 1)[1], False)
-            ):
-                dead.append(k)
-        dropped += be.delete(dead)
-        return {"evicted_bytes": freed, "dropped": dropped}
+        dead = [f"c:{k}" for k in metas if not reachable(k)]
+        # section parts ("s<i>.<start>:<key>") of chunks that are gone or unreachable
+        dead += [k for k in keys if k[:1] == "s" and ":" in k and not alive.get(k.split(":", 1)[1], False)]
+        dropped = be.delete(dead)
+        # the prefix index names chunks that eviction removed: keep only the entries of reachable chunks
+        pruned = be.prune_links("x:", [k for k, ok in alive.items() if ok])
+        return {"evicted_bytes": freed, "dropped": dropped, "index_entries_dropped": pruned}
 
     def close(self) -> None:
         """Close the backend."""

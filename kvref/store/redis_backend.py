@@ -19,7 +19,7 @@ by itself would stay counted in ``usage``.
 from __future__ import annotations
 
 import functools
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar, cast
 
 from kvref.errors import ArgumentError, BackendError, StoreError
@@ -179,6 +179,12 @@ class RedisBackend(Backend):
         return [cast("bytes | None", v) for v in values]
 
     @_guarded
+    def peek_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        return [cast("bytes | None", v) for v in self._r.mget([self._v(k) for k in keys])]
+
+    @_guarded
     def touch(self, keys: Sequence[str]) -> None:
         if keys:
             self._touch(keys=[self._lru, self._clock], args=list(keys))
@@ -243,6 +249,17 @@ class RedisBackend(Backend):
         start = len(self._v(""))
         found = self._r.scan_iter(match=_glob_escape(self._v("")) + "*", count=1000)
         return [cast(bytes, k)[start:].decode() for k in found]
+
+    @_guarded
+    def prune_links(self, prefix: str, alive: Collection[str]) -> int:
+        keep = set(alive)
+        n = 0
+        for name in self._r.scan_iter(match=_glob_escape(self._l(prefix)) + "*", count=1000):
+            members = cast("set[bytes]", self._r.smembers(name))
+            dead = [m for m in members if m.decode() not in keep]
+            if dead:
+                n += int(cast(int, self._r.srem(name, *dead)))
+        return n
 
     def close(self) -> None:
         self._r.close()

@@ -21,7 +21,7 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
@@ -207,6 +207,13 @@ class SQLiteBackend(Backend):
         return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        values = self.peek_many(keys)
+        # marked in a short write after the read, so a large read never holds other writers back; a value
+        # evicted in between is simply not marked
+        self.touch([k for k, v in zip(keys, values, strict=True) if v is not None])
+        return values
+
+    def peek_many(self, keys: Sequence[str]) -> list[bytes | None]:
         found: dict[str, bytes] = {}
         todo = list(dict.fromkeys(keys))
         # a file can vanish between reading its row and opening it (another process replaced or evicted the value):
@@ -225,9 +232,6 @@ class SQLiteBackend(Backend):
                 elif missing.get(k) != name:
                     missing[k] = name
                     todo.append(k)
-        # marked in a short write after the read, so a large read never holds other writers back; a value
-        # evicted in between is simply not marked
-        self.touch([k for k in keys if k in found])
         return [found.get(k) for k in keys]
 
     def touch(self, keys: Sequence[str]) -> None:
@@ -311,6 +315,20 @@ class SQLiteBackend(Backend):
         return self._retry(
             lambda c: [str(r[0]) for r in c.execute("SELECT child FROM links WHERE parent = ?", (parent,))]
         )
+
+    def prune_links(self, prefix: str, alive: Collection[str]) -> int:
+        def prune(conn: sqlite3.Connection) -> int:
+            conn.execute("CREATE TEMP TABLE IF NOT EXISTS alive (key TEXT PRIMARY KEY) WITHOUT ROWID")
+            conn.execute("DELETE FROM alive")
+            conn.executemany("INSERT OR IGNORE INTO alive VALUES (?)", ((k,) for k in alive))
+            like = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            n = conn.execute(
+                "DELETE FROM links WHERE parent LIKE ? ESCAPE '\\' AND child NOT IN (SELECT key FROM alive)", (like,)
+            ).rowcount
+            conn.execute("DELETE FROM alive")
+            return int(n)
+
+        return self._write(prune)
 
     def link_sample(self, parent: str, n: int = 1) -> list[str]:
         return self._retry(
