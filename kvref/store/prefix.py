@@ -7,7 +7,7 @@ Keys (`kvref.store.backend` holds them):
   chunk's parent is the namespace's root key, so a key names a whole token prefix (LMCache's and vLLM's chained
   block hashes).
 - ``x:<BLAKE2b(parent, first l tokens)>``: link sets naming the chunks after ``parent`` that start with those l
-  tokens, for l = 1 .. 16 and every multiple of 16 (`LEVELS`): the index a prompt that leaves a stored chunk
+  tokens, for l = 1 .. 16 and every multiple of 16 (`levels`): the index a prompt that leaves a stored chunk
   mid-way is looked up in (SGLang's radix tree, by hash). A binary search over the levels finds the longest
   stored prefix in a few lookups, and at most the siblings sharing its last 16 tokens are read to cut it at the
   exact token, however many chunks follow the same parent.
@@ -288,10 +288,12 @@ class Store:
             n = m if n is None else min(n, m)
         for cp in rows:
             if isinstance(cp, Checkpoint):
-                if n is None:
-                    n = min(cp.pos + 1, n_tokens)
                 if cp.pos + 1 > n_tokens:
                     raise ArgumentError(f"the recurrent state consumed {cp.pos + 1} positions, {n_tokens} tokens given")
+                if n is not None and n != cp.pos + 1:
+                    raise FormatError(f"the recurrent state consumed {cp.pos + 1} positions, the attention cells "
+                                      f"hold {n}: a hybrid state's two parts must be at one length")  # fmt: skip
+                n = cp.pos + 1
         if n is None:
             n = max((int(r.pos[-1]) + 1 for r in rows if isinstance(r, SeqRows) and len(r.pos)), default=0)
         for (_, geo), r in zip(ns.kv, [r for r in rows if isinstance(r, SeqRows)], strict=True):
@@ -361,7 +363,8 @@ class Store:
                       for key, parent, c0 in zip(keys, parents, starts, strict=True)
                       for lv in levels(len(toks[c0 : c0 + T]))])  # fmt: skip
         # a put is a use of every chunk it holds, kept ones too: deepest first, so shared heads stay the newest
-        be.touch([v for key, c in zip(keys[::-1], covers, strict=True) for v in _chunk_values(key, c)])
+        be.touch([v for key, c0, c in zip(keys[::-1], starts[::-1], covers, strict=True)
+                  for v in _chunk_values(key, c, len(toks[c0 : c0 + T]))])  # fmt: skip
         checkpoint = False
         cps = [r for r in rows if isinstance(r, Checkpoint)]
         if cps and n:
@@ -537,9 +540,8 @@ class Store:
         out = []
         for c, parent in enumerate(parents):
             for off in self.backend.links("ck:" + parent):
-                at = c * T + int(off) if off.isdigit() else 0
-                if 0 < int(off) <= T and at <= L and at not in gone:
-                    out.append(at)
+                if off.isdigit() and 0 < int(off) <= T and c * T + int(off) <= L and c * T + int(off) not in gone:
+                    out.append(c * T + int(off))
         return out
 
     # --- get ------------------------------------------------------------------------------------------------
@@ -585,9 +587,11 @@ class Store:
 
     def _touch(self, chain: list[_Link], damage: _Damage) -> None:
         # deepest chunk first: a chain's shared head stays the most recently used
-        self.backend.touch([v for link in reversed(chain)
-                            for v in _chunk_values(link.key, [damage.cover.get((link.key, i), c)
-                                                              for i, c in enumerate(link.meta.cover)])])  # fmt: skip
+        keys: list[str] = []
+        for link in reversed(chain):
+            cover = [damage.cover.get((link.key, i), c) for i, c in enumerate(link.meta.cover)]
+            keys += _chunk_values(link.key, cover, len(link.meta.tokens))
+        self.backend.touch(keys)
 
     def _sections(
         self, ns: Namespace, chain: list[_Link], damage: _Damage, L: int, cp_at: int | None,
@@ -790,9 +794,9 @@ class _Missing(Exception):
     """A value the plan counted on was gone or damaged: plan again."""
 
 
-def _chunk_values(key: str, cover: list[int]) -> list[str]:
-    """A chunk's stored values: its section parts, then its meta."""
-    return [f"s{i}.{start}:{key}" for i, start in enumerate(cover)] + ["c:" + key]
+def _chunk_values(key: str, cover: list[int], n: int) -> list[str]:
+    """The keys of a chunk of ``n`` tokens: its section parts (``cover``), then its meta."""
+    return [f"s{i}.{start}:{key}" for i, start in enumerate(cover) if start < n] + ["c:" + key]
 
 
 def _hparams(model: str | os.PathLike[str]) -> HParams:
