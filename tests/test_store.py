@@ -6,6 +6,7 @@ values are never served. Every state here was written by a real llama.cpp (confo
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -360,3 +361,26 @@ def test_a_llama_server_slot_file_with_its_packed_prompt(store: Store) -> None:
     obj.tokens = packed([*toks[:3], -1, *toks[4:]], [(3, b"\x01" * 8)])
     with pytest.raises(ArgumentError, match="media"):
         store.put(obj.to_bytes(), model=model)
+
+
+def test_a_models_identity_is_its_bytes_hashed_once_per_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hashlib
+
+    from kvref.store import model_id as mid
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"weights" * 1000)
+    want = "sha256:" + hashlib.sha256(f.read_bytes()).hexdigest()
+    assert mid.model_id(f) == want
+    assert want in (tmp_path / "cache/kvref/model-ids.json").read_text()  # kept for the next process
+    calls = []
+    monkeypatch.setattr(mid, "_sha256", lambda p: calls.append(p) or "0" * 64)
+    assert mid.model_id(f) == want and calls == []  # not hashed again
+    os.utime(f, ns=(1, 1))  # rewritten in place (same size): hashed again
+    assert mid.model_id(f) == "sha256:" + "0" * 64 and len(calls) == 1
+    assert mid.model_id(want) == want  # a known id passes through
+    with pytest.raises(ArgumentError, match="sha256 model id"):
+        mid.model_id("sha256:xyz")
