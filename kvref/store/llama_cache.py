@@ -122,14 +122,14 @@ class _LlamaCache:
         self, url_or_dir: str | os.PathLike[str], capacity_bytes: int | None = 2 << 30, *,
         model: str | os.PathLike[str] | None = None, chunk_tokens: int | None = None, **context: object,
     ) -> None:  # fmt: skip
-        from . import open as open_store
+        from .backends import open_backend
 
         unknown = sorted(set(context) - set(CONTEXT_KEYS))
         if unknown:
             raise ArgumentError(f"LlamaCache: unknown context key(s) {unknown}; known: {', '.join(CONTEXT_KEYS)}")
         # BaseLlamaCache's attribute is an int: sys.maxsize stands for no bound
         self.capacity_bytes: int = sys.maxsize if capacity_bytes is None else capacity_bytes
-        self.store: Store = open_store(url_or_dir, capacity_bytes=capacity_bytes, chunk_tokens=chunk_tokens)
+        self.store = Store(open_backend(url_or_dir), capacity_bytes=capacity_bytes, chunk_tokens=chunk_tokens)
         self.model = None if model is None else os.fspath(model)
         self.context = context
         self._bound: weakref.WeakKeyDictionary[Llama, _Bound] = weakref.WeakKeyDictionary()
