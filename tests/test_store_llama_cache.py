@@ -435,7 +435,7 @@ def test_flash_attn_auto_learnt_from_first_state(monkeypatch: pytest.MonkeyPatch
 
 def test_state_not_stored_is_a_warning() -> None:
     """A state the store cannot read is skipped with a CacheWarning: the completion that saved it must not fail."""
-    from kvref.store.llama_cache import CacheWarning
+    from kvref.errors import CacheWarning
 
     cache = kvref.store.LlamaCache("memory:", model=model("llama-tiny"), capacity_bytes=None)
     bad = llama_cpp.llama.LlamaState(input_ids=np.arange(4, dtype=np.intc), scores=np.zeros((4, 128), np.single),

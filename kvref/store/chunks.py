@@ -6,7 +6,7 @@ ext. A recurrent section gives one state per sequence (`Checkpoint`): it stands 
 so it is stored as a checkpoint at that prefix's length, never cut.
 
 Every record the store keeps is framed by `encode` / `decode`: magic, kind, CRC-32 of the payload and its length,
-so a flipped byte or a cut value is caught before anything is served. Payload layouts:
+so a flipped byte or a cut value is caught (`kvref.errors.DamagedValue`) before anything is served. Payload layouts:
 
 - chunk meta: parent key, the chunk's tokens, their cells' ext, and per section the first covered offset (an
   iSWA sequence save keeps only the last window in its SWA cache, so a chunk may hold part of a section, always a
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ArgumentError, FormatError
+from ..errors import ArgumentError, DamagedValue, FormatError
 
 if TYPE_CHECKING:
     from ..state import Cells, KVSection, RecurrentSection, StateObject
@@ -38,10 +38,6 @@ VERSION = 1
 META, PART, CHECKPOINT, RECORD = 1, 2, 3, 4
 U8 = npt.NDArray[np.uint8]
 Piece = bytes | memoryview | U8 | npt.NDArray[np.int32]
-
-
-class Corrupt(Exception):
-    """A stored value failed its checksum or framing (the store reports a miss and drops it)."""
 
 
 def encode(kind: int, payload: Sequence[Piece]) -> bytearray:
@@ -61,17 +57,17 @@ def encode(kind: int, payload: Sequence[Piece]) -> bytearray:
 
 
 def decode(value: bytes | bytearray, kind: int) -> memoryview:
-    """The payload of a record of ``kind``; `Corrupt` when the frame or the checksum is wrong."""
+    """The payload of a record of ``kind``; `DamagedValue` when the frame or the checksum is wrong."""
     if len(value) < HEAD.size:
-        raise Corrupt(f"{len(value)} bytes: shorter than a record header")
+        raise DamagedValue(f"{len(value)} bytes: shorter than a record header")
     magic, version, k, _, crc, n = HEAD.unpack_from(value)
     if magic != MAGIC or version != VERSION or k != kind:
-        raise Corrupt(f"header {magic!r} v{version} kind {k}, expected {MAGIC!r} v{VERSION} kind {kind}")
+        raise DamagedValue(f"header {magic!r} v{version} kind {k}, expected {MAGIC!r} v{VERSION} kind {kind}")
     body = memoryview(value)[HEAD.size :]
     if len(body) != n:
-        raise Corrupt(f"payload of {len(body)} bytes, the header says {n}")
+        raise DamagedValue(f"payload of {len(body)} bytes, the header says {n}")
     if zlib.crc32(body) != crc:
-        raise Corrupt("checksum mismatch")
+        raise DamagedValue("checksum mismatch")
     return body
 
 
@@ -197,7 +193,7 @@ class ChunkMeta:
             tokens = np.frombuffer(body, "<i4", n, at).astype(np.int32)
             ext = np.frombuffer(body, "<i4", n * k, at + 4 * n).astype(np.int32).reshape(n, k)
         except (struct.error, ValueError) as e:
-            raise Corrupt(f"chunk meta: {e}") from e
+            raise DamagedValue(f"chunk meta: {e}") from e
         return cls(parent.hex(), tokens, ext, cover)
 
 
@@ -207,7 +203,7 @@ def part_payload(rows: SeqRows) -> list[U8]:
 
 
 def split_part(body: memoryview, geo: KVGeometry, m: int) -> tuple[list[U8], list[U8]]:
-    """The K and V rows of ``m`` cells from a part's payload (`Corrupt` when the sizes disagree)."""
+    """The K and V rows of ``m`` cells from a part's payload (`DamagedValue` when the sizes disagree)."""
     buf = np.frombuffer(body, np.uint8)
     at = 0
     ks: list[U8] = []
@@ -225,7 +221,7 @@ def split_part(body: memoryview, geo: KVGeometry, m: int) -> tuple[list[U8], lis
             vs.append(buf[at : at + m * int(r[2])].reshape(m, int(r[2])))
             at += m * int(r[2])
     if at != len(buf):
-        raise Corrupt(f"section part of {len(buf)} bytes, its {m} cells' rows take {at}")
+        raise DamagedValue(f"section part of {len(buf)} bytes, its {m} cells' rows take {at}")
     return ks, vs
 
 
@@ -244,7 +240,7 @@ def decode_checkpoint(value: bytes, geo: RecurrentGeometry) -> tuple[str, Checkp
     """(parent key, checkpoint) of a checkpoint record."""
     body = decode(value, CHECKPOINT)
     if len(body) < 20:
-        raise Corrupt("checkpoint shorter than its header")
+        raise DamagedValue("checkpoint shorter than its header")
     parent, pos = struct.unpack_from("<16si", body)
     buf = np.frombuffer(body, np.uint8, offset=20)
     at = 0
@@ -255,7 +251,7 @@ def decode_checkpoint(value: bytes, geo: RecurrentGeometry) -> tuple[str, Checkp
     def take(n: int) -> U8:
         nonlocal at
         if at + n > len(buf):
-            raise Corrupt("checkpoint shorter than its rows")
+            raise DamagedValue("checkpoint shorter than its rows")
         out = buf[at : at + n]
         at += n
         return out
@@ -269,7 +265,7 @@ def decode_checkpoint(value: bytes, geo: RecurrentGeometry) -> tuple[str, Checkp
         else:
             ss.append(take(int(s[2])).reshape(1, -1))
     if at != len(buf):
-        raise Corrupt(f"checkpoint of {len(buf)} row bytes, its layers take {at}")
+        raise DamagedValue(f"checkpoint of {len(buf)} row bytes, its layers take {at}")
     return parent.hex(), Checkpoint(int(pos), rs, ps, ss)
 
 
@@ -337,7 +333,6 @@ def concat(parts: list[SeqRows]) -> SeqRows:
 __all__ = [
     "Checkpoint",
     "ChunkMeta",
-    "Corrupt",
     "SeqRows",
     "checkpoint_of",
     "concat",

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from ..errors import ArgumentError, BackendError, KVRefError
+from ..errors import ArgumentError, BackendError, CacheWarning, KVRefError
 from .prefix import Store
 
 if TYPE_CHECKING:
@@ -48,10 +48,6 @@ if TYPE_CHECKING:
 
 CONTEXT_KEYS = ("type_k", "type_v", "flash_attn", "n_stream", "era", "extra")
 INSTALL = "pip install llama-cpp-python"
-
-
-class CacheWarning(RuntimeWarning):
-    """A completion's state was not stored (the completion itself is unaffected); the message says why."""
 
 
 @dataclass

@@ -34,14 +34,13 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ArgumentError, ArgumentTypeError, FormatError
+from ..errors import ArgumentError, ArgumentTypeError, DamagedValue, FormatError
 from .backend import META, Backend
 from .chunks import (
     PART,
     RECORD,
     Checkpoint,
     ChunkMeta,
-    Corrupt,
     SeqRows,
     checkpoint_of,
     concat,
@@ -177,7 +176,7 @@ class Store:
         if raw is not None:
             try:
                 have = int(json.loads(bytes(decode(raw, RECORD)))["chunk_tokens"])
-            except (Corrupt, ValueError, KeyError, TypeError) as e:
+            except (DamagedValue, ValueError, KeyError, TypeError) as e:
                 raise FormatError(f"{self.backend.url}: the store's config record is damaged ({e})") from e
             if asked is not None and asked != have:
                 raise ArgumentError(
@@ -212,7 +211,7 @@ class Store:
                     continue
                 try:
                     ns = Namespace.from_json(bytes(decode(raw, RECORD)))
-                except (Corrupt, ValueError, KeyError, TypeError):
+                except (DamagedValue, ValueError, KeyError, TypeError):
                     continue
                 self._namespaces[nid] = ns
             out.append(ns)
@@ -327,7 +326,7 @@ class Store:
                     have = ChunkMeta.decode(raw)
                     if have.parent != parent or not np.array_equal(have.tokens, chunk):
                         have = None
-                except Corrupt:
+                except DamagedValue:
                     be.incr("corrupt")
             cover: list[int] = []
             wrote = False
@@ -444,7 +443,7 @@ class Store:
             return None
         try:
             meta = ChunkMeta.decode(raw)
-        except Corrupt:
+        except DamagedValue:
             self._drop(["c:" + key])
             return None
         if meta.parent != parent or (want is not None and not np.array_equal(meta.tokens, want)):
@@ -576,8 +575,8 @@ class Store:
             try:
                 sections = self._sections(ns, plan.chain, damage, look.n_tokens, plan.checkpoint, seq_id, n_stream,
                                           kind)  # fmt: skip
-            except _Missing:
-                continue
+            except DamagedValue:
+                continue  # the plan counted on a value that is gone or damaged: ``damage`` says which
             obj = self._container(ns, sections, kind, prompt[: look.n_tokens], seq_id)
             self._touch(plan.chain, damage)
             self.backend.incr("hits")
@@ -597,8 +596,8 @@ class Store:
         self, ns: Namespace, chain: list[_Link], damage: _Damage, L: int, cp_at: int | None,
         seq_id: int, n_stream: int, kind: str,
     ) -> list[KVSection | RecurrentSection]:  # fmt: skip
-        """The sections holding the first ``L`` tokens (raises `_Missing` after dropping a value it could not use,
-        with ``cover`` updated so the next plan knows)."""
+        """The sections holding the first ``L`` tokens (raises `DamagedValue` after dropping a value it could not
+        use, with ``damage`` updated so the next plan leaves it out)."""
         from ..state.eras import era as era_of
 
         scoped = kind in ("seq", "seq_state")
@@ -635,14 +634,14 @@ class Store:
             n_cells = len(link.meta.tokens) - start
             try:
                 if raw is None:
-                    raise Corrupt("evicted")
+                    raise DamagedValue("evicted")
                 k, v = split_part(decode(raw, PART), geo, n_cells)
-            except Corrupt:
+            except DamagedValue:
                 if raw is not None:
                     self._drop([key])
                 cover[(link.key, i)] = len(link.meta.tokens)
                 self._uncover(link, i)
-                raise _Missing from None
+                raise
             p0 = link.start + start
             lo, hi = max(first, p0) - p0, min(L, link.start + len(link.meta.tokens)) - p0
             pos = np.arange(p0, p0 + n_cells, dtype=np.int32)
@@ -670,15 +669,15 @@ class Store:
         raw = self.backend.get(key)
         try:
             if raw is None:
-                raise Corrupt("evicted")
+                raise DamagedValue("evicted")
             got_parent, cp = decode_checkpoint(raw, cast("RecurrentGeometry", geo))
             if got_parent != parent or cp.pos != L - 1:
-                raise Corrupt("checkpoint for another prefix")
-        except Corrupt:
+                raise DamagedValue("checkpoint for another prefix")
+        except DamagedValue:
             if raw is not None:
                 self._drop([key])
             damage.checkpoints.add(L)
-            raise _Missing from None
+            raise
         return cp
 
     def _container(self, ns: Namespace, sections: list[KVSection | RecurrentSection], kind: str,
@@ -740,7 +739,7 @@ class Store:
             try:
                 if raw is not None:
                     parent_of[k] = ChunkMeta.decode(raw).parent
-            except Corrupt:
+            except DamagedValue:
                 pass  # no parent: unreachable, dropped below
         alive: dict[str, bool] = {}
 
@@ -788,10 +787,6 @@ class _Plan:
     ns: Namespace | None
     chain: list[_Link]
     checkpoint: int | None
-
-
-class _Missing(Exception):
-    """A value the plan counted on was gone or damaged: plan again."""
 
 
 def _chunk_values(key: str, cover: list[int], n: int) -> list[str]:
