@@ -49,6 +49,7 @@ count or the destination id is wrong). Rows of cells no sequence holds any more 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeVar, cast
 
@@ -197,25 +198,26 @@ def _cell_ids(
 
 def _one_id_each(cells: KVCells, idx: npt.NDArray[np.intp], n_seq: int) -> npt.NDArray[np.int32] | None:
     """With ``n_seq`` above 64: the one sequence id (``< n_seq``) of each of cells ``idx``, or None when a cell
-    holds none or several. ``_SET_CHUNK`` cells at a time: the one non-zero word of a row, a power of two whose
-    log2 is the bit (exact), plus 64 per word before it; no (cells x n_seq) bit matrix."""
-    n_words = -(-n_seq // 64)
-    last = np.uint64((1 << (n_seq - 64 * (n_words - 1))) - 1) if n_seq % 64 else None
+    holds none or several. ``_SET_CHUNK`` cells at a time, no (cells x n_seq) bit matrix: a row's four "word is
+    non-zero" flags read as one uint32 (a byte each) must be a single flag, which says the word; that word must be
+    a power of two, whose log2 is the bit (exact), plus 64 per word before it."""
+    if N_SEQ_WORDS != 4 or sys.byteorder != "little":  # pragma: no cover - LLAMA_MAX_SEQ is 256; x86, arm
+        return None
+    mask = np.zeros(N_SEQ_WORDS, np.uint64)  # ids a unified cache accepts at n_seq_max and above are never written
+    for k in range(N_SEQ_WORDS):
+        mask[k] = np.uint64((1 << max(0, min(64, n_seq - 64 * k))) - 1)
     seq = np.asarray(cells.seq)
     out = np.empty(idx.size, np.int32)
     for i0 in range(0, idx.size, _SET_CHUNK):
-        words = _take(seq, idx[i0 : i0 + _SET_CHUNK])[:, :n_words]
-        if last is not None:
-            words = words.copy()
-            words[:, -1] &= last  # ids a unified cache accepts above n_seq_max are never written
-        nz = words != 0
-        if (nz.sum(axis=1) != 1).any():
+        words = _take(seq, idx[i0 : i0 + _SET_CHUNK]) & mask  # (n, 4), a copy
+        flags = np.ascontiguousarray(words != 0).view(np.uint32)[:, 0]  # word k non-zero: byte k is 1
+        if not flags.all() or (flags & (flags - np.uint32(1))).any():
             return None  # no id, or ids in two words
-        wi = np.argmax(nz, axis=1)
-        w = np.take_along_axis(words, wi[:, None], axis=1)[:, 0]
+        wi = (flags > 0xFF).astype(np.int32) + (flags > 0xFFFF) + (flags > 0xFFFFFF)
+        w = words.reshape(-1)[np.arange(words.shape[0]) * N_SEQ_WORDS + wi]
         if (w & (w - np.uint64(1))).any():
             return None  # two ids in one word
-        out[i0 : i0 + _SET_CHUNK] = np.log2(w).astype(np.int32) + 64 * wi.astype(np.int32)
+        out[i0 : i0 + _SET_CHUNK] = np.log2(w).astype(np.int32) + 64 * wi
     return out
 
 
