@@ -180,6 +180,10 @@ def test_another_model_or_another_cache_type_never_hits(store: Store, tmp_path: 
     assert store.get(toks, model=model, type_k="q8_0", type_v="q8_0") is None
     assert store.get(toks, model=model, flash_attn=True) is None  # the file's V is transposed: no flash attention
     assert store.get(toks, model=model, flash_attn=False) is not None
+    store.put(f, model=model, tokens=[t + 1 for t in toks], extra={"rope_freq_base": 20000.0})
+    assert store.get([t + 1 for t in toks], model=model) is None  # put with a RoPE override: met only with it
+    assert store.get([t + 1 for t in toks], model=model, extra={"rope_freq_base": 20000.0}) is not None
+    assert store.get(toks, model=model, extra={"rope_freq_base": 20000.0}) is None
 
 
 @pytest.mark.parametrize("victim", ["c:", "s0."])

@@ -131,11 +131,6 @@ class Namespace:
                 return not g.v_trans
         return None
 
-    def describe(self) -> str:
-        """One line for error messages: arch, layout, era, types, flash attention."""
-        return (f"{self.arch} {self.layout} era {self.era} K {self.type_k()} V {self.type_v()} "
-                f"flash_attn {self.flash_attn()}" + (f" {dict(self.extra)}" if self.extra else ""))  # fmt: skip
-
     def matches(self, context: Mapping[str, object]) -> bool:
         """Does this namespace fit a caller's context (only the keys given are compared)?"""
         for key, want in context.items():

@@ -500,6 +500,7 @@ class Store:
         `get` takes: type_k, type_v, flash_attn, era, extra), and why not more. Reads metadata only."""
         context.setdefault("type_k", "f16")
         context.setdefault("type_v", "f16")
+        context["extra"] = context.get("extra") or {}  # a namespace put with extra= is met only by the same extra
         return self._plan(_tokens(tokens, "tokens"), model, context, _Damage()).look
 
     def _plan(self, prompt: npt.NDArray[np.int32], model: str | os.PathLike[str], context: dict[str, object],
@@ -564,7 +565,7 @@ class Store:
         if not isinstance(seq_id, int) or not 0 <= seq_id < 256 or (n_stream > 1 and seq_id >= n_stream):
             raise ArgumentError(f"seq_id={seq_id!r} does not fit a context of {n_stream} stream(s) and 256 sequences")
         prompt = _tokens(tokens, "tokens")
-        context = {"type_k": type_k, "type_v": type_v, "flash_attn": flash_attn, "era": era, "extra": extra}
+        context = {"type_k": type_k, "type_v": type_v, "flash_attn": flash_attn, "era": era, "extra": extra or {}}
         damage = _Damage()
         while True:  # each round that fails has dropped a value from the plan, so this ends
             plan = self._plan(prompt, model, context, damage)
