@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 from kvref.store.sqlite_backend import INLINE_MAX, SQLiteBackend
@@ -63,6 +64,26 @@ def churner(path: str, progress: str) -> None:
 
 def progress_of(progress: Path) -> int:
     return progress.stat().st_size if progress.exists() else 0
+
+
+def kill_after(target: Callable[..., None], args: tuple[object, ...], progress: Path, steps: int) -> None:
+    """Run ``target(*args, str(progress))`` in a spawned process and SIGKILL it once ``progress`` shows ``steps``
+    steps done (asserting it was still running, and that the signal is what ended it)."""
+    import multiprocessing
+    import os
+    import signal
+    import time
+
+    child = multiprocessing.get_context("spawn").Process(target=target, args=(*args, str(progress)))
+    child.start()
+    try:
+        while progress_of(progress) < steps and child.is_alive():
+            time.sleep(0.002)
+        assert child.is_alive(), f"the writer stopped by itself (exit code {child.exitcode})"
+        os.kill(child.pid or 0, signal.SIGKILL)
+    finally:
+        child.join()
+    assert child.exitcode == -signal.SIGKILL
 
 
 # -- the prefix store (tests/test_store_faults.py) ---------------------------------------------------------------

@@ -8,18 +8,15 @@ redis client package; without them they skip with the reason.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import re
-import signal
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from _redis import redis_url  # noqa: F401  (a fixture)
-from _store_workers import churner, make_value, progress_of, whole, writer
+from _store_workers import churner, kill_after, make_value, whole, writer
 
 from kvref.errors import ArgumentError, BackendError
 from kvref.store.backend import META, Backend, MemoryBackend
@@ -200,18 +197,7 @@ def test_processes_writing_at_once_lose_nothing(tmp_path: Path) -> None:
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
 @pytest.mark.parametrize("steps", [40, 300, 2000])
 def test_a_writer_killed_mid_sequence_leaves_every_value_whole(tmp_path: Path, steps: int) -> None:
-    progress = tmp_path / "progress"
-    ctx = multiprocessing.get_context("spawn")
-    child = ctx.Process(target=churner, args=(str(tmp_path / "store"), str(progress)))
-    child.start()
-    try:
-        while progress_of(progress) < steps and child.is_alive():
-            time.sleep(0.01)
-        assert child.is_alive(), f"the writer stopped by itself (exit code {child.exitcode})"
-        os.kill(child.pid or 0, signal.SIGKILL)
-    finally:
-        child.join()
-    assert child.exitcode == -signal.SIGKILL
+    kill_after(churner, (str(tmp_path / "store"),), tmp_path / "progress", steps)
     store = SQLiteBackend(tmp_path / "store")
     keys = store.keys()
     values = store.get_many(keys)

@@ -6,17 +6,14 @@ several token lists)."""
 from __future__ import annotations
 
 import multiprocessing
-import os
-import signal
 import sys
-import time
 import uuid
 from pathlib import Path
 
 import numpy as np
 import pytest
 from _redis import redis_url  # noqa: F401  (a fixture)
-from _store_workers import SEQ_FILE, labels, progress_of, store_churner, store_put_limited, store_putter
+from _store_workers import SEQ_FILE, kill_after, labels, store_churner, store_put_limited, store_putter
 from test_store import tiny_model
 
 import kvref
@@ -63,18 +60,7 @@ def test_processes_putting_the_same_and_different_prefixes_at_once(url: str) -> 
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
 @pytest.mark.parametrize("puts", [3, 25])
 def test_a_put_killed_midway_leaves_the_store_consistent(url: str, tmp_path: Path, puts: int) -> None:
-    progress = tmp_path / "progress"
-    ctx = multiprocessing.get_context("spawn")
-    child = ctx.Process(target=store_churner, args=(url, MODEL, str(progress)))
-    child.start()
-    try:
-        while progress_of(progress) < puts and child.is_alive():
-            time.sleep(0.002)
-        assert child.is_alive(), f"the writer stopped by itself (exit code {child.exitcode})"
-        os.kill(child.pid or 0, signal.SIGKILL)
-    finally:
-        child.join()
-    assert child.exitcode == -signal.SIGKILL
+    kill_after(store_churner, (url, MODEL), tmp_path / "progress", puts)
     with kvref.store.open(url) as st:  # no capacity: gc only drops what nothing reaches
         served = [served_right(st, p) for p in range(40)]  # whatever is served is right
         assert max(served) == N
