@@ -18,8 +18,8 @@ import os
 import struct
 import sys
 from collections.abc import Callable
-from functools import partial
-from typing import TYPE_CHECKING, Literal, Protocol, TypedDict, TypeVar, overload, runtime_checkable
+from functools import lru_cache, partial
+from typing import TYPE_CHECKING, Literal, Protocol, TypedDict, TypeVar, cast, overload, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -194,11 +194,22 @@ Found = dict[tuple[object, ...], tuple[Options, StateObject]]
 
 
 def _readings(kind: str, buf: memoryview, layout: str, opts: LoadOptions, auto_kind: bool = True) -> list[Reading]:
+    # what the list depends on in the bytes: a file's version, whether a blob starts with the io_magic
+    version = _u32(buf, 4) if kind in ("session", "seq") else None
+    magic = kind == "seq_state" and _u32(buf, 0) == Magic.SEQ_BLOB
+    return list(_readings_of(kind, version, magic, layout, tuple(sorted(opts.items())), auto_kind))
+
+
+@lru_cache(maxsize=256)  # keyed by a u32 of the input: bounded
+def _readings_of(
+    kind: str, version: int | None, magic: bool, layout: str, opt_items: tuple[tuple[str, object], ...], auto_kind: bool
+) -> tuple[Reading, ...]:
+    """`_readings` of an input whose version (files) and io_magic test (sequence blobs) are given: computed once."""
+    opts = cast("LoadOptions", dict(opt_items))
     table = _SESSION_VARIANTS if kind in ("session", "state") else _SEQ_VARIANTS
     every = list(dict.fromkeys(v for vs in table.values() for v in vs))
     # files say their version; blobs do not. Explicit options win over the version table (a caller who says
     # outputs=True for a v10 file gets that reading), and an unknown version fails on its own check.
-    version = _u32(buf, 4) if kind in ("session", "seq") else None
     variants = table.get(version, every) if version is not None else every
     if not any(_matches(v, opts) for v in variants):
         variants = every
@@ -209,7 +220,7 @@ def _readings(kind: str, buf: memoryview, layout: str, opts: LoadOptions, auto_k
     layouts = [name for name in LAYOUTS if name != "none"] if layout == "auto" else [layout]
     # blobs of the current format carry the io_magic prefix; asked for a seq_state, assume it (a corrupt magic
     # is then reported as such) unless the bytes are being guessed (kind "auto") and do not start with it
-    headers = [True] if kind != "seq_state" or auto_kind is False else [_u32(buf, 0) == Magic.SEQ_BLOB]
+    headers = [True] if kind != "seq_state" or auto_kind is False else [magic]
     asked_header = opts["seq_header"]
     if asked_header is not None:
         headers = [asked_header]
@@ -233,7 +244,7 @@ def _readings(kind: str, buf: memoryview, layout: str, opts: LoadOptions, auto_k
             n_state = "scan"
         for ext, has_v in itertools.product(exts, has_vs):
             out.append((kind, lay, has_outputs, n_stream_field, ext, has_v, ple, n_state, header))
-    return out
+    return tuple(out)
 
 
 def _as_options(r: Reading) -> Options:
@@ -701,17 +712,28 @@ class _Sniff:
         if words < 2 or first is None or first > LLAMA_MAX_SEQ:
             return None
         stride = 2 + k + first
-        if n * stride <= words:  # the reader's fast path: every cell like the first
+        # the reader's fast path: every cell like the first
+        if n * stride <= words and self._probe(at, n, stride, k, first):
+            out = at + 4 * n * stride, frozenset((first,))
+            if not self.exact and n >= _ASSUME_MIN:
+                self.assumed["cells", at, n, ext_size] = out
+                return out
             rec = np.frombuffer(self.buf, "<u4", n * stride, at).reshape(n, stride)
-            probe = rec[[0, n // 2, n - 1]]
-            if (probe[:, 1] == first).all() and (probe[:, 2 + k :] < LLAMA_MAX_SEQ).all():
-                out = at + 4 * n * stride, frozenset((first,))
-                if not self.exact and n >= _ASSUME_MIN:
-                    self.assumed["cells", at, n, ext_size] = out
-                    return out
-                if (rec[:, 1] == first).all() and (first == 0 or rec[:, 2 + k :].max() < LLAMA_MAX_SEQ):
-                    return out
+            if (rec[:, 1] == first).all() and (first == 0 or rec[:, 2 + k :].max() < LLAMA_MAX_SEQ):
+                return out
         return self._walk(at, n, k, words)
+
+    def _probe(self, at: int, n: int, stride: int, k: int, first: int) -> bool:
+        """Whether the first, middle and last cells of a table of ``n`` cells of ``stride`` words (the first cell's
+        n_seq_id ``first``) each hold ``first`` ids, all below LLAMA_MAX_SEQ (struct reads: three cells)."""
+        buf = self.buf
+        for i in (0, n // 2, n - 1):
+            w = at + 4 * i * stride
+            if _U32S.unpack_from(buf, w + 4)[0] != first:
+                return False
+            if first and max(struct.unpack_from(f"<{first}I", buf, w + 8 + 4 * k)) >= LLAMA_MAX_SEQ:
+                return False
+        return True
 
     def _walk(self, at: int, n: int, k: int, words: int) -> CellsEnd | None:
         """The reader's per-cell walk (each n_seq_id at most LLAMA_MAX_SEQ, each seq id in [0, LLAMA_MAX_SEQ), each
