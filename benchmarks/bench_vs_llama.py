@@ -473,7 +473,7 @@ def state_rows(n_ctx: int, n_seq: int, rounds: int) -> None:
             _seq_rows(L, ctx, n_c, 1, 0, n_c - 256, rounds, "5c seq state_read, one contiguous seq")
         # 5s: a small sequence (1000 cells, 0.5 MiB) in a 256-stream cache (kv_unified=false, 2048 cells a stream)
         with _context(L, model, 256 * 2048, 256, False) as ctx:
-            _seq_rows(L, ctx, 256 * 2048, 256, 7, 1000, rounds, "5s seq state_read, 1000 cells, 256 streams")
+            _seq_rows(L, ctx, 256 * 2048, 256, 7, 1000, rounds, "5s seq state_read, 1000 cells, 256 streams", True)
         write_many_seq_rows(n_ctx, rounds)
     finally:
         L.llama_model_free(model)
@@ -563,6 +563,20 @@ def _state_rows(L, ctx, n_ctx: int, n_seq: int, rounds: int) -> None:
         lambda _r: timed(lambda: L.llama_state_get_data(ctx, ll_buf, ll_size)),
     )
     report(f"6b state_write() -> new bytes vs llama_state_get_data ({mib:.0f} MiB)", ta, tb)
+    # 6b2: like for like, both return new memory: llama.cpp's side fills a new buffer (llama-cpp-python's
+    # Llama.save_state allocates one per call), whose fresh pages the kernel zeroes as they are first written, as
+    # it does the new bytes object's; 6bf: what the fresh pages cost kvref (state_write() over state_write_into)
+    ta, tb = abba(
+        rounds,
+        lambda _r: timed_keep(mem.state_write),
+        lambda _r: timed_keep(lambda: _get_data_new(L, ctx, ll_size)),
+        settle,
+    )
+    report(f"6b2 state_write() vs a new buffer + get_data ({mib:.0f} MiB)", ta, tb, note="both write new memory")
+    ta, tb = abba(
+        rounds, lambda _r: timed_keep(mem.state_write), lambda _r: timed(lambda: mem.state_write_into(kv_buf))
+    )
+    report_ratio("6bf state_write() / state_write_into(buf)", ta, tb, "kvref only: the new pages' share")
     # 4: whole-state restore
     ta, tb = abba(
         rounds,
@@ -610,10 +624,22 @@ def _state_rows(L, ctx, n_ctx: int, n_seq: int, rounds: int) -> None:
         report_ratio(f"7b state.load(seq file, {n_cells} cells) auto / given", ta, tb, "kvref only; llama.cpp file")
 
 
-def _seq_rows(L, ctx, n_ctx: int, n_seq: int, seq: int, n: int, rounds: int, label: str) -> None:
+def _get_data_new(L, ctx, size: int) -> Any:
+    """llama_state_get_data into a buffer allocated for it (returned: freed by the caller)."""
+    buf = (ctypes.c_uint8 * size)()
+    if L.llama_state_get_data(ctx, buf, size) != size:
+        raise RuntimeError("llama_state_get_data wrote another size")
+    return buf
+
+
+def _seq_rows(
+    L, ctx, n_ctx: int, n_seq: int, seq: int, n: int, rounds: int, label: str, back_to_back: bool = False
+) -> None:
     """A sequence restore: ``n`` cells of sequence ``seq`` (positions 0 .. n-1, one contiguous run of its stream)
     in a memory of ``n_seq`` sequences (one stream per sequence unless ``n_seq`` is 1), kvref's state_read against
-    llama_state_seq_set_data of the same blob; and against a plain copy of the blob."""
+    llama_state_seq_set_data of the same blob; and against a plain copy of the blob. With ``back_to_back`` also
+    without `settle` between the calls: for a small restore its gc.collect (which walks every Python object and
+    evicts the CPU caches) costs more than the restore, on both sides, most on the side with more code."""
     hp = kvref.HParams.from_gguf(MODEL)
     mem = kvref.create_memory(hp, n_ctx=n_ctx, n_seq_max=n_seq, kv_unified=n_seq == 1)
     strm = mem.seq_to_stream[seq]
@@ -639,7 +665,14 @@ def _seq_rows(L, ctx, n_ctx: int, n_seq: int, seq: int, n: int, rounds: int, lab
     )
     if mem.state_write(seq) != blob:
         raise AssertionError("kvref's restore changed the sequence")
-    report(f"{label} ({len(blob) / (1 << 20):.1f} MiB)", ta, tb)
+    report(f"{label} ({len(blob) / (1 << 20):.1f} MiB)", ta, tb, note="settled: gc + malloc_trim before each")
+    if back_to_back:
+        ta, tb = abba(
+            rounds,
+            lambda _r: timed(lambda: mem.state_read(blob, seq)),
+            lambda _r: timed(lambda: L.llama_state_seq_set_data(ctx, cbuf, len(ll_blob), seq)),
+        )
+        report(f"{label[:2].strip()}w {label[3:]}, back to back", ta, tb, note="no settle between calls")
     _copy_floor(f"{label[:2].strip()}f {label[3:]} / plain copy", blob, lambda: mem.state_read(blob, seq), rounds)
 
 

@@ -731,7 +731,7 @@ def stage_state(
         n_stream = int.from_bytes(buf[offset : offset + 4], "little")
         if n_stream != cache.n_stream:
             raise FormatError(mismatch.n_stream(n_stream, cache.n_stream), field="n_stream", offset=offset)
-    sec, end = read_kv_section(data, spec(cache), seq_id=seq_id, offset=offset)
+    sec, end = read_kv_section(data, spec(cache), seq_id=seq_id, offset=offset, _shared_empty=True)
     streams = [(s, st) for s, st in enumerate(sec.streams) if st.cells is not None]
 
     if seq_id == -1:

@@ -10,7 +10,6 @@ same order, each reported as a FormatError naming the field and the byte offset.
 
 from __future__ import annotations
 
-from collections import ChainMap
 from typing import TYPE_CHECKING, TypeVar, cast
 
 import numpy as np
@@ -144,12 +143,18 @@ def validate_recurrent_section(sec: RecurrentSection, spec: RecurrentSpec, seq_i
 
 def _read(struct: Struct[Rec], buf: object, offset: int, options: dict[str, object]) -> tuple[Rec, int]:
     r = Reader(buf, offset)
-    env: Env = ChainMap({"_reader": r, **options})
+    env = Env(options)
+    env["_reader"] = r
     return struct.read(r, env), r.pos
 
 
-def read_kv_section(buf: object, spec: KVSpec, *, seq_id: int = -1, offset: int = 0) -> tuple[KVSection, int]:
-    """Parse the KV section at ``offset`` with the cache's layout, validate it, return it and its end offset."""
+def read_kv_section(
+    buf: object, spec: KVSpec, *, seq_id: int = -1, offset: int = 0, _shared_empty: bool = False
+) -> tuple[KVSection, int]:
+    """Parse the KV section at ``offset`` with the cache's layout, validate it, return it and its end offset.
+
+    ``_shared_empty`` (a cache's restore, which looks only at the streams with cells): every empty stream of the
+    result is one shared `KVStream`, whose ``offsets`` are not its own."""
     sec, end = _read(
         KV_SECTION,
         buf,
@@ -161,6 +166,7 @@ def read_kv_section(buf: object, spec: KVSpec, *, seq_id: int = -1, offset: int 
             # lets the parse check n_layer / v_trans / types / row sizes against the cache as llama.cpp does
             "cache_spec": spec,
             "_cache_il": {"k": -1, "v": -1},
+            "_shared_empty": _shared_empty,
         },
     )
     validate_kv_section(sec, spec, seq_id)
@@ -202,7 +208,7 @@ def write_section(sec: KVSection | RecurrentSection, f: Sink) -> int:
     """Stream a section (what the memory's state_write produces) to ``f``; returns the byte count."""
     w = Writer(f)
     struct = KV_SECTION if isinstance(sec, KVSection) else RECURRENT_SECTION
-    struct.write(w, sec, ChainMap({"ext_size": 0}))
+    struct.write(w, sec, Env(ext_size=0))
     return w.n
 
 

@@ -2,7 +2,7 @@
 
 A `Struct` maps an ordered list of fields onto a Python class. Reading walks the fields over a `Reader` and
 builds the object; writing walks the same fields over the object and a `Writer`. Fields see an *environment*
-(a ChainMap): the read options at its root (``ext_size``, ``n_stream_field`` ...) and every value read or
+(an `Env`): the read options at its root (``ext_size``, ``n_stream_field`` ...) and every value read or
 written so far in the enclosing records, so that a later field can depend on an earlier one (``cell_count``
 sizes the cell table and every layer's rows). Values that are implied by the object (counts, flags) are
 declared with ``derive=`` and never stored twice, so a writer cannot emit a count that disagrees with the data.
@@ -17,7 +17,6 @@ Each record remembers where its fields started (``obj.offsets``), which is what 
 
 from __future__ import annotations
 
-from collections import ChainMap
 from collections.abc import Callable, Mapping
 from typing import ClassVar, Generic, Literal, TypeVar
 
@@ -27,7 +26,20 @@ import numpy.typing as npt
 from ..errors import FormatError
 from .codec import Reader, Writer
 
-Env = ChainMap[str, object]
+
+class Env(dict[str, object]):
+    """The values a field sees: the read options and what the enclosing records read or wrote so far.
+
+    ``new_child()`` is the scope of a nested record: a copy, whose writes its parent never sees. (A child is only
+    made after its parent's last write before it and dropped before the parent's next one, so a copy answers as a
+    chain of maps would, with a dict's lookups.)"""
+
+    __slots__ = ()
+
+    def new_child(self) -> Env:
+        return Env(self)
+
+
 Pred = Callable[[Env], object]  # its truth value decides
 R = TypeVar("R", contravariant=True)  # the record a field belongs to
 S = TypeVar("S", np.int32, np.float32)  # an Array's element type (the two llama.cpp writes)
@@ -414,7 +426,8 @@ def read_root(
 ) -> Rec:
     """Read ``struct`` from ``buf`` and require that it ends exactly at ``end`` (no trailing bytes)."""
     r = Reader(buf, start, end)
-    env: Env = ChainMap({"_reader": r, **options})
+    env = Env(options)
+    env["_reader"] = r
     obj = struct.read(r, env)
     if r.pos != r.end:
         raise FormatError(f"{r.end - r.pos} trailing bytes after the last section", field="trailing", offset=r.pos)
@@ -422,7 +435,7 @@ def read_root(
 
 
 def write_root(struct: Struct[Rec], obj: Rec, w: Writer, options: Mapping[str, object] | None = None) -> None:
-    struct.write(w, obj, ChainMap(dict(options or {})))
+    struct.write(w, obj, Env(options or {}))
 
 
 __all__ = [

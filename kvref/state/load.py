@@ -17,9 +17,9 @@ import mmap
 import os
 import struct
 import sys
-from collections.abc import Callable
-from functools import partial
-from typing import TYPE_CHECKING, Literal, Protocol, TypedDict, TypeVar, overload, runtime_checkable
+from collections.abc import Callable, Sequence
+from functools import lru_cache, partial
+from typing import TYPE_CHECKING, Literal, Protocol, TypedDict, TypeVar, cast, overload, runtime_checkable
 
 import numpy as np
 import numpy.typing as npt
@@ -194,11 +194,61 @@ Found = dict[tuple[object, ...], tuple[Options, StateObject]]
 
 
 def _readings(kind: str, buf: memoryview, layout: str, opts: LoadOptions, auto_kind: bool = True) -> list[Reading]:
+    # what the list depends on in the bytes: a file's version, whether a blob starts with the io_magic
+    version = _u32(buf, 4) if kind in ("session", "seq") else None
+    magic = kind == "seq_state" and _u32(buf, 0) == Magic.SEQ_BLOB
+    return list(_readings_of(kind, version, magic, layout, tuple(sorted(opts.items())), auto_kind))
+
+
+# readings grouped by what they share first: the container header ((kind, has_outputs, seq_header)), then the
+# first section's part ("kv", n_stream_field, ext_size, has_v) / ("rec", ple, n_state_layers, last) / ("none",)
+Groups = dict[tuple[str, bool, bool], dict[tuple[object, ...], tuple[Reading, ...]]]
+
+
+def _groups(readings: Sequence[Reading]) -> Groups:
+    """`_Sniff.verdicts`' grouping of ``readings`` (in their order, repeats kept)."""
+    out: dict[tuple[str, bool, bool], dict[tuple[object, ...], list[Reading]]] = {}
+    for r in readings:
+        parts = LAYOUTS[r[1]]
+        first: tuple[object, ...]
+        if not parts:
+            first = ("none",)
+        elif parts[0] == "kv":
+            first = ("kv", r[3], r[4], r[5])
+        else:
+            first = ("rec", r[6], r[7], len(parts) == 1)
+        out.setdefault((r[0], r[2], r[8]), {}).setdefault(first, []).append(r)
+    return {h: {f: tuple(rs) for f, rs in fs.items()} for h, fs in out.items()}
+
+
+@lru_cache(maxsize=256)
+def _groups_of(
+    kind: str, version: int | None, magic: bool, layout: str, opt_items: tuple[tuple[str, object], ...], auto_kind: bool
+) -> Groups:
+    """`_groups` of `_readings_of` (the same arguments), computed once."""
+    return _groups(_readings_of(kind, version, magic, layout, opt_items, auto_kind))
+
+
+def _readings_groups(
+    kind: str, buf: memoryview, layout: str, opts: LoadOptions, auto_kind: bool = True
+) -> tuple[list[Reading], Groups]:
+    """`_readings` and their `_groups`."""
+    version = _u32(buf, 4) if kind in ("session", "seq") else None
+    magic = kind == "seq_state" and _u32(buf, 0) == Magic.SEQ_BLOB
+    key = (kind, version, magic, layout, tuple(sorted(opts.items())), auto_kind)
+    return list(_readings_of(*key)), _groups_of(*key)
+
+
+@lru_cache(maxsize=256)  # keyed by a u32 of the input: bounded
+def _readings_of(
+    kind: str, version: int | None, magic: bool, layout: str, opt_items: tuple[tuple[str, object], ...], auto_kind: bool
+) -> tuple[Reading, ...]:
+    """`_readings` of an input whose version (files) and io_magic test (sequence blobs) are given: computed once."""
+    opts = cast("LoadOptions", dict(opt_items))
     table = _SESSION_VARIANTS if kind in ("session", "state") else _SEQ_VARIANTS
     every = list(dict.fromkeys(v for vs in table.values() for v in vs))
     # files say their version; blobs do not. Explicit options win over the version table (a caller who says
     # outputs=True for a v10 file gets that reading), and an unknown version fails on its own check.
-    version = _u32(buf, 4) if kind in ("session", "seq") else None
     variants = table.get(version, every) if version is not None else every
     if not any(_matches(v, opts) for v in variants):
         variants = every
@@ -209,7 +259,7 @@ def _readings(kind: str, buf: memoryview, layout: str, opts: LoadOptions, auto_k
     layouts = [name for name in LAYOUTS if name != "none"] if layout == "auto" else [layout]
     # blobs of the current format carry the io_magic prefix; asked for a seq_state, assume it (a corrupt magic
     # is then reported as such) unless the bytes are being guessed (kind "auto") and do not start with it
-    headers = [True] if kind != "seq_state" or auto_kind is False else [_u32(buf, 0) == Magic.SEQ_BLOB]
+    headers = [True] if kind != "seq_state" or auto_kind is False else [magic]
     asked_header = opts["seq_header"]
     if asked_header is not None:
         headers = [asked_header]
@@ -233,7 +283,7 @@ def _readings(kind: str, buf: memoryview, layout: str, opts: LoadOptions, auto_k
             n_state = "scan"
         for ext, has_v in itertools.product(exts, has_vs):
             out.append((kind, lay, has_outputs, n_stream_field, ext, has_v, ple, n_state, header))
-    return out
+    return tuple(out)
 
 
 def _as_options(r: Reading) -> Options:
@@ -452,6 +502,44 @@ class _Sniff:
         except Exception:  # anything unforeseen: keep the reading, the parser decides
             return True
 
+    def verdicts(self, groups: Groups) -> dict[Reading, bool]:
+        """`viable` of every reading of ``groups`` (`_groups`): a group whose header, or whose first section, does
+        not parse is dropped whole, the others' readings are asked one by one."""
+        out: dict[Reading, bool] = {}
+        ends = self.ends
+        for (kind, outputs, hdr), firsts in groups.items():
+            try:
+                key: tuple[object, ...] = ("head", kind, outputs, hdr)
+                at = _once(ends, key, partial(self._header, kind, outputs, hdr))
+            except Exception:  # anything unforeseen: each reading on its own (`viable` keeps it)
+                at = -1
+            if at is None:
+                for rs in firsts.values():
+                    out.update(dict.fromkeys(rs, False))
+                continue
+            scope = kind in ("seq", "seq_state")
+            for first, rs in firsts.items():
+                end: int | None = -1
+                if at != -1 and first[0] != "none":
+                    try:
+                        r0 = rs[0]  # the group's readings agree on the fields of its first part
+                        if first[0] == "kv":
+                            key = ("kv", at, r0[3], r0[4], r0[5], scope)
+                            end = _once(ends, key, partial(self._kv_section, at, r0[3], r0[4], r0[5], scope))
+                        else:
+                            last = bool(first[3])
+                            key = ("rec", at, r0[6], r0[7], scope, last)
+                            end = _once(ends, key, partial(self._rec_section, at, r0[6], r0[7], scope, last))
+                    except Exception:
+                        end = -1
+                if end is None:
+                    out.update(dict.fromkeys(rs, False))
+                    continue
+                for r in rs:
+                    if r not in out:
+                        out[r] = self.viable(r)
+        return out
+
     def confirm(self, read: dict[Table, int]) -> bool:
         """Whether every table assumed uniform is: ``read`` holds where the parser found tables to end."""
         exact = _Sniff(self.buf, exact=True)
@@ -471,25 +559,28 @@ class _Sniff:
     ) -> bool:
         ends = self.ends
         key: tuple[object, ...] = ("head", kind, outputs, hdr)
-        at = ends[key] if key in ends else _once(ends, key, partial(self._header, kind, outputs, hdr))
+        at = ends.get(key, -1)  # -1: not computed yet (offsets are never negative)
+        if at == -1:
+            at = _once(ends, key, partial(self._header, kind, outputs, hdr))
+        if at is None:
+            return False
         scope = kind in ("seq", "seq_state")
         parts = LAYOUTS[layout]
+        last_i = len(parts) - 1
         for i, part in enumerate(parts):
-            if at is None:
-                return False
             if part == "kv":
                 key = ("kv", at, n_stream_field, ext, has_v, scope)
-                at = (
-                    ends[key]
-                    if key in ends
-                    else _once(ends, key, partial(self._kv_section, at, n_stream_field, ext, has_v, scope))
-                )
+                got = ends.get(key, -1)
+                if got == -1:
+                    got = _once(ends, key, partial(self._kv_section, at, n_stream_field, ext, has_v, scope))
             else:
-                last = i == len(parts) - 1
-                key = ("rec", at, ple, ns, scope, last)
-                at = (
-                    ends[key] if key in ends else _once(ends, key, partial(self._rec_section, at, ple, ns, scope, last))
-                )
+                key = ("rec", at, ple, ns, scope, i == last_i)
+                got = ends.get(key, -1)
+                if got == -1:
+                    got = _once(ends, key, partial(self._rec_section, at, ple, ns, scope, i == last_i))
+            if got is None:
+                return False
+            at = got
         return at == self.end  # else: trailing bytes, or a failure (None)
 
     # scalars: None when the field does not fit (the parser's "truncated")
@@ -701,17 +792,28 @@ class _Sniff:
         if words < 2 or first is None or first > LLAMA_MAX_SEQ:
             return None
         stride = 2 + k + first
-        if n * stride <= words:  # the reader's fast path: every cell like the first
+        # the reader's fast path: every cell like the first
+        if n * stride <= words and self._probe(at, n, stride, k, first):
+            out = at + 4 * n * stride, frozenset((first,))
+            if not self.exact and n >= _ASSUME_MIN:
+                self.assumed["cells", at, n, ext_size] = out
+                return out
             rec = np.frombuffer(self.buf, "<u4", n * stride, at).reshape(n, stride)
-            probe = rec[[0, n // 2, n - 1]]
-            if (probe[:, 1] == first).all() and (probe[:, 2 + k :] < LLAMA_MAX_SEQ).all():
-                out = at + 4 * n * stride, frozenset((first,))
-                if not self.exact and n >= _ASSUME_MIN:
-                    self.assumed["cells", at, n, ext_size] = out
-                    return out
-                if (rec[:, 1] == first).all() and (first == 0 or rec[:, 2 + k :].max() < LLAMA_MAX_SEQ):
-                    return out
+            if (rec[:, 1] == first).all() and (first == 0 or rec[:, 2 + k :].max() < LLAMA_MAX_SEQ):
+                return out
         return self._walk(at, n, k, words)
+
+    def _probe(self, at: int, n: int, stride: int, k: int, first: int) -> bool:
+        """Whether the first, middle and last cells of a table of ``n`` cells of ``stride`` words (the first cell's
+        n_seq_id ``first``) each hold ``first`` ids, all below LLAMA_MAX_SEQ (struct reads: three cells)."""
+        buf = self.buf
+        for i in (0, n // 2, n - 1):
+            w = at + 4 * i * stride
+            if _U32S.unpack_from(buf, w + 4)[0] != first:
+                return False
+            if first and max(struct.unpack_from(f"<{first}I", buf, w + 8 + 4 * k)) >= LLAMA_MAX_SEQ:
+                return False
+        return True
 
     def _walk(self, at: int, n: int, k: int, words: int) -> CellsEnd | None:
         """The reader's per-cell walk (each n_seq_id at most LLAMA_MAX_SEQ, each seq id in [0, LLAMA_MAX_SEQ), each
@@ -789,19 +891,20 @@ def _parse(r: Reading, buf: memoryview) -> StateObject | None:
     return obj
 
 
-def _parsed(buf: memoryview, readings: list[Reading]) -> list[StateObject | None] | None:
+def _parsed(
+    buf: memoryview, readings: list[Reading], groups: list[Groups] | None = None
+) -> list[StateObject | None] | None:
     """Each reading's object when it parses (None when it does not, or cannot), or None when no reading parses
-    or there is nothing to sniff: then `load` parses every reading in turn, as it always did, for its error."""
+    or there is nothing to sniff: then `load` parses every reading in turn, as it always did, for its error.
+    ``groups``: the readings' `_groups` (one per kind), when the caller has them."""
     if len(readings) < 2 or sys.byteorder != "little":  # the sniff reads native u32 words
         return None
     sniff = _Sniff(buf)
     verdict: dict[Reading, bool] = {}
-    done: dict[Reading, StateObject | None] = {}  # blob variants overlap: a reading can repeat
-    for r in readings:
-        if r not in verdict:
-            verdict[r] = sniff.viable(r)
-            if verdict[r]:
-                done[r] = _parse(r, buf)
+    for g in groups if groups is not None else [_groups(readings)]:
+        verdict.update(sniff.verdicts(g))
+    # blob variants overlap: a reading can repeat
+    done: dict[Reading, StateObject | None] = {r: _parse(r, buf) for r, ok in verdict.items() if ok}
     parsed = [o for o in done.values() if o is not None]
     if not parsed:
         return None
@@ -892,7 +995,8 @@ def load(
         "seq_header": seq_header,
     }
     kinds = detect_kind(buf) if kind == "auto" else [kind]
-    readings = [r for k in kinds for r in _readings(k, buf, layout, opts, kind == "auto")]
+    plans = [_readings_groups(k, buf, layout, opts, kind == "auto") for k in kinds]
+    readings = [r for rs, _ in plans for r in rs]
     if not readings:
         raise ArgumentError("the options given exclude every reading of this input")
     found: Found = {}
@@ -901,7 +1005,7 @@ def load(
     want_family = _arch_family(buf, kinds[0])
     failures: list[tuple[str, str]] = []
     # the sniff's pick (usually one reading); when none of its readings parses, every reading, as before
-    objs = _parsed(buf, readings)
+    objs = _parsed(buf, readings, [g for _, g in plans])
     for i, r in enumerate(readings):
         if objs is not None:
             obj = objs[i]

@@ -425,13 +425,19 @@ class _Streams(List):
                 offset=r.pos,
             )
         out: list[object] = []
+        # a cache's own read (``_shared_empty``: kvref.state.cache_api) keeps only the streams with cells: the empty
+        # ones are all one KVStream (its offsets those of the first), never handed to anyone
+        shared = _empty_stream(r.pos) if env_flag(env, "_shared_empty") else None
         while len(out) < n:
             k = min(n - len(out), r.remaining() // 4)
             counts = np.frombuffer(r.buf, "<u4", k, r.pos)
             nz = np.flatnonzero(counts)
             n_empty = int(nz[0]) if nz.size else k
-            for at in range(r.pos, r.pos + 4 * n_empty, 4):
-                out.append(_empty_stream(at))
+            if shared is not None:
+                out += [shared] * n_empty
+            else:
+                for at in range(r.pos, r.pos + 4 * n_empty, 4):
+                    out.append(_empty_stream(at))
             r.pos += 4 * n_empty
             if len(out) < n:
                 out.append(self.item.read(r, env))  # a stream with cells (or a truncated count: its error)
