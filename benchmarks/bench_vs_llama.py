@@ -98,19 +98,53 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t
 
 
+def _libc() -> Any:
+    try:
+        libc = ctypes.CDLL(None)
+        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+        libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
+        return libc
+    except (OSError, AttributeError):
+        return None
+
+
+_LIBC = _libc()
+
+
+def settle() -> None:
+    """Outside the clock, between the two sides' calls: one largebin-sized malloc and free, so that glibc consolidates
+    the chunks the side that just ran freed now, not in the other side's next allocation (glibc merges freed small
+    chunks lazily, at the next large request: without this each side would pay for the other's frees)."""
+    if _LIBC is not None:
+        _LIBC.free(_LIBC.malloc(1 << 16))
+
+
 def abba(rounds: int, a: Callable[[int], float], b: Callable[[int], float]) -> tuple[list[float], list[float]]:
-    """Run a and b alternately (ABBA); each returns its own elapsed seconds for step r."""
+    """Run a and b alternately (ABBA); each returns its own elapsed seconds for step r. The heap is settled
+    (`settle`) before every call, so neither side's clock holds the other's frees."""
     ta, tb = [], []
     r = 0
     while r < rounds:
+        settle()
         if r % 2 == 0:
             ta.append(a(r))
+            settle()
             tb.append(b(r))
         else:
             tb.append(b(r))
+            settle()
             ta.append(a(r))
         r += 1
     return ta, tb
+
+
+def read_ubatch(ub: Any) -> int:
+    """Read the ubatch fields a decode step's caller reads next (the KQ mask fill reads these; the graph's inputs
+    the rest): the honest end of a kvref decode step, whose ubatches may build their fields when first read."""
+    return (
+        ub.n_tokens + ub.n_seqs_unq + ub.n_pos + len(ub.pos) + len(ub.seq_id) + len(ub.seq_id_unq) + len(ub.output)
+        + len(ub.seq_idx) + len(ub.n_seq_id)
+    )  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------- cache pairs
@@ -122,6 +156,7 @@ class Pair:
         assert self.mem.get_size() == size, self.mem.get_size()
         self.ref = llama_ref.LlamaRef(size, 1, n_seq, self.mem.n_pad)
         self.last: list = []
+        self.last_unread = 0.0
 
     def fill(self, n_seq: int, per_seq: int) -> None:
         """Sequences interleaved cell by cell, per_seq positions each, as a server's parallel slots leave them."""
@@ -150,10 +185,16 @@ class Pair:
 
     def kv_decode(self, b: dict) -> float:
         """A decode step as a kvref user writes it: the Batch from the step's arrays, then decode (llama.cpp's side
-        fills its llama_batch from the same arrays inside its clock too)."""
+        fills its llama_batch from the same arrays inside its clock too), then the ubatches' fields read (`read_ubatch`:
+        llama.cpp's clock holds the building of its ubatches). The unread step's time is kept in ``last_unread``."""
         t = time.perf_counter()
         self.last = self.mem.decode(kvref.Batch(**b), n_ubatch=512)
-        return time.perf_counter() - t
+        t1 = time.perf_counter()
+        for ub, _slot in self.last:
+            read_ubatch(ub)
+        t2 = time.perf_counter()
+        self.last_unread = t1 - t
+        return t2 - t
 
     def check_slot(self) -> None:
         _ub, sinfo = self.last[-1]
@@ -168,19 +209,24 @@ def decode_rows(size: int, n_tokens: int, rounds: int) -> None:
     margin = max(4096, n_tokens * (rounds + 4))
     pair.fill(1, size - margin)
     # the batch follows kvref's seq_pos_max, so it is built before either side runs its step
-    ta, tb = [], []
+    ta, tb, tu = [], [], []
     for r in range(rounds):
         b, arrs = pair.batch(np.array([0]), n_tokens)
+        settle()
         if r % 2 == 0:
             ta.append(pair.kv_decode(b))
+            settle()
             tb.append(pair.ref.decode(*arrs))
         else:
             tb.append(pair.ref.decode(*arrs))
+            settle()
             ta.append(pair.kv_decode(b))
+        tu.append(pair.last_unread)
         if r == 0:
             pair.check_slot()
     assert pair.mem.cells(0).get_used() == pair.ref.used()
-    report(f"1/2 decode {n_tokens:>3} tok, {size >> 10}k cells (split+slot+apply)", ta, tb)
+    report(f"1/2 decode {n_tokens:>3} tok, {size >> 10}k cells (split+slot+apply+read)", ta, tb)
+    report(f"1/2 decode {n_tokens:>3} tok:   ubatch not read", tu, tb, note="(kvref's step without the read)")
 
 
 def iswa_decode_rows(size: int, n_tokens: int, rounds: int) -> None:
@@ -199,35 +245,53 @@ def iswa_decode_rows(size: int, n_tokens: int, rounds: int) -> None:
         pos = np.arange(p0, p0 + 512, dtype=np.int32)
         mem.decode(kvref.Batch(tokens=tok, pos=pos, seq_ids=[[0]] * 512))
         base.decode_iswa(swa, tok, pos, np.zeros(512, np.int32))
-    ta, tb = [], []
+    ta, tb, tu = [], [], []
     for r in range(rounds):
         p0 = mem.seq_pos_max(0) + 1
         pos, seq, t = np.arange(p0, p0 + n_tokens, dtype=np.int32), np.zeros(n_tokens, np.int32), tok[:n_tokens]
         b = dict(tokens=t, pos=pos, seq_ids=[[0]] * n_tokens)
+        settle()
         if r % 2:
             tb.append(base.decode_iswa(swa, t, pos, seq))
+            settle()
         t0 = time.perf_counter()
-        (_ub, slot), *_ = mem.decode(kvref.Batch(**b), n_ubatch=512)
+        placed = mem.decode(kvref.Batch(**b), n_ubatch=512)
+        t1 = time.perf_counter()
+        for ub, _slot in placed:
+            read_ubatch(ub)
         ta.append(time.perf_counter() - t0)
+        tu.append(t1 - t0)
         if r % 2 == 0:
+            settle()
             tb.append(base.decode_iswa(swa, t, pos, seq))
+        slot = placed[0][1]
         for part, ref in ((slot.base, base), (slot.swa, swa)):
             if np.concatenate([np.asarray(x) for x in part.idxs]).tolist() != ref.last_idxs().tolist():
                 raise AssertionError("kvref and llama.cpp placed the iSWA ubatch in different cells")
     for part, ref in ((mem.base, base), (mem.swa, swa)):
         if (part.cells(0).get_used(), part.heads[0]) != (ref.used(), ref.head()):
             raise AssertionError("kvref and llama.cpp left different iSWA caches")
-    report(f"2b iSWA decode {n_tokens:>3} tok, {size >> 10}k cells (both caches)", ta, tb)
+    report(f"2b iSWA decode {n_tokens:>3} tok, {size >> 10}k cells (both caches, +read)", ta, tb)
+    report(f"2b iSWA decode {n_tokens:>3} tok:   ubatch not read", tu, tb, note="(kvref's step without the read)")
 
 
 def server_rows(size: int, n_seq: int, per_seq: int, rounds: int) -> Pair:
-    """Row 3: n_seq sequences interleaved in `size` cells; every step decodes one token per sequence and builds
-    the f32 KQ mask of that ubatch."""
+    """Row 3: n_seq sequences interleaved in `size` cells; every step decodes one token per sequence (its ubatch
+    read) and fills the f32 KQ mask of that ubatch into a buffer kept from the previous steps (``fill_kq_mask(...,
+    out=buf)``), as llama.cpp refills its mask tensor."""
     pair = Pair(size, n_seq)
     pair.fill(n_seq, per_seq)
     seqs = np.arange(n_seq)
     td_a, td_b, tm_a, tm_b = [], [], [], []
     out: dict[tuple, np.ndarray] = {}
+    bufs: dict[tuple, np.ndarray] = {}  # kvref's mask buffers by shape, reused as llama.cpp reuses its own
+
+    def mask_buf(shape: tuple) -> np.ndarray:
+        buf = bufs.get(shape)
+        if buf is None:  # a new n_kv (every n_pad cells): a new buffer, as llama.cpp's graph gets a new tensor
+            buf = bufs[shape] = np.empty(shape, np.float32)
+        return buf
+
     for r in range(rounds):
         b, arrs = pair.batch(seqs, 1)
 
@@ -235,7 +299,8 @@ def server_rows(size: int, n_seq: int, per_seq: int, rounds: int) -> Pair:
             td = pair.kv_decode(b)
             ub, sinfo = pair.last[-1]
             t = time.perf_counter()
-            m = fill_kq_mask(pair.mem, ub, sinfo=sinfo)
+            n_kv = pair.mem.get_n_kv(sinfo)
+            m = fill_kq_mask(pair.mem, ub, mask_buf((1, ub.n_tokens, n_kv)), sinfo=sinfo, n_kv=n_kv)
             tm = time.perf_counter() - t
             out["kv"] = m
             return td, tm
@@ -246,7 +311,10 @@ def server_rows(size: int, n_seq: int, per_seq: int, rounds: int) -> Pair:
             return td, tm
 
         first, second = (kv_step, ll_step) if r % 2 == 0 else (ll_step, kv_step)
-        x, y = first(), second()
+        settle()
+        x = first()
+        settle()
+        y = second()
         (ka, kb), (la, lb) = (x, y) if r % 2 == 0 else (y, x)
         td_a.append(ka)
         tm_a.append(kb)

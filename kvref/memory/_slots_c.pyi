@@ -51,6 +51,12 @@ def plan_single(
     swa_type: int,
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32]] | None: ...
 def seq_lists(seq: npt.NDArray[np.int32]) -> tuple[list[list[int]], list[int], npt.NDArray[np.int32]]: ...
+def single_ubatch(
+    token: npt.NDArray[np.int32],
+    pos: npt.NDArray[np.int32],
+    seq: npt.NDArray[np.int32],
+    logits: npt.NDArray[np.bool_] | None,
+) -> dict[str, object]: ...
 def seq_flat(
     seq_ids: list[list[int]],
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int, int, bool] | None: ...
@@ -66,6 +72,7 @@ __all__ = [
     "seq_lists",
     "single_seq_batch",
     "single_seq_ids",
+    "single_ubatch",
     "token_batch",
     "used_targets",
 ]

@@ -15,10 +15,11 @@ index is a plain int; anything unusual (a repeated or out-of-range index, a shar
 not an int) is handed to the Python twin, which changes nothing and raises the error it states.
 
 The batch allocator's kernels (``plain_seq_ids``, ``single_seq_ids``, ``single_seq_batch``, ``seq_lists``,
-``seq_flat``) read Python lists and NumPy buffers in one C pass each, with the answers of the Python twin.
+``seq_flat``, ``single_ubatch``) read Python lists and NumPy buffers in one C pass each, with the answers of the Python
+twin.
 """
 
-from libc.stdint cimport INT32_MIN as INT32_MIN_C, INT64_MIN, int32_t, int64_t, uint32_t, uint64_t
+from libc.stdint cimport INT32_MIN as INT32_MIN_C, INT64_MIN, int8_t, int32_t, int64_t, uint32_t, uint64_t
 from libcpp.algorithm cimport sort
 from libcpp.vector cimport vector
 
@@ -29,7 +30,7 @@ import numpy as np
 from kvref.memory._cells_c cimport CellsGuard, KVCells as CKVCells
 from kvref.constants cimport LLAMA_MAX_SEQ as MAX_SEQ, N_SEQ_WORDS as N_WORDS
 
-from kvref.memory._slots_py import used_targets as _used_targets_py
+from kvref.memory._slots_py import single_ubatch as _single_ubatch_py, used_targets as _used_targets_py
 
 cnp.import_array()
 
@@ -541,6 +542,60 @@ def seq_lists(seq):
     return out, unq, seq_idx
 
 
+def single_ubatch(token, pos, seq, logits):
+    """The fields of the ubatch ``split_simple`` makes of a whole batch of one sequence id and one position per token,
+    in the dataclass's field order (kvref/memory/_slots_py.py states it); on int32 vectors and bool flags (what a
+    decode step's plan holds) in one C pass, else through the Python twin."""
+    cdef cnp.npy_intp n = -1
+    if cnp.PyArray_CheckExact(token):
+        n = (<cnp.ndarray>token).shape[0]
+    if n <= 0 or not (_int32_vector(token, n) and _int32_vector(pos, n) and _int32_vector(seq, n)) or not (
+            logits is None or (cnp.PyArray_CheckExact(logits) and cnp.PyArray_TYPE(<cnp.ndarray>logits) == cnp.NPY_BOOL
+                               and (<cnp.ndarray>logits).ndim == 1 and (<cnp.ndarray>logits).shape[0] == n
+                               and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>logits))):
+        return _single_ubatch_py(token, pos, seq, logits)
+    cdef const int32_t* sv = <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>seq)
+    cdef cnp.npy_intp n_seq = MAX_SEQ
+    cdef cnp.ndarray seq_idx = cnp.PyArray_EMPTY(1, &n_seq, cnp.NPY_INT32, 0)
+    cdef cnp.ndarray n_seq_id = cnp.PyArray_EMPTY(1, &n, cnp.NPY_INT32, 0)
+    cdef cnp.ndarray output = cnp.PyArray_EMPTY(1, &n, cnp.NPY_INT8, 0)
+    cdef cnp.ndarray batch_idxs = cnp.PyArray_EMPTY(1, &n, cnp.NPY_INT32, 0)
+    cdef int32_t* x = <int32_t*>cnp.PyArray_DATA(seq_idx)
+    cdef int32_t* ns = <int32_t*>cnp.PyArray_DATA(n_seq_id)
+    cdef int8_t* o = <int8_t*>cnp.PyArray_DATA(output)
+    cdef int32_t* bi = <int32_t*>cnp.PyArray_DATA(batch_idxs)
+    cdef const char* lg = NULL
+    cdef list seq_id = [None] * n
+    cdef list unq = []
+    cdef Py_ssize_t i
+    cdef int s, k = 0
+    cdef int32_t v
+    if logits is not None:
+        lg = <const char*>cnp.PyArray_DATA(<cnp.ndarray>logits)
+    for s in range(MAX_SEQ):
+        x[s] = -1
+    for i in range(n):
+        v = sv[i]
+        seq_id[i] = [v]
+        if 0 <= v < MAX_SEQ:
+            x[v] = 0
+        ns[i] = 1
+        bi[i] = <int32_t>i
+        o[i] = (lg[i] != 0) if lg != NULL else 0
+    if lg == NULL:
+        o[n - 1] = 1
+    for s in range(MAX_SEQ):
+        if x[s] == 0:
+            x[s] = k
+            k += 1
+            unq.append(s)
+    return {
+        "equal_seqs": False, "n_tokens": n, "n_seq_tokens": 1, "n_seqs": n, "n_seqs_unq": k, "n_pos": 1,
+        "token": token, "embd": None, "pos": pos, "n_seq_id": n_seq_id, "seq_id": seq_id, "seq_id_unq": unq,
+        "seq_idx": seq_idx, "output": output, "batch_idxs": batch_idxs,
+    }
+
+
 def seq_flat(seq_ids):
     """A ubatch's sequence ids for apply_ubatch: (ids per token, all ids in token order, the smallest id, the largest
     id, whether every token has exactly one id); None unless ``seq_ids`` is a list of lists of plain ``int``."""
@@ -713,5 +768,5 @@ cdef tuple _plan_single_c(CKVCells cells, object head, cnp.ndarray tokens, objec
 
 __all__ = [
     "find_cells", "int32_values", "place_planned", "place_single", "plain_seq_ids", "plan_single", "seq_flat",
-    "seq_lists", "single_seq_batch", "single_seq_ids", "token_batch", "used_targets",
+    "seq_lists", "single_seq_batch", "single_seq_ids", "single_ubatch", "token_batch", "used_targets",
 ]

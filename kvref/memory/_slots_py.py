@@ -370,6 +370,27 @@ def seq_lists(seq: IntArray) -> tuple[list[list[int]], list[int], IntArray]:
     return [[s] for s in flat], unq, _seq_index(unq)
 
 
+def single_ubatch(
+    token: IntArray, pos: IntArray, seq: IntArray, logits: npt.NDArray[np.bool_] | None
+) -> dict[str, object]:
+    """The fields of the ubatch ``split_simple`` makes of a whole batch of one sequence id and one position per token
+    (``kvref.memory.batch.UBatch.whole_single``), in the dataclass's field order: ``token``, ``pos`` and ``seq`` int32
+    (the ubatch keeps ``token`` and ``pos``), ``logits`` the batch's bool flags or None (only the last token
+    outputs)."""
+    n = int(token.shape[0])
+    seq_id, seq_id_unq, seq_idx = seq_lists(seq)
+    if logits is not None:
+        output = logits.astype(np.int8)
+    else:
+        output = np.zeros(n, dtype=np.int8)
+        output[-1] = 1
+    return dict(
+        equal_seqs=False, n_tokens=n, n_seq_tokens=1, n_seqs=n, n_seqs_unq=len(seq_id_unq), n_pos=1, token=token,
+        embd=None, pos=pos, n_seq_id=np.ones(n, np.int32), seq_id=seq_id, seq_id_unq=seq_id_unq, seq_idx=seq_idx,
+        output=output, batch_idxs=np.arange(n, dtype=np.int32),
+    )  # fmt: skip
+
+
 def seq_flat(
     seq_ids: list[list[int]],
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int, int, bool] | None:
@@ -403,6 +424,7 @@ __all__ = [
     "seq_lists",
     "single_seq_batch",
     "single_seq_ids",
+    "single_ubatch",
     "token_batch",
     "used_targets",
 ]

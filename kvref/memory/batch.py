@@ -87,27 +87,11 @@ class UBatch:
     ) -> UBatch:
         """The ubatch ``split_simple`` makes of a whole token batch of one sequence id per token (``token``, ``pos``
         and ``seq`` int32, one position each, the batch's ``logits``; the ubatch owns them), equal to the one the
-        allocator builds. Its fields are built when one is first read (a decode step's caller often reads none)."""
-        ub = cls.__new__(cls)
-        ub.__dict__["_whole"] = (token, pos, seq, logits)
+        allocator builds. Its fields are made in one pass of the slots twin (``single_ubatch``): a decode step's caller
+        reads them next (the KQ mask does)."""
+        ub = object.__new__(cls)
+        ub.__dict__ = _kernels.impl.single_ubatch(token, pos, seq, logits)  # the fields, in their order
         return ub
-
-    if not TYPE_CHECKING:  # mypy: a UBatch has its fields only
-
-        def __getattr__(self, name: str) -> object:
-            # only reached for an attribute the instance lacks: the fields of a `whole_single` ubatch, first read
-            whole = None if name.startswith("__") else self.__dict__.pop("_whole", None)
-            if whole is None:
-                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-            token, pos, seq, logits = whole
-            n = len(token)
-            seq_id, seq_id_unq, seq_idx = _kernels.impl.seq_lists(seq)
-            self.__init__(
-                equal_seqs=False, n_tokens=n, n_seq_tokens=1, n_seqs=n, n_seqs_unq=len(seq_id_unq), n_pos=1,
-                token=token, embd=None, pos=pos, n_seq_id=np.ones(n, np.int32), seq_id=seq_id, seq_id_unq=seq_id_unq,
-                seq_idx=seq_idx, output=output_flags(logits, n), batch_idxs=np.arange(n, dtype=np.int32),
-            )  # fmt: skip
-            return getattr(self, name)
 
     @classmethod
     def empty(cls) -> UBatch:
