@@ -138,13 +138,11 @@ def abba(rounds: int, a: Callable[[int], float], b: Callable[[int], float]) -> t
     return ta, tb
 
 
-def read_ubatch(ub: Any) -> int:
-    """Read the ubatch fields a decode step's caller reads next (the KQ mask fill reads these; the graph's inputs
-    the rest): the honest end of a kvref decode step, whose ubatches may build their fields when first read."""
-    return (
-        ub.n_tokens + ub.n_seqs_unq + ub.n_pos + len(ub.pos) + len(ub.seq_id) + len(ub.seq_id_unq) + len(ub.output)
-        + len(ub.seq_idx) + len(ub.n_seq_id)
-    )  # fmt: skip
+def read_ubatch(ub: Any) -> tuple:
+    """Read the ubatch fields the KQ mask fill reads next (`kvref.memory.mask.fill_kq_mask`): the honest end of a
+    kvref decode step, whose ubatches could build their fields when first read (llama.cpp's clock holds the building
+    of its ubatches)."""
+    return ub.n_tokens, ub.n_seqs_unq, ub.n_pos, ub.pos, ub.seq_id_unq, ub.seq_id
 
 
 # ----------------------------------------------------------------------------------------- cache pairs

@@ -22,6 +22,7 @@ twin.
 from libc.stdint cimport INT32_MIN as INT32_MIN_C, INT64_MIN, int8_t, int32_t, int64_t, uint32_t, uint64_t
 from libcpp.algorithm cimport sort
 from libcpp.vector cimport vector
+from cpython.dict cimport PyDict_Copy
 
 cimport numpy as cnp
 
@@ -589,11 +590,27 @@ def single_ubatch(token, pos, seq, logits):
             x[s] = k
             k += 1
             unq.append(s)
-    return {
-        "equal_seqs": False, "n_tokens": n, "n_seq_tokens": 1, "n_seqs": n, "n_seqs_unq": k, "n_pos": 1,
-        "token": token, "embd": None, "pos": pos, "n_seq_id": n_seq_id, "seq_id": seq_id, "seq_id_unq": unq,
-        "seq_idx": seq_idx, "output": output, "batch_idxs": batch_idxs,
-    }
+    cdef dict d = PyDict_Copy(_UBATCH_FIELDS)  # a copy of the keys in order, then the values: half a new dict's cost
+    d["n_tokens"] = n
+    d["n_seqs"] = n
+    d["n_seqs_unq"] = k
+    d["token"] = token
+    d["pos"] = pos
+    d["n_seq_id"] = n_seq_id
+    d["seq_id"] = seq_id
+    d["seq_id_unq"] = unq
+    d["seq_idx"] = seq_idx
+    d["output"] = output
+    d["batch_idxs"] = batch_idxs
+    return d
+
+
+# single_ubatch's fields in the dataclass's order, with the values every such ubatch has
+cdef dict _UBATCH_FIELDS = {
+    "equal_seqs": False, "n_tokens": 0, "n_seq_tokens": 1, "n_seqs": 0, "n_seqs_unq": 0, "n_pos": 1, "token": None,
+    "embd": None, "pos": None, "n_seq_id": None, "seq_id": None, "seq_id_unq": None, "seq_idx": None, "output": None,
+    "batch_idxs": None,
+}
 
 
 def seq_flat(seq_ids):

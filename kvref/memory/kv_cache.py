@@ -616,7 +616,7 @@ class KVCache:
     def _decode_single(self, batch: Batch, n_ubatch: int) -> tuple[UBatch, SlotInfo] | None:
         """decode_batch's validation, update, split, prepare and apply for the common step (`_single`) in one
         kernel call, when every token gets an empty cell. None, with nothing changed, for any other step or when
-        any part declines. The ubatch is built when read."""
+        any part declines. The ubatch's fields are made at once (``UBatch.whole_single``)."""
         placed = self._single(batch, n_ubatch, True)
         if placed is None:
             return None
@@ -625,7 +625,7 @@ class KVCache:
         self._checked = None
         logits: npt.NDArray[np.bool_] | None = batch.logits  # type: ignore[assignment]  # _single checked it
         ub = UBatch.whole_single(placed[3], placed[1], placed[2], logits if logits is None else logits.copy())
-        return ub, SlotInfo(0, 0, [0], [idxs])
+        return ub, SlotInfo.one_stream(idxs)
 
     def _commit_single(self, plan: SinglePlan) -> SlotInfo:
         """Write a planned step (``_single(..., write=False)``, nothing changed since) as apply_ubatch does: a used
