@@ -677,13 +677,7 @@ class KVCache:
         result = 0
         cells = self._cells
         for s in range(self.n_stream) if profile.get_n_kv_streams == "all" else sinfo.strm:
-            c = cells[s]
-            padded = -(-c.used_max_p1() // n_pad_cur) * n_pad_cur
-            if padded < n_pad_cur:
-                padded = n_pad_cur
-            size = c.size()
-            if padded > size:
-                padded = size
+            padded = cells[s].n_kv(n_pad_cur)
             if padded > result:
                 result = padded
         return result
