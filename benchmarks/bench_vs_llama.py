@@ -414,6 +414,27 @@ def micro_rows(pair: Pair, n_seq: int, rounds: int) -> None:
         if n_kv != n_ll:
             raise AssertionError(f"get_n_kv: kvref {n_kv}, llama.cpp {n_ll}")
     report(f"9 get_n_kv (per call, {iters} calls), {size >> 10}k cells", ta, tb, unit=1e6, note="(us per call)")
+    # the same cells in a cache of each cells twin: get_n_kv's twin ratio (the Python twin keeps used_max_p1 until
+    # its cells change; after a change it finds it again, O(size))
+    from kvref.memory import _cells_py
+
+    twins = {}
+    for name, cls in (("Python", _cells_py.KVCells), ("Cython", type(pair.mem.cells(0)))):
+        m = kvref.KVCache(_hparams(), kv_size=size, n_seq_max=pair.mem.n_seq_max, n_pad=pair.mem.n_pad,
+                          cells_cls=cls)  # fmt: skip
+        m.cells(0).set(0, pair.mem.cells(0))  # set() reads the other cells' arrays, of either twin
+        twins[name] = m
+    ta, tb = [], []
+    for _r in range(max(5, rounds // 10)):
+        for name, out in (("Python", ta), ("Cython", tb)):
+            m = twins[name]
+            t = time.perf_counter()
+            for _ in range(iters):
+                m.get_n_kv(sinfo)
+            out.append((time.perf_counter() - t) / iters)
+    if not twins["Python"].get_n_kv(sinfo) == twins["Cython"].get_n_kv(sinfo) == n_kv:
+        raise AssertionError("the twins' get_n_kv differ")
+    report_ratio(f"9 get_n_kv twins: Python / Cython, {size >> 10}k cells", ta, tb, "kvref only; cells unchanged")
 
 
 def cells_rows(rounds: int) -> None:
