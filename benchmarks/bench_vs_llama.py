@@ -273,6 +273,90 @@ def iswa_decode_rows(size: int, n_tokens: int, rounds: int) -> None:
     report(f"2b iSWA decode {n_tokens:>3} tok:   ubatch not read", tu, tb, note="(kvref's step without the read)")
 
 
+def _mamba() -> kvref.HParams:
+    # mamba-tiny of the conformance suite: the memory's bookkeeping does not depend on the state's size
+    return kvref.HParams(arch="mamba", n_layer=2, n_embd=32, n_head=0, n_head_kv=0, recurrent_layers=True,
+                         rope_type=kvref.RopeType.NONE, ssm_d_conv=4, ssm_d_inner=64, ssm_d_state=8)  # fmt: skip
+
+
+def _jamba() -> kvref.HParams:
+    # a jamba-like hybrid: recurrent layers 0 and 2, attention layers 1 and 3
+    return kvref.HParams(arch="jamba", n_layer=4, n_embd=64, n_head=2, n_embd_head_k=32, n_embd_head_v=32,
+                         n_head_kv=[0, 1, 0, 1], recurrent_layers=[True, False, True, False], ssm_d_conv=4,
+                         ssm_d_inner=128, ssm_d_state=8, rope_type=kvref.RopeType.NONE,
+                         n_ctx_train=1 << 20)  # fmt: skip
+
+
+def recurrent_rows(kind: str, n_ctx: int, n_seq: int, n_tokens: int, rounds: int) -> None:
+    """Rows 2r / 2h: a recurrent (Mamba) or hybrid (Jamba: one KV cache of ``n_ctx`` cells plus the recurrent states)
+    memory holding ``n_seq`` sequences after a 64-token prompt each; every step decodes ``n_tokens`` tokens of each
+    sequence, its ubatches read. llama.cpp: llama_memory_recurrent::init_batch (split_equal, prepare), then per ubatch
+    the context's apply (find_slot) and the graph's s_copy input; for the hybrid llama_memory_hybrid::init_batch's
+    steps over both parts (recurrent prepare, then the KV cache's) and each ubatch applied to both."""
+    hp = _mamba() if kind == "recurrent" else _jamba()
+    mem = kvref.create_memory(hp, n_ctx=n_ctx, n_seq_max=n_seq, kv_unified=True)
+    recr = mem if kind == "recurrent" else mem.recr  # type: ignore[attr-defined]
+    attn = None if kind == "recurrent" else llama_ref.LlamaRef(mem.attn.get_size(), 1, n_seq, mem.attn.n_pad)  # type: ignore[attr-defined]
+    ref = llama_ref.RecurrentRef(recr.size, n_seq, attn)
+
+    def step(n_per_seq: int) -> tuple[dict, tuple[np.ndarray, ...]]:
+        pos, seq = [], []
+        for s in range(n_seq):
+            p0 = mem.seq_pos_max(s) + 1
+            pos.extend(range(p0, p0 + n_per_seq))
+            seq.extend([s] * n_per_seq)
+        pos_a, seq_a = np.asarray(pos, np.int32), np.asarray(seq, np.int32)
+        tok = (np.arange(len(pos)) % 100).astype(np.int32)
+        return dict(tokens=tok, pos=pos_a, seq_ids=[[int(x)] for x in seq]), (tok, pos_a, seq_a)
+
+    def check(placed: list) -> None:
+        _ub, slot = placed[-1]
+        rslot = slot if kind == "recurrent" else slot.recr
+        mine = (rslot.head, rslot.n, rslot.rs_z, [int(x) for x in rslot.s_copy])
+        if mine != ref.last():
+            raise AssertionError(f"kvref and llama.cpp placed the {kind} ubatch differently: {mine} {ref.last()}")
+        if attn is not None and np.concatenate([np.asarray(x) for x in slot.attn.idxs]).tolist() != (
+            attn.last_idxs().tolist()
+        ):
+            raise AssertionError("kvref and llama.cpp placed the hybrid's attention ubatch in different cells")
+
+    b, arrs = step(64)  # the prompts, on both sides
+    first = mem.decode(kvref.Batch(**b), n_ubatch=512)
+    ref.decode(*arrs)
+    check(first)
+    ta, tb, tu = [], [], []
+    for r in range(rounds):
+        b, arrs = step(n_tokens)
+        placed: list = []
+
+        def kv(b: dict = b, placed: list = placed) -> float:
+            t0 = time.perf_counter()
+            placed[:] = mem.decode(kvref.Batch(**b), n_ubatch=512)
+            t1 = time.perf_counter()
+            for ub, _slot in placed:
+                read_ubatch(ub)
+            t2 = time.perf_counter()
+            tu.append(t1 - t0)
+            return t2 - t0
+
+        settle()
+        if r % 2 == 0:
+            ta.append(kv())
+            settle()
+            tb.append(ref.decode(*arrs))
+        else:
+            tb.append(ref.decode(*arrs))
+            settle()
+            ta.append(kv())
+        check(placed)
+    if [mem.seq_pos_max(s) for s in range(n_seq)] != [ref.seq_pos_max(s) for s in range(n_seq)]:
+        raise AssertionError(f"kvref and llama.cpp left different {kind} memories")
+    name = "2r Mamba" if kind == "recurrent" else f"2h Jamba ({n_ctx >> 10}k KV cells)"
+    lab = f"{name} decode {n_seq} seq x {n_tokens} tok"
+    report(f"{lab} (+read)", ta, tb)
+    report(f"{lab}:   ubatch not read", tu, tb, note="(kvref's step without the read)")
+
+
 def server_rows(size: int, n_seq: int, per_seq: int, rounds: int) -> Pair:
     """Row 3: n_seq sequences interleaved in `size` cells; every step decodes one token per sequence (its ubatch
     read) and fills the f32 KQ mask of that ubatch into a buffer kept from the previous steps (``fill_kq_mask(...,
@@ -763,6 +847,9 @@ def _save_rows(L, run, mem, path: Path, n_tok: int, rounds: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------- main
+# rows 2r / 2h: (memory, n_ctx, sequences, tokens per sequence and step)
+RECURRENT_ROWS = [("recurrent", 4096, 1, 1), ("recurrent", 4096, 1, 16), ("recurrent", 4096, 8, 1),
+                  ("hybrid", 32768, 1, 1), ("hybrid", 32768, 4, 1)]  # fmt: skip
 SIZES = {
     "full": dict(big=1 << 20, iswa=1 << 17, dec_rounds=41, server=(32768, 64, 448), server_rounds=41,
                  prefill=(8192, 512), mask_rounds=41, micro_rounds=200, state=(393216, 4), state_rounds=7,
@@ -792,6 +879,12 @@ def run(quick: bool) -> int:
         decode_rows(cfg["big"], n_tok, cfg["dec_rounds"])
     for n_tok in (1, 256):
         iswa_decode_rows(cfg["iswa"], n_tok, cfg["dec_rounds"])
+    header(
+        "recurrent and hybrid decode steps (llama.cpp: llama_memory_recurrent's init_batch, prepare, find_slot, "
+        "s_copy; llama_memory_hybrid's steps over both parts)"
+    )
+    for kind, n_ctx, n_seq, n_tok in RECURRENT_ROWS:
+        recurrent_rows(kind, n_ctx, n_seq, n_tok, cfg["dec_rounds"])
     header("server loop, KQ mask, micro-ops")
     size, n_seq, per_seq = cfg["server"]
     pair = server_rows(size, n_seq, per_seq, cfg["server_rounds"])
