@@ -4,6 +4,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvref.memory._cells_py import KVCells
+from kvref.memory._slots_py import RecurrentCells
 
 def find_cells(
     cells: KVCells, head: int, n_tokens: int, cont: bool, n_swa: int, swa_type: int
@@ -57,6 +58,14 @@ def single_ubatch(
     seq: npt.NDArray[np.int32],
     logits: npt.NDArray[np.bool_] | None,
 ) -> dict[str, object]: ...
+def recurrent_owned_step(
+    mem: RecurrentCells,
+    tokens: npt.NDArray[np.int64],
+    pos: npt.NDArray[np.int64] | None,
+    seq_ids: list[list[int]] | None,
+    logits: npt.NDArray[np.bool_] | None,
+    n_seq_max: int,
+) -> tuple[dict[str, object], int] | None: ...
 def seq_flat(
     seq_ids: list[list[int]],
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int, int, bool] | None: ...
@@ -68,6 +77,7 @@ __all__ = [
     "place_single",
     "plain_seq_ids",
     "plan_single",
+    "recurrent_owned_step",
     "seq_flat",
     "seq_lists",
     "single_seq_batch",

@@ -94,6 +94,23 @@ class UBatch:
         return ub
 
     @classmethod
+    def whole_one_seq(
+        cls,
+        token: npt.NDArray[np.int32],
+        pos: npt.NDArray[np.int32],
+        seq: npt.NDArray[np.int32],
+        logits: npt.NDArray[np.bool_] | None,
+    ) -> UBatch:
+        """The ubatch ``split_equal`` (and ``split_seq``) makes of a whole token batch of one sequence, one position
+        per token: `whole_single`'s fields as one sequence set of ``n_tokens`` tokens (``equal_seqs``)."""
+        ub = cls.whole_single(token, pos, seq, logits)
+        fields = ub.__dict__
+        fields["equal_seqs"] = True
+        fields["n_seq_tokens"] = fields["n_tokens"]
+        fields["n_seqs"] = 1
+        return ub
+
+    @classmethod
     def empty(cls) -> UBatch:
         """The value-initialised ``llama_ubatch{}`` the splitters return when nothing is left."""
         return cls(
