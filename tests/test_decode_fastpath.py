@@ -755,3 +755,63 @@ def test_recurrent_decode_owned_step_is_taken(kernels: Any) -> None:
     fast = run_recurrent(steps, True, 2)
     assert fast[-1] == ("taken", 3)  # the first step of each sequence finds it no cell: the general path
     assert fast[:-1] == run_recurrent(steps, False, 2)
+
+
+def _jamba() -> kvref.HParams:
+    return kvref.HParams(arch="jamba", n_layer=2, n_embd=8, n_head=1, n_embd_head_k=4, n_embd_head_v=4,
+                         n_head_kv=[0, 1], recurrent_layers=[True, False], ssm_d_conv=2, ssm_d_inner=4,
+                         ssm_d_state=2, rope_type=kvref.RopeType.NONE, n_ctx_train=4096)  # fmt: skip
+
+
+def run_hybrid(steps: list, fast: bool, n_seq_max: int, kv_size: int) -> list:
+    mem = kvref.HybridMemory(_jamba(), kv_size=kv_size, rs_size=max(1, n_seq_max), n_seq_max=n_seq_max,
+                             type_k="f32", type_v="f32")  # fmt: skip
+    if not fast:
+        mem._decode_owned = lambda *args: None  # type: ignore[method-assign]
+    taken: list = []
+    orig = mem._decode_owned
+    mem._decode_owned = lambda *a: taken.append(orig(*a)) or taken[-1]  # type: ignore[method-assign]
+    log: list = []
+    for kind, args in steps:
+        if kind == "decode":
+            spec, extra = args
+            made = outcome(lambda spec=spec: Batch(**spec))
+            if made[0] != "ok":
+                continue
+            res = outcome(lambda b=made[1], extra=extra: mem.decode(b, extra["n_ubatch"], embd_all=extra["embd_all"]))
+            if res[0] == "ok":
+                res = ("ok", [(_plain(ub), _slot_plain(slot.attn), _plain(vars(slot.recr))) for ub, slot in res[1]])
+            log.append(res)
+        else:
+            a, b, p = args
+            ops = {
+                "seq_rm": lambda a, b, p: mem.seq_rm(a, p, -1),
+                "seq_cp": lambda a, b, p: mem.seq_cp(a, b, -1, -1),
+                "seq_keep": lambda a, b, p: mem.seq_keep(a),
+                "seq_add": lambda a, b, p: mem.seq_add(a, p, -1, 1),
+            }
+            log.append(outcome(lambda op=ops[kind], a=a, b=b, p=p: op(a, b, p)))
+        r, c = mem.recr, mem.attn.cells(0)
+        log.append(_plain([r.pos, r.src, r.src0, r.tail, r.seq, r.used, r.head, r.n, r.rs_z, np.asarray(c.pos),
+                           np.asarray(c.seq), np.asarray(c.ext), c.get_used(), list(mem.attn.heads)]))  # fmt: skip
+    return [*log, ("taken", sum(x is not None for x in taken))] if fast else log
+
+
+@settings(
+    max_examples=max(30, EXAMPLES // 2),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(steps=recurrent_steps(), n_seq_max=st.sampled_from([1, 2, 3]), kv_size=st.sampled_from([4, 16, 256]))
+def test_hybrid_decode_owned_step_equals_decode_batch(kernels: Any, steps: list, n_seq_max: int, kv_size: int) -> None:
+    """The hybrid memory's one-call step leaves both parts, the ubatch and the slots exactly as decode_batch does."""
+    fast = run_hybrid(steps, True, n_seq_max, kv_size)
+    assert fast[:-1] == run_hybrid(steps, False, n_seq_max, kv_size)
+
+
+def test_hybrid_decode_owned_step_is_taken(kernels: Any) -> None:
+    steps = [("decode", (dict(tokens=np.arange(3), pos=None, seq_ids=[[s]] * 3, logits=None),
+                         dict(n_ubatch=512, on_ubatch=False, embd_all=False))) for s in (0, 1, 0, 1, 1)]  # fmt: skip
+    fast = run_hybrid(steps, True, 2, 256)
+    assert fast[-1] == ("taken", 3)
+    assert fast[:-1] == run_hybrid(steps, False, 2, 256)
