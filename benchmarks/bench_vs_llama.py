@@ -3,11 +3,15 @@
 llama.cpp's functions are cut from the llama-cpp-python 0.3.36 sdist at run time and compiled with the system
 g++ (``benchmarks/llama_ref.py`` says exactly what is cut and what is stubbed); each row runs kvref (its public
 API) and llama.cpp alternately, ABBA, on identical cache contents, and reports the ratio of medians
-(kvref / llama.cpp) with both sides' median and p10. The state rows use llama-cpp-python's real
-``llama_state_*`` functions (the installed ``llama_cpp`` wheel) on ``conformance/models/llama-tiny.gguf``:
-llama.cpp's state read/write go through ggml backend buffers and io objects that are not worth stubbing. The
-real-model rows (10-11) restore a session of Gemma 3 270M (``KVREF_GEMMA3_GGUF`` or ``~/.cache/kvref-models``) with
-``kvref.restore`` and ``llama_state_load_file``; without the model they are skipped with a note.
+(kvref / llama.cpp) with both sides' median and p10. Every call starts from a settled heap (`settle`), so neither
+side's clock holds the other's frees; a kvref decode step's clock ends after its ubatches' fields are read
+(`read_ubatch`: the KQ mask fill reads them next), and the unread step is reported beside it. Rows 2r / 2h put
+kvref's recurrent (Mamba) and hybrid (Jamba) decode steps beside llama_memory_recurrent's, cut into the harness
+too. The state rows use llama-cpp-python's real ``llama_state_*`` functions (the installed ``llama_cpp`` wheel) on
+``conformance/models/llama-tiny.gguf``: llama.cpp's state read/write go through ggml backend buffers and io objects
+that are not worth stubbing. The real-model rows (10-11) restore a session of Gemma 3 270M (``KVREF_GEMMA3_GGUF`` or
+``~/.cache/kvref-models``) with ``kvref.restore`` and ``llama_state_load_file``; without the model they are skipped
+with a note.
 
 When the sdist, a compiler or the wheel is missing the script says so and exits 0: it is not part of CI.
 Under pytest (``pytest benchmarks/bench_vs_llama.py --benchmark-only``) the quick run happens in one test that
