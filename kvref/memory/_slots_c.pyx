@@ -21,6 +21,7 @@ twin.
 
 from libc.stdint cimport INT32_MIN as INT32_MIN_C, INT64_MIN, int8_t, int32_t, int64_t, uint32_t, uint64_t
 from libcpp.algorithm cimport sort
+from libc.string cimport memset
 from libcpp.vector cimport vector
 from cpython.dict cimport PyDict_Copy
 
@@ -582,23 +583,26 @@ cdef dict _single_ubatch_c(object token, object pos, object seq, object logits, 
     cdef list seq_id = [None] * n
     cdef list unq = []
     cdef Py_ssize_t i
-    cdef int s, k = 0
+    cdef int s, k = 0, lo = MAX_SEQ, hi = -1
     cdef int32_t v
     if logits is not None:
         lg = <const char*>cnp.PyArray_DATA(<cnp.ndarray>logits)
-    for s in range(MAX_SEQ):
-        x[s] = -1
+    memset(x, 0xFF, MAX_SEQ * sizeof(int32_t))  # -1 everywhere
     for i in range(n):
         v = sv[i]
         seq_id[i] = [v]
         if 0 <= v < MAX_SEQ:
             x[v] = 0
+            if v < lo:
+                lo = v
+            if v > hi:
+                hi = v
         ns[i] = 1
         bi[i] = <int32_t>i
         o[i] = (lg[i] != 0) if lg != NULL else 0
     if lg == NULL:
         o[n - 1] = 1
-    for s in range(MAX_SEQ):
+    for s in range(lo, hi + 1):  # the ids met, ascending
         if x[s] == 0:
             x[s] = k
             k += 1

@@ -34,7 +34,7 @@ from ..profile import DEFAULT, Profile, first_release, resolve
 from . import kv_state as _kv_state
 from . import slot_kernels as _kernels
 from . import slots as _slots
-from .base import ContextParams, decode_batch, decode_seq_bound, over_n_batch, store_rows
+from .base import ContextParams, decode_batch, decode_seq_bound, store_rows
 from .batch import UBatch
 from .cells import LLAMA_MAX_SEQ, POS_MAX, KVCells
 from .kshift import GGML_CPU, ROPE_NEOX, RopeKernel, RopeParams, shift_k_rows
@@ -576,7 +576,7 @@ class KVCache:
         the batch does not fit; the cells and heads are then as prepare() leaves them after a failure: the
         pending update applied and, with SWA, any purge done while trying earlier ubatches kept (as in
         llama.cpp)."""
-        if balloc is None and not embd_all and self.n_stream == 1 and not over_n_batch(self.cparams, batch):
+        if balloc is None and not embd_all and self.n_stream == 1:  # _single leaves a batch over n_batch to it
             step = self._decode_single(batch, n_ubatch)
             if step is not None:  # the common step, done in one call: what decode_batch would have done
                 ub, slot = step
@@ -588,9 +588,9 @@ class KVCache:
     def _single(self, batch: Batch, n_ubatch: int, write: bool) -> SinglePlan | None:
         """The common step of a one-stream cache in one call into the slots twins: token ids without embeddings, one
         sequence id per token, one position each (no M-RoPE), one ubatch, nothing pending (no K-shift, no stream
-        copy). ``write``: placed into empty cells (``place_single``), else only planned (``plan_single``). None, with
-        nothing changed, for any other step or when a part declines: decode_batch then does each part in turn,
-        raising its errors in its order."""
+        copy), at most n_batch tokens. ``write``: placed into empty cells (``place_single``), else only planned
+        (``plan_single``). None, with nothing changed, for any other step or when a part declines: decode_batch then
+        does each part in turn, raising its errors in its order."""
         tokens, pos, logits = batch.tokens, batch.pos, batch.logits
         if (
             type(tokens) is not np.ndarray
@@ -603,6 +603,9 @@ class KVCache:
             return None
         n = tokens.shape[0]
         if not (logits is None or (type(logits) is np.ndarray and logits.dtype == np.bool_ and logits.shape == (n,))):
+            return None
+        cparams = self.cparams
+        if cparams is not None and n > cparams.n_batch:  # over_n_batch: llama_decode asserts (decode_batch raises)
             return None
         cells = self._cells[0]
         if cells.get_has_shift() or self._mrope:
