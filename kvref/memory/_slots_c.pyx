@@ -707,7 +707,10 @@ def recurrent_owned_step(mem, tokens, pos, seq_ids, logits, n_seq_max):
         if cseq[i]:
             used += 1
     mem.used = used
-    return fields, t
+    cdef cnp.npy_intp one = 1
+    cdef cnp.ndarray s_copy = cnp.PyArray_EMPTY(1, &one, cnp.NPY_INT32, 0)
+    (<int32_t*>cnp.PyArray_DATA(s_copy))[0] = <int32_t>(src_t if src_t >= 0 else rs_z)
+    return fields, t, s_copy
 
 
 # single_ubatch's fields in the dataclass's order, with the values every such ubatch has

@@ -414,7 +414,7 @@ def recurrent_owned_step(
     seq_ids: list[list[int]] | None,
     logits: npt.NDArray[np.bool_] | None,
     n_seq_max: int,
-) -> tuple[dict[str, object], int] | None:
+) -> tuple[dict[str, object], int, IntArray] | None:
     """A recurrent memory's decode step of one sequence that owns its state's cell alone, whole: the batch allocator's
     one-pass check (``single_seq_ids`` below ``n_seq_max``, ``single_seq_batch`` after the memory's ``seq_pos_max``),
     then llama_memory_recurrent::find_slot for that ubatch, which here only does this (in its order): the head
@@ -422,9 +422,9 @@ def recurrent_owned_step(
     changes: no move, no swap); ``t`` gets the ubatch's last position and the sequence; ``rs_z`` is ``t`` unless a
     cell copies its state from ``t``; ``src0[t]`` stages ``src[t]`` (``rs_z`` when it has none), then ``src[t] = t``;
     ``head = t``, ``n = 1``, ``used`` counted again. Returns the ubatch's fields (the one ``split_equal`` makes:
-    `single_ubatch` as one sequence set) and ``t``. None, with nothing changed, for any other batch, a sequence
-    without a cell of its own, positions that do not continue the cell's (find_slot would warn) or no zeroed
-    state."""
+    `single_ubatch` as one sequence set), ``t`` and the graph's ``s_copy`` (int32 ``[src0[t]]``: no rollback).
+    None, with nothing changed, for any other batch, a sequence without a cell of its own, positions that do not
+    continue the cell's (find_slot would warn) or no zeroed state."""
     n = int(tokens.shape[0])
     ids = single_seq_ids(seq_ids, n, n_seq_max) if n > 0 else None
     if ids is None or len(ids[1]) != 1:
@@ -457,7 +457,7 @@ def recurrent_owned_step(
     mem.used = sum(1 for c in cells if c)
     fields = single_ubatch(tokens.astype(np.int32), p, seq, logits)
     fields.update(equal_seqs=True, n_seq_tokens=n, n_seqs=1)
-    return fields, t
+    return fields, t, np.array([mem.src0[t]], dtype=np.int32)
 
 
 def seq_flat(

@@ -57,7 +57,7 @@ from ..profile import DEFAULT, Profile, resolve
 from ..state import sections_size, write_sections_into
 from . import recurrent_state as _recurrent_state
 from . import slot_kernels as _kernels
-from .base import ContextParams, decode_batch, decode_seq_bound, over_n_batch
+from .base import ContextParams, decode_batch, decode_seq_bound
 from .batch import UBatch
 from .recurrent_state import SlotUBatch
 
@@ -680,7 +680,7 @@ class RecurrentMemory:
     ) -> list[tuple[UBatch, RecurrentSlot]]:
         """What llama_decode does to this memory (`kvref.memory.base.decode_batch`): validate the batch, prepare
         all ubatches (all or nothing: NoSlotError leaves the memory unchanged), then place them one by one."""
-        if balloc is None and not embd_all and on_ubatch is None and not over_n_batch(self.cparams, batch):
+        if balloc is None and not embd_all and on_ubatch is None:  # _decode_owned leaves a batch over n_batch to it
             step = self._decode_owned(batch, n_ubatch)
             if step is not None:  # the common step, done at once: what decode_batch would have done
                 return [step]
@@ -708,17 +708,20 @@ class RecurrentMemory:
         n = tokens.shape[0]
         if not (logits is None or (type(logits) is np.ndarray and logits.dtype == np.bool_ and logits.shape == (n,))):
             return None
+        cparams = self.cparams
+        if cparams is not None and n > cparams.n_batch:  # over_n_batch: llama_decode asserts (decode_batch raises)
+            return None
         step = _kernels.impl.recurrent_owned_step(
             self, tokens, pos, batch.seq_ids, logits if logits is None else logits.copy(), self._seq_bound
         )
         if step is None:
             return None
-        fields, t = step
+        fields, t, s_copy = step
         ub = object.__new__(UBatch)
         ub.__dict__ = fields
-        src0 = self.src0[t]
-        slot = RecurrentSlot(t, 1, self.rs_z, 1, np.array([src0], dtype=np.int32))  # s_copy(0): no rollback
-        if self.rs_z >= 0 or src0 != t:  # else every row is read in place: nothing to gather (_gather_states)
+        slot = object.__new__(RecurrentSlot)  # RecurrentSlot(t, 1, rs_z, 1, s_copy), without the dataclass's __init__
+        slot.__dict__ = {"head": t, "n": 1, "rs_z": self.rs_z, "n_seqs": 1, "s_copy": s_copy}
+        if self.rs_z >= 0 or int(s_copy[0]) != t:  # else every row is read in place: nothing to gather
             self._gather_states(slot)
         return ub, slot
 
