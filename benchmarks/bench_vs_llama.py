@@ -3,8 +3,9 @@
 llama.cpp's functions are cut from the llama-cpp-python 0.3.36 sdist at run time and compiled with the system
 g++ (``benchmarks/llama_ref.py`` says exactly what is cut and what is stubbed); each row runs kvref (its public
 API) and llama.cpp alternately, ABBA, on identical cache contents, and reports the ratio of medians
-(kvref / llama.cpp) with both sides' median and p10. Every call starts from a settled heap (`settle`), so neither
-side's clock holds the other's frees; a kvref decode step's clock ends after its ubatches' fields are read
+(kvref / llama.cpp) with both sides' median and p10. Between the two sides the heap is consolidated (`consolidate`:
+decode, server and mask rows) or settled (`settle`: allocation-heavy state rows), so that neither side's clock
+holds the other's frees; a kvref decode step's clock ends after its ubatches' fields are read
 (`read_ubatch`: the KQ mask fill reads them next), and the unread step is reported beside it. Rows 2r / 2h put
 kvref's recurrent (Mamba) and hybrid (Jamba) decode steps beside llama_memory_recurrent's, cut into the harness
 too. The state rows use llama-cpp-python's real ``llama_state_*`` functions (the installed ``llama_cpp`` wheel) on
@@ -27,6 +28,7 @@ os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 import argparse
 import ctypes
+import gc
 import mmap
 import statistics
 import sys
@@ -102,44 +104,64 @@ def timed(fn: Callable[[], object]) -> float:
     return time.perf_counter() - t
 
 
+def settle() -> None:
+    """Between the two sides of an allocation-heavy row, untimed: collect garbage and return what each side freed
+    to the system (glibc's malloc_trim), so that neither side's clock pays for the other's frees (glibc gives freed
+    memory back at a later allocation, which may be the other side's)."""
+    gc.collect()
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
 def _libc() -> Any:
     try:
-        libc = ctypes.CDLL(None)
-        libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
-        libc.free.restype, libc.free.argtypes = None, [ctypes.c_void_p]
-        return libc
-    except (OSError, AttributeError):
+        lib = ctypes.CDLL(None)
+        lib.malloc_trim.argtypes, lib.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+        lib.malloc.restype, lib.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+        lib.free.restype, lib.free.argtypes = None, [ctypes.c_void_p]
+        return lib
+    except (OSError, AttributeError):  # not glibc
         return None
 
 
 _LIBC = _libc()
 
 
-def settle() -> None:
-    """Outside the clock, between the two sides' calls: one largebin-sized malloc and free, so that glibc consolidates
-    the chunks the side that just ran freed now, not in the other side's next allocation (glibc merges freed small
-    chunks lazily, at the next large request: without this each side would pay for the other's frees)."""
+def consolidate() -> None:
+    """Between the two sides of a small step, untimed: one largebin-sized malloc and free, so that glibc consolidates
+    now the chunks the side that just ran freed, not in the other side's next allocation (glibc merges freed small
+    chunks lazily, at the next large request). Lighter than `settle`, whose malloc_trim would make the next small
+    allocations fault their pages in again: the decode, server and mask rows use this one."""
     if _LIBC is not None:
         _LIBC.free(_LIBC.malloc(1 << 16))
 
 
-def abba(rounds: int, a: Callable[[int], float], b: Callable[[int], float]) -> tuple[list[float], list[float]]:
-    """Run a and b alternately (ABBA); each returns its own elapsed seconds for step r. The heap is settled
-    (`settle`) before every call, so neither side's clock holds the other's frees."""
+def abba(
+    rounds: int, a: Callable[[int], float], b: Callable[[int], float], between: Callable[[], None] | None = None
+) -> tuple[list[float], list[float]]:
+    """Run a and b alternately (ABBA); each returns its own elapsed seconds for step r. ``between`` (untimed) runs
+    before every call: `settle` for rows whose sides allocate and free much."""
     ta, tb = [], []
     r = 0
     while r < rounds:
-        settle()
-        if r % 2 == 0:
-            ta.append(a(r))
-            settle()
-            tb.append(b(r))
-        else:
-            tb.append(b(r))
-            settle()
-            ta.append(a(r))
+        for first in (True, False) if r % 2 == 0 else (False, True):
+            if between is not None:
+                between()
+            if first:
+                ta.append(a(r))
+            else:
+                tb.append(b(r))
         r += 1
     return ta, tb
+
+
+def timed_keep(fn: Callable[[], object]) -> float:
+    """Seconds ``fn()`` takes; its result is freed after the clock stops (a caller frees it later)."""
+    t = time.perf_counter()
+    res = fn()
+    dt = time.perf_counter() - t
+    del res
+    return dt
 
 
 def read_ubatch(ub: Any) -> tuple:
@@ -214,14 +236,14 @@ def decode_rows(size: int, n_tokens: int, rounds: int) -> None:
     ta, tb, tu = [], [], []
     for r in range(rounds):
         b, arrs = pair.batch(np.array([0]), n_tokens)
-        settle()
+        consolidate()
         if r % 2 == 0:
             ta.append(pair.kv_decode(b))
-            settle()
+            consolidate()
             tb.append(pair.ref.decode(*arrs))
         else:
             tb.append(pair.ref.decode(*arrs))
-            settle()
+            consolidate()
             ta.append(pair.kv_decode(b))
         tu.append(pair.last_unread)
         if r == 0:
@@ -252,10 +274,10 @@ def iswa_decode_rows(size: int, n_tokens: int, rounds: int) -> None:
         p0 = mem.seq_pos_max(0) + 1
         pos, seq, t = np.arange(p0, p0 + n_tokens, dtype=np.int32), np.zeros(n_tokens, np.int32), tok[:n_tokens]
         b = dict(tokens=t, pos=pos, seq_ids=[[0]] * n_tokens)
-        settle()
+        consolidate()
         if r % 2:
             tb.append(base.decode_iswa(swa, t, pos, seq))
-            settle()
+            consolidate()
         t0 = time.perf_counter()
         placed = mem.decode(kvref.Batch(**b), n_ubatch=512)
         t1 = time.perf_counter()
@@ -264,7 +286,7 @@ def iswa_decode_rows(size: int, n_tokens: int, rounds: int) -> None:
         ta.append(time.perf_counter() - t0)
         tu.append(t1 - t0)
         if r % 2 == 0:
-            settle()
+            consolidate()
             tb.append(base.decode_iswa(swa, t, pos, seq))
         slot = placed[0][1]
         for part, ref in ((slot.base, base), (slot.swa, swa)):
@@ -343,14 +365,14 @@ def recurrent_rows(kind: str, n_ctx: int, n_seq: int, n_tokens: int, rounds: int
             tu.append(t1 - t0)
             return t2 - t0
 
-        settle()
+        consolidate()
         if r % 2 == 0:
             ta.append(kv())
-            settle()
+            consolidate()
             tb.append(ref.decode(*arrs))
         else:
             tb.append(ref.decode(*arrs))
-            settle()
+            consolidate()
             ta.append(kv())
         check(placed)
     if [mem.seq_pos_max(s) for s in range(n_seq)] != [ref.seq_pos_max(s) for s in range(n_seq)]:
@@ -397,9 +419,9 @@ def server_rows(size: int, n_seq: int, per_seq: int, rounds: int) -> Pair:
             return td, tm
 
         first, second = (kv_step, ll_step) if r % 2 == 0 else (ll_step, kv_step)
-        settle()
+        consolidate()
         x = first()
-        settle()
+        consolidate()
         y = second()
         (ka, kb), (la, lb) = (x, y) if r % 2 == 0 else (y, x)
         td_a.append(ka)
@@ -445,10 +467,10 @@ def mask_rows(pair: Pair, label: str, rounds: int) -> None:
         def ll(_r: int, f16=f16) -> float:
             return pair.ref.mask(f16)[0]
 
-        ta, tb = abba(rounds, kv, ll)
+        ta, tb = abba(rounds, kv, ll, consolidate)
         # the floor interleaved with kvref (ABBA), apart from llama.cpp's runs, whose own buffer would evict
         # kvref's between its calls but not the floor's
-        tk, tf = abba(rounds, kv, floor)
+        tk, tf = abba(rounds, kv, floor, consolidate)
         name = "f16" if f16 else "f32"
         shape = "x".join(map(str, m0.shape))
         report(f"8 mask {label} {name} ({shape})", ta, tb)
@@ -590,12 +612,13 @@ def _llama_cpp():
 
 
 def state_rows(n_ctx: int, n_seq: int, rounds: int) -> None:
-    """Rows 4-7 with llama-cpp-python's real llama_state_* on llama-tiny.gguf; the llama.cpp context is
-    filled by llama_state_set_data of a blob kvref writes (decoding 100k+ tokens would take minutes)."""
+    """Rows 4-7 with llama-cpp-python's real llama_state_* on llama-tiny.gguf; each llama.cpp context is
+    filled by llama_state_set_data (or llama_state_seq_set_data) of a blob kvref writes (decoding 100k+ tokens
+    would take minutes)."""
     L, why = _llama_cpp()
     if L is None:
-        NOTES.append(f"rows 4-6 skipped: {why}")
-        print(f"rows 4-6 skipped: {why}")
+        NOTES.append(f"rows 4-7 skipped: {why}")
+        print(f"rows 4-7 skipped: {why}")
         return
     L.llama_backend_init()
     global _LOG_CB
@@ -603,21 +626,55 @@ def state_rows(n_ctx: int, n_seq: int, rounds: int) -> None:
     L.llama_log_set(_LOG_CB, None)
     mp = L.llama_model_default_params()
     model = L.llama_model_load_from_file(str(MODEL).encode(), mp)
-    cp = L.llama_context_default_params()
-    # a small ubatch keeps the compute buffer (n_ctx x n_ubatch mask) small: only 4 tokens are ever decoded
-    cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, 64, 64, n_seq
-    cp.kv_unified = True
-    cp.flash_attn_type = 0  # disabled: V transposed, as kvref's default
-    cp.n_threads = cp.n_threads_batch = 1
-    ctx = L.llama_init_from_model(model, cp)
-    if not ctx:
-        NOTES.append("rows 4-6 skipped: llama_init_from_model failed")
-        return
     try:
-        _state_rows(L, ctx, n_ctx, n_seq, rounds)
+        with _context(L, model, n_ctx, n_seq, True) as ctx:
+            _state_rows(L, ctx, n_ctx, n_seq, rounds)
+        # 5c: one sequence in one contiguous run (llama.cpp's block copy), a quarter of the cells above
+        n_c = max(4096, n_ctx // 4)
+        with _context(L, model, n_c, 1, True) as ctx:
+            _seq_rows(L, ctx, n_c, 1, 0, n_c - 256, rounds, "5c seq state_read, one contiguous seq")
+        # 5s: a small sequence (1000 cells, 0.5 MiB) in a 256-stream cache (kv_unified=false, 2048 cells a stream)
+        with _context(L, model, 256 * 2048, 256, False) as ctx:
+            _seq_rows(L, ctx, 256 * 2048, 256, 7, 1000, rounds, "5s seq state_read, 1000 cells, 256 streams")
+        write_many_seq_rows(n_ctx, rounds)
     finally:
-        L.llama_free(ctx)
         L.llama_model_free(model)
+
+
+class _context:
+    """A llama.cpp context on llama-tiny (``with``: freed after), V transposed as kvref's default."""
+
+    def __init__(self, L, model, n_ctx: int, n_seq: int, unified: bool) -> None:
+        cp = L.llama_context_default_params()
+        # a small ubatch keeps the compute buffer (n_ctx x n_ubatch mask) small: only 4 tokens are ever decoded
+        cp.n_ctx, cp.n_batch, cp.n_ubatch, cp.n_seq_max = n_ctx, max(64, n_seq), max(64, n_seq), n_seq
+        cp.kv_unified = unified
+        cp.flash_attn_type = 0  # disabled: V transposed, as kvref's default
+        cp.n_threads = cp.n_threads_batch = 1
+        self.L, self.ctx = L, L.llama_init_from_model(model, cp)
+        if not self.ctx:
+            raise RuntimeError(f"llama_init_from_model failed (n_ctx {n_ctx}, n_seq_max {n_seq})")
+
+    def __enter__(self):
+        return self.ctx
+
+    def __exit__(self, *exc: object) -> None:
+        self.L.llama_free(self.ctx)
+
+
+def _random_rows(mem, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    for layer in mem.layers:
+        layer.k[...] = rng.integers(0, 256, layer.k.shape, dtype=np.uint8)
+        layer.v[...] = rng.integers(0, 256, layer.v.shape, dtype=np.uint8)
+
+
+def _copy_floor(label: str, blob: bytes, restore: Callable[[], object], rounds: int) -> None:
+    """kvref's restore over a plain copy of the blob's bytes into a buffer allocated once (the limit), ABBA."""
+    src = np.frombuffer(blob, np.uint8)
+    dst = np.empty_like(src)
+    ta, tb = abba(rounds, lambda _r: timed(restore), lambda _r: timed(lambda: np.copyto(dst, src)), settle)
+    report_ratio(label, ta, tb, "kvref restore / np.copyto of the blob's bytes")
 
 
 def _state_rows(L, ctx, n_ctx: int, n_seq: int, rounds: int) -> None:
@@ -638,10 +695,7 @@ def _state_rows(L, ctx, n_ctx: int, n_seq: int, rounds: int) -> None:
     cells.pos_set_many(idx, idx // n_seq)
     cells.seq_add_many(idx, idx % n_seq)
     mem.heads[0] = int(idx.size)
-    rng = np.random.default_rng(0)
-    for layer in mem.layers:
-        layer.k[...] = rng.integers(0, 256, layer.k.shape, dtype=np.uint8)
-        layer.v[...] = rng.integers(0, 256, layer.v.shape, dtype=np.uint8)
+    _random_rows(mem)
     blob_obj.memory = S.MemorySections("kv", mem.state_sections())
     blob = blob_obj.to_bytes()
     cbuf = (ctypes.c_uint8 * len(blob)).from_buffer_copy(blob)
@@ -655,7 +709,7 @@ def _state_rows(L, ctx, n_ctx: int, n_seq: int, rounds: int) -> None:
     ll_buf = (ctypes.c_uint8 * ll_size)()
 
     # 6: save into a buffer the caller allocated once (llama_state_get_size + llama_state_get_data), like for like;
-    # 6b: state_write(), which returns a new bytes object each time
+    # 6b: state_write(), which returns a new bytes object each time (freed after the clock, as a caller frees it)
     kv_buf = bytearray(mem.state_size())
     ta, tb = abba(
         rounds,
@@ -667,7 +721,7 @@ def _state_rows(L, ctx, n_ctx: int, n_seq: int, rounds: int) -> None:
     report(f"6 state_write_into(buf) vs llama_state_get_data ({mib:.0f} MiB)", ta, tb)
     ta, tb = abba(
         rounds,
-        lambda _r: timed(mem.state_write),
+        lambda _r: timed_keep(mem.state_write),
         lambda _r: timed(lambda: L.llama_state_get_data(ctx, ll_buf, ll_size)),
     )
     report(f"6b state_write() -> new bytes vs llama_state_get_data ({mib:.0f} MiB)", ta, tb)
@@ -676,9 +730,12 @@ def _state_rows(L, ctx, n_ctx: int, n_seq: int, rounds: int) -> None:
         rounds,
         lambda _r: timed(lambda: mem.state_read(kv_state)),
         lambda _r: timed(lambda: L.llama_state_set_data(ctx, ll_buf, ll_size)),
+        settle,
     )
     report(f"4 state_read vs llama_state_set_data ({mib:.0f} MiB)", ta, tb)
-    # 5: one sequence's restore (1/n_seq of the cells)
+    _copy_floor("4f state_read / plain copy of the blob", kv_state, lambda: mem.state_read(kv_state), rounds)
+    # 5: one sequence's restore (1/n_seq of the cells, interleaved with the others cell by cell: llama.cpp's
+    # per-element path for a transposed V)
     seq_kv = mem.state_write(1)
     seq_size = L.llama_state_seq_get_size(ctx, 1)
     seq_buf = (ctypes.c_uint8 * seq_size)()
@@ -687,12 +744,15 @@ def _state_rows(L, ctx, n_ctx: int, n_seq: int, rounds: int) -> None:
         rounds,
         lambda _r: timed(lambda: mem.state_read(seq_kv, 1)),
         lambda _r: timed(lambda: L.llama_state_seq_set_data(ctx, seq_buf, seq_size, 1)),
+        settle,
     )
     assert mem.seq_pos_max(1) == L.llama_memory_seq_pos_max(L.llama_get_memory(ctx), 1)
-    report(f"5 seq state_read(seq 1) vs seq_set_data ({len(seq_kv) / (1 << 20):.0f} MiB)", ta, tb)
+    report(f"5 seq state_read(seq 1 of {n_seq}, interleaved) vs seq_set_data ({len(seq_kv) / (1 << 20):.0f} MiB)",
+           ta, tb)  # fmt: skip
+    _copy_floor("5f seq state_read (interleaved) / plain copy", seq_kv, lambda: mem.state_read(seq_kv, 1), rounds)
     # 5m / 4m: what a restore allocates beyond the blob it reads, the blob a memory-mapped file (kvref only)
     memory_rows(mem, [("5m seq state_read(seq 1)", seq_kv, 1), ("4m state_read (whole)", kv_state, -1)])
-    # 7: kvref.state.load(path) auto-detected vs told the kind and layout (kvref only), on llama.cpp's file
+    # 7: kvref.state.load(path) auto-detected vs told the kind and layout (kvref only), on llama.cpp's files
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "state.ggsn")
         ntok = (ctypes.c_int32 * 4)(1, 2, 3, 4)
@@ -701,7 +761,70 @@ def _state_rows(L, ctx, n_ctx: int, n_seq: int, rounds: int) -> None:
         auto = lambda: S.load(path)  # noqa: E731
         given = lambda: S.load(path, kind="session", layout="kv")  # noqa: E731
         ta, tb = abba(rounds, lambda _r: timed(auto), lambda _r: timed(given))
-        report_ratio("7 state.load(path) auto / layout given", ta, tb, "kvref only; llama.cpp file")
+        report_ratio("7 state.load(session) auto / layout given", ta, tb, "kvref only; llama.cpp file")
+        seq_path = os.path.join(d, "seq.ggsq")
+        if not L.llama_state_seq_save_file(ctx, seq_path.encode(), 1, ntok, 4):
+            raise RuntimeError("llama_state_seq_save_file failed")
+        auto = lambda: S.load(seq_path)  # noqa: E731
+        given = lambda: S.load(seq_path, kind="seq", layout="kv")  # noqa: E731
+        ta, tb = abba(rounds, lambda _r: timed(auto), lambda _r: timed(given))
+        n_cells = per_seq
+        report_ratio(f"7b state.load(seq file, {n_cells} cells) auto / given", ta, tb, "kvref only; llama.cpp file")
+
+
+def _seq_rows(L, ctx, n_ctx: int, n_seq: int, seq: int, n: int, rounds: int, label: str) -> None:
+    """A sequence restore: ``n`` cells of sequence ``seq`` (positions 0 .. n-1, one contiguous run of its stream)
+    in a memory of ``n_seq`` sequences (one stream per sequence unless ``n_seq`` is 1), kvref's state_read against
+    llama_state_seq_set_data of the same blob; and against a plain copy of the blob."""
+    hp = kvref.HParams.from_gguf(MODEL)
+    mem = kvref.create_memory(hp, n_ctx=n_ctx, n_seq_max=n_seq, kv_unified=n_seq == 1)
+    strm = mem.seq_to_stream[seq]
+    idx = np.arange(n, dtype=np.int64)
+    cells = mem.cells(strm)
+    cells.pos_set_many(idx, idx)
+    cells.seq_add_many(idx, np.full(n, seq, np.int64))
+    mem.heads[strm] = n
+    _random_rows(mem)
+    blob = mem.state_write(seq)  # the memory's section; llama.cpp's blob has a header before it
+    ll_blob = kvref.save_memory(mem, kind="seq_state", seq_id=seq).to_bytes()
+    cbuf = (ctypes.c_uint8 * len(ll_blob)).from_buffer_copy(ll_blob)
+    if L.llama_state_seq_set_data(ctx, cbuf, len(ll_blob), seq) != len(ll_blob):
+        raise RuntimeError("llama_state_seq_set_data refused kvref's blob")
+    got = (ctypes.c_uint8 * len(ll_blob))()
+    if L.llama_state_seq_get_data(ctx, got, len(ll_blob), seq) != len(ll_blob) or bytes(got) != ll_blob:
+        raise AssertionError("llama.cpp's sequence state differs from kvref's")
+    ta, tb = abba(
+        rounds,
+        lambda _r: timed(lambda: mem.state_read(blob, seq)),
+        lambda _r: timed(lambda: L.llama_state_seq_set_data(ctx, cbuf, len(ll_blob), seq)),
+        settle,
+    )
+    if mem.state_write(seq) != blob:
+        raise AssertionError("kvref's restore changed the sequence")
+    report(f"{label} ({len(blob) / (1 << 20):.1f} MiB)", ta, tb)
+    _copy_floor(f"{label[:2].strip()}f {label[3:]} / plain copy", blob, lambda: mem.state_read(blob, seq), rounds)
+
+
+def write_many_seq_rows(n_ctx: int, rounds: int) -> None:
+    """Row 6c (kvref only): state_write_into of a unified cache of n_seq_max 256 whose cells are interleaved over
+    the 256 sequences, against the same number of cells at n_seq_max 1 (one id per cell both times)."""
+    hp = kvref.HParams.from_gguf(MODEL)
+    bufs, mems = [], []
+    for n_seq in (256, 1):
+        mem = kvref.create_memory(hp, n_ctx=n_ctx, n_seq_max=n_seq, kv_unified=True)
+        idx = np.arange(mem.get_size() - 256, dtype=np.int64)
+        mem.cells(0).pos_set_many(idx, idx // n_seq)
+        mem.cells(0).seq_add_many(idx, idx % n_seq)
+        mem.heads[0] = int(idx.size)
+        _random_rows(mem)
+        mems.append(mem)
+        bufs.append(bytearray(mem.state_size()))
+    ta, tb = abba(
+        rounds,
+        lambda _r: timed(lambda: mems[0].state_write_into(bufs[0])),
+        lambda _r: timed(lambda: mems[1].state_write_into(bufs[1])),
+    )
+    report_ratio(f"6c state_write_into, n_seq_max 256 / 1 ({len(bufs[1]) >> 20} MiB)", ta, tb, "kvref only")
 
 
 def memory_rows(mem, cases: list[tuple[str, bytes, int]]) -> None:
@@ -736,7 +859,8 @@ def memory_rows(mem, cases: list[tuple[str, bytes, int]]) -> None:
 def real_model_rows(n_tok: int, rounds: int) -> None:
     """Rows 10-11 on Gemma 3 270M (the model CI's live tests fetch; ``KVREF_GEMMA3_GGUF`` or
     ``~/.cache/kvref-models``): ``HParams.from_gguf``'s time and peak memory, and restoring a session of n_tok tokens
-    that llama.cpp decoded (made once, ~95 s for 30,000 tokens, kept in ~/.cache/kvref-bench) with
+    that llama.cpp decoded (made once, ~95 s for 30,000 tokens, kept in `llama_ref.cache_dir()`: ``KVREF_BENCH_CACHE``,
+    else ``$XDG_CACHE_HOME/kvref-bench`` or ``~/.cache/kvref-bench``) with
     ``kvref.restore`` against ``llama_state_load_file`` into a context of the same size."""
     L, why = _llama_cpp()
     if L is None:
@@ -761,7 +885,7 @@ def real_model_rows(n_tok: int, rounds: int) -> None:
     report("10 HParams.from_gguf(Gemma 3 270M, 262k-token vocab)", times, None,
            note=f"(kvref only; peak {peak / (1 << 20):.2f} MiB; targets 100 ms, 50 MB)")  # fmt: skip
     n_ctx = -(-n_tok // 256) * 256 + 256
-    cache = Path.home() / ".cache" / "kvref-bench"
+    cache = llama_ref.cache_dir()  # KVREF_BENCH_CACHE, else $XDG_CACHE_HOME/kvref-bench or ~/.cache/kvref-bench
     path = cache / f"gemma3-270m-{n_tok}tok-llama-cpp-python-{L.__version__}.ggsn"
     tokens = [int(t) for t in np.random.default_rng(0).integers(1000, 20000, n_tok)]
     with g.Run(gguf, n_ctx=n_ctx, n_seq_max=1, n_threads=os.cpu_count() or 1) as run:
@@ -786,6 +910,11 @@ def real_model_rows(n_tok: int, rounds: int) -> None:
 
         got: list = []
 
+        def drop() -> None:
+            """Free the previous restore's result, and both sides' frees (`settle`), outside either clock."""
+            got.clear()
+            settle()
+
         def kv(_r: int, **how: object) -> float:
             got.clear()  # the previous memory is freed outside the clock
             t = time.perf_counter()
@@ -795,7 +924,7 @@ def real_model_rows(n_tok: int, rounds: int) -> None:
         mib = path.stat().st_size / (1 << 20)
         mem = kvref.restore(path, hparams=hp).memory
         # 11: the same work as llama.cpp's: the file into a memory that exists (its buffers already touched)
-        ta, tb = abba(rounds, lambda r: kv(r, into=mem), ll)
+        ta, tb = abba(rounds, lambda r: kv(r, into=mem), ll, drop)
         if mem.seq_pos_max(0) != L.llama_memory_seq_pos_max(run.mem, 0) or n_out.value != n_tok:
             raise AssertionError("kvref and llama.cpp restored different sessions")
         size = L.llama_state_get_size(run.ctx)
@@ -804,9 +933,19 @@ def real_model_rows(n_tok: int, rounds: int) -> None:
         if not bytes(ll_state).endswith(mem.state_write()):
             raise AssertionError("llama.cpp's restored state does not end with kvref's memory section")
         report(f"11 restore({n_tok}-token session, into=mem) vs state_load_file ({mib:.0f} MB)", ta, tb)
-        ta, tb = abba(rounds, lambda r: kv(r, hparams=hp), ll)
+        file_buf = bytearray(path.stat().st_size)
+
+        def plain_read(_r: int) -> float:
+            t = time.perf_counter()
+            with open(path, "rb", buffering=0) as f:
+                f.readinto(file_buf)
+            return time.perf_counter() - t
+
+        tk, tf = abba(rounds, lambda r: kv(r, into=mem), plain_read, drop)
+        report_ratio("11f restore(into=mem) / plain read of the file", tk, tf, "kvref / readinto a buffer made once")
+        ta, tb = abba(rounds, lambda r: kv(r, hparams=hp), ll, drop)
         report("11b restore(session, hparams): a new memory each call", ta, tb, note="(fresh pages fault in)")
-        ta, tb = abba(rounds, lambda r: kv(r, model=gguf), ll)
+        ta, tb = abba(rounds, lambda r: kv(r, model=gguf), ll, drop)
         report("11c restore(session, model=GGUF path)", ta, tb, note="(+ from_gguf each call)")
         _save_rows(L, run, mem, path, n_tok, rounds)
 
@@ -830,12 +969,17 @@ def _save_rows(L, run, mem, path: Path, n_tok: int, rounds: int) -> None:
             kvref.save_memory(mem, out_kv, tokens=tokens, durable=durable)
             return time.perf_counter() - t
 
-        ta, tb = abba(rounds, lambda r: kv(r, False), ll)
+        ta, tb = abba(rounds, lambda r: kv(r, False), ll, settle)
         if out_kv.read_bytes() != out_ll.read_bytes():
             raise AssertionError("kvref and llama.cpp saved different session files")
         report("12 save_memory(path, durable=False) vs state_save_file", ta, tb, note="(both: write, no fsync)")
-        ta, tb = abba(rounds, lambda r: kv(r, True), ll)
-        report("12b save_memory(path): fsync of file and directory", ta, tb, note="(kvref's default)")
+        # the default, its two fsyncs included, and in the same run the same save without them (ABBA, kvref only)
+        td, tn = abba(rounds, lambda r: kv(r, True), lambda r: kv(r, False), settle)
+        ta, tb = abba(rounds, lambda r: kv(r, True), ll, settle)
+        share = 1 - statistics.median(tn) / statistics.median(td)
+        report("12b save_memory(path): fsync of file and directory", ta, tb,
+               note=f"(kvref's default; the fsyncs are {share:.0%} of it)")  # fmt: skip
+        report_ratio("12c save_memory(path) durable / durable=False", td, tn, "kvref only: the fsyncs' cost")
     size = L.llama_state_get_size(run.ctx)
     ll_buf = (ctypes.c_uint8 * size)()
     kv_buf = bytearray(mem.state_size())

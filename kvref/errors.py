@@ -129,6 +129,21 @@ class SaveTargetError(KVRefError, ValueError):
     a directory, a socket), so replacing it would destroy it. The message names the path and what it is."""
 
 
+class StoreError(KVRefError):
+    """The prefix store's backend could not do its part (a full disk, a database it cannot write, a Redis server
+    gone): the message names the store and the likely fix. What was stored before stays as it was."""
+
+
+class DamagedValue(StoreError):
+    """A value the store read failed its checksum or framing, or was gone when its chunk said it was there. The
+    store never serves it: it drops the value, counts it (``stats()["corrupt"]``) and serves what remains."""
+
+
+class CacheWarning(RuntimeWarning):
+    """llama-cpp-python's cache (`kvref.store.LlamaCache`) did not store a completion's state (the completion
+    itself is unaffected); the message says why."""
+
+
 class NotYetImplemented(KVRefError):
     """An option that is planned but not implemented yet (the message says which)."""
 
@@ -139,6 +154,7 @@ __all__ = [
     "BackendError",
     "BackendWarning",
     "BatchError",
+    "CacheWarning",
     "CellError",
     "CheckFailed",
     "CompatError",
@@ -146,6 +162,7 @@ __all__ = [
     "ContextMismatch",
     "ConversionError",
     "CorruptionError",
+    "DamagedValue",
     "EditError",
     "FormatError",
     "GGMLTypeError",
@@ -157,5 +174,6 @@ __all__ = [
     "QuantError",
     "SaveTargetError",
     "SequenceError",
+    "StoreError",
     "Unsupported",
 ]

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Callable
 from pathlib import Path
 
 from kvref.store.sqlite_backend import INLINE_MAX, SQLiteBackend
@@ -63,3 +64,77 @@ def churner(path: str, progress: str) -> None:
 
 def progress_of(progress: Path) -> int:
     return progress.stat().st_size if progress.exists() else 0
+
+
+def kill_after(target: Callable[..., None], args: tuple[object, ...], progress: Path, steps: int) -> None:
+    """Run ``target(*args, str(progress))`` in a spawned process and SIGKILL it once ``progress`` shows ``steps``
+    steps done (asserting it was still running, and that the signal is what ended it)."""
+    import multiprocessing
+    import os
+    import signal
+    import time
+
+    child = multiprocessing.get_context("spawn").Process(target=target, args=(*args, str(progress)))
+    child.start()
+    try:
+        while progress_of(progress) < steps and child.is_alive():
+            time.sleep(0.002)
+        assert child.is_alive(), f"the writer stopped by itself (exit code {child.exitcode})"
+        os.kill(child.pid or 0, signal.SIGKILL)
+    finally:
+        child.join()
+    assert child.exitcode == -signal.SIGKILL
+
+
+# -- the prefix store (tests/test_store_faults.py) ---------------------------------------------------------------
+
+SEQ_FILE = Path(__file__).resolve().parent.parent / "conformance/golden/llama-f16-single-seq/03-seq-seq0.ggsq"
+
+
+def labels(prompt: int, n: int) -> list[int]:
+    """Token ids for prompt ``prompt``: the first 8 shared by all prompts, the rest its own."""
+    return list(range(1, 9)) + [10 + prompt] * (n - 8)
+
+
+def store_putter(url: str, model: str, prompts: list[int]) -> int:
+    """Put the golden sequence under each prompt's labels; returns the chunks it wrote."""
+    from kvref import state
+    from kvref.store import open as open_store
+
+    n = len(state.load(SEQ_FILE).tokens)
+    with open_store(url, chunk_tokens=4) as st:
+        return sum(st.put(SEQ_FILE, model=model, tokens=labels(p, n)).new_chunks for p in prompts)
+
+
+def store_churner(url: str, model: str, progress: str) -> None:
+    """Put prompts until killed; ``progress`` grows by a byte per put done."""
+    from kvref import state
+    from kvref.store import open as open_store
+
+    n = len(state.load(SEQ_FILE).tokens)
+    st = open_store(url, chunk_tokens=4, capacity_bytes=60_000)
+    with open(progress, "ab", buffering=0) as mark:
+        for i in range(1_000_000):
+            st.put(SEQ_FILE, model=model, tokens=labels(i % 40, n))
+            mark.write(b".")
+
+
+def store_put_limited(url: str, model: str, max_file_bytes: int) -> str:
+    """Put with the process's file size limit at ``max_file_bytes`` (a full disk, as far as the store can tell);
+    returns the error's class and message, or "" when the put fit."""
+    import resource
+    import signal
+
+    from kvref import state
+    from kvref.store import open as open_store
+
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG instead of killing
+    n = len(state.load(SEQ_FILE).tokens)
+    st = open_store(url, chunk_tokens=4)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (max_file_bytes, max_file_bytes))
+    try:
+        for p in range(100, 140):
+            st.put(SEQ_FILE, model=model, tokens=labels(p, n))
+    except Exception as e:  # the test reads what it was
+        return f"{type(e).__module__}.{type(e).__name__}: {e}"
+    return ""

@@ -404,9 +404,9 @@ def test_a_sequence_restore_in_parts_leaves_what_one_apply_leaves(monkeypatch, c
     def restored(part: int) -> tuple[tuple, int]:
         for name in ("_APPLY_CHUNK", "_UNDO_CHUNK", "_SET_CHUNK"):
             monkeypatch.setattr(kv_state, name, part)
-        calls = []
-        real = kv_state.apply_ubatch
-        monkeypatch.setattr(kv_state, "apply_ubatch", lambda *a: (calls.append(1), real(*a))[1])
+        calls = []  # the ubatches the restore reserves: one per part applied
+        real = kv_state._reserve_ubatch
+        monkeypatch.setattr(kv_state, "_reserve_ubatch", lambda *a: (calls.append(1), real(*a))[1])
         target = make(hp=hp, size=32, cells_cls=cells_cls, v_trans=v_trans, **kw)
         target.decode(Batch(tokens=[5, 6, 7], seq_ids=[[1, 2]] * 3))  # shared by the destination and seq 1
         target.decode(Batch(tokens=list(range(4, 10)), seq_ids=[[1], [2]] * 3))  # interleaved

@@ -6,6 +6,7 @@ values are never served. Every state here was written by a real llama.cpp (confo
 from __future__ import annotations
 
 import json
+import os
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,6 +20,7 @@ import kvref.store
 from kvref.errors import ArgumentError, FormatError
 from kvref.store.backend import Backend, MemoryBackend
 from kvref.store.backends import open_backend
+from kvref.store.chunks import ChunkMeta
 from kvref.store.prefix import Store
 
 ROOT = Path(__file__).resolve().parent.parent / "conformance"
@@ -178,6 +180,10 @@ def test_another_model_or_another_cache_type_never_hits(store: Store, tmp_path: 
     assert store.get(toks, model=model, type_k="q8_0", type_v="q8_0") is None
     assert store.get(toks, model=model, flash_attn=True) is None  # the file's V is transposed: no flash attention
     assert store.get(toks, model=model, flash_attn=False) is not None
+    store.put(f, model=model, tokens=[t + 1 for t in toks], extra={"rope_freq_base": 20000.0})
+    assert store.get([t + 1 for t in toks], model=model) is None  # put with a RoPE override: met only with it
+    assert store.get([t + 1 for t in toks], model=model, extra={"rope_freq_base": 20000.0}) is not None
+    assert store.get(toks, model=model, extra={"rope_freq_base": 20000.0}) is None
 
 
 @pytest.mark.parametrize("victim", ["c:", "s0."])
@@ -251,6 +257,29 @@ def test_capacity_evicts_the_ends_of_chains_before_the_prefixes_they_share() -> 
     assert 8 <= first.n_tokens < n  # its own tail was evicted, the shared head was not
 
 
+def test_gc_drops_what_no_prefix_reaches_and_the_index_entries_of_evicted_chunks(store: Store) -> None:
+    f = GOLDEN / "llama-f16-single-seq/03-seq-seq0.ggsq"
+    model = tiny_model("llama-tiny")
+    n = len(kvref.state.load(f).tokens)
+    prompts = [[*range(1, 9), *[100 + i] * (n - 8)] for i in range(3)]
+    for p in prompts:
+        store.put(f, model=model, tokens=p)
+    be = store.backend
+    # prompt 1's first own chunk goes (as eviction would take it): its tail is now unreachable
+    metas = [k for k in be.keys() if k.startswith("c:")]  # noqa: SIM118  (a backend, not a dict)
+    second = [k for k in metas if list(ChunkMeta.decode(be.get(k) or b"").tokens) == [101] * 4]
+    assert len(second) == 1
+    be.delete(second)
+    held = len(be.keys())
+    res = store.gc()
+    assert res["evicted_bytes"] == 0 and res["dropped"] >= 2 and res["index_entries_dropped"] > 0
+    assert len(be.keys()) == held - res["dropped"]
+    for i, p in enumerate(prompts):
+        look = store.lookup([*p, 7], model=model)
+        assert look.n_tokens == (8 if i == 1 else n)
+    assert store.gc()["dropped"] == 0  # nothing more to drop
+
+
 def test_bad_arguments_get_clear_errors(store: Store, tmp_path: Path) -> None:
     f = GOLDEN / "llama-f16-single-seq/03-seq-seq0.ggsq"
     model = tiny_model("llama-tiny")
@@ -318,3 +347,44 @@ def test_the_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) ->
 def test_open_names_the_store_and_its_chunk_size(tmp_path: Path) -> None:
     st = kvref.store.open("memory:", chunk_tokens=16)
     assert st.chunk_tokens == 16 and st.stats()["url"] == "memory:"
+
+
+def test_a_llama_server_slot_file_with_its_packed_prompt(store: Store) -> None:
+    """llama-server 0.3.36 saves a slot's prompt packed (server_tokens::serialize): put reads the tokens out of it,
+    and a prompt with media (positions that are not token indices) is refused, naming why."""
+    from test_server_tokens import packed
+
+    f = GOLDEN / "llama-f16-single-seq/03-seq-seq0.ggsq"
+    model = tiny_model("llama-tiny")
+    obj = kvref.state.load(f)
+    toks = [int(t) for t in obj.tokens]
+    obj.tokens = packed(toks, [])
+    assert store.put(obj.to_bytes(), model=model).n_tokens == len(toks)
+    hit = store.get(toks, model=model, kind="seq")
+    assert hit is not None and hit.data == f.read_bytes()  # written back with the plain list llama-server also reads
+    obj.tokens = packed([*toks[:3], -1, *toks[4:]], [(3, b"\x01" * 8)])
+    with pytest.raises(ArgumentError, match="media"):
+        store.put(obj.to_bytes(), model=model)
+
+
+def test_a_models_identity_is_its_bytes_hashed_once_per_version(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import hashlib
+
+    from kvref.store import model_id as mid
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    f = tmp_path / "m.gguf"
+    f.write_bytes(b"weights" * 1000)
+    want = "sha256:" + hashlib.sha256(f.read_bytes()).hexdigest()
+    assert mid.model_id(f) == want
+    assert want in (tmp_path / "cache/kvref/model-ids.json").read_text()  # kept for the next process
+    calls = []
+    monkeypatch.setattr(mid, "_sha256", lambda p: calls.append(p) or "0" * 64)
+    assert mid.model_id(f) == want and calls == []  # not hashed again
+    os.utime(f, ns=(1, 1))  # rewritten in place (same size): hashed again
+    assert mid.model_id(f) == "sha256:" + "0" * 64 and len(calls) == 1
+    assert mid.model_id(want) == want  # a known id passes through
+    with pytest.raises(ArgumentError, match="sha256 model id"):
+        mid.model_id("sha256:xyz")

@@ -8,18 +8,15 @@ redis client package; without them they skip with the reason.
 from __future__ import annotations
 
 import multiprocessing
-import os
 import re
-import signal
 import sys
-import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 from _redis import redis_url  # noqa: F401  (a fixture)
-from _store_workers import churner, make_value, progress_of, whole, writer
+from _store_workers import churner, kill_after, make_value, whole, writer
 
 from kvref.errors import ArgumentError, BackendError
 from kvref.store.backend import META, Backend, MemoryBackend
@@ -136,6 +133,24 @@ def test_get_many_keeps_order_and_duplicates(backend: Backend) -> None:
     assert backend.get_many(["y", "nope", "x", "x"]) == [make_value("y", BIG), None, b"1", b"1"]
 
 
+def test_touch_orders_and_peek_does_not(backend: Backend) -> None:
+    for k in "abc":
+        backend.put(k, k.encode() * 10)
+    backend.touch(["c", "b", "a", "gone"])  # a is now the newest, c the oldest
+    assert backend.peek_many(["c", "zz"]) == [b"c" * 10, None]  # a peek is no use: c stays the oldest
+    assert backend.evict(20) == 10
+    assert backend.keys() and backend.get("c") is None and backend.get("a") == b"a" * 10
+
+
+def test_batched_links_samples_and_pruning(backend: Backend) -> None:
+    backend.add_links([("x:1", "a"), ("x:1", "b"), ("x:2", "a"), ("y:1", "a"), ("x:1", "a")])
+    assert sorted(backend.links("x:1")) == ["a", "b"]
+    assert backend.link_sample("x:1", 1)[0] in ("a", "b") and len(backend.link_sample("x:1", 5)) == 2
+    assert backend.link_sample("none", 3) == []
+    assert backend.prune_links("x:", ["b"]) == 2  # a from x:1 and x:2; y:1 is not under the prefix
+    assert backend.links("x:1") == ["b"] and backend.links("x:2") == [] and backend.links("y:1") == ["a"]
+
+
 # -- the embedded backend ------------------------------------------------------------------------------------------
 
 
@@ -182,18 +197,7 @@ def test_processes_writing_at_once_lose_nothing(tmp_path: Path) -> None:
 @pytest.mark.skipif(sys.platform == "win32", reason="SIGKILL")
 @pytest.mark.parametrize("steps", [40, 300, 2000])
 def test_a_writer_killed_mid_sequence_leaves_every_value_whole(tmp_path: Path, steps: int) -> None:
-    progress = tmp_path / "progress"
-    ctx = multiprocessing.get_context("spawn")
-    child = ctx.Process(target=churner, args=(str(tmp_path / "store"), str(progress)))
-    child.start()
-    try:
-        while progress_of(progress) < steps and child.is_alive():
-            time.sleep(0.01)
-        assert child.is_alive(), f"the writer stopped by itself (exit code {child.exitcode})"
-        os.kill(child.pid or 0, signal.SIGKILL)
-    finally:
-        child.join()
-    assert child.exitcode == -signal.SIGKILL
+    kill_after(churner, (str(tmp_path / "store"),), tmp_path / "progress", steps)
     store = SQLiteBackend(tmp_path / "store")
     keys = store.keys()
     values = store.get_many(keys)

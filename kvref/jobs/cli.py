@@ -203,8 +203,7 @@ SUBCOMMANDS: list[Subcommand] = [
     ("check", "will llama.cpp with this model and context load this file?", cli_jobs.check_args, cli_jobs.cmd_check),
     ("export", "K/V/R/S tensors of a state file as .npz / .safetensors", cli_jobs.export_args, cli_jobs.cmd_export),
     ("plot", "draw which cells each sequence holds (kvref[plot])", cli_jobs.plot_args, cli_jobs.cmd_plot),
-    ("store", "keep prompt prefixes once and serve them back (put, get, lookup, stats, gc)", cli_store.store_args,
-     cli_store.cmd_store),
+    ("store", "prompt prefixes kept once, served back (put, get, ...)", cli_store.store_args, cli_store.cmd_store),
 ]
 
 

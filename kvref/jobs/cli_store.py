@@ -28,8 +28,8 @@ def byte_size(text: str) -> int:
 
 
 def read_tokens(name: str) -> list[int]:
-    """Token ids from a state file with tokens (session or sequence file), a JSON list, or ids separated by
-    spaces or commas; ``-`` reads standard input."""
+    """Token ids from a state file with tokens (session or slot file), a JSON list (or llama-server's /tokenize
+    answer, ``{"tokens": [...]}``), or ids separated by spaces or commas; ``-`` reads standard input."""
     from .. import state
     from ..errors import FormatError
 
@@ -42,14 +42,18 @@ def read_tokens(name: str) -> list[int]:
         tokens = getattr(obj, "tokens", None)
         if tokens is None:
             raise ArgumentError(f"--tokens-from {name}: a {obj.kind} holds no tokens")
-        return [int(t) for t in tokens]
+        from ..state.server_tokens import read_prompt
+
+        return [int(t) for t in read_prompt(tokens).tokens]  # a llama-server slot file may pack its prompt
     text = data.decode("utf-8", "replace").strip()
     try:
-        ids = json.loads(text) if text.startswith("[") else [int(x) for x in re.split(r"[\s,]+", text) if x]
+        ids = json.loads(text) if text[:1] in "[{" else [int(x) for x in re.split(r"[\s,]+", text) if x]
     except ValueError as e:
         raise ArgumentError(f"--tokens-from {name}: not a JSON list or whitespace-separated token ids ({e})") from e
+    if isinstance(ids, dict) and isinstance(ids.get("tokens"), list):  # llama-server's /tokenize answer
+        ids = ids["tokens"]
     if not isinstance(ids, list) or not all(isinstance(x, int) for x in ids):
-        raise ArgumentError(f"--tokens-from {name}: the JSON is not a list of token ids")
+        raise ArgumentError(f"--tokens-from {name}: the JSON is not a list of token ids (or /tokenize's answer)")
     return ids
 
 

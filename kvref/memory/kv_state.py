@@ -49,6 +49,7 @@ count or the destination id is wrong). Rows of cells no sequence holds any more 
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, BinaryIO, Protocol, TypeVar, cast
 
@@ -57,14 +58,14 @@ import numpy.typing as npt
 
 from ..args import as_buffer
 from ..constants import LLAMA_MAX_SEQ, N_SEQ_WORDS, TOKEN_NULL
-from ..errors import CellError, FormatError, NoSlotError, SequenceError
+from ..errors import CellError, FormatError, KVRefError, NoSlotError, SequenceError
 from ..ggml.types import traits
 from ..hparams import SWAType, is_masked_swa
 from . import slot_kernels as _kernels
-from .base import Restorable, clear_seq, read_parts
+from .base import Restorable, clear_seq
 from .batch import UBatch
 from .cells import KVCells
-from .slots import SlotCache, SlotInfo, apply_ubatch, find_slot_seq
+from .slots import SlotCache, SlotInfo, _ext_values, apply_ubatch, find_slot_seq
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer
@@ -185,10 +186,39 @@ def _cell_ids(
         w = _take(np.asarray(cells.seq), idx)[:, 0] & np.uint64((1 << n_seq) - 1)
         if bool(w.all()) and not (w & (w - np.uint64(1))).any():
             return np.log2(w).astype(np.int32), np.arange(idx.size + 1, dtype=np.int64)
+    else:
+        ids_one = _one_id_each(cells, idx, n_seq)
+        if ids_one is not None:
+            return ids_one, np.arange(idx.size + 1, dtype=np.int64)
     rows, ids = np.nonzero(_seq_bits(cells, idx, n_seq))
     start = np.zeros(idx.size + 1, np.int64)
     np.cumsum(np.bincount(rows, minlength=idx.size), out=start[1:])
     return ids.astype(np.int32), start
+
+
+def _one_id_each(cells: KVCells, idx: npt.NDArray[np.intp], n_seq: int) -> npt.NDArray[np.int32] | None:
+    """With ``n_seq`` above 64: the one sequence id (``< n_seq``) of each of cells ``idx``, or None when a cell
+    holds none or several. ``_SET_CHUNK`` cells at a time, no (cells x n_seq) bit matrix: a row's four "word is
+    non-zero" flags read as one uint32 (a byte each) must be a single flag, which says the word; that word must be
+    a power of two, whose log2 is the bit (exact), plus 64 per word before it."""
+    if N_SEQ_WORDS != 4 or sys.byteorder != "little":  # pragma: no cover - LLAMA_MAX_SEQ is 256; x86, arm
+        return None
+    mask = np.zeros(N_SEQ_WORDS, np.uint64)  # ids a unified cache accepts at n_seq_max and above are never written
+    for k in range(N_SEQ_WORDS):
+        mask[k] = np.uint64((1 << max(0, min(64, n_seq - 64 * k))) - 1)
+    seq = np.asarray(cells.seq)
+    out = np.empty(idx.size, np.int32)
+    for i0 in range(0, idx.size, _SET_CHUNK):
+        words = _take(seq, idx[i0 : i0 + _SET_CHUNK]) & mask  # (n, 4), a copy
+        flags = np.ascontiguousarray(words != 0).view(np.uint32)[:, 0]  # word k non-zero: byte k is 1
+        if not flags.all() or (flags & (flags - np.uint32(1))).any():
+            return None  # no id, or ids in two words
+        wi = (flags > 0xFF).astype(np.int32) + (flags > 0xFFFF) + (flags > 0xFFFFFF)
+        w = words.reshape(-1)[np.arange(words.shape[0]) * N_SEQ_WORDS + wi]
+        if (w & (w - np.uint64(1))).any():
+            return None  # two ids in one word
+        out[i0 : i0 + _SET_CHUNK] = np.log2(w).astype(np.int32) + 64 * wi
+    return out
 
 
 def _run(idx: npt.NDArray[np.intp] | npt.NDArray[np.int64]) -> slice[int, int, None] | None:
@@ -384,11 +414,15 @@ class _CellBlock:
         k = min(c.ext.shape[1], 3)
         if k:
             ext[:, :k] = c.ext[i0:i1, :k]  # an 8-byte ext has no token: LLAMA_TOKEN_NULL
-        counts = np.diff(c.seq_start[i0 : i1 + 1])
-        ids = c.seq_id[int(c.seq_start[i0]) : int(c.seq_start[i1])].astype(np.int64)
-        rows = np.repeat(np.arange(n), counts)
+        j0, j1 = int(c.seq_start[i0]), int(c.seq_start[i1])
+        ids = c.seq_id[j0:j1].astype(np.int64)
+        bits = np.left_shift(np.uint64(1), (ids & 63).astype(np.uint64))
         seq = np.zeros((n, N_SEQ_WORDS), np.uint64)
-        np.bitwise_or.at(seq, (rows, ids >> 6), np.left_shift(np.uint64(1), (ids & 63).astype(np.uint64)))
+        if j1 - j0 == n and bool((np.diff(c.seq_start[i0 : i1 + 1]) == 1).all()):
+            seq[np.arange(n), ids >> 6] = bits  # one id a cell: one bit each, set at once
+        else:
+            rows = np.repeat(np.arange(n), np.diff(c.seq_start[i0 : i1 + 1]))
+            np.bitwise_or.at(seq, (rows, ids >> 6), bits)
         return cls(c.pos[i0:i1], ext, seq)
 
     def as_cells(self) -> KVCells:
@@ -422,10 +456,17 @@ def _reserve_ubatch(cache: StateCache, cells: Cells, dest: int, has_ext: bool, i
     )  # fmt: skip
 
 
-def _slot_after_seq_rm(cache: StateCache, strm: int, seq_id: int, n: int, cont: bool) -> SlotInfo | None:
+def _slot_after_seq_rm(
+    cache: StateCache, strm: int, seq_id: int, n: int, cont: bool, keep: bool = False
+) -> tuple[SlotInfo | None, bool]:
     """find_slot for the restore's ubatch (``n`` cells of ``seq_id``) as it runs once ``seq_id`` is removed from its
     stream, without copying the stream's cells: the destination's cells are removed from the cache itself and put
-    back exactly as they were (pos, ext, sequence bits, the head) before returning. None when it does not fit."""
+    back exactly as they were (pos, ext, sequence bits, the head) before returning. The slot is None when it does
+    not fit.
+
+    With ``keep`` a slot found is returned with ``seq_id`` left removed (what the restore does next, when its
+    caller commits at once: the cells are not put back to be removed again); a failed placement is undone. The
+    flag returned says whether ``seq_id`` holds no cell of the stream now (removed, or none held)."""
     cells = cache.cells(strm)
     w, b = divmod(seq_id, 64)
     bit = np.uint64(1) << np.uint64(b)
@@ -439,28 +480,46 @@ def _slot_after_seq_rm(cache: StateCache, strm: int, seq_id: int, n: int, cont: 
         or [np.zeros(0, at)]
     )  # the cells holding seq_id, found a chunk at a time (bounds the temporaries)
     if held.size == 0:
-        return find_slot_seq(cache, seq_id, n, cont)  # nothing to remove: the cache as it is
+        return find_slot_seq(cache, seq_id, n, cont), True  # nothing to remove: the cache as it is
     if np.asarray(cells.shift)[held].any():
         # a pending shift (which KVCells.set cannot put back): try the placement on a copy of the stream
         trial = cache.fork([strm])
         trial.seq_rm(seq_id, -1, -1)
-        return find_slot_seq(trial, seq_id, n, cont)
+        return find_slot_seq(trial, seq_id, n, cont), False
     pos, head = np.asarray(cells.pos)[held], cache.heads[strm]
     ext = _held_ext(np.asarray(cells.ext), held)
     cache.seq_rm(seq_id, -1, -1)
+    sinfo = None
     try:
-        return find_slot_seq(cache, seq_id, n, cont)
+        sinfo = find_slot_seq(cache, seq_id, n, cont)
     finally:
-        # the removed cells come back with what they held: their pos and ext, the sequences they still hold
-        # plus seq_id (set() recomputes the cells' bookkeeping, the used count and the per-sequence positions)
-        for i0 in range(0, held.size, _UNDO_CHUNK):
-            part = held[i0 : i0 + _UNDO_CHUNK]
-            seq = np.asarray(cells.seq)[part]  # a copy (fancy indexing)
-            seq[:, w] |= bit
-            part_ext = ext[: part.size] if ext.strides[0] == 0 else ext[i0 : i0 + _UNDO_CHUNK]
-            block = _CellBlock(pos[i0 : i0 + _UNDO_CHUNK], part_ext, seq)
-            cells.set(part, block.as_cells())
-        cache.heads[strm] = head
+        if sinfo is None or not keep:
+            _put_back(cache, strm, held, pos, ext, w, bit, head)
+    return sinfo, sinfo is not None and keep
+
+
+def _put_back(
+    cache: StateCache,
+    strm: int,
+    held: npt.NDArray[np.int32] | npt.NDArray[np.intp],
+    pos: npt.NDArray[np.int32],
+    ext: npt.NDArray[np.int32],
+    w: int,
+    bit: np.uint64,
+    head: int,
+) -> None:
+    """Undo `_slot_after_seq_rm`'s seq_rm: the removed cells come back with what they held: their pos and ext,
+    the sequences they still hold plus seq_id (set() recomputes the cells' bookkeeping, the used count and the
+    per-sequence positions), and the stream's head."""
+    cells = cache.cells(strm)
+    for i0 in range(0, held.size, _UNDO_CHUNK):
+        part = held[i0 : i0 + _UNDO_CHUNK]
+        seq = np.asarray(cells.seq)[part]  # a copy (fancy indexing)
+        seq[:, w] |= bit
+        part_ext = ext[: part.size] if ext.strides[0] == 0 else ext[i0 : i0 + _UNDO_CHUNK]
+        block = _CellBlock(pos[i0 : i0 + _UNDO_CHUNK], part_ext, seq)
+        cells.set(part, block.as_cells())
+    cache.heads[strm] = head
 
 
 def _held_ext(ext: npt.NDArray[np.int32], held: npt.NDArray[np.int32] | npt.NDArray[np.intp]) -> npt.NDArray[np.int32]:
@@ -485,7 +544,24 @@ def _apply_restore(cache: StateCache, sinfo: SlotInfo, cells: Cells, seq_id: int
     by a sequence whose window has moved past it: apply_ubatch removes it first) the ubatch is applied whole."""
     idxs = sinfo.idxs[0]
     n = len(idxs)
-    if n <= _APPLY_CHUNK or _kernels.impl.used_targets(cache.cells(sinfo.strm[0]), idxs, n):
+    strm = sinfo.strm[0]
+    kv_cells = cache.cells(strm)
+    at = np.asarray(idxs, dtype=np.int64)
+    if n and bool((np.asarray(kv_cells.pos)[at] == -1).all()):
+        # every target empty (the usual case): what apply_ubatch does then, without its per-token checks (the
+        # slot's cells are distinct, the one sequence id valid): KVCells.place of each part, the head after it;
+        # a part place declines (a value a write would refuse) goes through apply_ubatch, which raises as it does
+        for i0 in range(0, n, _APPLY_CHUNK):
+            i1 = min(i0 + _APPLY_CHUNK, n)
+            ub = _reserve_ubatch(cache, cells, seq_id, has_ext, i0, i1)
+            pos_all = np.asarray(ub.pos, dtype=np.int64)
+            ids = np.full(i1 - i0, seq_id, np.int64)
+            if kv_cells.place(at[i0:i1], pos_all[: i1 - i0], ids, _ext_values(cache, ub, pos_all, slice(0, i1 - i0))):
+                cache.heads[strm] = int(at[i1 - 1]) + 1
+            else:
+                apply_ubatch(cache, SlotInfo(sinfo.s0, sinfo.s1, list(sinfo.strm), [idxs[i0:i1]]), ub)
+        return
+    if n <= _APPLY_CHUNK or _kernels.impl.used_targets(kv_cells, idxs, n):
         apply_ubatch(cache, sinfo, _reserve_ubatch(cache, cells, seq_id, has_ext))
         return
     for i0 in range(0, n, _APPLY_CHUNK):
@@ -512,6 +588,26 @@ def _check_whole_cells(cache: StateCache, st: KVStream, at: int) -> None:
             bad = bool((key[1:] == key[:-1]).any())
     if bad:
         _whole_cells(cache, st, at)
+
+
+def _zero_rows_after(cache: StateCache, n_cells: dict[int, int]) -> None:
+    """Zero what ``clear(True)`` zeroes except the rows a whole restore copies next: in stream ``s``, the K / V rows
+    of cells ``n_cells[s]`` on (a transposed V: each component's elements of those cells); every row of the other
+    streams."""
+    el = traits(cache.type_v).type_size if cache.v_trans else 0
+    for s in range(cache.n_stream):
+        n = n_cells.get(s, 0)
+        for layer in cache.layers:
+            layer.k[s][n:] = 0
+            if layer.v is None:
+                continue
+            if not cache.v_trans:
+                layer.v[s][n:] = 0
+                continue
+            v = layer.v[s]
+            v[:, n * el :] = 0  # the elements of the cells after n, in every component
+            if n:
+                v[_v_width(cache, layer.il) :, : n * el] = 0  # components past n_embd_v_gqa (copy_rows skips them)
 
 
 def _set_whole_cells(cells: KVCells, c: Cells) -> None:
@@ -615,9 +711,14 @@ _SCATTER_ROWWISE = 4096  # cells from which `_scatter_elements` goes component b
 
 
 def stage_state(
-    cache: StateCache, data: Buffer, seq_id: int = -1, flags: int = 0, offset: int = 0
+    cache: StateCache, data: Buffer, seq_id: int = -1, flags: int = 0, offset: int = 0, *, commit_next: bool = False
 ) -> tuple[Callable[[], None], int]:
-    """Parse, validate and dry-run the section at ``offset``; returns ``(commit, end)``. Changes nothing."""
+    """Parse, validate and dry-run the section at ``offset``; returns ``(commit, end)``. Changes nothing.
+
+    ``commit_next`` (`state_read` of the cache alone): the caller calls ``commit`` as soon as this returns when the
+    section ends the input. A sequence's placement, tried on the cache after removing the sequence, then keeps the
+    removal instead of undoing it for ``commit`` to redo; the cells are then as ``commit``'s first step leaves
+    them (which it skips), and a failure still leaves them as they were."""
     from ..state import mismatch, read_kv_section
 
     del flags
@@ -645,7 +746,9 @@ def stage_state(
                 return (lambda: None), end
 
         def commit_whole() -> None:
-            cache.clear(True)
+            # clear(True), whose zeroes the rows copied next would overwrite at once: only the others are zeroed
+            cache.clear(False)
+            _zero_rows_after(cache, {s: st.cell_count for s, st in streams})
             for s, st in streams:
                 cells, data = _filled(st)
                 _set_whole_cells(cache.cells(s), cells)
@@ -664,7 +767,7 @@ def stage_state(
     # cont=true) and the stream's head is moved back to its first cell; else they are placed cell by cell and
     # the head stays where apply_ubatch put it (after the last cell)
     contiguous = cache.profile.seq_restore_contiguous
-    steps: list[tuple[SlotInfo, Cells, KVData]] = []
+    steps: list[tuple[SlotInfo, Cells, KVData, bool]] = []  # and whether seq_id is already removed
     # every placement is tried first; one stream with cells (what llama.cpp writes) is tried on the cache itself
     # and undone (`_slot_after_seq_rm`), several (a crafted section) one after the other on a copy of the stream
     trial = cache.fork([strm]) if len(streams) > 1 else None
@@ -678,8 +781,10 @@ def stage_state(
                 field="pos",
                 offset=st.offsets.get("cells", offset),
             )
+        removed = False
         if trial is None:
-            sinfo = _slot_after_seq_rm(cache, strm, seq_id, st_cells.n, contiguous)
+            keep = commit_next and end == len(buf)  # else trailing bytes: refused after the stage
+            sinfo, removed = _slot_after_seq_rm(cache, strm, seq_id, st_cells.n, contiguous, keep)
         else:
             trial.seq_rm(seq_id, -1, -1)
             sinfo = find_slot_seq(trial, seq_id, st_cells.n, contiguous)
@@ -690,11 +795,12 @@ def stage_state(
             )
         if trial is not None:
             apply_ubatch(trial, sinfo, _reserve_ubatch(cache, st_cells, seq_id, has_ext))
-        steps.append((sinfo, st_cells, st_data))
+        steps.append((sinfo, st_cells, st_data, removed))
 
     def commit_seq() -> None:
-        for sinfo, st_cells, st_data in steps:
-            cache.seq_rm(seq_id, -1, -1)
+        for sinfo, st_cells, st_data, removed in steps:
+            if not removed:
+                cache.seq_rm(seq_id, -1, -1)
             _apply_restore(cache, sinfo, st_cells, seq_id, has_ext)
             cells = cache.cells(strm)
             idxs = np.asarray(sinfo.idxs[0], dtype=np.int64)
@@ -715,8 +821,18 @@ def state_read(cache: StateCache, data: Buffer, seq_id: int = -1, flags: int = 0
 
     On failure the cache is untouched, or with ``atomic=False`` left as llama.cpp leaves it
     (``state_read_failed``)."""
-
-    return read_parts([cache], data, seq_id, flags, atomic=atomic)
+    # read_parts([cache], ...) with the stage told that its commit follows at once
+    try:
+        commit, end = stage_state(cache, data, seq_id, flags, 0, commit_next=True)
+    except KVRefError as exc:
+        if not atomic:
+            state_read_failed(cache, seq_id, exc)
+        raise
+    total = as_buffer(data).nbytes
+    if end != total:
+        raise FormatError(f"{total - end} trailing bytes after the memory sections", field="trailing", offset=end)
+    commit()
+    return end
 
 
 def state_read_failed(cache: StateCache, seq_id: int, exc: Exception) -> None:

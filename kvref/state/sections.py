@@ -405,6 +405,47 @@ KV_STREAM = Struct(
     When(lambda env: _has_cells(env) or not env_flag(env, "n_stream_field", True), KV_DATA.named("data")),
 )
 
+
+class _Streams(List):
+    """The streams of a KV section: `List` of `KV_STREAM`, reading a run of empty streams (a zero ``cell_count``
+    each, what a sequence save writes for every stream but the sequence's own) in one NumPy look at their counts.
+
+    Each empty stream is built as `KV_STREAM` builds it (``cells`` and ``data`` None, the same ``offsets``), without
+    walking its fields: with the ``n_stream`` field nothing else of an empty stream is read (before it, the data
+    header follows the zero count, and every stream is read field by field)."""
+
+    def read(self, r: Reader, env: Env) -> list[object]:
+        if not env_flag(env, "n_stream_field"):
+            return super().read(r, env)
+        n = env_int(env, "n_stream")
+        if n * self.item.min_size > r.remaining():
+            raise FormatError(
+                f"count {n} of {self.name} needs at least {n * self.item.min_size} bytes, {r.remaining()} remain",
+                field=self.blame,
+                offset=r.pos,
+            )
+        out: list[object] = []
+        while len(out) < n:
+            k = min(n - len(out), r.remaining() // 4)
+            counts = np.frombuffer(r.buf, "<u4", k, r.pos)
+            nz = np.flatnonzero(counts)
+            n_empty = int(nz[0]) if nz.size else k
+            for at in range(r.pos, r.pos + 4 * n_empty, 4):
+                out.append(_empty_stream(at))
+            r.pos += 4 * n_empty
+            if len(out) < n:
+                out.append(self.item.read(r, env))  # a stream with cells (or a truncated count: its error)
+        return out
+
+
+def _empty_stream(at: int) -> KVStream:
+    """The `KVStream` `KV_STREAM` reads from a zero ``cell_count`` at ``at`` (with the ``n_stream`` field)."""
+    st = KVStream.__new__(KVStream)
+    st.cells = st.data = None
+    st.offsets = {"cell_count": at, "ext_size": at + 4, "cells": at + 4, "data": at + 4}
+    return st
+
+
 KV_SECTION = Struct(
     KVSection,
     Param("n_stream_field", attr="has_n_stream"),
@@ -412,7 +453,7 @@ KV_SECTION = Struct(
         lambda env: env_flag(env, "n_stream_field"),
         U32("n_stream", derive=lambda o, env: len(o.streams), check=_check_n_stream),
     ),
-    List(
+    _Streams(
         "streams",
         KV_STREAM,
         lambda env: env_int(env, "n_stream") if env_flag(env, "n_stream_field") else 1,

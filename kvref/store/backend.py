@@ -14,10 +14,11 @@ meaning of keys live in `kvref.store.prefix`. What every backend guarantees:
 
 from __future__ import annotations
 
+import itertools
 import threading
 from abc import ABC, abstractmethod
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Collection, Iterable, Sequence
 
 META = "m:"
 
@@ -35,8 +36,17 @@ class Backend(ABC):
         """`get` of each key (backends override it with one round trip)."""
         return [self.get(k) for k in keys]
 
+    def peek_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        """The values, without marking them used (``gc``'s walk must not reorder the LRU)."""
+        raise NotImplementedError
+
+    def touch(self, keys: Sequence[str]) -> None:
+        """Mark these values as used, in this order (the last one the most recent), without reading them; keys
+        that do not exist are ignored (backends override it without reading the values)."""
+        self.get_many(keys)
+
     @abstractmethod
-    def put(self, key: str, value: bytes, *, replace: bool = False) -> bool:
+    def put(self, key: str, value: bytes | bytearray, *, replace: bool = False) -> bool:
         """Store ``value`` under ``key``; an existing value is kept unless ``replace``. True when written."""
 
     @abstractmethod
@@ -47,9 +57,18 @@ class Backend(ABC):
     def add_link(self, parent: str, child: str) -> None:
         """Record that the chunk ``child`` follows ``parent`` (idempotent)."""
 
+    def add_links(self, pairs: Sequence[tuple[str, str]]) -> None:
+        """`add_link` of each (parent, child) (backends override it with one round trip)."""
+        for parent, child in pairs:
+            self.add_link(parent, child)
+
     @abstractmethod
     def links(self, parent: str) -> list[str]:
         """The children recorded for ``parent`` (in no particular order; may name evicted values)."""
+
+    def link_sample(self, parent: str, n: int = 1) -> list[str]:
+        """Up to ``n`` of ``parent``'s children, without listing them all (backends override it)."""
+        return self.links(parent)[:n]
 
     @abstractmethod
     def incr(self, name: str, n: int = 1) -> None:
@@ -70,6 +89,11 @@ class Backend(ABC):
 
     def keys(self) -> list[str]:
         """Every value's key (for `kvref store gc` and tests; not used on the lookup path)."""
+        raise NotImplementedError
+
+    def prune_links(self, prefix: str, alive: Collection[str]) -> int:
+        """In every link set whose parent starts with ``prefix``, drop the children not in ``alive`` (what
+        ``gc`` does for the index entries of evicted chunks); returns how many it dropped."""
         raise NotImplementedError
 
     def close(self) -> None:  # noqa: B027  (most backends hold nothing to release)
@@ -100,7 +124,17 @@ class MemoryBackend(Backend):
                 self._values.move_to_end(key)
             return value
 
-    def put(self, key: str, value: bytes, *, replace: bool = False) -> bool:
+    def peek_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        with self._lock:
+            return [self._values.get(k) for k in keys]
+
+    def touch(self, keys: Sequence[str]) -> None:
+        with self._lock:
+            for k in keys:
+                if k in self._values:
+                    self._values.move_to_end(k)
+
+    def put(self, key: str, value: bytes | bytearray, *, replace: bool = False) -> bool:
         with self._lock:
             old = self._values.get(key)
             if old is not None and not replace:
@@ -129,6 +163,11 @@ class MemoryBackend(Backend):
     def links(self, parent: str) -> list[str]:
         with self._lock:
             return list(self._links.get(parent, ()))
+
+    def link_sample(self, parent: str, n: int = 1) -> list[str]:
+        with self._lock:
+            kids = self._links.get(parent, ())
+            return list(itertools.islice(kids, n))
 
     def incr(self, name: str, n: int = 1) -> None:
         with self._lock:
@@ -159,6 +198,17 @@ class MemoryBackend(Backend):
     def keys(self) -> list[str]:
         with self._lock:
             return list(self._values)
+
+    def prune_links(self, prefix: str, alive: Collection[str]) -> int:
+        n = 0
+        with self._lock:
+            for parent in [p for p in self._links if p.startswith(prefix)]:
+                dead = self._links[parent].difference(alive)
+                n += len(dead)
+                self._links[parent] -= dead
+                if not self._links[parent]:
+                    del self._links[parent]
+        return n
 
 
 __all__ = ["META", "Backend", "MemoryBackend"]

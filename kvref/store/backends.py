@@ -16,15 +16,22 @@ MEMORY = "memory:"
 def open_backend(url_or_path: str | os.PathLike[str]) -> Backend:
     """The backend for ``url_or_path``:
 
-    - ``redis://host:port/db``, ``rediss://...`` (TLS), ``unix:///socket?db=0``: `RedisBackend`;
+    - ``redis://host:port/db``, ``rediss://...`` (TLS), ``unix:///socket?db=0``: `RedisBackend`; a ``prefix=``
+      query parameter keeps several stores apart on one server (default ``kvref:``);
     - ``memory:``: a `MemoryBackend` of this process alone;
     - ``sqlite:///abs/dir`` or a plain path (a directory, made if missing): `SQLiteBackend`, the embedded default.
     """
     target = os.fspath(url_or_path)
     if target.startswith(REDIS_SCHEMES):
-        from kvref.store.redis_backend import RedisBackend
+        from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
-        return RedisBackend(target)
+        from kvref.store.redis_backend import DEFAULT_PREFIX, RedisBackend
+
+        parts = urlsplit(target)
+        query = parse_qsl(parts.query, keep_blank_values=True)
+        prefix = [v for k, v in query if k == "prefix"]
+        rest = urlencode([(k, v) for k, v in query if k != "prefix"])
+        return RedisBackend(urlunsplit(parts._replace(query=rest)), prefix=prefix[-1] if prefix else DEFAULT_PREFIX)
     if target == MEMORY:
         return MemoryBackend()
     if target.startswith(SQLITE_SCHEME):

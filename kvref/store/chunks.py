@@ -6,7 +6,7 @@ ext. A recurrent section gives one state per sequence (`Checkpoint`): it stands 
 so it is stored as a checkpoint at that prefix's length, never cut.
 
 Every record the store keeps is framed by `encode` / `decode`: magic, kind, CRC-32 of the payload and its length,
-so a flipped byte or a cut value is caught before anything is served. Payload layouts:
+so a flipped byte or a cut value is caught (`kvref.errors.DamagedValue`) before anything is served. Payload layouts:
 
 - chunk meta: parent key, the chunk's tokens, their cells' ext, and per section the first covered offset (an
   iSWA sequence save keeps only the last window in its SWA cache, so a chunk may hold part of a section, always a
@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ArgumentError, FormatError
+from ..errors import ArgumentError, DamagedValue, FormatError
 
 if TYPE_CHECKING:
     from ..state import Cells, KVSection, RecurrentSection, StateObject
@@ -40,28 +40,34 @@ U8 = npt.NDArray[np.uint8]
 Piece = bytes | memoryview | U8 | npt.NDArray[np.int32]
 
 
-class Corrupt(Exception):
-    """A stored value failed its checksum or framing (the store reports a miss and drops it)."""
+def encode(kind: int, payload: Sequence[Piece]) -> bytearray:
+    """Frame ``payload`` (its pieces joined) as a record of ``kind``: each piece is copied once, into the record
+    (a transposed slice of V rows too), then checksummed."""
+    arrs = [np.frombuffer(p, np.uint8) if isinstance(p, (bytes, bytearray, memoryview)) else p for p in payload]
+    n = sum(int(a.nbytes) for a in arrs)
+    out = bytearray(HEAD.size + n)
+    buf = np.frombuffer(out, np.uint8)
+    at = HEAD.size
+    for a in arrs:
+        if a.nbytes:
+            np.copyto(buf[at : at + a.nbytes].view(a.dtype).reshape(a.shape), a)
+            at += int(a.nbytes)
+    HEAD.pack_into(out, 0, MAGIC, VERSION, kind, 0, zlib.crc32(memoryview(out)[HEAD.size :]), n)
+    return out
 
 
-def encode(kind: int, payload: Sequence[Piece]) -> bytes:
-    """Frame ``payload`` (its pieces joined) as a record of ``kind``."""
-    body = b"".join(p.tobytes() if isinstance(p, np.ndarray) else bytes(p) for p in payload)
-    return HEAD.pack(MAGIC, VERSION, kind, 0, zlib.crc32(body), len(body)) + body
-
-
-def decode(value: bytes, kind: int) -> memoryview:
-    """The payload of a record of ``kind``; `Corrupt` when the frame or the checksum is wrong."""
+def decode(value: bytes | bytearray, kind: int) -> memoryview:
+    """The payload of a record of ``kind``; `DamagedValue` when the frame or the checksum is wrong."""
     if len(value) < HEAD.size:
-        raise Corrupt(f"{len(value)} bytes: shorter than a record header")
+        raise DamagedValue(f"{len(value)} bytes: shorter than a record header")
     magic, version, k, _, crc, n = HEAD.unpack_from(value)
     if magic != MAGIC or version != VERSION or k != kind:
-        raise Corrupt(f"header {magic!r} v{version} kind {k}, expected {MAGIC!r} v{VERSION} kind {kind}")
+        raise DamagedValue(f"header {magic!r} v{version} kind {k}, expected {MAGIC!r} v{VERSION} kind {kind}")
     body = memoryview(value)[HEAD.size :]
     if len(body) != n:
-        raise Corrupt(f"payload of {len(body)} bytes, the header says {n}")
+        raise DamagedValue(f"payload of {len(body)} bytes, the header says {n}")
     if zlib.crc32(body) != crc:
-        raise Corrupt("checksum mismatch")
+        raise DamagedValue("checksum mismatch")
     return body
 
 
@@ -97,13 +103,13 @@ def _seq_cells(cells: Cells, seq_id: int) -> npt.NDArray[np.intp]:
     return np.unique(cells.cell_seq()[cells.seq_id == seq_id])
 
 
-def _gather(rows: object, idx: npt.NDArray[np.intp]) -> U8:
+def _gather(rows: object, idx: npt.NDArray[np.intp] | slice[int, int, None]) -> U8:
+    """The rows of cells ``idx`` (a slice when they are consecutive: views, no copy)."""
     from ..state import TransposedRows
 
     if isinstance(rows, TransposedRows):
-        d = rows.data.reshape(rows.n_embd, -1, rows.el_size)
-        return np.ascontiguousarray(d[:, idx])
-    return np.ascontiguousarray(cast("U8", rows.data)[idx])  # type: ignore[attr-defined]
+        return rows.data.reshape(rows.n_embd, -1, rows.el_size)[:, idx]
+    return cast("U8", rows.data)[idx]  # type: ignore[attr-defined]
 
 
 def sequence_of(obj: StateObject, seq_id: int | None) -> int:
@@ -138,8 +144,11 @@ def kv_rows(sec: KVSection, seq_id: int) -> SeqRows:
         pos = np.ascontiguousarray(st.cells.pos[idx])
         if pos.size > 1 and not (np.diff(pos) > 0).all():
             raise FormatError("the sequence has two cells at one position: the store keeps one row per token")
-        return SeqRows(pos, np.ascontiguousarray(st.cells.ext[idx]), [_gather(k, idx) for k in st.data.k],
-                       [_gather(v, idx) for v in st.data.v])  # fmt: skip
+        run: npt.NDArray[np.intp] | slice[int, int, None] = idx
+        if idx[-1] - idx[0] == idx.size - 1 and (idx.size == 1 or (np.diff(idx) == 1).all()):
+            run = slice(int(idx[0]), int(idx[-1]) + 1)  # the usual case: the rows are views
+        return SeqRows(pos, np.ascontiguousarray(st.cells.ext[idx]), [_gather(k, run) for k in st.data.k],
+                       [_gather(v, run) for v in st.data.v])  # fmt: skip
     return SeqRows(np.zeros(0, np.int32), np.zeros((0, 0), np.int32), [], [])
 
 
@@ -167,7 +176,7 @@ class ChunkMeta:
     ext: npt.NDArray[np.int32]  # (n, k)
     cover: list[int]  # per section: first covered offset (len(tokens): none; recurrent sections: len(tokens))
 
-    def encode(self) -> bytes:
+    def encode(self) -> bytearray:
         n, k = len(self.tokens), self.ext.shape[1] if self.ext.ndim == 2 else 0
         head = struct.pack("<16sIII", bytes.fromhex(self.parent), n, k, len(self.cover))
         return encode(META, [head, np.asarray(self.cover, "<i4"), self.tokens.astype("<i4"),
@@ -184,7 +193,7 @@ class ChunkMeta:
             tokens = np.frombuffer(body, "<i4", n, at).astype(np.int32)
             ext = np.frombuffer(body, "<i4", n * k, at + 4 * n).astype(np.int32).reshape(n, k)
         except (struct.error, ValueError) as e:
-            raise Corrupt(f"chunk meta: {e}") from e
+            raise DamagedValue(f"chunk meta: {e}") from e
         return cls(parent.hex(), tokens, ext, cover)
 
 
@@ -194,7 +203,7 @@ def part_payload(rows: SeqRows) -> list[U8]:
 
 
 def split_part(body: memoryview, geo: KVGeometry, m: int) -> tuple[list[U8], list[U8]]:
-    """The K and V rows of ``m`` cells from a part's payload (`Corrupt` when the sizes disagree)."""
+    """The K and V rows of ``m`` cells from a part's payload (`DamagedValue` when the sizes disagree)."""
     buf = np.frombuffer(body, np.uint8)
     at = 0
     ks: list[U8] = []
@@ -212,11 +221,11 @@ def split_part(body: memoryview, geo: KVGeometry, m: int) -> tuple[list[U8], lis
             vs.append(buf[at : at + m * int(r[2])].reshape(m, int(r[2])))
             at += m * int(r[2])
     if at != len(buf):
-        raise Corrupt(f"section part of {len(buf)} bytes, its {m} cells' rows take {at}")
+        raise DamagedValue(f"section part of {len(buf)} bytes, its {m} cells' rows take {at}")
     return ks, vs
 
 
-def encode_checkpoint(parent: str, cp: Checkpoint) -> bytes:
+def encode_checkpoint(parent: str, cp: Checkpoint) -> bytearray:
     """A checkpoint record."""
     pieces: list[Piece] = [struct.pack("<16si", bytes.fromhex(parent), cp.pos)]
     for r, p in zip(cp.r, cp.p, strict=True):
@@ -231,7 +240,7 @@ def decode_checkpoint(value: bytes, geo: RecurrentGeometry) -> tuple[str, Checkp
     """(parent key, checkpoint) of a checkpoint record."""
     body = decode(value, CHECKPOINT)
     if len(body) < 20:
-        raise Corrupt("checkpoint shorter than its header")
+        raise DamagedValue("checkpoint shorter than its header")
     parent, pos = struct.unpack_from("<16si", body)
     buf = np.frombuffer(body, np.uint8, offset=20)
     at = 0
@@ -242,7 +251,7 @@ def decode_checkpoint(value: bytes, geo: RecurrentGeometry) -> tuple[str, Checkp
     def take(n: int) -> U8:
         nonlocal at
         if at + n > len(buf):
-            raise Corrupt("checkpoint shorter than its rows")
+            raise DamagedValue("checkpoint shorter than its rows")
         out = buf[at : at + n]
         at += n
         return out
@@ -256,7 +265,7 @@ def decode_checkpoint(value: bytes, geo: RecurrentGeometry) -> tuple[str, Checkp
         else:
             ss.append(take(int(s[2])).reshape(1, -1))
     if at != len(buf):
-        raise Corrupt(f"checkpoint of {len(buf)} row bytes, its layers take {at}")
+        raise DamagedValue(f"checkpoint of {len(buf)} row bytes, its layers take {at}")
     return parent.hex(), Checkpoint(int(pos), rs, ps, ss)
 
 
@@ -324,7 +333,6 @@ def concat(parts: list[SeqRows]) -> SeqRows:
 __all__ = [
     "Checkpoint",
     "ChunkMeta",
-    "Corrupt",
     "SeqRows",
     "checkpoint_of",
     "concat",

@@ -15,6 +15,7 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass, field
+from functools import cached_property
 from typing import TYPE_CHECKING, cast
 
 from ..errors import ArgumentError, FormatError
@@ -69,13 +70,17 @@ class Namespace:
     attn_rot: bool = False
     extra: tuple[tuple[str, str], ...] = field(default=())  # the caller's own context keys (rope overrides, ...)
 
-    @property
+    @cached_property
     def id(self) -> str:
         """32 hex digits of the BLAKE2b of the record's canonical JSON."""
         return hashlib.blake2b(self.to_json().encode(), digest_size=16).hexdigest()
 
     def to_json(self) -> str:
         """The record as canonical JSON (what the store keeps)."""
+        return self._json
+
+    @cached_property
+    def _json(self) -> str:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":"))
 
     @classmethod
@@ -125,11 +130,6 @@ class Namespace:
             if g.v:
                 return not g.v_trans
         return None
-
-    def describe(self) -> str:
-        """One line for error messages: arch, layout, era, types, flash attention."""
-        return (f"{self.arch} {self.layout} era {self.era} K {self.type_k()} V {self.type_v()} "
-                f"flash_attn {self.flash_attn()}" + (f" {dict(self.extra)}" if self.extra else ""))  # fmt: skip
 
     def matches(self, context: Mapping[str, object]) -> bool:
         """Does this namespace fit a caller's context (only the keys given are compared)?"""

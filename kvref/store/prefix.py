@@ -5,9 +5,12 @@ Keys (`kvref.store.backend` holds them):
 
 - ``c:<key>``: a chunk's meta (`ChunkMeta`); ``key = BLAKE2b(parent key, the chunk's tokens)`` where the first
   chunk's parent is the namespace's root key, so a key names a whole token prefix (LMCache's and vLLM's chained
-  block hashes). The link set ``c:<key>`` names the chunks that follow it: the radix index a prompt that leaves a
-  stored chunk mid-way is looked up in (SGLang's radix tree), so the longest common prefix is served whatever
-  token it ends on.
+  block hashes).
+- ``x:<BLAKE2b(parent, first l tokens)>``: link sets naming the chunks after ``parent`` that start with those l
+  tokens, for l = 1 .. 16 and every multiple of 16 (`levels`): the index a prompt that leaves a stored chunk
+  mid-way is looked up in (SGLang's radix tree, by hash). A binary search over the levels finds the longest
+  stored prefix in a few lookups, and at most the siblings sharing its last 16 tokens are read to cut it at the
+  exact token, however many chunks follow the same parent.
 - ``s<i>.<start>:<key>``: section ``i``'s rows of the chunk's cells from offset ``start`` on.
 - ``r:<key>``: a recurrent checkpoint after the prefix that ends the chunk (full or partial) ``key``; the link
   set ``ck:<parent>`` lists the lengths past ``parent`` that have one.
@@ -31,14 +34,13 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ArgumentError, ArgumentTypeError, FormatError
+from ..errors import ArgumentError, ArgumentTypeError, DamagedValue, FormatError
 from .backend import META, Backend
 from .chunks import (
     PART,
     RECORD,
     Checkpoint,
     ChunkMeta,
-    Corrupt,
     SeqRows,
     checkpoint_of,
     concat,
@@ -62,6 +64,7 @@ if TYPE_CHECKING:
 
 KINDS = ("seq_state", "seq", "state", "session")
 DEFAULT_CHUNK_TOKENS = 256
+DENSE = 16  # prefix index levels: every length up to DENSE, then every multiple of it
 CONFIG = META + "config"
 Tokens = Sequence[int] | npt.NDArray[np.int32] | npt.NDArray[np.int64]
 
@@ -78,6 +81,15 @@ def chain_key(parent: str, tokens: npt.NDArray[np.int32]) -> str:
 def root_key(ns: Namespace) -> str:
     """The parent key of a namespace's first chunks."""
     return _h(b"kvref-store-root", bytes.fromhex(ns.id))
+
+
+def levels(n: int) -> list[int]:
+    """The prefix lengths indexed for a chunk of ``n`` tokens."""
+    return [*range(1, min(n, DENSE) + 1), *range(2 * DENSE, n + 1, DENSE)] + ([n] if n > DENSE and n % DENSE else [])
+
+
+def _level_key(parent: str, tokens: npt.NDArray[np.int32]) -> str:
+    return "x:" + chain_key(parent, tokens)
 
 
 def _checkpoint_key(prefix_key: str) -> str:
@@ -155,6 +167,7 @@ class Store:
         self.capacity_bytes = capacity_bytes
         self.chunk_tokens = self._chunk_tokens(chunk_tokens)
         self._namespaces: dict[str, Namespace] = {}
+        self._hparams: dict[str, HParams] = {}  # per model id: a GGUF header is parsed once per store
 
     def _chunk_tokens(self, asked: int | None) -> int:
         if asked is not None and not (isinstance(asked, int) and 1 <= asked <= 1 << 20):
@@ -163,7 +176,7 @@ class Store:
         if raw is not None:
             try:
                 have = int(json.loads(bytes(decode(raw, RECORD)))["chunk_tokens"])
-            except (Corrupt, ValueError, KeyError, TypeError) as e:
+            except (DamagedValue, ValueError, KeyError, TypeError) as e:
                 raise FormatError(f"{self.backend.url}: the store's config record is damaged ({e})") from e
             if asked is not None and asked != have:
                 raise ArgumentError(
@@ -198,7 +211,7 @@ class Store:
                     continue
                 try:
                     ns = Namespace.from_json(bytes(decode(raw, RECORD)))
-                except (Corrupt, ValueError, KeyError, TypeError):
+                except (DamagedValue, ValueError, KeyError, TypeError):
                     continue
                 self._namespaces[nid] = ns
             out.append(ns)
@@ -222,7 +235,9 @@ class Store:
         obj = state if isinstance(state, StateObject) else state_mod.load(cast("Source", state))
         toks = self._put_tokens(obj, state, tokens)
         mid = model_id(model)
-        hp = hparams if hparams is not None or str(model).startswith("sha256:") else _hparams(model)
+        hp = hparams
+        if hp is None and not str(model).startswith("sha256:"):
+            hp = self._hparams.get(mid) or self._hparams.setdefault(mid, _hparams(model))
         ns = namespace_of(obj, mid, hp, extra=extra)
         seq = sequence_of(obj, seq_id)
         rows: list[SeqRows | Checkpoint | None] = []
@@ -240,8 +255,14 @@ class Store:
         if tokens is not None:
             return _tokens(tokens, "tokens")
         own = getattr(obj, "tokens", None)
-        if own is not None:
-            return np.asarray(own, np.int32)
+        if own is not None:  # a llama-server slot file may hold its packed prompt (kvref.state.server_tokens)
+            from ..state.server_tokens import read_prompt
+
+            prompt = read_prompt(np.asarray(own, np.int32))
+            if prompt.media:
+                raise ArgumentError(f"the file's prompt holds {len(prompt.media)} media chunk(s): the store keeps text "
+                                    "prompts, whose token i sits at position i")  # fmt: skip
+            return prompt.tokens
         ids = getattr(state, "input_ids", None)
         if ids is not None:  # a llama-cpp-python LlamaState
             return _tokens(np.asarray(ids)[: int(getattr(state, "n_tokens", len(ids)))], "LlamaState.input_ids")
@@ -266,10 +287,12 @@ class Store:
             n = m if n is None else min(n, m)
         for cp in rows:
             if isinstance(cp, Checkpoint):
-                if n is None:
-                    n = min(cp.pos + 1, n_tokens)
                 if cp.pos + 1 > n_tokens:
                     raise ArgumentError(f"the recurrent state consumed {cp.pos + 1} positions, {n_tokens} tokens given")
+                if n is not None and n != cp.pos + 1:
+                    raise FormatError(f"the recurrent state consumed {cp.pos + 1} positions, the attention cells "
+                                      f"hold {n}: a hybrid state's two parts must be at one length")  # fmt: skip
+                n = cp.pos + 1
         if n is None:
             n = max((int(r.pos[-1]) + 1 for r in rows if isinstance(r, SeqRows) and len(r.pos)), default=0)
         for (_, geo), r in zip(ns.kv, [r for r in rows if isinstance(r, SeqRows)], strict=True):
@@ -292,6 +315,7 @@ class Store:
             parent = key
         old = be.get_many(["c:" + k for k in reversed(keys)])[::-1]
         new_chunks = new_bytes = 0
+        covers: list[list[int]] = []  # deepest chunk first
         ext_src = next((r for r, (_, g) in zip([x for x in rows if isinstance(x, SeqRows)], ns.kv, strict=True)
                         if not g.swa), None)  # fmt: skip
         for key, parent, c0, raw in reversed(list(zip(keys, parents, starts, old, strict=True))):
@@ -302,7 +326,7 @@ class Store:
                     have = ChunkMeta.decode(raw)
                     if have.parent != parent or not np.array_equal(have.tokens, chunk):
                         have = None
-                except Corrupt:
+                except DamagedValue:
                     be.incr("corrupt")
             cover: list[int] = []
             wrote = False
@@ -322,6 +346,7 @@ class Store:
                         new_bytes += len(value)
                     best, wrote = start, True
                 cover.append(best)
+            covers.append(cover)
             if have is None or wrote:
                 ext = np.zeros((len(chunk), 0), np.int32)
                 if ext_src is not None and len(ext_src.pos):
@@ -333,8 +358,12 @@ class Store:
                 be.put("c:" + key, value, replace=True)
                 new_chunks += have is None
                 new_bytes += len(value) if have is None else 0
-        for key, parent in zip(keys, parents, strict=True):
-            be.add_link("c:" + parent, key)
+        be.add_links([(_level_key(parent, toks[c0 : c0 + lv]), key)
+                      for key, parent, c0 in zip(keys, parents, starts, strict=True)
+                      for lv in levels(len(toks[c0 : c0 + T]))])  # fmt: skip
+        # a put is a use of every chunk it holds, kept ones too: deepest first, so shared heads stay the newest
+        be.touch([v for key, c0, c in zip(keys[::-1], starts[::-1], covers, strict=True)
+                  for v in _chunk_values(key, c, len(toks[c0 : c0 + T]))])  # fmt: skip
         checkpoint = False
         cps = [r for r in rows if isinstance(r, Checkpoint)]
         if cps and n:
@@ -374,28 +403,47 @@ class Store:
             parent = key
         at = len(chain) * T
         if at < len(prompt):
-            rest = prompt[at : at + T]
-            kids = sorted(be.links("c:" + parent))
-            best: _Link | None = None
-            for key, raw in zip(kids, be.get_many(["c:" + k for k in kids]), strict=True):
-                meta = self._meta(key, raw, parent, None)
-                if meta is None:
-                    continue
-                m = min(len(meta.tokens), len(rest))
-                diff = np.flatnonzero(meta.tokens[:m] != rest[:m])
-                used = int(diff[0]) if diff.size else m
-                if used and (best is None or used > best.used):
-                    best = _Link(key, meta, at, used)
+            best = self._partial(parent, prompt[at : at + T], at)
             if best is not None:
                 chain.append(best)
         return chain
+
+    def _partial(self, parent: str, rest: npt.NDArray[np.int32], at: int) -> _Link | None:
+        """The stored chunk after ``parent`` sharing the most leading tokens with ``rest`` (fewer than all)."""
+        be = self.backend
+        lv = levels(len(rest))
+        lo, hi = -1, len(lv)  # lv[lo] is held by some chunk, lv[hi] by none (binary search: the levels nest)
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if be.link_sample(_level_key(parent, rest[: lv[mid]]), 1):
+                lo = mid
+            else:
+                hi = mid
+        if lo < 0:
+            return None
+        level = _level_key(parent, rest[: lv[lo]])
+        # any one candidate will do when none can share more than lv[lo] tokens: all of ``rest`` is shared, or the
+        # next length is indexed for every chunk long enough (the dense levels) and none holds it
+        exact = lv[lo] == len(rest) or (lv[lo] < DENSE and lv[hi] == lv[lo] + 1)
+        kids = sorted(be.link_sample(level, 8) if exact else be.links(level))  # a few: a link may outlive its chunk
+        best: _Link | None = None
+        for key, raw in zip(kids, be.get_many(["c:" + k for k in kids]), strict=True):
+            meta = self._meta(key, raw, parent, None)
+            if meta is None:
+                continue
+            m = min(len(meta.tokens), len(rest))
+            diff = np.flatnonzero(meta.tokens[:m] != rest[:m])
+            used = int(diff[0]) if diff.size else m
+            if used and (best is None or used > best.used):
+                best = _Link(key, meta, at, used)
+        return best
 
     def _meta(self, key: str, raw: bytes | None, parent: str, want: npt.NDArray[np.int32] | None) -> ChunkMeta | None:
         if raw is None:
             return None
         try:
             meta = ChunkMeta.decode(raw)
-        except Corrupt:
+        except DamagedValue:
             self._drop(["c:" + key])
             return None
         if meta.parent != parent or (want is not None and not np.array_equal(meta.tokens, want)):
@@ -452,6 +500,7 @@ class Store:
         `get` takes: type_k, type_v, flash_attn, era, extra), and why not more. Reads metadata only."""
         context.setdefault("type_k", "f16")
         context.setdefault("type_v", "f16")
+        context["extra"] = context.get("extra") or {}  # a namespace put with extra= is met only by the same extra
         return self._plan(_tokens(tokens, "tokens"), model, context, _Damage()).look
 
     def _plan(self, prompt: npt.NDArray[np.int32], model: str | os.PathLike[str], context: dict[str, object],
@@ -491,9 +540,8 @@ class Store:
         out = []
         for c, parent in enumerate(parents):
             for off in self.backend.links("ck:" + parent):
-                at = c * T + int(off) if off.isdigit() else 0
-                if 0 < int(off) <= T and at <= L and at not in gone:
-                    out.append(at)
+                if off.isdigit() and 0 < int(off) <= T and c * T + int(off) <= L and c * T + int(off) not in gone:
+                    out.append(c * T + int(off))
         return out
 
     # --- get ------------------------------------------------------------------------------------------------
@@ -517,7 +565,7 @@ class Store:
         if not isinstance(seq_id, int) or not 0 <= seq_id < 256 or (n_stream > 1 and seq_id >= n_stream):
             raise ArgumentError(f"seq_id={seq_id!r} does not fit a context of {n_stream} stream(s) and 256 sequences")
         prompt = _tokens(tokens, "tokens")
-        context = {"type_k": type_k, "type_v": type_v, "flash_attn": flash_attn, "era": era, "extra": extra}
+        context = {"type_k": type_k, "type_v": type_v, "flash_attn": flash_attn, "era": era, "extra": extra or {}}
         damage = _Damage()
         while True:  # each round that fails has dropped a value from the plan, so this ends
             plan = self._plan(prompt, model, context, damage)
@@ -528,25 +576,29 @@ class Store:
             try:
                 sections = self._sections(ns, plan.chain, damage, look.n_tokens, plan.checkpoint, seq_id, n_stream,
                                           kind)  # fmt: skip
-            except _Missing:
-                continue
+            except DamagedValue:
+                continue  # the plan counted on a value that is gone or damaged: ``damage`` says which
             obj = self._container(ns, sections, kind, prompt[: look.n_tokens], seq_id)
-            self._touch(plan.chain)
+            self._touch(plan.chain, damage)
             self.backend.incr("hits")
             self.backend.incr("served_tokens", look.n_tokens)
             return Hit(look.n_tokens, obj.to_bytes(), kind, prompt[: look.n_tokens].copy(), seq_id, look.matched,
                        look.why, ns.id)  # fmt: skip
 
-    def _touch(self, chain: list[_Link]) -> None:
-        # the metas last, deepest first: a chain's shared head stays the most recently used
-        self.backend.get_many(["c:" + link.key for link in reversed(chain)])
+    def _touch(self, chain: list[_Link], damage: _Damage) -> None:
+        # deepest chunk first: a chain's shared head stays the most recently used
+        keys: list[str] = []
+        for link in reversed(chain):
+            cover = [damage.cover.get((link.key, i), c) for i, c in enumerate(link.meta.cover)]
+            keys += _chunk_values(link.key, cover, len(link.meta.tokens))
+        self.backend.touch(keys)
 
     def _sections(
         self, ns: Namespace, chain: list[_Link], damage: _Damage, L: int, cp_at: int | None,
         seq_id: int, n_stream: int, kind: str,
     ) -> list[KVSection | RecurrentSection]:  # fmt: skip
-        """The sections holding the first ``L`` tokens (raises `_Missing` after dropping a value it could not use,
-        with ``cover`` updated so the next plan knows)."""
+        """The sections holding the first ``L`` tokens (raises `DamagedValue` after dropping a value it could not
+        use, with ``damage`` updated so the next plan leaves it out)."""
         from ..state.eras import era as era_of
 
         scoped = kind in ("seq", "seq_state")
@@ -583,14 +635,14 @@ class Store:
             n_cells = len(link.meta.tokens) - start
             try:
                 if raw is None:
-                    raise Corrupt("evicted")
+                    raise DamagedValue("evicted")
                 k, v = split_part(decode(raw, PART), geo, n_cells)
-            except Corrupt:
+            except DamagedValue:
                 if raw is not None:
                     self._drop([key])
                 cover[(link.key, i)] = len(link.meta.tokens)
                 self._uncover(link, i)
-                raise _Missing from None
+                raise
             p0 = link.start + start
             lo, hi = max(first, p0) - p0, min(L, link.start + len(link.meta.tokens)) - p0
             pos = np.arange(p0, p0 + n_cells, dtype=np.int32)
@@ -618,15 +670,15 @@ class Store:
         raw = self.backend.get(key)
         try:
             if raw is None:
-                raise Corrupt("evicted")
+                raise DamagedValue("evicted")
             got_parent, cp = decode_checkpoint(raw, cast("RecurrentGeometry", geo))
             if got_parent != parent or cp.pos != L - 1:
-                raise Corrupt("checkpoint for another prefix")
-        except Corrupt:
+                raise DamagedValue("checkpoint for another prefix")
+        except DamagedValue:
             if raw is not None:
                 self._drop([key])
             damage.checkpoints.add(L)
-            raise _Missing from None
+            raise
         return cp
 
     def _container(self, ns: Namespace, sections: list[KVSection | RecurrentSection], kind: str,
@@ -682,41 +734,34 @@ class Store:
                 be.incr("evicted_bytes", freed)
         roots = {root_key(ns) for m in be.links(META + "models") for ns in self.namespaces(m)}
         keys = be.keys()
-        metas = {k[2:] for k in keys if k.startswith("c:")}
-        dropped = 0
+        metas = sorted(k[2:] for k in keys if k.startswith("c:"))
         parent_of: dict[str, str] = {}
-        for k in sorted(metas):
-            raw = be.get("c:" + k)
+        for k, raw in zip(metas, be.peek_many(["c:" + k for k in metas]), strict=True):
             try:
-                parent_of[k] = ChunkMeta.decode(raw).parent if raw is not None else ""
-            except Corrupt:
-                parent_of[k] = ""
+                if raw is not None:
+                    parent_of[k] = ChunkMeta.decode(raw).parent
+            except DamagedValue:
+                pass  # no parent: unreachable, dropped below
         alive: dict[str, bool] = {}
 
-        def reach(k: str) -> bool:
-            seen = []
-            while k not in alive:
-                seen.append(k)
-                p = parent_of.get(k, "")
-                if p in roots:
-                    alive[k] = True
-                    break
-                if p not in parent_of:
-                    alive[k] = False
-                    break
-                k = p
-            for s in seen:
-                alive[s] = alive[k]
-            return alive[seen[0]] if seen else alive[k]
+        def reachable(key: str) -> bool:
+            """Does the chain of parents from ``key`` reach a namespace's root?"""
+            path: list[str] = []
+            k = key
+            while k not in roots and k not in alive and k in parent_of and len(path) <= len(parent_of):
+                path.append(k)
+                k = parent_of[k]
+            ok = k in roots or alive.get(k, False)
+            alive.update(dict.fromkeys(path, ok))
+            return ok
 
-        dead = [f"c:{k}" for k in metas if not reach(k)]
-        for k in keys:
-            if (k.startswith("s") and ":" in k and k.split(":", 1)[1] not in metas) or (
-                k.startswith("s") and ":" in k and not alive.get(k.split(":", 1)[1], False)
-            ):
-                dead.append(k)
-        dropped += be.delete(dead)
-        return {"evicted_bytes": freed, "dropped": dropped}
+        dead = [f"c:{k}" for k in metas if not reachable(k)]
+        # section parts ("s<i>.<start>:<key>") of chunks that are gone or unreachable
+        dead += [k for k in keys if k[:1] == "s" and ":" in k and not alive.get(k.split(":", 1)[1], False)]
+        dropped = be.delete(dead)
+        # the prefix index names chunks that eviction removed: keep only the entries of reachable chunks
+        pruned = be.prune_links("x:", [k for k, ok in alive.items() if ok])
+        return {"evicted_bytes": freed, "dropped": dropped, "index_entries_dropped": pruned}
 
     def close(self) -> None:
         """Close the backend."""
@@ -745,8 +790,9 @@ class _Plan:
     checkpoint: int | None
 
 
-class _Missing(Exception):
-    """A value the plan counted on was gone or damaged: plan again."""
+def _chunk_values(key: str, cover: list[int], n: int) -> list[str]:
+    """The keys of a chunk of ``n`` tokens: its section parts (``cover``), then its meta."""
+    return [f"s{i}.{start}:{key}" for i, start in enumerate(cover) if start < n] + ["c:" + key]
 
 
 def _hparams(model: str | os.PathLike[str]) -> HParams:

@@ -18,10 +18,11 @@ by itself would stay counted in ``usage``.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
-from typing import TYPE_CHECKING, cast
+import functools
+from collections.abc import Callable, Collection, Iterable, Sequence
+from typing import TYPE_CHECKING, Concatenate, ParamSpec, TypeVar, cast
 
-from kvref.errors import ArgumentError, BackendError
+from kvref.errors import ArgumentError, BackendError, StoreError
 from kvref.store.backend import META, Backend
 
 if TYPE_CHECKING:
@@ -109,6 +110,28 @@ def _glob_escape(s: str) -> str:
     return "".join("\\" + c if c in "*?[]\\" else c for c in s)
 
 
+_P = ParamSpec("_P")
+_R = TypeVar("_R")
+
+
+def _guarded(method: Callable[Concatenate[RedisBackend, _P], _R]) -> Callable[Concatenate[RedisBackend, _P], _R]:
+    """Redis failures after the connection was made (a server gone, one out of memory) as a `StoreError`."""
+
+    @functools.wraps(method)
+    def call(self: RedisBackend, /, *args: _P.args, **kwargs: _P.kwargs) -> _R:
+        import redis
+
+        try:
+            return method(self, *args, **kwargs)
+        except redis.RedisError as e:
+            raise StoreError(
+                f"the Redis server of store {self.url!r} failed ({e}): is it running, and does it have room "
+                "(maxmemory; bound the store with capacity_bytes=)?"
+            ) from e
+
+    return call
+
+
 class RedisBackend(Backend):
     """A store on the Redis server at ``url`` (``redis://host:port/db``, ``rediss://`` for TLS, or
     ``unix:///path/to/socket?db=0``), every key under ``prefix``."""
@@ -144,6 +167,7 @@ class RedisBackend(Backend):
     def get(self, key: str) -> bytes | None:
         return self.get_many([key])[0]
 
+    @_guarded
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
         if not keys:
             return []
@@ -154,11 +178,24 @@ class RedisBackend(Backend):
         values, _ = pipe.execute()
         return [cast("bytes | None", v) for v in values]
 
-    def put(self, key: str, value: bytes, *, replace: bool = False) -> bool:
+    @_guarded
+    def peek_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        if not keys:
+            return []
+        return [cast("bytes | None", v) for v in self._r.mget([self._v(k) for k in keys])]
+
+    @_guarded
+    def touch(self, keys: Sequence[str]) -> None:
+        if keys:
+            self._touch(keys=[self._lru, self._clock], args=list(keys))
+
+    @_guarded
+    def put(self, key: str, value: bytes | bytearray, *, replace: bool = False) -> bool:
         keys = [self._v(key), self._lru, self._size, self._usage, self._clock]
         args: list[bytes | str | int] = [key, bytes(value), int(replace), int(key.startswith(META))]
         return bool(self._put(keys=keys, args=args))
 
+    @_guarded
     def delete(self, keys: Iterable[str]) -> int:
         keys = list(keys)
         if not keys:
@@ -168,31 +205,61 @@ class RedisBackend(Backend):
             names += [self._v(k), self._l(k)]
         return int(cast(int, self._delete(keys=names, args=keys)))
 
+    @_guarded
     def add_link(self, parent: str, child: str) -> None:
         self._r.sadd(self._l(parent), child)
 
+    @_guarded
+    def add_links(self, pairs: Sequence[tuple[str, str]]) -> None:
+        pipe = self._r.pipeline(transaction=False)
+        for parent, child in pairs:
+            pipe.sadd(self._l(parent), child)
+        pipe.execute()
+
+    @_guarded
     def links(self, parent: str) -> list[str]:
         members = cast("set[bytes]", self._r.smembers(self._l(parent)))
         return [m.decode() for m in members]
 
+    @_guarded
+    def link_sample(self, parent: str, n: int = 1) -> list[str]:
+        members = cast("list[bytes]", self._r.srandmember(self._l(parent), n))
+        return [m.decode() for m in members]
+
+    @_guarded
     def incr(self, name: str, n: int = 1) -> None:
         self._r.hincrby(self._counters, name, n)
 
+    @_guarded
     def counters(self) -> dict[str, int]:
         raw = cast("dict[bytes, bytes]", self._r.hgetall(self._counters))
         return {k.decode(): int(v) for k, v in raw.items()}
 
+    @_guarded
     def usage(self) -> tuple[int, int]:
         held, n = cast("list[bytes | None]", self._r.hmget(self._usage, ["bytes", "n"]))
         return int(held or 0), int(n or 0)
 
+    @_guarded
     def evict(self, max_bytes: int) -> int:
         return int(cast(int, self._evict(keys=[self._lru, self._size, self._usage], args=[max_bytes, self.prefix])))
 
+    @_guarded
     def keys(self) -> list[str]:
         start = len(self._v(""))
         found = self._r.scan_iter(match=_glob_escape(self._v("")) + "*", count=1000)
         return [cast(bytes, k)[start:].decode() for k in found]
+
+    @_guarded
+    def prune_links(self, prefix: str, alive: Collection[str]) -> int:
+        keep = set(alive)
+        n = 0
+        for name in self._r.scan_iter(match=_glob_escape(self._l(prefix)) + "*", count=1000):
+            members = cast("set[bytes]", self._r.smembers(name))
+            dead = [m for m in members if m.decode() not in keep]
+            if dead:
+                n += int(cast(int, self._r.srem(name, *dead)))
+        return n
 
     def close(self) -> None:
         self._r.close()

@@ -21,11 +21,11 @@ import secrets
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from pathlib import Path
 from typing import TypeVar
 
-from kvref.errors import ArgumentError
+from kvref.errors import ArgumentError, StoreError
 from kvref.store.backend import META, Backend
 
 DB_NAME = "kvref-store.sqlite3"
@@ -148,7 +148,10 @@ class SQLiteBackend(Backend):
                     if conn.in_transaction:
                         conn.execute("ROLLBACK")
                     if not _busy(e) or time.monotonic() > deadline:
-                        raise
+                        raise StoreError(
+                            f"the store's database {self.db_path} failed ({e}): a full disk or a file size limit? free "
+                            f"space, or bound the store (capacity_bytes=, `kvref store gc {self.dir} --max-bytes N`)"
+                        ) from e
                 time.sleep(delay)
                 delay = min(delay * 2, 0.1)
 
@@ -204,6 +207,13 @@ class SQLiteBackend(Backend):
         return self.get_many([key])[0]
 
     def get_many(self, keys: Sequence[str]) -> list[bytes | None]:
+        values = self.peek_many(keys)
+        # marked in a short write after the read, so a large read never holds other writers back; a value
+        # evicted in between is simply not marked
+        self.touch([k for k, v in zip(keys, values, strict=True) if v is not None])
+        return values
+
+    def peek_many(self, keys: Sequence[str]) -> list[bytes | None]:
         found: dict[str, bytes] = {}
         todo = list(dict.fromkeys(keys))
         # a file can vanish between reading its row and opening it (another process replaced or evicted the value):
@@ -222,16 +232,18 @@ class SQLiteBackend(Backend):
                 elif missing.get(k) != name:
                     missing[k] = name
                     todo.append(k)
-        if found:
-            # marked in a short write after the read, so a large read never holds other writers back; a value
-            # evicted in between is simply not marked
-            def touch(conn: sqlite3.Connection) -> None:
-                conn.executemany("UPDATE kv SET used = ? WHERE key = ? AND meta = 0", [(self._now(), k) for k in found])
-
-            self._write(touch)
         return [found.get(k) for k in keys]
 
-    def put(self, key: str, value: bytes, *, replace: bool = False) -> bool:
+    def touch(self, keys: Sequence[str]) -> None:
+        if not keys:
+            return
+
+        def mark(conn: sqlite3.Connection) -> None:
+            conn.executemany("UPDATE kv SET used = ? WHERE key = ? AND meta = 0", [(self._now(), k) for k in keys])
+
+        self._write(mark)
+
+    def put(self, key: str, value: bytes | bytearray, *, replace: bool = False) -> bool:
         name: str | None = None
         if len(value) >= self.inline_max:
             if not replace and self._exists(key):
@@ -239,8 +251,15 @@ class SQLiteBackend(Backend):
             name = secrets.token_hex(16)
             path = self._blob(name)
             path.parent.mkdir(parents=True, exist_ok=True)
-            with open(path, "xb") as f:  # a fresh name: nobody reads it before the row below commits
-                f.write(value)
+            try:
+                with open(path, "xb") as f:  # a fresh name: nobody reads it before the row below commits
+                    f.write(value)
+            except OSError as e:
+                path.unlink(missing_ok=True)
+                raise StoreError(
+                    f"the store {self.dir} cannot write {path.name} ({e.strerror}): free space, or bound the store "
+                    f"(capacity_bytes=, `kvref store gc {self.dir} --max-bytes N`)"
+                ) from e
         inline = b"" if name is not None else bytes(value)
 
         def write(conn: sqlite3.Connection) -> tuple[bool, str | None]:
@@ -288,9 +307,32 @@ class SQLiteBackend(Backend):
     def add_link(self, parent: str, child: str) -> None:
         self._retry(lambda c: c.execute("INSERT OR IGNORE INTO links VALUES (?, ?)", (parent, child)))
 
+    def add_links(self, pairs: Sequence[tuple[str, str]]) -> None:
+        if pairs:
+            self._write(lambda c: c.executemany("INSERT OR IGNORE INTO links VALUES (?, ?)", list(pairs)))
+
     def links(self, parent: str) -> list[str]:
         return self._retry(
             lambda c: [str(r[0]) for r in c.execute("SELECT child FROM links WHERE parent = ?", (parent,))]
+        )
+
+    def prune_links(self, prefix: str, alive: Collection[str]) -> int:
+        def prune(conn: sqlite3.Connection) -> int:
+            conn.execute("CREATE TEMP TABLE IF NOT EXISTS alive (key TEXT PRIMARY KEY) WITHOUT ROWID")
+            conn.execute("DELETE FROM alive")
+            conn.executemany("INSERT OR IGNORE INTO alive VALUES (?)", ((k,) for k in alive))
+            like = prefix.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_") + "%"
+            n = conn.execute(
+                "DELETE FROM links WHERE parent LIKE ? ESCAPE '\\' AND child NOT IN (SELECT key FROM alive)", (like,)
+            ).rowcount
+            conn.execute("DELETE FROM alive")
+            return int(n)
+
+        return self._write(prune)
+
+    def link_sample(self, parent: str, n: int = 1) -> list[str]:
+        return self._retry(
+            lambda c: [str(r[0]) for r in c.execute("SELECT child FROM links WHERE parent = ? LIMIT ?", (parent, n))]
         )
 
     def incr(self, name: str, n: int = 1) -> None:
