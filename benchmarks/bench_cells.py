@@ -10,6 +10,9 @@ The workloads (``python benchmarks/bench_vs_llama.py`` runs them against llama.c
   i  cp(idxs) + set(idxs, copy) of all cells
   i2 as (i), but restoring a copy of different cells (every position + 1): set() really re-indexes
      every cell; (i) restores what is already there, which set() recognises and skips cell by cell
+  j  n_kv(256) (get_n_kv's part of one stream) 10^4 times on unchanged cells; j2 after a one-cell change each time
+  k  the slots twins' single_ubatch (a 1-token decode step's ubatch fields) 10^4 times
+  l  the slots twins' recurrent_owned_step (a Mamba decode step of one token, whole) 10^4 times
 Benchmarks never assert times.
 """
 
@@ -129,3 +132,75 @@ def test_i2_cp_set_changed(benchmark: Any, twin: type) -> None:
 
     benchmark.pedantic(cp_set, setup=setup, iterations=1, **rounds(twin))
     assert out[0].seq_pos_get(7)[:2] == [(1, 7), (2, 23)]
+
+
+def test_j_n_kv(benchmark: Any, twin: type) -> None:
+    """get_n_kv's part of one stream (``n_kv(256)``) 10^4 times on unchanged cells (the Python twin keeps its answer
+    until a call changes the cells)."""
+    benchmark.group = "cells-j-n_kv_1e4"
+    c = filled(twin)
+
+    def many() -> int:
+        n = 0
+        for _ in range(10_000):
+            n = c.n_kv(256)
+        return n
+
+    assert benchmark.pedantic(many, iterations=1, **rounds(twin)) == N_CELLS
+
+
+def test_j2_n_kv_after_a_change(benchmark: Any, twin: type) -> None:
+    """``n_kv(256)`` after a one-cell change each time (a decode step between two asks), 10^3 times."""
+    benchmark.group = "cells-j2-n_kv_changed_1e3"
+    c = filled(twin)
+    last = N_CELLS - 1
+
+    def many() -> int:
+        n = 0
+        for k in range(1000):
+            c.pos_add(last, 1 - 2 * (k & 1))
+            n = c.n_kv(256)
+        return n
+
+    assert benchmark.pedantic(many, iterations=1, **rounds(twin)) == N_CELLS
+
+
+def test_k_single_ubatch(benchmark: Any, twin: type) -> None:
+    """The slots twin's ``single_ubatch`` (a decode step's ubatch fields, 1 token) 10^4 times; the twin of the
+    slots kernels that goes with the cells twin."""
+    from kvref._backend import _load_compiled
+    from kvref.memory import _slots_py
+
+    slots = _slots_py if twin.__module__.endswith("_py") else _load_compiled("memory.slots")
+    benchmark.group = "cells-k-slots_single_ubatch_1e4"  # the cells- table lists it
+    one = np.zeros(1, np.int32)
+
+    def many() -> None:
+        for _ in range(10_000):
+            slots.single_ubatch(one, one, one, None)
+
+    benchmark.pedantic(many, iterations=1, **rounds(twin))
+
+
+def test_l_recurrent_owned_step(benchmark: Any, twin: type) -> None:
+    """The slots twin's ``recurrent_owned_step`` (a recurrent memory's whole 1-token step of a sequence owning its
+    state) 10^4 times, on a Mamba memory of one sequence."""
+    import kvref
+    from kvref._backend import _load_compiled
+    from kvref.memory import _slots_py
+
+    slots = _slots_py if twin.__module__.endswith("_py") else _load_compiled("memory.slots")
+    benchmark.group = "cells-l-slots_recurrent_owned_step_1e4"
+    hp = kvref.HParams(arch="mamba", n_layer=1, n_embd=8, n_head=0, n_head_kv=0, recurrent_layers=True,
+                       rope_type=kvref.RopeType.NONE, ssm_d_conv=2, ssm_d_inner=4, ssm_d_state=2)  # fmt: skip
+    mem = kvref.RecurrentMemory(hp, rs_size=1, n_seq_max=1)
+    mem.decode(kvref.Batch(tokens=[1, 2]))
+    tok = np.zeros(1, np.int64)
+    seq_ids = [[0]]
+
+    def many() -> None:
+        for _ in range(10_000):
+            if slots.recurrent_owned_step(mem, tok, None, seq_ids, None, 1) is None:
+                raise AssertionError("the step was declined")
+
+    benchmark.pedantic(many, iterations=1, **rounds(twin))

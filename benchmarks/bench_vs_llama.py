@@ -3,11 +3,16 @@
 llama.cpp's functions are cut from the llama-cpp-python 0.3.36 sdist at run time and compiled with the system
 g++ (``benchmarks/llama_ref.py`` says exactly what is cut and what is stubbed); each row runs kvref (its public
 API) and llama.cpp alternately, ABBA, on identical cache contents, and reports the ratio of medians
-(kvref / llama.cpp) with both sides' median and p10. The state rows use llama-cpp-python's real
-``llama_state_*`` functions (the installed ``llama_cpp`` wheel) on ``conformance/models/llama-tiny.gguf``:
-llama.cpp's state read/write go through ggml backend buffers and io objects that are not worth stubbing. The
-real-model rows (10-11) restore a session of Gemma 3 270M (``KVREF_GEMMA3_GGUF`` or ``~/.cache/kvref-models``) with
-``kvref.restore`` and ``llama_state_load_file``; without the model they are skipped with a note.
+(kvref / llama.cpp) with both sides' median and p10. Between the two sides the heap is consolidated (`consolidate`:
+decode, server and mask rows) or settled (`settle`: allocation-heavy state rows), so that neither side's clock
+holds the other's frees; a kvref decode step's clock ends after its ubatches' fields are read
+(`read_ubatch`: the KQ mask fill reads them next), and the unread step is reported beside it. Rows 2r / 2h put
+kvref's recurrent (Mamba) and hybrid (Jamba) decode steps beside llama_memory_recurrent's, cut into the harness
+too. The state rows use llama-cpp-python's real ``llama_state_*`` functions (the installed ``llama_cpp`` wheel) on
+``conformance/models/llama-tiny.gguf``: llama.cpp's state read/write go through ggml backend buffers and io objects
+that are not worth stubbing. The real-model rows (10-11) restore a session of Gemma 3 270M (``KVREF_GEMMA3_GGUF`` or
+``~/.cache/kvref-models``) with ``kvref.restore`` and ``llama_state_load_file``; without the model they are skipped
+with a note.
 
 When the sdist, a compiler or the wheel is missing the script says so and exits 0: it is not part of CI.
 Under pytest (``pytest benchmarks/bench_vs_llama.py --benchmark-only``) the quick run happens in one test that
@@ -112,12 +117,23 @@ def _libc() -> Any:
     try:
         lib = ctypes.CDLL(None)
         lib.malloc_trim.argtypes, lib.malloc_trim.restype = [ctypes.c_size_t], ctypes.c_int
+        lib.malloc.restype, lib.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+        lib.free.restype, lib.free.argtypes = None, [ctypes.c_void_p]
         return lib
     except (OSError, AttributeError):  # not glibc
         return None
 
 
 _LIBC = _libc()
+
+
+def consolidate() -> None:
+    """Between the two sides of a small step, untimed: one largebin-sized malloc and free, so that glibc consolidates
+    now the chunks the side that just ran freed, not in the other side's next allocation (glibc merges freed small
+    chunks lazily, at the next large request). Lighter than `settle`, whose malloc_trim would make the next small
+    allocations fault their pages in again: the decode, server and mask rows use this one."""
+    if _LIBC is not None:
+        _LIBC.free(_LIBC.malloc(1 << 16))
 
 
 def abba(
@@ -148,6 +164,13 @@ def timed_keep(fn: Callable[[], object]) -> float:
     return dt
 
 
+def read_ubatch(ub: Any) -> tuple:
+    """Read the ubatch fields the KQ mask fill reads next (`kvref.memory.mask.fill_kq_mask`): the honest end of a
+    kvref decode step, whose ubatches could build their fields when first read (llama.cpp's clock holds the building
+    of its ubatches)."""
+    return ub.n_tokens, ub.n_seqs_unq, ub.n_pos, ub.pos, ub.seq_id_unq, ub.seq_id
+
+
 # ----------------------------------------------------------------------------------------- cache pairs
 class Pair:
     """A kvref KVCache and llama.cpp's stand-in cache with the same cells."""
@@ -157,6 +180,7 @@ class Pair:
         assert self.mem.get_size() == size, self.mem.get_size()
         self.ref = llama_ref.LlamaRef(size, 1, n_seq, self.mem.n_pad)
         self.last: list = []
+        self.last_unread = 0.0
 
     def fill(self, n_seq: int, per_seq: int) -> None:
         """Sequences interleaved cell by cell, per_seq positions each, as a server's parallel slots leave them."""
@@ -185,10 +209,16 @@ class Pair:
 
     def kv_decode(self, b: dict) -> float:
         """A decode step as a kvref user writes it: the Batch from the step's arrays, then decode (llama.cpp's side
-        fills its llama_batch from the same arrays inside its clock too)."""
+        fills its llama_batch from the same arrays inside its clock too), then the ubatches' fields read (`read_ubatch`:
+        llama.cpp's clock holds the building of its ubatches). The unread step's time is kept in ``last_unread``."""
         t = time.perf_counter()
         self.last = self.mem.decode(kvref.Batch(**b), n_ubatch=512)
-        return time.perf_counter() - t
+        t1 = time.perf_counter()
+        for ub, _slot in self.last:
+            read_ubatch(ub)
+        t2 = time.perf_counter()
+        self.last_unread = t1 - t
+        return t2 - t
 
     def check_slot(self) -> None:
         _ub, sinfo = self.last[-1]
@@ -203,19 +233,24 @@ def decode_rows(size: int, n_tokens: int, rounds: int) -> None:
     margin = max(4096, n_tokens * (rounds + 4))
     pair.fill(1, size - margin)
     # the batch follows kvref's seq_pos_max, so it is built before either side runs its step
-    ta, tb = [], []
+    ta, tb, tu = [], [], []
     for r in range(rounds):
         b, arrs = pair.batch(np.array([0]), n_tokens)
+        consolidate()
         if r % 2 == 0:
             ta.append(pair.kv_decode(b))
+            consolidate()
             tb.append(pair.ref.decode(*arrs))
         else:
             tb.append(pair.ref.decode(*arrs))
+            consolidate()
             ta.append(pair.kv_decode(b))
+        tu.append(pair.last_unread)
         if r == 0:
             pair.check_slot()
     assert pair.mem.cells(0).get_used() == pair.ref.used()
-    report(f"1/2 decode {n_tokens:>3} tok, {size >> 10}k cells (split+slot+apply)", ta, tb)
+    report(f"1/2 decode {n_tokens:>3} tok, {size >> 10}k cells (split+slot+apply+read)", ta, tb)
+    report(f"1/2 decode {n_tokens:>3} tok:   ubatch not read", tu, tb, note="(kvref's step without the read)")
 
 
 def iswa_decode_rows(size: int, n_tokens: int, rounds: int) -> None:
@@ -234,35 +269,137 @@ def iswa_decode_rows(size: int, n_tokens: int, rounds: int) -> None:
         pos = np.arange(p0, p0 + 512, dtype=np.int32)
         mem.decode(kvref.Batch(tokens=tok, pos=pos, seq_ids=[[0]] * 512))
         base.decode_iswa(swa, tok, pos, np.zeros(512, np.int32))
-    ta, tb = [], []
+    ta, tb, tu = [], [], []
     for r in range(rounds):
         p0 = mem.seq_pos_max(0) + 1
         pos, seq, t = np.arange(p0, p0 + n_tokens, dtype=np.int32), np.zeros(n_tokens, np.int32), tok[:n_tokens]
         b = dict(tokens=t, pos=pos, seq_ids=[[0]] * n_tokens)
+        consolidate()
         if r % 2:
             tb.append(base.decode_iswa(swa, t, pos, seq))
+            consolidate()
         t0 = time.perf_counter()
-        (_ub, slot), *_ = mem.decode(kvref.Batch(**b), n_ubatch=512)
+        placed = mem.decode(kvref.Batch(**b), n_ubatch=512)
+        t1 = time.perf_counter()
+        for ub, _slot in placed:
+            read_ubatch(ub)
         ta.append(time.perf_counter() - t0)
+        tu.append(t1 - t0)
         if r % 2 == 0:
+            consolidate()
             tb.append(base.decode_iswa(swa, t, pos, seq))
+        slot = placed[0][1]
         for part, ref in ((slot.base, base), (slot.swa, swa)):
             if np.concatenate([np.asarray(x) for x in part.idxs]).tolist() != ref.last_idxs().tolist():
                 raise AssertionError("kvref and llama.cpp placed the iSWA ubatch in different cells")
     for part, ref in ((mem.base, base), (mem.swa, swa)):
         if (part.cells(0).get_used(), part.heads[0]) != (ref.used(), ref.head()):
             raise AssertionError("kvref and llama.cpp left different iSWA caches")
-    report(f"2b iSWA decode {n_tokens:>3} tok, {size >> 10}k cells (both caches)", ta, tb)
+    report(f"2b iSWA decode {n_tokens:>3} tok, {size >> 10}k cells (both caches, +read)", ta, tb)
+    report(f"2b iSWA decode {n_tokens:>3} tok:   ubatch not read", tu, tb, note="(kvref's step without the read)")
+
+
+def _mamba() -> kvref.HParams:
+    # mamba-tiny of the conformance suite: the memory's bookkeeping does not depend on the state's size
+    return kvref.HParams(arch="mamba", n_layer=2, n_embd=32, n_head=0, n_head_kv=0, recurrent_layers=True,
+                         rope_type=kvref.RopeType.NONE, ssm_d_conv=4, ssm_d_inner=64, ssm_d_state=8)  # fmt: skip
+
+
+def _jamba() -> kvref.HParams:
+    # a jamba-like hybrid: recurrent layers 0 and 2, attention layers 1 and 3
+    return kvref.HParams(arch="jamba", n_layer=4, n_embd=64, n_head=2, n_embd_head_k=32, n_embd_head_v=32,
+                         n_head_kv=[0, 1, 0, 1], recurrent_layers=[True, False, True, False], ssm_d_conv=4,
+                         ssm_d_inner=128, ssm_d_state=8, rope_type=kvref.RopeType.NONE,
+                         n_ctx_train=1 << 20)  # fmt: skip
+
+
+def recurrent_rows(kind: str, n_ctx: int, n_seq: int, n_tokens: int, rounds: int) -> None:
+    """Rows 2r / 2h: a recurrent (Mamba) or hybrid (Jamba: one KV cache of ``n_ctx`` cells plus the recurrent states)
+    memory holding ``n_seq`` sequences after a 64-token prompt each; every step decodes ``n_tokens`` tokens of each
+    sequence, its ubatches read. llama.cpp: llama_memory_recurrent::init_batch (split_equal, prepare), then per ubatch
+    the context's apply (find_slot) and the graph's s_copy input; for the hybrid llama_memory_hybrid::init_batch's
+    steps over both parts (recurrent prepare, then the KV cache's) and each ubatch applied to both."""
+    hp = _mamba() if kind == "recurrent" else _jamba()
+    mem = kvref.create_memory(hp, n_ctx=n_ctx, n_seq_max=n_seq, kv_unified=True)
+    recr = mem if kind == "recurrent" else mem.recr  # type: ignore[attr-defined]
+    attn = None if kind == "recurrent" else llama_ref.LlamaRef(mem.attn.get_size(), 1, n_seq, mem.attn.n_pad)  # type: ignore[attr-defined]
+    ref = llama_ref.RecurrentRef(recr.size, n_seq, attn)
+
+    def step(n_per_seq: int) -> tuple[dict, tuple[np.ndarray, ...]]:
+        pos, seq = [], []
+        for s in range(n_seq):
+            p0 = mem.seq_pos_max(s) + 1
+            pos.extend(range(p0, p0 + n_per_seq))
+            seq.extend([s] * n_per_seq)
+        pos_a, seq_a = np.asarray(pos, np.int32), np.asarray(seq, np.int32)
+        tok = (np.arange(len(pos)) % 100).astype(np.int32)
+        return dict(tokens=tok, pos=pos_a, seq_ids=[[int(x)] for x in seq]), (tok, pos_a, seq_a)
+
+    def check(placed: list) -> None:
+        _ub, slot = placed[-1]
+        rslot = slot if kind == "recurrent" else slot.recr
+        mine = (rslot.head, rslot.n, rslot.rs_z, [int(x) for x in rslot.s_copy])
+        if mine != ref.last():
+            raise AssertionError(f"kvref and llama.cpp placed the {kind} ubatch differently: {mine} {ref.last()}")
+        if attn is not None and np.concatenate([np.asarray(x) for x in slot.attn.idxs]).tolist() != (
+            attn.last_idxs().tolist()
+        ):
+            raise AssertionError("kvref and llama.cpp placed the hybrid's attention ubatch in different cells")
+
+    b, arrs = step(64)  # the prompts, on both sides
+    first = mem.decode(kvref.Batch(**b), n_ubatch=512)
+    ref.decode(*arrs)
+    check(first)
+    ta, tb, tu = [], [], []
+    for r in range(rounds):
+        b, arrs = step(n_tokens)
+        placed: list = []
+
+        def kv(b: dict = b, placed: list = placed) -> float:
+            t0 = time.perf_counter()
+            placed[:] = mem.decode(kvref.Batch(**b), n_ubatch=512)
+            t1 = time.perf_counter()
+            for ub, _slot in placed:
+                read_ubatch(ub)
+            t2 = time.perf_counter()
+            tu.append(t1 - t0)
+            return t2 - t0
+
+        consolidate()
+        if r % 2 == 0:
+            ta.append(kv())
+            consolidate()
+            tb.append(ref.decode(*arrs))
+        else:
+            tb.append(ref.decode(*arrs))
+            consolidate()
+            ta.append(kv())
+        check(placed)
+    if [mem.seq_pos_max(s) for s in range(n_seq)] != [ref.seq_pos_max(s) for s in range(n_seq)]:
+        raise AssertionError(f"kvref and llama.cpp left different {kind} memories")
+    name = "2r Mamba" if kind == "recurrent" else f"2h Jamba ({n_ctx >> 10}k KV cells)"
+    lab = f"{name} decode {n_seq} seq x {n_tokens} tok"
+    report(f"{lab} (+read)", ta, tb)
+    report(f"{lab}:   ubatch not read", tu, tb, note="(kvref's step without the read)")
 
 
 def server_rows(size: int, n_seq: int, per_seq: int, rounds: int) -> Pair:
-    """Row 3: n_seq sequences interleaved in `size` cells; every step decodes one token per sequence and builds
-    the f32 KQ mask of that ubatch."""
+    """Row 3: n_seq sequences interleaved in `size` cells; every step decodes one token per sequence (its ubatch
+    read) and fills the f32 KQ mask of that ubatch into a buffer kept from the previous steps (``fill_kq_mask(...,
+    out=buf)``), as llama.cpp refills its mask tensor."""
     pair = Pair(size, n_seq)
     pair.fill(n_seq, per_seq)
     seqs = np.arange(n_seq)
     td_a, td_b, tm_a, tm_b = [], [], [], []
     out: dict[tuple, np.ndarray] = {}
+    bufs: dict[tuple, np.ndarray] = {}  # kvref's mask buffers by shape, reused as llama.cpp reuses its own
+
+    def mask_buf(shape: tuple) -> np.ndarray:
+        buf = bufs.get(shape)
+        if buf is None:  # a new n_kv (every n_pad cells): a new buffer, as llama.cpp's graph gets a new tensor
+            buf = bufs[shape] = np.empty(shape, np.float32)
+        return buf
+
     for r in range(rounds):
         b, arrs = pair.batch(seqs, 1)
 
@@ -270,7 +407,8 @@ def server_rows(size: int, n_seq: int, per_seq: int, rounds: int) -> Pair:
             td = pair.kv_decode(b)
             ub, sinfo = pair.last[-1]
             t = time.perf_counter()
-            m = fill_kq_mask(pair.mem, ub, sinfo=sinfo)
+            n_kv = pair.mem.get_n_kv(sinfo)
+            m = fill_kq_mask(pair.mem, ub, mask_buf((1, ub.n_tokens, n_kv)), sinfo=sinfo, n_kv=n_kv)
             tm = time.perf_counter() - t
             out["kv"] = m
             return td, tm
@@ -281,7 +419,10 @@ def server_rows(size: int, n_seq: int, per_seq: int, rounds: int) -> Pair:
             return td, tm
 
         first, second = (kv_step, ll_step) if r % 2 == 0 else (ll_step, kv_step)
-        x, y = first(), second()
+        consolidate()
+        x = first()
+        consolidate()
+        y = second()
         (ka, kb), (la, lb) = (x, y) if r % 2 == 0 else (y, x)
         td_a.append(ka)
         tm_a.append(kb)
@@ -326,10 +467,10 @@ def mask_rows(pair: Pair, label: str, rounds: int) -> None:
         def ll(_r: int, f16=f16) -> float:
             return pair.ref.mask(f16)[0]
 
-        ta, tb = abba(rounds, kv, ll)
+        ta, tb = abba(rounds, kv, ll, consolidate)
         # the floor interleaved with kvref (ABBA), apart from llama.cpp's runs, whose own buffer would evict
         # kvref's between its calls but not the floor's
-        tk, tf = abba(rounds, kv, floor)
+        tk, tf = abba(rounds, kv, floor, consolidate)
         name = "f16" if f16 else "f32"
         shape = "x".join(map(str, m0.shape))
         report(f"8 mask {label} {name} ({shape})", ta, tb)
@@ -383,6 +524,27 @@ def micro_rows(pair: Pair, n_seq: int, rounds: int) -> None:
         if n_kv != n_ll:
             raise AssertionError(f"get_n_kv: kvref {n_kv}, llama.cpp {n_ll}")
     report(f"9 get_n_kv (per call, {iters} calls), {size >> 10}k cells", ta, tb, unit=1e6, note="(us per call)")
+    # the same cells in a cache of each cells twin: get_n_kv's twin ratio (the Python twin keeps used_max_p1 until
+    # its cells change; after a change it finds it again, O(size))
+    from kvref.memory import _cells_py
+
+    twins = {}
+    for name, cls in (("Python", _cells_py.KVCells), ("Cython", type(pair.mem.cells(0)))):
+        m = kvref.KVCache(_hparams(), kv_size=size, n_seq_max=pair.mem.n_seq_max, n_pad=pair.mem.n_pad,
+                          cells_cls=cls)  # fmt: skip
+        m.cells(0).set(0, pair.mem.cells(0))  # set() reads the other cells' arrays, of either twin
+        twins[name] = m
+    ta, tb = [], []
+    for _r in range(max(5, rounds // 10)):
+        for name, out in (("Python", ta), ("Cython", tb)):
+            m = twins[name]
+            t = time.perf_counter()
+            for _ in range(iters):
+                m.get_n_kv(sinfo)
+            out.append((time.perf_counter() - t) / iters)
+    if not twins["Python"].get_n_kv(sinfo) == twins["Cython"].get_n_kv(sinfo) == n_kv:
+        raise AssertionError("the twins' get_n_kv differ")
+    report_ratio(f"9 get_n_kv twins: Python / Cython, {size >> 10}k cells", ta, tb, "kvref only; cells unchanged")
 
 
 def cells_rows(rounds: int) -> None:
@@ -866,6 +1028,9 @@ def _save_rows(L, run, mem, path: Path, n_tok: int, rounds: int) -> None:
 
 
 # ----------------------------------------------------------------------------------------- main
+# rows 2r / 2h: (memory, n_ctx, sequences, tokens per sequence and step)
+RECURRENT_ROWS = [("recurrent", 4096, 1, 1), ("recurrent", 4096, 1, 16), ("recurrent", 4096, 8, 1),
+                  ("hybrid", 32768, 1, 1), ("hybrid", 32768, 4, 1)]  # fmt: skip
 SIZES = {
     "full": dict(big=1 << 20, iswa=1 << 17, dec_rounds=41, server=(32768, 64, 448), server_rounds=41,
                  prefill=(8192, 512), mask_rounds=41, micro_rounds=200, state=(393216, 4), state_rounds=7,
@@ -895,6 +1060,12 @@ def run(quick: bool) -> int:
         decode_rows(cfg["big"], n_tok, cfg["dec_rounds"])
     for n_tok in (1, 256):
         iswa_decode_rows(cfg["iswa"], n_tok, cfg["dec_rounds"])
+    header(
+        "recurrent and hybrid decode steps (llama.cpp: llama_memory_recurrent's init_batch, prepare, find_slot, "
+        "s_copy; llama_memory_hybrid's steps over both parts)"
+    )
+    for kind, n_ctx, n_seq, n_tok in RECURRENT_ROWS:
+        recurrent_rows(kind, n_ctx, n_seq, n_tok, cfg["dec_rounds"])
     header("server loop, KQ mask, micro-ops")
     size, n_seq, per_seq = cfg["server"]
     pair = server_rows(size, n_seq, per_seq, cfg["server_rounds"])

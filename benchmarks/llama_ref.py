@@ -18,6 +18,13 @@ instead (a directory with ``src/`` and ``include/``; ``ggml/include`` or the ggm
   ``seq_pos_min``, ``seq_pos_max``, ``get_size``, ``get_n_kv``, ``prepare``, ``find_slot``, ``apply_ubatch``,
   and ``set_input_kq_mask`` with ``args_set_input_kq_mask`` and its ``set_input_kq_mask_impl`` templates; and
   ``llama_memory_seq_pos_max`` out of ``src/llama-context.cpp``;
+- ``llama_memory_recurrent``'s ``mem_cell`` and the whole ``llama_memory_recurrent_context`` class are cut out of
+  ``llama-memory-recurrent.h``; a stand-in ``llama_memory_recurrent`` holds the members its cut functions touch
+  (head, size, used, n, rs_z, n_rs_seq, rs_idx, cells; no tensors); ``seq_pos_min``, ``seq_pos_max``,
+  ``init_batch``, ``prepare`` and ``find_slot`` are cut out of ``src/llama-memory-recurrent.cpp`` by name, and the
+  context's member functions (``apply``, ``next``, ``s_copy``, ...) as the file's last section, verbatim. The hybrid
+  step (``kr_decode`` with an attention cache) follows ``llama_memory_hybrid::init_batch`` and its context's
+  ``apply`` over the two stand-ins (written out: that context also holds a llama_kv_cache_context);
 - ``src/llama-batch.cpp`` (``llama_batch_allocr``: init, split_simple, split_equal, ...; ``llama_batch_ext`` and
   ``llama_batch_compat``) is compiled whole, as its own object;
 - stubs: ``llama_log_internal`` (silent), ``ggml_backend_buffer_is_host`` (true: the mask buffer is host
@@ -161,7 +168,30 @@ def cut_sources(root: Path) -> dict[str, str]:
     if start < 0:
         raise Unavailable("llama-kv-cache.cpp: struct args_set_input_kq_mask not found")
     mask = _upto(kv_cpp[start:], "llama_kv_cache::set_input_kq_mask", what="llama-kv-cache.cpp")
-    return {"types": m.group(0), "funcs": "\n".join(funcs), "mask": mask}
+    return {"types": m.group(0), "funcs": "\n".join(funcs), "mask": mask, **cut_recurrent(root)}
+
+
+def cut_recurrent(root: Path) -> dict[str, str]:
+    """llama_memory_recurrent's pieces: its ``mem_cell`` and the ``llama_memory_recurrent_context`` class out of the
+    header; ``seq_pos_min``, ``seq_pos_max``, ``init_batch``, ``prepare`` and ``find_slot`` out of the source, and
+    every member function of ``llama_memory_recurrent_context`` (the source's last section, from its first
+    constructor to the end of the file: ``apply`` runs find_slot, ``s_copy`` fills the graph's state-copy input)."""
+    h = (root / "src" / "llama-memory-recurrent.h").read_text()
+    cpp = (root / "src" / "llama-memory-recurrent.cpp").read_text()
+    cell = re.search(r"^    struct mem_cell \{.*?^    \};\n", h, re.M | re.S)
+    ctx_class = r"^class llama_memory_recurrent_context : public llama_memory_context_i \{.*?^\};\n"
+    ctx = re.search(ctx_class, h, re.M | re.S)
+    if cell is None or ctx is None:
+        raise Unavailable("llama-memory-recurrent.h: mem_cell / llama_memory_recurrent_context not found")
+    funcs = [
+        _function(cpp, f"llama_memory_recurrent::{name}", what="llama-memory-recurrent.cpp")
+        for name in ("seq_pos_min", "seq_pos_max", "init_batch", "prepare", "find_slot")
+    ]
+    first = re.search(r"^llama_memory_recurrent_context::llama_memory_recurrent_context\(", cpp, re.M)
+    if first is None:
+        raise Unavailable("llama-memory-recurrent.cpp: llama_memory_recurrent_context's members not found")
+    return {"rs_cell": cell.group(0), "rs_ctx_class": ctx.group(0), "rs_funcs": "\n".join(funcs),
+            "rs_ctx": cpp[first.start():]}  # fmt: skip
 
 
 # ----------------------------------------------------------------------------------------- our C++ side
@@ -183,7 +213,9 @@ _PRELUDE = r"""
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <map>
 #include <memory>
+#include <set>
 #include <unordered_map>
 #include <vector>
 
@@ -255,6 +287,47 @@ public:
 @FUNCS@
 
 @MASK@
+
+// ---- a stand-in llama_memory_recurrent: only the members the cut functions use (no tensors: r_l / s_l / p_l stay
+// empty; the graph's gathers are not the memory's bookkeeping)
+class llama_memory_recurrent {
+public:
+    llama_memory_recurrent(const llama_hparams & hparams, uint32_t mem_size, uint32_t n_seq_max)
+        : hparams(hparams), n_seq_max(n_seq_max) {
+        size = mem_size;
+        cells.resize(mem_size);
+        rs_idx.assign(n_seq_max, 0);
+    }
+
+    llama_memory_context_ptr init_batch(llama_batch_allocr & balloc, uint32_t n_ubatch, bool embd_all);
+    llama_pos seq_pos_min(llama_seq_id seq_id) const;
+    llama_pos seq_pos_max(llama_seq_id seq_id) const;
+    bool prepare(const std::vector<llama_ubatch> & ubatches);
+    bool find_slot(const llama_ubatch & ubatch);
+
+    uint32_t head = 0;
+    uint32_t size = 0;
+    uint32_t used = 0;
+    uint32_t n_rs_seq = 0;
+    std::vector<uint32_t> rs_idx;
+    uint32_t n = 0;
+    int32_t rs_z = -1;
+@RS_CELL@
+    std::vector<mem_cell> cells;
+    std::vector<ggml_tensor *> r_l;
+    std::vector<ggml_tensor *> s_l;
+    std::vector<ggml_tensor *> p_l;
+
+    const llama_hparams & hparams;
+    const uint32_t n_seq_max = 1;
+};
+
+// ---- cut from src/llama-memory-recurrent.h
+@RS_CTX_CLASS@
+// ---- cut from src/llama-memory-recurrent.cpp
+@RS_FUNCS@
+
+@RS_CTX@
 """
 
 _ENTRY = r"""
@@ -464,6 +537,170 @@ uint32_t kb_get_n_kv(void * p, uint32_t stream, int64_t iters, double * t) {
     return sink;
 }
 
+}  // extern "C"
+
+// ---- llama_memory_recurrent, and llama_memory_hybrid's step over a recurrent memory and a KV cache
+namespace {
+// what llama_batch_allocr::init asks the memory: llama_memory_recurrent's own answers, or llama_memory_hybrid's
+// (the max of the parts' seq_pos_min, the min of their seq_pos_max)
+struct kr_mem final : llama_memory_i {
+    llama_memory_recurrent * rs = nullptr;
+    llama_kv_cache * kv = nullptr;  // the attention part of a hybrid memory, else null
+    llama_memory_context_ptr init_batch(llama_batch_allocr &, uint32_t, bool) override { return nullptr; }
+    llama_memory_context_ptr init_full() override { return nullptr; }
+    llama_memory_context_ptr init_update(llama_context *, bool) override { return nullptr; }
+    bool get_can_shift() const override { return false; }
+    void clear(bool) override {}
+    bool seq_rm(llama_seq_id, llama_pos, llama_pos) override { return false; }
+    void seq_cp(llama_seq_id, llama_seq_id, llama_pos, llama_pos) override {}
+    void seq_keep(llama_seq_id) override {}
+    void seq_add(llama_seq_id, llama_pos, llama_pos, llama_pos) override {}
+    void seq_div(llama_seq_id, llama_pos, llama_pos, int) override {}
+    llama_pos seq_pos_min(llama_seq_id s) const override {
+        return kv ? std::max(kv->seq_pos_min(s), rs->seq_pos_min(s)) : rs->seq_pos_min(s);
+    }
+    llama_pos seq_pos_max(llama_seq_id s) const override {
+        return kv ? std::min(kv->seq_pos_max(s), rs->seq_pos_max(s)) : rs->seq_pos_max(s);
+    }
+    std::map<ggml_backend_buffer_type_t, size_t> memory_breakdown() const override { return {}; }
+    void state_write(llama_io_write_i &, llama_seq_id, llama_state_seq_flags) const override {}
+    void state_read(llama_io_read_i &, llama_seq_id, llama_state_seq_flags) override {}
+};
+
+struct kr_ctx {
+    llama_hparams hp{};
+    std::unique_ptr<llama_memory_recurrent> rs;
+    kb_ctx * attn = nullptr;  // a hybrid memory's attention cache (kb_new), not owned
+    kr_mem mem;
+    llama_batch_allocr balloc{1};
+    std::vector<int32_t> s_copy;  // the graph's s_copy input of the last ubatch (llm_graph_input_rs::set_input)
+    uint32_t last_head = 0, last_n = 0;
+    int32_t last_rs_z = -1;
+    std::vector<llama_token> b_tok;
+    std::vector<llama_pos> b_pos;
+    std::vector<int32_t> b_n_seq_id;
+    std::vector<llama_seq_id> b_seq_store;
+    std::vector<llama_seq_id *> b_seq_id;
+    std::vector<int8_t> b_logits;
+    uint32_t n_seq_max = 1;
+    alignas(8) char vocab_storage[64] = {0};
+};
+}  // namespace
+
+extern "C" {
+
+void * kr_new(uint32_t mem_size, uint32_t n_seq_max, void * attn) {
+    auto * c = new kr_ctx();
+    c->n_seq_max = n_seq_max;
+    c->rs.reset(new llama_memory_recurrent(c->hp, mem_size, n_seq_max));
+    c->attn = (kb_ctx *) attn;
+    c->mem.rs = c->rs.get();
+    c->mem.kv = c->attn ? c->attn->kv.get() : nullptr;
+    return c;
+}
+
+void kr_free(void * p) { delete (kr_ctx *) p; }
+
+// One decode step of a recurrent memory as llama_decode does it, without the graph: fill the llama_batch,
+// llama_batch_compat, llama_batch_allocr::init, then llama_memory_recurrent::init_batch (split_equal, prepare); for
+// every ubatch the context's apply() (find_slot) and the graph's s_copy input (s_copy(i) for the n_rs cells), then
+// next(). With an attention cache (a hybrid memory), llama_memory_hybrid::init_batch's steps: split_equal (not
+// sequential: one stream), the recurrent prepare, then the attention prepare; each ubatch applied to the attention
+// cache, then the recurrent context (llama_memory_hybrid_context::apply).
+int kr_decode(void * p, int32_t n, const int32_t * tok, const int32_t * pos, const int32_t * seq, uint32_t n_ubatch,
+              double * t) {
+    auto * c = (kr_ctx *) p;
+    if ((int32_t) c->b_tok.size() < n) {
+        c->b_tok.resize(n);
+        c->b_pos.resize(n);
+        c->b_n_seq_id.resize(n);
+        c->b_seq_store.resize(n);
+        c->b_seq_id.resize(n);
+        c->b_logits.resize(n);
+        for (int32_t i = 0; i < n; ++i) c->b_seq_id[i] = &c->b_seq_store[i];
+    }
+    const llama_vocab & vocab = *reinterpret_cast<const llama_vocab *>(c->vocab_storage);
+    const auto t0 = clk::now();
+    llama_batch batch = {n, c->b_tok.data(), nullptr, c->b_pos.data(), c->b_n_seq_id.data(), c->b_seq_id.data(),
+                         c->b_logits.data()};
+    for (int32_t i = 0; i < n; ++i) {
+        batch.token[i] = tok[i];
+        batch.pos[i] = pos[i];
+        batch.n_seq_id[i] = 1;
+        batch.seq_id[i][0] = seq[i];
+        batch.logits[i] = i == n - 1;
+    }
+    auto b = std::make_unique<llama_batch_ext>((size_t) 1 << 30, 0, 0, (llama_seq_id) c->n_seq_max, &c->mem,
+                                               1 << 30, 1);
+    llama_batch_compat::init(*b, batch);
+    if (!c->balloc.init(*b, vocab, false)) return -1;
+    int n_ub = 0;
+    if (!c->attn) {
+        auto mctx = c->rs->init_batch(c->balloc, n_ubatch, false);
+        if (mctx->get_status() != LLAMA_MEMORY_STATUS_SUCCESS) return -3;
+        auto * rctx = static_cast<llama_memory_recurrent_context *>(mctx.get());
+        do {
+            rctx->apply();
+            const uint32_t n_rs = rctx->get_n_rs();
+            c->s_copy.resize(n_rs);
+            for (uint32_t i = 0; i < n_rs; ++i) c->s_copy[i] = rctx->s_copy(i);
+            c->last_head = rctx->get_head();
+            c->last_n = n_rs;
+            c->last_rs_z = rctx->get_rs_z();
+            ++n_ub;
+        } while (rctx->next());
+    } else {
+        auto * kv = c->attn->kv.get();
+        c->balloc.split_reset();
+        std::vector<llama_ubatch> ubatches;
+        while (true) {
+            auto ub = c->balloc.split_equal(n_ubatch, kv->n_stream != 1, 0);
+            if (ub.n_tokens == 0) break;
+            ubatches.push_back(std::move(ub));
+        }
+        if (c->balloc.get_n_used() < c->balloc.get_n_tokens()) return -2;
+        if (!c->rs->prepare(ubatches)) return -3;
+        auto sinfos = kv->prepare(ubatches);
+        if (sinfos.empty()) return -4;
+        // the recurrent context, as llama_memory_hybrid_context holds it (its own copy of the ubatches)
+        llama_memory_recurrent_context rctx(c->rs.get(), ubatches);
+        for (size_t i = 0; i < ubatches.size(); ++i) {
+            kv->apply_ubatch(sinfos[i], ubatches[i]);
+            rctx.apply();
+            const uint32_t n_rs = rctx.get_n_rs();
+            c->s_copy.resize(n_rs);
+            for (uint32_t k = 0; k < n_rs; ++k) c->s_copy[k] = rctx.s_copy(k);
+            c->last_head = rctx.get_head();
+            c->last_n = n_rs;
+            c->last_rs_z = rctx.get_rs_z();
+            rctx.next();
+            ++n_ub;
+        }
+        c->attn->sinfos = std::move(sinfos);
+        c->attn->ubatches = std::move(ubatches);
+    }
+    b.reset();
+    *t = secs(t0, clk::now());
+    return n_ub;
+}
+
+// the last ubatch's recurrent slot: head, n, rs_z and s_copy (into out, up to cap); returns n
+int64_t kr_last(void * p, int32_t * head_n_rsz, int32_t * out, int64_t cap) {
+    auto * c = (kr_ctx *) p;
+    head_n_rsz[0] = (int32_t) c->last_head;
+    head_n_rsz[1] = (int32_t) c->last_n;
+    head_n_rsz[2] = c->last_rs_z;
+    for (int64_t i = 0; i < (int64_t) c->s_copy.size() && i < cap; ++i) out[i] = c->s_copy[i];
+    return (int64_t) c->s_copy.size();
+}
+
+int32_t kr_seq_pos_max(void * p, int32_t seq_id) { return ((kr_ctx *) p)->rs->seq_pos_max(seq_id); }
+uint32_t kr_used(void * p) { return ((kr_ctx *) p)->rs->used; }
+
+}  // extern "C"
+
+extern "C" {
+
 // llama_kv_cells alone, for the bulk workloads of benchmarks/bench_cells.py: each loop as llama.cpp writes it
 void * kc_new(uint32_t n) {
     auto * c = new llama_kv_cells();
@@ -562,7 +799,9 @@ def build(root: Path, log=print) -> Path:
     """Compile the cut functions and llama-batch.cpp into a shared library (cached by content hash)."""
     pieces = cut_sources(root)
     tu = _PRELUDE.replace("@TYPES@", pieces["types"]).replace("@FUNCS@", pieces["funcs"])
-    tu = tu.replace("@MASK@", pieces["mask"]) + _ENTRY
+    tu = tu.replace("@MASK@", pieces["mask"]).replace("@RS_CELL@", pieces["rs_cell"])
+    tu = tu.replace("@RS_CTX_CLASS@", pieces["rs_ctx_class"]).replace("@RS_FUNCS@", pieces["rs_funcs"])
+    tu = tu.replace("@RS_CTX@", pieces["rs_ctx"]) + _ENTRY
     batch_cpp = (root / "src" / "llama-batch.cpp").read_bytes()
     cxx = _cxx()
     flags = ["-O2", "-std=c++17", "-fPIC", "-DNDEBUG", "-w", *_includes(root)]
@@ -626,6 +865,12 @@ class LlamaRef:
             "kb_used": (u32, [vp, u32]),
             "kb_head": (u32, [vp, u32]),
             "kb_get_n_kv": (u32, [vp, u32, i64, _dp]),
+            "kr_new": (vp, [u32, u32, vp]),
+            "kr_free": (None, [vp]),
+            "kr_decode": (ctypes.c_int, [vp, i32, _i32p, _i32p, _i32p, u32, _dp]),
+            "kr_last": (i64, [vp, _i32p, _i32p, i64]),
+            "kr_seq_pos_max": (i32, [vp, i32]),
+            "kr_used": (u32, [vp]),
             "kc_new": (vp, [u32]),
             "kc_clone": (vp, [vp]),
             "kc_free": (None, [vp]),
@@ -708,6 +953,47 @@ class LlamaRef:
     def get_n_kv(self, stream: int, iters: int) -> tuple[float, int]:
         n = self.lib.kb_get_n_kv(self.h, stream, iters, ctypes.byref(self._t))
         return self._t.value / iters, int(n)
+
+
+class RecurrentRef:
+    """One stand-in llama_memory_recurrent with llama.cpp's cut functions (``attn``: a LlamaRef KV cache, which makes
+    the pair llama_memory_hybrid's step), driven through ctypes."""
+
+    def __init__(self, mem_size: int, n_seq_max: int = 1, attn: LlamaRef | None = None) -> None:
+        if LlamaRef._lib is None:
+            raise Unavailable("LlamaRef.load() first")
+        self.lib = LlamaRef._lib
+        self.attn = attn  # kept alive: the C side holds its pointer
+        self.h = self.lib.kr_new(mem_size, n_seq_max, attn.h if attn is not None else None)
+        self._t = ctypes.c_double(0.0)
+
+    def close(self) -> None:
+        if self.h:
+            self.lib.kr_free(self.h)
+            self.h = None
+
+    def __del__(self) -> None:
+        self.close()
+
+    def decode(self, tok: np.ndarray, pos: np.ndarray, seq: np.ndarray, n_ubatch: int = 512) -> float:
+        a = [np.ascontiguousarray(x, dtype=np.int32) for x in (tok, pos, seq)]
+        rc = self.lib.kr_decode(self.h, len(a[0]), a[0], a[1], a[2], n_ubatch, ctypes.byref(self._t))
+        if rc < 0:
+            raise RuntimeError(f"llama.cpp recurrent decode failed ({rc})")
+        return self._t.value
+
+    def last(self) -> tuple[int, int, int, list[int]]:
+        """The last ubatch's (head, n, rs_z, s_copy)."""
+        hn = np.zeros(3, np.int32)
+        out = np.zeros(1 << 12, np.int32)
+        n = self.lib.kr_last(self.h, hn, out, out.shape[0])
+        return int(hn[0]), int(hn[1]), int(hn[2]), out[:n].tolist()
+
+    def seq_pos_max(self, seq_id: int) -> int:
+        return int(self.lib.kr_seq_pos_max(self.h, seq_id))
+
+    def used(self) -> int:
+        return int(self.lib.kr_used(self.h))
 
 
 class CellsRef:

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvref.errors import CellError, CorruptionError, SequenceError
+from kvref.errors import ArgumentTypeError, CellError, CorruptionError, SequenceError
 
 POS_MAX = 2**31 - 1
 TOKEN_NULL = -1
@@ -83,6 +83,31 @@ def test_new_cells_are_empty(cells_cls: type) -> None:
     assert all(c.is_empty(i) for i in range(5))
     assert all(c.seq_pos_min(s) == -1 and c.seq_pos_max(s) == -1 for s in (0, 1, 255))
     assert cells_cls().size() == 0
+
+
+def test_n_kv_pads_used_max_p1_and_follows_every_change(cells_cls: type) -> None:
+    """n_kv(n_pad): used_max_p1 rounded up to n_pad, at least n_pad, at most the size; asked again after each change
+    (the Python twin keeps its answer until a call changes the cells); a bad n_pad is refused alike."""
+    c = cells_cls(10)
+    assert [c.n_kv(p) for p in (1, 4, 256, 2**70)] == [1, 4, 10, 10]
+    c.pos_set(6, 0)
+    assert [c.n_kv(p) for p in (1, 4, 3)] == [7, 8, 9]
+    c.place(np.array([8], np.int64), [1], [0])
+    assert c.n_kv(4) == 10 and c.n_kv(1) == 9
+    c.rm(8)
+    assert c.n_kv(1) == 7
+    c.seq_add(6, 2)
+    c.seq_rm_range(2, -1, -1)  # the cell had no sequence before: it stays used
+    assert c.n_kv(1) == 7
+    c.rm(6)
+    assert c.n_kv(1) == 1 and c.used_max_p1() == 0
+    c.set(0, build(cells_cls, 10, {9: (5, [1])}))
+    assert c.n_kv(2) == 10
+    c.resize(4)
+    assert c.n_kv(3) == 3
+    for bad, err in ((0, CellError), (-5, CellError), (1.0, ArgumentTypeError), ("2", ArgumentTypeError)):
+        with pytest.raises(err):
+            c.n_kv(bad)
 
 
 def test_views_are_read_only(cells_cls: type) -> None:

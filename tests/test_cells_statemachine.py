@@ -110,6 +110,9 @@ QUERIES = frozenset(
 )
 
 
+_N_PADS = (1, 3, 256, 2**40, 2**70)  # n_kv's padding: none, odd, llama.cpp's, beyond the cells, beyond int64
+
+
 def full_state(c: Any) -> dict[str, Any]:
     """Everything observable about a KVCells instance.
 
@@ -127,6 +130,7 @@ def full_state(c: Any) -> dict[str, Any]:
         "get_used": c.get_used(),
         "used_min": c.used_min(),
         "used_max_p1": c.used_max_p1(),
+        "n_kv": [c.n_kv(p) for p in _N_PADS],
         "has_shift": c.get_has_shift(),
         "pos_min": pos_min,
         "pos_max": c.seq_pos_max_many(np.arange(256)),
@@ -147,6 +151,8 @@ def assert_consistent(st_: dict[str, Any]) -> None:
     assert st_["get_used"] == used.size
     assert st_["used_min"] == (int(used[0]) if used.size else 0)
     assert st_["used_max_p1"] == (int(used[-1]) + 1 if used.size else 0)
+    hi, n = st_["used_max_p1"], pos.shape[0]
+    assert st_["n_kv"] == [min(max(-(-hi // p) * p, p), n) for p in _N_PADS]
     empty = pos == -1
     assert not seq[empty].any(), "an empty cell holds sequences"
     assert not st_["shift"][empty].any(), "an empty cell has a shift"

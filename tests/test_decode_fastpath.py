@@ -564,9 +564,9 @@ def test_decode_single_step_is_taken(kernels: Any, cells_cls: type) -> None:
         got = [caches[i].decode(Batch(**spec)) for i in range(2)]
         assert taken[-1] is not None
         ub_fast, ub_gen = got[0][0][0], got[1][0][0]
-        assert "_whole" in vars(ub_fast)
+        # built at once (the caller reads it next), every field in the dataclass's order
+        assert list(vars(ub_fast)) == [f.name for f in dataclasses.fields(UBatch)]
         assert _plain(ub_fast) == _plain(ub_gen)
-        assert "_whole" not in vars(ub_fast)
         assert got[0][0][1] == got[1][0][1]
     assert caches[0].heads == caches[1].heads
 
@@ -656,3 +656,162 @@ def test_iswa_steps_that_purge_equal_decode_batch(kernels: Any, seed: int) -> No
             ("decode", (spec, dict(n_ubatch=512, rows=bool(rng.random() < 0.5), on_ubatch=False, embd_all=False)))
         )
     assert run_iswa(steps, True, 64, True, n_swa, 1, "2025") == run_iswa(steps, False, 64, True, n_swa, 1, "2025")
+
+
+# ------------------------------------------------------------------------------------------ recurrent memories
+def _mamba() -> kvref.HParams:
+    return kvref.HParams(arch="mamba", n_layer=2, n_embd=8, n_head=0, n_head_kv=0, recurrent_layers=True,
+                         rope_type=kvref.RopeType.NONE, ssm_d_conv=2, ssm_d_inner=4, ssm_d_state=2)  # fmt: skip
+
+
+@st.composite
+def recurrent_steps(draw: st.DrawFn) -> list:
+    """Mostly decodes (often of the next tokens of one sequence: the one-call step), with the sequence operations
+    that share, move and drop states between them."""
+    steps = []
+    for _ in range(draw(st.integers(1, 10))):
+        kind = draw(st.sampled_from(["decode", "decode", "next", "next", "next", "seq_rm", "seq_cp", "seq_keep",
+                                     "seq_add"]))  # fmt: skip
+        if kind == "decode":
+            spec = draw(batches())
+            if draw(st.booleans()):
+                spec["pos"] = None
+            extra = dict(
+                n_ubatch=draw(st.sampled_from([512, 512, 1, 3, np.int64(8), True])),
+                on_ubatch=draw(st.booleans()),
+                embd_all=draw(st.sampled_from([False, False, True])),
+            )
+            steps.append(("decode", (spec, extra)))
+        elif kind == "next":
+            n = draw(st.integers(1, 4))
+            spec = dict(tokens=np.arange(n), pos=None, seq_ids=[[draw(st.integers(0, 2))]] * n,
+                        logits=draw(st.one_of(st.none(), st.lists(st.booleans(), min_size=n, max_size=n))))  # fmt: skip
+            steps.append(("decode", (spec, dict(n_ubatch=draw(st.sampled_from([512, 2])), on_ubatch=False,
+                                                embd_all=False))))  # fmt: skip
+        else:
+            steps.append((kind, (draw(st.integers(0, 2)), draw(st.integers(0, 2)), draw(st.integers(-1, 6)))))
+    return steps
+
+
+def run_recurrent(steps: list, fast: bool, n_seq_max: int) -> list:
+    mem = kvref.RecurrentMemory(_mamba(), rs_size=max(1, n_seq_max), n_seq_max=n_seq_max)
+    if not fast:
+        mem._decode_owned = lambda *args: None  # type: ignore[method-assign]
+    taken: list = []
+    orig = mem._decode_owned
+    mem._decode_owned = lambda *a: taken.append(orig(*a)) or taken[-1]  # type: ignore[method-assign]
+    rng = np.random.default_rng(0)
+    for buf in mem.r_l + mem.s_l:  # distinct rows: a wrong gather or zeroing shows
+        if buf is not None:
+            buf[...] = rng.integers(1, 255, buf.shape, dtype=np.uint8)
+    log: list = []
+    for kind, args in steps:
+        if kind == "decode":
+            spec, extra = args
+            made = outcome(lambda spec=spec: Batch(**spec))
+            if made[0] != "ok":
+                continue
+            seen: list = []
+            kw: dict = {}
+            if extra["on_ubatch"]:
+                kw["on_ubatch"] = lambda ub, slot, seen=seen: seen.append((_plain(ub), _plain(vars(slot))))
+            res = outcome(lambda b=made[1], kw=kw, extra=extra: mem.decode(
+                b, extra["n_ubatch"], embd_all=extra["embd_all"], **kw))  # fmt: skip
+            if res[0] == "ok":
+                res = ("ok", [(_plain(ub), _plain(vars(slot))) for ub, slot in res[1]])
+            log.append((res, seen))
+        else:
+            a, b, p = args
+            ops = {
+                "seq_rm": lambda a, b, p: mem.seq_rm(a, p, -1),
+                "seq_cp": lambda a, b, p: mem.seq_cp(a, b, -1, -1),
+                "seq_keep": lambda a, b, p: mem.seq_keep(a),
+                "seq_add": lambda a, b, p: mem.seq_add(a, p, -1, 1),
+            }
+            log.append(outcome(lambda op=ops[kind], a=a, b=b, p=p: op(a, b, p)))
+        log.append(_plain([mem.pos, mem.src, mem.src0, mem.tail, mem.seq, mem.used, mem.head, mem.n, mem.rs_z,
+                           mem.rs_idx]))  # fmt: skip
+    log.append([None if b is None else b.tobytes() for b in mem.r_l + mem.s_l])
+    return [*log, ("taken", sum(x is not None for x in taken))] if fast else log
+
+
+@settings(
+    max_examples=max(30, EXAMPLES // 2),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(steps=recurrent_steps(), n_seq_max=st.sampled_from([1, 2, 3]))
+def test_recurrent_decode_owned_step_equals_decode_batch(kernels: Any, steps: list, n_seq_max: int) -> None:
+    """The recurrent memory's one-call step (a sequence that owns its state) leaves the memory, the ubatch and the
+    slot exactly as decode_batch does; any other step is left to decode_batch."""
+    fast = run_recurrent(steps, True, n_seq_max)
+    assert fast[:-1] == run_recurrent(steps, False, n_seq_max)
+
+
+def test_recurrent_decode_owned_step_is_taken(kernels: Any) -> None:
+    """The steady decode of sequences that own their states goes through the one-call step."""
+    steps = [("decode", (dict(tokens=np.arange(3), pos=None, seq_ids=[[s]] * 3, logits=None),
+                         dict(n_ubatch=512, on_ubatch=False, embd_all=False))) for s in (0, 1, 0, 1, 1)]  # fmt: skip
+    fast = run_recurrent(steps, True, 2)
+    assert fast[-1] == ("taken", 3)  # the first step of each sequence finds it no cell: the general path
+    assert fast[:-1] == run_recurrent(steps, False, 2)
+
+
+def _jamba() -> kvref.HParams:
+    return kvref.HParams(arch="jamba", n_layer=2, n_embd=8, n_head=1, n_embd_head_k=4, n_embd_head_v=4,
+                         n_head_kv=[0, 1], recurrent_layers=[True, False], ssm_d_conv=2, ssm_d_inner=4,
+                         ssm_d_state=2, rope_type=kvref.RopeType.NONE, n_ctx_train=4096)  # fmt: skip
+
+
+def run_hybrid(steps: list, fast: bool, n_seq_max: int, kv_size: int) -> list:
+    mem = kvref.HybridMemory(_jamba(), kv_size=kv_size, rs_size=max(1, n_seq_max), n_seq_max=n_seq_max,
+                             type_k="f32", type_v="f32")  # fmt: skip
+    if not fast:
+        mem._decode_owned = lambda *args: None  # type: ignore[method-assign]
+    taken: list = []
+    orig = mem._decode_owned
+    mem._decode_owned = lambda *a: taken.append(orig(*a)) or taken[-1]  # type: ignore[method-assign]
+    log: list = []
+    for kind, args in steps:
+        if kind == "decode":
+            spec, extra = args
+            made = outcome(lambda spec=spec: Batch(**spec))
+            if made[0] != "ok":
+                continue
+            res = outcome(lambda b=made[1], extra=extra: mem.decode(b, extra["n_ubatch"], embd_all=extra["embd_all"]))
+            if res[0] == "ok":
+                res = ("ok", [(_plain(ub), _slot_plain(slot.attn), _plain(vars(slot.recr))) for ub, slot in res[1]])
+            log.append(res)
+        else:
+            a, b, p = args
+            ops = {
+                "seq_rm": lambda a, b, p: mem.seq_rm(a, p, -1),
+                "seq_cp": lambda a, b, p: mem.seq_cp(a, b, -1, -1),
+                "seq_keep": lambda a, b, p: mem.seq_keep(a),
+                "seq_add": lambda a, b, p: mem.seq_add(a, p, -1, 1),
+            }
+            log.append(outcome(lambda op=ops[kind], a=a, b=b, p=p: op(a, b, p)))
+        r, c = mem.recr, mem.attn.cells(0)
+        log.append(_plain([r.pos, r.src, r.src0, r.tail, r.seq, r.used, r.head, r.n, r.rs_z, np.asarray(c.pos),
+                           np.asarray(c.seq), np.asarray(c.ext), c.get_used(), list(mem.attn.heads)]))  # fmt: skip
+    return [*log, ("taken", sum(x is not None for x in taken))] if fast else log
+
+
+@settings(
+    max_examples=max(30, EXAMPLES // 2),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture],
+)
+@given(steps=recurrent_steps(), n_seq_max=st.sampled_from([1, 2, 3]), kv_size=st.sampled_from([4, 16, 256]))
+def test_hybrid_decode_owned_step_equals_decode_batch(kernels: Any, steps: list, n_seq_max: int, kv_size: int) -> None:
+    """The hybrid memory's one-call step leaves both parts, the ubatch and the slots exactly as decode_batch does."""
+    fast = run_hybrid(steps, True, n_seq_max, kv_size)
+    assert fast[:-1] == run_hybrid(steps, False, n_seq_max, kv_size)
+
+
+def test_hybrid_decode_owned_step_is_taken(kernels: Any) -> None:
+    steps = [("decode", (dict(tokens=np.arange(3), pos=None, seq_ids=[[s]] * 3, logits=None),
+                         dict(n_ubatch=512, on_ubatch=False, embd_all=False))) for s in (0, 1, 0, 1, 1)]  # fmt: skip
+    fast = run_hybrid(steps, True, 2, 256)
+    assert fast[-1] == ("taken", 3)
+    assert fast[:-1] == run_hybrid(steps, False, 2, 256)

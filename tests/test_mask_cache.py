@@ -12,6 +12,7 @@ from mask_helpers import need, oracle, same_bits, twin_params
 
 import kvref.memory.mask as mask
 import kvref.memory.mask_kernels as mask_kernels
+from kvref.errors import ArgumentError, ArgumentTypeError, KVRefError
 from kvref.hparams import HParams, SWAType
 from kvref.memory.batch import Batch
 from kvref.memory.kv_cache import KVCache
@@ -179,3 +180,50 @@ def test_server_decode_step_over_many_column_blocks(glue):
         m = glue.fill_kq_mask(cache, ub, dtype=dtype, sinfo=sinfo)
         assert m.shape[2] > 4096  # several 256 KiB blocks of 64 rows
         check_against_oracle(cache, ub, sinfo, m)
+
+
+def test_server_loop_fills_one_caller_buffer(glue):
+    """``fill_kq_mask(..., out=buf)``, the caller's buffer refilled every step (as llama.cpp refills its mask tensor):
+    the same bits as a new mask each step, returned as ``buf`` itself; a buffer's dtype wins over ``dtype``."""
+    n_seq = 4
+    cache = KVCache(hp(), kv_size=512, n_seq_max=n_seq, kv_unified=True)
+    cache.decode(Batch(tokens=list(range(8)), seq_ids=[[s % n_seq] for s in range(8)], logits=[1] * 8))
+    bufs: dict[tuple, np.ndarray] = {}
+    for step in range(6):
+        ((ub, sinfo),) = cache.decode(Batch(tokens=[step] * n_seq, seq_ids=[[s] for s in range(n_seq)]))
+        n_kv = cache.get_n_kv(sinfo)
+        for dt in (np.float32, np.float16):
+            buf = bufs.setdefault((dt, n_kv), np.full((1, n_seq, n_kv), 7, dt))  # stale values from the last step
+            m = glue.fill_kq_mask(cache, ub, buf, sinfo=sinfo, dtype=np.float32)
+            assert m is buf and m.dtype == dt
+            assert same_bits(m, glue.fill_kq_mask(cache, ub, sinfo=sinfo, dtype=dt))
+            check_against_oracle(cache, ub, sinfo, m)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "message"),
+    [
+        (lambda s: np.zeros(s, np.float64), ArgumentTypeError, "out: dtype float64 is not one of float32, float16"),
+        (lambda s: np.zeros(s, np.int32), ArgumentTypeError, "out: dtype int32 is not one of float32, float16"),
+        (lambda s: np.zeros((s[0], s[1], s[2] + 1), np.float32), ArgumentError, "out: shape"),
+        (lambda s: np.zeros((s[1], s[2]), np.float32), ArgumentError, "out: shape"),
+        (lambda s: np.zeros((s[0], s[1], 2 * s[2]), np.float32)[:, :, ::2], ArgumentError, "C-contiguous"),
+        (lambda s: np.lib.stride_tricks.as_strided(np.zeros(s, np.float32), writeable=False), ArgumentError,
+         "writeable"),
+        (lambda s: [[[0.0] * s[2]] * s[1]] * s[0], ArgumentTypeError, "out: expected a NumPy array"),
+    ],
+    ids=["float64", "int32", "n_kv", "2-D", "strided", "read-only", "list"],
+)  # fmt: skip
+def test_caller_buffer_of_the_wrong_kind_is_refused(glue, make, error, message):
+    """A buffer of the wrong dtype, shape or layout raises kvref's error naming ``out`` (both twins alike), and the
+    buffer and the cache are left as they were."""
+    cache = KVCache(hp(), kv_size=256, n_seq_max=2, kv_unified=True)
+    ((ub, sinfo),) = cache.decode(Batch(tokens=[1, 2, 3], seq_ids=[[0], [1], [0]], logits=[1, 1, 1]))
+    shape = (1, 3, cache.get_n_kv(sinfo))
+    buf = make(shape)
+    before = np.array(buf, copy=True)
+    with pytest.raises(error, match=message.replace("(", r"\(")) as info:
+        glue.fill_kq_mask(cache, ub, buf, sinfo=sinfo)
+    assert isinstance(info.value, KVRefError)
+    assert np.array_equal(np.asarray(buf), before)
+    assert cache.cells(0).get_used() == 3

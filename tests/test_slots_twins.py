@@ -12,6 +12,7 @@ End to end, random decode sequences through ``kvref.memory.slots`` with either t
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -25,6 +26,7 @@ from kvref._backend import _load_compiled
 from kvref.errors import KVRefError
 from kvref.hparams import is_masked_swa
 from kvref.memory import _cells_py, _slots_py, slot_kernels, slots
+from kvref.memory.batch import Batch, BatchAllocr, UBatch
 
 SLOTS_C = _load_compiled("memory.slots")
 EXAMPLES = int(os.environ.get("KVREF_HYPOTHESIS_EXAMPLES", "200"))
@@ -334,6 +336,34 @@ def test_single_seq_batch_twins_agree(seq, data) -> None:
     a, b = (m.seq_lists(seq_a) for m in mods)
     assert same(a, b) and a[:2] == ([[s] for s in seq], present)
     assert [int(a[2][s]) for s in present] == list(range(len(present))) and int((a[2] >= 0).sum()) == len(present)
+
+
+@settings(max_examples=EXAMPLES, deadline=None)
+@given(
+    seq=st.lists(st.integers(0, 255), min_size=1, max_size=10),
+    logits=st.one_of(st.none(), st.lists(st.booleans(), min_size=10, max_size=10)),
+    dtype=st.sampled_from([np.int32, np.int32, np.int64]),  # int64: the C twin hands it to the Python twin
+)
+def test_single_ubatch_twins_agree(seq, logits, dtype) -> None:
+    """single_ubatch gives the same fields, in the dataclass's order, on both twins, and the ubatch they make equals
+    the one the batch allocator's split_simple makes of the same batch."""
+    mods = twins()
+    n = len(seq)
+    per_seq = [seq[:i].count(s) for i, s in enumerate(seq)]  # each sequence's positions from 0
+    tok, pos, sq = (np.asarray(v, dtype=dtype) for v in (np.arange(n) + 7, per_seq, seq))
+    lg = None if logits is None else np.asarray(logits[:n], dtype=np.bool_)
+    a, b = (m.single_ubatch(tok, pos, sq, lg) for m in mods)
+    assert list(a) == list(b) == [f.name for f in dataclasses.fields(UBatch)]
+    for k in a:
+        assert same(a[k], b[k]), (k, a[k], b[k])
+    assert a["token"] is tok and a["pos"] is pos  # the ubatch owns the step's arrays
+    balloc = BatchAllocr()
+    batch = Batch(tokens=tok, pos=pos, seq_ids=[[int(s)] for s in seq], logits=lg)
+    balloc.init(batch, n_seq_max=256)
+    want = balloc.split_simple(n)
+    for k in a:
+        if k not in ("token", "pos"):
+            assert same(a[k], getattr(want, k)), (k, a[k], getattr(want, k))
 
 
 # ------------------------------------------------------------------------------------------ a restore's slot

@@ -459,6 +459,22 @@ cdef class KVCells:
         self._tighten()
         return self._hi
 
+    def n_kv(self, n_pad):
+        """This stream's part of llama_kv_cache::get_n_kv: ``used_max_p1`` rounded up to a multiple of ``n_pad``
+        (``n_pad`` >= 1), at least ``n_pad``, at most ``size``."""
+        cdef CellsGuard guard
+        _take(self, "n_kv", guard)
+        cdef int64_t pad = _clamp64(n_pad), padded
+        if pad < 1:
+            raise CellError(f"n_kv: n_pad {_as_int(n_pad)} is below 1")
+        if pad >= self._n:  # every cell (and no overflow below)
+            return self._n
+        self._tighten()
+        padded = (self._hi + pad - 1) // pad * pad
+        if padded < pad:
+            padded = pad
+        return padded if padded < self._n else self._n
+
     def used_cells(self):
         """Indices of the used cells, ascending (llama.cpp's ``used`` set)."""
         cdef CellsGuard guard

@@ -162,6 +162,10 @@ class KVCells:
         # the guard of the public methods (see `_atomic_methods` and the module docstring): a lock and its owner
         self._lock = threading.Lock()
         self._owner: int | None = None
+        # public calls that may have changed the cells (`_atomic_methods` counts every call but the readers'), and
+        # used_max_p1's answer at a count: it is found again only after a change
+        self._mutations = 0
+        self._hi_at = (-1, 0)
         self.resize(size)
 
     # ------------------------------------------------------------------ whole-array state
@@ -223,8 +227,24 @@ class KVCells:
 
     def used_max_p1(self) -> int:
         """Index of the last used cell + 1, 0 when none is used."""
+        return self._used_max_p1()
+
+    def _used_max_p1(self) -> int:
+        seen, value = self._hi_at
+        if seen == self._mutations:  # nothing changed since it was last found (get_n_kv asks every ubatch and layer)
+            return value
         idx = np.flatnonzero(self._pos != -1)
-        return int(idx[-1]) + 1 if idx.size else 0
+        value = int(idx[-1]) + 1 if idx.size else 0
+        self._hi_at = (self._mutations, value)
+        return value
+
+    def n_kv(self, n_pad: int) -> int:
+        """This stream's part of llama_kv_cache::get_n_kv: ``used_max_p1`` rounded up to a multiple of ``n_pad``
+        (``n_pad`` >= 1), at least ``n_pad``, at most ``size``."""
+        n_pad = _as_int(n_pad)
+        if n_pad < 1:
+            raise CellError(f"n_kv: n_pad {n_pad} is below 1")
+        return min(max(-(-self._used_max_p1() // n_pad) * n_pad, n_pad), self.size())
 
     def used_cells(self) -> IntArray:
         """Indices of the used cells, ascending (llama.cpp's ``used`` set)."""
@@ -868,6 +888,12 @@ class KVCells:
 
 # the methods that read one number run without the guard (as in the Cython twin)
 _UNGUARDED = frozenset({"size", "get_used", "get_has_shift"})
+# the public methods that never change the cells; a call of any other one counts as a change (`_mutations`)
+_READERS = _UNGUARDED | {
+    "used_min", "used_max_p1", "n_kv", "used_cells", "cp", "is_empty", "seq_count", "seq_get_all", "seq_has",
+    "seq_get", "seq_pos_min", "seq_pos_max", "seq_pos_get", "seq_pos_tok_le", "pos_get", "ext_get", "get_shift",
+    "pos_in", "seq_pos_min_many", "seq_pos_max_many",
+}  # fmt: skip
 
 
 def _atomic_methods(cls: type) -> type:
@@ -877,6 +903,7 @@ def _atomic_methods(cls: type) -> type:
 
     def guarded(f: Callable[Concatenate[KVCells, _P], _R]) -> Callable[Concatenate[KVCells, _P], _R]:
         what = f.__name__
+        changes = 0 if what in _READERS else 1
 
         @functools.wraps(f)
         def run(self: KVCells, *args: _P.args, **kw: _P.kwargs) -> _R:
@@ -889,6 +916,7 @@ def _atomic_methods(cls: type) -> type:
             try:
                 return f(self, *args, **kw)
             finally:
+                self._mutations += changes  # after an error too: counting a call that changed nothing is safe
                 self._owner = None
                 self._lock.release()
 

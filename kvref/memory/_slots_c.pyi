@@ -4,6 +4,7 @@ import numpy as np
 import numpy.typing as npt
 
 from kvref.memory._cells_py import KVCells
+from kvref.memory._slots_py import RecurrentCells
 
 def find_cells(
     cells: KVCells, head: int, n_tokens: int, cont: bool, n_swa: int, swa_type: int
@@ -51,6 +52,20 @@ def plan_single(
     swa_type: int,
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int32], npt.NDArray[np.int32], npt.NDArray[np.int32]] | None: ...
 def seq_lists(seq: npt.NDArray[np.int32]) -> tuple[list[list[int]], list[int], npt.NDArray[np.int32]]: ...
+def single_ubatch(
+    token: npt.NDArray[np.int32],
+    pos: npt.NDArray[np.int32],
+    seq: npt.NDArray[np.int32],
+    logits: npt.NDArray[np.bool_] | None,
+) -> dict[str, object]: ...
+def recurrent_owned_step(
+    mem: RecurrentCells,
+    tokens: npt.NDArray[np.int64],
+    pos: npt.NDArray[np.int64] | None,
+    seq_ids: list[list[int]] | None,
+    logits: npt.NDArray[np.bool_] | None,
+    n_seq_max: int,
+) -> tuple[dict[str, object], int, npt.NDArray[np.int32]] | None: ...
 def seq_flat(
     seq_ids: list[list[int]],
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int, int, bool] | None: ...
@@ -62,10 +77,12 @@ __all__ = [
     "place_single",
     "plain_seq_ids",
     "plan_single",
+    "recurrent_owned_step",
     "seq_flat",
     "seq_lists",
     "single_seq_batch",
     "single_seq_ids",
+    "single_ubatch",
     "token_batch",
     "used_targets",
 ]

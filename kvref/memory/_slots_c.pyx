@@ -15,12 +15,15 @@ index is a plain int; anything unusual (a repeated or out-of-range index, a shar
 not an int) is handed to the Python twin, which changes nothing and raises the error it states.
 
 The batch allocator's kernels (``plain_seq_ids``, ``single_seq_ids``, ``single_seq_batch``, ``seq_lists``,
-``seq_flat``) read Python lists and NumPy buffers in one C pass each, with the answers of the Python twin.
+``seq_flat``, ``single_ubatch``) read Python lists and NumPy buffers in one C pass each, with the answers of the Python
+twin.
 """
 
-from libc.stdint cimport INT32_MIN as INT32_MIN_C, INT64_MIN, int32_t, int64_t, uint32_t, uint64_t
+from libc.stdint cimport INT32_MIN as INT32_MIN_C, INT64_MIN, int8_t, int32_t, int64_t, uint32_t, uint64_t
 from libcpp.algorithm cimport sort
+from libc.string cimport memset
 from libcpp.vector cimport vector
+from cpython.dict cimport PyDict_Copy
 
 cimport numpy as cnp
 
@@ -29,7 +32,11 @@ import numpy as np
 from kvref.memory._cells_c cimport CellsGuard, KVCells as CKVCells
 from kvref.constants cimport LLAMA_MAX_SEQ as MAX_SEQ, N_SEQ_WORDS as N_WORDS
 
-from kvref.memory._slots_py import used_targets as _used_targets_py
+from kvref.memory._slots_py import (
+    recurrent_owned_step as _recurrent_owned_step_py,
+    single_ubatch as _single_ubatch_py,
+    used_targets as _used_targets_py,
+)
 
 cnp.import_array()
 
@@ -541,6 +548,179 @@ def seq_lists(seq):
     return out, unq, seq_idx
 
 
+def single_ubatch(token, pos, seq, logits):
+    """The fields of the ubatch ``split_simple`` makes of a whole batch of one sequence id and one position per token,
+    in the dataclass's field order (kvref/memory/_slots_py.py states it); on int32 vectors and bool flags (what a
+    decode step's plan holds) in one C pass, else through the Python twin."""
+    cdef cnp.npy_intp n = -1
+    if cnp.PyArray_CheckExact(token):
+        n = (<cnp.ndarray>token).shape[0]
+    if n <= 0 or not (_int32_vector(token, n) and _int32_vector(pos, n) and _int32_vector(seq, n)) or not (
+            logits is None or _bool_vector(logits, n)):
+        return _single_ubatch_py(token, pos, seq, logits)
+    return _single_ubatch_c(token, pos, seq, logits, n)
+
+
+cdef inline bint _bool_vector(object a, cnp.npy_intp n):
+    return (cnp.PyArray_CheckExact(a) and cnp.PyArray_TYPE(<cnp.ndarray>a) == cnp.NPY_BOOL
+            and (<cnp.ndarray>a).ndim == 1 and (<cnp.ndarray>a).shape[0] == n
+            and cnp.PyArray_IS_C_CONTIGUOUS(<cnp.ndarray>a))
+
+
+cdef dict _single_ubatch_c(object token, object pos, object seq, object logits, cnp.npy_intp n):
+    # single_ubatch on checked arrays: int32 token, pos and seq of n entries, logits None or n bools
+    cdef const int32_t* sv = <const int32_t*>cnp.PyArray_DATA(<cnp.ndarray>seq)
+    cdef cnp.npy_intp n_seq = MAX_SEQ
+    cdef cnp.ndarray seq_idx = cnp.PyArray_EMPTY(1, &n_seq, cnp.NPY_INT32, 0)
+    cdef cnp.ndarray n_seq_id = cnp.PyArray_EMPTY(1, &n, cnp.NPY_INT32, 0)
+    cdef cnp.ndarray output = cnp.PyArray_EMPTY(1, &n, cnp.NPY_INT8, 0)
+    cdef cnp.ndarray batch_idxs = cnp.PyArray_EMPTY(1, &n, cnp.NPY_INT32, 0)
+    cdef int32_t* x = <int32_t*>cnp.PyArray_DATA(seq_idx)
+    cdef int32_t* ns = <int32_t*>cnp.PyArray_DATA(n_seq_id)
+    cdef int8_t* o = <int8_t*>cnp.PyArray_DATA(output)
+    cdef int32_t* bi = <int32_t*>cnp.PyArray_DATA(batch_idxs)
+    cdef const char* lg = NULL
+    cdef list seq_id = [None] * n
+    cdef list unq = []
+    cdef Py_ssize_t i
+    cdef int s, k = 0, lo = MAX_SEQ, hi = -1
+    cdef int32_t v
+    if logits is not None:
+        lg = <const char*>cnp.PyArray_DATA(<cnp.ndarray>logits)
+    memset(x, 0xFF, MAX_SEQ * sizeof(int32_t))  # -1 everywhere
+    for i in range(n):
+        v = sv[i]
+        seq_id[i] = [v]
+        if 0 <= v < MAX_SEQ:
+            x[v] = 0
+            if v < lo:
+                lo = v
+            if v > hi:
+                hi = v
+        ns[i] = 1
+        bi[i] = <int32_t>i
+        o[i] = (lg[i] != 0) if lg != NULL else 0
+    if lg == NULL:
+        o[n - 1] = 1
+    for s in range(lo, hi + 1):  # the ids met, ascending
+        if x[s] == 0:
+            x[s] = k
+            k += 1
+            unq.append(s)
+    cdef dict d = PyDict_Copy(_UBATCH_FIELDS)  # a copy of the keys in order, then the values: half a new dict's cost
+    d["n_tokens"] = n
+    d["n_seqs"] = n
+    d["n_seqs_unq"] = k
+    d["token"] = token
+    d["pos"] = pos
+    d["n_seq_id"] = n_seq_id
+    d["seq_id"] = seq_id
+    d["seq_id_unq"] = unq
+    d["seq_idx"] = seq_idx
+    d["output"] = output
+    d["batch_idxs"] = batch_idxs
+    return d
+
+
+def recurrent_owned_step(mem, tokens, pos, seq_ids, logits, n_seq_max):
+    """A recurrent memory's decode step of one sequence that owns its state's cell alone (kvref/memory/_slots_py.py
+    states it): on int64 token and position vectors and a memory whose cells are lists of ints (``seq``: of sets),
+    the checks, find_slot's writes and the ubatch's fields in one C pass; otherwise the Python twin."""
+    if not (_int64_vector(tokens) and (pos is None or _int64_vector(pos))
+            and (logits is None or _bool_vector(logits, (<cnp.ndarray>tokens).shape[0]))):
+        return _recurrent_owned_step_py(mem, tokens, pos, seq_ids, logits, n_seq_max)
+    lp, lsrc, lsrc0, ltail, lseq = mem.pos, mem.src, mem.src0, mem.tail, mem.seq
+    if not (type(lp) is list and type(lsrc) is list and type(lsrc0) is list and type(ltail) is list
+            and type(lseq) is list):
+        return _recurrent_owned_step_py(mem, tokens, pos, seq_ids, logits, n_seq_max)
+    cdef list cpos = <list>lp, csrc = <list>lsrc, csrc0 = <list>lsrc0, ctail = <list>ltail, cseq = <list>lseq
+    cdef Py_ssize_t size = len(cseq), i
+    cdef cnp.npy_intp n = (<cnp.ndarray>tokens).shape[0]
+    if n <= 0 or len(cpos) != size or len(csrc) != size or len(csrc0) != size or len(ctail) != size:
+        return None
+    cdef cnp.ndarray seq = cnp.PyArray_EMPTY(1, &n, cnp.NPY_INT32, 0)
+    cdef int32_t* sq = <int32_t*>cnp.PyArray_DATA(seq)
+    if not _one_seq_ids(seq_ids, n, n_seq_max, sq):
+        return None
+    cdef int32_t sid = sq[0]
+    for i in range(1, n):
+        if sq[i] != sid:
+            return None
+    if sid >= size:
+        return None
+    cdef long t = ctail[sid]
+    if t < 0 or t >= size:
+        return None
+    cell = cseq[t]
+    if type(cell) is not set or len(<set>cell) != 1 or sid not in <set>cell:
+        return None
+    cdef int64_t last[MAX_SEQ]
+    cdef long cp
+    last[sid] = -1  # seq_pos_max(sid): llama.cpp's running maximum starts at -1
+    for i in range(size):
+        if sid in cseq[i]:
+            cp = cpos[i]
+            if cp > last[sid]:
+                last[sid] = cp
+    cdef cnp.ndarray p = cnp.PyArray_EMPTY(1, &n, cnp.NPY_INT32, 0)
+    cdef const int64_t* tv = <const int64_t*>cnp.PyArray_DATA(<cnp.ndarray>tokens)
+    cdef const int64_t* pv = NULL
+    if pos is not None:
+        if (<cnp.ndarray>pos).shape[0] < n:
+            return None
+        pv = <const int64_t*>cnp.PyArray_DATA(<cnp.ndarray>pos)
+    cdef int32_t* pp = <int32_t*>cnp.PyArray_DATA(p)
+    if not _single_seq_batch_c(tv, pv, sq, n, last, -1, False, pp):
+        return None
+    cdef long pos_t = cpos[t], src_t = csrc[t]
+    cdef int32_t last_pos = pp[n - 1]
+    if pos_t >= 0 and last_pos != pos_t + n:
+        return None  # find_slot warns of non-consecutive positions: the general path says it
+    cdef long rs_z = t
+    for i in range(size):
+        if csrc[i] == t:
+            rs_z = -1
+            break
+    if src_t < 0 and rs_z < 0:
+        return None  # find_slot raises: no zeroed state
+    cdef cnp.ndarray tok = cnp.PyArray_EMPTY(1, &n, cnp.NPY_INT32, 0)
+    cdef int32_t* t32 = <int32_t*>cnp.PyArray_DATA(tok)
+    for i in range(n):
+        t32[i] = <int32_t>tv[i]  # as astype(np.int32)
+    cdef dict fields = _single_ubatch_c(tok, p, seq, logits, n)
+    fields["equal_seqs"] = True
+    fields["n_seq_tokens"] = n
+    fields["n_seqs"] = 1
+    # find_slot's writes (nothing above changed the memory)
+    if mem.head > mem.used + 2:
+        mem.head = 0
+    cpos[t] = last_pos
+    cseq[t] = {sid}
+    ctail[sid] = t
+    mem.rs_z = rs_z
+    csrc0[t] = src_t if src_t >= 0 else rs_z
+    csrc[t] = t
+    mem.head = t
+    mem.n = 1
+    cdef Py_ssize_t used = 0
+    for i in range(size):
+        if cseq[i]:
+            used += 1
+    mem.used = used
+    cdef cnp.npy_intp one = 1
+    cdef cnp.ndarray s_copy = cnp.PyArray_EMPTY(1, &one, cnp.NPY_INT32, 0)
+    (<int32_t*>cnp.PyArray_DATA(s_copy))[0] = <int32_t>(src_t if src_t >= 0 else rs_z)
+    return fields, t, s_copy
+
+
+# single_ubatch's fields in the dataclass's order, with the values every such ubatch has
+cdef dict _UBATCH_FIELDS = {
+    "equal_seqs": False, "n_tokens": 0, "n_seq_tokens": 1, "n_seqs": 0, "n_seqs_unq": 0, "n_pos": 1, "token": None,
+    "embd": None, "pos": None, "n_seq_id": None, "seq_id": None, "seq_id_unq": None, "seq_idx": None, "output": None,
+    "batch_idxs": None,
+}
+
+
 def seq_flat(seq_ids):
     """A ubatch's sequence ids for apply_ubatch: (ids per token, all ids in token order, the smallest id, the largest
     id, whether every token has exactly one id); None unless ``seq_ids`` is a list of lists of plain ``int``."""
@@ -712,6 +892,7 @@ cdef tuple _plan_single_c(CKVCells cells, object head, cnp.ndarray tokens, objec
 
 
 __all__ = [
-    "find_cells", "int32_values", "place_planned", "place_single", "plain_seq_ids", "plan_single", "seq_flat",
-    "seq_lists", "single_seq_batch", "single_seq_ids", "token_batch", "used_targets",
+    "find_cells", "int32_values", "place_planned", "place_single", "plain_seq_ids", "plan_single",
+    "recurrent_owned_step", "seq_flat",
+    "seq_lists", "single_seq_batch", "single_seq_ids", "single_ubatch", "token_batch", "used_targets",
 ]

@@ -35,7 +35,7 @@ path whenever these answer None), and the reading of a ubatch's sequence ids for
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import numpy.typing as npt
@@ -370,6 +370,96 @@ def seq_lists(seq: IntArray) -> tuple[list[list[int]], list[int], IntArray]:
     return [[s] for s in flat], unq, _seq_index(unq)
 
 
+def single_ubatch(
+    token: IntArray, pos: IntArray, seq: IntArray, logits: npt.NDArray[np.bool_] | None
+) -> dict[str, object]:
+    """The fields of the ubatch ``split_simple`` makes of a whole batch of one sequence id and one position per token
+    (``kvref.memory.batch.UBatch.whole_single``), in the dataclass's field order: ``token``, ``pos`` and ``seq`` int32
+    (the ubatch keeps ``token`` and ``pos``), ``logits`` the batch's bool flags or None (only the last token
+    outputs)."""
+    n = int(token.shape[0])
+    seq_id, seq_id_unq, seq_idx = seq_lists(seq)
+    if logits is not None:
+        output = logits.astype(np.int8)
+    else:
+        output = np.zeros(n, dtype=np.int8)
+        output[-1] = 1
+    return dict(
+        equal_seqs=False, n_tokens=n, n_seq_tokens=1, n_seqs=n, n_seqs_unq=len(seq_id_unq), n_pos=1, token=token,
+        embd=None, pos=pos, n_seq_id=np.ones(n, np.int32), seq_id=seq_id, seq_id_unq=seq_id_unq, seq_idx=seq_idx,
+        output=output, batch_idxs=np.arange(n, dtype=np.int32),
+    )  # fmt: skip
+
+
+class RecurrentCells(Protocol):
+    """What ``recurrent_owned_step`` reads and writes of a recurrent memory (``kvref.memory.recurrent``): its cells
+    as lists (``pos``, ``src``, ``src0``, ``tail``, ``seq``: one set of sequence ids per cell) and find_slot's
+    counters."""
+
+    pos: list[int]
+    src: list[int]
+    src0: list[int]
+    tail: list[int]
+    seq: list[set[int]]
+    head: int
+    used: int
+    n: int
+    rs_z: int
+
+
+def recurrent_owned_step(
+    mem: RecurrentCells,
+    tokens: npt.NDArray[np.int64],
+    pos: npt.NDArray[np.int64] | None,
+    seq_ids: list[list[int]] | None,
+    logits: npt.NDArray[np.bool_] | None,
+    n_seq_max: int,
+) -> tuple[dict[str, object], int, IntArray] | None:
+    """A recurrent memory's decode step of one sequence that owns its state's cell alone, whole: the batch allocator's
+    one-pass check (``single_seq_ids`` below ``n_seq_max``, ``single_seq_batch`` after the memory's ``seq_pos_max``),
+    then llama_memory_recurrent::find_slot for that ubatch, which here only does this (in its order): the head
+    goes back to 0 when more than ``used + 2`` cells lie before it; the sequence keeps its cell ``t`` (no other cell
+    changes: no move, no swap); ``t`` gets the ubatch's last position and the sequence; ``rs_z`` is ``t`` unless a
+    cell copies its state from ``t``; ``src0[t]`` stages ``src[t]`` (``rs_z`` when it has none), then ``src[t] = t``;
+    ``head = t``, ``n = 1``, ``used`` counted again. Returns the ubatch's fields (the one ``split_equal`` makes:
+    `single_ubatch` as one sequence set), ``t`` and the graph's ``s_copy`` (int32 ``[src0[t]]``: no rollback).
+    None, with nothing changed, for any other batch, a sequence without a cell of its own, positions that do not
+    continue the cell's (find_slot would warn) or no zeroed state."""
+    n = int(tokens.shape[0])
+    ids = single_seq_ids(seq_ids, n, n_seq_max) if n > 0 else None
+    if ids is None or len(ids[1]) != 1:
+        return None
+    seq, (sid,), _seq_idx = ids
+    cells = mem.seq
+    if sid >= len(cells) or mem.tail[sid] < 0 or cells[mem.tail[sid]] != {sid}:
+        return None
+    t = mem.tail[sid]
+    pos_max = max([-1, *(mem.pos[i] for i in range(len(cells)) if sid in cells[i])])  # seq_pos_max(sid)
+    p = single_seq_batch(tokens, pos, seq, [sid], [pos_max], -1, False)
+    if p is None:
+        return None
+    last_pos = int(p[-1])
+    if mem.pos[t] >= 0 and last_pos != mem.pos[t] + n:
+        return None  # find_slot warns of non-consecutive positions: the general path says it
+    rs_z = -1 if t in mem.src else t
+    if mem.src[t] < 0 and rs_z < 0:
+        return None  # find_slot raises: no zeroed state
+    if mem.head > mem.used + 2:
+        mem.head = 0
+    mem.pos[t] = last_pos
+    cells[t] = {sid}
+    mem.tail[sid] = t
+    mem.rs_z = rs_z
+    mem.src0[t] = mem.src[t] if mem.src[t] >= 0 else rs_z
+    mem.src[t] = t
+    mem.head = t
+    mem.n = 1
+    mem.used = sum(1 for c in cells if c)
+    fields = single_ubatch(tokens.astype(np.int32), p, seq, logits)
+    fields.update(equal_seqs=True, n_seq_tokens=n, n_seqs=1)
+    return fields, t, np.array([mem.src0[t]], dtype=np.int32)
+
+
 def seq_flat(
     seq_ids: list[list[int]],
 ) -> tuple[npt.NDArray[np.int64], npt.NDArray[np.int64], int, int, bool] | None:
@@ -399,10 +489,12 @@ __all__ = [
     "place_single",
     "plain_seq_ids",
     "plan_single",
+    "recurrent_owned_step",
     "seq_flat",
     "seq_lists",
     "single_seq_batch",
     "single_seq_ids",
+    "single_ubatch",
     "token_batch",
     "used_targets",
 ]

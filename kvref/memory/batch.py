@@ -87,27 +87,28 @@ class UBatch:
     ) -> UBatch:
         """The ubatch ``split_simple`` makes of a whole token batch of one sequence id per token (``token``, ``pos``
         and ``seq`` int32, one position each, the batch's ``logits``; the ubatch owns them), equal to the one the
-        allocator builds. Its fields are built when one is first read (a decode step's caller often reads none)."""
-        ub = cls.__new__(cls)
-        ub.__dict__["_whole"] = (token, pos, seq, logits)
+        allocator builds. Its fields are made in one pass of the slots twin (``single_ubatch``): a decode step's caller
+        reads them next (the KQ mask does)."""
+        ub = object.__new__(cls)
+        ub.__dict__ = _kernels.impl.single_ubatch(token, pos, seq, logits)  # the fields, in their order
         return ub
 
-    if not TYPE_CHECKING:  # mypy: a UBatch has its fields only
-
-        def __getattr__(self, name: str) -> object:
-            # only reached for an attribute the instance lacks: the fields of a `whole_single` ubatch, first read
-            whole = None if name.startswith("__") else self.__dict__.pop("_whole", None)
-            if whole is None:
-                raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
-            token, pos, seq, logits = whole
-            n = len(token)
-            seq_id, seq_id_unq, seq_idx = _kernels.impl.seq_lists(seq)
-            self.__init__(
-                equal_seqs=False, n_tokens=n, n_seq_tokens=1, n_seqs=n, n_seqs_unq=len(seq_id_unq), n_pos=1,
-                token=token, embd=None, pos=pos, n_seq_id=np.ones(n, np.int32), seq_id=seq_id, seq_id_unq=seq_id_unq,
-                seq_idx=seq_idx, output=output_flags(logits, n), batch_idxs=np.arange(n, dtype=np.int32),
-            )  # fmt: skip
-            return getattr(self, name)
+    @classmethod
+    def whole_one_seq(
+        cls,
+        token: npt.NDArray[np.int32],
+        pos: npt.NDArray[np.int32],
+        seq: npt.NDArray[np.int32],
+        logits: npt.NDArray[np.bool_] | None,
+    ) -> UBatch:
+        """The ubatch ``split_equal`` (and ``split_seq``) makes of a whole token batch of one sequence, one position
+        per token: `whole_single`'s fields as one sequence set of ``n_tokens`` tokens (``equal_seqs``)."""
+        ub = cls.whole_single(token, pos, seq, logits)
+        fields = ub.__dict__
+        fields["equal_seqs"] = True
+        fields["n_seq_tokens"] = fields["n_tokens"]
+        fields["n_seqs"] = 1
+        return ub
 
     @classmethod
     def empty(cls) -> UBatch:

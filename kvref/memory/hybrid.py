@@ -8,7 +8,7 @@ The state is the attention section(s) followed by the recurrent section.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Literal, NamedTuple, cast
 
 from ..args import as_state_args
@@ -16,17 +16,26 @@ from ..errors import NoSlotError
 from ..ggml.types import GGMLType
 from ..hparams import HParams, SWAType
 from ..profile import DEFAULT, Profile, resolve
-from .base import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, ContextParams, PairedMemory, read_parts
+from .base import (
+    LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY,
+    ContextParams,
+    PairedMemory,
+    decode_batch,
+    decode_seq_bound,
+    over_n_batch,
+    read_parts,
+)
 from .kv_cache import KVCache, YarnParams
 from .kv_cache_iswa import ISWASlot, KVCacheISWA
 from .recurrent import RecurrentMemory, RecurrentSlot
 from .slots import SlotInfo
 
 if TYPE_CHECKING:
+    import numpy.typing as npt
     from typing_extensions import Buffer, Unpack
 
     from .base import MemoryPart
-    from .batch import BatchAllocr, UBatch
+    from .batch import Batch, BatchAllocr, UBatch
 
 
 class HybridSlot(NamedTuple):
@@ -119,6 +128,13 @@ class HybridMemory(PairedMemory[SlotInfo | ISWASlot, HybridSlot]):
             n_rs_seq=n_rs_seq,
             compat=self.profile,
         )
+        # decode's one-call step (`_decode_owned`): one KV stream, and the parts bound sequence ids as the memory does
+        bound = decode_seq_bound(self.profile, self.kv_unified, self.recr.n_seq_max)
+        self._one_call = (
+            isinstance(self.attn, KVCache)
+            and self.attn.n_stream == 1
+            and self.attn._seq_bound == self.recr._seq_bound == bound
+        )
 
     def attention_cache(self, sinfo: HybridSlot | None = None, *, swa: bool = False) -> tuple[KVCache, SlotInfo | None]:
         """The cache a KQ mask is built over: the attention part's (its base or SWA cache for hybrid_iswa)."""
@@ -203,6 +219,54 @@ class HybridMemory(PairedMemory[SlotInfo | ISWASlot, HybridSlot]):
         if not slots:
             raise NoSlotError("failed to prepare attention ubatches")
         return list(zip(ubatches, slots, strict=True))
+
+    def decode(
+        self,
+        batch: Batch,
+        n_ubatch: int = 512,
+        *,
+        k: Mapping[int, npt.ArrayLike] | None = None,
+        v: Mapping[int, npt.ArrayLike] | None = None,
+        balloc: BatchAllocr | None = None,
+        embd_all: bool = False,
+        on_ubatch: Callable[[UBatch, HybridSlot], None] | None = None,
+    ) -> list[tuple[UBatch, HybridSlot]]:
+        """What llama_decode does to the memory (`kvref.memory.base.decode_batch`); ``k`` / ``v`` rows go to the
+        attention cache that owns each layer. The common step of one sequence takes `_decode_owned`."""
+        if (
+            balloc is None
+            and not embd_all
+            and not k
+            and not v
+            and on_ubatch is None
+            and self._one_call
+            and not over_n_batch(self.cparams, batch)
+        ):
+            step = self._decode_owned(batch, n_ubatch)
+            if step is not None:
+                return [step]
+        return decode_batch(self, batch, n_ubatch, k=k, v=v, balloc=balloc, embd_all=embd_all, on_ubatch=on_ubatch)
+
+    def _decode_owned(self, batch: Batch, n_ubatch: int) -> tuple[UBatch, HybridSlot] | None:
+        """decode_batch for the common step of a hybrid memory with one KV stream: the tokens of one sequence that
+        owns its recurrent state, continuing both parts (their ``seq_pos_max`` agree, so the memory's is theirs),
+        in one ubatch. The attention part plans it first (`KVCache._single`, nothing written), then the recurrent
+        part places it (`RecurrentMemory._decode_owned`: the checks, find_slot, split_equal's ubatch), then the plan
+        is written (`KVCache._commit_single`). prepare's trial runs are skipped: a planned step fits. None, with
+        nothing changed, for any other step."""
+        attn, recr = self.attn, self.recr
+        assert isinstance(attn, KVCache)  # _one_call
+        plan = attn._single(batch, n_ubatch, False)
+        if plan is None:
+            return None
+        sid = int(plan[2][0])
+        if attn.seq_pos_max(sid) != recr.seq_pos_max(sid):
+            return None
+        step = recr._decode_owned(batch, n_ubatch)
+        if step is None:
+            return None
+        ub, rslot = step
+        return ub, HybridSlot(attn._commit_single(plan), rslot)
 
     def _decode_n_seq_max(self) -> int:
         return self.recr.n_seq_max

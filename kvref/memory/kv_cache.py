@@ -34,7 +34,7 @@ from ..profile import DEFAULT, Profile, first_release, resolve
 from . import kv_state as _kv_state
 from . import slot_kernels as _kernels
 from . import slots as _slots
-from .base import ContextParams, decode_batch, decode_seq_bound, over_n_batch, store_rows
+from .base import ContextParams, decode_batch, decode_seq_bound, store_rows
 from .batch import UBatch
 from .cells import LLAMA_MAX_SEQ, POS_MAX, KVCells
 from .kshift import GGML_CPU, ROPE_NEOX, RopeKernel, RopeParams, shift_k_rows
@@ -576,7 +576,7 @@ class KVCache:
         the batch does not fit; the cells and heads are then as prepare() leaves them after a failure: the
         pending update applied and, with SWA, any purge done while trying earlier ubatches kept (as in
         llama.cpp)."""
-        if balloc is None and not embd_all and self.n_stream == 1 and not over_n_batch(self.cparams, batch):
+        if balloc is None and not embd_all and self.n_stream == 1:  # _single leaves a batch over n_batch to it
             step = self._decode_single(batch, n_ubatch)
             if step is not None:  # the common step, done in one call: what decode_batch would have done
                 ub, slot = step
@@ -588,9 +588,9 @@ class KVCache:
     def _single(self, batch: Batch, n_ubatch: int, write: bool) -> SinglePlan | None:
         """The common step of a one-stream cache in one call into the slots twins: token ids without embeddings, one
         sequence id per token, one position each (no M-RoPE), one ubatch, nothing pending (no K-shift, no stream
-        copy). ``write``: placed into empty cells (``place_single``), else only planned (``plan_single``). None, with
-        nothing changed, for any other step or when a part declines: decode_batch then does each part in turn,
-        raising its errors in its order."""
+        copy), at most n_batch tokens. ``write``: placed into empty cells (``place_single``), else only planned
+        (``plan_single``). None, with nothing changed, for any other step or when a part declines: decode_batch then
+        does each part in turn, raising its errors in its order."""
         tokens, pos, logits = batch.tokens, batch.pos, batch.logits
         if (
             type(tokens) is not np.ndarray
@@ -604,6 +604,9 @@ class KVCache:
         n = tokens.shape[0]
         if not (logits is None or (type(logits) is np.ndarray and logits.dtype == np.bool_ and logits.shape == (n,))):
             return None
+        cparams = self.cparams
+        if cparams is not None and n > cparams.n_batch:  # over_n_batch: llama_decode asserts (decode_batch raises)
+            return None
         cells = self._cells[0]
         if cells.get_has_shift() or self._mrope:
             return None
@@ -616,7 +619,7 @@ class KVCache:
     def _decode_single(self, batch: Batch, n_ubatch: int) -> tuple[UBatch, SlotInfo] | None:
         """decode_batch's validation, update, split, prepare and apply for the common step (`_single`) in one
         kernel call, when every token gets an empty cell. None, with nothing changed, for any other step or when
-        any part declines. The ubatch is built when read."""
+        any part declines. The ubatch's fields are made at once (``UBatch.whole_single``)."""
         placed = self._single(batch, n_ubatch, True)
         if placed is None:
             return None
@@ -625,7 +628,7 @@ class KVCache:
         self._checked = None
         logits: npt.NDArray[np.bool_] | None = batch.logits  # type: ignore[assignment]  # _single checked it
         ub = UBatch.whole_single(placed[3], placed[1], placed[2], logits if logits is None else logits.copy())
-        return ub, SlotInfo(0, 0, [0], [idxs])
+        return ub, SlotInfo.one_stream(idxs)
 
     def _commit_single(self, plan: SinglePlan) -> SlotInfo:
         """Write a planned step (``_single(..., write=False)``, nothing changed since) as apply_ubatch does: a used
@@ -677,13 +680,7 @@ class KVCache:
         result = 0
         cells = self._cells
         for s in range(self.n_stream) if profile.get_n_kv_streams == "all" else sinfo.strm:
-            c = cells[s]
-            padded = -(-c.used_max_p1() // n_pad_cur) * n_pad_cur
-            if padded < n_pad_cur:
-                padded = n_pad_cur
-            size = c.size()
-            if padded > size:
-                padded = size
+            padded = cells[s].n_kv(n_pad_cur)
             if padded > result:
                 result = padded
         return result

@@ -9,6 +9,11 @@ which a KV cache gathers for itself, is ``kvref.memory.mask_kernels.k_shift_inpu
     ub, sinfo = placed[-1]
     mask = fill_kq_mask(cache, ub, sinfo=sinfo)     # (n_stream, n_tps, n_kv) float32, 0 / -inf
 
+A caller that steps repeatedly keeps its buffer, as llama.cpp refills its mask tensor: ``fill_kq_mask(cache, ub, buf,
+sinfo=sinfo)`` fills ``buf`` (float32 or float16, C-contiguous, writeable, of the mask's shape: n_kv is
+``cache.get_n_kv(sinfo)``) and returns it; a buffer of another dtype, shape or layout raises ``ArgumentTypeError`` /
+``ArgumentError`` naming ``out``, before anything is written.
+
 The semantics (which cells a token attends) are documented in ``kvref/memory/_mask_py.py``.
 """
 
@@ -19,7 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import ArgumentError, KVRefError
+from ..errors import ArgumentError, ArgumentTypeError, KVRefError
 from . import mask_kernels as _kernels
 from .mask_kernels import (
     BACKEND,
@@ -96,7 +101,9 @@ def fill_kq_mask(
     flash-attention mask). ``causal`` defaults to ``hparams.causal_attn``; ``n_swa`` / ``swa_type`` to the
     cache's own window (the SWA half of an iSWA cache has one, the base half none); ``non_causal_type``
     and ``alibi`` to the hparams (HParams' default ``non_causal_type`` is 0, ALL). ``out`` is
-    reused when given: its shape must match, and its dtype (float32 or float16) overrides ``dtype``.
+    filled and returned when given (the caller's buffer, kept between steps): a writeable C-contiguous NumPy array of
+    the mask's shape, whose dtype (float32 or float16) overrides ``dtype``; anything else raises ArgumentTypeError
+    (not an array, another dtype) or ArgumentError (shape, layout) and writes nothing.
     """
     kv, slot = attention_cache(cache, sinfo, swa=swa)
     hp = kv.hparams
@@ -109,6 +116,8 @@ def fill_kq_mask(
     shape = (n_stream, n_tokens // n_stream, int(n_kv))
     if out is None:
         out = np.empty(shape, dtype=dtype)
+    elif not isinstance(out, np.ndarray):
+        raise ArgumentTypeError("out: expected a NumPy array")  # the twins' words for it
     elif out.shape != shape:
         raise ArgumentError(f"out: shape {out.shape}, expected {shape}")
     pos = np.asarray(ubatch.pos, dtype=np.int32)

@@ -56,7 +56,9 @@ from ..hparams import HParams
 from ..profile import DEFAULT, Profile, resolve
 from ..state import sections_size, write_sections_into
 from . import recurrent_state as _recurrent_state
-from .base import ContextParams, decode_batch
+from . import slot_kernels as _kernels
+from .base import ContextParams, decode_batch, decode_seq_bound
+from .batch import UBatch
 from .recurrent_state import SlotUBatch
 
 if TYPE_CHECKING:
@@ -64,7 +66,7 @@ if TYPE_CHECKING:
 
     from ..state import RecurrentSection, RecurrentSpec
     from .base import RowStore
-    from .batch import Batch, BatchAllocr, UBatch
+    from .batch import Batch, BatchAllocr
     from .slots import SlotInfo
 
 log = logging.getLogger("kvref.memory.recurrent")
@@ -147,6 +149,9 @@ class RecurrentMemory:
         self.n = 0  # cells head .. head+n are the ones the last find_slot touched
         self.rs_z = -1  # first cell without src references: the row the graph zeroes
         self.rs_idx = [0] * self.n_seq_max  # per sequence: pending rollback plane
+        # decode's one-call step (`_decode_owned`): the seq-id bound llama_decode checks, and M-RoPE (declined)
+        self._seq_bound = decode_seq_bound(self.profile, self.kv_unified, self.n_seq_max)
+        self._mrope = hparams.n_pos_per_embd() != 1
 
         size = self.size
         n_state = sum(1 for il in range(hparams.n_layer) if layer_filter is None or layer_filter(il))
@@ -675,7 +680,50 @@ class RecurrentMemory:
     ) -> list[tuple[UBatch, RecurrentSlot]]:
         """What llama_decode does to this memory (`kvref.memory.base.decode_batch`): validate the batch, prepare
         all ubatches (all or nothing: NoSlotError leaves the memory unchanged), then place them one by one."""
+        if balloc is None and not embd_all and on_ubatch is None:  # _decode_owned leaves a batch over n_batch to it
+            step = self._decode_owned(batch, n_ubatch)
+            if step is not None:  # the common step, done at once: what decode_batch would have done
+                return [step]
         return decode_batch(self, batch, n_ubatch, balloc=balloc, embd_all=embd_all, on_ubatch=on_ubatch)
+
+    def _decode_owned(self, batch: Batch, n_ubatch: int) -> tuple[UBatch, RecurrentSlot] | None:
+        """decode_batch for the common step: token ids (no embeddings, no M-RoPE, no rollback snapshots) of one
+        sequence that owns its state's cell alone, one position each, continuing the sequence, in one ubatch: the
+        slots twins' ``recurrent_owned_step`` checks the batch as the allocator does, places it as find_slot does
+        and makes the ubatch ``split_equal`` makes, in one call. prepare's trial placement is skipped (the step
+        always fits, and prepare puts back everything it changes but ``rs_z`` and ``n``, which apply's find_slot
+        sets again). None, with nothing changed, for any other step: decode_batch then does each part in turn,
+        raising its errors in its order."""
+        tokens, pos, logits = batch.tokens, batch.pos, batch.logits
+        if (
+            type(tokens) is not np.ndarray
+            or batch.embd is not None
+            or not (pos is None or type(pos) is np.ndarray)
+            or type(n_ubatch) is not int
+            or tokens.shape[0] > n_ubatch
+            or self.n_rs_seq
+            or self._mrope
+        ):
+            return None
+        n = tokens.shape[0]
+        if not (logits is None or (type(logits) is np.ndarray and logits.dtype == np.bool_ and logits.shape == (n,))):
+            return None
+        cparams = self.cparams
+        if cparams is not None and n > cparams.n_batch:  # over_n_batch: llama_decode asserts (decode_batch raises)
+            return None
+        step = _kernels.impl.recurrent_owned_step(
+            self, tokens, pos, batch.seq_ids, logits if logits is None else logits.copy(), self._seq_bound
+        )
+        if step is None:
+            return None
+        fields, t, s_copy = step
+        ub = object.__new__(UBatch)
+        ub.__dict__ = fields
+        slot = object.__new__(RecurrentSlot)  # RecurrentSlot(t, 1, rs_z, 1, s_copy), without the dataclass's __init__
+        slot.__dict__ = {"head": t, "n": 1, "rs_z": self.rs_z, "n_seqs": 1, "s_copy": s_copy}
+        if self.rs_z >= 0 or int(s_copy[0]) != t:  # else every row is read in place: nothing to gather
+            self._gather_states(slot)
+        return ub, slot
 
     # decode_batch's steps
     def _decode_n_seq_max(self) -> int:

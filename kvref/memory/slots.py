@@ -68,6 +68,14 @@ class SlotInfo:
     strm: list[int] = field(default_factory=list)
     idxs: list[CellIdxs] = field(default_factory=list)
 
+    @classmethod
+    def one_stream(cls, idxs: CellIdxs) -> SlotInfo:
+        """``SlotInfo(0, 0, [0], [idxs])``: the slot of a one-stream cache's decode step, without the dataclass's
+        ``__init__`` (half the cost, once per step)."""
+        slot = object.__new__(cls)
+        slot.__dict__ = {"s0": 0, "s1": 0, "strm": [0], "idxs": [idxs]}
+        return slot
+
     def size(self) -> int:
         """Tokens per stream."""
         if not self.idxs or len(self.idxs) != len(self.strm):
