@@ -83,3 +83,20 @@ def test_only_position_minus_one_is_an_empty_cell(twin) -> None:
     twin.fill_kq_mask_raw(out, [pos], [seq], None, [0], np.array([3], np.int64), np.array([0], np.int64),
                           n_swa=4, swa_type=1)  # fmt: skip
     assert out[0, 0].tolist() == [0.0, float("-inf"), 0.0, float("-inf"), float("-inf")]
+
+
+@pytest.mark.parametrize("twin", CELL_TWINS)
+@pytest.mark.parametrize("many", [False, True])
+def test_a_shift_by_zero_frees_a_cell_a_negative_divisor_left_below_zero(twin, many: bool) -> None:
+    """llama.cpp's pos_add frees a cell whose position is negative after the add, a shift by 0 included: the cell
+    leaves its sequences' position index too (the C twin once skipped the index when the position did not move,
+    and seq_pos_min then answered the freed cell's -26; found by the cells state machine)."""
+    c = twin(8)
+    for i, (p, s) in enumerate([(4, 0), (6, 1), (26, 0)]):
+        c.pos_set(i, p)
+        c.seq_add(i, s)
+    c.pos_div(2, -1)  # position -26, still used
+    assert c.seq_pos_min_many([0, 1]).tolist() == [-26, 6]
+    freed = c.pos_add_many([2], 0).tolist() if many else [c.pos_add(2, 0)]
+    assert freed == [True] and c.is_empty(2)
+    assert c.seq_pos_min_many([0, 1]).tolist() == [4, 6] and c.seq_pos_max_many([0]).tolist() == [4]

@@ -650,7 +650,7 @@ cdef class KVCells:
             old = self._pos[i]
             new_pos = old // d if div else add32(old, d)
             gone = not div and new_pos < 0
-            if new_pos != old:
+            if gone or new_pos != old:  # a cell at a negative position (a negative divisor put it there) goes by 0
                 for w in range(N_WORDS):
                     word = self._seq[N_WORDS * i + w] & ~bulk[w]
                     while word:
