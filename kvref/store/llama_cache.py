@@ -86,10 +86,11 @@ def flash_attn_of(flash_attn_type: int, n_gpu_layers: int, gpu_offload: bool) ->
 
 def _llama_class() -> type[Llama]:
     try:
-        from llama_cpp import Llama
+        import llama_cpp
     except Exception as e:  # not installed, or installed without its shared library
         raise BackendError(f"LlamaCache needs llama-cpp-python ({INSTALL}): {type(e).__name__}: {e}") from e
-    return Llama
+    cls: type[Llama] = llama_cpp.Llama  # typed here: without llama-cpp-python's stubs mypy sees Any
+    return cls
 
 
 def _calling_llama() -> tuple[Llama, FrameType] | None:
