@@ -356,6 +356,38 @@ struct kb_mem final : llama_memory_i {
     void state_read(llama_io_read_i &, llama_seq_id, llama_state_seq_flags) override {}
 };
 
+// the caller's llama_batch: its arrays allocated once (reserve, before the clock, as llama_batch_init does), then
+// filled with the step's tokens, one sequence id each (fill, inside the clock: what a program does every step)
+struct step_batch {
+    std::vector<llama_token> tok;
+    std::vector<llama_pos> pos;
+    std::vector<int32_t> n_seq_id;
+    std::vector<llama_seq_id> seq_store;
+    std::vector<llama_seq_id *> seq_id;
+    std::vector<int8_t> logits;
+    void reserve(int32_t n) {
+        if ((int32_t) tok.size() >= n) return;
+        tok.resize(n);
+        pos.resize(n);
+        n_seq_id.resize(n);
+        seq_store.resize(n);
+        seq_id.resize(n);
+        logits.resize(n);
+        for (int32_t i = 0; i < n; ++i) seq_id[i] = &seq_store[i];
+    }
+    llama_batch fill(int32_t n, const int32_t * t, const int32_t * p, const int32_t * s) {
+        llama_batch batch = {n, tok.data(), nullptr, pos.data(), n_seq_id.data(), seq_id.data(), logits.data()};
+        for (int32_t i = 0; i < n; ++i) {
+            batch.token[i] = t[i];
+            batch.pos[i] = p[i];
+            batch.n_seq_id[i] = 1;
+            batch.seq_id[i][0] = s[i];
+            batch.logits[i] = i == n - 1;
+        }
+        return batch;
+    }
+};
+
 struct kb_ctx {
     llama_hparams hp{};
     std::unique_ptr<llama_kv_cache> kv;
@@ -365,13 +397,7 @@ struct kb_ctx {
     llama_kv_cache::slot_info_vec_t sinfos;
     std::vector<uint8_t> mask;
     int64_t mask_ne[4] = {0, 0, 0, 0};
-    // the caller's llama_batch (arrays allocated once, as llama_batch_init does; one sequence id per token)
-    std::vector<llama_token> b_tok;
-    std::vector<llama_pos> b_pos;
-    std::vector<int32_t> b_n_seq_id;
-    std::vector<llama_seq_id> b_seq_store;
-    std::vector<llama_seq_id *> b_seq_id;
-    std::vector<int8_t> b_logits;
+    step_batch b;
     uint32_t n_seq_max = 1;
     alignas(8) char vocab_storage[64] = {0};  // llama_batch_allocr::init keeps a pointer; never read here
 };
@@ -411,26 +437,10 @@ void kb_fill(void * p, uint32_t stream, int64_t n, const int32_t * idx, const in
 // a simple split, prepare in the base then the SWA cache, and each ubatch applied to both.
 static int kb_step(kb_ctx * c, kb_ctx * swa, int32_t n, const int32_t * tok, const int32_t * pos,
                    const int32_t * seq, uint32_t n_ubatch, double * t) {
-    if ((int32_t) c->b_tok.size() < n) {
-        c->b_tok.resize(n);
-        c->b_pos.resize(n);
-        c->b_n_seq_id.resize(n);
-        c->b_seq_store.resize(n);
-        c->b_seq_id.resize(n);
-        c->b_logits.resize(n);
-        for (int32_t i = 0; i < n; ++i) c->b_seq_id[i] = &c->b_seq_store[i];
-    }
+    c->b.reserve(n);
     const llama_vocab & vocab = *reinterpret_cast<const llama_vocab *>(c->vocab_storage);
     const auto t0 = clk::now();
-    llama_batch batch = {n, c->b_tok.data(), nullptr, c->b_pos.data(), c->b_n_seq_id.data(), c->b_seq_id.data(),
-                         c->b_logits.data()};
-    for (int32_t i = 0; i < n; ++i) {
-        batch.token[i] = tok[i];
-        batch.pos[i] = pos[i];
-        batch.n_seq_id[i] = 1;
-        batch.seq_id[i][0] = seq[i];
-        batch.logits[i] = i == n - 1;
-    }
+    llama_batch batch = c->b.fill(n, tok, pos, seq);
     // llama_context::decode(llama_batch): a llama_batch_compat news the llama_batch_ext and deletes it on return
     auto b = std::make_unique<llama_batch_ext>((size_t) 1 << 30, 0, 0, (llama_seq_id) c->n_seq_max,
                                                swa ? &swa->mem : &c->mem, 1 << 30, 1);
@@ -576,12 +586,7 @@ struct kr_ctx {
     std::vector<int32_t> s_copy;  // the graph's s_copy input of the last ubatch (llm_graph_input_rs::set_input)
     uint32_t last_head = 0, last_n = 0;
     int32_t last_rs_z = -1;
-    std::vector<llama_token> b_tok;
-    std::vector<llama_pos> b_pos;
-    std::vector<int32_t> b_n_seq_id;
-    std::vector<llama_seq_id> b_seq_store;
-    std::vector<llama_seq_id *> b_seq_id;
-    std::vector<int8_t> b_logits;
+    step_batch b;
     uint32_t n_seq_max = 1;
     alignas(8) char vocab_storage[64] = {0};
 };
@@ -610,26 +615,10 @@ void kr_free(void * p) { delete (kr_ctx *) p; }
 int kr_decode(void * p, int32_t n, const int32_t * tok, const int32_t * pos, const int32_t * seq, uint32_t n_ubatch,
               double * t) {
     auto * c = (kr_ctx *) p;
-    if ((int32_t) c->b_tok.size() < n) {
-        c->b_tok.resize(n);
-        c->b_pos.resize(n);
-        c->b_n_seq_id.resize(n);
-        c->b_seq_store.resize(n);
-        c->b_seq_id.resize(n);
-        c->b_logits.resize(n);
-        for (int32_t i = 0; i < n; ++i) c->b_seq_id[i] = &c->b_seq_store[i];
-    }
+    c->b.reserve(n);
     const llama_vocab & vocab = *reinterpret_cast<const llama_vocab *>(c->vocab_storage);
     const auto t0 = clk::now();
-    llama_batch batch = {n, c->b_tok.data(), nullptr, c->b_pos.data(), c->b_n_seq_id.data(), c->b_seq_id.data(),
-                         c->b_logits.data()};
-    for (int32_t i = 0; i < n; ++i) {
-        batch.token[i] = tok[i];
-        batch.pos[i] = pos[i];
-        batch.n_seq_id[i] = 1;
-        batch.seq_id[i][0] = seq[i];
-        batch.logits[i] = i == n - 1;
-    }
+    llama_batch batch = c->b.fill(n, tok, pos, seq);
     auto b = std::make_unique<llama_batch_ext>((size_t) 1 << 30, 0, 0, (llama_seq_id) c->n_seq_max, &c->mem,
                                                1 << 30, 1);
     llama_batch_compat::init(*b, batch);

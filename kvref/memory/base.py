@@ -346,6 +346,25 @@ def over_n_batch(cparams: ContextParams | None, batch: Batch) -> bool:
     return cparams is not None and batch.n_tokens > cparams.n_batch
 
 
+def one_call_batch(batch: Batch, n_ubatch: object, cparams: ContextParams | None) -> bool:
+    """Is ``batch`` one a memory's one-call decode step may take: token ids as an array (no embeddings), positions
+    an array or None, logits a bool array of one flag per token or None, at most ``n_ubatch`` (an int) and the
+    context's n_batch tokens. Anything else goes to `decode_batch`, which raises the errors in llama.cpp's order."""
+    tokens, pos, logits = batch.tokens, batch.pos, batch.logits
+    if (
+        type(tokens) is not np.ndarray
+        or batch.embd is not None
+        or not (pos is None or type(pos) is np.ndarray)
+        or type(n_ubatch) is not int
+        or tokens.shape[0] > n_ubatch
+    ):
+        return False
+    n = tokens.shape[0]
+    if not (logits is None or (type(logits) is np.ndarray and logits.dtype == np.bool_ and logits.shape == (n,))):
+        return False
+    return not over_n_batch(cparams, batch)
+
+
 def check_decode(memory: Decodable[_P, _S], balloc: BatchAllocr) -> None:
     """What llama_decode refuses by dying (or by corrupting its cells) after the batch validated, before the memory
     changes: more tokens than the context's n_batch (GGML_ASSERT: ArgumentError), and a token at position -1 for an

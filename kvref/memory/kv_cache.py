@@ -34,7 +34,7 @@ from ..profile import DEFAULT, Profile, first_release, resolve
 from . import kv_state as _kv_state
 from . import slot_kernels as _kernels
 from . import slots as _slots
-from .base import ContextParams, decode_batch, decode_seq_bound, store_rows
+from .base import ContextParams, decode_batch, decode_seq_bound, one_call_batch, store_rows
 from .batch import UBatch
 from .cells import LLAMA_MAX_SEQ, POS_MAX, KVCells
 from .kshift import GGML_CPU, ROPE_NEOX, RopeKernel, RopeParams, shift_k_rows
@@ -591,22 +591,9 @@ class KVCache:
         copy), at most n_batch tokens. ``write``: placed into empty cells (``place_single``), else only planned
         (``plan_single``). None, with nothing changed, for any other step or when a part declines: decode_batch then
         does each part in turn, raising its errors in its order."""
-        tokens, pos, logits = batch.tokens, batch.pos, batch.logits
-        if (
-            type(tokens) is not np.ndarray
-            or batch.embd is not None
-            or not (pos is None or type(pos) is np.ndarray)
-            or type(n_ubatch) is not int
-            or tokens.shape[0] > n_ubatch
-            or self._sc_src
-        ):
+        if self._sc_src or not one_call_batch(batch, n_ubatch, self.cparams):
             return None
-        n = tokens.shape[0]
-        if not (logits is None or (type(logits) is np.ndarray and logits.dtype == np.bool_ and logits.shape == (n,))):
-            return None
-        cparams = self.cparams
-        if cparams is not None and n > cparams.n_batch:  # over_n_batch: llama_decode asserts (decode_batch raises)
-            return None
+        tokens, pos = batch.tokens, batch.pos
         cells = self._cells[0]
         if cells.get_has_shift() or self._mrope:
             return None

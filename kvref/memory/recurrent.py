@@ -57,7 +57,7 @@ from ..profile import DEFAULT, Profile, resolve
 from ..state import sections_size, write_sections_into
 from . import recurrent_state as _recurrent_state
 from . import slot_kernels as _kernels
-from .base import ContextParams, decode_batch, decode_seq_bound
+from .base import ContextParams, decode_batch, decode_seq_bound, one_call_batch
 from .batch import UBatch
 from .recurrent_state import SlotUBatch
 
@@ -694,25 +694,11 @@ class RecurrentMemory:
         always fits, and prepare puts back everything it changes but ``rs_z`` and ``n``, which apply's find_slot
         sets again). None, with nothing changed, for any other step: decode_batch then does each part in turn,
         raising its errors in its order."""
-        tokens, pos, logits = batch.tokens, batch.pos, batch.logits
-        if (
-            type(tokens) is not np.ndarray
-            or batch.embd is not None
-            or not (pos is None or type(pos) is np.ndarray)
-            or type(n_ubatch) is not int
-            or tokens.shape[0] > n_ubatch
-            or self.n_rs_seq
-            or self._mrope
-        ):
+        if self.n_rs_seq or self._mrope or not one_call_batch(batch, n_ubatch, self.cparams):
             return None
-        n = tokens.shape[0]
-        if not (logits is None or (type(logits) is np.ndarray and logits.dtype == np.bool_ and logits.shape == (n,))):
-            return None
-        cparams = self.cparams
-        if cparams is not None and n > cparams.n_batch:  # over_n_batch: llama_decode asserts (decode_batch raises)
-            return None
+        logits = batch.logits
         step = _kernels.impl.recurrent_owned_step(
-            self, tokens, pos, batch.seq_ids, logits if logits is None else logits.copy(), self._seq_bound
+            self, batch.tokens, batch.pos, batch.seq_ids, None if logits is None else np.array(logits), self._seq_bound
         )
         if step is None:
             return None
