@@ -1,7 +1,8 @@
 """A small driver of the real llama.cpp (llama-cpp-python's low-level ctypes API) for the live tests.
 
 `Ctx` owns one context of a model loaded once per path: decode a prompt for a sequence, read the logits of the
-last token, save / load session and sequence files, remove cells. Only tests marked ``live`` import it.
+last token, save / load session and sequence files, remove cells. Only tests marked ``live`` import it; importing
+it skips the importing module, with the reason, where llama-cpp-python cannot be imported.
 """
 
 from __future__ import annotations
@@ -9,8 +10,18 @@ from __future__ import annotations
 import ctypes
 from pathlib import Path
 
-import llama_cpp as L
 import numpy as np
+import pytest
+
+try:
+    import llama_cpp as L
+except Exception as exc:  # not installed, or installed but broken (a missing shared library, ...)
+    # raised while a test module imports this one: pytest skips that whole module, with the reason
+    pytest.skip(
+        f"llama_cpp cannot be imported ({type(exc).__name__}: {exc}): the live tests need the real llama.cpp "
+        "(pip install llama-cpp-python)",
+        allow_module_level=True,
+    )
 
 GGML_TYPES = {"f32": 0, "f16": 1, "q8_0": 8}
 _models: dict[str, object] = {}

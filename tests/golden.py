@@ -22,6 +22,20 @@ ALL_CASES = C.list_cases(ROOT) if GOLDEN.is_dir() else []
 EXPECTED = C.load_expected_failures(ROOT) if GOLDEN.is_dir() else {}
 
 
+def tiny_model(name: str) -> Path:
+    """conformance/models/<name>.gguf, built with conformance/tinymodels.py when missing."""
+    p = ROOT / "models" / f"{name}.gguf"
+    if not p.exists():
+        import sys
+
+        sys.path.insert(0, str(ROOT))
+        import tinymodels  # type: ignore[import-not-found]
+
+        p.parent.mkdir(exist_ok=True)
+        tinymodels.BUILDERS[name.removesuffix("-tiny")](p.parent)
+    return p
+
+
 def load_case(case_id: str) -> dict:
     return C.load_case(ROOT, case_id)
 

@@ -17,36 +17,13 @@ import pytest
 import kvref
 
 pytestmark = pytest.mark.live
-try:
-    import llama_cpp  # noqa: F401
-except Exception as exc:  # not installed, or installed but broken (a missing shared library, ...)
-    pytest.skip(
-        f"llama_cpp cannot be imported ({type(exc).__name__}: {exc}): the live tests need the real llama.cpp "
-        "(pip install llama-cpp-python)",
-        allow_module_level=True,
-    )
-
-from _llama_live import Ctx  # noqa: E402  (after the importorskip)
+from _llama_live import Ctx  # noqa: E402  (skips this module, with the reason, without llama-cpp-python)
+from golden import tiny_model  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent / "conformance"
-MODELS = ROOT / "models"
 PROMPT = [12, 57, 12, 77, 77, 8, 39, 111, 47, 115, 59, 69]
 OTHER = [5, 9, 33, 61, 70, 101, 7]
 NEXT = [44, 17, 90]
-
-
-def model(name: str, tmp_path_factory: pytest.TempPathFactory | None = None) -> Path:
-    """The tiny model ``name`` (conformance/models/<name>.gguf), built with conformance/tinymodels.py if missing."""
-    p = MODELS / f"{name}.gguf"
-    if not p.exists():
-        import sys
-
-        sys.path.insert(0, str(ROOT))
-        import tinymodels  # type: ignore[import-not-found]
-
-        p.parent.mkdir(exist_ok=True)
-        tinymodels.BUILDERS[name.removesuffix("-tiny")](p.parent)
-    return p
 
 
 def continue_logits(ctx: Ctx, seq: int = 0) -> list[np.ndarray]:
@@ -71,7 +48,7 @@ def test_upgraded_legacy_file_loads_and_continues(release: str, file: str, tmp_p
     new = tmp_path / file
     out = kvref.convert(case_dir / file, new, arch=case["model"]["hparams"]["arch"])  # a sequence save names no arch
     assert out.version == (10 if out.kind == "session" else 3) and getattr(out, "outputs", None) is None
-    m = model("llama-tiny")
+    m = tiny_model("llama-tiny")
     with Ctx(m) as ref:  # the run that never left llama.cpp: the trace's decodes, then NEXT
         for op in case["trace"][1:]:
             if op is save:
@@ -91,7 +68,7 @@ def two_seq_session(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pat
     """A 0.3.36 session holding PROMPT in seq 0 (cells 0..11) then OTHER in seq 1; and the sequence file of OTHER
     decoded alone."""
     d = tmp_path_factory.mktemp("live")
-    m = model("llama-tiny")
+    m = tiny_model("llama-tiny")
     with Ctx(m, n_seq_max=2) as ctx:
         ctx.decode(PROMPT, 0)
         ctx.decode(OTHER, 1)
@@ -103,7 +80,7 @@ def two_seq_session(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Pat
 
 
 def _reference(n_seq_max: int = 1, seq: int = 0) -> list[np.ndarray]:
-    with Ctx(model("llama-tiny"), n_seq_max=n_seq_max) as ref:
+    with Ctx(tiny_model("llama-tiny"), n_seq_max=n_seq_max) as ref:
         ref.decode(PROMPT, seq)
         return continue_logits(ref, seq)
 
@@ -112,7 +89,7 @@ def test_extracted_sequence_loads_and_continues(two_seq_session: tuple[Path, Pat
     session, _ = two_seq_session
     out = tmp_path / "seq0.ggsq"
     kvref.convert(session, out, seq=0, tokens=PROMPT)  # the session holds two sequences: name the tokens
-    with Ctx(model("llama-tiny")) as ctx:
+    with Ctx(tiny_model("llama-tiny")) as ctx:
         assert ctx.load_seq(out, 0) == PROMPT
         got = continue_logits(ctx)
     assert_same(got, _reference())
@@ -124,11 +101,11 @@ def test_merged_session_loads_and_continues(two_seq_session: tuple[Path, Path], 
     kvref.convert(session, seq0, seq=0)
     merged = tmp_path / "merged.ggsn"
     kvref.convert(seq0, merged, merge=[other], arch="llama")
-    with Ctx(model("llama-tiny"), n_seq_max=2) as ctx:
+    with Ctx(tiny_model("llama-tiny"), n_seq_max=2) as ctx:
         ctx.load_session(merged)
         assert ctx.pos_max(1) == len(OTHER) - 1
         got = continue_logits(ctx, 0)
-    with Ctx(model("llama-tiny"), n_seq_max=2) as ref:  # PROMPT in seq 0, OTHER in seq 1, as merged
+    with Ctx(tiny_model("llama-tiny"), n_seq_max=2) as ref:  # PROMPT in seq 0, OTHER in seq 1, as merged
         ref.decode(PROMPT, 0)
         ref.decode(OTHER, 1)
         want = continue_logits(ref, 0)
@@ -136,7 +113,7 @@ def test_merged_session_loads_and_continues(two_seq_session: tuple[Path, Path], 
 
 
 def test_remapped_session_loads_and_continues(tmp_path: Path) -> None:
-    m = model("llama-tiny")
+    m = tiny_model("llama-tiny")
     with Ctx(m, n_seq_max=2) as ctx:
         ctx.decode(PROMPT, 0)
         ctx.save_session(tmp_path / "s.ggsn", PROMPT)
@@ -152,7 +129,7 @@ def test_remapped_session_loads_and_continues(tmp_path: Path) -> None:
 
 def test_edited_session_loads_and_continues(tmp_path: Path) -> None:
     """seq_rm on the kvref memory restored from a session, saved back: llama.cpp continues as after its own seq_rm."""
-    m = model("llama-tiny")
+    m = tiny_model("llama-tiny")
     with Ctx(m) as ctx:
         ctx.decode(PROMPT, 0)
         ctx.save_session(tmp_path / "s.ggsn", PROMPT)
@@ -176,7 +153,7 @@ def test_edited_session_loads_and_continues(tmp_path: Path) -> None:
 def test_saved_memory_of_each_kind_loads_and_continues(name: str, kind: str, tmp_path: Path) -> None:
     """llama.cpp's session -> kvref.restore -> memory.save (session and sequence file) -> llama.cpp loads both and
     continues exactly as the context that never saved."""
-    m = model(name)
+    m = tiny_model(name)
     with Ctx(m) as ctx:
         ctx.decode(PROMPT, 0)
         ctx.save_session(tmp_path / "orig.ggsn", PROMPT)

@@ -14,6 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from _redis import redis_url  # noqa: F401  (a fixture)
+from golden import tiny_model
 
 import kvref
 import kvref.store
@@ -25,20 +26,6 @@ from kvref.store.prefix import Store
 
 ROOT = Path(__file__).resolve().parent.parent / "conformance"
 GOLDEN = ROOT / "golden"
-
-
-def tiny_model(name: str) -> Path:
-    """conformance/models/<name>.gguf, built with conformance/tinymodels.py when missing."""
-    p = ROOT / "models" / f"{name}.gguf"
-    if not p.exists():
-        import sys
-
-        sys.path.insert(0, str(ROOT))
-        import tinymodels  # type: ignore[import-not-found]
-
-        p.parent.mkdir(exist_ok=True)
-        tinymodels.BUILDERS[name.removesuffix("-tiny")](p.parent)
-    return p
 
 
 def _case_model(case: Path) -> str:

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from _redis import redis_url  # noqa: F401  (a fixture)
 from _store_workers import SEQ_FILE, kill_after, labels, store_churner, store_put_limited, store_putter
-from test_store import tiny_model
+from golden import tiny_model
 
 import kvref
 import kvref.store

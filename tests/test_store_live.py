@@ -25,18 +25,10 @@ from kvref.store.backends import open_backend
 from kvref.store.prefix import Store
 
 pytestmark = pytest.mark.live
-try:
-    import llama_cpp  # noqa: F401
-except Exception as exc:  # not installed, or installed but broken
-    pytest.skip(
-        f"llama_cpp cannot be imported ({type(exc).__name__}: {exc}): the live tests need the real llama.cpp "
-        "(pip install llama-cpp-python)",
-        allow_module_level=True,
-    )
 
-from _llama_live import Ctx  # noqa: E402
+from _llama_live import Ctx  # noqa: E402  (skips this module, with the reason, without llama-cpp-python)
 from _redis import redis_url  # noqa: E402, F401  (a fixture)
-from test_store import tiny_model  # noqa: E402
+from golden import tiny_model  # noqa: E402
 
 N_CTX = 1024
 SYSTEM = 300  # tokens both stored prompts start with

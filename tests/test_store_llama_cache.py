@@ -22,35 +22,17 @@ import kvref.store
 from kvref.errors import ArgumentError, BackendError
 
 pytestmark = pytest.mark.live
-try:
-    import llama_cpp
-    from llama_cpp.llama_cache import BaseLlamaCache
-except Exception as exc:  # not installed, or installed but broken (a missing shared library, ...)
-    pytest.skip(
-        f"llama_cpp cannot be imported ({type(exc).__name__}: {exc}): the live tests need the real llama.cpp "
-        "(pip install llama-cpp-python)",
-        allow_module_level=True,
-    )
 
+import _llama_live  # noqa: E402, F401  (skips this module, with the reason, without llama-cpp-python)
+import llama_cpp  # noqa: E402
 from _redis import redis_url  # noqa: E402, F401  (a fixture)
+from golden import tiny_model  # noqa: E402
+from llama_cpp.llama_cache import BaseLlamaCache  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent / "conformance"
-MODELS = ROOT / "models"
 N_SHARED, N_TAIL, N_NEW = 300, 20, 8
 ATTENTION = ["llama-tiny", "gemma3-tiny"]
 RECURRENT = ["mamba-tiny", "jamba-tiny"]  # a recurrent state is served only at a length a state was saved at
-
-
-def model(name: str) -> Path:
-    """The tiny model ``name`` (conformance/models/<name>.gguf), built with conformance/tinymodels.py if missing."""
-    p = MODELS / f"{name}.gguf"
-    if not p.exists():
-        sys.path.insert(0, str(ROOT))
-        import tinymodels  # type: ignore[import-not-found]
-
-        p.parent.mkdir(exist_ok=True)
-        tinymodels.BUILDERS[name.removesuffix("-tiny")](p.parent)
-    return p
 
 
 def new_llama(path: Path, logits_all: bool = False) -> llama_cpp.Llama:
@@ -129,7 +111,7 @@ def test_completions_same_as_without_cache(name: str, backend: str, tmp_path: Pa
     """Prompts sharing a 300-token prefix, the first again, and the first's prompt + completion extended: token for
     token the completions of a run without a cache, the hits loaded where the store has the prefix."""
     url = "memory:" if backend == "memory" else dir_url(tmp_path)
-    path = model(name)
+    path = tiny_model(name)
     ps = prompts()
     ref = Recorder()
     for p in ps:
@@ -174,7 +156,7 @@ def test_completions_same_as_without_cache(name: str, backend: str, tmp_path: Pa
 def test_logprobs_identical(name: str) -> None:
     """With ``logits_all`` and ``logprobs``, the completion's log-probabilities after a hit are those of a run
     without a cache, bit for bit (the loaded K/V is the bytes the first run computed)."""
-    path = model(name)
+    path = tiny_model(name)
     ps = prompts(11)
     want = []
     for p in ps[1:]:
@@ -203,7 +185,7 @@ def _create_completion(self: llama_cpp.Llama, cache: object, prompt: list[int], 
 def test_prompt_logprobs_are_not_served() -> None:
     """``echo`` with ``logprobs`` on a ``logits_all`` Llama reads the prompt's scores, which a hit does not carry:
     the cache misses there, and serves the same prompt otherwise."""
-    path = model("llama-tiny")
+    path = tiny_model("llama-tiny")
     ps = prompts(3)
     cache = kvref.store.LlamaCache("memory:")
     llm = new_llama(path, logits_all=True)
@@ -220,7 +202,7 @@ def test_prompt_logprobs_are_not_served() -> None:
 def test_another_model_never_hits(tmp_path: Path) -> None:
     """A model of the same geometry with other weights (llama-tiny with its last tensor bytes changed) shares the
     store but never gets llama-tiny's states: the namespace is the weights' hash."""
-    path = model("llama-tiny")
+    path = tiny_model("llama-tiny")
     other = tmp_path / "llama-tiny-other.gguf"
     shutil.copyfile(path, other)
     with other.open("r+b") as f:
@@ -255,7 +237,7 @@ def test_reopened_cache_hits(backend: str, tmp_path: Path, request: pytest.Fixtu
         url = dir_url(tmp_path)
     else:
         url = f"{request.getfixturevalue('redis_url')}?prefix=kvref-llamacache-{uuid.uuid4().hex}:"
-    path = model("llama-tiny")
+    path = tiny_model("llama-tiny")
     ps = prompts()
     first = kvref.store.LlamaCache(url, chunk_tokens=64)
     llm = new_llama(path)
@@ -320,7 +302,7 @@ def test_stored_bytes_far_below_scores(tmp_path: Path, monkeypatch: pytest.Monke
 
 def test_capacity_evicts() -> None:
     """``capacity_bytes`` bounds the store: older chunks go (llama-cpp-python #1402: its caches outgrow theirs)."""
-    path = model("llama-tiny")
+    path = tiny_model("llama-tiny")
     cache = kvref.store.LlamaCache("memory:", capacity_bytes=400_000, chunk_tokens=64)
     rng = np.random.default_rng(9)
     for _ in range(6):
@@ -333,7 +315,7 @@ def test_capacity_evicts() -> None:
 
 def test_used_directly() -> None:
     """Outside a completion the cache needs ``model=``; with it, ``cache[tokens]`` loads in a Llama by hand."""
-    path = model("llama-tiny")
+    path = tiny_model("llama-tiny")
     ps = prompts()
     cache = kvref.store.LlamaCache("memory:", model=path)
     llm = new_llama(path)
@@ -360,8 +342,8 @@ def test_used_directly() -> None:
 
 def test_model_mismatch_is_an_error() -> None:
     """``model=`` that is not the calling Llama's model: an error, not states filed under the wrong model."""
-    cache = kvref.store.LlamaCache("memory:", model=model("qwen3-tiny"))
-    llm = new_llama(model("llama-tiny"))
+    cache = kvref.store.LlamaCache("memory:", model=tiny_model("qwen3-tiny"))
+    llm = new_llama(tiny_model("llama-tiny"))
     llm.set_cache(cache)
     with pytest.raises(ArgumentError, match="another model"):
         complete(llm, prompts()[0])
@@ -380,7 +362,7 @@ def test_without_llama_cpp(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_flash_attn_states_kept_apart() -> None:
     """States of a context without flash attention (V transposed) are never served to one with it, whose
     llama_state_set_data would refuse them; llama.cpp's auto (-1) on a CPU-only model is served as enabled."""
-    path = model("llama-tiny")
+    path = tiny_model("llama-tiny")
     ps = prompts(13)
     cache = kvref.store.LlamaCache("memory:")
 
@@ -416,7 +398,7 @@ def test_flash_attn_auto_learnt_from_first_state(monkeypatch: pytest.MonkeyPatch
     from kvref.store import llama_cache
 
     monkeypatch.setattr(llama_cache, "flash_attn_of", lambda *a: None)
-    path = model("llama-tiny")
+    path = tiny_model("llama-tiny")
     ps = prompts(17)
     cache = kvref.store.LlamaCache("memory:")
     llm = new_llama(path)
@@ -437,7 +419,7 @@ def test_state_not_stored_is_a_warning() -> None:
     """A state the store cannot read is skipped with a CacheWarning: the completion that saved it must not fail."""
     from kvref.errors import CacheWarning
 
-    cache = kvref.store.LlamaCache("memory:", model=model("llama-tiny"), capacity_bytes=None)
+    cache = kvref.store.LlamaCache("memory:", model=tiny_model("llama-tiny"), capacity_bytes=None)
     bad = llama_cpp.llama.LlamaState(input_ids=np.arange(4, dtype=np.intc), scores=np.zeros((4, 128), np.single),
                                      n_tokens=4, llama_state=b"\x00" * 16, llama_state_size=16, seed=0)  # fmt: skip
     with pytest.warns(CacheWarning, match="not stored"):
