@@ -57,6 +57,17 @@ def outcome(f: Any) -> tuple:
         return (type(exc).__name__, str(exc))
 
 
+def seq_op(mem: Any, kind: str, a: int, b: int, p: int) -> object:
+    """The outcome of one of the replays' sequence operations on ``mem``."""
+    ops = {
+        "seq_rm": lambda: mem.seq_rm(a, p, -1),
+        "seq_cp": lambda: mem.seq_cp(a, b, -1, -1),
+        "seq_keep": lambda: mem.seq_keep(a),
+        "seq_add": lambda: mem.seq_add(a, p, -1, 1),
+    }
+    return outcome(ops[kind])
+
+
 def _plain(v: Any) -> Any:
     if isinstance(v, np.ndarray):
         return (str(v.dtype), v.shape, v.tolist())
@@ -721,14 +732,7 @@ def run_recurrent(steps: list, fast: bool, n_seq_max: int) -> list:
                 res = ("ok", [(_plain(ub), _plain(vars(slot))) for ub, slot in res[1]])
             log.append((res, seen))
         else:
-            a, b, p = args
-            ops = {
-                "seq_rm": lambda a, b, p: mem.seq_rm(a, p, -1),
-                "seq_cp": lambda a, b, p: mem.seq_cp(a, b, -1, -1),
-                "seq_keep": lambda a, b, p: mem.seq_keep(a),
-                "seq_add": lambda a, b, p: mem.seq_add(a, p, -1, 1),
-            }
-            log.append(outcome(lambda op=ops[kind], a=a, b=b, p=p: op(a, b, p)))
+            log.append(seq_op(mem, kind, *args))
         log.append(_plain([mem.pos, mem.src, mem.src0, mem.tail, mem.seq, mem.used, mem.head, mem.n, mem.rs_z,
                            mem.rs_idx]))  # fmt: skip
     log.append([None if b is None else b.tobytes() for b in mem.r_l + mem.s_l])
@@ -783,14 +787,7 @@ def run_hybrid(steps: list, fast: bool, n_seq_max: int, kv_size: int) -> list:
                 res = ("ok", [(_plain(ub), _slot_plain(slot.attn), _plain(vars(slot.recr))) for ub, slot in res[1]])
             log.append(res)
         else:
-            a, b, p = args
-            ops = {
-                "seq_rm": lambda a, b, p: mem.seq_rm(a, p, -1),
-                "seq_cp": lambda a, b, p: mem.seq_cp(a, b, -1, -1),
-                "seq_keep": lambda a, b, p: mem.seq_keep(a),
-                "seq_add": lambda a, b, p: mem.seq_add(a, p, -1, 1),
-            }
-            log.append(outcome(lambda op=ops[kind], a=a, b=b, p=p: op(a, b, p)))
+            log.append(seq_op(mem, kind, *args))
         r, c = mem.recr, mem.attn.cells(0)
         log.append(_plain([r.pos, r.src, r.src0, r.tail, r.seq, r.used, r.head, r.n, r.rs_z, np.asarray(c.pos),
                            np.asarray(c.seq), np.asarray(c.ext), c.get_used(), list(mem.attn.heads)]))  # fmt: skip
