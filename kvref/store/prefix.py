@@ -18,8 +18,9 @@ Keys (`kvref.store.backend` holds them):
   model's namespaces. ``m:`` keys are never evicted.
 
 Writes go deepest chunk first and each value is written whole, so a killed ``put`` leaves only chunks that
-nothing reaches yet (``gc`` drops them); ``get`` reads metas and parts deepest first, so the least recently used
-values are the ends of chains, which eviction removes before the prefixes many prompts share.
+nothing reaches yet (``gc`` drops them). Lookups only peek; a ``put`` or a served ``get`` then marks the values of
+its chain used in one call, deepest chunk first, so the least recently used values are the ends of chains, which
+eviction removes before the prefixes many prompts share.
 """
 
 from __future__ import annotations
@@ -313,7 +314,7 @@ class Store:
             parents.append(parent)
             starts.append(c0)
             parent = key
-        old = be.get_many(["c:" + k for k in reversed(keys)])[::-1]
+        old = be.peek_many(["c:" + k for k in keys])  # the touch at the end marks them
         new_chunks = new_bytes = 0
         covers: list[list[int]] = []  # deepest chunk first
         ext_src = next((r for r, (_, g) in zip([x for x in rows if isinstance(x, SeqRows)], ns.kv, strict=True)
@@ -392,7 +393,7 @@ class Store:
         for c0 in range(0, len(prompt) - T + 1, T):
             parent = chain_key(parent, prompt[c0 : c0 + T])
             keys.append(parent)
-        raws = be.get_many(["c:" + k for k in reversed(keys)])[::-1]
+        raws = be.peek_many(["c:" + k for k in keys])  # a get marks what it serves once it is served
         chain: list[_Link] = []
         parent = root_key(ns)
         for c, (key, raw) in enumerate(zip(keys, raws, strict=True)):
@@ -427,7 +428,7 @@ class Store:
         exact = lv[lo] == len(rest) or (lv[lo] < DENSE and lv[hi] == lv[lo] + 1)
         kids = sorted(be.link_sample(level, 8) if exact else be.links(level))  # a few: a link may outlive its chunk
         best: _Link | None = None
-        for key, raw in zip(kids, be.get_many(["c:" + k for k in kids]), strict=True):
+        for key, raw in zip(kids, be.peek_many(["c:" + k for k in kids]), strict=True):
             meta = self._meta(key, raw, parent, None)
             if meta is None:
                 continue
@@ -579,15 +580,17 @@ class Store:
             except DamagedValue:
                 continue  # the plan counted on a value that is gone or damaged: ``damage`` says which
             obj = self._container(ns, sections, kind, prompt[: look.n_tokens], seq_id)
-            self._touch(plan.chain, damage)
+            also = [] if plan.checkpoint is None else [self._checkpoint_at(ns, plan.chain, plan.checkpoint)[1]]
+            self._touch(plan.chain, damage, also)
             self.backend.incr("hits")
             self.backend.incr("served_tokens", look.n_tokens)
             return Hit(look.n_tokens, obj.to_bytes(), kind, prompt[: look.n_tokens].copy(), seq_id, look.matched,
                        look.why, ns.id)  # fmt: skip
 
-    def _touch(self, chain: list[_Link], damage: _Damage) -> None:
-        # deepest chunk first: a chain's shared head stays the most recently used
-        keys: list[str] = []
+    def _touch(self, chain: list[_Link], damage: _Damage, also: list[str]) -> None:
+        """Mark what a get served as used, once: ``also`` (a checkpoint), then the chunks deepest first, so a
+        chain's shared head stays the most recently used (the reads before it only peeked)."""
+        keys = list(also)
         for link in reversed(chain):
             cover = [damage.cover.get((link.key, i), c) for i, c in enumerate(link.meta.cover)]
             keys += _chunk_values(link.key, cover, len(link.meta.tokens))
@@ -629,7 +632,7 @@ class Store:
                 first = max(first, link.start + start)
         want = [(link, start) for link, start in spans if link.start + len(link.meta.tokens) > first]
         keys = [f"s{i}.{start}:{link.key}" for link, start in want]
-        raws = self.backend.get_many(keys[::-1])[::-1]
+        raws = self.backend.peek_many(keys)
         parts = []
         for (link, start), key, raw in zip(want, keys, raws, strict=True):
             n_cells = len(link.meta.tokens) - start
@@ -658,16 +661,20 @@ class Store:
         cover[i] = len(meta.tokens)
         self.backend.put("c:" + link.key, ChunkMeta(meta.parent, meta.tokens, meta.ext, cover).encode(), replace=True)
 
-    def _checkpoint(self, ns: Namespace, chain: list[_Link], L: int, geo: object, damage: _Damage) -> Checkpoint:
-        from .namespace import RecurrentGeometry
-
+    def _checkpoint_at(self, ns: Namespace, chain: list[_Link], L: int) -> tuple[str, str]:
+        """(parent key, checkpoint key) of a recurrent state after the first ``L`` tokens along ``chain``: the
+        checkpoint is keyed by the (possibly partial) chunk that ends at L."""
         T = self.chunk_tokens
         q = (L - 1) // T
         parent = root_key(ns) if q == 0 else chain[q - 1].key
-        # the key of the (possibly partial) chunk that ends at L
         end = chain[q].meta.tokens[: L - q * T] if q < len(chain) else np.zeros(0, np.int32)
-        key = _checkpoint_key(chain_key(parent, end))
-        raw = self.backend.get(key)
+        return parent, _checkpoint_key(chain_key(parent, end))
+
+    def _checkpoint(self, ns: Namespace, chain: list[_Link], L: int, geo: object, damage: _Damage) -> Checkpoint:
+        from .namespace import RecurrentGeometry
+
+        parent, key = self._checkpoint_at(ns, chain, L)
+        raw = self.backend.peek_many([key])[0]
         try:
             if raw is None:
                 raise DamagedValue("evicted")
