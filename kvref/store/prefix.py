@@ -173,7 +173,7 @@ class Store:
     def _chunk_tokens(self, asked: int | None) -> int:
         if asked is not None and not (isinstance(asked, int) and 1 <= asked <= 1 << 20):
             raise ArgumentError(f"chunk_tokens must be an int in [1, 2**20], not {asked!r}")
-        raw = self.backend.get(CONFIG)
+        raw = self.backend.peek_many([CONFIG])[0]  # META: never evicted, nothing to mark
         if raw is not None:
             try:
                 have = int(json.loads(bytes(decode(raw, RECORD)))["chunk_tokens"])
@@ -207,7 +207,7 @@ class Store:
         for nid in sorted(self.backend.links(META + "model:" + mid)):
             ns = self._namespaces.get(nid)
             if ns is None:
-                raw = self.backend.get(META + "ns:" + nid)
+                raw = self.backend.peek_many([META + "ns:" + nid])[0]
                 if raw is None:
                     continue
                 try:
