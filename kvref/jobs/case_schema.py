@@ -114,6 +114,7 @@ class CaseContext(TypedDict):
     swa_full: bool
     n_rs_seq: int
     n_threads: int
+    ctx_type: NotRequired[str]  # "default" (absent) or "mtp"
 
 
 class LoggedCache(TypedDict):

@@ -295,6 +295,7 @@ def create_memory_for(case: Case, hp: HParams) -> AnyMemory | None:
         hp, n_ctx=c["n_ctx"], n_seq_max=c["n_seq_max"], kv_unified=c["kv_unified"], flash_attn=c["flash_attn"],
         type_k=c["type_k"], type_v=c["type_v"], swa_full=c.get("swa_full", False), n_ubatch=c["n_ubatch"],
         n_batch=c["n_batch"], n_rs_seq=c.get("n_rs_seq", 0), compat=compat_for(case),
+        ctx_type=c.get("ctx_type", "default"),
     )  # fmt: skip
     return cast("AnyMemory | None", mem)  # create_memory builds one of them
 

@@ -41,6 +41,9 @@ if TYPE_CHECKING:
     # what the decode of the memory create_memory builds places each ubatch in (`Memory`'s type parameter)
     _Slot: TypeAlias = "SlotInfo | ISWASlot | HybridSlot | RecurrentSlot"
 
+# llama_context_type: the default context, and a draft context of the model's MTP (NextN) blocks
+CONTEXT_TYPES = ("default", "mtp")
+
 # --- the factory --------------------------------------------------------------------------------------------
 
 
@@ -180,8 +183,14 @@ def create_memory(
     n_rs_seq: int = 0,
     causal_attn: bool | None = None,
     compat: Profile | str = DEFAULT,
+    ctx_type: str = "default",
+    mem_other: Memory[_Slot] | None = None,
 ) -> Memory[_Slot] | None:
     """The memory llama.cpp creates for this model and these context parameters (None: no memory).
+
+    ``ctx_type`` is llama_context_params.ctx_type: ``"default"`` or ``"mtp"`` (LLAMA_CONTEXT_TYPE_MTP, a draft
+    context of the model's NextN/MTP blocks, which builds another memory). ``mem_other`` is the memory of
+    llama_context_params.ctx_other, the context a draft model (gemma4-assistant, eagle3, dflash) reads.
 
     Mirrors llama_model::create_memory after llama_context's parameter resolution (`context_params`):
 
@@ -204,6 +213,8 @@ def create_memory(
     the caches' ``n_pad`` here (`context_params`, `kv_pad`) and is passed to every memory built.
     """
 
+    if ctx_type not in CONTEXT_TYPES:
+        raise ArgumentError(f"ctx_type must be one of {', '.join(map(repr, CONTEXT_TYPES))}, got {ctx_type!r}")
     profile = resolve(compat)
     cp = context_params(
         hparams,
@@ -325,6 +336,7 @@ def create_memory(
 
 
 __all__ = [
+    "CONTEXT_TYPES",
     "LLAMA_STATE_SEQ_FLAGS_NONE",
     "LLAMA_STATE_SEQ_FLAGS_ON_DEVICE",
     "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY",
