@@ -1034,9 +1034,14 @@ def graph_inputs(
     # a memory's graph has attention inputs only where its slots are attention slots
     attn, attn_slot = cast("AnyMemory", mem), cast("SlotInfo | ISWASlot | HybridSlot | None", slot)
     wanted = {(e["tensor"], e["swa"], e.get("type")) for u in graph.get("ubatches", []) for e in u["inputs"]}
+    # a memory with inputs of its own (indexer caches, compressed caches) computes those itself
+    own = getattr(mem, "graph_input", None)
     for tensor, swa, typ in sorted(wanted, key=str):
         try:
-            if tensor == "kq_mask":
+            mine = None if own is None else own(tensor, ub, slot, swa=swa, f16=typ == "f16", causal=causal)
+            if mine is not None:
+                out[(tensor, swa)] = mine
+            elif tensor == "kq_mask":
                 dtype = np.float16 if typ == "f16" else np.float32
                 out[(tensor, swa)] = fill_kq_mask(attn, ub, sinfo=attn_slot, swa=swa, dtype=dtype, causal=causal)
             elif tensor in ("k_idxs", "v_idxs"):
@@ -1101,7 +1106,7 @@ def compare_graph_inputs(
             if got is None:
                 raise CheckFailed(f"{label}: kvref has no such input")
             mine = np.asarray(got)
-            if e["tensor"] == "kq_mask":
+            if e["tensor"].startswith("kq_mask"):
                 their_mask = decode_mask(e)
                 mine = mine.astype(np.float32)
                 if mask_pad > 1:
