@@ -148,6 +148,10 @@ class HParams:
     n_lora_kv: int = 0  # MLA KV LoRA rank (deepseek2, minicpm3, plm): > 0 keeps K's "nope" dims out of the K-shift
     non_causal_type: int = 0  # llama_non_causal_type: 0 ALL, 1 SWA_ONLY (gemma4), 2 SWA_FULL (deepseek4)
     indexer_head_size: int = 0  # DSA / qwen4exp indexer key length
+    indexer_top_k: int = 0  # DSA: keys the lightning indexer selects (hy_v4 without an indexer: 0)
+    # llama.cpp's is_indexer_full_impl over the trunk layers: layers that own an indexer (the others reuse the top-k
+    # of the last full one); MTP blocks have no entry (is_indexer_full aborts past the trunk)
+    indexer_full_layers: bool | Sequence[bool] = False
     router_layer: int = -1  # >= 0: n_layer_nextn counts a router layer, not MTP blocks (granite-switch)
     dsv4_hc_mult: int = 0  # hyper-connection count (DeepSeek-V4, qwen4exp)
     # per-layer n-gram embeddings (PLE, qwen4exp); ple_n_heads = (ple_ngram_size - 1) * heads per n-gram
@@ -174,6 +178,7 @@ class HParams:
         self.recurrent_layers = _per_layer("recurrent_layers", self.recurrent_layers, n, bool)
         self.rope_layers = _per_layer("rope_layers", self.rope_layers, n, bool)
         self.ple_layers = _per_layer("ple_layers", self.ple_layers, n, bool)
+        self.indexer_full_layers = _per_layer("indexer_full_layers", self.indexer_full_layers, n, bool)
         for il in range(n):
             if self.n_head_l(il) < 0 or self.n_head_kv_l(il) < 0:
                 raise HParamsError(f"layer {il}: negative head count")
@@ -311,6 +316,15 @@ class HParams:
         """llama_hparams::is_ple(il): layer il has a per-layer n-gram embedding module (``ple_layers``)."""
         self._check_il(il)
         return bool(_at(self.ple_layers, il))
+
+    def is_indexer_full(self, il: int) -> bool:
+        """llama_hparams::is_indexer_full(il): trunk layer il owns a lightning indexer (``indexer_full_layers``);
+        past the trunk llama.cpp aborts (GGML_ABORT): HParamsError."""
+        if not 0 <= il < self.n_layer_trunk():
+            raise HParamsError(
+                f"is_indexer_full: layer {il} out of bounds (n_layer: {self.n_layer_trunk()}; llama.cpp aborts)"
+            )
+        return bool(_at(self.indexer_full_layers, il))
 
     def ple_conv_state(self) -> int:
         """llama_hparams::ple_conv_state: width of a PLE layer's conv-history row, 0 without a PLE module."""
@@ -520,6 +534,9 @@ class HParamsArgs(TypedDict, total=False):
     wkv_head_size: int
     token_shift_count: int
     n_shortconv_l_cache: int
+    indexer_head_size: int
+    indexer_top_k: int
+    indexer_full_layers: bool | Sequence[bool]
 
 
 class _GGUFValue:

@@ -227,7 +227,7 @@ def read_parts(
     data: Buffer,
     seq_id: int,
     flags: int,
-    undo_before: bool = False,
+    undo_before: bool | Sequence[bool] = False,
     *,
     atomic: bool = True,
 ) -> int:
@@ -237,14 +237,15 @@ def read_parts(
     (kvref's default) a failure raises with every part exactly as it was. With ``atomic=False`` the memory
     is left the way llama.cpp leaves it. llama.cpp reads and applies part by part; when the section of part k
     fails, the parts before it stay
-    restored (``undo_before``: they are cleared for the sequence again, as llama_memory_hybrid does), part k
+    restored (``undo_before``: they are cleared for the sequence again, as llama_memory_hybrid does; a sequence of
+    flags says it per failing part, as llama_kv_cache_dsa_iswa, whose DSA part undoes its MLA cache), part k
     is left as its ``state_read_failed(seq_id, exc)`` says (the sequence removed, or everything cleared for
     seq_id -1, unless llama.cpp fails before touching it), later parts are untouched, and the error
     propagates. Bytes after the last section are kvref's own check: refused before anything changes.
     """
     offset = 0
     staged: list[tuple[Restorable, Callable[[], None]]] = []
-    for part in parts:
+    for k, part in enumerate(parts):
         try:
             commit, offset = part.stage_state(data, seq_id, flags, offset)
         except KVRefError as exc:
@@ -252,7 +253,7 @@ def read_parts(
                 raise
             for _, c in staged:
                 c()
-            if undo_before:
+            if undo_before if isinstance(undo_before, bool) else undo_before[k]:
                 for p, _ in staged:
                     clear_seq(p, seq_id)
             failed = getattr(part, "state_read_failed", None)

@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING, TypeAlias
 
 from ..archs import NO_MEMORY_ARCHS, UNSUPPORTED_ARCHS
@@ -239,6 +240,8 @@ def create_memory(
     v_trans = not cp.flash_attn
 
     mem: Memory[_Slot]
+    if arch in DSA_ARCHS:
+        return _create_dsa(hparams, cp, ctx_type, type_k, type_v, n_pad, profile)
     if hparams.is_recurrent_arch():
         mem = RecurrentMemory(
             hparams,
@@ -335,7 +338,72 @@ def create_memory(
     return mem
 
 
+DSA_ARCHS = frozenset({"glm-dsa", "deepseek32", "hy_v4", "dots3note"})  # llama_kv_cache_dsa / _dsa_iswa
+
+
+def _create_dsa(
+    hparams: HParams,
+    cp: ContextParams,
+    ctx_type: str,
+    type_k: GGMLType | int | str,
+    type_v: GGMLType | int | str,
+    n_pad: int,
+    profile: Profile,
+) -> Memory[_Slot]:
+    """create_memory's cases of the DeepSeek-sparse-attention archs (glm-dsa, deepseek32, hy_v4, dots3note).
+
+    - glm-dsa, deepseek32: an MTP draft context of a model with NextN blocks gets a plain KVCache of those blocks
+      (the draft head runs dense MLA); otherwise a KVCacheDSA over the trunk layers whose indexer cache keeps the
+      trunk layers (glm-dsa: those that own an indexer, ``is_indexer_full``);
+    - hy_v4: a plain KVCache without an indexer (``indexer_top_k`` 0), else a KVCacheDSA whose indexer cache keeps
+      the layers that own an indexer;
+    - dots3note: an MTP context with NextN blocks gets a plain KVCache of them; otherwise a KVCacheDSAISWA over the
+      trunk (the indexer cache: trunk layers that own an indexer).
+    """
+    from .kv_cache_dsa import KVCacheDSA
+    from .kv_cache_dsa_iswa import KVCacheDSAISWA
+
+    arch, hp = hparams.arch, hparams
+    n_trunk = hp.n_layer_trunk()
+    v_trans = not cp.flash_attn
+    if arch == "dots3note" and hp.swa_type == SWAType.NONE:
+        raise KVRefError("dots3note needs a sliding window (llama.cpp asserts swa_type != LLAMA_SWA_TYPE_NONE)")
+
+    def plain(layer_filter: Callable[[int], bool] | None) -> KVCache:
+        return KVCache(
+            hp, type_k=type_k, type_v=type_v, v_trans=v_trans, kv_unified=cp.kv_unified, kv_size=cp.n_ctx_seq,
+            n_seq_max=cp.n_seq_max, n_pad=n_pad, n_swa=hp.n_swa, swa_type=hp.swa_type, layer_filter=layer_filter,
+            compat=profile, cparams=cp,
+        )  # fmt: skip
+
+    if arch in ("glm-dsa", "deepseek32", "dots3note") and ctx_type == "mtp" and hp.n_layer_nextn > 0:
+        return plain(lambda il: il >= n_trunk)  # the NextN block(s) only
+    if arch == "hy_v4" and hp.indexer_top_k == 0:
+        return plain(None)  # a full-attention checkpoint: no indexer
+    filter_mla: Callable[[int], bool] | None = None
+    if arch != "hy_v4" and hp.n_layer_nextn > 0:
+        filter_mla = lambda il: il < n_trunk  # noqa: E731 -- the trunk never attends the NextN block(s)
+    if arch == "glm-dsa" or arch == "dots3note":
+        filter_lid = lambda il: il < n_trunk and hp.is_indexer_full(il)  # noqa: E731
+    elif arch == "deepseek32":
+        filter_lid = lambda il: il < n_trunk  # noqa: E731
+    else:  # hy_v4: every layer is asked (an MTP block past the trunk would abort in is_indexer_full)
+        filter_lid = hp.is_indexer_full
+    if arch == "dots3note":
+        return KVCacheDSAISWA(
+            hp, type_k=type_k, type_v=type_v, v_trans=v_trans, swa_full=cp.swa_full, kv_unified=cp.kv_unified,
+            kv_size=cp.n_ctx_seq, n_seq_max=cp.n_seq_max, n_ubatch=cp.n_ubatch, n_pad=n_pad, filter_mla=filter_mla,
+            filter_lid=filter_lid, compat=profile, cparams=cp,
+        )  # fmt: skip
+    return KVCacheDSA(
+        hp, type_k=type_k, type_v=type_v, v_trans=v_trans, kv_unified=cp.kv_unified, kv_size=cp.n_ctx_seq,
+        n_seq_max=cp.n_seq_max, n_pad=n_pad, n_swa=hp.n_swa, swa_type=hp.swa_type, filter_mla=filter_mla,
+        filter_lid=filter_lid, compat=profile, cparams=cp,
+    )  # fmt: skip
+
+
 __all__ = [
+    "DSA_ARCHS",
     "CONTEXT_TYPES",
     "LLAMA_STATE_SEQ_FLAGS_NONE",
     "LLAMA_STATE_SEQ_FLAGS_ON_DEVICE",

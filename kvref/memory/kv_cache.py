@@ -63,6 +63,9 @@ class YarnParams(TypedDict, total=False):
     n_ctx_orig: int
 
 
+# archs whose caches rotate K whenever their head size is the indexer key length (llama_kv_cache's constructor)
+_INDEXER_ROT_ARCHS = frozenset({"deepseek32", "deepseek4", "glm-dsa", "dots3note"})
+
 TENSOR_ALIGNMENT = 32  # ggml-cpu buffer alignment: each tensor's allocation is padded to it
 
 
@@ -814,7 +817,10 @@ class KVCache:
         hp = self.hparams
         sizes = [hp.n_embd_head_k_l(layer.il) for layer in self.layers]
         rot = _rotation.attn_rot(self.type_k, _rotation.shared_head_size(sizes), hp.n_embd_head_k_l(0))
-        return self.profile.attn_rotation and rot
+        # llama.cpp always rotates a DeepSeek-style lightning indexer's keys: any cache of these archs whose
+        # full-attention head size is the indexer's (the DSA indexer cache), whatever the type or the environment
+        indexer = hp.arch in _INDEXER_ROT_ARCHS and hp.n_embd_head_k == hp.indexer_head_size
+        return self.profile.attn_rotation and (rot or indexer)
 
     @property
     def attn_rot_v(self) -> bool:
