@@ -142,6 +142,10 @@ OP_SET_ROWS = _OP_IDS.get("SET_ROWS", -1)  # none before mid-2025: K/V written b
 OP_ROPE = _OP_IDS["ROPE"]
 OP_GET_ROWS = _OP_IDS["GET_ROWS"]
 OP_MUL_MAT = _OP_IDS["MUL_MAT"]
+OP_FILL = _OP_IDS.get("FILL", -1)  # the DSA attention fills a copy of the MLA KQ mask with -inf (0.3.36)
+OP_LIGHTNING_INDEXER = _OP_IDS.get("LIGHTNING_INDEXER", -1)  # the fused DSA lightning indexer (0.3.36)
+# the inputs of llm_graph_input_attn_k_dsa's indexer cache, recorded under their own names
+LID_INPUTS = ("kq_mask_lid", "k_idxs_lid")
 GGML_HINT_SRC0_IS_HADAMARD = 1  # ggml.h
 GGML_TENSOR_FLAG_INPUT = 1  # ggml.h enum ggml_tensor_flag
 _ROWS_RE = re.compile(r"^([KV])cur-(\d+)")
@@ -292,7 +296,18 @@ class Capture:
             c = _cache_of(t.src[2]) or _cache_of(t.view_src)
             if c is None:
                 return None
+            # the DSA indexer cache's tensors carry the MLA cache's names: its rows are the indexer keys
+            if t.src[0] and _name(t.src[0].contents).startswith("indexer_k"):
+                return ("k_idxs_lid", c[1], 1)
             return (f"{c[0]}_idxs", c[1], 1)
+        if op == OP_LIGHTNING_INDEXER and t.src[3]:
+            # ggml_lightning_indexer(q, k = the indexer cache's K, weights, mask): the indexer KQ mask (f16)
+            c = _cache_of(t.src[1])
+            return ("kq_mask_lid", -1 if c is None else c[1], 3)
+        if op == OP_FILL and t.src[0] and _name(t.src[0].contents) == "attn_inp_kq_mask":
+            # the DSA attention (build_attn of llm_graph_input_attn_k_dsa) reads the MLA mask here first (its
+            # soft-max / flash attention gets the mask with the top-k keys unmasked); the layer is not named
+            return ("kq_mask", -1, 0)
         if self.want_rows and _is_hadamard(t) and t.src[1]:
             m = _ROWS_RE.search(_name(t.src[1].contents))
             if m:
@@ -369,7 +384,7 @@ class Capture:
             self.shifts.append({"swa": swa, "layer": il, "data": data})
             return True
         ent: dict = {"tensor": kind, "layer": il, "swa": swa, "type": TYPE_NAMES[s.type]}
-        if kind == "kq_mask":
+        if kind.startswith("kq_mask"):
             if data.shape[1] != 1:
                 raise ValueError(f"kq mask of layer {il}: ne[2] = {data.shape[1]}, expected 1")
             ent["shape"] = list(data.shape)
@@ -390,12 +405,13 @@ def encode(graphs: dict) -> dict:
         ins = []
         for e in u["inputs"]:
             d = {k: e[k] for k in ("tensor", "layer", "swa", "type")}
-            if e["tensor"] == "kq_mask":
+            if e["tensor"].startswith("kq_mask"):
                 d.update(encode_mask(e["mask"]))
             else:
                 d["data"] = encode_ints(e["data"])
             ins.append(d)
-        ins.sort(key=lambda d: (d["swa"], ("kq_mask", "k_idxs", "v_idxs", "pos", "pos_bucket").index(d["tensor"])))
+        order = ("kq_mask", "k_idxs", "v_idxs", "pos", "pos_bucket", *LID_INPUTS)
+        ins.sort(key=lambda d: (d["swa"], order.index(d["tensor"])))
         ubs.append({"inputs": ins})
     out: dict = {"ubatches": ubs}
     if shifts:

@@ -256,7 +256,18 @@ def sha256(path: Path) -> str:
 # ------------------------------------------------------------------ memory description
 
 
-def memory_kind(hp: dict) -> str:
+# llama_model::create_memory's DeepSeek-sparse-attention archs (an MTP context of a model with NextN blocks, and
+# hy_v4 without an indexer, build a plain KV cache)
+DSA_ARCHS = ("glm-dsa", "deepseek32", "hy_v4", "dots3note")
+
+
+def memory_kind(hp: dict, ctx_type: str = "default") -> str:
+    if hp["arch"] in DSA_ARCHS:
+        if ctx_type == "mtp" and hp.get("n_layer_nextn", 0) > 0 and hp["arch"] != "hy_v4":
+            return "kv"
+        if hp["arch"] == "hy_v4" and not hp.get("indexer_top_k"):
+            return "kv"
+        return "dsa_iswa" if hp["arch"] == "dots3note" else "dsa"
     if any(hp["recurrent_layers"]):
         if all(hp["recurrent_layers"]):
             return "recurrent"
@@ -283,6 +294,10 @@ def sections_for(kind: str, flags: int) -> list[str]:
         return ["kv_swa"] if partial else ["kv_base", "kv_swa"]
     if kind == "hybrid":
         return ["recurrent"] if partial else ["kv_attn", "recurrent"]
+    if kind == "dsa":
+        return ["kv_mla", "kv_lid"]  # llama_kv_cache_dsa hands the flags to both caches, which ignore them
+    if kind == "dsa_iswa":
+        return ["kv_swa"] if partial else ["kv_mla", "kv_lid", "kv_swa"]
     if kind == "hybrid_iswa":
         # llama_memory_hybrid_iswa hands the flags to both parts: the iSWA cache drops its base
         return ["kv_swa", "recurrent"] if partial else ["kv_base", "kv_swa", "recurrent"]
@@ -345,7 +360,8 @@ class Run:
         init_backend()
         self.dir = case_dir
         self.hp = hp
-        self.kind = memory_kind(hp)
+        ctx_type = cparams.get("ctx_type", "default")
+        self.kind = memory_kind(hp, ctx_type)
         self.trace: list[dict] = []
         self.n_saves = 0
         self.latest_files: dict = {}
@@ -356,7 +372,7 @@ class Run:
         if CAPTURE_GRAPHS:
             import capture
 
-            swa_cache = self.kind in ("iswa", "hybrid_iswa")
+            swa_cache = self.kind in ("iswa", "hybrid_iswa", "dsa_iswa")
             self.capture = capture.Capture(lambda il: swa_cache and bool(hp["swa_layers"][il]), rows=capture_rows)
         # op index -> [(k | v, layer, ubatch, pre, post)]: written to ROWS_FILE by close()
         self.rows: dict[int, list] = {}
@@ -364,6 +380,8 @@ class Run:
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = 0
         mp.use_mmap = True
+        if ctx_type == "mtp":
+            mp.load_mtp = True  # an MTP draft context runs the NextN blocks, which load_mtp false skips
         _take_log()
         self.model = L.llama_model_load_from_file(str(model_path).encode(), mp)
         if not self.model:
@@ -401,6 +419,8 @@ class Run:
         p.type_v = GGML_TYPES[cparams["type_v"]]
         p.swa_full = cparams["swa_full"]
         p.kv_unified = cparams["kv_unified"]
+        if ctx_type == "mtp":
+            p.ctx_type = L.LLAMA_CONTEXT_TYPE_MTP
         p.offload_kqv = False
         p.op_offload = False
         p.no_perf = True

@@ -92,9 +92,11 @@ class Case:
     n_rs_seq: int = 0
     n_threads: int = 1
     capture_rows: bool = False  # also record the K/V rows before/after the attention rotation (driver.ROWS_FILE)
+    ctx_type: str = "default"  # llama_context_params.ctx_type: "mtp" for a NextN draft context
 
     def cparams(self) -> dict:
-        return {
+        extra = {} if self.ctx_type == "default" else {"ctx_type": self.ctx_type}
+        return extra | {
             k: getattr(self, k)
             for k in (
                 "n_ctx",
@@ -932,6 +934,51 @@ CASES: list[Case] = [
         s_mrope,
         n_seq_max=2,
     ),
+    # ---- glm-dsa: llama_kv_cache_dsa (MLA cache + lightning-indexer key cache), and its MTP draft context
+    Case(
+        "glm-dsa-single-seq",
+        "glm-dsa",
+        "DSA memory: the MLA cache (K only, trunk layers 0-1) and the indexer key cache (layer 0, the only full "
+        "indexer) placed together; whole, session and sequence saves (MLA then indexer section), restores.",
+        ["dsa", "mla", "indexer", "seq-restore", "state-load"],
+        s_single_seq,
+    ),
+    Case(
+        "glm-dsa-multi-seq",
+        "glm-dsa",
+        "DSA memory with three sequences in one interleaved batch, a shared token; a sequence file restored into "
+        "another sequence of both caches.",
+        ["dsa", "multi-seq", "seq-restore"],
+        s_multi_seq,
+        n_seq_max=4,
+    ),
+    Case(
+        "glm-dsa-context-shift",
+        "glm-dsa",
+        "DSA memory: seq_rm then seq_add (a context shift); both caches K-shift on the next decode (the indexer "
+        "cache with NEOX over its last n_rot dims).",
+        ["dsa", "k-shift", "seq-add"],
+        s_context_shift,
+    ),
+    Case(
+        "glm-dsa-multistream",
+        "glm-dsa",
+        "DSA memory with one stream per sequence (kv_unified false): a whole-sequence seq_cp across streams is "
+        "queued in both caches; a sequence file restored into another stream.",
+        ["dsa", "multistream", "seq-cp", "seq-restore"],
+        s_multistream,
+        n_seq_max=3,
+        kv_unified=False,
+    ),
+    Case(
+        "glm-dsa-mtp",
+        "glm-dsa",
+        "MTP draft context (ctx_type LLAMA_CONTEXT_TYPE_MTP, load_mtp): a plain K-only KV cache of the NextN "
+        "block (layer 2) alone.",
+        ["mtp", "mla", "seq-restore", "state-load"],
+        s_single_seq,
+        ctx_type="mtp",
+    ),
 ]
 
 
@@ -1149,7 +1196,7 @@ def _pad(x: int, n: int) -> int:
 
 def memory_block(case: Case, hp: dict, octx: dict | None) -> dict:
     """The memory llama.cpp builds for this case, with the cache sizes it reported."""
-    kind = driver.memory_kind(hp)
+    kind = driver.memory_kind(hp, case.ctx_type)
     mem = {
         "type": kind,
         "v_trans": (not case.flash_attn) if kind != "recurrent" else None,
@@ -1173,6 +1220,19 @@ def memory_block(case: Case, hp: dict, octx: dict | None) -> dict:
             mem["rs_size"] = next((c["cells"] for c in caches if "recurrent" in c["module"]), None)
         return mem
     n_ctx_seq = octx["n_ctx_seq"]
+    if kind in ("dsa", "dsa_iswa"):
+        # llama_kv_cache_dsa: the MLA and the indexer cache both of n_ctx_seq cells; dsa_iswa adds the SWA cache,
+        # sized as llama_kv_cache_iswa's
+        mem["kv_size"] = n_ctx_seq
+        expect = [n_ctx_seq, n_ctx_seq]
+        if kind == "dsa_iswa":
+            n_seqs = case.n_seq_max if case.kv_unified else 1
+            swa = n_ctx_seq if case.swa_full else min(n_ctx_seq, _pad(hp["n_swa"] * n_seqs + octx["n_ubatch"], 256))
+            mem["kv_size_swa"] = swa
+            expect.append(swa)
+        sizes = [c["cells"] for c in octx["memory_log"]["caches"]]
+        assert sorted(sizes) == sorted(expect), (case.id, sizes, expect)
+        return mem
     if kind in ("kv", "iswa", "hybrid", "hybrid_iswa"):
         mem["kv_size"] = n_ctx_seq
     if kind in ("iswa", "hybrid_iswa"):

@@ -809,7 +809,120 @@ def build_stablelm_rot32(out: Path) -> TinyModel:
     return b.finish(out, "stablelm-rot32-tiny", meta, hp)
 
 
+# ---------------------------------------------------------------- DeepSeek sparse attention (llama_kv_cache_dsa)
+
+
+def _mla_dsa_layer(b: _Builder, i: int, n_embd, n_head, q_lora, kv_lora, nope, rope, v_mla, idx_heads, idx_hd, indexer):
+    """One MLA attention block with (``indexer``) a lightning indexer: attn_norm, q_a / q_a_norm / q_b, kv_a_mqa /
+    kv_a_norm, k_b, v_b, output; indexer k_norm (+ bias), proj, attn_k, attn_q_b."""
+    p = f"blk.{i}."
+    b.vec(p + "attn_norm.weight", n_embd, 1.0)
+    b.vec(p + "attn_q_a_norm.weight", q_lora, 1.0)
+    b.vec(p + "attn_kv_a_norm.weight", kv_lora, 1.0)
+    b.mat(p + "attn_q_a.weight", q_lora, n_embd)
+    b.mat(p + "attn_q_b.weight", n_head * (nope + rope), q_lora)
+    b.mat(p + "attn_kv_a_mqa.weight", kv_lora + rope, n_embd)
+    b.mat(p + "attn_k_b.weight", n_head, kv_lora, nope)
+    b.mat(p + "attn_v_b.weight", n_head, v_mla, kv_lora)
+    b.mat(p + "attn_output.weight", n_embd, n_head * v_mla)
+    if indexer:
+        b.vec(p + "indexer.k_norm.weight", idx_hd, 1.0)
+        b.vec(p + "indexer.k_norm.bias", idx_hd, 0.0)
+        b.mat(p + "indexer.proj.weight", idx_heads, n_embd)
+        b.mat(p + "indexer.attn_k.weight", idx_hd, n_embd)
+        b.mat(p + "indexer.attn_q_b.weight", idx_heads * idx_hd, q_lora)
+
+
+def _moe(b: _Builder, i: int, n_embd, n_expert, n_ff_exp, n_shared):
+    p = f"blk.{i}."
+    b.mat(p + "ffn_gate_inp.weight", n_expert, n_embd, dtype=np.float32)
+    b.mat(p + "ffn_gate_exps.weight", n_expert, n_ff_exp, n_embd)
+    b.mat(p + "ffn_down_exps.weight", n_expert, n_embd, n_ff_exp)
+    b.mat(p + "ffn_up_exps.weight", n_expert, n_ff_exp, n_embd)
+    b.mat(p + "ffn_gate_shexp.weight", n_ff_exp * n_shared, n_embd)
+    b.mat(p + "ffn_down_shexp.weight", n_embd, n_ff_exp * n_shared)
+    b.mat(p + "ffn_up_shexp.weight", n_ff_exp * n_shared, n_embd)
+
+
+def build_glm_dsa(out: Path) -> TinyModel:
+    """glm-dsa: 2 trunk layers + 1 NextN (MTP) block, n_embd 64, 2 heads; MLA with q_lora 32, kv_lora 32, rope 16,
+    nope 32, v 32 (the cache holds kv_lora + rope = 48 per cell, one KV head, no V); the lightning indexer has 2 heads
+    of 64 (a multiple of 64: its keys are Hadamard-rotated) and top-k 4; indexer types [full, shared], so the indexer
+    cache keeps layer 0 only. The trunk layers are dense (leading_dense_block_count 2), the NextN block MoE (2 experts,
+    1 used, 1 shared)."""
+    n_layer, n_nextn, n_embd, n_head, n_ff = 3, 1, 64, 2, 64
+    q_lora, kv_lora, rope, nope, v_mla = 32, 32, 16, 32, 32
+    idx_heads, idx_hd, top_k = 2, 64, 4
+    n_expert, n_ff_exp = 2, 32
+    indexer_types = [1, 0]
+    n_trunk = n_layer - n_nextn
+    b = _Builder("glm-dsa", seed=2301)
+    b.mat("token_embd.weight", N_VOCAB, n_embd)
+    b.vec("output_norm.weight", n_embd, 1.0)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        full = i < n_trunk and bool(indexer_types[i])
+        _mla_dsa_layer(b, i, n_embd, n_head, q_lora, kv_lora, nope, rope, v_mla, idx_heads, idx_hd, full)
+        b.vec(p + "ffn_norm.weight", n_embd, 1.0)
+        if i < n_trunk:
+            b.mat(p + "ffn_gate.weight", n_ff, n_embd)
+            b.mat(p + "ffn_up.weight", n_ff, n_embd)
+            b.mat(p + "ffn_down.weight", n_embd, n_ff)
+        else:
+            _moe(b, i, n_embd, n_expert, n_ff_exp, 1)
+            b.mat(p + "nextn.eh_proj.weight", n_embd, 2 * n_embd)
+            b.vec(p + "nextn.enorm.weight", n_embd, 1.0)
+            b.vec(p + "nextn.hnorm.weight", n_embd, 1.0)
+
+    def meta(w):
+        w.add_context_length(4096)
+        w.add_embedding_length(n_embd)
+        w.add_block_count(n_layer)
+        w.add_feed_forward_length(n_ff)
+        w.add_head_count(n_head)
+        w.add_head_count_kv(1)
+        w.add_key_length(kv_lora + rope)
+        w.add_value_length(kv_lora)
+        w.add_key_value("glm-dsa.attention.key_length_mla", nope + rope, gguf.GGUFValueType.UINT32)
+        w.add_key_value("glm-dsa.attention.value_length_mla", v_mla, gguf.GGUFValueType.UINT32)
+        w.add_rope_dimension_count(rope)
+        w.add_rope_freq_base(10000.0)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_q_lora_rank(q_lora)
+        w.add_kv_lora_rank(kv_lora)
+        w.add_leading_dense_block_count(n_trunk)
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(1)
+        w.add_expert_shared_count(1)
+        w.add_expert_feed_forward_length(n_ff_exp)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_nextn_predict_layers(n_nextn)
+        w.add_indexer_head_count(idx_heads)
+        w.add_indexer_key_length(idx_hd)
+        w.add_indexer_top_k(top_k)
+        w.add_key_value(
+            "glm-dsa.attention.indexer.types", indexer_types, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32
+        )
+
+    d = _Dims(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=1, hd=kv_lora + rope, n_ff=n_ff)
+    hp = _attn_hparams("glm-dsa", d, rope_type="norm")
+    hp.update(
+        n_embd_head_v=kv_lora,
+        n_embd_v_gqa=[kv_lora] * n_layer,
+        n_rot=rope,
+        n_layer_nextn=n_nextn,
+        n_embd_head_k_mla=nope + rope,
+        n_embd_head_v_mla=v_mla,
+        n_lora_kv=kv_lora,
+        indexer_head_size=idx_hd,
+        indexer_top_k=top_k,
+        indexer_full_layers=[bool(x) for x in indexer_types] + [False] * n_nextn,
+    )
+    return b.finish(out, "glm-dsa-tiny", meta, hp)
+
+
 BUILDERS = {
+    "glm-dsa": build_glm_dsa,
     "llama": build_llama,
     "mamba": build_mamba,
     "gemma2": build_gemma2,

@@ -79,6 +79,13 @@ class CaseHParams(TypedDict):
     f_max_alibi_bias: NotRequired[float]
     n_rel_attn_bkts: NotRequired[int]
     n_layer_kv_from_start: NotRequired[int]
+    n_layer_nextn: NotRequired[int]
+    n_embd_head_k_mla: NotRequired[int]
+    n_embd_head_v_mla: NotRequired[int]
+    n_lora_kv: NotRequired[int]
+    indexer_head_size: NotRequired[int]
+    indexer_top_k: NotRequired[int]
+    indexer_full_layers: NotRequired[list[bool]]
     swa_layers: list[bool]
     recurrent_layers: list[bool]
     n_embd_r: int

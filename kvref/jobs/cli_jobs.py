@@ -30,6 +30,8 @@ SECTION_LABELS: dict[str, tuple[str, ...]] = {
     "hybrid": ("attention KV (attention layers)", "recurrent (recurrent layers)"),
     "hybrid_iswa": ("base attention KV", "SWA attention KV", "recurrent"),
     "hybrid_idx": ("attention KV", "recurrent", "indexer KV"),
+    "dsa": ("MLA KV (latent K)", "lightning-indexer KV"),
+    "dsa_iswa": ("MLA KV (latent K)", "lightning-indexer KV", "SWA attention KV"),
     "none": (),
 }
 

@@ -36,6 +36,8 @@ _LABELS = {
     "hybrid": ("attention KV", "recurrent"),
     "hybrid_iswa": ("base attention KV", "SWA attention KV", "recurrent"),
     "hybrid_idx": ("attention KV", "recurrent", "indexer KV"),
+    "dsa": ("MLA KV (latent K)", "lightning-indexer KV"),
+    "dsa_iswa": ("MLA KV (latent K)", "lightning-indexer KV", "SWA attention KV"),
 }
 INSTALL = "kvref plot needs matplotlib: pip install 'kvref[plot]' (or pip install matplotlib)"
 

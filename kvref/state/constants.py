@@ -37,6 +37,8 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "hybrid": ("kv", "recurrent"),  # llama_memory_hybrid: attention, then recurrent
     "hybrid_iswa": ("kv", "kv", "recurrent"),  # llama_memory_hybrid_iswa
     "hybrid_idx": ("kv", "recurrent", "kv"),  # llama_memory_hybrid_idx: the indexer cache is a suffix
+    "dsa": ("kv", "kv"),  # llama_kv_cache_dsa: MLA, then the lightning-indexer keys (reads as "iswa": never guessed)
+    "dsa_iswa": ("kv", "kv", "kv"),  # llama_kv_cache_dsa_iswa: MLA, indexer, then SWA
 }
 
 # The field vocabulary shared with the conformance suite's invalid-input manifest.

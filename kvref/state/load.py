@@ -256,7 +256,8 @@ def _readings_of(
         variants = list(dict.fromkeys((False, n, e) for _, n, e in variants))
     # a memoryless context ("none") must be asked for: in "auto" it would make every state cut right after
     # its arch string a valid reading
-    layouts = [name for name in LAYOUTS if name != "none"] if layout == "auto" else [layout]
+    # nor is "dsa", whose two KV sections read exactly as "iswa"'s (only the model tells them apart)
+    layouts = [name for name in LAYOUTS if name not in ("none", "dsa")] if layout == "auto" else [layout]
     # blobs of the current format carry the io_magic prefix; asked for a seq_state, assume it (a corrupt magic
     # is then reported as such) unless the bytes are being guessed (kind "auto") and do not start with it
     headers = [True] if kind != "seq_state" or auto_kind is False else [magic]
