@@ -979,6 +979,34 @@ CASES: list[Case] = [
         s_single_seq,
         ctx_type="mtp",
     ),
+    # ---- dots3note: llama_kv_cache_dsa_iswa (MLA + indexer caches over the full layers, SWA cache, window 4)
+    Case(
+        "dots3note-dsa-iswa-overflow",
+        "dots3note",
+        "DSA-iSWA memory, window 4 overflowed by 13 tokens: MLA, indexer and SWA sections; sequence artefacts keep "
+        "only the unmasked SWA cells; the PARTIAL_ONLY blob holds the SWA cache alone.",
+        ["dsa-iswa", "dsa", "iswa", "swa-masked", "partial-only", "seq-restore"],
+        s_swa_overflow,
+    ),
+    Case(
+        "dots3note-dsa-iswa-multiseq-fa",
+        "dots3note",
+        "DSA-iSWA with flash attention (an f16 MLA mask; the indexer mask is f16 either way) and two sequences "
+        "sharing a prefix by seq_cp, then removals.",
+        ["dsa-iswa", "flash-attn", "multi-seq", "seq-cp", "seq-rm", "partial-only"],
+        s_swa_multiseq,
+        n_seq_max=2,
+        flash_attn=True,
+    ),
+    Case(
+        "dots3note-dsa-iswa-shift-swa-full",
+        "dots3note",
+        "DSA-iSWA with swa_full (the SWA cache as large as the MLA cache, so the memory can shift): a context "
+        "shift K-shifts the MLA, indexer and SWA caches.",
+        ["dsa-iswa", "swa-full", "k-shift", "seq-add"],
+        s_context_shift,
+        swa_full=True,
+    ),
 ]
 
 

@@ -921,8 +921,99 @@ def build_glm_dsa(out: Path) -> TinyModel:
     return b.finish(out, "glm-dsa-tiny", meta, hp)
 
 
+def build_dots3note(out: Path) -> TinyModel:
+    """dots3note: 4 layers (sliding_window_pattern [SWA, full, SWA, full], window 4), n_embd 64, 2 heads, every
+    layer dense. MLA: q_lora 32, rope 16; full layers kv_lora 32, nope 32, v 32 (cache rows 48), SWA layers kv_lora
+    16, nope 16, v 16 (cache rows 32); one KV head, no V. The lightning indexer (2 heads of 64, top-k 4) owns the
+    full layers (indexer types [0, 1, 0, 1]): llama_kv_cache_dsa_iswa with the MLA and indexer caches over layers 1
+    and 3 and the SWA cache over layers 0 and 2."""
+    n_layer, n_embd, n_head, n_ff = 4, 64, 2, 64
+    q_lora, rope = 32, 16
+    full = dict(kv_lora=32, nope=32, v=32)
+    swa = dict(kv_lora=16, nope=16, v=16)
+    idx_heads, idx_hd, top_k, n_swa = 2, 64, 4, 4
+    swa_layers = [True, False, True, False]
+    b = _Builder("dots3note", seed=2302)
+    b.mat("token_embd.weight", N_VOCAB, n_embd)
+    b.vec("output_norm.weight", n_embd, 1.0)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        g = swa if swa_layers[i] else full
+        _mla_dsa_layer(
+            b, i, n_embd, n_head, q_lora, g["kv_lora"], g["nope"], rope, g["v"], idx_heads, idx_hd, not swa_layers[i]
+        )
+        b.vec(p + "attn_k_norm.weight", rope, 1.0)
+        b.mat(p + "attn_gate.weight", n_head, n_embd)
+        b.vec(p + "ffn_norm.weight", n_embd, 1.0)
+        b.mat(p + "ffn_gate.weight", n_ff, n_embd)
+        b.mat(p + "ffn_up.weight", n_ff, n_embd)
+        b.mat(p + "ffn_down.weight", n_embd, n_ff)
+
+    def meta(w):
+        a = "dots3note"
+        u32 = gguf.GGUFValueType.UINT32
+        w.add_context_length(4096)
+        w.add_embedding_length(n_embd)
+        w.add_block_count(n_layer)
+        w.add_feed_forward_length(n_ff)
+        w.add_head_count(n_head)
+        w.add_head_count_kv(1)
+        w.add_key_length(full["kv_lora"] + rope)
+        w.add_value_length(full["kv_lora"])
+        w.add_key_value(f"{a}.attention.key_length_swa", swa["kv_lora"] + rope, u32)
+        w.add_key_value(f"{a}.attention.value_length_swa", swa["kv_lora"], u32)
+        w.add_key_value(f"{a}.attention.key_length_mla", full["nope"] + rope, u32)
+        w.add_key_value(f"{a}.attention.value_length_mla", full["v"], u32)
+        w.add_key_value(f"{a}.attention.kv_lora_rank_swa", swa["kv_lora"], u32)
+        w.add_key_value(f"{a}.attention.key_length_mla_swa", swa["nope"] + rope, u32)
+        w.add_key_value(f"{a}.attention.value_length_mla_swa", swa["v"], u32)
+        w.add_rope_dimension_count(rope)
+        w.add_rope_freq_base(10000.0)
+        w.add_key_value(f"{a}.rope.freq_base_swa", 10000.0, gguf.GGUFValueType.FLOAT32)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_q_lora_rank(q_lora)
+        w.add_kv_lora_rank(full["kv_lora"])
+        w.add_leading_dense_block_count(n_layer)
+        w.add_expert_shared_count(0)
+        w.add_expert_feed_forward_length(32)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_sliding_window(n_swa)
+        w.add_key_value(
+            f"{a}.attention.sliding_window_pattern", [int(x) for x in swa_layers], gguf.GGUFValueType.ARRAY, u32
+        )
+        w.add_indexer_head_count(idx_heads)
+        w.add_indexer_key_length(idx_hd)
+        w.add_indexer_top_k(top_k)
+        w.add_key_value(
+            f"{a}.attention.indexer.types", [int(not x) for x in swa_layers], gguf.GGUFValueType.ARRAY, u32
+        )
+
+    d = _Dims(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=1, hd=full["kv_lora"] + rope, n_ff=n_ff)
+    hp = _attn_hparams("dots3note", d, rope_type="norm")
+    hp.update(
+        n_embd_head_v=full["kv_lora"],
+        n_embd_head_k_swa=swa["kv_lora"] + rope,
+        n_embd_head_v_swa=swa["kv_lora"],
+        n_embd_k_gqa=[(swa if s else full)["kv_lora"] + rope for s in swa_layers],
+        n_embd_v_gqa=[(swa if s else full)["kv_lora"] for s in swa_layers],
+        n_rot=rope,
+        n_swa=n_swa,
+        swa_type="standard",
+        swa_layers=swa_layers,
+        rope_freq_base_swa=10000.0,
+        n_embd_head_k_mla=full["nope"] + rope,
+        n_embd_head_v_mla=full["v"],
+        n_lora_kv=full["kv_lora"],
+        indexer_head_size=idx_hd,
+        indexer_top_k=top_k,
+        indexer_full_layers=[not x for x in swa_layers],
+    )
+    return b.finish(out, "dots3note-tiny", meta, hp)
+
+
 BUILDERS = {
     "glm-dsa": build_glm_dsa,
+    "dots3note": build_dots3note,
     "llama": build_llama,
     "mamba": build_mamba,
     "gemma2": build_gemma2,

@@ -80,6 +80,8 @@ class CaseHParams(TypedDict):
     n_rel_attn_bkts: NotRequired[int]
     n_layer_kv_from_start: NotRequired[int]
     n_layer_nextn: NotRequired[int]
+    n_embd_head_k_swa: NotRequired[int]
+    n_embd_head_v_swa: NotRequired[int]
     n_embd_head_k_mla: NotRequired[int]
     n_embd_head_v_mla: NotRequired[int]
     n_lora_kv: NotRequired[int]
