@@ -67,6 +67,8 @@ COMMITTED_MODELS = (
     "llama-h64",
     "qwen3-h128",
     "stablelm-rot32",
+    "glm-dsa",
+    "dots3note",
 )
 
 

@@ -845,12 +845,12 @@ def _moe(b: _Builder, i: int, n_embd, n_expert, n_ff_exp, n_shared):
 
 
 def build_glm_dsa(out: Path) -> TinyModel:
-    """glm-dsa: 2 trunk layers + 1 NextN (MTP) block, n_embd 64, 2 heads; MLA with q_lora 32, kv_lora 32, rope 16,
+    """glm-dsa: 2 trunk layers + 1 NextN (MTP) block, n_embd 32, 2 heads; MLA with q_lora 32, kv_lora 32, rope 16,
     nope 32, v 32 (the cache holds kv_lora + rope = 48 per cell, one KV head, no V); the lightning indexer has 2 heads
     of 64 (a multiple of 64: its keys are Hadamard-rotated) and top-k 4; indexer types [full, shared], so the indexer
     cache keeps layer 0 only. The trunk layers are dense (leading_dense_block_count 2), the NextN block MoE (2 experts,
     1 used, 1 shared)."""
-    n_layer, n_nextn, n_embd, n_head, n_ff = 3, 1, 64, 2, 64
+    n_layer, n_nextn, n_embd, n_head, n_ff = 3, 1, 32, 2, 32
     q_lora, kv_lora, rope, nope, v_mla = 32, 32, 16, 32, 32
     idx_heads, idx_hd, top_k = 2, 64, 4
     n_expert, n_ff_exp = 2, 32
@@ -922,12 +922,12 @@ def build_glm_dsa(out: Path) -> TinyModel:
 
 
 def build_dots3note(out: Path) -> TinyModel:
-    """dots3note: 4 layers (sliding_window_pattern [SWA, full, SWA, full], window 4), n_embd 64, 2 heads, every
+    """dots3note: 4 layers (sliding_window_pattern [SWA, full, SWA, full], window 4), n_embd 32, 2 heads, every
     layer dense. MLA: q_lora 32, rope 16; full layers kv_lora 32, nope 32, v 32 (cache rows 48), SWA layers kv_lora
     16, nope 16, v 16 (cache rows 32); one KV head, no V. The lightning indexer (2 heads of 64, top-k 4) owns the
     full layers (indexer types [0, 1, 0, 1]): llama_kv_cache_dsa_iswa with the MLA and indexer caches over layers 1
     and 3 and the SWA cache over layers 0 and 2."""
-    n_layer, n_embd, n_head, n_ff = 4, 64, 2, 64
+    n_layer, n_embd, n_head, n_ff = 4, 32, 2, 32
     q_lora, rope = 32, 16
     full = dict(kv_lora=32, nope=32, v=32)
     swa = dict(kv_lora=16, nope=16, v=16)

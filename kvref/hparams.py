@@ -449,7 +449,7 @@ GENERIC_ARCHS = frozenset(_GENERIC.split())
 SPECIAL_ARCHS = frozenset({
     "gemma2", "gemma3", "mamba", "mamba2", "jamba", "falcon-h1", "granitehybrid", "lfm2", "nemotron_h",
     "qwen2vl", "qwen3vl", "qwen3vlmoe", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7", "bloom", "refact", "mpt",
-    "jais", "jina-bert-v2", "llama4",
+    "jais", "jina-bert-v2", "llama4", "glm-dsa", "deepseek32", "dots3note", "hy_v4",
 })  # fmt: skip
 SUPPORTED_ARCHS = GENERIC_ARCHS | SPECIAL_ARCHS
 
@@ -465,6 +465,10 @@ def _arch_required(arch: str) -> tuple[str, ...]:
     l_cache = "shortconv.l_cache"  # gguf 0.16 has no Keys.ShortConv
     moe_step = "interleave_moe_layer_step"  # gguf 0.16 has no Keys.LLM.INTERLEAVE_MOE_LAYER_STEP
     sections, wkv = K.Rope.DIMENSION_SECTIONS, K.WKV.HEAD_SIZE
+    # the DeepSeek-sparse-attention archs (gguf 0.16 has no Keys for the MLA ranks nor the indexer)
+    mla = ("attention.q_lora_rank", "attention.kv_lora_rank")
+    indexer = ("attention.indexer.head_count", "attention.indexer.key_length", "attention.indexer.top_k")
+    dsa_moe = (rms, "expert_feed_forward_length", "expert_shared_count")
     # fmt: off
     table: dict[str, tuple[str, ...]] = {
         "llama": (rms,), "qwen2": (rms,), "gemma2": (rms,), "gemma3": (rms,),
@@ -475,6 +479,16 @@ def _arch_required(arch: str) -> tuple[str, ...]:
         "qwen2vl": (sections,), "qwen3vl": (sections, rms), "qwen3vlmoe": (sections, rms),
         "rwkv6": (wkv,), "rwkv6qwen2": (wkv,), "rwkv7": (wkv,), "arwkv7": (wkv,),
         "llama4": (rms, K.LLM.EXPERT_FEED_FORWARD_LENGTH, moe_step),
+        "glm-dsa": (*dsa_moe, *mla, *indexer),
+        "deepseek32": (*dsa_moe, *mla, *indexer, "expert_gating_func"),
+        "dots3note": (rms, "expert_shared_count", "expert_feed_forward_length", "leading_dense_block_count",
+                      "expert_gating_func", *mla, "attention.key_length_mla", "attention.value_length_mla",
+                      "attention.kv_lora_rank_swa", "attention.key_length_mla_swa", "attention.value_length_mla_swa",
+                      "attention.sliding_window", "rope.freq_base_swa", "attention.sliding_window_pattern",
+                      *indexer, "attention.indexer.types"),
+        "hy_v4": (rms, *mla, "attention.key_length_mla", "attention.value_length_mla", "expert_feed_forward_length",
+                  "expert_shared_count", "hyper_connection.count", "hyper_connection.epsilon",
+                  "hyper_connection.magnitude"),
     }
     # fmt: on
     return table.get(arch, ())
@@ -1039,6 +1053,19 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
         f_max_alibi_bias = m.get_float(K.Attention.MAX_ALIBI_BIAS, 0.0)
     elif arch == "baichuan" and n_trunk == 40:
         f_max_alibi_bias = 8.0  # only the 13B variant uses ALiBi
+    elif arch in ("glm-dsa", "deepseek32", "dots3note", "hy_v4"):
+        _load_dsa(m, kw, n_layer, n_trunk)
+        if arch == "dots3note":
+            # load_arch_hparams: a standard window, its own rope base, the layers from the required pattern array
+            kw["swa_type"], kw["n_swa"] = SWAType.STANDARD, m.get_int(K.Attention.SLIDING_WINDOW)
+            base_swa, scale_swa = m.get_float("rope.freq_base_swa"), kw["rope_freq_scale"]
+            arr = m.get_arr("attention.sliding_window_pattern")
+            if arr is None:
+                raise HParamsError(f"array key not found in model: {m.key('attention.sliding_window_pattern')}")
+            if len(arr) > LLAMA_MAX_LAYERS:
+                raise HParamsError(f"array length {len(arr)} for key {m.key('attention.sliding_window_pattern')} "
+                                   f"exceeds max {LLAMA_MAX_LAYERS}")  # fmt: skip
+            swa_layers = tuple(bool(x) for x in arr[:n_layer]) + (False,) * max(0, n_layer - len(arr))
 
     kw["swa_layers"] = swa_layers
     kw["recurrent_layers"] = recr
@@ -1055,6 +1082,49 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
     hp = cls(**kw)
     _check_attention_widths(hp, m)
     return hp
+
+
+# GLM-5.2's default indexer types (src/models/glm-dsa.cpp): the first two layers own an indexer, then every 4th
+_GLM_5_2_INDEXER_TYPES = (True, True) + tuple(il % 4 == 0 for il in range(2, 78))
+
+
+def _load_dsa(m: _GGUFMeta, kw: HParamsArgs, n_layer: int, n_trunk: int) -> None:
+    """The MLA and indexer hparams of glm-dsa, deepseek32, dots3note and hy_v4 (their load_arch_hparams)."""
+    arch = m.arch
+    kw["n_lora_kv"] = m.get_int("attention.kv_lora_rank")
+    required = arch != "hy_v4"  # hy_v4's all-full-attention checkpoints have no indexer
+    kw["indexer_head_size"] = m.get_int("attention.indexer.key_length", None if required else 0)
+    kw["indexer_top_k"] = top_k = m.get_int("attention.indexer.top_k", None if required else 0)
+    if required:
+        m.get_int("attention.indexer.head_count")
+    full: list[bool] = [False] * n_layer  # is_indexer_full_impl starts all zero
+    key = "attention.indexer.types"
+    if arch == "glm-dsa":
+        # GLM 5 / 5.1 (trained context below 1M) have full indexers everywhere; GLM 5.2 its default pattern
+        if m.get_int("context_length") < 1048576:
+            full = [True] * n_layer
+        else:
+            full = [il < len(_GLM_5_2_INDEXER_TYPES) and _GLM_5_2_INDEXER_TYPES[il] for il in range(n_layer)]
+    if arch in ("glm-dsa", "hy_v4") and (arch == "glm-dsa" or top_k > 0):
+        types = m.get_key_or_arr(key, n_trunk)
+        if types is not None:
+            vals = types if isinstance(types, tuple) else (types,) * n_trunk
+            full[:n_trunk] = [bool(x) for x in vals]
+        if arch == "hy_v4" and not full[0]:
+            raise HParamsError(f"hy_v4: layer 0 must own an indexer, nothing precedes it to share (key {m.key(key)})")
+    elif arch == "dots3note":
+        arr = m.get_arr(key)
+        if arr is None:
+            raise HParamsError(f"array key not found in model: {m.key(key)}")
+        full[: min(len(arr), n_layer)] = [bool(x) for x in arr[:n_layer]]
+    # past the trunk llama.cpp's flags are never read (is_indexer_full aborts there): kept false
+    kw["indexer_full_layers"] = tuple(full[:n_trunk]) + (False,) * (n_layer - n_trunk)
+    if arch == "dots3note":
+        m.get_int("attention.kv_lora_rank_swa")
+    # every one of them throws without MLA when it loads its tensors (hy_v4 and dots3note require the keys)
+    if not (kw.get("n_embd_head_k_mla") and kw.get("n_embd_head_v_mla")):
+        raise HParamsError(f"{arch} requires MLA (keys {m.key('attention.key_length_mla')}, "
+                           f"{m.key('attention.value_length_mla')})")  # fmt: skip
 
 
 def _check_attention_widths(hp: HParams, m: _GGUFMeta) -> None:

@@ -31,7 +31,7 @@ CASES = [cid for cid in ALL_CASES if _committed(cid)]
 
 def test_the_new_architectures_are_covered():
     archs = {load_case(cid)["model"]["hparams"]["arch"] for cid in CASES}
-    assert {"gemma3", "qwen3", "llama4", "mamba2", "rwkv6", "lfm2"} <= archs
+    assert {"gemma3", "qwen3", "llama4", "mamba2", "rwkv6", "lfm2", "glm-dsa", "dots3note"} <= archs
 
 
 @pytest.mark.parametrize("cid", CASES)
@@ -39,7 +39,8 @@ def test_from_gguf_matches_llama_cpp(cid):
     case = load_case(cid)
     hp = HParams.from_gguf(ROOT / case["model"]["path"])
     om = case["observed_model"]
-    assert (hp.n_layer, hp.n_embd, hp.n_head_l(0), hp.n_head_kv_l(0)) == (
+    # llama_model_n_layer counts the trunk (llama_hparams::n_layer(): without the NextN blocks)
+    assert (hp.n_layer_trunk(), hp.n_embd, hp.n_head_l(0), hp.n_head_kv_l(0)) == (
         om["n_layer"],
         om["n_embd"],
         om["n_head"],
@@ -73,8 +74,17 @@ def test_memory_log_layer_counts(cid):
     n = hp.n_layer
     kv = [c for c in caches if "recurrent" not in c["module"]]
     rs = [c for c in caches if "recurrent" in c["module"]]
-    if kind == "kv":
+    trunk = range(hp.n_layer_trunk())
+    if kind == "kv" and case["context"].get("ctx_type") == "mtp":  # a draft context: the NextN blocks alone
+        assert [c["layers"] for c in kv] == [hp.n_layer_nextn]
+    elif kind == "kv":
         assert [c["layers"] for c in kv] == [sum(hp.has_kv(il) for il in range(n))]
+    elif kind == "dsa":  # the MLA cache over the trunk, then the indexer cache over its layers with an indexer
+        assert [c["layers"] for c in kv] == [len(trunk), sum(hp.is_indexer_full(il) for il in trunk)]
+    elif kind == "dsa_iswa":  # MLA and indexer caches over the full trunk layers, then the SWA cache
+        full = [il for il in trunk if not hp.is_swa(il)]
+        swa = [il for il in trunk if hp.is_swa(il)]
+        assert [c["layers"] for c in kv] == [len(full), sum(hp.is_indexer_full(il) for il in full), len(swa)]
     elif kind == "iswa":  # the non-SWA cache is created first
         assert [c["layers"] for c in kv] == [
             sum(not hp.is_swa(il) for il in range(n)),
