@@ -13,6 +13,8 @@ from kvref.memory.factory import Memory, context_params, create_memory
 from kvref.memory.hybrid import HybridMemory
 from kvref.memory.kv_cache import KVCache
 from kvref.memory.kv_cache_iswa import KVCacheISWA, swa_cache_size
+from kvref.memory.kv_cache_dsa import KVCacheDSA
+from kvref.memory.kv_cache_dsa_iswa import KVCacheDSAISWA
 from kvref.memory.recurrent import RecurrentMemory
 
 KIND = {
@@ -21,6 +23,8 @@ KIND = {
     "recurrent": RecurrentMemory,
     "hybrid": HybridMemory,
     "hybrid_iswa": HybridMemory,
+    "dsa": KVCacheDSA,
+    "dsa_iswa": KVCacheDSAISWA,
 }
 
 
@@ -31,6 +35,10 @@ def caches(mem) -> list:
     """The llama_kv_cache / llama_memory_recurrent objects, in the order llama.cpp logs their creation."""
     if isinstance(mem, KVCacheISWA):
         return [mem.base, mem.swa]
+    if isinstance(mem, KVCacheDSA):  # the MLA cache, then the indexer cache
+        return [mem.mla, mem.lid]
+    if isinstance(mem, KVCacheDSAISWA):
+        return [*caches(mem.dsa), mem.swa]
     if isinstance(mem, HybridMemory):
         return [*caches(mem.attn), mem.recr]
     return [mem]
@@ -207,9 +215,9 @@ def test_hybrid_with_swa_uses_an_iswa_attention_cache():
 def test_no_memory_and_unsupported_archs():
     enc = kvref.HParams(arch="bert", n_layer=2, n_embd=64, n_head=2, causal_attn=False, n_ctx_train=512)
     assert create_memory(enc, 512) is None
-    dsa = kvref.HParams(arch="deepseek32", n_layer=2, n_embd=64, n_head=2, n_ctx_train=512)
-    with pytest.raises(KVRefError, match="deepseek32"):
-        create_memory(dsa, 512)
+    other = kvref.HParams(arch="dflash", n_layer=2, n_embd=64, n_head=2, n_ctx_train=512)
+    with pytest.raises(KVRefError, match="dflash"):
+        create_memory(other, 512)
 
 
 def test_non_causal_models_keep_n_batch():
