@@ -68,6 +68,12 @@ MODELS: dict[str, tuple[str, dict]] = {
     # llama.cpp 0.3.36 aborts in the first decode after a shift (GGML_ASSERT(buffer) in ggml-backend.cpp: its iSWA
     # base cache has no layer, so the K-shift input gets no buffer): recorded as "aborts", the trace goes on
     "lfm2-swa": ("lfm2-swa", dict(n_seq_max=2)),
+    # DeepSeek sparse attention: llama_kv_cache_dsa (and its MTP draft context), llama_kv_cache_dsa_iswa
+    "glm-dsa": ("glm-dsa", dict(n_seq_max=3)),
+    "glm-dsa-ms": ("glm-dsa", dict(n_seq_max=3, kv_unified=False, flash_attn=True)),
+    "glm-dsa-mtp": ("glm-dsa", dict(n_seq_max=2, ctx_type="mtp")),
+    "dots3note": ("dots3note", dict(n_seq_max=2)),
+    "dots3note-ms": ("dots3note", dict(n_seq_max=3, kv_unified=False)),
 }
 N_VOCAB = 128
 UBATCHES = (3, 5, 8, 16, 32, 256)
@@ -112,7 +118,7 @@ def make_plan(model: str, seed: int, n_ops: tuple[int, int] = (20, 60), edges: b
     )
     cp.update(extra)
     mrope = arch == "qwen2vl"
-    layered = arch in ("gemma2", "jamba")  # PARTIAL_ONLY means something
+    layered = arch in ("gemma2", "jamba", "dots3note")  # PARTIAL_ONLY means something
 
     def seq(neg=False):
         return rng.randrange(-1 if neg else 0, n_seq)
