@@ -72,6 +72,8 @@ MODELS: dict[str, tuple[str, dict]] = {
     "glm-dsa": ("glm-dsa", dict(n_seq_max=3)),
     "glm-dsa-ms": ("glm-dsa", dict(n_seq_max=3, kv_unified=False, flash_attn=True)),
     "glm-dsa-mtp": ("glm-dsa", dict(n_seq_max=2, ctx_type="mtp")),
+    "deepseek32": ("deepseek32", dict(n_seq_max=2)),
+    "deepseek32-mtp-ms": ("deepseek32", dict(n_seq_max=3, kv_unified=False, ctx_type="mtp")),
     "dots3note": ("dots3note", dict(n_seq_max=2)),
     "dots3note-ms": ("dots3note", dict(n_seq_max=3, kv_unified=False)),
 }

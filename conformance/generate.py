@@ -69,6 +69,7 @@ COMMITTED_MODELS = (
     "stablelm-rot32",
     "glm-dsa",
     "dots3note",
+    "deepseek32",
 )
 
 
@@ -979,6 +980,35 @@ CASES: list[Case] = [
         "block (layer 2) alone.",
         ["mtp", "mla", "seq-restore", "state-load"],
         s_single_seq,
+        ctx_type="mtp",
+    ),
+    # ---- deepseek32: llama_kv_cache_dsa whose indexer cache keeps every trunk layer
+    Case(
+        "deepseek32-dsa-multi-seq",
+        "deepseek32",
+        "DSA memory of deepseek32 (indexer cache over both trunk layers): three sequences in one batch, saves, a "
+        "sequence file restored into another sequence.",
+        ["dsa", "mla", "indexer", "multi-seq", "seq-restore"],
+        s_multi_seq,
+        n_seq_max=4,
+    ),
+    Case(
+        "deepseek32-dsa-seq-div",
+        "deepseek32",
+        "DSA memory of deepseek32: seq_div on both caches (pending K-shift of the MLA and the indexer cache), then "
+        "a decode applies it.",
+        ["dsa", "seq-div", "k-shift"],
+        s_seq_div,
+        n_seq_max=2,
+    ),
+    Case(
+        "deepseek32-mtp-multistream",
+        "deepseek32",
+        "deepseek32's MTP draft context with one stream per sequence: the NextN block's plain K-only cache.",
+        ["mtp", "mla", "multistream", "seq-cp", "seq-restore"],
+        s_multistream,
+        n_seq_max=3,
+        kv_unified=False,
         ctx_type="mtp",
     ),
     # ---- dots3note: llama_kv_cache_dsa_iswa (MLA + indexer caches over the full layers, SWA cache, window 4)

@@ -850,18 +850,27 @@ def build_glm_dsa(out: Path) -> TinyModel:
     of 64 (a multiple of 64: its keys are Hadamard-rotated) and top-k 4; indexer types [full, shared], so the indexer
     cache keeps layer 0 only. The trunk layers are dense (leading_dense_block_count 2), the NextN block MoE (2 experts,
     1 used, 1 shared)."""
+    return _dsa_mla(out, "glm-dsa", 2301, [1, 0])
+
+
+def build_deepseek32(out: Path) -> TinyModel:
+    """deepseek32: glm-dsa's shapes (see build_glm_dsa) with an indexer in every layer, the NextN block's included
+    (deepseek32 requires its tensors); no indexer types: the indexer cache keeps every trunk layer."""
+    return _dsa_mla(out, "deepseek32", 2303, None)
+
+
+def _dsa_mla(out: Path, arch: str, seed: int, indexer_types: list[int] | None) -> TinyModel:
     n_layer, n_nextn, n_embd, n_head, n_ff = 3, 1, 32, 2, 32
     q_lora, kv_lora, rope, nope, v_mla = 32, 32, 16, 32, 32
     idx_heads, idx_hd, top_k = 2, 64, 4
     n_expert, n_ff_exp = 2, 32
-    indexer_types = [1, 0]
     n_trunk = n_layer - n_nextn
-    b = _Builder("glm-dsa", seed=2301)
+    b = _Builder(arch, seed=seed)
     b.mat("token_embd.weight", N_VOCAB, n_embd)
     b.vec("output_norm.weight", n_embd, 1.0)
     for i in range(n_layer):
         p = f"blk.{i}."
-        full = i < n_trunk and bool(indexer_types[i])
+        full = indexer_types is None or (i < n_trunk and bool(indexer_types[i]))
         _mla_dsa_layer(b, i, n_embd, n_head, q_lora, kv_lora, nope, rope, v_mla, idx_heads, idx_hd, full)
         b.vec(p + "ffn_norm.weight", n_embd, 1.0)
         if i < n_trunk:
@@ -883,8 +892,8 @@ def build_glm_dsa(out: Path) -> TinyModel:
         w.add_head_count_kv(1)
         w.add_key_length(kv_lora + rope)
         w.add_value_length(kv_lora)
-        w.add_key_value("glm-dsa.attention.key_length_mla", nope + rope, gguf.GGUFValueType.UINT32)
-        w.add_key_value("glm-dsa.attention.value_length_mla", v_mla, gguf.GGUFValueType.UINT32)
+        w.add_key_value(f"{arch}.attention.key_length_mla", nope + rope, gguf.GGUFValueType.UINT32)
+        w.add_key_value(f"{arch}.attention.value_length_mla", v_mla, gguf.GGUFValueType.UINT32)
         w.add_rope_dimension_count(rope)
         w.add_rope_freq_base(10000.0)
         w.add_layer_norm_rms_eps(1e-5)
@@ -900,12 +909,13 @@ def build_glm_dsa(out: Path) -> TinyModel:
         w.add_indexer_head_count(idx_heads)
         w.add_indexer_key_length(idx_hd)
         w.add_indexer_top_k(top_k)
-        w.add_key_value(
-            "glm-dsa.attention.indexer.types", indexer_types, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32
-        )
+        if indexer_types is not None:
+            w.add_key_value(
+                f"{arch}.attention.indexer.types", indexer_types, gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.UINT32
+            )
 
     d = _Dims(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=1, hd=kv_lora + rope, n_ff=n_ff)
-    hp = _attn_hparams("glm-dsa", d, rope_type="norm")
+    hp = _attn_hparams(arch, d, rope_type="norm")
     hp.update(
         n_embd_head_v=kv_lora,
         n_embd_v_gqa=[kv_lora] * n_layer,
@@ -916,9 +926,10 @@ def build_glm_dsa(out: Path) -> TinyModel:
         n_lora_kv=kv_lora,
         indexer_head_size=idx_hd,
         indexer_top_k=top_k,
-        indexer_full_layers=[bool(x) for x in indexer_types] + [False] * n_nextn,
+        # deepseek32 never reads indexer types (llama.cpp's flags stay 0)
+        indexer_full_layers=[bool(x) for x in indexer_types or [0] * n_trunk] + [False] * n_nextn,
     )
-    return b.finish(out, "glm-dsa-tiny", meta, hp)
+    return b.finish(out, f"{arch}-tiny", meta, hp)
 
 
 def build_dots3note(out: Path) -> TinyModel:
@@ -1014,6 +1025,7 @@ def build_dots3note(out: Path) -> TinyModel:
 BUILDERS = {
     "glm-dsa": build_glm_dsa,
     "dots3note": build_dots3note,
+    "deepseek32": build_deepseek32,
     "llama": build_llama,
     "mamba": build_mamba,
     "gemma2": build_gemma2,
