@@ -74,6 +74,7 @@ MODELS: dict[str, tuple[str, dict]] = {
     "glm-dsa-mtp": ("glm-dsa", dict(n_seq_max=2, ctx_type="mtp")),
     "deepseek32": ("deepseek32", dict(n_seq_max=2)),
     "deepseek32-mtp-ms": ("deepseek32", dict(n_seq_max=3, kv_unified=False, ctx_type="mtp")),
+    "hy_v4": ("hy_v4", dict(n_seq_max=3)),
     "dots3note": ("dots3note", dict(n_seq_max=2)),
     "dots3note-ms": ("dots3note", dict(n_seq_max=3, kv_unified=False)),
 }

@@ -70,6 +70,7 @@ COMMITTED_MODELS = (
     "glm-dsa",
     "dots3note",
     "deepseek32",
+    "hy_v4",
 )
 
 
@@ -1010,6 +1011,23 @@ CASES: list[Case] = [
         n_seq_max=3,
         kv_unified=False,
         ctx_type="mtp",
+    ),
+    # ---- hy_v4 with an indexer: llama_kv_cache_dsa (indexer cache over the full-indexer layers, keys not rotated)
+    Case(
+        "hy_v4-dsa-single-seq",
+        "hy_v4",
+        "hy_v4's DSA memory (MLA cache over both layers, indexer cache over layer 0): saves and restores of the "
+        "whole context and of a sequence.",
+        ["dsa", "mla", "indexer", "seq-restore", "state-load"],
+        s_single_seq,
+    ),
+    Case(
+        "hy_v4-dsa-context-shift",
+        "hy_v4",
+        "hy_v4's DSA memory: a context shift K-shifts both caches (the indexer cache as NEOX over its last n_rot "
+        "dims).",
+        ["dsa", "k-shift", "seq-add"],
+        s_context_shift,
     ),
     # ---- dots3note: llama_kv_cache_dsa_iswa (MLA + indexer caches over the full layers, SWA cache, window 4)
     Case(

@@ -1022,7 +1022,82 @@ def build_dots3note(out: Path) -> TinyModel:
     return b.finish(out, "dots3note-tiny", meta, hp)
 
 
+def build_hy_v4(out: Path) -> TinyModel:
+    """hy_v4 with an indexer: 2 dense layers, n_embd 32, 2 heads, 2 hyper-connection streams; MLA with q_lora 32,
+    kv_lora 32, rope 16, nope 32, v 32 (cache rows 48, no V), attention sinks and a gate; the indexer (2 heads of 64,
+    top-k 4, types [full, shared]) keeps layer 0 in its cache. hy_v4 is not among the archs whose indexer keys
+    llama.cpp rotates: with f16 caches attn_rot_k stays off."""
+    n_layer, n_embd, n_head, n_ff, hc = 2, 32, 2, 32, 2
+    q_lora, kv_lora, rope, nope, v_mla = 32, 32, 16, 32, 32
+    idx_heads, idx_hd, top_k = 2, 64, 4
+    indexer_types = [1, 0]
+    b = _Builder("hy_v4", seed=2304)
+    b.mat("token_embd.weight", N_VOCAB, n_embd)
+    b.vec("output_norm.weight", n_embd, 1.0)
+    b.mat("output.weight", N_VOCAB, n_embd)
+    b.mat("output_hc_fn.weight", hc, hc * n_embd, dtype=np.float32)
+    b.vec("output_hc_base.weight", hc)
+    b.vec("output_hc_scale.weight", 1, 1.0)
+    for i in range(n_layer):
+        p = f"blk.{i}."
+        _mla_dsa_layer(b, i, n_embd, n_head, q_lora, kv_lora, nope, rope, v_mla, idx_heads, idx_hd, indexer_types[i])
+        b.vec(p + "attn_sinks.weight", n_head)
+        b.mat(p + "attn_gate.weight", n_head * v_mla, n_embd)
+        for part in ("attn", "ffn"):
+            b.mat(p + f"hc_{part}_fn.weight", 2 * hc, hc * n_embd, dtype=np.float32)
+            b.vec(p + f"hc_{part}_base.weight", 2 * hc)
+            b.vec(p + f"hc_{part}_scale.weight", 2, 1.0)
+        b.vec(p + "ffn_norm.weight", n_embd, 1.0)
+        b.mat(p + "ffn_gate.weight", n_ff, n_embd)
+        b.mat(p + "ffn_up.weight", n_ff, n_embd)
+        b.mat(p + "ffn_down.weight", n_embd, n_ff)
+
+    def meta(w):
+        a, u32, f32 = "hy_v4", gguf.GGUFValueType.UINT32, gguf.GGUFValueType.FLOAT32
+        w.add_context_length(4096)
+        w.add_embedding_length(n_embd)
+        w.add_block_count(n_layer)
+        w.add_feed_forward_length(n_ff)
+        w.add_head_count(n_head)
+        w.add_head_count_kv(1)
+        w.add_key_length(kv_lora + rope)
+        w.add_value_length(kv_lora)
+        w.add_key_value(f"{a}.attention.key_length_mla", nope + rope, u32)
+        w.add_key_value(f"{a}.attention.value_length_mla", v_mla, u32)
+        w.add_rope_dimension_count(rope)
+        w.add_rope_freq_base(10000.0)
+        w.add_layer_norm_rms_eps(1e-5)
+        w.add_q_lora_rank(q_lora)
+        w.add_kv_lora_rank(kv_lora)
+        w.add_leading_dense_block_count(n_layer)
+        w.add_expert_shared_count(0)
+        w.add_expert_feed_forward_length(32)
+        w.add_key_value(f"{a}.hyper_connection.count", hc, u32)
+        w.add_key_value(f"{a}.hyper_connection.epsilon", 1e-6, f32)
+        w.add_key_value(f"{a}.hyper_connection.magnitude", 1.0, f32)
+        w.add_indexer_head_count(idx_heads)
+        w.add_indexer_key_length(idx_hd)
+        w.add_indexer_top_k(top_k)
+        w.add_key_value(f"{a}.attention.indexer.types", indexer_types, gguf.GGUFValueType.ARRAY, u32)
+
+    d = _Dims(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=1, hd=kv_lora + rope, n_ff=n_ff)
+    hp = _attn_hparams("hy_v4", d, rope_type="norm")
+    hp.update(
+        n_embd_head_v=kv_lora,
+        n_embd_v_gqa=[kv_lora] * n_layer,
+        n_rot=rope,
+        n_embd_head_k_mla=nope + rope,
+        n_embd_head_v_mla=v_mla,
+        n_lora_kv=kv_lora,
+        indexer_head_size=idx_hd,
+        indexer_top_k=top_k,
+        indexer_full_layers=[bool(x) for x in indexer_types],
+    )
+    return b.finish(out, "hy_v4-tiny", meta, hp)
+
+
 BUILDERS = {
+    "hy_v4": build_hy_v4,
     "glm-dsa": build_glm_dsa,
     "dots3note": build_dots3note,
     "deepseek32": build_deepseek32,
