@@ -255,3 +255,42 @@ def test_graph_inputs_of_the_indexer_cache():
     assert mask.dtype.name == "float16" and mask.shape == (1, 4, 256)
     assert mem.graph_input("k_idxs_lid", ub, slot, swa=False, f16=False, causal=None).tolist() == [0, 1, 2, 3]
     assert mem.graph_input("kq_mask", ub, slot, swa=False, f16=False, causal=None) is None
+
+
+# ------------------------------------------------------------------ jobs on the goldens
+
+GOLDEN = __import__("pathlib").Path(__file__).resolve().parent.parent / "conformance" / "golden"
+
+
+def test_inspect_labels_the_dsa_sections(capsys: pytest.CaptureFixture[str]) -> None:
+    from kvref.jobs.cli import main
+
+    # a session file names its arch: glm-dsa's two KV sections are the MLA and the indexer cache, not an iSWA pair
+    assert main(["inspect", str(GOLDEN / "glm-dsa-single-seq" / "01-session.ggsn")]) == 0
+    out = capsys.readouterr().out
+    assert "memory layout: dsa" in out
+    assert "section 0: MLA KV (latent K)" in out and "section 1: lightning-indexer KV" in out
+    assert main(["inspect", str(GOLDEN / "dots3note-dsa-iswa-overflow" / "01-session.ggsn")]) == 0
+    out = capsys.readouterr().out
+    assert "memory layout: dsa_iswa" in out and "section 2: SWA attention KV" in out
+    # a sequence file names no arch: read as the same bytes of an iSWA pair unless told
+    seq = GOLDEN / "glm-dsa-single-seq" / "03-seq-seq0.ggsq"
+    assert kvref.state.load(seq).memory.layout == "iswa"
+    assert kvref.state.load(seq, layout="dsa").memory.layout == "dsa"
+
+
+def test_a_dsa_state_has_only_the_current_layout() -> None:
+    from kvref.errors import ConversionError
+
+    src = GOLDEN / "glm-dsa-single-seq" / "01-session.ggsn"
+    assert kvref.state.load(src).to_bytes() == src.read_bytes()
+    with pytest.raises(ConversionError, match="dsa memory exists only"):
+        kvref.convert(src, era="2025-07")
+
+
+def test_restore_a_dsa_session_into_the_memory_of_its_model() -> None:
+    model = GOLDEN.parent / "models" / "glm-dsa-tiny.gguf"
+    f = GOLDEN / "glm-dsa-single-seq" / "01-session.ggsn"
+    mem, obj = kvref.restore(f, model=model)
+    assert isinstance(mem, KVCacheDSA) and mem.seq_pos_max(0) == len(obj.tokens) - 1
+    assert mem.state_write() == kvref.state.section_bytes(*obj.memory.sections)

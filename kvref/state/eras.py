@@ -223,7 +223,7 @@ def matching_eras(obj: StateObject) -> list[str]:
             continue
         if exts == {0} and e.ext_size and is_mrope_arch(getattr(obj, "arch", None)):
             continue  # an M-RoPE cache of this era writes an ext
-        if (ple or obj.memory.layout == "hybrid_idx") and e.name != CURRENT:
+        if (ple or obj.memory.layout in _CURRENT_ONLY) and e.name != CURRENT:
             continue
         if obj.memory.layout in ("iswa", "hybrid_iswa") and _key(e.last) < _key(FIRST_ISWA_RELEASE):
             continue  # no SWA cache before 0.3.10
@@ -315,6 +315,10 @@ def _ext_cells(cells: Cells, want: int, where: str, target: Era) -> Cells:
     return Cells(cells.pos, cells.seq_id, cells.seq_start, np.ascontiguousarray(new, np.int32), want)
 
 
+# memories only the newest layout has (llama_memory_hybrid_idx, llama_kv_cache_dsa / _dsa_iswa: October 2026)
+_CURRENT_ONLY = ("hybrid_idx", "dsa", "dsa_iswa")
+
+
 def convert_sections(
     mem: MemorySections, target: Era | str, *, has_ext: bool | None = None, where: str = ""
 ) -> MemorySections:
@@ -326,8 +330,8 @@ def convert_sections(
     hybrid_idx layout before 2026-10).
     """
     e = era(target)
-    if mem.layout == "hybrid_idx" and e.name != CURRENT:
-        raise ConversionError(f"the hybrid_idx memory exists only in the {CURRENT} layout, not in {e.name}")
+    if mem.layout in _CURRENT_ONLY and e.name != CURRENT:
+        raise ConversionError(f"the {mem.layout} memory exists only in the {CURRENT} layout, not in {e.name}")
     if mem.layout in ("iswa", "hybrid_iswa") and _key(e.last) < _key(FIRST_ISWA_RELEASE):
         raise ConversionError(
             f"the {e.name} layout ({e.releases}) has no sliding-window cache: llama.cpp before "

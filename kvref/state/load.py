@@ -334,6 +334,10 @@ def _family(layout: str) -> str:
     return "recurrent" if len(kinds) == 1 else "hybrid"
 
 
+# archs whose two-section memory is llama_kv_cache_dsa (MLA, indexer), which no bytes tell from an iSWA memory
+_DSA_ARCHS = frozenset({"glm-dsa", "deepseek32", "hy_v4"})
+
+
 def _arch_family(buf: memoryview, kind: str) -> str | None:
     """The memory family the arch string names (session files and state blobs carry one), if readable."""
     at = {"state": 0, "session": None}.get(kind, -1)
@@ -1046,6 +1050,8 @@ def load(
                 field="cell_count",
                 offset=len(buf),
             )
+        if layout == "auto" and c["layout"] == "iswa" and getattr(obj, "arch", None) in _DSA_ARCHS:
+            obj.memory.layout = "dsa"  # the same bytes as an iSWA memory's: the arch string says which
         return obj
     if not found:
         assert best is not None
