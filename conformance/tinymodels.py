@@ -995,9 +995,7 @@ def build_dots3note(out: Path) -> TinyModel:
         w.add_indexer_head_count(idx_heads)
         w.add_indexer_key_length(idx_hd)
         w.add_indexer_top_k(top_k)
-        w.add_key_value(
-            f"{a}.attention.indexer.types", [int(not x) for x in swa_layers], gguf.GGUFValueType.ARRAY, u32
-        )
+        w.add_key_value(f"{a}.attention.indexer.types", [int(not x) for x in swa_layers], gguf.GGUFValueType.ARRAY, u32)
 
     d = _Dims(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=1, hd=full["kv_lora"] + rope, n_ff=n_ff)
     hp = _attn_hparams("dots3note", d, rope_type="norm")

@@ -1084,8 +1084,9 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
     return hp
 
 
-# GLM-5.2's default indexer types (src/models/glm-dsa.cpp): the first two layers own an indexer, then every 4th
-_GLM_5_2_INDEXER_TYPES = (True, True) + tuple(il % 4 == 0 for il in range(2, 78))
+# GLM-5.2's default indexer types (src/models/glm-dsa.cpp, 78 entries): layers 0 and 1 own an indexer, then the first
+# of every group of four (2, 6, 10, ...)
+_GLM_5_2_INDEXER_TYPES = (True, True, *((il - 2) % 4 == 0 for il in range(2, 78)))
 
 
 def _load_dsa(m: _GGUFMeta, kw: HParamsArgs, n_layer: int, n_trunk: int) -> None:

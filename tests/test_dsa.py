@@ -147,7 +147,8 @@ def test_both_caches_get_the_same_cells_and_ops():
     mem = create_memory(mla("glm-dsa", indexer_full_layers=True), 256, n_seq_max=2)
     mem.decode(tokens(6))
     mem.decode(tokens(3, seq=1))
-    assert [c.tolist() for c in (mem.mla.cells(0).pos, mem.lid.cells(0).pos)][0][:9] == [0, 1, 2, 3, 4, 5, 0, 1, 2]
+    for cache in (mem.mla, mem.lid):
+        assert cache.cells(0).pos.tolist()[:9] == [0, 1, 2, 3, 4, 5, 0, 1, 2]
     assert mem.seq_rm(0, 2, 4) is True
     mem.seq_cp(1, 0, -1, -1)
     mem.seq_add(0, 4, -1, 10)
@@ -294,3 +295,11 @@ def test_restore_a_dsa_session_into_the_memory_of_its_model() -> None:
     mem, obj = kvref.restore(f, model=model)
     assert isinstance(mem, KVCacheDSA) and mem.seq_pos_max(0) == len(obj.tokens) - 1
     assert mem.state_write() == kvref.state.section_bytes(*obj.memory.sections)
+
+
+def test_glm_5_2_default_indexer_types():
+    # src/models/glm-dsa.cpp: {1, 1, then 1, 0, 0, 0 nineteen times}
+    from kvref.hparams import _GLM_5_2_INDEXER_TYPES as T
+
+    assert len(T) == 78 and T[:10] == (True, True, True, False, False, False, True, False, False, False)
+    assert sum(T) == 2 + 19

@@ -12,9 +12,9 @@ from kvref.errors import KVRefError
 from kvref.memory.factory import Memory, context_params, create_memory
 from kvref.memory.hybrid import HybridMemory
 from kvref.memory.kv_cache import KVCache
-from kvref.memory.kv_cache_iswa import KVCacheISWA, swa_cache_size
 from kvref.memory.kv_cache_dsa import KVCacheDSA
 from kvref.memory.kv_cache_dsa_iswa import KVCacheDSAISWA
+from kvref.memory.kv_cache_iswa import KVCacheISWA, swa_cache_size
 from kvref.memory.recurrent import RecurrentMemory
 
 KIND = {

@@ -225,8 +225,8 @@ def hparams_from_case(case: Case) -> HParams:
     for name in ("wkv_head_size", "token_shift_count", "n_shortconv_l_cache", "rope_freq_base_swa",
                  "non_causal_type", "f_max_alibi_bias", "n_rel_attn_bkts", "n_layer_kv_from_start",
                  # MLA and the DSA indexer (glm-dsa, deepseek32, hy_v4, dots3note)
-                 "n_layer_nextn", "n_embd_head_k_swa", "n_embd_head_v_swa", "n_embd_head_k_mla", "n_embd_head_v_mla", "n_lora_kv", "indexer_head_size",
-                 "indexer_top_k", "indexer_full_layers"):  # fmt: skip
+                 "n_layer_nextn", "n_embd_head_k_swa", "n_embd_head_v_swa", "n_embd_head_k_mla", "n_embd_head_v_mla",
+                 "n_lora_kv", "indexer_head_size", "indexer_top_k", "indexer_full_layers"):  # fmt: skip
         if h.get(name) is not None:
             kw[name] = h[name]
     sections = h.get("rope_sections")

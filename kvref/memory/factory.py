@@ -35,12 +35,14 @@ from .recurrent import RecurrentMemory
 
 if TYPE_CHECKING:
     from .hybrid import HybridSlot
+    from .kv_cache_dsa import DSASlot
+    from .kv_cache_dsa_iswa import DSAISWASlot
     from .kv_cache_iswa import ISWASlot
     from .recurrent import RecurrentSlot
     from .slots import SlotInfo
 
     # what the decode of the memory create_memory builds places each ubatch in (`Memory`'s type parameter)
-    _Slot: TypeAlias = "SlotInfo | ISWASlot | HybridSlot | RecurrentSlot"
+    _Slot: TypeAlias = "SlotInfo | ISWASlot | HybridSlot | RecurrentSlot | DSASlot | DSAISWASlot"
 
 # llama_context_type: the default context, and a draft context of the model's MTP (NextN) blocks
 CONTEXT_TYPES = ("default", "mtp")
@@ -403,8 +405,8 @@ def _create_dsa(
 
 
 __all__ = [
-    "DSA_ARCHS",
     "CONTEXT_TYPES",
+    "DSA_ARCHS",
     "LLAMA_STATE_SEQ_FLAGS_NONE",
     "LLAMA_STATE_SEQ_FLAGS_ON_DEVICE",
     "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY",

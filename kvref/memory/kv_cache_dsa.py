@@ -34,6 +34,9 @@ if TYPE_CHECKING:
 
     from .batch import BatchAllocr
 
+# what graph_input computes: a KQ mask (float16 / float32) or row indices (int64)
+GraphInput = npt.NDArray[np.float16] | npt.NDArray[np.float32] | npt.NDArray[np.int64]
+
 # the graph inputs of the indexer cache (llm_graph_input_attn_k_dsa: self_kq_mask_lid, self_k_idxs_lid)
 LID_INPUTS = ("kq_mask_lid", "k_idxs_lid")
 
@@ -48,9 +51,7 @@ class DSASlot(NamedTuple):
 def lid_hparams(hparams: HParams) -> HParams:
     """The hparams llama_kv_cache_dsa builds its indexer cache from: the model's, with one KV head in every layer,
     ``n_embd_head_k`` (the full-attention head size) = ``indexer_head_size`` and RoPE NEOX (what its K-shift uses)."""
-    return dataclasses.replace(
-        hparams, n_head_kv=1, n_embd_head_k=hparams.indexer_head_size, rope_type=RopeType.NEOX
-    )
+    return dataclasses.replace(hparams, n_head_kv=1, n_embd_head_k=hparams.indexer_head_size, rope_type=RopeType.NEOX)
 
 
 class KVCacheDSA(PairedMemory[DSASlot, DSASlot]):
@@ -216,7 +217,7 @@ class KVCacheDSA(PairedMemory[DSASlot, DSASlot]):
 
     def graph_input(
         self, tensor: str, ub: UBatch, slot: object, *, swa: bool, f16: bool, causal: bool | None
-    ) -> npt.NDArray[np.generic] | None:
+    ) -> GraphInput | None:
         """The indexer cache's graph inputs (llm_graph_input_attn_k_dsa): ``kq_mask_lid`` (f16 with the fused
         lightning indexer, llama.cpp's default) and ``k_idxs_lid``; None for the other inputs."""
         if tensor not in LID_INPUTS or swa or not isinstance(slot, DSASlot):
@@ -249,9 +250,7 @@ class KVCacheDSA(PairedMemory[DSASlot, DSASlot]):
         )
 
 
-def lid_input(
-    lid: KVCache, sinfo: SlotInfo, tensor: str, ub: UBatch, *, f16: bool, causal: bool | None
-) -> npt.NDArray[np.generic]:
+def lid_input(lid: KVCache, sinfo: SlotInfo, tensor: str, ub: UBatch, *, f16: bool, causal: bool | None) -> GraphInput:
     """``kq_mask_lid`` or ``k_idxs_lid`` of an indexer cache for a placed ubatch."""
     from .mask import fill_kq_mask
 
@@ -260,4 +259,4 @@ def lid_input(
     return np.asarray(lid.k_idxs(ub, sinfo), dtype=np.int64)
 
 
-__all__ = ["LID_INPUTS", "DSASlot", "KVCacheDSA", "lid_hparams", "lid_input"]
+__all__ = ["LID_INPUTS", "DSASlot", "GraphInput", "KVCacheDSA", "lid_hparams", "lid_input"]

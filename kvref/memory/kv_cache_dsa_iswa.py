@@ -26,7 +26,7 @@ from ..profile import DEFAULT, Profile, resolve
 from .base import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, ContextParams, PairedMemory, read_parts
 from .batch import UBatch
 from .kv_cache import KVCache, YarnParams
-from .kv_cache_dsa import LID_INPUTS, DSASlot, KVCacheDSA, lid_input
+from .kv_cache_dsa import LID_INPUTS, DSASlot, GraphInput, KVCacheDSA, lid_input
 from .kv_cache_iswa import swa_cache_size
 from .slots import SlotInfo
 
@@ -234,7 +234,7 @@ class KVCacheDSAISWA(PairedMemory[DSAISWASlot, DSAISWASlot]):
 
     def graph_input(
         self, tensor: str, ub: UBatch, slot: object, *, swa: bool, f16: bool, causal: bool | None
-    ) -> npt.NDArray[np.generic] | None:
+    ) -> GraphInput | None:
         """The indexer cache's graph inputs (``kq_mask_lid``, ``k_idxs_lid``); None for the others."""
         if tensor not in LID_INPUTS or swa or not isinstance(slot, DSAISWASlot):
             return None
