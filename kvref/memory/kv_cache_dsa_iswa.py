@@ -15,9 +15,6 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, NamedTuple
 
-import numpy as np
-import numpy.typing as npt
-
 from ..args import as_state_args
 from ..errors import NoSlotError
 from ..ggml.types import GGMLType
