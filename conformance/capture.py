@@ -15,6 +15,9 @@ token positions        ROPE fed by ``inp_pos``                src[1]
 K-shift                ROPE over a view of cache_k_l<il>      src[1]
 T5 position buckets    GET_ROWS of ``*attn_rel_b.weight``     src[1] (a 1-D view of ``pos_bucket_enc`` /
                                                               ``pos_bucket_dec``: the view's source is read)
+DSA MLA mask           FILL of ``attn_inp_kq_mask``           src[0] (its soft-max reads the top-k mask)
+DSA indexer mask       LIGHTNING_INDEXER                      src[3] (``kq_mask_lid``, f16)
+DSA indexer indices    SET_ROWS of ``indexer_k-<il>`` rows    src[1] (``k_idxs_lid``)
 =====================  =====================================  ==========
 
 With ``rows=True`` (the attention-rotation cases) the K and V rows a decode stores are read too, before and
