@@ -303,3 +303,30 @@ def test_glm_5_2_default_indexer_types():
 
     assert len(T) == 78 and T[:10] == (True, True, True, False, False, False, True, False, False, False)
     assert sum(T) == 2 + 19
+
+
+@pytest.mark.parametrize(
+    ("case_id", "model"),
+    [("glm-dsa-multi-seq", "glm-dsa-tiny"), ("dots3note-dsa-iswa-overflow", "dots3note-tiny"),
+     ("deepseek32-dsa-seq-div", "deepseek32-tiny"), ("hy_v4-dsa-single-seq", "hy_v4-tiny")],
+)  # fmt: skip
+def test_every_dsa_artefact_restores_with_its_model(case_id: str, model: str) -> None:
+    """Sequence files carry no arch: the model says their two (three) KV sections are a DSA memory's."""
+    import json
+    import warnings
+
+    case = json.loads((GOLDEN / case_id / "case.json").read_text())
+    saves = [op for op in case["trace"] if op["op"] == "save" and op.get("ret") not in (0, False)]
+    assert saves
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        for op in saves:
+            seq = op.get("seq_id") if op["kind"] in ("seq", "seq_data") else None
+            flags = op.get("flags", 0) or 0
+            r = kvref.restore(
+                GOLDEN / case_id / op["file"], model=GOLDEN.parent / "models" / f"{model}.gguf", seq_id=seq
+            )
+            want = r.state.memory.layout
+            assert want == ("kv" if flags else "dsa_iswa" if model.startswith("dots3note") else "dsa"), op["file"]
+            got = r.memory.state_write(-1 if seq is None else seq, flags)
+            assert got == kvref.state.section_bytes(*r.state.memory.sections), op["file"]

@@ -55,6 +55,11 @@ def memory_layout(hp: HParams) -> tuple[str, str | None]:
     """The layout a model's memory writes (``kvref.state.LAYOUTS`` name), and the layout of its partial state
     (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY; None when the flag changes nothing)."""
     swa = hp.swa_type != SWAType.NONE
+    # llama_kv_cache_dsa (MLA, indexer) / llama_kv_cache_dsa_iswa (MLA, indexer, SWA): the default context's memory
+    if hp.arch in ("glm-dsa", "deepseek32") or (hp.arch == "hy_v4" and hp.indexer_top_k > 0):
+        return "dsa", None
+    if hp.arch == "dots3note":
+        return "dsa_iswa", "kv"
     if hp.is_recurrent_arch():
         return "recurrent", None
     if hp.is_hybrid_arch():
@@ -282,15 +287,17 @@ def context_for(
             "n_ctx",
             want_seq,
         )
-    if req.layout in ("iswa", "hybrid_iswa") and len(req.kv_cells) > 1 and swa_full is not True:
+    # the SWA section: an iSWA memory's second, a DSA-iSWA memory's third (after the MLA and indexer sections)
+    i_swa = 2 if req.layout == "dsa_iswa" else 1
+    if req.layout in ("iswa", "hybrid_iswa", "dsa_iswa") and len(req.kv_cells) > i_swa and swa_full is not True:
         from ..memory.kv_cache_iswa import swa_cache_size
 
-        pad = profile.swa_size_pad or 1
+        pad = (profile.swa_size_pad or 1) if req.layout != "dsa_iswa" else 256
         swa_size = swa_cache_size(size, hp.n_swa, n_seq_max, min(cp.n_ubatch, n_ubatch), kv_unified, False, pad)
-        if req.kv_cells[1] > swa_size:
+        if req.kv_cells[i_swa] > swa_size:
             if swa_full is False:
                 raise ContextMismatch(
-                    f"the file's SWA section holds {req.kv_cells[1]} cells, the SWA cache of this context "
+                    f"the file's SWA section holds {req.kv_cells[i_swa]} cells, the SWA cache of this context "
                     f"{swa_size}: build the memory with swa_full=True",
                     "swa_full",
                     True,
