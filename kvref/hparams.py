@@ -1096,8 +1096,14 @@ def _load_dsa(m: _GGUFMeta, kw: HParamsArgs, n_layer: int, n_trunk: int) -> None
     required = arch != "hy_v4"  # hy_v4's all-full-attention checkpoints have no indexer
     kw["indexer_head_size"] = m.get_int("attention.indexer.key_length", None if required else 0)
     kw["indexer_top_k"] = top_k = m.get_int("attention.indexer.top_k", None if required else 0)
-    if required:
-        m.get_int("attention.indexer.head_count")
+    n_idx_head = m.get_int("attention.indexer.head_count", None if required else 0)
+    n_rot = int(kw.get("n_rot", 0))
+    key_len = m.key("attention.indexer.key_length")
+    if arch == "hy_v4" and top_k > 0 and (n_idx_head == 0 or kw["indexer_head_size"] <= n_rot):
+        raise HParamsError(f"hy_v4: bad indexer head count / key length (key {key_len} must exceed n_rot {n_rot})")
+    if arch != "hy_v4" and n_rot > kw["indexer_head_size"]:
+        # the graph asserts that the indexer's rotated dims fit its head (GGML_ASSERT when the context is made)
+        raise HParamsError(f"{arch}: n_rot {n_rot} exceeds the indexer key length (key {key_len}); llama.cpp asserts")
     full: list[bool] = [False] * n_layer  # is_indexer_full_impl starts all zero
     key = "attention.indexer.types"
     if arch == "glm-dsa":

@@ -330,3 +330,11 @@ def test_every_dsa_artefact_restores_with_its_model(case_id: str, model: str) ->
             assert want == ("kv" if flags else "dsa_iswa" if model.startswith("dots3note") else "dsa"), op["file"]
             got = r.memory.state_write(-1 if seq is None else seq, flags)
             assert got == kvref.state.section_bytes(*r.state.memory.sections), op["file"]
+
+
+def test_an_indexer_head_smaller_than_n_rot_is_refused():
+    # glm-dsa / deepseek32 / dots3note graphs GGML_ASSERT(n_rot <= indexer_head_size): no context is made
+    with pytest.raises(KVRefError, match="indexer_head_size"):
+        create_memory(mla("glm-dsa", indexer_head_size=8, indexer_full_layers=True), 256)
+    # the MTP graph has no indexer: its context is made
+    assert create_memory(mla("glm-dsa", indexer_head_size=8, indexer_full_layers=True), 256, ctx_type="mtp")

@@ -382,6 +382,12 @@ def _create_dsa(
         return plain(lambda il: il >= n_trunk)  # the NextN block(s) only
     if arch == "hy_v4" and hp.indexer_top_k == 0:
         return plain(None)  # a full-attention checkpoint: no indexer
+    if hp.indexer_head_size < hp.n_rot:
+        # the trunk graph asserts n_rot <= indexer_head_size (the indexer head is [rope | nope]); hy_v4's loader throws
+        raise KVRefError(
+            f"{arch}: n_rot {hp.n_rot} exceeds indexer_head_size {hp.indexer_head_size} (llama.cpp cannot build the "
+            "context: GGML_ASSERT in the graph, or the loader throws)"
+        )
     filter_mla: Callable[[int], bool] | None = None
     if arch != "hy_v4" and hp.n_layer_nextn > 0:
         filter_mla = lambda il: il < n_trunk  # noqa: E731 -- the trunk never attends the NextN block(s)
