@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # what the type checker sees as kvref.memory.<name>
 # kvref.memory.factory.__all__ (a test keeps the two equal); listed here so that looking up a submodule of this
 # package while it is still importing never imports the factory
 __all__ = [
+    "CONTEXT_TYPES",
     "LLAMA_STATE_SEQ_FLAGS_NONE",
     "LLAMA_STATE_SEQ_FLAGS_ON_DEVICE",
     "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY",
