@@ -8,7 +8,7 @@ from golden import ALL_CASES, load_case, memory_for
 from recurrent_helpers import jamba_hparams, mamba_hparams
 
 import kvref
-from kvref.errors import KVRefError
+from kvref.errors import ArgumentError, KVRefError
 from kvref.memory.factory import Memory, context_params, create_memory
 from kvref.memory.hybrid import HybridMemory
 from kvref.memory.kv_cache import KVCache
@@ -218,6 +218,23 @@ def test_no_memory_and_unsupported_archs():
     other = kvref.HParams(arch="dflash", n_layer=2, n_embd=64, n_head=2, n_ctx_train=512)
     with pytest.raises(KVRefError, match="dflash"):
         create_memory(other, 512)
+
+
+def test_mtp_draft_context_holds_only_the_nextn_layers():
+    # llama_model::create_memory, default branch: a model with MTP blocks keeps the trunk layers in its main
+    # context and only the nextn layers in a LLAMA_CONTEXT_TYPE_MTP context
+    hp = llama(n_layer_nextn=1)
+    assert create_memory(hp, 512).get_layer_ids() == [0, 1, 2]
+    assert create_memory(hp, 512, ctx_type="mtp").get_layer_ids() == [3]
+    # the dense MTP head of a Qwen3-Next-style hybrid is a plain attention cache, not the hybrid memory
+    q = kvref.HParams(arch="qwen3next", n_layer=4, n_embd=64, n_head=2, n_head_kv=1, n_ctx_train=512,
+                      n_layer_nextn=1, recurrent_layers=(True, True, False, False), ssm_d_conv=4, ssm_d_inner=64,
+                      ssm_d_state=16, ssm_n_group=2, ssm_dt_rank=4)  # fmt: skip
+    assert isinstance(create_memory(q, 512), HybridMemory)
+    mtp = create_memory(q, 512, ctx_type="mtp")
+    assert isinstance(mtp, KVCache) and mtp.get_layer_ids() == [3]
+    with pytest.raises(ArgumentError, match="ctx_type"):
+        create_memory(hp, 512, ctx_type="draft")
 
 
 def test_non_causal_models_keep_n_batch():

@@ -47,6 +47,9 @@ if TYPE_CHECKING:
 # llama_context_type: the default context, and a draft context of the model's MTP (NextN) blocks
 CONTEXT_TYPES = ("default", "mtp")
 
+# hybrids whose MTP draft context is a plain attention cache of the nextn layers (create_memory's default branch)
+MTP_DENSE_HYBRID_ARCHS = frozenset({"qwen3next", "qwen35", "qwen35moe", "bailingmoe3", "nemotron_h_moe"})
+
 # --- the factory --------------------------------------------------------------------------------------------
 
 
@@ -244,6 +247,8 @@ def create_memory(
     mem: Memory[_Slot]
     if arch in DSA_ARCHS:
         return _create_dsa(hparams, cp, ctx_type, type_k, type_v, n_pad, profile)
+    # the dense MTP heads of these hybrids use a plain attention cache of their nextn layers
+    mtp_dense = ctx_type == "mtp" and arch in MTP_DENSE_HYBRID_ARCHS
     if hparams.is_recurrent_arch():
         mem = RecurrentMemory(
             hparams,
@@ -256,7 +261,7 @@ def create_memory(
             compat=profile,
             cparams=cp,
         )
-    elif hparams.is_hybrid_arch():
+    elif hparams.is_hybrid_arch() and not mtp_dense:
         if arch == "qwen4exp" and hparams.indexer_head_size > 0:
             raise KVRefError("qwen4exp with an indexer uses llama_memory_hybrid_idx, which kvref does not model")
 
@@ -298,7 +303,12 @@ def create_memory(
                 return -1
 
         n_trunk = hparams.n_layer_trunk()
-        if hparams.n_layer_nextn > 0 and n_trunk > 0 and hparams.router_layer < 0:
+        if mtp_dense or (hparams.n_layer_nextn > 0 and n_trunk > 0 and hparams.router_layer < 0 and ctx_type == "mtp"):
+
+            def layer_filter(il: int) -> bool:
+                return il >= n_trunk  # a draft context holds only the MTP blocks
+
+        elif hparams.n_layer_nextn > 0 and n_trunk > 0 and hparams.router_layer < 0:
 
             def layer_filter(il: int) -> bool:
                 return il < n_trunk  # the trunk context never attends the MTP blocks
