@@ -422,7 +422,6 @@ def _create_dsa(
 
 __all__ = [
     "CONTEXT_TYPES",
-    "DSA_ARCHS",
     "LLAMA_STATE_SEQ_FLAGS_NONE",
     "LLAMA_STATE_SEQ_FLAGS_ON_DEVICE",
     "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY",
