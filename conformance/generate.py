@@ -71,6 +71,7 @@ COMMITTED_MODELS = (
     "dots3note",
     "deepseek32",
     "hy_v4",
+    "hy_v4-full",
 )
 
 
@@ -1028,6 +1029,14 @@ CASES: list[Case] = [
         "dims).",
         ["dsa", "k-shift", "seq-add"],
         s_context_shift,
+    ),
+    Case(
+        "hy_v4-full-attention-kv",
+        "hy_v4-full",
+        "hy_v4 without an indexer (indexer_top_k 0, the all-full-attention checkpoints): a plain K-only MLA KV cache "
+        "over both layers.",
+        ["mla", "seq-restore", "state-load"],
+        s_single_seq,
     ),
     # ---- dots3note: llama_kv_cache_dsa_iswa (MLA + indexer caches over the full layers, SWA cache, window 4)
     Case(

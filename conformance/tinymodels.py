@@ -1020,7 +1020,13 @@ def build_dots3note(out: Path) -> TinyModel:
     return b.finish(out, "dots3note-tiny", meta, hp)
 
 
-def build_hy_v4(out: Path) -> TinyModel:
+def build_hy_v4_full(out: Path) -> TinyModel:
+    """hy_v4's all-full-attention checkpoint (build_hy_v4 without the indexer keys and tensors: indexer_top_k 0):
+    create_memory builds a plain K-only KV cache."""
+    return build_hy_v4(out, indexer=False)
+
+
+def build_hy_v4(out: Path, indexer: bool = True) -> TinyModel:
     """hy_v4 with an indexer: 2 dense layers, n_embd 32, 2 heads, 2 hyper-connection streams; MLA with q_lora 32,
     kv_lora 32, rope 16, nope 32, v 32 (cache rows 48, no V), attention sinks and a gate; the indexer (2 heads of 64,
     top-k 4, types [full, shared]) keeps layer 0 in its cache. hy_v4 is not among the archs whose indexer keys
@@ -1028,7 +1034,7 @@ def build_hy_v4(out: Path) -> TinyModel:
     n_layer, n_embd, n_head, n_ff, hc = 2, 32, 2, 32, 2
     q_lora, kv_lora, rope, nope, v_mla = 32, 32, 16, 32, 32
     idx_heads, idx_hd, top_k = 2, 64, 4
-    indexer_types = [1, 0]
+    indexer_types = [1, 0] if indexer else [0, 0]
     b = _Builder("hy_v4", seed=2304)
     b.mat("token_embd.weight", N_VOCAB, n_embd)
     b.vec("output_norm.weight", n_embd, 1.0)
@@ -1073,10 +1079,11 @@ def build_hy_v4(out: Path) -> TinyModel:
         w.add_key_value(f"{a}.hyper_connection.count", hc, u32)
         w.add_key_value(f"{a}.hyper_connection.epsilon", 1e-6, f32)
         w.add_key_value(f"{a}.hyper_connection.magnitude", 1.0, f32)
-        w.add_indexer_head_count(idx_heads)
-        w.add_indexer_key_length(idx_hd)
-        w.add_indexer_top_k(top_k)
-        w.add_key_value(f"{a}.attention.indexer.types", indexer_types, gguf.GGUFValueType.ARRAY, u32)
+        if indexer:
+            w.add_indexer_head_count(idx_heads)
+            w.add_indexer_key_length(idx_hd)
+            w.add_indexer_top_k(top_k)
+            w.add_key_value(f"{a}.attention.indexer.types", indexer_types, gguf.GGUFValueType.ARRAY, u32)
 
     d = _Dims(n_layer=n_layer, n_embd=n_embd, n_head=n_head, n_head_kv=1, hd=kv_lora + rope, n_ff=n_ff)
     hp = _attn_hparams("hy_v4", d, rope_type="norm")
@@ -1087,15 +1094,16 @@ def build_hy_v4(out: Path) -> TinyModel:
         n_embd_head_k_mla=nope + rope,
         n_embd_head_v_mla=v_mla,
         n_lora_kv=kv_lora,
-        indexer_head_size=idx_hd,
-        indexer_top_k=top_k,
+        indexer_head_size=idx_hd if indexer else 0,
+        indexer_top_k=top_k if indexer else 0,
         indexer_full_layers=[bool(x) for x in indexer_types],
     )
-    return b.finish(out, "hy_v4-tiny", meta, hp)
+    return b.finish(out, "hy_v4-tiny" if indexer else "hy_v4-full-tiny", meta, hp)
 
 
 BUILDERS = {
     "hy_v4": build_hy_v4,
+    "hy_v4-full": build_hy_v4_full,
     "glm-dsa": build_glm_dsa,
     "dots3note": build_dots3note,
     "deepseek32": build_deepseek32,
