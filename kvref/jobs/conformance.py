@@ -381,7 +381,10 @@ def artefact_hints(op: TraceOp, producer: Producer | None = None) -> ArtefactHin
     from ..state import LAYOUTS
 
     sections = tuple("kv" if s.startswith("kv") else s for s in op.get("sections") or ())
-    layout = next((name for name, kinds in LAYOUTS.items() if kinds == sections), op.get("layout"))
+    # the op's layout when its sections are that layout's (dsa and iswa are the same bytes), else the sections'
+    named = op.get("layout")
+    layout = named if named in LAYOUTS and LAYOUTS[named] == sections else None
+    layout = layout or next((name for name, kinds in LAYOUTS.items() if kinds == sections), named)
     kind = _KIND[op["kind"]]
     hints: ArtefactHints = {"kind": kind, "layout": cast(str, layout)}  # a save op names its layout (the schema)
     if op.get("cell_ext") is not None:
