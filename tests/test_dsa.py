@@ -338,3 +338,41 @@ def test_an_indexer_head_smaller_than_n_rot_is_refused():
         create_memory(mla("glm-dsa", indexer_head_size=8, indexer_full_layers=True), 256)
     # the MTP graph has no indexer: its context is made
     assert create_memory(mla("glm-dsa", indexer_head_size=8, indexer_full_layers=True), 256, ctx_type="mtp")
+
+
+@pytest.mark.parametrize(
+    "case_id", ["glm-dsa-context-shift", "hy_v4-dsa-context-shift", "dots3note-dsa-iswa-shift-swa-full"]
+)
+def test_k_shift_of_every_cache_matches_llama_cpp(case_id: str) -> None:
+    """The goldens' context shift (seq_rm(0, 4, 12), seq_add(0, 12, -1, -8)): the state saved with the shift pending
+    (02-state.bin), restored and given the pending shift of the moved cells, then update(): every cache's K rows equal
+    those llama.cpp wrote after its K-shift (06-state.bin) -- the MLA cache, the indexer cache (NEOX over the last
+    n_rot of its dims) and dots3note's SWA cache; the rows did change."""
+    import json
+
+    import numpy as np
+
+    from kvref.jobs.conformance import create_memory_for, hparams_from_case
+
+    case = json.loads((GOLDEN / case_id / "case.json").read_text())
+    mem = create_memory_for(case, hparams_from_case(case))
+    before = kvref.state.load(GOLDEN / case_id / "02-state.bin")
+    mem.state_read(kvref.state.section_bytes(*before.memory.sections))
+    caches = [mem.dsa.mla, mem.dsa.lid, mem.swa] if isinstance(mem, KVCacheDSAISWA) else [mem.mla, mem.lid]
+    for cache in caches:
+        cells = cache.cells(0)
+        pos = np.asarray(cells.pos)
+        for i in np.flatnonzero(pos >= 4).tolist():  # the cells seq_add moved: shift -8 pending
+            p = int(pos[i])
+            cells.rm(i)
+            cells.pos_set_shifted(i, p, -8)
+            cells.seq_add(i, 0)
+    assert mem.update()
+    after = kvref.state.load(GOLDEN / case_id / "06-state.bin")  # after the decode that applied the shift
+    for mine, theirs, old in zip(mem.state_sections(), after.memory.sections, before.memory.sections, strict=True):
+        pa, pb = list(mine.streams[0].cells.pos), list(theirs.streams[0].cells.pos)
+        ia = [i for i, p in enumerate(pa) if p in pb]
+        ib = [pb.index(pa[i]) for i in ia]
+        for ka, kb, ko in zip(mine.streams[0].data.k, theirs.streams[0].data.k, old.streams[0].data.k, strict=True):
+            assert np.array_equal(ka.data[ia], kb.data[ib])
+            assert not np.array_equal(ko.data[ia], kb.data[ib])
