@@ -976,6 +976,29 @@ CASES: list[Case] = [
         kv_unified=False,
     ),
     Case(
+        "glm-dsa-bf16",
+        "glm-dsa",
+        "DSA memory with bf16 K and V types (an MLA model needs K and V of one type; its 48-wide heads take no "
+        "32-element quantization block): three sequences, saves and restores.",
+        ["dsa", "bf16", "multi-seq", "seq-restore"],
+        s_multi_seq,
+        n_seq_max=4,
+        type_k="bf16",
+        type_v="bf16",
+    ),
+    Case(
+        "glm-dsa-mixed-kv-types-refused",
+        "glm-dsa",
+        "An MLA model with a q8_0 K and an f16 V cache: llama_init_from_model refuses the context (different K and "
+        "V cache types).",
+        ["dsa", "init-refused"],
+        s_init_refused,
+        type_k="q8_0",
+    ),
+    # an MTP graph reads the hidden state of the target model (mtp_h_input), which a token batch never sets: the
+    # K rows this case's llama.cpp stores come from uninitialised memory and differ from run to run (the cells,
+    # positions and sizes do not)
+    Case(
         "glm-dsa-mtp",
         "glm-dsa",
         "MTP draft context (ctx_type LLAMA_CONTEXT_TYPE_MTP, load_mtp): a plain K-only KV cache of the NextN "

@@ -376,3 +376,11 @@ def test_k_shift_of_every_cache_matches_llama_cpp(case_id: str) -> None:
         for ka, kb, ko in zip(mine.streams[0].data.k, theirs.streams[0].data.k, old.streams[0].data.k, strict=True):
             assert np.array_equal(ka.data[ia], kb.data[ib])
             assert not np.array_equal(ko.data[ia], kb.data[ib])
+
+
+def test_an_mla_model_refuses_different_k_and_v_types():
+    # llama_init_from_model: "model does not support different K and V cache types" (is_mla, or deepseek4); the
+    # glm-dsa-mixed-kv-types-refused golden records it
+    with pytest.raises(KVRefError, match="different K"):
+        create_memory(mla("glm-dsa", indexer_full_layers=True), 256, type_k="q8_0", type_v="f16")
+    assert create_memory(mla("glm-dsa", indexer_full_layers=True), 256, type_k="bf16", type_v="bf16")

@@ -14,7 +14,7 @@ from ..archs import NO_MEMORY_ARCHS, UNSUPPORTED_ARCHS
 from ..args import as_int
 from ..constants import LLAMA_MAX_SEQ, UINT32_MAX
 from ..errors import ArgumentError, KVRefError
-from ..ggml.types import GGMLType, traits
+from ..ggml.types import GGMLType, ggml_type, traits
 from ..hparams import HParams, SWAType
 from ..profile import DEFAULT, Profile, resolve
 from ..profile import RS_ROLLBACK_ARCHS as RS_ROLLBACK_ARCHS
@@ -157,8 +157,14 @@ def context_params(
 def check_cache_types(
     hparams: HParams, type_k: GGMLType | int | str, type_v: GGMLType | int | str, flash_attn: bool
 ) -> None:
-    """What llama_init_from_model refuses of the cache types (the context is not created: KVRefError): with flash
-    attention on (or auto) a quantized K or V type whose block does not divide every layer's head size."""
+    """What llama_init_from_model refuses of the cache types (the context is not created: KVRefError): K and V of
+    different types for an MLA model (or deepseek4); with flash attention on (or auto) a quantized K or V type whose
+    block does not divide every layer's head size."""
+    if (hparams.is_mla() or hparams.arch == "deepseek4") and ggml_type(type_k) != ggml_type(type_v):
+        raise KVRefError(
+            f"model does not support different K ({traits(type_k).name}) and V ({traits(type_v).name}) cache types "
+            "(an MLA model: llama_init_from_model refuses the context)"
+        )
     if not flash_attn:
         return
     for name, t, head in (("K", type_k, hparams.n_embd_head_k_l), ("V", type_v, hparams.n_embd_head_v_l)):
