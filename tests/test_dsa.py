@@ -111,13 +111,16 @@ def test_dots3note_builds_the_dsa_iswa_pair():
     assert create_memory(dots(), 1024, swa_full=True).swa.get_size() == 1024
 
 
-def test_dots3note_without_window_aborts_and_mtp_builds_a_plain_cache():
+def test_dots3note_without_window_or_with_an_mtp_context_aborts():
     with pytest.raises(KVRefError, match="swa_type"):
         create_memory(dots(swa_type=SWAType.NONE, n_swa=0, swa_layers=False), 256)
     hp = dots(n_layer=5, nextn=1, swa_layers=[True, False, True, False, False],
               indexer_full_layers=[False, True, False, True, False])  # fmt: skip
-    mtp = create_memory(hp, 256, ctx_type="mtp")
-    assert type(mtp) is KVCache and layers(mtp) == [4] and mtp.n_swa == 4  # the model's window, as llama.cpp
+    # llama.cpp's create_memory builds a plain cache of the NextN block, then llama_init_from_model segfaults building
+    # the trunk graph over it (checked with a dots3note tiny model with a NextN block: SIGSEGV in
+    # llama_kv_cache_dsa_context::get_mla <- build_attn_inp_k_dsa_iswa <- graph_reserve)
+    with pytest.raises(KVRefError, match="no MTP graph"):
+        create_memory(hp, 256, ctx_type="mtp")
     mem = create_memory(hp, 256)
     assert layers(mem.dsa.mla) == [1, 3] and layers(mem.swa) == [0, 2]
 

@@ -375,8 +375,8 @@ def _create_dsa(
       trunk layers (glm-dsa: those that own an indexer, ``is_indexer_full``);
     - hy_v4: a plain KVCache without an indexer (``indexer_top_k`` 0), else a KVCacheDSA whose indexer cache keeps
       the layers that own an indexer;
-    - dots3note: an MTP context with NextN blocks gets a plain KVCache of them; otherwise a KVCacheDSAISWA over the
-      trunk (the indexer cache: trunk layers that own an indexer).
+    - dots3note: a KVCacheDSAISWA over the trunk (the indexer cache: trunk layers that own an indexer); llama.cpp
+      builds a plain cache of the NextN blocks for an MTP context, then crashes creating it (no MTP graph): refused.
     """
     from .kv_cache_dsa import KVCacheDSA
     from .kv_cache_dsa_iswa import KVCacheDSAISWA
@@ -394,7 +394,15 @@ def _create_dsa(
             compat=profile, cparams=cp,
         )  # fmt: skip
 
-    if arch in ("glm-dsa", "deepseek32", "dots3note") and ctx_type == "mtp" and hp.n_layer_nextn > 0:
+    if arch == "dots3note" and ctx_type == "mtp" and hp.n_layer_nextn > 0:
+        # create_memory builds the plain cache of the NextN block, but dots3note has no MTP graph: llama_init_from_model
+        # builds the trunk graph over it and dies (SIGSEGV: llama_kv_cache_dsa_context::get_mla from
+        # build_attn_inp_k_dsa_iswa, in graph_reserve)
+        raise KVRefError(
+            "dots3note has no MTP graph: llama.cpp 0.3.36 crashes creating its MTP context (SIGSEGV in graph_reserve, "
+            "build_attn_inp_k_dsa_iswa over a plain KV cache)"
+        )
+    if arch in ("glm-dsa", "deepseek32") and ctx_type == "mtp" and hp.n_layer_nextn > 0:
         return plain(lambda il: il >= n_trunk)  # the NextN block(s) only
     if arch == "hy_v4" and hp.indexer_top_k == 0:
         return plain(None)  # a full-attention checkpoint: no indexer
