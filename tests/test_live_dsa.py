@@ -83,3 +83,35 @@ def test_a_failed_indexer_section_clears_the_mla_part_as_llama_cpp_does() -> Non
     assert [mem.seq_pos_max(0), mem.seq_pos_max(1)] == pos_max
     assert _cells(mem.state_sections()) == _cells(theirs.memory.sections)
     assert np.array_equal(mem.mla.cells(0).pos, mem.lid.cells(0).pos)
+
+
+def test_a_failed_swa_section_keeps_the_dsa_part_as_llama_cpp_does() -> None:
+    """llama_kv_cache_dsa_iswa::state_read undoes nothing: a blob whose SWA section fails leaves the MLA and indexer
+    caches restored, the SWA cache without the sequence."""
+    model = MODEL.with_name("dots3note-tiny.gguf")
+    with Ctx(model, n_seq_max=2) as ctx:
+        ctx.decode(SEQ0, 0)
+        ctx.decode(SEQ1, 1)
+        obj = kvref.state.load(_seq_data(ctx, 1), kind="seq_state", layout="dsa_iswa")
+        obj.memory.sections[2].streams[0].data.k[0].type = 0  # the SWA section's K type
+        bad = obj.to_bytes()
+        buf = (ctypes.c_uint8 * len(bad)).from_buffer_copy(bad)
+        assert int(L.llama_state_seq_set_data(ctx.ctx, buf, len(bad), 0)) == 0  # into seq 0: refused
+        theirs = kvref.state.load(_state(ctx), kind="state", layout="dsa_iswa")
+        pos_max = [ctx.pos_max(0), ctx.pos_max(1)]
+    seq1 = [(p, (1,)) for p in range(len(SEQ1))]
+    # llama.cpp: the MLA and indexer caches hold seq 0 as restored (seq 1's cells), the SWA cache lost seq 0
+    restored = sorted([(p, (0,)) for p in range(len(SEQ1))] + seq1)
+    got = _cells(theirs.memory.sections)
+    assert [sorted(c) for c in got] == [restored, restored, seq1]
+    assert pos_max == [-1, len(SEQ1) - 1]  # the memory's positions are the SWA cache's: seq 0 reads as empty
+    hp = kvref.HParams.from_gguf(model)
+    mem = kvref.create_memory(hp, 256, n_seq_max=2)
+    for seq, toks in ((0, SEQ0), (1, SEQ1)):
+        mem.decode(kvref.Batch(tokens=toks, pos=list(range(len(toks))), seq_ids=[[seq]] * len(toks)))
+    data = kvref.state.section_bytes(*kvref.state.load(bad, kind="seq_state", layout="dsa_iswa").memory.sections)
+    with pytest.raises(kvref.errors.FormatError):
+        mem.state_read(data, 0, atomic=False)
+    assert [mem.seq_pos_max(0), mem.seq_pos_max(1)] == pos_max
+    assert _cells(mem.state_sections()) == _cells(theirs.memory.sections)
+    assert mem.dsa.seq_pos_max(0) == len(SEQ1) - 1 and mem.swa.seq_pos_max(0) == -1
