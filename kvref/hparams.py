@@ -148,6 +148,11 @@ class HParams:
     n_lora_kv: int = 0  # MLA KV LoRA rank (deepseek2, minicpm3, plm): > 0 keeps K's "nope" dims out of the K-shift
     non_causal_type: int = 0  # llama_non_causal_type: 0 ALL, 1 SWA_ONLY (gemma4), 2 SWA_FULL (deepseek4)
     indexer_head_size: int = 0  # DSA / qwen4exp indexer key length
+    # llama_memory_hybrid_idx (glm5-next, qwen4exp): glm5-next's k-pool size (the indexer caches key | gate | pooled
+    # per token), its indexer layers (is_indexer_full; True: every layer), qwen4exp's per-layer QSA block ratio
+    indexer_kpool: int = 0
+    indexer_full_layers: bool | Sequence[bool] = True
+    dsv4_compress_ratios: tuple[int, ...] = ()
     router_layer: int = -1  # >= 0: n_layer_nextn counts a router layer, not MTP blocks (granite-switch)
     dsv4_hc_mult: int = 0  # hyper-connection count (DeepSeek-V4, qwen4exp)
     # per-layer n-gram embeddings (PLE, qwen4exp); ple_n_heads = (ple_ngram_size - 1) * heads per n-gram
@@ -174,6 +179,8 @@ class HParams:
         self.recurrent_layers = _per_layer("recurrent_layers", self.recurrent_layers, n, bool)
         self.rope_layers = _per_layer("rope_layers", self.rope_layers, n, bool)
         self.ple_layers = _per_layer("ple_layers", self.ple_layers, n, bool)
+        self.indexer_full_layers = _per_layer("indexer_full_layers", self.indexer_full_layers, n, bool)
+        self.dsv4_compress_ratios = tuple(int(x) for x in self.dsv4_compress_ratios)
         for il in range(n):
             if self.n_head_l(il) < 0 or self.n_head_kv_l(il) < 0:
                 raise HParamsError(f"layer {il}: negative head count")
@@ -311,6 +318,11 @@ class HParams:
         """llama_hparams::is_ple(il): layer il has a per-layer n-gram embedding module (``ple_layers``)."""
         self._check_il(il)
         return bool(_at(self.ple_layers, il))
+
+    def is_indexer_full(self, il: int) -> bool:
+        """llama_hparams::is_indexer_full(il): layer il computes its own indexer selection (``indexer_full_layers``)."""
+        self._check_il(il)
+        return bool(_at(self.indexer_full_layers, il))
 
     def ple_conv_state(self) -> int:
         """llama_hparams::ple_conv_state: width of a PLE layer's conv-history row, 0 without a PLE module."""

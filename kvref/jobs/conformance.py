@@ -226,6 +226,14 @@ def hparams_from_case(case: Case) -> HParams:
                  "non_causal_type", "f_max_alibi_bias", "n_rel_attn_bkts", "n_layer_kv_from_start"):  # fmt: skip
         if h.get(name) is not None:
             kw[name] = h[name]
+    # llama_memory_hybrid_idx: the indexer cache's key length, glm5-next's k-pool and indexer layers, qwen4exp's QSA
+    for name in ("indexer_head_size", "indexer_kpool", "n_layer_nextn"):
+        if h.get(name) is not None:
+            kw[name] = h[name]
+    if h.get("indexer_full_layers") is not None:
+        kw["indexer_full_layers"] = h["indexer_full_layers"]
+    if h.get("dsv4_compress_ratios") is not None:
+        kw["dsv4_compress_ratios"] = tuple(h["dsv4_compress_ratios"])
     sections = h.get("rope_sections")
     if sections:
         kw["rope_sections"] = tuple(sections)
