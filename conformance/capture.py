@@ -142,6 +142,7 @@ OP_SET_ROWS = _OP_IDS.get("SET_ROWS", -1)  # none before mid-2025: K/V written b
 OP_ROPE = _OP_IDS["ROPE"]
 OP_GET_ROWS = _OP_IDS["GET_ROWS"]
 OP_MUL_MAT = _OP_IDS["MUL_MAT"]
+OP_ADD = _OP_IDS["ADD"]
 GGML_HINT_SRC0_IS_HADAMARD = 1  # ggml.h
 GGML_TENSOR_FLAG_INPUT = 1  # ggml.h enum ggml_tensor_flag
 _ROWS_RE = re.compile(r"^([KV])cur-(\d+)")
@@ -151,6 +152,7 @@ _DTYPES = {0: np.dtype("<f4"), 1: np.dtype("<f2"), 26: np.dtype("<i4"), 27: np.d
 TYPE_NAMES = {0: "f32", 1: "f16", 26: "i32", 27: "i64"}
 
 _CACHE_RE = re.compile(r"cache_([kv])_l(\d+)")
+_IDX_CACHE_RE = re.compile(r"cache_idx_k_l(\d+)")  # llama_memory_hybrid_idx's indexer cache ("idx_" name tag)
 _LAYER_RE = re.compile(r"-(\d+)$")
 _BLK_RE = re.compile(r"blk\.(\d+)\.")
 _UNNAMED_RE = re.compile(r"^(leaf_\d+)?$")  # ggml_build_forward names an unnamed leaf leaf_<n>
@@ -175,6 +177,35 @@ def _cache_of(p: Any, depth: int = 8) -> tuple[str, int] | None:
         p = t.view_src if t.view_src else (t.src[1] if _is_hadamard(t) else t.src[0])
         depth -= 1
     return None
+
+
+def _idx_cache_of(p: Any, depth: int = 4) -> int | None:
+    """The layer when tensor ``p`` is (a view of) a layer's indexer cache (llama_memory_hybrid_idx)."""
+    while p and depth > 0:
+        t = p.contents
+        m = _IDX_CACHE_RE.search(_name(t))
+        if m:
+            return int(m.group(1))
+        p = t.view_src if t.view_src else t.src[0]
+        depth -= 1
+    return None
+
+
+def _named_from(p: Any, prefix: str, depth: int = 10) -> int | None:
+    """The layer of the first tensor named ``<prefix>-<il>`` up the chain of views / first sources from ``p``."""
+    while p and depth > 0:
+        t = p.contents
+        n = _name(t)
+        if n.startswith(prefix + "-"):
+            m = _LAYER_RE.search(n)
+            return int(m.group(1)) if m else -1
+        p = t.view_src if t.view_src else t.src[0]
+        depth -= 1
+    return None
+
+
+def _is_input(p: Any) -> bool:
+    return bool(p) and bool(p.contents.flags & GGML_TENSOR_FLAG_INPUT)
 
 
 def read_tensor(t: Any) -> np.ndarray:
@@ -288,6 +319,33 @@ class Capture:
             if c is None or not t.src[3]:
                 return None
             return ("kq_mask", c[1], 3)
+        # qwen4exp's QSA inputs (llama_memory_hybrid_idx::set_input_qsa) and the indexer cache's row indices
+        if op == OP_SET_ROWS:
+            il = _idx_cache_of(t.src[2]) if t.src[2] else None
+            il = il if il is not None else (_idx_cache_of(t.view_src) if t.view_src else None)
+            if il is not None:
+                return ("k_idxs_idx", il, 1)
+        if op == OP_GET_ROWS and t.src[0] and t.src[1]:
+            il = _idx_cache_of(t.src[0])
+            if il is not None:
+                return ("qsa_blk_cells", il, 1)
+            il = _named_from(t.src[0], "indexer_score")
+            if il is not None:
+                return ("qsa_cell_blk", il, 1)
+        if op == OP_ROPE and t.src[1]:
+            il = _named_from(t.src[0], "indexer_k_pooled")
+            if il is not None:
+                return ("qsa_blk_pos", il, 1)
+        if op == OP_ADD and _is_input(t.src[1]) and t.src[1].contents.type == 0:
+            il = _named_from(t.src[0], "indexer_score")
+            if il is not None:
+                return ("kq_mask_qsa_bias", il, 1)
+        if op == OP_ADD and t.src[1] and _is_input(t.src[1].contents.view_src):
+            # the QSA scores plus a view of the KQ mask: read the mask here, before the attention's top-k unmasking
+            # (an ADD that ggml-alloc may compute in place over the mask) reaches it
+            il = _named_from(t.src[0], "indexer_score")
+            if il is not None:
+                return ("kq_mask", il, 1)
         if op == OP_SET_ROWS:
             c = _cache_of(t.src[2]) or _cache_of(t.view_src)
             if c is None:
@@ -364,12 +422,18 @@ class Capture:
         s = t.src[src].contents
         if kind == "pos_bucket" and s.view_src:
             s = s.view_src.contents  # build_pos_bias reshapes the input to 1-D: read the input itself
+        if kind == "kq_mask" and not s.flags & GGML_TENSOR_FLAG_INPUT and _is_input(s.view_src):
+            s = s.view_src.contents  # qwen4exp's QSA scores add a reshape of the KQ mask
         data = read_tensor(s)
         if kind == "k_shift":
             self.shifts.append({"swa": swa, "layer": il, "data": data})
             return True
         ent: dict = {"tensor": kind, "layer": il, "swa": swa, "type": TYPE_NAMES[s.type]}
-        if kind == "kq_mask":
+        if kind == "kq_mask_qsa_bias":
+            # F32 [n_blocks or n_kv, n_tps, n_stream]: (n_stream, n_tps, n) like a KQ mask
+            ent["shape"] = list(data.shape[1:])
+            ent["mask"] = data[0]
+        elif kind == "kq_mask":
             if data.shape[1] != 1:
                 raise ValueError(f"kq mask of layer {il}: ne[2] = {data.shape[1]}, expected 1")
             ent["shape"] = list(data.shape)
@@ -390,12 +454,13 @@ def encode(graphs: dict) -> dict:
         ins = []
         for e in u["inputs"]:
             d = {k: e[k] for k in ("tensor", "layer", "swa", "type")}
-            if e["tensor"] == "kq_mask":
+            if e["tensor"].startswith("kq_mask"):
                 d.update(encode_mask(e["mask"]))
             else:
                 d["data"] = encode_ints(e["data"])
             ins.append(d)
-        ins.sort(key=lambda d: (d["swa"], ("kq_mask", "k_idxs", "v_idxs", "pos", "pos_bucket").index(d["tensor"])))
+        names = ("kq_mask", "k_idxs", "v_idxs", "pos", "pos_bucket")
+        ins.sort(key=lambda d: (d["swa"], names.index(d["tensor"]) if d["tensor"] in names else len(names), d["tensor"]))
         ubs.append({"inputs": ins})
     out: dict = {"ubatches": ubs}
     if shifts:

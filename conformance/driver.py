@@ -257,6 +257,9 @@ def sha256(path: Path) -> str:
 
 
 def memory_kind(hp: dict) -> str:
+    swa = hp["n_swa"] > 0 and any(hp["swa_layers"])
+    if hp["arch"] == "glm5-next" or (hp["arch"] == "qwen4exp" and hp.get("indexer_head_size", 0) > 0 and not swa):
+        return "hybrid_idx"  # llama_memory_hybrid_idx: attention, recurrent, indexer
     if any(hp["recurrent_layers"]):
         if all(hp["recurrent_layers"]):
             return "recurrent"
@@ -283,6 +286,9 @@ def sections_for(kind: str, flags: int) -> list[str]:
         return ["kv_swa"] if partial else ["kv_base", "kv_swa"]
     if kind == "hybrid":
         return ["recurrent"] if partial else ["kv_attn", "recurrent"]
+    if kind == "hybrid_idx":
+        # the indexer section is a suffix, skipped (as the attention one) under PARTIAL_ONLY
+        return ["recurrent"] if partial else ["kv_attn", "recurrent", "kv_idx"]
     if kind == "hybrid_iswa":
         # llama_memory_hybrid_iswa hands the flags to both parts: the iSWA cache drops its base
         return ["kv_swa", "recurrent"] if partial else ["kv_base", "kv_swa", "recurrent"]

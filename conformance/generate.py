@@ -441,7 +441,7 @@ def s_arch(r, tok):
     hist[0] += t
     r.decode_seq(0, t)
     # PARTIAL_ONLY only changes what an iSWA or hybrid memory writes
-    flags = (0, FLAGS_PARTIAL_ONLY) if r.kind in ("iswa", "hybrid", "hybrid_iswa") else (0,)
+    flags = (0, FLAGS_PARTIAL_ONLY) if r.kind in ("iswa", "hybrid", "hybrid_iswa", "hybrid_idx") else (0,)
     r.save_all(hist, seq_data_flags=flags)
     kept = hist[0][:6] if r.seq_rm(0, 6, -1) else hist[0]  # recurrent memory refuses a tail
     r.seq_rm(1, -1, -1)
@@ -837,6 +837,28 @@ CASES: list[Case] = [
         s_arch,
         n_seq_max=3,
     ),
+    # ---- llama_memory_hybrid_idx: attention + recurrent + indexer key cache
+    Case(
+        "qwen4exp-hybrid-idx",
+        "qwen4exp",
+        "qwen4exp with a QSA indexer (1 GDN layer, 1 attention layer with ratio-4 blocks): "
+        "llama_memory_hybrid_idx (sections: attention, recurrent, indexer; PARTIAL_ONLY: recurrent); "
+        "seq_cp, tail seq_rm refused, a sequence file restored into a third sequence; the QSA "
+        "block inputs and the indexer's row indices captured per ubatch.",
+        ["arch", "hybrid", "hybrid-idx", "mrope", "seq-cp", "seq-rm-refused", "seq-restore", "partial-only"],
+        s_arch,
+        n_seq_max=3,
+    ),
+    Case(
+        "qwen4exp-hybrid-idx-streams",
+        "qwen4exp",
+        "qwen4exp's hybrid_idx memory with one stream per sequence (kv_unified off): the indexer "
+        "cache follows the attention cache's streams; QSA inputs per stream.",
+        ["arch", "hybrid", "hybrid-idx", "mrope", "multistream", "seq-cp", "seq-restore", "partial-only"],
+        s_arch,
+        n_seq_max=3,
+        kv_unified=False,
+    ),
     # ---- non-causal decodes (llama_set_causal_attn), ALiBi
     Case(
         "llama-non-causal",
@@ -1173,7 +1195,7 @@ def memory_block(case: Case, hp: dict, octx: dict | None) -> dict:
             mem["rs_size"] = next((c["cells"] for c in caches if "recurrent" in c["module"]), None)
         return mem
     n_ctx_seq = octx["n_ctx_seq"]
-    if kind in ("kv", "iswa", "hybrid", "hybrid_iswa"):
+    if kind in ("kv", "iswa", "hybrid", "hybrid_iswa", "hybrid_idx"):
         mem["kv_size"] = n_ctx_seq
     if kind in ("iswa", "hybrid_iswa"):
         # llama_kv_cache_iswa: the SWA cache holds n_swa tokens per sequence (all of them when
@@ -1185,12 +1207,14 @@ def memory_block(case: Case, hp: dict, octx: dict | None) -> dict:
         )
         mem["kv_size_swa"] = swa
         assert octx["memory_log"].get("kv_size_swa") == swa, (case.id, octx["memory_log"], swa)
-    if kind in ("recurrent", "hybrid", "hybrid_iswa"):
+    if kind in ("recurrent", "hybrid", "hybrid_iswa", "hybrid_idx"):
         mem["rs_size"] = max(1, case.n_seq_max)
     sizes = [c["cells"] for c in octx["memory_log"]["caches"]]
     expect = [x for x in (mem["kv_size"], mem["kv_size_swa"], mem["rs_size"]) if x is not None]
     if kind in ("iswa", "hybrid_iswa"):
         expect = [mem["kv_size"], mem["kv_size_swa"]] + ([mem["rs_size"]] if kind == "hybrid_iswa" else [])
+    if kind == "hybrid_idx":
+        expect.append(mem["kv_size"])  # the indexer cache: as many cells as the attention cache
     assert sorted(sizes) == sorted(expect), (case.id, sizes, expect)
     return mem
 

@@ -372,7 +372,7 @@ class HybridIdxMemory(HybridMemory):
         hslot = cast(HybridSlot, slot)
         sinfo = cast("SlotInfo", hslot.attn)
         if tensor == "k_idxs_idx":
-            return np.asarray(self.idx.k_idxs(ub, sinfo), dtype=np.int64)
+            return np.asarray(self.idx.k_idxs(ub, sinfo), dtype=np.int64).reshape(-1)
         if tensor.startswith("qsa_") or tensor == "kq_mask_qsa_bias":
             from .qsa import qsa_inputs
 
@@ -383,7 +383,7 @@ class HybridIdxMemory(HybridMemory):
                 causal = self.hparams.causal_attn
             got = qsa_inputs(self, ub, sinfo, ratios[0], blk_bias=True, causal=causal)
             name = tensor.removeprefix("qsa_").removeprefix("kq_mask_qsa_")
-            return got[name]
+            return got[name] if name == "bias" else got[name].reshape(-1)
         return None
 
     def __repr__(self) -> str:

@@ -569,10 +569,12 @@ class _Sniff:
         last_i = len(parts) - 1
         for i, part in enumerate(parts):
             if part == "kv":
-                key = ("kv", at, n_stream_field, ext, has_v, scope)
+                # llama_memory_hybrid_idx's indexer section: no V, a cell ext only with PLE (sections.py)
+                x, v = (ext if ple else 0, False) if layout == "hybrid_idx" and i == 2 else (ext, has_v)
+                key = ("kv", at, n_stream_field, x, v, scope)
                 got = ends.get(key, -1)
                 if got == -1:
-                    got = _once(ends, key, partial(self._kv_section, at, n_stream_field, ext, has_v, scope))
+                    got = _once(ends, key, partial(self._kv_section, at, n_stream_field, x, v, scope))
             else:
                 key = ("rec", at, ple, ns, scope, i == last_i)
                 got = ends.get(key, -1)
@@ -755,6 +757,20 @@ class _Sniff:
             if last:
                 return exact[0] if exact else n_layer
             return max(k for _, k in fits) if fits else n_layer
+        if not last:
+            # sections.uniform_halves: the R records share one row head, the S records another
+            from .sections import uniform_halves
+
+            heads = []
+            pos = at
+            while len(heads) < 2 * n_layer:
+                count, nxt = self._records(pos, cell_count, False, 1)
+                if count == 0:
+                    break
+                heads.append(_ROW_HEAD.unpack_from(self.buf, pos))
+                pos = nxt
+            k = uniform_halves(heads)
+            return k if k else n_layer
         count, pos = self._records(at, cell_count, False, 2 * n_layer)
         if count % 2 or (last and pos != end) or (not last and count == 0):
             return n_layer
