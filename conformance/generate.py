@@ -450,6 +450,34 @@ def s_arch(r, tok):
     r.save_all({0: kept, 2: hist[1]})
 
 
+def s_qsa(r, tok):
+    """qwen4exp's QSA blocks (ratio 4) as they fill: a 14-token prompt in ubatches of 4, a copy continued on its
+    own, a prompt shared by two sequences (its cells carry both: blocks group by sequence set), both sequences
+    advanced in one batch, a tail seq_rm refused, a whole removal, a sequence file restored elsewhere."""
+    hist = {0: tok(14)}
+    r.decode_seq(0, hist[0])
+    r.seq_cp(0, 1, -1, -1)
+    hist[1] = hist[0] + tok(5)
+    r.decode_seq(1, hist[1][14:])
+    hist[2] = tok(6)
+    r.decode_seq(2, hist[2], also=(3,))
+    hist[3] = list(hist[2])
+    a, b = tok(3), tok(3)
+    p2, p3 = r.pos_max(2) + 1, r.pos_max(3) + 1
+    r.decode([a[0], b[0], a[1], b[1], a[2], b[2]], [p2, p3, p2 + 1, p3 + 1, p2 + 2, p3 + 2],
+             [[2], [3], [2], [3], [2], [3]])  # fmt: skip
+    hist[2] += a
+    hist[3] += b
+    r.save_all(hist, seq_data_flags=(0, FLAGS_PARTIAL_ONLY))
+    r.seq_rm(0, 9, -1)  # refused: the recurrent part cannot drop a tail
+    r.seq_rm(0, -1, -1)
+    r.load_seq(r.latest("seq", 1), 0)
+    t = tok(2)
+    r.decode_seq(0, t)
+    hist[0] = hist[1] + t
+    r.save_all(hist)
+
+
 def s_non_causal(r, tok):
     """llama_set_causal_attn(false) between causal decodes, as the image path of a vision model does: a prompt,
     an "image" batch decoded non-causally (its tokens attend each other both ways), two sequences in one
@@ -859,6 +887,17 @@ CASES: list[Case] = [
         s_arch,
         n_seq_max=3,
         kv_unified=False,
+    ),
+    Case(
+        "qwen4exp-qsa-blocks",
+        "qwen4exp",
+        "qwen4exp's QSA inputs as blocks of 4 fill over ubatches of 4 tokens and 4 sequences (a copy, a prompt "
+        "shared by two sequences, an interleaved batch); tail seq_rm refused, a sequence file restored.",
+        ["arch", "hybrid", "hybrid-idx", "mrope", "multi-seq", "seq-cp", "seq-rm-refused", "seq-restore",
+         "partial-only", "multi-ubatch"],
+        s_qsa,
+        n_seq_max=4,
+        n_ubatch=4,
     ),
     # ---- non-causal decodes (llama_set_causal_attn), ALiBi
     Case(
