@@ -68,6 +68,9 @@ MODELS: dict[str, tuple[str, dict]] = {
     # llama.cpp 0.3.36 aborts in the first decode after a shift (GGML_ASSERT(buffer) in ggml-backend.cpp: its iSWA
     # base cache has no layer, so the K-shift input gets no buffer): recorded as "aborts", the trace goes on
     "lfm2-swa": ("lfm2-swa", dict(n_seq_max=2)),
+    # llama_memory_hybrid_idx (attention + recurrent + indexer cache), M-RoPE: QSA graph inputs
+    "qwen4exp": ("qwen4exp", dict(n_seq_max=3)),
+    "qwen4exp-ms": ("qwen4exp", dict(n_seq_max=2, kv_unified=False)),
 }
 N_VOCAB = 128
 UBATCHES = (3, 5, 8, 16, 32, 256)
@@ -111,8 +114,8 @@ def make_plan(model: str, seed: int, n_ops: tuple[int, int] = (20, 60), edges: b
         n_threads=1,
     )
     cp.update(extra)
-    mrope = arch == "qwen2vl"
-    layered = arch in ("gemma2", "jamba")  # PARTIAL_ONLY means something
+    mrope = arch in ("qwen2vl", "qwen4exp")
+    layered = arch in ("gemma2", "jamba", "qwen4exp")  # PARTIAL_ONLY means something
 
     def seq(neg=False):
         return rng.randrange(-1 if neg else 0, n_seq)

@@ -259,8 +259,34 @@ class HybridIdxMemory(HybridMemory):
         """llama_memory_hybrid_idx::init_batch: the hybrid split and prepare (the indexer takes the attention
         slots)."""
         out = super().init_batch(balloc, n_ubatch, embd_all)
+        ratios = self.qsa_ratios()
+        if ratios and self.idx is not None:
+            # set_input_qsa asserts on a cell positioned past the block window: llama.cpp dies in the decode
+            from .qsa import qsa_aborts
+
+            trial = self.idx.fork()
+            for ub, aslot in out:
+                sinfo = cast("SlotInfo", aslot)
+                trial.apply_ubatch(sinfo, ub)
+                for r in ratios:
+                    why = qsa_aborts(trial, ub, sinfo, r)
+                    if why is not None:
+                        raise KVRefError(why)
         self._stale_batch = list(self.stale)  # mem_idx_stale_batch: what the first ubatch must re-pool
         self._i_cur = 0
+        return out
+
+    def qsa_ratios(self) -> list[int]:
+        """The distinct QSA block ratios of the attention layers (qwen4exp; the layers sharing a ratio share one set
+        of inputs), in layer order; [] without an indexer cache."""
+        if self.idx is None:
+            return []
+        out: list[int] = []
+        ratios = self.hparams.dsv4_compress_ratios
+        for layer in self.attn.layers:
+            r = ratios[layer.il] if layer.il < len(ratios) else 0
+            if r > 0 and r not in out:
+                out.append(r)
         return out
 
     _stale_batch: list[int]
@@ -376,7 +402,7 @@ class HybridIdxMemory(HybridMemory):
         if tensor.startswith("qsa_") or tensor == "kq_mask_qsa_bias":
             from .qsa import qsa_inputs
 
-            ratios = [r for r in self.hparams.dsv4_compress_ratios if r > 0]
+            ratios = self.qsa_ratios()
             if not ratios:
                 return None
             if causal is None:
