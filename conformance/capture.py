@@ -143,6 +143,9 @@ OP_ROPE = _OP_IDS["ROPE"]
 OP_GET_ROWS = _OP_IDS["GET_ROWS"]
 OP_MUL_MAT = _OP_IDS["MUL_MAT"]
 OP_ADD = _OP_IDS["ADD"]
+OP_CONCAT = _OP_IDS.get("CONCAT", -1)
+OP_EXP = _OP_IDS.get("EXP", -1)
+OP_LIGHTNING_INDEXER = _OP_IDS.get("LIGHTNING_INDEXER", -1)  # glm5-next's fused k-pool indexer (2026)
 GGML_HINT_SRC0_IS_HADAMARD = 1  # ggml.h
 GGML_TENSOR_FLAG_INPUT = 1  # ggml.h enum ggml_tensor_flag
 _ROWS_RE = re.compile(r"^([KV])cur-(\d+)")
@@ -189,6 +192,21 @@ def _idx_cache_of(p: Any, depth: int = 4) -> int | None:
         p = t.view_src if t.view_src else t.src[0]
         depth -= 1
     return None
+
+
+def _idx_width(p: Any) -> tuple[int, int] | None:
+    """(the view's row width, the indexer cache's row width) when ``p`` is a view of an indexer cache."""
+    if not p:
+        return None
+    t = p.contents
+    root = t
+    depth = 4
+    while root.view_src and depth > 0:
+        root = root.view_src.contents
+        depth -= 1
+    if not _IDX_CACHE_RE.search(_name(root)):
+        return None
+    return int(t.ne[0]), int(root.ne[0])
 
 
 def _named_from(p: Any, prefix: str, depth: int = 10) -> int | None:
@@ -306,6 +324,9 @@ class Capture:
         if op == OP_GET_ROWS and t.src[0] and t.src[1] and "attn_rel_b" in _name(t.src[0].contents):
             m = _BLK_RE.search(_name(t.src[0].contents))
             return ("pos_bucket", int(m.group(1)) if m else -1, 1)
+        if op == OP_SOFT_MAX and _name(t).startswith("kq_soft_max_gathered") and _is_input(t.src[1]):
+            m = _LAYER_RE.search(_name(t))
+            return ("kq_mask_kpool_gather", int(m.group(1)) if m else -1, 1)  # glm5-next's gathered selection
         if op == OP_SOFT_MAX and t.src[1]:
             # named kq_soft_max[_ext]-<il> where llama.cpp names it; 0.3.12 .. 0.3.16 leave it unnamed: the
             # layer is that of the K cache the KQ product read
@@ -319,16 +340,41 @@ class Capture:
             if c is None or not t.src[3]:
                 return None
             return ("kq_mask", c[1], 3)
-        # qwen4exp's QSA inputs (llama_memory_hybrid_idx::set_input_qsa) and the indexer cache's row indices
+        # qwen4exp's QSA inputs (llama_memory_hybrid_idx::set_input_qsa), glm5-next's k-pool inputs (set_input_kpool)
+        # and the indexer cache's row indices
         if op == OP_SET_ROWS:
             il = _idx_cache_of(t.src[2]) if t.src[2] else None
             il = il if il is not None else (_idx_cache_of(t.view_src) if t.view_src else None)
             if il is not None:
-                return ("k_idxs_idx", il, 1)
+                # the whole row (key | gate | pooled): cpy_k; the pooled third alone: the new pooled keys' rows
+                w = _idx_width(t.src[2]) if t.src[2] else None
+                return ("k_idxs_idx" if w is None or w[0] == w[1] else "kpool_new_pool_rep", il, 1)
         if op == OP_GET_ROWS and t.src[0] and t.src[1]:
             il = _idx_cache_of(t.src[0])
             if il is not None:
+                w = _idx_width(t.src[0])
+                if w is not None and 3 * w[0] == w[1]:
+                    return ("kpool_pool_cells", il, 1)  # the pooled thirds of the pools' rows
+                if w is not None and 3 * w[0] == 2 * w[1]:
+                    return ("kpool_new_pool_idxs", il, 1)  # key | gate of the new pools' members
                 return ("qsa_blk_cells", il, 1)
+            if _is_input(t.src[0]) and t.src[0].contents.type == 26:
+                m = _LAYER_RE.search(_name(t.src[1].contents))
+                return ("kpool_pool_idxs", int(m.group(1)) if m else -1, 0)  # the selected pools' member cells
+        if op == OP_LIGHTNING_INDEXER and t.src[3] and _is_input(t.src[3]):
+            m = _LAYER_RE.search(_name(t))
+            return ("kq_mask_kpool_pool", int(m.group(1)) if m else -1, 3)
+        if op == OP_ADD and _name(t).startswith("indexer_score-") and _is_input(t.src[1]):
+            m = _LAYER_RE.search(_name(t))
+            return ("kq_mask_kpool_pool", int(m.group(1)) if m else -1, 1)  # the unfused k-pool score
+        if op == OP_CONCAT and _is_input(t.src[1]) and t.src[1].contents.type == 26:
+            m = _LAYER_RE.search(_name(t))
+            return ("kpool_tail_idxs", int(m.group(1)) if m else -1, 1)
+        if op == OP_EXP and t.src[0] and _is_input(t.src[0].contents.view_src):
+            return ("kq_mask_kpool_gather", -1, 0)  # the scatter path reads the gather mask's live slots
+        if op == OP_ADD and _name(t).startswith("indexer_sel-") and t.src[1]:
+            m = _LAYER_RE.search(_name(t))
+            return ("kq_mask", int(m.group(1)) if m else -1, 1)  # the k-pool selection plus the KQ mask
             il = _named_from(t.src[0], "indexer_score")
             if il is not None:
                 return ("qsa_cell_blk", il, 1)
@@ -422,8 +468,8 @@ class Capture:
         s = t.src[src].contents
         if kind == "pos_bucket" and s.view_src:
             s = s.view_src.contents  # build_pos_bias reshapes the input to 1-D: read the input itself
-        if kind == "kq_mask" and not s.flags & GGML_TENSOR_FLAG_INPUT and _is_input(s.view_src):
-            s = s.view_src.contents  # qwen4exp's QSA scores add a reshape of the KQ mask
+        if not s.flags & GGML_TENSOR_FLAG_INPUT and _is_input(s.view_src):
+            s = s.view_src.contents  # a reshape of the input (qwen4exp's QSA KQ mask, glm5-next's k-pool inputs)
         data = read_tensor(s)
         if kind == "k_shift":
             self.shifts.append({"swa": swa, "layer": il, "data": data})
@@ -433,6 +479,11 @@ class Capture:
             # F32 [n_blocks or n_kv, n_tps, n_stream]: (n_stream, n_tps, n) like a KQ mask
             ent["shape"] = list(data.shape[1:])
             ent["mask"] = data[0]
+        elif kind in ("kq_mask_kpool_pool", "kq_mask_kpool_gather"):
+            # [n_pool, n_tokens] / [n_sel, 1, 1, n_tokens]: (1, n_tokens, n)
+            mask = data.reshape(1, -1, data.shape[-1]) if kind.endswith("pool") else data.reshape(1, data.shape[0], -1)
+            ent["shape"] = list(mask.shape)
+            ent["mask"] = mask
         elif kind == "kq_mask":
             if data.shape[1] != 1:
                 raise ValueError(f"kq mask of layer {il}: ne[2] = {data.shape[1]}, expected 1")

@@ -899,6 +899,16 @@ CASES: list[Case] = [
         n_seq_max=4,
         n_ubatch=4,
     ),
+    Case(
+        "glm5-next-hybrid-idx",
+        "glm5-next",
+        "glm5-next (1 KDA layer, 1 nope-MLA layer with a k-pool indexer, a NextN block the trunk context leaves "
+        "out): llama_memory_hybrid_idx with a K-only MLA cache and a key | gate | pooled indexer cache; seq_cp, "
+        "tail seq_rm refused, a sequence file restored into a third sequence; the k-pool inputs per ubatch.",
+        ["arch", "hybrid", "hybrid-idx", "mla", "seq-cp", "seq-rm-refused", "seq-restore", "partial-only"],
+        s_arch,
+        n_seq_max=3,
+    ),
     # ---- non-causal decodes (llama_set_causal_attn), ALiBi
     Case(
         "llama-non-causal",

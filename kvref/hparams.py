@@ -151,6 +151,8 @@ class HParams:
     # llama_memory_hybrid_idx (glm5-next, qwen4exp): glm5-next's k-pool size (the indexer caches key | gate | pooled
     # per token), its indexer layers (is_indexer_full; True: every layer), qwen4exp's per-layer QSA block ratio
     indexer_kpool: int = 0
+    indexer_top_k: int = 0  # the indexer's selection budget (tokens)
+    indexer_kpool_select_tail: bool = True  # glm5-next: the incomplete tail is selected too (llama.cpp's default)
     indexer_full_layers: bool | Sequence[bool] = True
     dsv4_compress_ratios: tuple[int, ...] = ()
     router_layer: int = -1  # >= 0: n_layer_nextn counts a router layer, not MTP blocks (granite-switch)

@@ -85,6 +85,12 @@ class CaseHParams(TypedDict):
     n_layer_nextn: NotRequired[int]
     dsv4_compress_ratios: NotRequired[list[int]]
     dsv4_hc_mult: NotRequired[int]
+    n_embd_head_kda: NotRequired[int]
+    n_embd_head_k_mla: NotRequired[int]
+    n_embd_head_v_mla: NotRequired[int]
+    n_lora_kv: NotRequired[int]
+    indexer_top_k: NotRequired[int]
+    indexer_kpool_select_tail: NotRequired[bool]
     swa_layers: list[bool]
     recurrent_layers: list[bool]
     n_embd_r: int

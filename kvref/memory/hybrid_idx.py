@@ -29,19 +29,20 @@ llama_memory_hybrid_idx::set_input_qsa).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
 from ..args import as_int, as_state_args, as_seq_id
 from ..constants import LLAMA_MAX_SEQ
-from ..errors import FormatError, KVRefError
+from ..errors import FormatError, KVRefError, NoSlotError
 from ..ggml.types import GGMLType
 from ..hparams import HParams, RopeType, SWAType
 from ..profile import DEFAULT, Profile
-from .base import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, ContextParams, clear_seq, stage_parts
+from .base import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, ContextParams, clear_seq, decode_batch, stage_parts
 from .hybrid import HybridMemory, HybridSlot
+from .kpool import KPoolLayout, KPoolState, kpool_build_state, kpool_inputs, kpool_pad, kpool_select
 from .kv_cache import KVCache
 
 if TYPE_CHECKING:
@@ -49,7 +50,7 @@ if TYPE_CHECKING:
     from typing_extensions import Buffer
 
     from .base import MemoryPart
-    from .batch import BatchAllocr, UBatch
+    from .batch import Batch, BatchAllocr, UBatch
     from .kv_cache import YarnParams
     from .kv_cache_iswa import ISWASlot
     from .slots import SlotInfo
@@ -146,7 +147,10 @@ class HybridIdxMemory(HybridMemory):
         self._one_call = False
         # llama_memory_hybrid_idx::mem_idx_stale: per sequence, the position its pooled keys are stale from
         self.stale: list[int] = [POS_CLEAN] * LLAMA_MAX_SEQ
-        self._kpool_shared = False  # kpool_layout_shared(): the last k-pool layout had a cell shared by sequences
+        # glm5-next's k-pool layout (llama.cpp's kpool_layout: made by the first update, kept across batches) and the
+        # pools the last placed ubatch re-pools (kpool_state)
+        self.kpool_layout: KPoolLayout | None = None
+        self.kpool_state: KPoolState | None = None
 
     # --- parts ---------------------------------------------------------------------------------------------
 
@@ -179,8 +183,20 @@ class HybridIdxMemory(HybridMemory):
         return p0
 
     def _stale_shared(self) -> None:
-        if self._kpool_shared:
+        # kpool_layout_shared(): the layout has a cell shared by sequences, which only a rebuild of every one re-derives
+        if self.kpool_layout is not None and not self.kpool_layout.cache_safe:
             self._stale_set(-1, 0)
+
+    def kpool_track(self) -> bool:
+        """Does this memory keep glm5-next's k-pool layout (an indexer cache and ``indexer_kpool`` > 0)."""
+        return self.idx is not None and self.hparams.indexer_kpool > 0
+
+    def _kpool_update(self) -> KPoolLayout:
+        assert self.idx is not None
+        if self.kpool_layout is None:
+            self.kpool_layout = KPoolLayout()
+        self.kpool_layout.update(self.idx, self.hparams.indexer_kpool, self.stale)
+        return self.kpool_layout
 
     # --- sequence operations -------------------------------------------------------------------------------
 
@@ -251,6 +267,8 @@ class HybridIdxMemory(HybridMemory):
         res = super().update(**kw)  # type: ignore[arg-type]
         if self.idx is not None:
             self.idx.update()
+            if res and self.kpool_track():
+                self._kpool_update()  # llama_context::memory_update reserves a graph on a full context: init_full
         return res
 
     def init_batch(
@@ -259,22 +277,57 @@ class HybridIdxMemory(HybridMemory):
         """llama_memory_hybrid_idx::init_batch: the hybrid split and prepare (the indexer takes the attention
         slots)."""
         out = super().init_batch(balloc, n_ubatch, embd_all)
-        ratios = self.qsa_ratios()
-        if ratios and self.idx is not None:
-            # set_input_qsa asserts on a cell positioned past the block window: llama.cpp dies in the decode
-            from .qsa import qsa_aborts
-
-            trial = self.idx.fork()
-            for ub, aslot in out:
-                sinfo = cast("SlotInfo", aslot)
-                trial.apply_ubatch(sinfo, ub)
-                for r in ratios:
-                    why = qsa_aborts(trial, ub, sinfo, r)
-                    if why is not None:
-                        raise KVRefError(why)
         self._stale_batch = list(self.stale)  # mem_idx_stale_batch: what the first ubatch must re-pool
         self._i_cur = 0
         return out
+
+    def decode(
+        self,
+        batch: Batch,
+        n_ubatch: int = 512,
+        *,
+        k: Mapping[int, npt.ArrayLike] | None = None,
+        v: Mapping[int, npt.ArrayLike] | None = None,
+        balloc: BatchAllocr | None = None,
+        embd_all: bool = False,
+        on_ubatch: Callable[[UBatch, HybridSlot], None] | None = None,
+    ) -> list[tuple[UBatch, HybridSlot]]:
+        """What llama_decode does to the memory (`kvref.memory.base.decode_batch`). With QSA, a decode llama.cpp dies in
+        (set_input_qsa's assert on a cell past the block window) is refused first, before the memory update: the
+        update changes no cell, so the same ubatches land in the same cells."""
+        if self.qsa_ratios():
+            self._check_qsa(batch, n_ubatch, embd_all)
+        return decode_batch(self, batch, n_ubatch, k=k, v=v, balloc=balloc, embd_all=embd_all, on_ubatch=on_ubatch)
+
+    def _check_qsa(self, batch: Batch, n_ubatch: int, embd_all: bool) -> None:
+        from .base import check_decode, decode_seq_bound
+        from .batch import BatchAllocr
+        from .qsa import qsa_aborts
+
+        assert self.idx is not None
+        n_ubatch = as_int(n_ubatch, "n_ubatch")
+        if n_ubatch < 1:
+            return  # decode_batch refuses it
+        balloc = BatchAllocr(self.hparams.n_pos_per_embd())
+        balloc.init(batch, memory=self, n_seq_max=decode_seq_bound(self.profile, self.kv_unified,
+                                                                  self._decode_n_seq_max()), output_all=embd_all)  # fmt: skip
+        check_decode(self, balloc)
+        attn = cast(KVCache, self.attn)
+        heads = list(attn.heads)  # prepare leaves the heads where its trial placements moved them: a dry run must not
+        try:
+            placed = HybridMemory.init_batch(self, balloc, n_ubatch, embd_all)
+        except NoSlotError:
+            return  # llama_decode returns 1 after its memory update: decode_batch says so
+        finally:
+            attn.heads[:] = heads
+        trial = self.idx.fork()
+        for ub, aslot in placed:
+            sinfo = cast("SlotInfo", aslot)
+            trial.apply_ubatch(sinfo, ub)
+            for r in self.qsa_ratios():
+                why = qsa_aborts(trial, ub, sinfo, r)
+                if why is not None:
+                    raise KVRefError(why)
 
     def qsa_ratios(self) -> list[int]:
         """The distinct QSA block ratios of the attention layers (qwen4exp; the layers sharing a ratio share one set
@@ -297,6 +350,11 @@ class HybridIdxMemory(HybridMemory):
         slot = super()._apply(aslot, ubatch)
         if self.idx is not None:
             self.idx.apply_ubatch(cast("SlotInfo", aslot), ubatch)
+            if self.kpool_track():
+                # extend the layout with the ubatch's cells, then pick what it must re-pool
+                lay = self._kpool_update()
+                stale = self._stale_batch if self._i_cur == 0 else None
+                self.kpool_state = kpool_build_state(lay, ubatch, self.hparams.indexer_kpool, stale)
             if self._i_cur == 0:
                 # next() after the first ubatch clears the staleness (the batch keeps its own copy)
                 self.stale = [POS_CLEAN] * LLAMA_MAX_SEQ
@@ -399,6 +457,8 @@ class HybridIdxMemory(HybridMemory):
         sinfo = cast("SlotInfo", hslot.attn)
         if tensor == "k_idxs_idx":
             return np.asarray(self.idx.k_idxs(ub, sinfo), dtype=np.int64).reshape(-1)
+        if tensor.startswith("kpool_") or tensor.startswith("kq_mask_kpool_"):
+            return self._kpool_input(tensor, ub, sinfo, f16)
         if tensor.startswith("qsa_") or tensor == "kq_mask_qsa_bias":
             from .qsa import qsa_inputs
 
@@ -411,6 +471,25 @@ class HybridIdxMemory(HybridMemory):
             name = tensor.removeprefix("qsa_").removeprefix("kq_mask_qsa_")
             return got[name] if name == "bias" else got[name].reshape(-1)
         return None
+
+    def _kpool_input(self, tensor: str, ub: UBatch, sinfo: SlotInfo, f16: bool) -> npt.NDArray[np.generic] | None:
+        """glm5-next's k-pool inputs of the ubatch just placed (set_input_kpool)."""
+        lay, st, idx = self.kpool_layout, self.kpool_state, self.idx
+        if lay is None or st is None or idx is None:
+            return None
+        hp = self.hparams
+        kpool = hp.indexer_kpool
+        n_sel, gather = kpool_select(
+            kpool_pad(st.n_pool_real), idx.get_n_kv(sinfo), int(ub.n_tokens), hp.indexer_top_k, kpool,
+            hp.indexer_kpool_select_tail,
+        )  # fmt: skip
+        got = kpool_inputs(idx, lay, st, ub, sinfo, kpool, n_sel, gather, f16)
+        name = tensor.removeprefix("kq_mask_kpool_").removeprefix("kpool_")
+        name = {"pool": "pool_mask", "gather": "gather_mask"}.get(name, name)
+        if name not in got:
+            return None
+        a = got[name]
+        return a.reshape(1, *a.shape) if a.ndim == 2 else a
 
     def __repr__(self) -> str:
         return f"HybridIdxMemory(attn={self.attn!r}, recr={self.recr!r}, idx={self.idx!r})"
