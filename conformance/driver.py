@@ -369,6 +369,9 @@ class Run:
 
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = 0
+        mtp = cparams.get("ctx_type", "default") == "mtp"
+        if mtp:
+            mp.load_mtp = True  # a draft context of the NextN blocks needs their tensors
         mp.use_mmap = True
         _take_log()
         self.model = L.llama_model_load_from_file(str(model_path).encode(), mp)
@@ -407,6 +410,8 @@ class Run:
         p.type_v = GGML_TYPES[cparams["type_v"]]
         p.swa_full = cparams["swa_full"]
         p.kv_unified = cparams["kv_unified"]
+        if mtp:
+            p.ctx_type = L.LLAMA_CONTEXT_TYPE_MTP
         p.offload_kqv = False
         p.op_offload = False
         p.no_perf = True

@@ -92,6 +92,7 @@ class Case:
     swa_full: bool = False
     n_rs_seq: int = 0
     n_threads: int = 1
+    ctx_type: str = "default"  # llama_context_params.ctx_type ("mtp": a draft context of the NextN blocks)
     capture_rows: bool = False  # also record the K/V rows before/after the attention rotation (driver.ROWS_FILE)
 
     def cparams(self) -> dict:
@@ -110,7 +111,7 @@ class Case:
                 "n_rs_seq",
                 "n_threads",
             )
-        }
+        } | ({"ctx_type": self.ctx_type} if self.ctx_type != "default" else {})
 
 
 class Tokens:
@@ -908,6 +909,15 @@ CASES: list[Case] = [
         ["arch", "hybrid", "hybrid-idx", "mla", "seq-cp", "seq-rm-refused", "seq-restore", "partial-only"],
         s_arch,
         n_seq_max=3,
+    ),
+    Case(
+        "glm5-next-mtp-refused",
+        "glm5-next",
+        "glm5-next's MTP draft context: llama.cpp builds its memory (a hybrid_idx over the NextN block alone), then "
+        "llama_init_from_model fails: the NextN graph is not implemented in 0.3.36.",
+        ["init-refused", "mtp"],
+        s_init_refused,
+        ctx_type="mtp",
     ),
     # ---- non-causal decodes (llama_set_causal_attn), ALiBi
     Case(

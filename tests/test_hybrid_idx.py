@@ -16,6 +16,7 @@ from kvref.jobs import conformance as C
 from kvref.memory.batch import Batch
 from kvref.memory.factory import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, create_memory
 from kvref.memory.hybrid_idx import HybridIdxMemory, idx_hparams
+from kvref.profile import DEFAULT, resolve
 
 CASE = "qwen4exp-hybrid-idx"
 
@@ -77,8 +78,14 @@ def test_glm5_next_filters():
 
 
 def test_glm5_next_mtp_context_keeps_the_nextn_layers_only():
-    mem = create_memory(glm5_next(), 256, 2, ctx_type="mtp")
-    assert isinstance(mem, HybridIdxMemory)
+    """What llama_model::create_memory builds for the MTP context (before llama.cpp 0.3.36 fails to build its graph:
+    create_memory refuses, conformance/golden/glm5-next-mtp-refused)."""
+    from kvref.memory.factory import _hybrid_idx, context_params
+
+    hp = glm5_next()
+    with pytest.raises(KVRefError, match="NextN graph not implemented"):
+        create_memory(hp, 256, 2, ctx_type="mtp")
+    mem = _hybrid_idx(hp, context_params(hp, 256, 2), "mtp", "f16", "f16", True, 1, resolve(DEFAULT))
     assert [la.il for la in mem.attn.layers] == [4]
     assert mem.idx is not None and [la.il for la in mem.idx.layers] == [4]
     assert mem.recr.layers == []

@@ -257,6 +257,10 @@ def create_memory(
         arch == "qwen4exp" and hparams.indexer_head_size > 0 and hparams.swa_type == SWAType.NONE
     ):
         mem = _hybrid_idx(hparams, cp, ctx_type, type_k, type_v, v_trans, n_pad, profile)
+        if arch == "glm5-next" and ctx_type == "mtp":
+            # llama.cpp builds the draft memory (the NextN layers), then building the context's graph throws
+            raise KVRefError("GLM5-Next NextN graph not implemented yet (llama_init_from_model fails for ctx_type mtp "
+                             "in llama.cpp 0.3.36)")  # fmt: skip
     elif hparams.is_hybrid_arch():
         mem = HybridMemory(
             hparams,
