@@ -511,7 +511,8 @@ def encode(graphs: dict) -> dict:
                 d["data"] = encode_ints(e["data"])
             ins.append(d)
         names = ("kq_mask", "k_idxs", "v_idxs", "pos", "pos_bucket")
-        ins.sort(key=lambda d: (d["swa"], names.index(d["tensor"]) if d["tensor"] in names else len(names), d["tensor"]))
+        ins.sort(key=lambda d: (d["swa"], names.index(d["tensor"]) if d["tensor"] in names else len(names),
+                                d["tensor"]))  # fmt: skip
         ubs.append({"inputs": ins})
     out: dict = {"ubatches": ubs}
     if shifts:

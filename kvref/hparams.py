@@ -393,8 +393,8 @@ class HParams:
     def memory_kind(self) -> str:
         """Which memory llama_model::create_memory builds for the plain archs kvref models.
 
-        ``"recurrent"``, ``"hybrid"``, ``"hybrid_iswa"`` (hybrid with SWA), ``"hybrid_idx"`` (glm5-next, qwen4exp with an
-        indexer), ``"iswa"`` or ``"kv"``.
+        ``"recurrent"``, ``"hybrid"``, ``"hybrid_iswa"`` (hybrid with SWA), ``"hybrid_idx"`` (glm5-next, qwen4exp
+        with an indexer), ``"iswa"`` or ``"kv"``.
         """
         if self.is_recurrent_arch():
             return "recurrent"
@@ -544,6 +544,11 @@ class HParamsArgs(TypedDict, total=False):
     indexer_head_size: int
     dsv4_compress_ratios: tuple[int, ...]
     dsv4_hc_mult: int
+    indexer_kpool: int
+    indexer_top_k: int
+    indexer_kpool_select_tail: bool
+    indexer_full_layers: bool | tuple[bool, ...]
+    n_embd_head_kda: int
 
 
 class _GGUFValue:

@@ -227,12 +227,14 @@ def hparams_from_case(case: Case) -> HParams:
         if h.get(name) is not None:
             kw[name] = h[name]
     # llama_memory_hybrid_idx: the indexer cache's key length, glm5-next's k-pool and indexer layers, qwen4exp's QSA
-    for name in ("indexer_head_size", "indexer_kpool", "n_layer_nextn", "n_embd_head_kda", "n_embd_head_k_mla",
-                 "n_embd_head_v_mla", "n_lora_kv", "indexer_top_k", "indexer_kpool_select_tail"):  # fmt: skip
-        if h.get(name) is not None:
-            kw[name] = h[name]
+    for key in ("indexer_head_size", "indexer_kpool", "n_layer_nextn", "n_embd_head_kda", "n_embd_head_k_mla",
+                "n_embd_head_v_mla", "n_lora_kv", "indexer_top_k"):  # fmt: skip
+        if h.get(key) is not None:
+            kw[key] = int(h[key])
+    if h.get("indexer_kpool_select_tail") is not None:
+        kw["indexer_kpool_select_tail"] = bool(h["indexer_kpool_select_tail"])
     if h.get("indexer_full_layers") is not None:
-        kw["indexer_full_layers"] = h["indexer_full_layers"]
+        kw["indexer_full_layers"] = tuple(h["indexer_full_layers"])
     if h.get("dsv4_compress_ratios") is not None:
         kw["dsv4_compress_ratios"] = tuple(h["dsv4_compress_ratios"])
     sections = h.get("rope_sections")

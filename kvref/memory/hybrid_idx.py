@@ -34,7 +34,7 @@ from typing import TYPE_CHECKING, cast
 
 import numpy as np
 
-from ..args import as_int, as_state_args, as_seq_id
+from ..args import as_int, as_seq_id, as_state_args
 from ..constants import LLAMA_MAX_SEQ
 from ..errors import FormatError, KVRefError, NoSlotError
 from ..ggml.types import GGMLType
@@ -47,7 +47,7 @@ from .kv_cache import KVCache
 
 if TYPE_CHECKING:
     import numpy.typing as npt
-    from typing_extensions import Buffer
+    from typing_extensions import Buffer, Unpack
 
     from .base import MemoryPart
     from .batch import Batch, BatchAllocr, UBatch
@@ -261,10 +261,10 @@ class HybridIdxMemory(HybridMemory):
 
     # --- batches -------------------------------------------------------------------------------------------
 
-    def update(self, **kw: YarnParams) -> bool:  # type: ignore[misc]
+    def update(self, **kw: Unpack[YarnParams]) -> bool:
         """Apply the pending updates of the three caches (the indexer's K-shift only resets the cells' shifts: its
         keys are not roped); returns the attention part's result."""
-        res = super().update(**kw)  # type: ignore[arg-type]
+        res = super().update(**kw)
         if self.idx is not None:
             self.idx.update()
             if res and self.kpool_track():
@@ -309,8 +309,8 @@ class HybridIdxMemory(HybridMemory):
         if n_ubatch < 1:
             return  # decode_batch refuses it
         balloc = BatchAllocr(self.hparams.n_pos_per_embd())
-        balloc.init(batch, memory=self, n_seq_max=decode_seq_bound(self.profile, self.kv_unified,
-                                                                  self._decode_n_seq_max()), output_all=embd_all)  # fmt: skip
+        n_seq_max = decode_seq_bound(self.profile, self.kv_unified, self._decode_n_seq_max())
+        balloc.init(batch, memory=self, n_seq_max=n_seq_max, output_all=embd_all)
         check_decode(self, balloc)
         attn = cast(KVCache, self.attn)
         heads = list(attn.heads)  # prepare leaves the heads where its trial placements moved them: a dry run must not
@@ -336,7 +336,7 @@ class HybridIdxMemory(HybridMemory):
             return []
         out: list[int] = []
         ratios = self.hparams.dsv4_compress_ratios
-        for layer in self.attn.layers:
+        for layer in cast(KVCache, self.attn).layers:
             r = ratios[layer.il] if layer.il < len(ratios) else 0
             if r > 0 and r not in out:
                 out.append(r)
@@ -395,7 +395,6 @@ class HybridIdxMemory(HybridMemory):
     def _check_mirror(self, data: Buffer, seq_id: int, at_attn: int, at_idx: int) -> None:
         """llama_kv_cache::state_read_sinfo with the attention cache's slots: per stream the same cell count."""
         from ..state import read_kv_section
-
         from . import kv_state
 
         assert self.idx is not None
@@ -447,7 +446,7 @@ class HybridIdxMemory(HybridMemory):
 
     def graph_input(
         self, tensor: str, ub: UBatch, slot: object, *, swa: bool, f16: bool, causal: bool | None
-    ) -> npt.NDArray[np.generic] | None:
+    ) -> npt.NDArray[np.generic[object]] | None:
         """The graph inputs only this memory feeds: ``k_idxs_idx`` (the indexer cache's K row indices) and qwen4exp's
         QSA inputs ``qsa_cell_blk``, ``qsa_blk_cells``, ``qsa_blk_pos`` and ``kq_mask_qsa_bias`` (for the first layer
         with a compress ratio: the layers sharing a ratio share one input set). None for any other name."""
@@ -472,7 +471,9 @@ class HybridIdxMemory(HybridMemory):
             return got[name] if name == "bias" else got[name].reshape(-1)
         return None
 
-    def _kpool_input(self, tensor: str, ub: UBatch, sinfo: SlotInfo, f16: bool) -> npt.NDArray[np.generic] | None:
+    def _kpool_input(
+        self, tensor: str, ub: UBatch, sinfo: SlotInfo, f16: bool
+    ) -> npt.NDArray[np.generic[object]] | None:
         """glm5-next's k-pool inputs of the ubatch just placed (set_input_kpool)."""
         lay, st, idx = self.kpool_layout, self.kpool_state, self.idx
         if lay is None or st is None or idx is None:

@@ -156,7 +156,7 @@ def kpool_build_state(lay: KPoolLayout, ub: UBatch, kpool: int, stale_from: list
 def kpool_inputs(
     idx: KVCache, lay: KPoolLayout, st: KPoolState, ub: UBatch, sinfo: SlotInfo, kpool: int, n_sel: int, gather: bool,
     f16: bool,
-) -> dict[str, npt.NDArray[np.generic]]:  # fmt: skip
+) -> dict[str, npt.NDArray[np.generic[object]]]:  # fmt: skip
     """set_input_kpool: ``pool_cells``, ``pool_idxs``, ``pool_mask`` (n_tokens, n_pool), ``tail_idxs``,
     ``gather_mask`` (n_tokens, n_sel), ``new_pool_idxs``, ``new_pool_rep`` (absent when not ``cache_safe``)."""
     n_kv = idx.get_n_kv(sinfo)
@@ -241,7 +241,7 @@ def kpool_inputs(
             tidx[i, k] = cell
             if n_sel % kpool:
                 gm[i, n_top * kpool + k] = 0.0 if real else -np.inf
-    out: dict[str, npt.NDArray[np.generic]] = {
+    out: dict[str, npt.NDArray[np.generic[object]]] = {
         "pool_cells": pcell.astype(np.int32),
         "pool_idxs": pidx.astype(np.int32).reshape(-1),
         "pool_mask": mask.astype(np.float16) if f16 else mask,

@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import numpy.typing as npt
 
     from .batch import UBatch
+    from .cells import KVCells
     from .hybrid_idx import HybridIdxMemory
     from .kv_cache import KVCache
     from .slots import SlotInfo
@@ -143,6 +144,50 @@ def _heap_sort(a: list[int], first: int, last: int, less: Callable[[int, int], b
         _adjust_heap(a, first, 0, last - first, val, less)
 
 
+_Groups = tuple[dict[int, list[int]], list[int], list[int], list[int], "npt.NDArray[np.int64]", bool, bool]
+
+
+def _group(
+    cells: KVCells, cpos: npt.NDArray[np.int32], pos: npt.NDArray[np.int64], r: int, n_blocks: int, one_seq: bool
+) -> _Groups:
+    """group_cells: per bucket ``pos // r`` a list of groups (newest first; one per sequence set unless the stream
+    holds one sequence), each with its first cell, slot bits and slot-0 cell; each cell's group; whether a slot
+    repeats (dup) and whether a cell lies past the window (oor). ``pos``: the cells' positions or ranks."""
+    heads: dict[int, list[int]] = {}
+    g_first: list[int] = []
+    g_slots: list[int] = []
+    g_slot0: list[int] = []
+    g_seqs: list[tuple[int, ...]] = []
+    cell_grp = np.full(len(cpos), -1, np.int64)
+    dup = oor = False
+    for j in np.flatnonzero(cpos >= 0).tolist():
+        p = int(pos[j])
+        pb = p // r
+        if pb >= n_blocks:
+            oor = True
+            continue
+        seqs = () if one_seq else tuple(cells.seq_get_all(j))
+        g = -1
+        for c in heads.get(pb, ()):
+            if one_seq or g_seqs[c] == seqs:
+                g = c
+                break
+        if g < 0:
+            g = len(g_first)
+            g_first.append(j)
+            g_slots.append(0)
+            g_slot0.append(-1)
+            g_seqs.append(seqs)
+            heads.setdefault(pb, []).insert(0, g)
+        bit = 1 << (p % r)
+        dup = dup or bool(g_slots[g] & bit)
+        cell_grp[j] = g
+        g_slots[g] |= bit
+        if p % r == 0:
+            g_slot0[g] = j
+    return heads, g_first, g_slots, g_slot0, cell_grp, dup, oor
+
+
 def qsa_aborts(idx: KVCache, ub: UBatch, sinfo: SlotInfo, ratio: int) -> str | None:
     """Why set_input_qsa would abort for ubatch ``ub`` placed at ``sinfo`` in the indexer cache ``idx`` (already
     applied), or None: a cell of a stream positioned past the window of ``ceil(n_kv / ratio)`` blocks, unless the
@@ -174,7 +219,7 @@ def qsa_aborts(idx: KVCache, ub: UBatch, sinfo: SlotInfo, ratio: int) -> str | N
 
 def qsa_inputs(
     mem: HybridIdxMemory, ub: UBatch, sinfo: SlotInfo, ratio: int, *, blk_bias: bool, causal: bool
-) -> dict[str, npt.NDArray[np.generic]]:
+) -> dict[str, npt.NDArray[np.generic[object]]]:
     """The four QSA inputs of ubatch ``ub`` placed at ``sinfo`` (keys ``cell_blk``, ``blk_cells``, ``blk_pos``,
     ``bias``; shapes (n_stream, n_kv), (n_stream, ratio * n_blocks), (4 * n_blocks * n_stream,),
     (n_stream, n_tps, n_blocks or n_kv))."""
@@ -203,57 +248,26 @@ def qsa_inputs(
         cells = idx.get_cells(ub.seq_id[s * n_tps][0])
         one_seq = sum(1 for sq in range(LLAMA_MAX_SEQ) if cells.seq_pos_min(sq) >= 0) <= 1
         cpos = np.asarray(cells.pos)[:n_kv]
-        pos = cpos  # what places a cell: its position, or its rank in (pos, y, x) order (the ranked layout)
+        # what places a cell: its position, or its rank in (pos, y, x) order (the ranked layout)
+        pos: npt.NDArray[np.int64] = cpos.astype(np.int64)
         order: list[int] = []
         ext = np.asarray(cells.ext)
 
-        def group() -> tuple[dict[int, list[int]], list[int], list[int], list[int], npt.NDArray[np.int64], bool, bool]:
-            # per bucket a list of groups (newest first), each with its first cell, slot bits and slot-0 cell
-            heads: dict[int, list[int]] = {}
-            g_first: list[int] = []
-            g_slots: list[int] = []
-            g_slot0: list[int] = []
-            g_seqs: list[tuple[int, ...]] = []
-            cell_grp = np.full(n_kv, -1, np.int64)
-            dup = oor = False
-            for j in np.flatnonzero(cpos >= 0).tolist():
-                p = int(pos[j])
-                pb = p // r
-                if pb >= n_blocks:
-                    oor = True
-                    continue
-                seqs = () if one_seq else tuple(cells.seq_get_all(j))
-                g = -1
-                for c in heads.get(pb, ()):
-                    if one_seq or g_seqs[c] == seqs:
-                        g = c
-                        break
-                if g < 0:
-                    g = len(g_first)
-                    g_first.append(j)
-                    g_slots.append(0)
-                    g_slot0.append(-1)
-                    g_seqs.append(seqs)
-                    heads.setdefault(pb, []).insert(0, g)
-                bit = 1 << (p % r)
-                dup = dup or bool(g_slots[g] & bit)
-                cell_grp[j] = g
-                g_slots[g] |= bit
-                if p % r == 0:
-                    g_slot0[g] = j
-            return heads, g_first, g_slots, g_slot0, cell_grp, dup, oor
-
-        heads, g_first, g_slots, g_slot0, cell_grp, dup, oor = group()
+        heads, g_first, g_slots, g_slot0, cell_grp, dup, oor = _group(cells, cpos, pos, r, n_blocks, one_seq)
         ranked = bool(dup and ub.is_pos_2d() and one_seq)
         if ranked:
             # M-RoPE repeats one position across an image: rank the cells in the mask's order (pos, y, x)
             order = np.flatnonzero(cpos >= 0).tolist()
             key = {j: (int(cpos[j]), int(ext[j, 1]), int(ext[j, 0])) for j in order}
-            std_sort(order, lambda a, b: key[a] < key[b])
+
+            def less(a: int, b: int, key: dict[int, tuple[int, int, int]] = key) -> bool:
+                return key[a] < key[b]
+
+            std_sort(order, less)
             rank = np.full(n_kv, -1, np.int64)
             rank[np.asarray(order, np.int64)] = np.arange(len(order))
             pos = rank
-            heads, g_first, g_slots, g_slot0, cell_grp, dup, oor = group()
+            heads, g_first, g_slots, g_slot0, cell_grp, dup, oor = _group(cells, cpos, pos, r, n_blocks, one_seq)
         if blk_bias and oor:
             raise KVRefError("qsa: cell position runs past the cell window (llama.cpp asserts)")
 
@@ -278,7 +292,7 @@ def qsa_inputs(
 
         have_dead = n_bid < n_blocks
         dead = n_bid if have_dead else n_blocks - 1
-        bid_of = np.asarray(g_bid + [-1], np.int64)  # index -1: no group
+        bid_of = np.asarray([*g_bid, -1], np.int64)  # index -1: no group
         blk_of = bid_of[cell_grp]
         cell_blk[s] = np.where(blk_of < 0, dead, blk_of)
         inb = np.flatnonzero(blk_of >= 0)

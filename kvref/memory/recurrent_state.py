@@ -5,10 +5,11 @@ are thin methods over the functions here; the byte layout itself is declared onc
 and this module only builds / consumes its object model.
 
 The section: ``u32 cell_count``, per cell ``i32 pos, u32 n_seq_id, i32 seq_id[n_seq_id]``, then ``u32 s_trans``
-(always 0 here) and ``u32 n_layer`` (every model layer but the trailing MTP blocks: hparams.n_layer()), then per layer with state the R rows (and, with PLE,
-the PLE conv rows), then per layer with state the S rows. Layers without state (a layer filter, e.g. the
-attention layers of a hybrid) are skipped, so the section has the same shape with or without one. The 2025
-recurrent memory (llama-cpp-python 0.3.12 .. 0.3.16) wrote the same layout for a model with state in every layer.
+(always 0 here) and ``u32 n_layer`` (every model layer but the trailing MTP blocks: hparams.n_layer()), then
+per layer with state the R rows (and, with PLE, the PLE conv rows), then per layer with state the S rows. Layers
+without state (a layer filter, e.g. the attention layers of a hybrid) are skipped, so the section has the same
+shape with or without one. The 2025 recurrent memory (llama-cpp-python 0.3.12 .. 0.3.16) wrote the same layout
+for a model with state in every layer.
 
 Writing (``state_section``; ``flags`` change nothing):
 

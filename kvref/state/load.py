@@ -761,7 +761,7 @@ class _Sniff:
             # sections.uniform_halves: the R records share one row head, the S records another
             from .sections import uniform_halves
 
-            heads = []
+            heads: list[tuple[object, ...]] = []
             pos = at
             while len(heads) < 2 * n_layer:
                 count, nxt = self._records(pos, cell_count, False, 1)

@@ -527,7 +527,7 @@ def _scan_state_layers(env: Env) -> int:
     if not section_last:
         # a section follows (llama_memory_hybrid_idx's indexer cache), whose bytes may pass for more records: the
         # R records share one row head, the S records another (n_embd_r / n_embd_s are per model, not per layer)
-        heads = []
+        heads: list[tuple[object, ...]] = []
         pos = r.pos
         while len(heads) < 2 * n_layer:
             count, nxt = _walk_records(r, pos, cell_count, False, 1)
