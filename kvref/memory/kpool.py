@@ -18,6 +18,7 @@ selection slots), ``new_pool_idxs`` / ``new_pool_rep`` (the pools re-pooled by t
 from __future__ import annotations
 
 import bisect
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -35,6 +36,38 @@ if TYPE_CHECKING:
 
 POS_CLEAN = 2**31 - 1
 MAX_UB_GATHER = 16  # build_inp_kpool: small ubatches gather the selected latents
+
+
+def _i32(x: int) -> int:
+    """``x`` as llama.cpp's int32 arithmetic leaves it (a position near INT32_MAX plus the pool size wraps)."""
+    return (x + 2**31) % 2**32 - 2**31
+
+
+def _lower_bound(n: int, before: Callable[[int], bool]) -> int:
+    """std::lower_bound's binary search over indices [0, n) with ``before(i)`` = comp(element i, value): its answer
+    also where the predicate does not partition the range (an int32 wrap can break the order)."""
+    first, length = 0, n
+    while length > 0:
+        half = length >> 1
+        if before(first + half):
+            first += half + 1
+            length -= half + 1
+        else:
+            length = half
+    return first
+
+
+def _upper_bound(n: int, after: Callable[[int], bool]) -> int:
+    """std::upper_bound's binary search over indices [0, n) with ``after(i)`` = comp(value, element i)."""
+    first, length = 0, n
+    while length > 0:
+        half = length >> 1
+        if after(first + half):
+            length = half
+        else:
+            first += half + 1
+            length -= half + 1
+    return first
 
 
 def kpool_pad(n_pool: int) -> int:
@@ -95,7 +128,7 @@ class KPoolLayout:
                 if (p0 - sq.pos_min) % kpool != 0:
                     j += 1
                     continue
-                if all(cs[j + k][0] == p0 + k for k in range(1, kpool)):
+                if all(cs[j + k][0] == _i32(p0 + k) for k in range(1, kpool)):
                     sq.pools.append(j)
                     j += kpool
                 else:
@@ -133,9 +166,9 @@ def kpool_build_state(lay: KPoolLayout, ub: UBatch, kpool: int, stale_from: list
         p = POS_CLEAN if stale_from is None else stale_from[s]
         if p == POS_CLEAN:
             continue
-        # the first pool that ends after the stale position, and every later one
-        ends = [sq.cells[j][0] + kpool for j in sq.pools]
-        first = bisect.bisect_right(ends, p)
+        # the first pool that ends after the stale position, and every later one (int32 ends: one may wrap)
+        ends = [_i32(sq.cells[j][0] + kpool) for j in sq.pools]
+        first = _lower_bound(len(ends), lambda k, ends=ends, p=p: ends[k] <= p)
         for k in range(first, len(sq.pools)):
             st.new[start[s] + k] = True
     pos = np.asarray(ub.pos)
@@ -144,11 +177,11 @@ def kpool_build_state(lay: KPoolLayout, ub: UBatch, kpool: int, stale_from: list
         for s in ub.seq_id[i]:
             sq = lay.seqs[s]
             firsts = [sq.cells[j][0] for j in sq.pools]
-            k = bisect.bisect_right(firsts, p)
+            k = _upper_bound(len(firsts), lambda m, firsts=firsts, p=p: p < firsts[m])
             if k == 0:
                 continue
             k -= 1
-            if p < firsts[k] + kpool:
+            if p < _i32(firsts[k] + kpool):
                 st.new[start[s] + k] = True
     return st
 
@@ -231,7 +264,8 @@ def kpool_inputs(
         mask[i, p0 : p0 + nv] = 0.0
         nvc = min(nv, n_top)
         gm[i, : nvc * kpool] = 0.0
-        n_tail = (p - sq.pos_min + 1) % kpool
+        v = _i32(p - sq.pos_min + 1)
+        n_tail = (abs(v) % kpool * (1 if v >= 0 else -1)) & 0xFFFFFFFF  # C's remainder, as uint32
         for k in range(kpool - 1):
             cell, real = sentinel, False
             if k < n_tail:
