@@ -168,7 +168,11 @@ def kpool_build_state(lay: KPoolLayout, ub: UBatch, kpool: int, stale_from: list
             continue
         # the first pool that ends after the stale position, and every later one (int32 ends: one may wrap)
         ends = [_i32(sq.cells[j][0] + kpool) for j in sq.pools]
-        first = _lower_bound(len(ends), lambda k, ends=ends, p=p: ends[k] <= p)
+
+        def ends_before(k: int, ends: list[int] = ends, p: int = p) -> bool:
+            return ends[k] <= p
+
+        first = _lower_bound(len(ends), ends_before)
         for k in range(first, len(sq.pools)):
             st.new[start[s] + k] = True
     pos = np.asarray(ub.pos)
@@ -177,7 +181,11 @@ def kpool_build_state(lay: KPoolLayout, ub: UBatch, kpool: int, stale_from: list
         for s in ub.seq_id[i]:
             sq = lay.seqs[s]
             firsts = [sq.cells[j][0] for j in sq.pools]
-            k = _upper_bound(len(firsts), lambda m, firsts=firsts, p=p: p < firsts[m])
+
+            def starts_after(m: int, firsts: list[int] = firsts, p: int = p) -> bool:
+                return p < firsts[m]
+
+            k = _upper_bound(len(firsts), starts_after)
             if k == 0:
                 continue
             k -= 1
