@@ -209,3 +209,26 @@ def test_inspect_labels_the_three_sections(capsys: pytest.CaptureFixture[str]) -
 def test_idx_hparams_needs_an_indexer():
     with pytest.raises(KVRefError):
         idx_hparams(HParams(arch="qwen4exp", n_layer=2, n_embd=64, n_head=2))
+
+
+@pytest.mark.parametrize(
+    "file", ["qwen4exp-hybrid-idx/01-session.ggsn", "qwen4exp-hybrid-idx/03-seq-seq0.ggsq",
+             "qwen4exp-hybrid-idx-streams/01-session.ggsn"],
+)  # fmt: skip
+def test_restore_then_save_gives_llama_cpps_bytes(file: str, tmp_path) -> None:
+    """kvref.restore builds the hybrid_idx memory from the committed GGUF and the file; saved again it is the file."""
+    model = GOLDEN.parent / "models" / "qwen4exp-tiny.gguf"
+    src = GOLDEN / file
+    mem = kvref.restore(src, model=model).memory
+    assert isinstance(mem, HybridIdxMemory)
+    tokens = list(kvref.state.load(src).tokens)
+    out = tmp_path / "again"
+    seq = file.endswith(".ggsq")
+    kvref.save_memory(mem, out, kind="seq" if seq else "session", tokens=tokens, **({"seq_id": 0} if seq else {}))
+    assert out.read_bytes() == src.read_bytes()
+
+
+def test_check_accepts_the_partial_state_of_a_hybrid_idx_model() -> None:
+    from kvref.jobs.restore import memory_layout
+
+    assert memory_layout(qwen4exp()) == ("hybrid_idx", "recurrent")
