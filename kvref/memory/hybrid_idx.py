@@ -466,7 +466,7 @@ class HybridIdxMemory(HybridMemory):
                 return None
             if causal is None:
                 causal = self.hparams.causal_attn
-            got = qsa_inputs(self, ub, sinfo, ratios[0], blk_bias=True, causal=causal)
+            got = qsa_inputs(self.idx, ub, sinfo, ratios[0], blk_bias=True, causal=causal)
             name = tensor.removeprefix("qsa_").removeprefix("kq_mask_qsa_")
             return got[name] if name == "bias" else got[name].reshape(-1)
         return None

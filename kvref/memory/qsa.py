@@ -32,7 +32,6 @@ if TYPE_CHECKING:
 
     from .batch import UBatch
     from .cells import KVCells
-    from .hybrid_idx import HybridIdxMemory
     from .kv_cache import KVCache
     from .slots import SlotInfo
 
@@ -218,12 +217,11 @@ def qsa_aborts(idx: KVCache, ub: UBatch, sinfo: SlotInfo, ratio: int) -> str | N
 
 
 def qsa_inputs(
-    mem: HybridIdxMemory, ub: UBatch, sinfo: SlotInfo, ratio: int, *, blk_bias: bool, causal: bool
+    idx: KVCache | None, ub: UBatch, sinfo: SlotInfo, ratio: int, *, blk_bias: bool, causal: bool
 ) -> dict[str, npt.NDArray[np.generic[object]]]:
     """The four QSA inputs of ubatch ``ub`` placed at ``sinfo`` (keys ``cell_blk``, ``blk_cells``, ``blk_pos``,
     ``bias``; shapes (n_stream, n_kv), (n_stream, ratio * n_blocks), (4 * n_blocks * n_stream,),
     (n_stream, n_tps, n_blocks or n_kv))."""
-    idx = mem.idx
     if idx is None:
         raise KVRefError("set_input_qsa needs the indexer cache (GGML_ASSERT(get_mem_idx() != nullptr))")
     r = int(ratio)
