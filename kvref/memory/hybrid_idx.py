@@ -36,7 +36,7 @@ import numpy as np
 
 from ..args import as_int, as_seq_id, as_state_args
 from ..constants import LLAMA_MAX_SEQ
-from ..errors import FormatError, KVRefError, NoSlotError
+from ..errors import FormatError, KVRefError, NoSlotError, SequenceError
 from ..ggml.types import GGMLType
 from ..hparams import HParams, RopeType, SWAType
 from ..profile import DEFAULT, Profile
@@ -421,6 +421,8 @@ class HybridIdxMemory(HybridMemory):
                 raise FormatError(
                     f"{total - end} trailing bytes after the memory sections", field="trailing", offset=end
                 )
+        except SequenceError:
+            raise  # an id the caches cannot hold: llama.cpp asserts (GGML_ASSERT in state_read_sinfo) and dies
         except KVRefError:
             if not atomic:
                 self.state_drop(seq_id)
