@@ -719,7 +719,8 @@ class _Sniff:
             return None
         at += 4
         table = _once(self.tables, ("cells", at, cell_count, 0), partial(self._cells, at, cell_count, 0))
-        if table is None or (scope and cell_count and not table[1] <= {0}):
+        # a sequence blob of seq_id -1 (llama_state_seq_get_data(ctx, -1): every sequence) carries the cells' ids
+        if table is None:
             return None
         at = table[0]
         s_trans, n_layer = self._u32(at), self._u32(at + 4)
