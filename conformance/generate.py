@@ -921,6 +921,17 @@ CASES: list[Case] = [
         n_seq_max=3,
     ),
     Case(
+        "glm5-next-hybrid-idx-rs-rollback",
+        "glm5-next",
+        "glm5-next's hybrid_idx memory with n_rs_seq 2 (the recurrent part keeps rollback snapshots, the equal "
+        "split keeps each sequence's last 3 tokens together) over ubatches of 4: the k-pool inputs as pools fill.",
+        ["arch", "hybrid", "hybrid-idx", "rs-rollback", "seq-cp", "seq-rm-refused", "seq-restore", "partial-only"],
+        s_arch,
+        n_seq_max=3,
+        n_ubatch=4,
+        n_rs_seq=2,
+    ),
+    Case(
         "glm5-next-mtp-refused",
         "glm5-next",
         "glm5-next's MTP draft context: llama.cpp builds its memory (a hybrid_idx over the NextN block alone), then "
