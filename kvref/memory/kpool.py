@@ -107,6 +107,8 @@ class KPoolLayout:
                 continue
             sq = self.seqs[s]
             cells = idx.get_cells(0 if unified else s)
+            if not sq.cells and cells.seq_pos_min(s) < 0:
+                continue  # empty before and after: nothing to group (a later cell rebuilds it from scratch)
             sp = cells.seq_pos_get(s)
             sq.strm = 0 if unified else idx.get_stream(s)
             n_kept = 0
