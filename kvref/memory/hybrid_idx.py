@@ -295,9 +295,24 @@ class HybridIdxMemory(HybridMemory):
         """What llama_decode does to the memory (`kvref.memory.base.decode_batch`). With QSA, a decode llama.cpp dies in
         (set_input_qsa's assert on a cell past the block window) is refused first, before the memory update: the
         update changes no cell, so the same ubatches land in the same cells."""
-        if self.qsa_ratios():
+        if self.qsa_ratios() and self._qsa_may_abort(batch):
             self._check_qsa(batch, n_ubatch, embd_all)
         return decode_batch(self, batch, n_ubatch, k=k, v=v, balloc=balloc, embd_all=embd_all, on_ubatch=on_ubatch)
+
+    def _qsa_may_abort(self, batch: Batch) -> bool:
+        """False when no cell can end up past its block window: every position (the cells' and the batch's) below the
+        smallest n_kv the indexer cache can have (its padding), so that the dry run can be skipped."""
+        idx = self.idx
+        assert idx is not None
+        floor = min(idx.get_size(), max(idx.n_pad, idx.profile.get_n_kv_pad))
+        top = max((int(np.max(c.pos)) for c in idx._cells), default=-1)
+        try:
+            pos = None if batch.pos is None else np.asarray(batch.pos, dtype=np.int64)
+            n = int(batch.n_tokens)
+        except (TypeError, ValueError, KVRefError):
+            return True  # a malformed batch: decode_batch's checks say what is wrong
+        last = (top + n) if pos is None or pos.size == 0 else int(pos.max())
+        return max(top, last) >= floor
 
     def _check_qsa(self, batch: Batch, n_ubatch: int, embd_all: bool) -> None:
         from .base import check_decode, decode_seq_bound
