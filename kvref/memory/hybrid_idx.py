@@ -21,9 +21,14 @@ What differs from llama_memory_hybrid:
 - the k-pool bookkeeping of glm5-next (which pooled keys a sequence edit makes stale) is kept as llama.cpp keeps it
   (`stale`); it decides graph inputs only.
 
-Graph inputs of its own (`graph_input`): the indexer cache's row indices (``k_idxs_idx``) and qwen4exp's QSA block
+Graph inputs of its own (`graph_input`): the indexer cache's row indices (``k_idxs_idx``), qwen4exp's QSA block
 inputs (``qsa_cell_blk``, ``qsa_blk_cells``, ``qsa_blk_pos`` and the bias ``kq_mask_qsa_bias``,
-llama_memory_hybrid_idx::set_input_qsa).
+llama_memory_hybrid_idx::set_input_qsa, `kvref.memory.qsa`) and glm5-next's k-pool inputs (``kpool_pool_cells``,
+``kpool_pool_idxs``, ``kq_mask_kpool_pool``, ``kpool_tail_idxs``, ``kq_mask_kpool_gather``, ``kpool_new_pool_idxs``,
+``kpool_new_pool_rep``: set_input_kpool, `kvref.memory.kpool`).
+
+Where llama.cpp dies, kvref refuses before anything changes: a QSA decode that leaves a cell past its ubatch's block
+window (set_input_qsa's GGML_ASSERT) is found by a dry run of the split and placement before the memory update.
 """
 
 from __future__ import annotations
@@ -247,7 +252,8 @@ class HybridIdxMemory(HybridMemory):
         super().seq_add(seq_id, p0, p1, shift)
         if self.idx is not None:
             # a negative shift moves the cells below p0, so they regroup as well
-            stale = self._stale_pos(seq_id, raw_p0 + shift if shift < 0 else raw_p0)
+            # (an int32 sum in llama.cpp: it may wrap)
+            stale = self._stale_pos(seq_id, (raw_p0 + shift + 2**31) % 2**32 - 2**31 if shift < 0 else raw_p0)
             self.idx.seq_add(seq_id, p0, p1, shift)
             self._stale_set(seq_id, stale)
 
