@@ -149,6 +149,10 @@ OP_FILL = _OP_IDS.get("FILL", -1)  # the DSA attention fills a copy of the MLA K
 OP_LIGHTNING_INDEXER = _OP_IDS.get("LIGHTNING_INDEXER", -1)  # the fused DSA lightning indexer (0.3.36)
 # the inputs of llm_graph_input_attn_k_dsa's indexer cache, recorded under their own names
 LID_INPUTS = ("kq_mask_lid", "k_idxs_lid")
+OP_ADD = _OP_IDS["ADD"]
+OP_CONCAT = _OP_IDS.get("CONCAT", -1)
+OP_EXP = _OP_IDS.get("EXP", -1)
+OP_LIGHTNING_INDEXER = _OP_IDS.get("LIGHTNING_INDEXER", -1)  # glm5-next's fused k-pool indexer (2026)
 GGML_HINT_SRC0_IS_HADAMARD = 1  # ggml.h
 GGML_TENSOR_FLAG_INPUT = 1  # ggml.h enum ggml_tensor_flag
 _ROWS_RE = re.compile(r"^([KV])cur-(\d+)")
@@ -158,6 +162,7 @@ _DTYPES = {0: np.dtype("<f4"), 1: np.dtype("<f2"), 26: np.dtype("<i4"), 27: np.d
 TYPE_NAMES = {0: "f32", 1: "f16", 26: "i32", 27: "i64"}
 
 _CACHE_RE = re.compile(r"cache_([kv])_l(\d+)")
+_IDX_CACHE_RE = re.compile(r"cache_idx_k_l(\d+)")  # llama_memory_hybrid_idx's indexer cache ("idx_" name tag)
 _LAYER_RE = re.compile(r"-(\d+)$")
 _BLK_RE = re.compile(r"blk\.(\d+)\.")
 _UNNAMED_RE = re.compile(r"^(leaf_\d+)?$")  # ggml_build_forward names an unnamed leaf leaf_<n>
@@ -182,6 +187,50 @@ def _cache_of(p: Any, depth: int = 8) -> tuple[str, int] | None:
         p = t.view_src if t.view_src else (t.src[1] if _is_hadamard(t) else t.src[0])
         depth -= 1
     return None
+
+
+def _idx_cache_of(p: Any, depth: int = 4) -> int | None:
+    """The layer when tensor ``p`` is (a view of) a layer's indexer cache (llama_memory_hybrid_idx)."""
+    while p and depth > 0:
+        t = p.contents
+        m = _IDX_CACHE_RE.search(_name(t))
+        if m:
+            return int(m.group(1))
+        p = t.view_src if t.view_src else t.src[0]
+        depth -= 1
+    return None
+
+
+def _idx_width(p: Any) -> tuple[int, int] | None:
+    """(the view's row width, the indexer cache's row width) when ``p`` is a view of an indexer cache."""
+    if not p:
+        return None
+    t = p.contents
+    root = t
+    depth = 4
+    while root.view_src and depth > 0:
+        root = root.view_src.contents
+        depth -= 1
+    if not _IDX_CACHE_RE.search(_name(root)):
+        return None
+    return int(t.ne[0]), int(root.ne[0])
+
+
+def _named_from(p: Any, prefix: str, depth: int = 10) -> int | None:
+    """The layer of the first tensor named ``<prefix>-<il>`` up the chain of views / first sources from ``p``."""
+    while p and depth > 0:
+        t = p.contents
+        n = _name(t)
+        if n.startswith(prefix + "-"):
+            m = _LAYER_RE.search(n)
+            return int(m.group(1)) if m else -1
+        p = t.view_src if t.view_src else t.src[0]
+        depth -= 1
+    return None
+
+
+def _is_input(p: Any) -> bool:
+    return bool(p) and bool(p.contents.flags & GGML_TENSOR_FLAG_INPUT)
 
 
 def read_tensor(t: Any) -> np.ndarray:
@@ -282,6 +331,9 @@ class Capture:
         if op == OP_GET_ROWS and t.src[0] and t.src[1] and "attn_rel_b" in _name(t.src[0].contents):
             m = _BLK_RE.search(_name(t.src[0].contents))
             return ("pos_bucket", int(m.group(1)) if m else -1, 1)
+        if op == OP_SOFT_MAX and _name(t).startswith("kq_soft_max_gathered") and _is_input(t.src[1]):
+            m = _LAYER_RE.search(_name(t))
+            return ("kq_mask_kpool_gather", int(m.group(1)) if m else -1, 1)  # glm5-next's gathered selection
         if op == OP_SOFT_MAX and t.src[1]:
             # named kq_soft_max[_ext]-<il> where llama.cpp names it; 0.3.12 .. 0.3.16 leave it unnamed: the
             # layer is that of the K cache the KQ product read
@@ -295,6 +347,58 @@ class Capture:
             if c is None or not t.src[3]:
                 return None
             return ("kq_mask", c[1], 3)
+        # qwen4exp's QSA inputs (llama_memory_hybrid_idx::set_input_qsa), glm5-next's k-pool inputs (set_input_kpool)
+        # and the indexer cache's row indices
+        if op == OP_SET_ROWS:
+            il = _idx_cache_of(t.src[2]) if t.src[2] else None
+            il = il if il is not None else (_idx_cache_of(t.view_src) if t.view_src else None)
+            if il is not None:
+                # the whole row (key | gate | pooled): cpy_k; the pooled third alone: the new pooled keys' rows
+                w = _idx_width(t.src[2]) if t.src[2] else None
+                return ("k_idxs_idx" if w is None or w[0] == w[1] else "kpool_new_pool_rep", il, 1)
+        if op == OP_GET_ROWS and t.src[0] and t.src[1]:
+            il = _idx_cache_of(t.src[0])
+            if il is not None:
+                w = _idx_width(t.src[0])
+                if w is not None and 3 * w[0] == w[1]:
+                    return ("kpool_pool_cells", il, 1)  # the pooled thirds of the pools' rows
+                if w is not None and 3 * w[0] == 2 * w[1]:
+                    return ("kpool_new_pool_idxs", il, 1)  # key | gate of the new pools' members
+                return ("qsa_blk_cells", il, 1)
+            if _is_input(t.src[0]) and t.src[0].contents.type == 26:
+                m = _LAYER_RE.search(_name(t.src[1].contents))
+                return ("kpool_pool_idxs", int(m.group(1)) if m else -1, 0)  # the selected pools' member cells
+        if op == OP_LIGHTNING_INDEXER and t.src[3] and _is_input(t.src[3]):
+            m = _LAYER_RE.search(_name(t))
+            return ("kq_mask_kpool_pool", int(m.group(1)) if m else -1, 3)
+        if op == OP_ADD and _name(t).startswith("indexer_score-") and _is_input(t.src[1]):
+            m = _LAYER_RE.search(_name(t))
+            return ("kq_mask_kpool_pool", int(m.group(1)) if m else -1, 1)  # the unfused k-pool score
+        if op == OP_CONCAT and _is_input(t.src[1]) and t.src[1].contents.type == 26:
+            m = _LAYER_RE.search(_name(t))
+            return ("kpool_tail_idxs", int(m.group(1)) if m else -1, 1)
+        if op == OP_EXP and t.src[0] and _is_input(t.src[0].contents.view_src):
+            return ("kq_mask_kpool_gather", -1, 0)  # the scatter path reads the gather mask's live slots
+        if op == OP_ADD and _name(t).startswith("indexer_sel-") and t.src[1]:
+            m = _LAYER_RE.search(_name(t))
+            return ("kq_mask", int(m.group(1)) if m else -1, 1)  # the k-pool selection plus the KQ mask
+            il = _named_from(t.src[0], "indexer_score")
+            if il is not None:
+                return ("qsa_cell_blk", il, 1)
+        if op == OP_ROPE and t.src[1]:
+            il = _named_from(t.src[0], "indexer_k_pooled")
+            if il is not None:
+                return ("qsa_blk_pos", il, 1)
+        if op == OP_ADD and _is_input(t.src[1]) and t.src[1].contents.type == 0:
+            il = _named_from(t.src[0], "indexer_score")
+            if il is not None:
+                return ("kq_mask_qsa_bias", il, 1)
+        if op == OP_ADD and t.src[1] and _is_input(t.src[1].contents.view_src):
+            # the QSA scores plus a view of the KQ mask: read the mask here, before the attention's top-k unmasking
+            # (an ADD that ggml-alloc may compute in place over the mask) reaches it
+            il = _named_from(t.src[0], "indexer_score")
+            if il is not None:
+                return ("kq_mask", il, 1)
         if op == OP_SET_ROWS:
             c = _cache_of(t.src[2]) or _cache_of(t.view_src)
             if c is None:
@@ -382,12 +486,23 @@ class Capture:
         s = t.src[src].contents
         if kind == "pos_bucket" and s.view_src:
             s = s.view_src.contents  # build_pos_bias reshapes the input to 1-D: read the input itself
+        if not s.flags & GGML_TENSOR_FLAG_INPUT and _is_input(s.view_src):
+            s = s.view_src.contents  # a reshape of the input (qwen4exp's QSA KQ mask, glm5-next's k-pool inputs)
         data = read_tensor(s)
         if kind == "k_shift":
             self.shifts.append({"swa": swa, "layer": il, "data": data})
             return True
         ent: dict = {"tensor": kind, "layer": il, "swa": swa, "type": TYPE_NAMES[s.type]}
-        if kind.startswith("kq_mask"):
+        if kind == "kq_mask_qsa_bias":
+            # F32 [n_blocks or n_kv, n_tps, n_stream]: (n_stream, n_tps, n) like a KQ mask
+            ent["shape"] = list(data.shape[1:])
+            ent["mask"] = data[0]
+        elif kind in ("kq_mask_kpool_pool", "kq_mask_kpool_gather"):
+            # [n_pool, n_tokens] / [n_sel, 1, 1, n_tokens]: (1, n_tokens, n)
+            mask = data.reshape(1, -1, data.shape[-1]) if kind.endswith("pool") else data.reshape(1, data.shape[0], -1)
+            ent["shape"] = list(mask.shape)
+            ent["mask"] = mask
+        elif kind.startswith("kq_mask"):
             if data.shape[1] != 1:
                 raise ValueError(f"kq mask of layer {il}: ne[2] = {data.shape[1]}, expected 1")
             ent["shape"] = list(data.shape)
@@ -413,8 +528,9 @@ def encode(graphs: dict) -> dict:
             else:
                 d["data"] = encode_ints(e["data"])
             ins.append(d)
-        order = ("kq_mask", "k_idxs", "v_idxs", "pos", "pos_bucket", *LID_INPUTS)
-        ins.sort(key=lambda d: (d["swa"], order.index(d["tensor"])))
+        names = ("kq_mask", "k_idxs", "v_idxs", "pos", "pos_bucket", *LID_INPUTS)
+        ins.sort(key=lambda d: (d["swa"], names.index(d["tensor"]) if d["tensor"] in names else len(names),
+                                d["tensor"]))  # fmt: skip
         ubs.append({"inputs": ins})
     out: dict = {"ubatches": ubs}
     if shifts:

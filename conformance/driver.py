@@ -268,6 +268,9 @@ def memory_kind(hp: dict, ctx_type: str = "default") -> str:
         if hp["arch"] == "hy_v4" and not hp.get("indexer_top_k"):
             return "kv"
         return "dsa_iswa" if hp["arch"] == "dots3note" else "dsa"
+    swa = hp["n_swa"] > 0 and any(hp["swa_layers"])
+    if hp["arch"] == "glm5-next" or (hp["arch"] == "qwen4exp" and hp.get("indexer_head_size", 0) > 0 and not swa):
+        return "hybrid_idx"  # llama_memory_hybrid_idx: attention, recurrent, indexer
     if any(hp["recurrent_layers"]):
         if all(hp["recurrent_layers"]):
             return "recurrent"
@@ -298,6 +301,9 @@ def sections_for(kind: str, flags: int) -> list[str]:
         return ["kv_mla", "kv_lid"]  # llama_kv_cache_dsa hands the flags to both caches, which ignore them
     if kind == "dsa_iswa":
         return ["kv_swa"] if partial else ["kv_mla", "kv_lid", "kv_swa"]
+    if kind == "hybrid_idx":
+        # the indexer section is a suffix, skipped (as the attention one) under PARTIAL_ONLY
+        return ["recurrent"] if partial else ["kv_attn", "recurrent", "kv_idx"]
     if kind == "hybrid_iswa":
         # llama_memory_hybrid_iswa hands the flags to both parts: the iSWA cache drops its base
         return ["kv_swa", "recurrent"] if partial else ["kv_base", "kv_swa", "recurrent"]
@@ -379,6 +385,9 @@ class Run:
 
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = 0
+        mtp = cparams.get("ctx_type", "default") == "mtp"
+        if mtp:
+            mp.load_mtp = True  # a draft context of the NextN blocks needs their tensors
         mp.use_mmap = True
         if ctx_type == "mtp":
             mp.load_mtp = True  # an MTP draft context runs the NextN blocks, which load_mtp false skips
@@ -420,6 +429,8 @@ class Run:
         p.swa_full = cparams["swa_full"]
         p.kv_unified = cparams["kv_unified"]
         if ctx_type == "mtp":
+            p.ctx_type = L.LLAMA_CONTEXT_TYPE_MTP
+        if mtp:
             p.ctx_type = L.LLAMA_CONTEXT_TYPE_MTP
         p.offload_kqv = False
         p.op_offload = False

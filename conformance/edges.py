@@ -38,6 +38,7 @@ KINDS: dict[str, tuple[str, dict, str]] = {
     "recurrent": ("mamba", dict(n_seq_max=3), "a recurrent memory (mamba)"),
     "hybrid": ("lfm2", dict(n_seq_max=3), "a hybrid memory (lfm2: short conv + attention)"),
     "hybrid-iswa": ("lfm2-swa", dict(n_seq_max=3), "a hybrid iSWA memory (lfm2 with a window of 4)"),
+    "hybrid-idx": ("glm5-next", dict(n_seq_max=3), "a hybrid_idx memory (glm5-next: KDA, K-only MLA, k-pool indexer)"),
 }
 N_BATCH = 32
 N_VOCAB = 128

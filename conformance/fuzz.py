@@ -77,6 +77,12 @@ MODELS: dict[str, tuple[str, dict]] = {
     "hy_v4": ("hy_v4", dict(n_seq_max=3)),
     "dots3note": ("dots3note", dict(n_seq_max=2)),
     "dots3note-ms": ("dots3note", dict(n_seq_max=3, kv_unified=False)),
+    # llama_memory_hybrid_idx (attention + recurrent + indexer cache), M-RoPE: QSA graph inputs
+    "qwen4exp": ("qwen4exp", dict(n_seq_max=3)),
+    "qwen4exp-ms": ("qwen4exp", dict(n_seq_max=2, kv_unified=False)),
+    # the same with glm5-next's k-pool indexer (K-only MLA cache, KDA recurrent layers)
+    "glm5-next": ("glm5-next", dict(n_seq_max=3)),
+    "glm5-next-ms": ("glm5-next", dict(n_seq_max=2, kv_unified=False)),
 }
 N_VOCAB = 128
 UBATCHES = (3, 5, 8, 16, 32, 256)
@@ -120,8 +126,8 @@ def make_plan(model: str, seed: int, n_ops: tuple[int, int] = (20, 60), edges: b
         n_threads=1,
     )
     cp.update(extra)
-    mrope = arch == "qwen2vl"
-    layered = arch in ("gemma2", "jamba", "dots3note")  # PARTIAL_ONLY means something
+    mrope = arch in ("qwen2vl", "qwen4exp")
+    layered = arch in ("gemma2", "jamba", "dots3note", "qwen4exp", "glm5-next")  # PARTIAL_ONLY means something
 
     def seq(neg=False):
         return rng.randrange(-1 if neg else 0, n_seq)

@@ -72,6 +72,7 @@ COMMITTED_MODELS = (
     "deepseek32",
     "hy_v4",
     "hy_v4-full",
+    "qwen4exp",
 )
 
 
@@ -96,27 +97,32 @@ class Case:
     swa_full: bool = False
     n_rs_seq: int = 0
     n_threads: int = 1
+    ctx_type: str = "default"  # llama_context_params.ctx_type ("mtp": a draft context of the NextN blocks)
     capture_rows: bool = False  # also record the K/V rows before/after the attention rotation (driver.ROWS_FILE)
     ctx_type: str = "default"  # llama_context_params.ctx_type: "mtp" for a NextN draft context
 
     def cparams(self) -> dict:
         extra = {} if self.ctx_type == "default" else {"ctx_type": self.ctx_type}
-        return extra | {
-            k: getattr(self, k)
-            for k in (
-                "n_ctx",
-                "n_batch",
-                "n_ubatch",
-                "n_seq_max",
-                "kv_unified",
-                "flash_attn",
-                "type_k",
-                "type_v",
-                "swa_full",
-                "n_rs_seq",
-                "n_threads",
-            )
-        }
+        return (
+            extra
+            | {
+                k: getattr(self, k)
+                for k in (
+                    "n_ctx",
+                    "n_batch",
+                    "n_ubatch",
+                    "n_seq_max",
+                    "kv_unified",
+                    "flash_attn",
+                    "type_k",
+                    "type_v",
+                    "swa_full",
+                    "n_rs_seq",
+                    "n_threads",
+                )
+            }
+            | ({"ctx_type": self.ctx_type} if self.ctx_type != "default" else {})
+        )
 
 
 class Tokens:
@@ -448,12 +454,40 @@ def s_arch(r, tok):
     hist[0] += t
     r.decode_seq(0, t)
     # PARTIAL_ONLY only changes what an iSWA or hybrid memory writes
-    flags = (0, FLAGS_PARTIAL_ONLY) if r.kind in ("iswa", "hybrid", "hybrid_iswa") else (0,)
+    flags = (0, FLAGS_PARTIAL_ONLY) if r.kind in ("iswa", "hybrid", "hybrid_iswa", "hybrid_idx") else (0,)
     r.save_all(hist, seq_data_flags=flags)
     kept = hist[0][:6] if r.seq_rm(0, 6, -1) else hist[0]  # recurrent memory refuses a tail
     r.seq_rm(1, -1, -1)
     r.load_seq(r.latest("seq", 1), 2)
     r.save_all({0: kept, 2: hist[1]})
+
+
+def s_qsa(r, tok):
+    """qwen4exp's QSA blocks (ratio 4) as they fill: a 14-token prompt in ubatches of 4, a copy continued on its
+    own, a prompt shared by two sequences (its cells carry both: blocks group by sequence set), both sequences
+    advanced in one batch, a tail seq_rm refused, a whole removal, a sequence file restored elsewhere."""
+    hist = {0: tok(14)}
+    r.decode_seq(0, hist[0])
+    r.seq_cp(0, 1, -1, -1)
+    hist[1] = hist[0] + tok(5)
+    r.decode_seq(1, hist[1][14:])
+    hist[2] = tok(6)
+    r.decode_seq(2, hist[2], also=(3,))
+    hist[3] = list(hist[2])
+    a, b = tok(3), tok(3)
+    p2, p3 = r.pos_max(2) + 1, r.pos_max(3) + 1
+    r.decode([a[0], b[0], a[1], b[1], a[2], b[2]], [p2, p3, p2 + 1, p3 + 1, p2 + 2, p3 + 2],
+             [[2], [3], [2], [3], [2], [3]])  # fmt: skip
+    hist[2] += a
+    hist[3] += b
+    r.save_all(hist, seq_data_flags=(0, FLAGS_PARTIAL_ONLY))
+    r.seq_rm(0, 9, -1)  # refused: the recurrent part cannot drop a tail
+    r.seq_rm(0, -1, -1)
+    r.load_seq(r.latest("seq", 1), 0)
+    t = tok(2)
+    r.decode_seq(0, t)
+    hist[0] = hist[1] + t
+    r.save_all(hist)
 
 
 def s_non_causal(r, tok):
@@ -843,6 +877,79 @@ CASES: list[Case] = [
         ],
         s_arch,
         n_seq_max=3,
+    ),
+    # ---- llama_memory_hybrid_idx: attention + recurrent + indexer key cache
+    Case(
+        "qwen4exp-hybrid-idx",
+        "qwen4exp",
+        "qwen4exp with a QSA indexer (1 GDN layer, 1 attention layer with ratio-4 blocks): "
+        "llama_memory_hybrid_idx (sections: attention, recurrent, indexer; PARTIAL_ONLY: recurrent); "
+        "seq_cp, tail seq_rm refused, a sequence file restored into a third sequence; the QSA "
+        "block inputs and the indexer's row indices captured per ubatch.",
+        ["arch", "hybrid", "hybrid-idx", "mrope", "seq-cp", "seq-rm-refused", "seq-restore", "partial-only"],
+        s_arch,
+        n_seq_max=3,
+    ),
+    Case(
+        "qwen4exp-hybrid-idx-streams",
+        "qwen4exp",
+        "qwen4exp's hybrid_idx memory with one stream per sequence (kv_unified off): the indexer "
+        "cache follows the attention cache's streams; QSA inputs per stream.",
+        ["arch", "hybrid", "hybrid-idx", "mrope", "multistream", "seq-cp", "seq-restore", "partial-only"],
+        s_arch,
+        n_seq_max=3,
+        kv_unified=False,
+    ),
+    Case(
+        "qwen4exp-qsa-blocks",
+        "qwen4exp",
+        "qwen4exp's QSA inputs as blocks of 4 fill over ubatches of 4 tokens and 4 sequences (a copy, a prompt "
+        "shared by two sequences, an interleaved batch); tail seq_rm refused, a sequence file restored.",
+        [
+            "arch",
+            "hybrid",
+            "hybrid-idx",
+            "mrope",
+            "multi-seq",
+            "seq-cp",
+            "seq-rm-refused",
+            "seq-restore",
+            "partial-only",
+            "multi-ubatch",
+        ],
+        s_qsa,
+        n_seq_max=4,
+        n_ubatch=4,
+    ),
+    Case(
+        "glm5-next-hybrid-idx",
+        "glm5-next",
+        "glm5-next (1 KDA layer, 1 nope-MLA layer with a k-pool indexer, a NextN block the trunk context leaves "
+        "out): llama_memory_hybrid_idx with a K-only MLA cache and a key | gate | pooled indexer cache; seq_cp, "
+        "tail seq_rm refused, a sequence file restored into a third sequence; the k-pool inputs per ubatch.",
+        ["arch", "hybrid", "hybrid-idx", "mla", "seq-cp", "seq-rm-refused", "seq-restore", "partial-only"],
+        s_arch,
+        n_seq_max=3,
+    ),
+    Case(
+        "glm5-next-hybrid-idx-rs-rollback",
+        "glm5-next",
+        "glm5-next's hybrid_idx memory with n_rs_seq 2 (the recurrent part keeps rollback snapshots, the equal "
+        "split keeps each sequence's last 3 tokens together) over ubatches of 4: the k-pool inputs as pools fill.",
+        ["arch", "hybrid", "hybrid-idx", "rs-rollback", "seq-cp", "seq-rm-refused", "seq-restore", "partial-only"],
+        s_arch,
+        n_seq_max=3,
+        n_ubatch=4,
+        n_rs_seq=2,
+    ),
+    Case(
+        "glm5-next-mtp-refused",
+        "glm5-next",
+        "glm5-next's MTP draft context: llama.cpp builds its memory (a hybrid_idx over the NextN block alone), then "
+        "llama_init_from_model fails: the NextN graph is not implemented in 0.3.36.",
+        ["init-refused", "mtp"],
+        s_init_refused,
+        ctx_type="mtp",
     ),
     # ---- non-causal decodes (llama_set_causal_attn), ALiBi
     Case(
@@ -1343,7 +1450,7 @@ def memory_block(case: Case, hp: dict, octx: dict | None) -> dict:
         sizes = [c["cells"] for c in octx["memory_log"]["caches"]]
         assert sorted(sizes) == sorted(expect), (case.id, sizes, expect)
         return mem
-    if kind in ("kv", "iswa", "hybrid", "hybrid_iswa"):
+    if kind in ("kv", "iswa", "hybrid", "hybrid_iswa", "hybrid_idx"):
         mem["kv_size"] = n_ctx_seq
     if kind in ("iswa", "hybrid_iswa"):
         # llama_kv_cache_iswa: the SWA cache holds n_swa tokens per sequence (all of them when
@@ -1355,12 +1462,14 @@ def memory_block(case: Case, hp: dict, octx: dict | None) -> dict:
         )
         mem["kv_size_swa"] = swa
         assert octx["memory_log"].get("kv_size_swa") == swa, (case.id, octx["memory_log"], swa)
-    if kind in ("recurrent", "hybrid", "hybrid_iswa"):
+    if kind in ("recurrent", "hybrid", "hybrid_iswa", "hybrid_idx"):
         mem["rs_size"] = max(1, case.n_seq_max)
     sizes = [c["cells"] for c in octx["memory_log"]["caches"]]
     expect = [x for x in (mem["kv_size"], mem["kv_size_swa"], mem["rs_size"]) if x is not None]
     if kind in ("iswa", "hybrid_iswa"):
         expect = [mem["kv_size"], mem["kv_size_swa"]] + ([mem["rs_size"]] if kind == "hybrid_iswa" else [])
+    if kind == "hybrid_idx":
+        expect.append(mem["kv_size"])  # the indexer cache: as many cells as the attention cache
     assert sorted(sizes) == sorted(expect), (case.id, sizes, expect)
     return mem
 

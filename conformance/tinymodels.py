@@ -1101,6 +1101,235 @@ def build_hy_v4(out: Path, indexer: bool = True) -> TinyModel:
     return b.finish(out, "hy_v4-tiny" if indexer else "hy_v4-full-tiny", meta, hp)
 
 
+# ---------------------------------------------------------------- qwen4exp (llama_memory_hybrid_idx)
+
+
+def build_qwen4exp(out: Path) -> TinyModel:
+    """2 layers: a gated-delta-net layer, then a full-attention layer (full_attention_interval 2) with a QSA indexer
+    (2 heads of key length 16, top_k 4, compress ratio 4): llama.cpp builds llama_memory_hybrid_idx, whose indexer
+    cache holds one 16-wide key per cell of the attention layer.  n_embd 64, 2 query heads of dim 32 over 1 KV head,
+    IMROPE over 16 dims (sections 4, 2, 2, 0); hyper-connections 2 x low rank 8; a 2-expert MoE (1 used) with a
+    shared expert.  GDN: d_conv 4, 2 key heads and 2 value heads of dim 16 (d_inner 32)."""
+    d = _Dims(n_layer=2, n_embd=64, n_head=2, n_head_kv=1, hd=32, n_ff=32)
+    recr = [True, False]
+    n_embd, hd, hc, hc_lr = d.n_embd, d.hd, 2, 8
+    hc_dim = hc * n_embd
+    n_rot, sections = 16, [4, 2, 2, 0]
+    idx_heads, idx_dim, idx_top_k, ratios = 2, 16, 4, [0, 4]
+    d_conv, d_state, n_group, dt_rank = 4, 16, 2, 2
+    key_dim, value_dim = d_state * n_group, d_state * dt_rank
+    conv_dim = 2 * key_dim + value_dim
+    n_expert, n_expert_used, n_ff_exp, n_ff_shexp = 2, 1, 32, 32
+    b = _Builder("qwen4exp", seed=1023)
+    b.mat("token_embd.weight", N_VOCAB, n_embd)
+    b.vec("output_hc_norm.weight", hc_dim, 1.0)
+    b.mat("output_hc_down.weight", hc_lr, hc_dim)
+    b.mat("output_hc_up.weight", hc_dim, hc_lr)
+    for i in range(d.n_layer):
+        p = f"blk.{i}."
+        for m in ("attn", "ffn"):
+            b.vec(p + f"hc_{m}_norm.weight", hc_dim, 1.0)
+            b.mat(p + f"hc_{m}_down.weight", hc_lr, hc_dim)
+            b.mat(p + f"hc_{m}_up.weight", hc_dim, hc_lr)
+            b.mat(p + f"hc_{m}_inject.weight", hc, hc_dim)
+        if not recr[i]:
+            b.mat(p + "attn_q.weight", 2 * d.n_head * hd, n_embd)
+            b.mat(p + "attn_k.weight", hd, n_embd)
+            b.mat(p + "attn_v.weight", hd, n_embd)
+            b.mat(p + "attn_output.weight", n_embd, d.n_head * hd)
+            b.vec(p + "attn_q_norm.weight", hd, 1.0)
+            b.vec(p + "attn_k_norm.weight", hd, 1.0)
+            b.mat(p + "indexer.q_proj.weight", idx_heads * idx_dim, n_embd)
+            b.mat(p + "indexer.k_proj.weight", idx_dim, n_embd)
+            b.vec(p + "indexer.q_norm.weight", idx_dim, 1.0)
+            b.vec(p + "indexer.k_norm.weight", idx_dim, 1.0)
+        else:
+            b.mat(p + "attn_qkv.weight", conv_dim, n_embd)
+            b.mat(p + "attn_gate.weight", value_dim, n_embd)
+            b.mat(p + "ssm_conv1d.weight", conv_dim, d_conv, scale=0.2, dtype=np.float32)
+            b.vec(p + "ssm_dt.bias", dt_rank, 0.0)
+            b.vec(p + "ssm_a", dt_rank, -1.0)
+            b.mat(p + "ssm_beta.weight", dt_rank, n_embd)
+            b.mat(p + "ssm_alpha.weight", dt_rank, n_embd)
+            b.vec(p + "ssm_norm.weight", d_state, 1.0)
+            b.mat(p + "ssm_out.weight", n_embd, value_dim)
+        b.mat(p + "ffn_gate_inp.weight", n_expert, n_embd, dtype=np.float32)
+        b.mat(p + "ffn_down_exps.weight", n_expert, n_embd, n_ff_exp)
+        b.mat(p + "ffn_gate_exps.weight", n_expert, n_ff_exp, n_embd)
+        b.mat(p + "ffn_up_exps.weight", n_expert, n_ff_exp, n_embd)
+        b.vec(p + "ffn_gate_inp_shexp.weight", n_embd)
+        b.mat(p + "ffn_gate_shexp.weight", n_ff_shexp, n_embd)
+        b.mat(p + "ffn_up_shexp.weight", n_ff_shexp, n_embd)
+        b.mat(p + "ffn_down_shexp.weight", n_embd, n_ff_shexp)
+
+    def meta(w):
+        _common_meta(w, d)
+        a = "qwen4exp."
+        w.add_rope_dimension_count(n_rot)
+        w.add_rope_freq_base(10000000.0)
+        w.add_array(a + "rope.dimension_sections", sections)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_uint32(a + "full_attention_interval", 2)
+        _ssm_meta(w, d_conv, value_dim, d_state, dt_rank)
+        w.add_uint32(a + "ssm.group_count", n_group)
+        w.add_uint32(a + "hyper_connection.count", hc)
+        w.add_uint32(a + "hyper_connection.low_rank", hc_lr)
+        w.add_uint32(a + "attention.indexer.head_count", idx_heads)
+        w.add_uint32(a + "attention.indexer.key_length", idx_dim)
+        w.add_uint32(a + "attention.indexer.top_k", idx_top_k)
+        w.add_array(a + "attention.compress_ratios", ratios)
+        w.add_uint32(a + "expert_count", n_expert)
+        w.add_uint32(a + "expert_used_count", n_expert_used)
+        w.add_uint32(a + "expert_feed_forward_length", n_ff_exp)
+        w.add_uint32(a + "expert_shared_feed_forward_length", n_ff_shexp)
+
+    hp = _attn_hparams(
+        "qwen4exp",
+        d,
+        rope_type="imrope",
+        freq_base=10000000.0,
+        recurrent_layers=recr,
+        n_embd_r=(d_conv - 1) * conv_dim,
+        n_embd_s=d_state * value_dim,
+        ssm=dict(d_conv=d_conv, d_inner=value_dim, d_state=d_state, n_group=n_group, dt_rank=dt_rank),
+        rope_sections=sections,
+        n_pos_per_embd=4,
+        has_cell_ext=True,
+        indexer_head_size=idx_dim,
+        dsv4_compress_ratios=ratios,
+        dsv4_hc_mult=hc,
+    )
+    hp["n_rot"] = n_rot
+    return b.finish(out, "qwen4exp-tiny", meta, hp)
+
+
+# ---------------------------------------------------------------- glm5-next (llama_memory_hybrid_idx with a k-pool)
+
+
+def build_glm5_next(out: Path) -> TinyModel:
+    """2 trunk layers and 1 NextN (MTP) block: a KDA layer (2 heads of dim 16, d_conv 4), then a nope-MLA layer (2
+    heads, q / kv LoRA rank 32, key length 32 over the latent, value length 16; its cache keeps only the 32-wide
+    latent) with a k-pool DSA indexer (2 heads of key length 16, k-pool 4, top_k 8): llama.cpp builds
+    llama_memory_hybrid_idx, whose indexer cache holds key | gate | pooled (3 x 16) per cell.  n_embd 64, mHC with 4
+    streams, a 2-expert MoE (1 used, sigmoid gating) with a shared expert on every layer."""
+    n_head_kv = [0, 1, 1]
+    d = _Dims(n_layer=3, n_embd=64, n_head=2, n_head_kv=n_head_kv, hd=32, n_ff=32)
+    n_embd, n_trunk, hc = d.n_embd, 2, 4
+    hc_mix = (2 + hc) * hc
+    head_dim, d_conv, n_head = 16, 4, d.n_head
+    d_inner = head_dim * n_head
+    q_lora, kv_lora, k_mla, v_mla = 32, 32, 32, 16
+    idx_heads, idx_dim, idx_top_k, kpool = 2, 16, 8, 4
+    n_expert, n_expert_used, n_ff_exp = 2, 1, 32
+    b = _Builder("glm5-next", seed=1024)
+    b.mat("token_embd.weight", N_VOCAB, n_embd)
+    b.vec("output_norm.weight", n_embd, 1.0)
+    b.mat("output.weight", N_VOCAB, n_embd)
+    for i in range(d.n_layer):
+        p = f"blk.{i}."
+        b.vec(p + "attn_norm.weight", n_embd, 1.0)
+        b.vec(p + "ffn_norm.weight", n_embd, 1.0)
+        if i < n_trunk:
+            for m in ("attn", "ffn"):
+                b.mat(p + f"hc_{m}_fn.weight", hc_mix, hc * n_embd, dtype=np.float32)
+                b.vec(p + f"hc_{m}_base.weight", hc_mix)
+                b.vec(p + f"hc_{m}_scale.weight", 3, 1.0)
+        if n_head_kv[i] == 0:
+            for n in ("q", "k", "v"):
+                b.mat(p + f"ssm_conv1d_{n}.weight", d_inner, 1, d_conv, scale=0.2, dtype=np.float32)
+            for n in ("q", "k", "v"):
+                b.mat(p + f"attn_{n}.weight", d_inner, n_embd)
+            b.mat(p + "ssm_f_a.weight", head_dim, n_embd)
+            b.mat(p + "ssm_f_b.weight", d_inner, head_dim)
+            b.mat(p + "ssm_beta.weight", n_head, n_embd)
+            b.vec(p + "ssm_a", n_head, -1.0)
+            b.vec(p + "ssm_dt.bias", d_inner, 0.0)
+            b.mat(p + "ssm_g_a.weight", head_dim, n_embd)
+            b.mat(p + "ssm_g_b.weight", d_inner, head_dim)
+            b.vec(p + "ssm_norm.weight", head_dim, 1.0)
+            b.mat(p + "attn_output.weight", n_embd, d_inner)
+        else:
+            b.vec(p + "attn_q_a_norm.weight", q_lora, 1.0)
+            b.vec(p + "attn_kv_a_norm.weight", kv_lora, 1.0)
+            b.mat(p + "attn_q_a.weight", q_lora, n_embd)
+            b.mat(p + "attn_q_b.weight", n_head * k_mla, q_lora)
+            b.mat(p + "attn_kv_a_mqa.weight", kv_lora, n_embd)
+            b.mat(p + "attn_k_b.weight", n_head, kv_lora, k_mla)
+            b.mat(p + "attn_v_b.weight", n_head, v_mla, kv_lora)
+            b.mat(p + "attn_output.weight", n_embd, n_head * v_mla)
+            b.vec(p + "indexer.k_norm.weight", idx_dim, 1.0)
+            b.vec(p + "indexer.k_norm.bias", idx_dim, 0.0)
+            b.mat(p + "indexer.proj.weight", idx_heads, n_embd)
+            b.mat(p + "indexer.attn_k.weight", idx_dim, n_embd)
+            b.mat(p + "indexer.attn_q_b.weight", idx_heads * idx_dim, q_lora)
+            b.mat(p + "indexer_compressor_gate.weight", idx_dim, n_embd)
+            b.mat(p + "indexer_compressor_ape.weight", kpool, idx_dim, dtype=np.float32)
+        b.mat(p + "ffn_gate_inp.weight", n_expert, n_embd, dtype=np.float32)
+        b.vec(p + "exp_probs_b.bias", n_expert, 0.0)
+        b.mat(p + "ffn_gate_exps.weight", n_expert, n_ff_exp, n_embd)
+        b.mat(p + "ffn_down_exps.weight", n_expert, n_embd, n_ff_exp)
+        b.mat(p + "ffn_up_exps.weight", n_expert, n_ff_exp, n_embd)
+        b.mat(p + "ffn_gate_shexp.weight", n_ff_exp, n_embd)
+        b.mat(p + "ffn_down_shexp.weight", n_embd, n_ff_exp)
+        b.mat(p + "ffn_up_shexp.weight", n_ff_exp, n_embd)
+        if i >= n_trunk:
+            b.mat(p + "nextn.eh_proj.weight", n_embd, 2 * n_embd)
+            b.vec(p + "nextn.enorm.weight", n_embd, 1.0)
+            b.vec(p + "nextn.hnorm.weight", n_embd, 1.0)
+
+    def meta(w):
+        _common_meta(w, d, key_length=False)
+        a = "glm5-next."
+        w.add_key_length(kv_lora)
+        w.add_value_length(kv_lora)
+        w.add_rope_dimension_count(0)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_uint32(a + "attention.key_length_mla", k_mla)
+        w.add_uint32(a + "attention.value_length_mla", v_mla)
+        w.add_uint32(a + "attention.q_lora_rank", q_lora)
+        w.add_uint32(a + "attention.kv_lora_rank", kv_lora)
+        w.add_uint32(a + "ssm.conv_kernel", d_conv)
+        w.add_uint32(a + "kda.head_dim", head_dim)
+        w.add_uint32(a + "expert_feed_forward_length", n_ff_exp)
+        w.add_uint32(a + "expert_shared_count", 1)
+        w.add_uint32(a + "expert_count", n_expert)
+        w.add_uint32(a + "expert_used_count", n_expert_used)
+        w.add_uint32(a + "expert_gating_func", 2)
+        w.add_uint32(a + "attention.indexer.head_count", idx_heads)
+        w.add_uint32(a + "attention.indexer.key_length", idx_dim)
+        w.add_uint32(a + "attention.indexer.top_k", idx_top_k)
+        w.add_uint32(a + "attention.indexer.kpool", kpool)
+        w.add_uint32(a + "hyper_connection.count", hc)
+        w.add_uint32(a + "hyper_connection.sinkhorn_iterations", 2)
+        w.add_float32(a + "hyper_connection.epsilon", 1e-6)
+        w.add_uint32(a + "nextn_predict_layers", d.n_layer - n_trunk)
+
+    hp = _attn_hparams(
+        "glm5-next",
+        d,
+        rope_type="none",
+        recurrent_layers=[h == 0 for h in n_head_kv],
+        n_embd_r=3 * (d_conv - 1) * d_inner,
+        n_embd_s=head_dim * head_dim * n_head,
+        ssm=dict(d_conv=d_conv, d_inner=0, d_state=0, n_group=0, dt_rank=0),
+        n_embd_head_kda=head_dim,
+        n_embd_head_k_mla=k_mla,
+        n_embd_head_v_mla=v_mla,
+        n_lora_kv=kv_lora,
+        indexer_head_size=idx_dim,
+        indexer_kpool=kpool,
+        indexer_top_k=idx_top_k,
+        indexer_kpool_select_tail=True,
+        indexer_full_layers=[True] * d.n_layer,
+        n_layer_nextn=d.n_layer - n_trunk,
+        dsv4_hc_mult=hc,
+    )
+    hp["n_rot"] = 0
+    hp["n_embd_head_v"] = kv_lora
+    hp["n_embd_v_gqa"] = [kv_lora * h for h in n_head_kv]
+    return b.finish(out, "glm5-next-tiny", meta, hp)
+
+
 BUILDERS = {
     "hy_v4": build_hy_v4,
     "hy_v4-full": build_hy_v4_full,
@@ -1125,4 +1354,6 @@ BUILDERS = {
     "llama-h64": build_llama_h64,
     "qwen3-h128": build_qwen3_h128,
     "stablelm-rot32": build_stablelm_rot32,
+    "qwen4exp": build_qwen4exp,
+    "glm5-next": build_glm5_next,
 }

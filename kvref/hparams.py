@@ -152,6 +152,12 @@ class HParams:
     # llama.cpp's is_indexer_full_impl over the trunk layers: layers that own an indexer (the others reuse the top-k
     # of the last full one); MTP blocks have no entry (is_indexer_full aborts past the trunk)
     indexer_full_layers: bool | Sequence[bool] = False
+    # llama_memory_hybrid_idx (glm5-next, qwen4exp): glm5-next's k-pool size (the indexer caches key | gate | pooled
+    # per token; its indexer layers are indexer_full_layers, its budget indexer_top_k), qwen4exp's per-layer QSA
+    # block ratio
+    indexer_kpool: int = 0
+    indexer_kpool_select_tail: bool = True  # glm5-next: the incomplete tail is selected too (llama.cpp's default)
+    dsv4_compress_ratios: tuple[int, ...] = ()
     router_layer: int = -1  # >= 0: n_layer_nextn counts a router layer, not MTP blocks (granite-switch)
     dsv4_hc_mult: int = 0  # hyper-connection count (DeepSeek-V4, qwen4exp)
     # per-layer n-gram embeddings (PLE, qwen4exp); ple_n_heads = (ple_ngram_size - 1) * heads per n-gram
@@ -179,6 +185,7 @@ class HParams:
         self.rope_layers = _per_layer("rope_layers", self.rope_layers, n, bool)
         self.ple_layers = _per_layer("ple_layers", self.ple_layers, n, bool)
         self.indexer_full_layers = _per_layer("indexer_full_layers", self.indexer_full_layers, n, bool)
+        self.dsv4_compress_ratios = tuple(int(x) for x in self.dsv4_compress_ratios)
         for il in range(n):
             if self.n_head_l(il) < 0 or self.n_head_kv_l(il) < 0:
                 raise HParamsError(f"layer {il}: negative head count")
@@ -393,10 +400,15 @@ class HParams:
     def memory_kind(self) -> str:
         """Which memory llama_model::create_memory builds for the plain archs kvref models.
 
-        ``"recurrent"``, ``"hybrid"``, ``"hybrid_iswa"`` (hybrid with SWA), ``"iswa"`` or ``"kv"``.
+        ``"recurrent"``, ``"hybrid"``, ``"hybrid_iswa"`` (hybrid with SWA), ``"hybrid_idx"`` (glm5-next, qwen4exp
+        with an indexer), ``"iswa"`` or ``"kv"``.
         """
         if self.is_recurrent_arch():
             return "recurrent"
+        if self.arch == "glm5-next" or (
+            self.arch == "qwen4exp" and self.indexer_head_size > 0 and self.swa_type == SWAType.NONE
+        ):
+            return "hybrid_idx"
         if self.is_hybrid_arch():
             return "hybrid_iswa" if self.swa_type != SWAType.NONE else "hybrid"
         return "iswa" if self.swa_type != SWAType.NONE else "kv"
@@ -449,7 +461,7 @@ GENERIC_ARCHS = frozenset(_GENERIC.split())
 SPECIAL_ARCHS = frozenset({
     "gemma2", "gemma3", "mamba", "mamba2", "jamba", "falcon-h1", "granitehybrid", "lfm2", "nemotron_h",
     "qwen2vl", "qwen3vl", "qwen3vlmoe", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7", "bloom", "refact", "mpt",
-    "jais", "jina-bert-v2", "llama4", "glm-dsa", "deepseek32", "dots3note", "hy_v4",
+    "jais", "jina-bert-v2", "llama4", "glm-dsa", "deepseek32", "dots3note", "hy_v4", "qwen4exp",
 })  # fmt: skip
 SUPPORTED_ARCHS = GENERIC_ARCHS | SPECIAL_ARCHS
 
@@ -489,6 +501,8 @@ def _arch_required(arch: str) -> tuple[str, ...]:
         "hy_v4": (rms, *mla, "attention.key_length_mla", "attention.value_length_mla", "expert_feed_forward_length",
                   "expert_shared_count", "hyper_connection.count", "hyper_connection.epsilon",
                   "hyper_connection.magnitude"),
+        "qwen4exp": (rms, sections, *ssm, group, "hyper_connection.count", "hyper_connection.low_rank",
+                     "attention.indexer.head_count", "attention.indexer.key_length", "attention.indexer.top_k"),
     }
     # fmt: on
     return table.get(arch, ())
@@ -551,6 +565,11 @@ class HParamsArgs(TypedDict, total=False):
     indexer_head_size: int
     indexer_top_k: int
     indexer_full_layers: bool | Sequence[bool]
+    dsv4_compress_ratios: tuple[int, ...]
+    dsv4_hc_mult: int
+    indexer_kpool: int
+    indexer_kpool_select_tail: bool
+    n_embd_head_kda: int
 
 
 class _GGUFValue:
@@ -1044,6 +1063,40 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
     elif arch in ("qwen2vl", "qwen3vl", "qwen3vlmoe"):
         sec = m.get_key_or_arr(K.Rope.DIMENSION_SECTIONS, 4, required=True)
         rope_sections = tuple(int(x) for x in (sec if isinstance(sec, tuple) else (sec,) * 4))
+    elif arch == "qwen4exp":
+        # load_arch_hparams of src/models/qwen4exp.cpp: GDN sizes, IMROPE sections, hyper-connections, the QSA indexer
+        # (llama.cpp requires every one of them non-zero), the recurrent layers (an explicit array, else every
+        # full_attention_interval-th trunk layer is attention)
+        kw["ssm_d_conv"] = m.get_int(K.SSM.CONV_KERNEL)
+        kw["ssm_d_inner"] = m.get_int(K.SSM.INNER_SIZE)
+        kw["ssm_d_state"] = m.get_int(K.SSM.STATE_SIZE)
+        kw["ssm_dt_rank"] = m.get_int(K.SSM.TIME_STEP_RANK)
+        kw["ssm_n_group"] = m.get_int("ssm.group_count")
+        for key in (K.SSM.CONV_KERNEL, K.SSM.INNER_SIZE, K.SSM.STATE_SIZE, K.SSM.TIME_STEP_RANK, "ssm.group_count",
+                    "hyper_connection.low_rank", "attention.indexer.head_count", "attention.indexer.key_length",
+                    "attention.indexer.top_k"):  # fmt: skip
+            if m.get_int(key) == 0:
+                raise HParamsError(f"{m.key(key)} must be greater than zero, got 0")
+        hc = m.get_int("hyper_connection.count")
+        if hc <= 1:
+            raise HParamsError(f"{m.key('hyper_connection.count')} must be greater than one, got {hc}")
+        kw["dsv4_hc_mult"] = hc
+        kw["indexer_head_size"] = m.get_int("attention.indexer.key_length")
+        ratios = m.get_key_or_arr("attention.compress_ratios", n_layer, 0)
+        kw["dsv4_compress_ratios"] = tuple(int(ratios[il] if isinstance(ratios, tuple) else ratios)
+                                           for il in range(n_layer))  # fmt: skip
+        if m.has("ple.layers"):
+            raise HParamsError("qwen4exp with PLE layers: kvref.HParams.from_gguf does not read the PLE keys")
+        sec = m.get_key_or_arr(K.Rope.DIMENSION_SECTIONS, 4, required=True)
+        rope_sections = tuple(int(x) for x in (sec if isinstance(sec, tuple) else (sec,) * 4))
+        arr = m.get_key_or_arr("attention.recurrent_layers", n_layer)
+        if arr is not None:
+            recr = tuple(bool(arr[il] if isinstance(arr, tuple) else arr) for il in range(n_layer))
+        else:
+            interval = m.get_int("full_attention_interval", 4)
+            if interval == 0:
+                raise HParamsError(f"{m.key('full_attention_interval')} must be greater than zero, got 0")
+            recr = tuple(il < n_trunk and (il + 1) % interval != 0 for il in range(n_layer))
     elif arch in ("rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"):
         kw["wkv_head_size"] = m.get_int(K.WKV.HEAD_SIZE)
         kw["token_shift_count"] = m.get_int(K.LLM.TOKEN_SHIFT_COUNT, 2)

@@ -104,8 +104,12 @@ def memory(rng: np.random.Generator, layout: str, seq_mode: bool = False, **kw: 
     rec_kw = {k: kw[k] for k in ("s_trans", "ple") if k in kw}
     hybrid = "recurrent" in LAYOUTS[layout] and "kv" in LAYOUTS[layout]
     sections: list[Any] = []
-    for kind in LAYOUTS[layout]:
-        if kind == "kv":
+    for i, kind in enumerate(LAYOUTS[layout]):
+        if kind == "kv" and layout == "hybrid_idx" and i == 2:
+            # llama_memory_hybrid_idx's indexer cache: no V, a cell ext only with PLE (its hparams have no RoPE)
+            idx_kw = dict(kv_kw, has_v=False, ext_size=kv_kw.get("ext_size", 0) if rec_kw.get("ple") else 0)
+            sections.append(kv_section(rng, seq_mode=seq_mode, **idx_kw))
+        elif kind == "kv":
             sections.append(kv_section(rng, seq_mode=seq_mode, **kv_kw))
         else:
             sections.append(recurrent_section(rng, n_state=2 if hybrid else 4, seq_mode=seq_mode, **rec_kw))

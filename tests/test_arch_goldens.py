@@ -31,7 +31,7 @@ CASES = [cid for cid in ALL_CASES if _committed(cid)]
 
 def test_the_new_architectures_are_covered():
     archs = {load_case(cid)["model"]["hparams"]["arch"] for cid in CASES}
-    assert {"gemma3", "qwen3", "llama4", "mamba2", "rwkv6", "lfm2", "glm-dsa", "dots3note"} <= archs
+    assert {"gemma3", "qwen3", "llama4", "mamba2", "rwkv6", "lfm2", "glm-dsa", "dots3note", "qwen4exp"} <= archs
 
 
 @pytest.mark.parametrize("cid", CASES)
@@ -97,7 +97,15 @@ def test_memory_log_layer_counts(cid):
     elif kind == "hybrid_iswa":  # the iSWA part of the attention layers: base (may be empty), then SWA
         attn = [il for il in range(n) if hp.attn_layer_filter(il)]
         assert [c["layers"] for c in kv] == [sum(not hp.is_swa(il) for il in attn), sum(hp.is_swa(il) for il in attn)]
-    if kind in ("recurrent", "hybrid", "hybrid_iswa"):
+    elif kind == "hybrid_idx":  # the attention cache, then (after the recurrent memory) the indexer cache
+        attn = sum(hp.attn_layer_filter(il) for il in range(n))
+        # glm5-next: the attention layers with their own indexer; qwen4exp: every dense-attention layer
+        glm = hp.arch == "glm5-next"
+        idx = sum(hp.attn_layer_filter(il) and (not glm or hp.is_indexer_full(il)) for il in range(n))
+        assert [c["layers"] for c in kv] == [attn, idx]
+        assert [c["n_embd_head_k_all"] for c in kv][1] == hp.indexer_head_size * (3 if hp.indexer_kpool else 1)
+        assert [c["n_embd_head_v_all"] for c in kv][1] == 0  # the indexer cache keeps no V
+    if kind in ("recurrent", "hybrid", "hybrid_iswa", "hybrid_idx"):
         # the recurrent memory reports every model layer (it keeps R/S only for the filtered ones)
         assert [c["layers"] for c in rs] == [n]
         assert hp.memory_kind() == kind

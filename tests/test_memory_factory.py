@@ -11,6 +11,7 @@ import kvref
 from kvref.errors import ArgumentError, KVRefError
 from kvref.memory.factory import Memory, context_params, create_memory
 from kvref.memory.hybrid import HybridMemory
+from kvref.memory.hybrid_idx import HybridIdxMemory
 from kvref.memory.kv_cache import KVCache
 from kvref.memory.kv_cache_dsa import KVCacheDSA
 from kvref.memory.kv_cache_dsa_iswa import KVCacheDSAISWA
@@ -25,6 +26,7 @@ KIND = {
     "hybrid_iswa": HybridMemory,
     "dsa": KVCacheDSA,
     "dsa_iswa": KVCacheDSAISWA,
+    "hybrid_idx": HybridIdxMemory,
 }
 
 
@@ -39,6 +41,8 @@ def caches(mem) -> list:
         return [mem.mla, mem.lid]
     if isinstance(mem, KVCacheDSAISWA):
         return [*caches(mem.dsa), mem.swa]
+    if isinstance(mem, HybridIdxMemory):  # the indexer cache is created after the recurrent memory
+        return [*caches(mem.attn), mem.recr, *([] if mem.idx is None else [mem.idx])]
     if isinstance(mem, HybridMemory):
         return [*caches(mem.attn), mem.recr]
     return [mem]
@@ -72,8 +76,9 @@ def test_factory_builds_what_llama_cpp_built(case_id):
     assert [type(c).__name__ for c in got] == [module[c["module"]] for c in logged]
     for c, log in zip(got, logged, strict=True):
         if isinstance(c, RecurrentMemory):
-            # llama.cpp logs the model's layer count here, not the layers with state
-            assert (c.size, c.n_seq_max, c.hparams.n_layer) == (log["cells"], log["n_seq_max"], log["layers"])
+            # llama.cpp logs the model's layer count here (hparams.n_layer(): without MTP blocks), not the layers
+            # with state
+            assert (c.size, c.n_seq_max, c.hparams.n_layer_trunk()) == (log["cells"], log["n_seq_max"], log["layers"])
         else:
             # before PR #14363 (llama-cpp-python 0.3.12) there were no streams to log: one
             n_stream = log.get("n_stream", 1)
@@ -83,7 +88,7 @@ def test_factory_builds_what_llama_cpp_built(case_id):
     if want.get("kv_size_swa") is not None:
         assert (mem.attn if isinstance(mem, HybridMemory) else mem).swa.get_size() == want["kv_size_swa"]
     if want.get("rs_size") is not None:
-        assert got[-1].size == want["rs_size"]
+        assert next(c for c in got if isinstance(c, RecurrentMemory)).size == want["rs_size"]
     if want.get("v_trans") is not None:
         assert got[0].v_trans == (not case["context"]["flash_attn"])
     assert mem.get_can_shift() == obs["memory_can_shift"]

@@ -88,6 +88,11 @@ class CaseHParams(TypedDict):
     indexer_head_size: NotRequired[int]
     indexer_top_k: NotRequired[int]
     indexer_full_layers: NotRequired[list[bool]]
+    indexer_kpool: NotRequired[int]  # llama_memory_hybrid_idx
+    dsv4_compress_ratios: NotRequired[list[int]]
+    dsv4_hc_mult: NotRequired[int]
+    n_embd_head_kda: NotRequired[int]
+    indexer_kpool_select_tail: NotRequired[bool]
     swa_layers: list[bool]
     recurrent_layers: list[bool]
     n_embd_r: int

@@ -224,11 +224,15 @@ def hparams_from_case(case: Case) -> HParams:
     # (and what set_causal false, ALiBi and T5's position buckets do to the graph inputs)
     for name in ("wkv_head_size", "token_shift_count", "n_shortconv_l_cache", "rope_freq_base_swa",
                  "non_causal_type", "f_max_alibi_bias", "n_rel_attn_bkts", "n_layer_kv_from_start",
-                 # MLA and the DSA indexer (glm-dsa, deepseek32, hy_v4, dots3note)
+                 # MLA and the indexer caches (DSA, llama_memory_hybrid_idx: glm5-next's k-pool, qwen4exp's QSA)
                  "n_layer_nextn", "n_embd_head_k_swa", "n_embd_head_v_swa", "n_embd_head_k_mla", "n_embd_head_v_mla",
-                 "n_lora_kv", "indexer_head_size", "indexer_top_k", "indexer_full_layers"):  # fmt: skip
+                 "n_lora_kv", "indexer_head_size", "indexer_top_k", "indexer_kpool", "indexer_kpool_select_tail",
+                 "n_embd_head_kda"):  # fmt: skip
         if h.get(name) is not None:
             kw[name] = h[name]
+    for name in ("indexer_full_layers", "dsv4_compress_ratios"):
+        if h.get(name) is not None:
+            kw[name] = tuple(h[name])
     sections = h.get("rope_sections")
     if sections:
         kw["rope_sections"] = tuple(sections)
@@ -307,7 +311,7 @@ def check_memory_shape(case: Case, mem: AnyMemory) -> None:
     """The memory kvref built has the kind and sizes llama.cpp logged."""
     want = case["memory"]
     kind = {"KVCache": "kv", "KVCacheISWA": "iswa", "RecurrentMemory": "recurrent", "HybridMemory": "hybrid",
-            "KVCacheDSA": "dsa", "KVCacheDSAISWA": "dsa_iswa"}  # fmt: skip
+            "KVCacheDSA": "dsa", "KVCacheDSAISWA": "dsa_iswa", "HybridIdxMemory": "hybrid_idx"}  # fmt: skip
     got = kind.get(type(mem).__name__, type(mem).__name__)
     if got == "hybrid":
         got = getattr(mem, "kind", got)  # "hybrid" or "hybrid_iswa"

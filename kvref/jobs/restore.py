@@ -62,6 +62,8 @@ def memory_layout(hp: HParams) -> tuple[str, str | None]:
         return "dsa_iswa", "kv"
     if hp.is_recurrent_arch():
         return "recurrent", None
+    if hp.memory_kind() == "hybrid_idx":
+        return "hybrid_idx", "recurrent"  # PARTIAL_ONLY: the recurrent section alone
     if hp.is_hybrid_arch():
         return ("hybrid_iswa", "hybrid") if swa else ("hybrid", "recurrent")
     return ("iswa", "kv") if swa else ("kv", None)

@@ -29,6 +29,7 @@ from .base import (
     PairedMemory,
 )
 from .hybrid import HybridMemory
+from .hybrid_idx import HybridIdxMemory
 from .kv_cache import KVCache
 from .kv_cache_iswa import KVCacheISWA
 from .recurrent import RecurrentMemory
@@ -267,10 +268,15 @@ def create_memory(
             compat=profile,
             cparams=cp,
         )
+    elif arch == "glm5-next" or (
+        arch == "qwen4exp" and hparams.indexer_head_size > 0 and hparams.swa_type == SWAType.NONE
+    ):
+        mem = _hybrid_idx(hparams, cp, ctx_type, type_k, type_v, v_trans, n_pad, profile)
+        if arch == "glm5-next" and ctx_type == "mtp":
+            # llama.cpp builds the draft memory (the NextN layers), then building the context's graph throws
+            raise KVRefError("GLM5-Next NextN graph not implemented yet (llama_init_from_model fails for ctx_type mtp "
+                             "in llama.cpp 0.3.36)")  # fmt: skip
     elif hparams.is_hybrid_arch() and not mtp_dense:
-        if arch == "qwen4exp" and hparams.indexer_head_size > 0:
-            raise KVRefError("qwen4exp with an indexer uses llama_memory_hybrid_idx, which kvref does not model")
-
         mem = HybridMemory(
             hparams,
             type_k=type_k,
@@ -432,6 +438,67 @@ def _create_dsa(
         n_seq_max=cp.n_seq_max, n_pad=n_pad, n_swa=hp.n_swa, swa_type=hp.swa_type, filter_mla=filter_mla,
         filter_lid=filter_lid, compat=profile, cparams=cp,
     )  # fmt: skip
+
+
+def _hybrid_idx(
+    hparams: HParams,
+    cp: ContextParams,
+    ctx_type: str,
+    type_k: GGMLType | int | str,
+    type_v: GGMLType | int | str,
+    v_trans: bool,
+    n_pad: int,
+    profile: Profile,
+) -> HybridIdxMemory:
+    """llama_memory_hybrid_idx for glm5-next (KDA recurrent layers, K-only MLA attention layers and an indexer
+    cache over the trunk layers with their own indexer; the MTP context keeps only the NextN layers and no
+    recurrent one, and needs them) and for qwen4exp with an indexer (QSA over the dense-attention layers)."""
+    n_trunk = hparams.n_layer_trunk()
+
+    def filter_attn(il: int) -> bool:
+        return il < n_trunk and not hparams.is_recurrent(il)
+
+    def filter_recr(il: int) -> bool:
+        return il < n_trunk and hparams.is_recurrent(il)
+
+    filter_idx: Callable[[int], bool] = filter_attn
+    if hparams.arch == "glm5-next":
+
+        def filter_idx(il: int) -> bool:
+            return filter_attn(il) and hparams.is_indexer_full(il)
+
+        if ctx_type == "mtp":
+            if hparams.n_layer_nextn == 0:
+                raise KVRefError("GLM5-Next MTP requires the NextN block (llama.cpp throws: convert without --no-mtp)")
+
+            def filter_attn(il: int) -> bool:
+                return il >= n_trunk
+
+            def filter_recr(il: int) -> bool:
+                return False
+
+            filter_idx = filter_attn
+    return HybridIdxMemory(
+        hparams,
+        type_k=type_k,
+        type_v=type_v,
+        v_trans=v_trans,
+        kv_size=cp.n_ctx_seq,
+        n_pad=n_pad,
+        n_swa=hparams.n_swa,
+        swa_type=hparams.swa_type,
+        type_r="f32",
+        type_s="f32",
+        rs_size=max(1, cp.n_seq_max),
+        n_seq_max=cp.n_seq_max,
+        kv_unified=cp.kv_unified,
+        filter_attn=filter_attn,
+        filter_recr=filter_recr,
+        filter_idx=filter_idx,
+        n_rs_seq=cp.n_rs_seq,
+        compat=profile,
+        cparams=cp,
+    )
 
 
 __all__ = [

@@ -5,10 +5,11 @@ are thin methods over the functions here; the byte layout itself is declared onc
 and this module only builds / consumes its object model.
 
 The section: ``u32 cell_count``, per cell ``i32 pos, u32 n_seq_id, i32 seq_id[n_seq_id]``, then ``u32 s_trans``
-(always 0 here) and ``u32 n_layer`` (every model layer), then per layer with state the R rows (and, with PLE,
-the PLE conv rows), then per layer with state the S rows. Layers without state (a layer filter, e.g. the
-attention layers of a hybrid) are skipped, so the section has the same shape with or without one. The 2025
-recurrent memory (llama-cpp-python 0.3.12 .. 0.3.16) wrote the same layout for a model with state in every layer.
+(always 0 here) and ``u32 n_layer`` (every model layer but the trailing MTP blocks: hparams.n_layer()), then
+per layer with state the R rows (and, with PLE, the PLE conv rows), then per layer with state the S rows. Layers
+without state (a layer filter, e.g. the attention layers of a hybrid) are skipped, so the section has the same
+shape with or without one. The 2025 recurrent memory (llama-cpp-python 0.3.12 .. 0.3.16) wrote the same layout
+for a model with state in every layer.
 
 Writing (``state_section``; ``flags`` change nothing):
 
@@ -147,7 +148,8 @@ def spec(mem: StateMemory) -> RecurrentSpec:
     )
     # Profile.recurrent_restore_seq_bound "mem_size": only the cell count bounds the ids
     n_seq_max = mem.size if mem.profile.recurrent_restore_seq_bound == "mem_size" else mem.n_seq_max
-    return RecurrentSpec(mem.size, n_seq_max, mem.hparams.n_layer, layers)
+    # llama_memory_recurrent writes hparams.n_layer(): the trunk, without the trailing MTP (NextN) blocks
+    return RecurrentSpec(mem.size, n_seq_max, mem.hparams.n_layer_trunk(), layers)
 
 
 # ---------------------------------------------------------------------------------------------- write
@@ -197,7 +199,7 @@ def state_section(mem: StateMemory, seq_id: int = -1, flags: int = 0) -> Recurre
             )
         )
         s_layers.append(LayerRows(int(mem.type_s), mem.s_row, s[rows]))
-    return RecurrentSection(cells, 0, mem.hparams.n_layer, r_layers, s_layers)
+    return RecurrentSection(cells, 0, mem.hparams.n_layer_trunk(), r_layers, s_layers)
 
 
 def state_write(mem: StateMemory, seq_id: int = -1, flags: int = 0) -> bytes:

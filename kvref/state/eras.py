@@ -344,6 +344,9 @@ def convert_sections(
     out: list[KVSection | RecurrentSection] = []
     for i, sec in enumerate(mem.sections):
         here = f"{where}section {i}"
+        if mem.layout == "hybrid_idx" and i == 2:
+            out.append(sec)  # the indexer section (one era only): its cells carry an ext only for PLE, as written
+            continue
         if isinstance(sec, RecurrentSection):
             if e.name != CURRENT and any(layer.p_data is not None for layer in sec.r):
                 raise ConversionError(f"{here}: PLE rows exist only in the {CURRENT} layout, not in {e.name}")

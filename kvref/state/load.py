@@ -574,10 +574,12 @@ class _Sniff:
         last_i = len(parts) - 1
         for i, part in enumerate(parts):
             if part == "kv":
-                key = ("kv", at, n_stream_field, ext, has_v, scope)
+                # llama_memory_hybrid_idx's indexer section: no V, a cell ext only with PLE (sections.py)
+                x, v = (ext if ple else 0, False) if layout == "hybrid_idx" and i == 2 else (ext, has_v)
+                key = ("kv", at, n_stream_field, x, v, scope)
                 got = ends.get(key, -1)
                 if got == -1:
-                    got = _once(ends, key, partial(self._kv_section, at, n_stream_field, ext, has_v, scope))
+                    got = _once(ends, key, partial(self._kv_section, at, n_stream_field, x, v, scope))
             else:
                 key = ("rec", at, ple, ns, scope, i == last_i)
                 got = ends.get(key, -1)
@@ -722,7 +724,8 @@ class _Sniff:
             return None
         at += 4
         table = _once(self.tables, ("cells", at, cell_count, 0), partial(self._cells, at, cell_count, 0))
-        if table is None or (scope and cell_count and not table[1] <= {0}):
+        # a sequence blob of seq_id -1 (llama_state_seq_get_data(ctx, -1): every sequence) carries the cells' ids
+        if table is None:
             return None
         at = table[0]
         s_trans, n_layer = self._u32(at), self._u32(at + 4)
@@ -760,6 +763,20 @@ class _Sniff:
             if last:
                 return exact[0] if exact else n_layer
             return max(k for _, k in fits) if fits else n_layer
+        if not last:
+            # sections.uniform_halves: the R records share one row head, the S records another
+            from .sections import uniform_halves
+
+            heads: list[tuple[object, ...]] = []
+            pos = at
+            while len(heads) < 2 * n_layer:
+                count, nxt = self._records(pos, cell_count, False, 1)
+                if count == 0:
+                    break
+                heads.append(_ROW_HEAD.unpack_from(self.buf, pos))
+                pos = nxt
+            k = uniform_halves(heads)
+            return k if k else n_layer
         count, pos = self._records(at, cell_count, False, 2 * n_layer)
         if count % 2 or (last and pos != end) or (not last and count == 0):
             return n_layer

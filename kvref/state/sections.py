@@ -25,7 +25,7 @@ present; it reads as a recurrent section with ``n_state_layers = n_layer``.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -524,10 +524,31 @@ def _scan_state_layers(env: Env) -> int:
         if section_last:
             return exact[0] if exact else n_layer
         return max(k for _, k in fits) if fits else n_layer
+    if not section_last:
+        # a section follows (llama_memory_hybrid_idx's indexer cache), whose bytes may pass for more records: the
+        # R records share one row head, the S records another (n_embd_r / n_embd_s are per model, not per layer)
+        heads: list[tuple[object, ...]] = []
+        pos = r.pos
+        while len(heads) < 2 * n_layer:
+            count, nxt = _walk_records(r, pos, cell_count, False, 1)
+            if count == 0:
+                break
+            heads.append((r.peek_u32(pos), int(np.frombuffer(r.buf, "<u8", 1, pos + 4)[0])))
+            pos = nxt
+        k = uniform_halves(heads)
+        return k if k else n_layer
     count, pos = _walk_records(r, r.pos, cell_count, False, 2 * n_layer)
     if count % 2 or (section_last and pos != r.end) or (not section_last and count == 0):
         return n_layer
     return count // 2
+
+
+def uniform_halves(heads: Sequence[tuple[object, ...]]) -> int:
+    """The largest k such that ``heads[:k]`` are alike and ``heads[k:2k]`` are alike (R then S records), 0 if none."""
+    for k in range(len(heads) // 2, 0, -1):
+        if len(set(heads[:k])) == 1 and len(set(heads[k : 2 * k])) == 1:
+            return k
+    return 0
 
 
 def _n_state_layers(env: Env) -> int:
@@ -595,6 +616,12 @@ RECURRENT_SECTION = Struct(
 _SECTION_STRUCTS: dict[str, Struct[KVSection | RecurrentSection]] = {"kv": KV_SECTION, "recurrent": RECURRENT_SECTION}
 
 
+def idx_section_options(env: Env) -> dict[str, object]:
+    """The read options of llama_memory_hybrid_idx's indexer section, from the memory's: no V (an MLA-shaped cache),
+    and a cell ext only when the model has PLE (the indexer's hparams have no RoPE, so no M-RoPE position)."""
+    return {"has_v": False, "ext_size": env_int(env, "ext_size") if env_flag(env, "ple") else 0}
+
+
 class MemoryField(Field[object]):
     """The sections of ``env["layout"]`` one after the other (iSWA: base then SWA; hybrid: attention then recurrent)."""
 
@@ -608,6 +635,15 @@ class MemoryField(Field[object]):
         sections: list[KVSection | RecurrentSection] = []
         for i, k in enumerate(kinds):
             env["section_last"] = i == len(kinds) - 1  # lets the recurrent layer scan know where it must end
+            if layout == "hybrid_idx" and i == 2:
+                # the indexer cache keeps no V and no RoPE: a cell ext only for PLE models (its token)
+                saved = {n: env.get(n) for n in ("ext_size", "has_v")}
+                env.update(idx_section_options(env))
+                try:
+                    sections.append(_SECTION_STRUCTS[k].read(r, env))
+                finally:
+                    env.update(saved)
+                continue
             sections.append(_SECTION_STRUCTS[k].read(r, env))
         return MemorySections(layout, sections)
 

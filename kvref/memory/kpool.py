@@ -1,0 +1,309 @@
+"""glm5-next's k-pool DSA indexer inputs: llama_memory_hybrid_idx's ``kpool_layout`` and
+``llama_memory_hybrid_idx_context::set_input_kpool``.
+
+The indexer cache holds per token its key | gate | pooled value. Per sequence, runs of ``kpool`` consecutive
+positions counted from the sequence's first position form pools; a pool's pooled key lives in its last member's
+row. The layout (`KPoolLayout`) belongs to the memory and outlives a batch: a ubatch only appends to it, a sequence
+edit makes it stale from some position on (`HybridIdxMemory.stale`), which regroups that sequence. Per ubatch,
+`KPoolState` says which pools must be (re)pooled: those a stale edit reached (first ubatch of a batch only) and those
+the ubatch's tokens fall in; when a cell is shared by several sequences (``cache_safe`` false) every pool is.
+
+The graph inputs (`kpool_inputs`), in the graph's pool order (sequence by sequence, then by position):
+``pool_cells`` (the row holding each pool's pooled key), ``pool_idxs`` (the member cells of each pool; padded pools
+on the sentinel), ``pool_mask`` (0 where a pool is visible to the token: its sequence's, ending at or before it),
+``tail_idxs`` (the token's incomplete tail: its last ``kpool - 1`` positions), ``gather_mask`` (0 for the live
+selection slots), ``new_pool_idxs`` / ``new_pool_rep`` (the pools re-pooled by this ubatch, at least one).
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from ..constants import LLAMA_MAX_SEQ
+from ..errors import KVRefError
+
+if TYPE_CHECKING:
+    import numpy.typing as npt
+
+    from .batch import UBatch
+    from .kv_cache import KVCache
+    from .slots import SlotInfo
+
+POS_CLEAN = 2**31 - 1
+MAX_UB_GATHER = 16  # build_inp_kpool: small ubatches gather the selected latents
+
+
+def _i32(x: int) -> int:
+    """``x`` as llama.cpp's int32 arithmetic leaves it (a position near INT32_MAX plus the pool size wraps)."""
+    return (x + 2**31) % 2**32 - 2**31
+
+
+def _lower_bound(n: int, before: Callable[[int], bool]) -> int:
+    """std::lower_bound's binary search over indices [0, n) with ``before(i)`` = comp(element i, value): its answer
+    also where the predicate does not partition the range (an int32 wrap can break the order)."""
+    first, length = 0, n
+    while length > 0:
+        half = length >> 1
+        if before(first + half):
+            first += half + 1
+            length -= half + 1
+        else:
+            length = half
+    return first
+
+
+def _upper_bound(n: int, after: Callable[[int], bool]) -> int:
+    """std::upper_bound's binary search over indices [0, n) with ``after(i)`` = comp(value, element i)."""
+    first, length = 0, n
+    while length > 0:
+        half = length >> 1
+        if after(first + half):
+            length = half
+        else:
+            first += half + 1
+            length -= half + 1
+    return first
+
+
+def kpool_pad(n_pool: int) -> int:
+    """The padded pool count: at least 64, a multiple of 64, the last pool always unused."""
+    return max(64, (n_pool + 1 + 63) // 64 * 64)
+
+
+@dataclass
+class KPoolSeq:
+    """llama_memory_hybrid_idx::kpool_layout::seq."""
+
+    pos_min: int = 0
+    strm: int = 0
+    cells: list[tuple[int, int]] = field(default_factory=list)  # (pos, stream-local cell), by position
+    pools: list[int] = field(default_factory=list)  # index into ``cells`` of each pool's first member
+    j_next: int = 0  # where the pool scan stopped
+    shared: bool = False  # a cell also carries another sequence
+
+
+class KPoolLayout:
+    """llama_memory_hybrid_idx::kpool_layout and kpool_layout_update."""
+
+    def __init__(self) -> None:
+        self.seqs = [KPoolSeq() for _ in range(LLAMA_MAX_SEQ)]
+        self.n_pool_real = 0
+        self.cache_safe = True
+
+    def update(self, idx: KVCache, kpool: int, stale: list[int]) -> None:
+        """Extend the layout with the cells appended since, rebuilding the stale sequences."""
+        n_stream = idx.get_n_stream()
+        unified = n_stream == 1
+        self.n_pool_real = 0
+        self.cache_safe = True
+        for s in range(LLAMA_MAX_SEQ):
+            if not unified and s >= n_stream:
+                self.seqs[s] = KPoolSeq()
+                continue
+            sq = self.seqs[s]
+            cells = idx.get_cells(0 if unified else s)
+            if not sq.cells and cells.seq_pos_min(s) < 0:
+                continue  # empty before and after: nothing to group (a later cell rebuilds it from scratch)
+            sp = cells.seq_pos_get(s)
+            sq.strm = 0 if unified else idx.get_stream(s)
+            n_kept = 0
+            if stale[s] == POS_CLEAN and sq.cells and sp and sq.pos_min == sp[0][0]:
+                n_kept = len(sq.cells)
+                sq.cells.extend(sp[bisect.bisect_right(sp, sq.cells[-1]) :])
+            if len(sq.cells) != len(sp) or stale[s] != POS_CLEAN:
+                sq.cells = list(sp)
+                sq.pools = []
+                sq.j_next = 0
+                sq.shared = False
+                sq.pos_min = sp[0][0] if sp else 0
+                n_kept = 0
+            if unified and not sq.shared:
+                sq.shared = any(cells.seq_count(c) > 1 for _, c in sq.cells[n_kept:])
+            j, cs = sq.j_next, sq.cells
+            while j + kpool <= len(cs):
+                p0 = cs[j][0]
+                if (p0 - sq.pos_min) % kpool != 0:
+                    j += 1
+                    continue
+                if all(cs[j + k][0] == _i32(p0 + k) for k in range(1, kpool)):
+                    sq.pools.append(j)
+                    j += kpool
+                else:
+                    j += 1
+            sq.j_next = j
+            self.n_pool_real += len(sq.pools)
+            self.cache_safe = self.cache_safe and not sq.shared
+
+
+@dataclass
+class KPoolState:
+    """llama_memory_hybrid_idx_context::kpool_state: the pools (global indices, layout order) this ubatch re-pools."""
+
+    n_pool_real: int = 0
+    cache_safe: bool = True
+    new: list[bool] = field(default_factory=list)
+
+    @property
+    def n_new(self) -> int:
+        return sum(self.new)
+
+
+def kpool_build_state(lay: KPoolLayout, ub: UBatch, kpool: int, stale_from: list[int] | None) -> KPoolState:
+    """kpool_build_state for ubatch ``ub``; ``stale_from``: the batch's stale positions (first ubatch only)."""
+    st = KPoolState(lay.n_pool_real, lay.cache_safe, [False] * lay.n_pool_real)
+    if not st.cache_safe:
+        st.new = [True] * lay.n_pool_real
+        return st
+    start = []
+    ip = 0
+    for s in range(LLAMA_MAX_SEQ):
+        sq = lay.seqs[s]
+        start.append(ip)
+        ip += len(sq.pools)
+        p = POS_CLEAN if stale_from is None else stale_from[s]
+        if p == POS_CLEAN:
+            continue
+        # the first pool that ends after the stale position, and every later one (int32 ends: one may wrap)
+        ends = [_i32(sq.cells[j][0] + kpool) for j in sq.pools]
+
+        def ends_before(k: int, ends: list[int] = ends, p: int = p) -> bool:
+            return ends[k] <= p
+
+        first = _lower_bound(len(ends), ends_before)
+        for k in range(first, len(sq.pools)):
+            st.new[start[s] + k] = True
+    pos = np.asarray(ub.pos)
+    for i in range(int(ub.n_tokens)):
+        p = int(pos[i])
+        for s in ub.seq_id[i]:
+            sq = lay.seqs[s]
+            firsts = [sq.cells[j][0] for j in sq.pools]
+
+            def starts_after(m: int, firsts: list[int] = firsts, p: int = p) -> bool:
+                return p < firsts[m]
+
+            k = _upper_bound(len(firsts), starts_after)
+            if k == 0:
+                continue
+            k -= 1
+            if p < _i32(firsts[k] + kpool):
+                st.new[start[s] + k] = True
+    return st
+
+
+def kpool_inputs(
+    idx: KVCache, lay: KPoolLayout, st: KPoolState, ub: UBatch, sinfo: SlotInfo, kpool: int, n_sel: int, gather: bool,
+    f16: bool,
+) -> dict[str, npt.NDArray[np.generic[object]]]:  # fmt: skip
+    """set_input_kpool: ``pool_cells``, ``pool_idxs``, ``pool_mask`` (n_tokens, n_pool), ``tail_idxs``,
+    ``gather_mask`` (n_tokens, n_sel), ``new_pool_idxs``, ``new_pool_rep`` (absent when not ``cache_safe``)."""
+    n_kv = idx.get_n_kv(sinfo)
+    kv_size = idx.get_size()
+    n_stream_kv = idx.get_n_stream()
+    n_tokens = int(ub.n_tokens)
+    n_pool = kpool_pad(st.n_pool_real)
+    n_new = st.n_new
+    n_new_g = max(n_new, 1)
+    pos = np.asarray(ub.pos)
+
+    def gcell(sq: KPoolSeq, cell: int) -> int:
+        return sq.strm * kv_size + cell
+
+    def find(sq: KPoolSeq, p: int) -> int | None:
+        k = bisect.bisect_left(sq.cells, (p, 0))
+        return sq.cells[k][1] if k < len(sq.cells) and sq.cells[k][0] == p else None
+
+    seq_in_ub = {s for ids in ub.seq_id for s in ids}
+    sq0 = lay.seqs[ub.seq_id[0][0]]
+    c0 = find(sq0, int(pos[0]))
+    if c0 is None:
+        raise KVRefError("set_input_kpool: the ubatch's first token has no cell in the layout (llama.cpp asserts)")
+    dummy = gcell(sq0, c0)
+    sentinel = dummy if gather else n_kv
+    n_top = n_sel // kpool
+    if not (n_sel % kpool == 0 or n_sel % kpool == kpool - 1):
+        raise KVRefError(f"set_input_kpool: n_sel {n_sel} with k-pool {kpool} (llama.cpp asserts)")
+
+    pcell = np.zeros(n_pool, np.int64)
+    pidx = np.zeros((n_pool, kpool), np.int64)
+    nidx = np.zeros((n_new_g, kpool), np.int64)
+    nrep = np.zeros(n_new_g, np.int64)
+    seq_start = [0] * LLAMA_MAX_SEQ
+    pool_end: list[int] = []
+    i_new = 0
+    for s in range(LLAMA_MAX_SEQ):
+        sq = lay.seqs[s]
+        seq_start[s] = len(pool_end)
+        inert = not gather and n_stream_kv > 1 and s not in seq_in_ub
+        for j in sq.pools:
+            ip = len(pool_end)
+            if ip + 1 >= n_pool:
+                raise KVRefError("set_input_kpool: more pools than the padded count (llama.cpp asserts)")
+            rep = sq.cells[j + kpool - 1][1]
+            pcell[ip] = gcell(sq, rep)
+            members = [c for _, c in sq.cells[j : j + kpool]]
+            if inert:
+                pidx[ip] = sentinel
+            else:
+                pidx[ip] = [gcell(sq, c) if gather else c for c in members]
+            if st.new[ip]:
+                nidx[i_new] = [gcell(sq, c) for c in members]
+                nrep[i_new] = gcell(sq, rep)
+                i_new += 1
+            pool_end.append(sq.cells[j + kpool - 1][0])
+    if n_new == 0:
+        nidx[0] = dummy
+        nrep[0] = dummy
+    n_real = len(pool_end)
+    pcell[n_real:] = dummy
+    pidx[n_real:] = sentinel
+
+    mask = np.full((n_tokens, n_pool), -np.inf, np.float32)
+    gm = np.full((n_tokens, n_sel), -np.inf, np.float32)
+    tidx = np.zeros((n_tokens, kpool - 1), np.int64)
+    for i in range(n_tokens):
+        s, p = ub.seq_id[i][0], int(pos[i])
+        sq = lay.seqs[s]
+        p0 = seq_start[s]
+        nv = bisect.bisect_right(pool_end, p, p0, p0 + len(sq.pools)) - p0
+        mask[i, p0 : p0 + nv] = 0.0
+        nvc = min(nv, n_top)
+        gm[i, : nvc * kpool] = 0.0
+        v = _i32(p - sq.pos_min + 1)
+        n_tail = (abs(v) % kpool * (1 if v >= 0 else -1)) & 0xFFFFFFFF  # C's remainder, as uint32
+        for k in range(kpool - 1):
+            cell, real = sentinel, False
+            if k < n_tail:
+                c = find(sq, p - k)
+                if c is not None:
+                    cell, real = (gcell(sq, c) if gather else c), True
+            tidx[i, k] = cell
+            if n_sel % kpool:
+                gm[i, n_top * kpool + k] = 0.0 if real else -np.inf
+    out: dict[str, npt.NDArray[np.generic[object]]] = {
+        "pool_cells": pcell.astype(np.int32),
+        "pool_idxs": pidx.astype(np.int32).reshape(-1),
+        "pool_mask": mask.astype(np.float16) if f16 else mask,
+        "tail_idxs": tidx.astype(np.int32).reshape(-1),
+        "gather_mask": gm,
+        "new_pool_idxs": nidx.astype(np.int32).reshape(-1),
+    }
+    if st.cache_safe:
+        out["new_pool_rep"] = nrep
+    return out
+
+
+def kpool_select(n_pool: int, n_kv: int, n_tokens: int, top_k: int, kpool: int, select_tail: bool) -> tuple[int, bool]:
+    """build_inp_kpool's ``n_sel`` (selection slots per token) and ``gather`` (small ubatches gather the selected
+    latents when the cache holds more cells than that)."""
+    n_top = min(n_pool, top_k // kpool)
+    n_sel = kpool * n_top + (kpool - 1 if select_tail else 0)
+    return n_sel, n_tokens <= MAX_UB_GATHER and n_kv > n_sel
+
+
+__all__ = ["KPoolLayout", "KPoolSeq", "KPoolState", "kpool_build_state", "kpool_inputs", "kpool_pad", "kpool_select"]
