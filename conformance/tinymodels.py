@@ -809,6 +809,68 @@ def build_stablelm_rot32(out: Path) -> TinyModel:
     return b.finish(out, "stablelm-rot32-tiny", meta, hp)
 
 
+# ---------------------------------------------------------------- minimax-m3 (llama_kv_cache_msa)
+
+
+def build_minimax_m3(out: Path) -> TinyModel:
+    """3 layers (1 leading dense, 2 sparse MSA layers with an indexer and MoE FFNs), n_embd 32, 4 query heads of
+    dim 16 over 2 KV heads, partial rotary (8 dims, neox), per-head q/k norms; the MSA indexer: 2 heads (one per
+    KV head, as llama.cpp asserts) of key length 8, top-k 2 blocks of 4 positions, 1 local block. llama.cpp builds
+    llama_kv_cache_msa: the base cache over every layer, the indexer key cache (1 head of 8) over layers >= 1."""
+    d = _Dims(n_layer=3, n_embd=32, n_head=4, n_head_kv=2, hd=16, n_ff=32)
+    n_dense, n_expert, n_ff_exp = 1, 2, 16
+    idx_heads, idx_len, n_rot = 2, 8, 8
+    b = _Builder("minimax-m3", seed=1023)
+    b.mat("token_embd.weight", N_VOCAB, d.n_embd)
+    b.vec("output_norm.weight", d.n_embd, 1.0)
+    b.mat("output.weight", N_VOCAB, d.n_embd)
+    for i in range(d.n_layer):
+        p = f"blk.{i}."
+        b.vec(p + "attn_norm.weight", d.n_embd, 1.0)
+        _attn_proj(b, p, d, d.n_head_kv)
+        b.vec(p + "attn_q_norm.weight", d.hd, 1.0)
+        b.vec(p + "attn_k_norm.weight", d.hd, 1.0)
+        if i < n_dense:
+            _ffn(b, p, d)
+            continue
+        b.vec(p + "ffn_norm.weight", d.n_embd, 1.0)
+        b.mat(p + "ffn_gate_inp.weight", n_expert, d.n_embd, dtype=np.float32)
+        b.vec(p + "exp_probs_b.bias", n_expert, 0.0)
+        b.mat(p + "ffn_gate_exps.weight", n_expert, n_ff_exp, d.n_embd)
+        b.mat(p + "ffn_down_exps.weight", n_expert, d.n_embd, n_ff_exp)
+        b.mat(p + "ffn_up_exps.weight", n_expert, n_ff_exp, d.n_embd)
+        b.mat(p + "ffn_gate_shexp.weight", n_ff_exp, d.n_embd)
+        b.mat(p + "ffn_down_shexp.weight", d.n_embd, n_ff_exp)
+        b.mat(p + "ffn_up_shexp.weight", n_ff_exp, d.n_embd)
+        b.mat(p + "indexer.q_proj.weight", idx_heads * idx_len, d.n_embd)
+        b.mat(p + "indexer.k_proj.weight", idx_len, d.n_embd)
+        b.vec(p + "indexer.q_norm.weight", idx_len, 1.0)
+        b.vec(p + "indexer.k_norm.weight", idx_len, 1.0)
+
+    def meta(w):
+        _common_meta(w, d)
+        w.add_rope_dimension_count(n_rot)
+        w.add_rope_freq_base(10000.0)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_leading_dense_block_count(n_dense)
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(1)
+        w.add_expert_feed_forward_length(n_ff_exp)
+        w.add_expert_shared_count(1)
+        w.add_expert_weights_scale(1.0)
+        w.add_expert_weights_norm(True)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_indexer_head_count(idx_heads)
+        w.add_indexer_key_length(idx_len)
+        w.add_indexer_top_k(2)
+        w.add_uint32("minimax-m3.attention.indexer.block_size", 4)
+        w.add_uint32("minimax-m3.attention.indexer.local_blocks", 1)
+
+    hp = _attn_hparams("minimax-m3", d, rope_type="neox", n_layer_dense_lead=n_dense, indexer_head_size=idx_len)
+    hp["n_rot"] = n_rot
+    return b.finish(out, "minimax-m3-tiny", meta, hp)
+
+
 BUILDERS = {
     "llama": build_llama,
     "mamba": build_mamba,
@@ -828,4 +890,5 @@ BUILDERS = {
     "llama-h64": build_llama_h64,
     "qwen3-h128": build_qwen3_h128,
     "stablelm-rot32": build_stablelm_rot32,
+    "minimax-m3": build_minimax_m3,
 }

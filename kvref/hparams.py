@@ -150,6 +150,10 @@ class HParams:
     indexer_head_size: int = 0  # DSA / qwen4exp indexer key length
     router_layer: int = -1  # >= 0: n_layer_nextn counts a router layer, not MTP blocks (granite-switch)
     dsv4_hc_mult: int = 0  # hyper-connection count (DeepSeek-V4, qwen4exp)
+    # MiniMax-M3 sparse attention (MSA): the leading dense layers have no indexer; the indexer's position blocks
+    n_layer_dense_lead: int = 0
+    indexer_block_size: int = 0
+    indexer_local_blocks: int = 0
     # per-layer n-gram embeddings (PLE, qwen4exp); ple_n_heads = (ple_ngram_size - 1) * heads per n-gram
     ple_ngram_size: int = 0
     ple_conv_kernel: int = 0
@@ -520,6 +524,11 @@ class HParamsArgs(TypedDict, total=False):
     wkv_head_size: int
     token_shift_count: int
     n_shortconv_l_cache: int
+    # minimax-m3 (MSA)
+    indexer_head_size: int
+    n_layer_dense_lead: int
+    indexer_block_size: int
+    indexer_local_blocks: int
 
 
 class _GGUFValue:
@@ -1022,6 +1031,13 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
         f_max_alibi_bias = m.get_float(K.Attention.MAX_ALIBI_BIAS, 0.0)
     elif arch == "baichuan" and n_trunk == 40:
         f_max_alibi_bias = 8.0  # only the 13B variant uses ALiBi
+    elif arch == "minimax-m3":  # llama_model_minimax_m3::load_arch_hparams: the MSA indexer cache's keys
+        kw["n_layer_dense_lead"] = m.get_int("leading_dense_block_count", 0)
+        kw["indexer_head_size"] = m.get_int("attention.indexer.key_length")
+        kw["indexer_block_size"] = m.get_int("attention.indexer.block_size")
+        kw["indexer_local_blocks"] = m.get_int("attention.indexer.local_blocks")
+        if kw["indexer_block_size"] == 0:
+            raise HParamsError(f"key {m.key('attention.indexer.block_size')} = 0 (llama.cpp asserts it is > 0)")
 
     kw["swa_layers"] = swa_layers
     kw["recurrent_layers"] = recr

@@ -30,16 +30,18 @@ from .base import (
 from .hybrid import HybridMemory
 from .kv_cache import KVCache
 from .kv_cache_iswa import KVCacheISWA
+from .kv_cache_msa import KVCacheMSA
 from .recurrent import RecurrentMemory
 
 if TYPE_CHECKING:
     from .hybrid import HybridSlot
     from .kv_cache_iswa import ISWASlot
+    from .kv_cache_msa import MSASlot
     from .recurrent import RecurrentSlot
     from .slots import SlotInfo
 
     # what the decode of the memory create_memory builds places each ubatch in (`Memory`'s type parameter)
-    _Slot: TypeAlias = "SlotInfo | ISWASlot | HybridSlot | RecurrentSlot"
+    _Slot: TypeAlias = "SlotInfo | ISWASlot | HybridSlot | RecurrentSlot | MSASlot"
 
 # llama_context_type: the default context, and a draft context of the model's MTP (NextN) blocks
 CONTEXT_TYPES = ("default", "mtp")
@@ -239,7 +241,23 @@ def create_memory(
     v_trans = not cp.flash_attn
 
     mem: Memory[_Slot]
-    if hparams.is_recurrent_arch():
+    if arch == "minimax-m3":
+        # llama_kv_cache_msa: the base cache over every layer, the indexer key cache over the sparse layers
+        mem = KVCacheMSA(
+            hparams,
+            type_k=type_k,
+            type_v=type_v,
+            v_trans=v_trans,
+            kv_unified=cp.kv_unified,
+            kv_size=cp.n_ctx_seq,
+            n_seq_max=cp.n_seq_max,
+            n_pad=n_pad,
+            n_swa=hparams.n_swa,
+            swa_type=hparams.swa_type,
+            compat=profile,
+            cparams=cp,
+        )
+    elif hparams.is_recurrent_arch():
         mem = RecurrentMemory(
             hparams,
             type_r="f32",
