@@ -257,6 +257,8 @@ def sha256(path: Path) -> str:
 
 
 def memory_kind(hp: dict) -> str:
+    if hp["arch"] == "minimax-m3":
+        return "msa"  # llama_kv_cache_msa
     if any(hp["recurrent_layers"]):
         if all(hp["recurrent_layers"]):
             return "recurrent"
@@ -283,6 +285,8 @@ def sections_for(kind: str, flags: int) -> list[str]:
         return ["kv_swa"] if partial else ["kv_base", "kv_swa"]
     if kind == "hybrid":
         return ["recurrent"] if partial else ["kv_attn", "recurrent"]
+    if kind == "msa":
+        return ["kv_base", "kv_idx"]  # llama_kv_cache_msa hands the flags to both caches, which ignore them
     if kind == "hybrid_iswa":
         # llama_memory_hybrid_iswa hands the flags to both parts: the iSWA cache drops its base
         return ["kv_swa", "recurrent"] if partial else ["kv_base", "kv_swa", "recurrent"]
@@ -357,7 +361,10 @@ class Run:
             import capture
 
             swa_cache = self.kind in ("iswa", "hybrid_iswa")
-            self.capture = capture.Capture(lambda il: swa_cache and bool(hp["swa_layers"][il]), rows=capture_rows)
+            idx_width = int(hp.get("indexer_head_size") or 0) if self.kind == "msa" else 0
+            self.capture = capture.Capture(
+                lambda il: swa_cache and bool(hp["swa_layers"][il]), rows=capture_rows, idx_width=idx_width
+            )
         # op index -> [(k | v, layer, ubatch, pre, post)]: written to ROWS_FILE by close()
         self.rows: dict[int, list] = {}
 

@@ -531,6 +531,53 @@ def s_rot_kshift(r, tok):
     r.save_all(hist)
 
 
+def s_msa(r, tok):
+    """minimax-m3 (llama_kv_cache_msa): prompts in batches (graphs with cell_blk) and one-token decodes (graphs
+    with pos_slot_f) crossing an indexer block, a second sequence (a seq_cp, then diverging), every artefact, a
+    partial seq_rm and a K-shift (seq_add) applied by the next decode, a sequence file restored into another
+    sequence, a whole-state restore, and the artefacts again."""
+    n_seq = r.n_seq_max
+    hist = {0: tok(11)}
+    r.decode_seq(0, hist[0])
+    for _ in range(2):
+        t = tok(1)
+        hist[0] += t
+        r.decode_seq(0, t)
+    if n_seq > 1:
+        r.seq_cp(0, 1, -1, -1)
+        hist[1] = hist[0] + tok(6)
+        r.decode_seq(1, hist[1][len(hist[0]) :])
+        t = tok(1)
+        hist[1] += t
+        r.decode_seq(1, t)
+        # both sequences in one batch: two tokens each (a batch graph over two streams), then one each (decode)
+        for n in (2, 1):
+            a, b = tok(n), tok(n)
+            p0, p1 = r.pos_max(0) + 1, r.pos_max(1) + 1
+            toks = [x for pair in zip(a, b, strict=True) for x in pair]
+            pos = [p for i in range(n) for p in (p0 + i, p1 + i)]
+            r.decode(toks, pos, [[0], [1]] * n, [0] * (2 * n - 2) + [1, 1])
+            hist[0] += a
+            hist[1] += b
+    r.save_all(hist)
+    r.seq_rm(0, 3, 6)
+    r.seq_add(0, 6, -1, -3)
+    t = tok(5)
+    r.decode_seq(0, t)
+    hist[0] = hist[0][:3] + hist[0][6:] + t
+    last = n_seq - 1
+    r.seq_rm(last, -1, -1)
+    r.load_seq(r.latest("seq", 0), last)
+    t = tok(1)
+    r.decode_seq(last, t)
+    r.save_all({0: hist[0]})
+    r.clear()
+    r.set_state_data(r.latest("state"))
+    t = tok(3)
+    r.decode_seq(0, t)
+    r.save_state_data()
+
+
 def s_init_refused(r, tok):
     # nothing to do: the context was refused
     pass
@@ -923,6 +970,49 @@ CASES: list[Case] = [
         type_v="f16",
         capture_rows=True,
     ),
+    # ---- minimax-m3: llama_kv_cache_msa (base KV cache + MSA indexer key cache)
+    Case(
+        "minimax-m3-msa",
+        "minimax-m3",
+        "minimax-m3 (llama_kv_cache_msa: base KV cache over 3 layers, indexer key cache of 8-wide keys over the 2 "
+        "sparse layers), flash attention off: the model runs dense attention (no MSA inputs, the indexer keys stay "
+        "zero); one sequence, seq_rm + seq_add K-shift, sequence and whole-state restores; state = base then "
+        "indexer section.",
+        ["arch", "msa", "v_trans", "k-shift", "seq-rm", "seq-restore", "state-load"],
+        s_msa,
+    ),
+    Case(
+        "minimax-m3-msa-fa",
+        "minimax-m3",
+        "The minimax-m3-msa operations with flash attention on and one sequence: the graph runs MSA, so every "
+        "decode also reads the indexer cache's row indices (k_idxs_idx) and llm_graph_input_msa's pos -> cell "
+        "maps, position mask, local-force bias and cell -> block map, all captured.",
+        ["arch", "msa", "flash-attn", "k-shift", "seq-rm", "seq-restore", "state-load"],
+        s_msa,
+        flash_attn=True,
+    ),
+    Case(
+        "minimax-m3-msa-fa-streams",
+        "minimax-m3",
+        "The minimax-m3-msa operations with flash attention on, two sequences in two streams (kv_unified false): "
+        "MSA runs per stream; a seq_cp across streams, a batch per stream, a sequence file restored into the "
+        "other stream.",
+        ["arch", "msa", "flash-attn", "multi-stream", "seq-cp", "k-shift", "seq-rm", "seq-restore"],
+        s_msa,
+        n_seq_max=2,
+        kv_unified=False,
+        flash_attn=True,
+    ),
+    Case(
+        "minimax-m3-msa-fa-unified",
+        "minimax-m3",
+        "The minimax-m3-msa operations with flash attention on, two sequences in one unified cache: the graph falls "
+        "back to dense attention (no MSA inputs), both caches still placed alike.",
+        ["arch", "msa", "flash-attn", "multi-seq", "seq-cp", "k-shift", "seq-rm", "seq-restore"],
+        s_msa,
+        n_seq_max=2,
+        flash_attn=True,
+    ),
     Case(
         "qwen2vl-mrope",
         "qwen2vl",
@@ -1173,7 +1263,7 @@ def memory_block(case: Case, hp: dict, octx: dict | None) -> dict:
             mem["rs_size"] = next((c["cells"] for c in caches if "recurrent" in c["module"]), None)
         return mem
     n_ctx_seq = octx["n_ctx_seq"]
-    if kind in ("kv", "iswa", "hybrid", "hybrid_iswa"):
+    if kind in ("kv", "iswa", "hybrid", "hybrid_iswa", "msa"):
         mem["kv_size"] = n_ctx_seq
     if kind in ("iswa", "hybrid_iswa"):
         # llama_kv_cache_iswa: the SWA cache holds n_swa tokens per sequence (all of them when
@@ -1191,6 +1281,8 @@ def memory_block(case: Case, hp: dict, octx: dict | None) -> dict:
     expect = [x for x in (mem["kv_size"], mem["kv_size_swa"], mem["rs_size"]) if x is not None]
     if kind in ("iswa", "hybrid_iswa"):
         expect = [mem["kv_size"], mem["kv_size_swa"]] + ([mem["rs_size"]] if kind == "hybrid_iswa" else [])
+    if kind == "msa":
+        expect = [mem["kv_size"], mem["kv_size"]]  # llama_kv_cache_msa: the base and the indexer cache, same size
     assert sorted(sizes) == sorted(expect), (case.id, sizes, expect)
     return mem
 

@@ -866,7 +866,15 @@ def build_minimax_m3(out: Path) -> TinyModel:
         w.add_uint32("minimax-m3.attention.indexer.block_size", 4)
         w.add_uint32("minimax-m3.attention.indexer.local_blocks", 1)
 
-    hp = _attn_hparams("minimax-m3", d, rope_type="neox", n_layer_dense_lead=n_dense, indexer_head_size=idx_len)
+    hp = _attn_hparams(
+        "minimax-m3",
+        d,
+        rope_type="neox",
+        n_layer_dense_lead=n_dense,
+        indexer_head_size=idx_len,
+        indexer_block_size=4,
+        indexer_local_blocks=1,
+    )
     hp["n_rot"] = n_rot
     return b.finish(out, "minimax-m3-tiny", meta, hp)
 

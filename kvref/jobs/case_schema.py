@@ -79,6 +79,10 @@ class CaseHParams(TypedDict):
     f_max_alibi_bias: NotRequired[float]
     n_rel_attn_bkts: NotRequired[int]
     n_layer_kv_from_start: NotRequired[int]
+    n_layer_dense_lead: NotRequired[int]  # minimax-m3
+    indexer_head_size: NotRequired[int]
+    indexer_block_size: NotRequired[int]
+    indexer_local_blocks: NotRequired[int]
     swa_layers: list[bool]
     recurrent_layers: list[bool]
     n_embd_r: int

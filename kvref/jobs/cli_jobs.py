@@ -30,6 +30,7 @@ SECTION_LABELS: dict[str, tuple[str, ...]] = {
     "hybrid": ("attention KV (attention layers)", "recurrent (recurrent layers)"),
     "hybrid_iswa": ("base attention KV", "SWA attention KV", "recurrent"),
     "hybrid_idx": ("attention KV", "recurrent", "indexer KV"),
+    "msa": ("attention KV (every layer)", "MSA indexer keys (sparse layers)"),
     "none": (),
 }
 

@@ -223,7 +223,8 @@ def hparams_from_case(case: Case) -> HParams:
     # what decides the recurrent row widths of RWKV and LFM2, and the SWA layers' rope base
     # (and what set_causal false, ALiBi and T5's position buckets do to the graph inputs)
     for name in ("wkv_head_size", "token_shift_count", "n_shortconv_l_cache", "rope_freq_base_swa",
-                 "non_causal_type", "f_max_alibi_bias", "n_rel_attn_bkts", "n_layer_kv_from_start"):  # fmt: skip
+                 "non_causal_type", "f_max_alibi_bias", "n_rel_attn_bkts", "n_layer_kv_from_start",
+                 "n_layer_dense_lead", "indexer_head_size", "indexer_block_size", "indexer_local_blocks"):  # fmt: skip
         if h.get(name) is not None:
             kw[name] = h[name]
     sections = h.get("rope_sections")
@@ -303,7 +304,8 @@ def create_memory_for(case: Case, hp: HParams) -> AnyMemory | None:
 def check_memory_shape(case: Case, mem: AnyMemory) -> None:
     """The memory kvref built has the kind and sizes llama.cpp logged."""
     want = case["memory"]
-    kind = {"KVCache": "kv", "KVCacheISWA": "iswa", "RecurrentMemory": "recurrent", "HybridMemory": "hybrid"}
+    kind = {"KVCache": "kv", "KVCacheISWA": "iswa", "RecurrentMemory": "recurrent", "HybridMemory": "hybrid",
+            "KVCacheMSA": "msa"}  # fmt: skip
     got = kind.get(type(mem).__name__, type(mem).__name__)
     if got == "hybrid":
         got = getattr(mem, "kind", got)  # "hybrid" or "hybrid_iswa"
@@ -378,6 +380,8 @@ def artefact_hints(op: TraceOp, producer: Producer | None = None) -> ArtefactHin
 
     sections = tuple("kv" if s.startswith("kv") else s for s in op.get("sections") or ())
     layout = next((name for name, kinds in LAYOUTS.items() if kinds == sections), op.get("layout"))
+    if LAYOUTS.get(op.get("layout") or "") == sections:  # the recorded layout when its sections are these (msa)
+        layout = op["layout"]
     kind = _KIND[op["kind"]]
     hints: ArtefactHints = {"kind": kind, "layout": cast(str, layout)}  # a save op names its layout (the schema)
     if op.get("cell_ext") is not None:

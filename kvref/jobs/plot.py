@@ -36,6 +36,7 @@ _LABELS = {
     "hybrid": ("attention KV", "recurrent"),
     "hybrid_iswa": ("base attention KV", "SWA attention KV", "recurrent"),
     "hybrid_idx": ("attention KV", "recurrent", "indexer KV"),
+    "msa": ("attention KV", "MSA indexer keys"),
 }
 INSTALL = "kvref plot needs matplotlib: pip install 'kvref[plot]' (or pip install matplotlib)"
 
