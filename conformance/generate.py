@@ -67,6 +67,7 @@ COMMITTED_MODELS = (
     "llama-h64",
     "qwen3-h128",
     "stablelm-rot32",
+    "minimax-m3",
 )
 
 

@@ -383,8 +383,11 @@ class HParams:
     def memory_kind(self) -> str:
         """Which memory llama_model::create_memory builds for the plain archs kvref models.
 
-        ``"recurrent"``, ``"hybrid"``, ``"hybrid_iswa"`` (hybrid with SWA), ``"iswa"`` or ``"kv"``.
+        ``"recurrent"``, ``"hybrid"``, ``"hybrid_iswa"`` (hybrid with SWA), ``"iswa"``, ``"msa"`` (minimax-m3) or
+        ``"kv"``.
         """
+        if self.arch == "minimax-m3":
+            return "msa"
         if self.is_recurrent_arch():
             return "recurrent"
         if self.is_hybrid_arch():

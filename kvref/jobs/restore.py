@@ -55,6 +55,8 @@ def memory_layout(hp: HParams) -> tuple[str, str | None]:
     """The layout a model's memory writes (``kvref.state.LAYOUTS`` name), and the layout of its partial state
     (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY; None when the flag changes nothing)."""
     swa = hp.swa_type != SWAType.NONE
+    if hp.arch == "minimax-m3":
+        return "msa", None  # llama_kv_cache_msa: base, then the indexer keys; the flags change nothing
     if hp.is_recurrent_arch():
         return "recurrent", None
     if hp.is_hybrid_arch():

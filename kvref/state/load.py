@@ -1045,6 +1045,8 @@ def load(
                 field="cell_count",
                 offset=len(buf),
             )
+        if layout == "auto" and obj.memory.layout == "iswa" and getattr(obj, "arch", None) == "minimax-m3":
+            obj.memory.layout = "msa"  # the same two KV sections: llama_kv_cache_msa's base and indexer caches
         return obj
     if not found:
         assert best is not None
