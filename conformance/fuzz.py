@@ -68,6 +68,11 @@ MODELS: dict[str, tuple[str, dict]] = {
     # llama.cpp 0.3.36 aborts in the first decode after a shift (GGML_ASSERT(buffer) in ggml-backend.cpp: its iSWA
     # base cache has no layer, so the K-shift input gets no buffer): recorded as "aborts", the trace goes on
     "lfm2-swa": ("lfm2-swa", dict(n_seq_max=2)),
+    # llama_kv_cache_msa (minimax-m3): dense attention (FA off), MSA over one stream per sequence (FA on, the MSA
+    # graph inputs captured), and the unified dense fallback
+    "minimax-m3": ("minimax-m3", dict(n_seq_max=2)),
+    "minimax-m3-fa-ms": ("minimax-m3", dict(n_seq_max=2, kv_unified=False, flash_attn=True)),
+    "minimax-m3-fa-1": ("minimax-m3", dict(n_seq_max=1, flash_attn=True)),
 }
 N_VOCAB = 128
 UBATCHES = (3, 5, 8, 16, 32, 256)
