@@ -345,12 +345,30 @@ ROWS_FILE = "rows.npz"  # a case's K/V rows before and after the attention rotat
 
 
 class Run:
-    def __init__(self, case_dir: Path, model_path: Path, hp: dict, cparams: dict, capture_rows: bool = False):
+    def __init__(
+        self,
+        case_dir: Path,
+        model_path: Path,
+        hp: dict,
+        cparams: dict,
+        capture_rows: bool = False,
+        other: Run | None = None,
+        tag: str | None = None,
+    ):
+        """``other``: the Run of the context this one reads (llama_context_params.ctx_other: gemma4-assistant's
+        target); its ops then go to this Run's trace marked ``"ctx": "other"``. ``tag``: that mark, for the other
+        Run itself (its artefacts are named ``<tag>-NN-...``)."""
         init_backend()
         self.dir = case_dir
         self.hp = hp
         self.kind = memory_kind(hp)
         self.trace: list[dict] = []
+        self.other = other
+        self.tag = tag
+        # a draft context over another context's cache writes no memory section of its own
+        self.shares_other = other is not None and hp["arch"] == "gemma4-assistant"
+        # gemma4-assistant decodes a batch of tokens and the target's hidden states (embedding_length_out wide)
+        self.embd_width = int(hp.get("n_embd_out") or 0) if hp["arch"] == "gemma4-assistant" else 0
         self.n_saves = 0
         self.latest_files: dict = {}
         self.cp = dict(cparams)
@@ -361,9 +379,13 @@ class Run:
             import capture
 
             swa_cache = self.kind in ("iswa", "hybrid_iswa")
+            swa_flags = hp["swa_layers"]
+            if other is not None and cparams["flash_attn"]:
+                # a shared cache's FLASH_ATTN_EXT reads the target's cache_k_l<il>: the layer is the target's
+                swa_flags = other.hp["swa_layers"]
             idx_width = int(hp.get("indexer_head_size") or 0) if self.kind == "msa" else 0
             self.capture = capture.Capture(
-                lambda il: swa_cache and bool(hp["swa_layers"][il]), rows=capture_rows, idx_width=idx_width
+                lambda il: swa_cache and bool(swa_flags[il]), rows=capture_rows, idx_width=idx_width
             )
         # op index -> [(k | v, layer, ubatch, pre, post)]: written to ROWS_FILE by close()
         self.rows: dict[int, list] = {}
@@ -414,6 +436,8 @@ class Run:
         p.embeddings = False
         if self.capture is not None:
             self.capture.install(p)
+        if other is not None:
+            p.ctx_other = other.ctx
         self.ctx = L.llama_init_from_model(self.model, p)
         lines = _take_log()
         op = {"op": "init", "ret": bool(self.ctx)}
@@ -436,6 +460,9 @@ class Run:
         }
         op["observed"] = self._observe()
         self.trace.append(op)
+        if other is not None:
+            self.other_init = other.trace[0] if other.trace else None
+            other.trace = self.trace  # one trace: the other context's ops marked "ctx": "other"
 
     # -------------------------------------------------------------- helpers
 
@@ -476,6 +503,8 @@ class Run:
             if errs:
                 op["errors"] = errs
         op["observed"] = self._observe()
+        if self.tag is not None:
+            op["ctx"] = self.tag
         self.trace.append(op)
         return op
 
@@ -487,6 +516,10 @@ class Run:
         n = len(tokens)
         b = L.llama_batch_init(n, 0, max(max(len(s) for s in seq_ids), 1))
         b.n_tokens = n
+        embd = None
+        if self.embd_width:  # tokens and hidden states in one batch (a draft head's input): fixed values
+            embd = (ctypes.c_float * (n * self.embd_width))(*([0.01] * (n * self.embd_width)))
+            b.embd = ctypes.cast(embd, ctypes.POINTER(ctypes.c_float))
         for i in range(n):
             b.token[i] = int(tokens[i])
             b.pos[i] = int(pos[i])
@@ -499,6 +532,8 @@ class Run:
             self.capture.take()
         ret = int(call(self.ctx, b))
         lines = _take_log()
+        if embd is not None:
+            b.embd = None  # Python's buffer: llama_batch_free must not free it
         L.llama_batch_free(b)
         return ret, lines
 
@@ -633,6 +668,8 @@ class Run:
         if flags:
             tag += f"-flags{flags}"
         name = f"{self.n_saves:02d}-{tag}.{ext}"
+        if self.tag is not None:
+            name = f"{self.tag}-{name}"
         self.latest_files[(kind, seq_id, flags)] = name
         return name, self.dir / name
 
@@ -643,6 +680,8 @@ class Run:
     def _describe(self, op: dict, path: Path, seq_id, flags: int, whole: bool):
         op["layout"] = self.kind
         op["sections"] = sections_for(self.kind, flags)
+        if self.shares_other:  # llama_kv_cache with mem_other: state_write writes nothing
+            op["layout"], op["sections"] = "none", []
         op["cell_ext"] = bool(self.hp["has_cell_ext"]) and PRODUCER["cell_ext_size"] > 0
         if whole:
             op["output_block"] = PRODUCER["output_block"]

@@ -93,6 +93,9 @@ class Case:
     n_rs_seq: int = 0
     n_threads: int = 1
     capture_rows: bool = False  # also record the K/V rows before/after the attention rotation (driver.ROWS_FILE)
+    # the model of ctx_other (gemma4-assistant's target), run with the same context parameters; its ops are
+    # in the trace marked "ctx": "other", its model and context under case.json's "other"
+    other_model: str | None = None
 
     def cparams(self) -> dict:
         return {
@@ -579,6 +582,48 @@ def s_msa(r, tok):
     r.save_state_data()
 
 
+def s_assistant(r, tok):
+    """gemma4-assistant reading gemma4-tiny's cache (ctx_other): the target decodes prompts (its ops are marked
+    "ctx": "other"), the draft decodes tokens and hidden states continuing them, several times at the same
+    positions (it never stores a cell: every layer and cell is the target's, its masks read the target's cells), one
+    batch in two ubatches; the draft's sequence ops do nothing (seq_rm returns true), its saves hold no memory
+    section and restore nothing; a target seq_rm + seq_add (its K-shift pending while the draft decodes: the draft
+    applies nothing); the draft's clear, which resets the target's cells (llama_kv_cache::clear is not guarded)."""
+    t = r.other
+    n_seq = r.n_seq_max
+    hist = {0: tok(9)}
+    t.decode_seq(0, hist[0])
+    if n_seq > 1:
+        hist[1] = tok(5)
+        t.decode_seq(1, hist[1])
+    for _ in range(2):
+        r.decode_seq(0, tok(3))  # draft positions after the target's: the same ones every time
+    r.decode_seq(0, tok(1))
+    if n_seq > 1:
+        r.decode(tok(2), [r.pos_max(0) + 1, r.pos_max(1) + 1], [[0], [1]], [1, 1])
+    t.decode_seq(0, tok(2))
+    r.seq_rm(0, 2, 4)
+    r.seq_cp(0, 1, -1, -1)
+    r.seq_add(0, 4, -1, 3)
+    r.seq_keep(0)
+    r.seq_rm(5, -1, -1)
+    t.save_all(hist)
+    r.save_all({0: []})
+    t.seq_rm(0, 3, 6)
+    t.seq_add(0, 6, -1, -3)
+    r.decode_seq(0, tok(2))  # the target's shift is pending: the draft's update applies nothing
+    t.decode_seq(0, tok(1))  # the target applies it
+    r.decode_seq(0, tok(1))
+    r.load_seq(r.latest("seq", 0), 0)
+    r.set_state_data(r.latest("state"))
+    r.save_state_data()
+    t.save_state_data()
+    r.clear()  # resets the shared cells: the target's
+    t.save_state_data()
+    t.set_state_data(t.latest("state"))
+    r.decode_seq(0, tok(2))
+
+
 def s_init_refused(r, tok):
     # nothing to do: the context was refused
     pass
@@ -1014,6 +1059,30 @@ CASES: list[Case] = [
         n_seq_max=2,
         flash_attn=True,
     ),
+    # ---- gemma4-assistant: a draft context over gemma4's cache (ctx_other)
+    Case(
+        "gemma4-assistant-ctx-other",
+        "gemma4-assistant",
+        "gemma4-assistant (2 NextN layers: SWA, full) over a gemma4-tiny context (ctx_other): llama.cpp builds a "
+        "llama_kv_cache_iswa whose layers are the target's last SWA / full layers and whose cells are the "
+        "target's; draft decodes place nothing and their KQ masks read the target's cells; draft sequence ops do "
+        "nothing; draft saves hold no memory section; the draft's clear empties the target's cells.",
+        ["arch", "ctx-other", "iswa", "seq-rm", "k-shift", "clear", "state-load", "seq-restore"],
+        s_assistant,
+        other_model="gemma4",
+    ),
+    Case(
+        "gemma4-assistant-ctx-other-fa-ms",
+        "gemma4-assistant",
+        "The gemma4-assistant-ctx-other operations with flash attention on and two sequences in two streams (both "
+        "contexts kv_unified false): a draft batch over both streams.",
+        ["arch", "ctx-other", "iswa", "flash-attn", "multi-stream", "seq-rm", "k-shift", "clear"],
+        s_assistant,
+        n_seq_max=2,
+        kv_unified=False,
+        flash_attn=True,
+        other_model="gemma4",
+    ),
     Case(
         "qwen2vl-mrope",
         "qwen2vl",
@@ -1288,15 +1357,27 @@ def memory_block(case: Case, hp: dict, octx: dict | None) -> dict:
     return mem
 
 
-def run_case(case: Case, m: tinymodels.TinyModel, vers: dict, golden_dir: Path | None = None) -> dict:
-    """Run the case in llama.cpp and write golden_dir/<case-id>/ (default conformance/golden/)."""
+def run_case(
+    case: Case,
+    m: tinymodels.TinyModel,
+    vers: dict,
+    golden_dir: Path | None = None,
+    models: dict[str, tinymodels.TinyModel] | None = None,
+) -> dict:
+    """Run the case in llama.cpp and write golden_dir/<case-id>/ (default conformance/golden/); ``models`` (the
+    built tiny models by key) gives a case's ``other_model``."""
     legacy = vers["llama_cpp_python"] != CURRENT_PRODUCER
     cid = f"legacy-{vers['llama_cpp_python']}-{case.id}" if legacy else case.id
     cdir = (HERE / "golden" if golden_dir is None else Path(golden_dir)) / cid
     if cdir.exists():
         shutil.rmtree(cdir)
     cdir.mkdir(parents=True)
-    r = driver.Run(cdir, m.path, m.hparams, case.cparams(), capture_rows=case.capture_rows)
+    ro = mo = None
+    if case.other_model is not None:
+        assert models is not None, f"{case.id}: run_case needs the models for its other_model"
+        mo = models[case.other_model]
+        ro = driver.Run(cdir, mo.path, mo.hparams, case.cparams(), tag="other")
+    r = driver.Run(cdir, m.path, m.hparams, case.cparams(), capture_rows=case.capture_rows, other=ro)
     try:
         if r.ctx is not None:
             case.script(r, Tokens(case.id))
@@ -1304,6 +1385,8 @@ def run_case(case: Case, m: tinymodels.TinyModel, vers: dict, golden_dir: Path |
             assert case.script is s_init_refused, f"{case.id}: context refused"
     finally:
         r.close()
+        if ro is not None:
+            ro.close()
     doc = {
         "schema_version": SCHEMA_VERSION,
         "id": cid,
@@ -1316,23 +1399,36 @@ def run_case(case: Case, m: tinymodels.TinyModel, vers: dict, golden_dir: Path |
         + case.description,
         "covers": case.covers,
         "producer": vers,
-        "model": {
-            "file": m.path.name,
-            "committed": m.committed,
-            "path": f"models/{m.path.name}" if m.committed else None,
-            "sha256": m.sha256,
-            "size": m.size,
-            "builder": f"tinymodels.{tinymodels.BUILDERS[case.model].__name__}",
-            "hparams": m.hparams,
-        },
+        "model": _model_doc(case.model, m),
         "context": case.cparams(),
         "observed_context": r.observed_ctx,
         "observed_model": r.observed_model,
         "memory": memory_block(case, m.hparams, r.observed_ctx),
         "trace": r.trace,
     }
+    if ro is not None and mo is not None:
+        doc["other"] = {
+            "model": _model_doc(case.other_model, mo),
+            "context": case.cparams(),
+            "init": r.other_init,
+            "observed_context": ro.observed_ctx,
+            "observed_model": ro.observed_model,
+            "memory": memory_block(case, mo.hparams, ro.observed_ctx),
+        }
     (cdir / "case.json").write_text(dump_case(doc))
     return doc
+
+
+def _model_doc(key: str, m: tinymodels.TinyModel) -> dict:
+    return {
+        "file": m.path.name,
+        "committed": m.committed,
+        "path": f"models/{m.path.name}" if m.committed else None,
+        "sha256": m.sha256,
+        "size": m.size,
+        "builder": f"tinymodels.{tinymodels.BUILDERS[key].__name__}",
+        "hparams": m.hparams,
+    }
 
 
 def dump_case(doc: dict) -> str:
@@ -1410,7 +1506,7 @@ def main(argv=None) -> int:
     if a.crashes:
         return 0
     for c in cases:
-        doc = run_case(c, models[c.model], vers)
+        doc = run_case(c, models[c.model], vers, models=models)
         n_art = sum(1 for op in doc["trace"] if op["op"] == "save")
         print(f"{c.id:32s} {len(doc['trace']):3d} ops {n_art:3d} artefacts")
     if not a.k and not legacy:

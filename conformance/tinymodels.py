@@ -879,6 +879,64 @@ def build_minimax_m3(out: Path) -> TinyModel:
     return b.finish(out, "minimax-m3-tiny", meta, hp)
 
 
+# ---------------------------------------------------------------- gemma4-assistant (a draft reading gemma4's cache)
+
+
+def build_gemma4_assistant(out: Path) -> TinyModel:
+    """The draft head of gemma4-tiny: 2 layers, both NextN blocks (nextn_predict_layers 2: n_layer() is 0),
+    sliding_window_pattern [SWA, full], n_embd 16, 2 query heads of dim 16 over 1 KV head (gemma4-tiny's K/V
+    shape), window 4, embedding_length_out 32 (the target's hidden size, the decode batch's embd width). It has
+    no K/V projections: llama.cpp's context needs ctx_other (a gemma4-tiny context) and builds a
+    llama_kv_cache_iswa whose layers are shared with the target's last SWA / full layer and whose cells are the
+    target's."""
+    n_embd, n_embd_out, hd, n_head, n_ff = 16, 32, 16, 2, 16
+    pattern = [True, False]
+    d = _Dims(n_layer=2, n_embd=n_embd, n_head=n_head, n_head_kv=1, hd=hd, n_ff=n_ff)
+    b = _Builder("gemma4-assistant", seed=1024)
+    b.mat("token_embd.weight", N_VOCAB, n_embd)
+    b.vec("output_norm.weight", n_embd, 1.0)
+    b.mat("nextn.post_projection.weight", n_embd_out, n_embd)
+    b.vec("rope_freqs.weight", hd // 2, 1.0)
+    for i in range(d.n_layer):
+        p = f"blk.{i}."
+        if i == 0:
+            b.mat("nextn.pre_projection.weight", n_embd, 2 * n_embd_out)
+        b.vec(p + "attn_norm.weight", n_embd, 1.0)
+        b.mat(p + "attn_q.weight", n_head * hd, n_embd)
+        b.mat(p + "attn_output.weight", n_embd, n_head * hd)
+        b.vec(p + "attn_q_norm.weight", hd, 1.0)
+        b.vec(p + "post_attention_norm.weight", n_embd, 1.0)
+        b.vec(p + "layer_output_scale.weight", 1, 1.0)
+        _ffn(b, p, d)
+        b.vec(p + "post_ffw_norm.weight", n_embd, 1.0)
+
+    def meta(w):
+        _common_meta(w, d)
+        w.add_uint32("gemma4-assistant.embedding_length_out", n_embd_out)
+        w.add_uint32("gemma4-assistant.nextn_predict_layers", d.n_layer)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_sliding_window(4)
+        w.add_sliding_window_pattern(pattern)
+        w.add_key_length_swa(hd)
+        w.add_value_length_swa(hd)
+        w.add_rope_freq_base(1000000.0)
+        w.add_rope_freq_base_swa(10000.0)
+
+    hp = _attn_hparams(
+        "gemma4-assistant",
+        d,
+        rope_type="neox",
+        freq_base=1000000.0,
+        n_swa=4,
+        swa_type="standard",
+        swa_layers=pattern,
+        rope_freq_base_swa=10000.0,
+        n_layer_nextn=d.n_layer,
+        n_embd_out=n_embd_out,
+    )
+    return b.finish(out, "gemma4-assistant-tiny", meta, hp)
+
+
 BUILDERS = {
     "llama": build_llama,
     "mamba": build_mamba,
@@ -899,4 +957,5 @@ BUILDERS = {
     "qwen3-h128": build_qwen3_h128,
     "stablelm-rot32": build_stablelm_rot32,
     "minimax-m3": build_minimax_m3,
+    "gemma4-assistant": build_gemma4_assistant,
 }

@@ -31,6 +31,7 @@ from .hybrid import HybridMemory
 from .kv_cache import KVCache
 from .kv_cache_iswa import KVCacheISWA
 from .kv_cache_msa import KVCacheMSA
+from .kv_cache_shared import shared_iswa
 from .recurrent import RecurrentMemory
 
 if TYPE_CHECKING:
@@ -316,7 +317,26 @@ def create_memory(
             def layer_filter(il: int) -> bool:
                 return il < n_trunk  # the trunk context never attends the MTP blocks
 
-        if hparams.swa_type != SWAType.NONE:
+        if arch == "gemma4-assistant":
+            # llama_context requires ctx_other; create_memory hands its memory (mem_other) and a layer_share
+            # callback to llama_kv_cache_iswa: every layer and every cell is the target context's
+            if hparams.swa_type == SWAType.NONE:
+                raise KVRefError("gemma4-assistant without a sliding window: llama.cpp asserts is_swa_any()")
+            mem = shared_iswa(
+                hparams,
+                mem_other,
+                type_k=type_k,
+                type_v=type_v,
+                v_trans=v_trans,
+                swa_full=cp.swa_full,
+                kv_unified=cp.kv_unified,
+                n_seq_max=cp.n_seq_max,
+                n_pad=n_pad,
+                layer_filter=layer_filter,
+                compat=profile,
+                cparams=cp,
+            )
+        elif hparams.swa_type != SWAType.NONE:
             mem = KVCacheISWA(
                 hparams,
                 type_k=type_k,
