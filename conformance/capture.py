@@ -367,10 +367,10 @@ class Capture:
             if gr and _is_input(_root(gr.contents.src[1])):
                 out.append(("msa_pos_slot", _root(gr.contents.src[1])))
             return ("msa", int(m.group(1)) if m else -1, out) if out else None
-        if t.op == OP_ADD and t.src[0] and _name(t.src[0].contents).startswith("msa_bs-"):
-            if _is_input(_root(t.src[1])):
-                il = _LAYER_RE.search(_name(t.src[0].contents))
-                return ("msa", int(il.group(1)) if il else -1, [("kq_mask_msa_bias", _root(t.src[1]))])
+        bias = t.op == OP_ADD and t.src[0] and _name(t.src[0].contents).startswith("msa_bs-")
+        if bias and _is_input(_root(t.src[1])):
+            il = _LAYER_RE.search(_name(t.src[0].contents))
+            return ("msa", int(il.group(1)) if il else -1, [("kq_mask_msa_bias", _root(t.src[1]))])
         if t.op == OP_GET_ROWS and t.src[0] and t.src[1]:
             if "msa_block_mask" in _name(t.src[0].contents) and _is_input(_root(t.src[1])):
                 return ("msa", -1, [("msa_cell_blk", _root(t.src[1]))])
@@ -476,6 +476,15 @@ class Capture:
         return True
 
 
+_INPUT_ORDER = ("kq_mask", "k_idxs", "v_idxs", "pos", "pos_bucket")
+
+
+def _input_rank(d: dict) -> tuple:
+    """The order of a ubatch's inputs in case.json: base before SWA, the common inputs, then others by name."""
+    t = d["tensor"]
+    return (d["swa"], _INPUT_ORDER.index(t) if t in _INPUT_ORDER else len(_INPUT_ORDER), t)
+
+
 def encode(graphs: dict) -> dict:
     """The JSON form of ``Capture.take()`` (see case.schema.json, op_decode.graph)."""
     shifts = []
@@ -491,8 +500,7 @@ def encode(graphs: dict) -> dict:
             else:
                 d["data"] = encode_ints(e["data"])
             ins.append(d)
-        order = ("kq_mask", "k_idxs", "v_idxs", "pos", "pos_bucket")
-        ins.sort(key=lambda d: (d["swa"], order.index(d["tensor"]) if d["tensor"] in order else len(order), d["tensor"]))
+        ins.sort(key=_input_rank)
         ubs.append({"inputs": ins})
     out: dict = {"ubatches": ubs}
     if shifts:

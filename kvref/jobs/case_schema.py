@@ -83,6 +83,8 @@ class CaseHParams(TypedDict):
     indexer_head_size: NotRequired[int]
     indexer_block_size: NotRequired[int]
     indexer_local_blocks: NotRequired[int]
+    n_layer_nextn: NotRequired[int]
+    n_embd_out: NotRequired[int]  # gemma4-assistant
     swa_layers: list[bool]
     recurrent_layers: list[bool]
     n_embd_r: int
@@ -265,6 +267,7 @@ class TraceOp(TypedDict):
     abort: NotRequired[OpAbort]  # with "ret": "aborts"
     errors: NotRequired[list[str]]
     observed: NotRequired[Observed]
+    ctx: NotRequired[str]  # "other": the op ran in the case's ctx_other context (CaseOther)
     # decode, encode
     tokens: NotRequired[list[int] | None]  # and save / state_load / seq_restore (None: not recorded)
     pos: NotRequired[list[int]]
@@ -316,6 +319,18 @@ class Case(TypedDict):
     observed_model: ObservedModel
     memory: CaseMemory
     trace: list[TraceOp]
+    other: NotRequired[CaseOther]  # the ctx_other context (gemma4-assistant's target)
+
+
+class CaseOther(TypedDict):
+    """The context a case's context reads (llama_context_params.ctx_other), created first, same parameters."""
+
+    model: CaseModel
+    context: CaseContext
+    init: NotRequired[TraceOp]
+    observed_context: ObservedContext | None
+    observed_model: ObservedModel
+    memory: CaseMemory
 
 
 # ---------------------------------------------------------------------------------------------- invalid/
@@ -409,6 +424,7 @@ __all__ = [
     "CaseHParams",
     "CaseMemory",
     "CaseModel",
+    "CaseOther",
     "CaseResultJSON",
     "CheckResultJSON",
     "ConformanceJSON",

@@ -291,10 +291,11 @@ def compat_for(case: Case) -> Profile:
 def other_case(case: Case) -> Case:
     """The case as seen from its ctx_other context (case.json's ``other``: a draft context's target): its model,
     context, observations and memory in the places a case has them (the trace stays the case's)."""
-    other = case["other"]  # type: ignore[typeddict-item]  # present when asked for
-    keys = ("model", "context", "observed_context", "observed_model", "memory")
-    out = {k: v for k, v in case.items() if k != "other"}
-    return cast("Case", {**out, **{k: other[k] for k in keys if k in other}})
+    other = case["other"]
+    out: dict[str, object] = {k: v for k, v in case.items() if k != "other"}
+    out.update(model=other["model"], context=other["context"], observed_context=other["observed_context"],
+               observed_model=other["observed_model"], memory=other["memory"])  # fmt: skip
+    return cast("Case", out)
 
 
 def create_memory_for(case: Case, hp: HParams) -> AnyMemory | None:
@@ -765,9 +766,15 @@ def replay_trace(
             placed: Placed = []
 
             def on_ubatch(
-                ub: UBatch, slot: AnySlot, g: Graph = op["graph"], out: Placed = placed, c: bool | None = causal
+                ub: UBatch,
+                slot: AnySlot,
+                g: Graph = op["graph"],
+                out: Placed = placed,
+                c: bool | None = causal,
+                m: AnyMemory = mem_op,
+                h: HParams = hp_op,
             ) -> None:
-                out.append((ub, slot, graph_inputs(mem_op, ub, slot, g, hp_op, c)))
+                out.append((ub, slot, graph_inputs(m, ub, slot, g, h, c)))
                 carried.placed(ub, slot)
 
             ret = _decode(mem_op, op, hp_op, n_ubatch, on_ubatch)

@@ -335,7 +335,7 @@ class KVCacheMSA(PairedMemory[MSASlot, MSASlot]):
 
     def graph_input(
         self, tensor: str, ub: UBatch, slot: MSASlot | None, *, swa: bool, f16: bool, causal: bool | None
-    ) -> npt.NDArray[np.generic] | None:
+    ) -> npt.NDArray[np.float32] | npt.NDArray[np.int32] | npt.NDArray[np.int64] | None:
         """The MSA inputs llama.cpp's graph reads beyond the base cache's (None for the others):
 
         - ``k_idxs_idx``: the indexer cache's row indices (set_input_k_idxs);

@@ -87,7 +87,7 @@ class SharedKVCache(KVCache):
             self.layers.append(CacheLayer(il, src.k, src.v))
 
     # the cells are the other cache's (llama.cpp's shared v_cells_impl): always its current list
-    @property  # type: ignore[override]
+    @property
     def _cells(self) -> list[KVCells]:
         return self.other._cells
 
@@ -172,7 +172,7 @@ class SharedKVCache(KVCache):
         as_state_args(seq_id, flags)
         return 0
 
-    def state_write_into(self, dst: object, seq_id: int = -1, flags: int = 0) -> int:  # type: ignore[override]
+    def state_write_into(self, dst: object, seq_id: int = -1, flags: int = 0) -> int:
         """Nothing written; 0."""
         as_state_args(seq_id, flags)
         return 0
@@ -236,7 +236,12 @@ class KVCacheISWAShared(KVCacheISWA):
         )  # fmt: skip
         self.base = SharedKVCache(hparams, other.base, layer_filter=filter_base, **common)  # type: ignore[arg-type]
         self.swa = SharedKVCache(
-            hparams, other.swa, layer_filter=filter_swa, n_swa=hparams.n_swa, swa_type=hparams.swa_type, **common  # type: ignore[arg-type]
+            hparams,
+            other.swa,
+            layer_filter=filter_swa,
+            n_swa=hparams.n_swa,
+            swa_type=hparams.swa_type,
+            **common,  # type: ignore[arg-type]
         )
 
     def _state_parts(self, flags: int) -> list[KVCache]:
