@@ -886,7 +886,10 @@ class Run:
     def apply(self, op: dict):
         """Perform ``op``, given in case.json's vocabulary with the fields a trace op has before llama.cpp
         answers (no ``ret`` / ``observed`` / ``graph``; a save names no ``file``: the recorder does), and record
-        it; returns what the llama.cpp call returned. ``init`` is the constructor, not an op to apply."""
+        it; returns what the llama.cpp call returned. ``init`` is the constructor, not an op to apply. An op marked
+        ``"ctx": "other"`` goes to the Run of the ctx_other context."""
+        if op.get("ctx") == "other" and self.other is not None:
+            return self.other.apply({k: v for k, v in op.items() if k != "ctx"})
         return _APPLY[op["op"]](self, op)
 
 

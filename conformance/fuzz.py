@@ -73,6 +73,12 @@ MODELS: dict[str, tuple[str, dict]] = {
     "minimax-m3": ("minimax-m3", dict(n_seq_max=2)),
     "minimax-m3-fa-ms": ("minimax-m3", dict(n_seq_max=2, kv_unified=False, flash_attn=True)),
     "minimax-m3-fa-1": ("minimax-m3", dict(n_seq_max=1, flash_attn=True)),
+    # a draft context over gemma4's (ctx_other): about half of the ops go to the target ("ctx": "other")
+    "gemma4-assistant": ("gemma4-assistant", dict(n_seq_max=2, other_model="gemma4")),
+    "gemma4-assistant-fa-ms": (
+        "gemma4-assistant",
+        dict(n_seq_max=2, kv_unified=False, flash_attn=True, other_model="gemma4"),
+    ),
 }
 N_VOCAB = 128
 UBATCHES = (3, 5, 8, 16, 32, 256)
@@ -230,6 +236,10 @@ def make_plan(model: str, seed: int, n_ops: tuple[int, int] = (20, 60), edges: b
                 ops.append({"op": "state_load", "kind": kind})
     if edges:
         ops = insert_edges(ops, model, seed, n_seq, cp, mrope)
+    if extra.get("other_model"):
+        for op in ops:  # the target context gets about half of the ops (a restore takes that context's saves)
+            if rng.random() < 0.5:
+                op["ctx"] = "other"
     return {"model": model, "seed": seed, "arch": arch, "cparams": cp, "ops": ops}
 
 
@@ -343,14 +353,15 @@ def resolve(r, op: dict, saved: dict[str, dict]) -> list[dict]:
         p = max(r.pos_max(op["after"]) + 1, 0)
         return [{**o, "pos": [_llama_pos(p + x) for x in o["pos"]]}]
     if k in ("state_load", "seq_restore") and "file" not in o:
-        src = saved.get(o["kind"])
+        src = saved.get(o["kind"] if "ctx" not in o else f"{o['ctx']}:{o['kind']}")  # that context's last save
         if src is None:
             return []  # nothing of this kind saved yet
         o["file"] = src["file"]
         if o["kind"] == "seq_data":
             o["flags"] = src.get("flags", 0)
         if op.get("rm_first"):
-            return [{"op": "seq_rm", "seq_id": o["dest_seq_id"], "p0": -1, "p1": -1}, o]
+            ctx = {"ctx": o["ctx"]} if "ctx" in o else {}
+            return [{"op": "seq_rm", "seq_id": o["dest_seq_id"], "p0": -1, "p1": -1, **ctx}, o]
     return [o]
 
 
@@ -392,7 +403,7 @@ def execute(
         for k, op in enumerate(ops):
             perform(f"{i}.{k}", op)
             if op["op"] == "save" and r.trace[-1]["ret"] not in ("aborts", 0):  # 0 bytes: no artefact
-                saved[op["kind"]] = r.trace[-1]
+                saved[op["kind"] if "ctx" not in op else f"{op['ctx']}:{op['kind']}"] = r.trace[-1]
         mark(i)
         done += 1
         if check_every and done % check_every == 0:
@@ -423,6 +434,9 @@ def child_main(a) -> int:
     m = tinymodels.BUILDERS[plan["arch"]](model_dir)
     m.committed = plan["arch"] in generate.COMMITTED_MODELS
     cp = plan["cparams"]
+    models = {plan["arch"]: m}
+    if cp.get("other_model"):  # the ctx_other context's model (gemma4-assistant's target)
+        models[cp["other_model"]] = tinymodels.BUILDERS[cp["other_model"]](model_dir)
     owner: list[int] = []
 
     def script(r, _tok):
@@ -442,7 +456,7 @@ def child_main(a) -> int:
         )
     covers = plan.get("covers", ["fuzz"])
     case = generate.Case(cid, plan["arch"], desc.strip(), covers, script, **{k: v for k, v in cp.items()})
-    doc = generate.run_case(case, m, vers, golden_dir=out.parent)
+    doc = generate.run_case(case, m, vers, golden_dir=out.parent, models=models)
     if a.meta_out:
         Path(a.meta_out).write_text(json.dumps({"owner": owner, "n_plan": len(plan["ops"])}))
     print(f"{cid}: {len(doc['trace'])} ops, {sum(op['op'] == 'save' for op in doc['trace'])} saves")
