@@ -36,8 +36,9 @@ MUL_MAT nodes.
 
 The base and the SWA mask (and the two caches' indices) carry the same names; the layer index of the
 consumer tells them apart (the caller maps it with the model's SWA layers). Every graph of a model starts
-with the token-embedding lookup (GET_ROWS of ``token_embd.weight``), which is how the ubatches of one
-llama_decode are told apart; a K-shift graph has no such node and runs before them.
+with the token-embedding lookup (GET_ROWS of ``token_embd.weight``; DFlash's KV-injection graph with the MUL_MAT of
+``fc.weight``), which is how the ubatches of one llama_decode are told apart; a K-shift graph has no such node and
+runs before them.
 
 Older releases (the legacy goldens) differ in what there is to read. Before llama.cpp's ``ggml_set_rows``
 (0.2.90, and 0.3.12, where it is opt-in through ``LLAMA_SET_ROWS`` and off) K and V are written with a CPY into
@@ -306,6 +307,8 @@ class Capture:
         op = t.op
         if op == OP_GET_ROWS and t.src[0] and _name(t.src[0].contents) == "token_embd.weight":
             return ("graph",)
+        if op == OP_MUL_MAT and t.src[0] and _name(t.src[0].contents) == "fc.weight":
+            return ("graph",)  # DFlash's KV-injection graph starts with its feature fusion (no token embedding)
         if op == OP_GET_ROWS and t.src[0] and t.src[1] and "attn_rel_b" in _name(t.src[0].contents):
             m = _BLK_RE.search(_name(t.src[0].contents))
             return ("pos_bucket", int(m.group(1)) if m else -1, 1)

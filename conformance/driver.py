@@ -510,18 +510,23 @@ class Run:
 
     # -------------------------------------------------------------- decode
 
-    def _run_batch(self, call, tokens, pos, seq_ids, logits) -> tuple[int, list[str]]:
+    def _run_batch(self, call, tokens, pos, seq_ids, logits, embd_only: int = 0) -> tuple[int, list[str]]:
         """``call(ctx, batch)`` (llama_decode / llama_encode) on a llama_batch of these entries; returns its
-        result and what llama.cpp logged meanwhile (the capture's previous graphs are dropped first)."""
+        result and what llama.cpp logged meanwhile (the capture's previous graphs are dropped first).
+        ``embd_only``: an embeddings batch of that row width (no token ids: ``tokens`` are not sent)."""
         n = len(tokens)
-        b = L.llama_batch_init(n, 0, max(max(len(s) for s in seq_ids), 1))
+        b = L.llama_batch_init(n, embd_only, max(max(len(s) for s in seq_ids), 1))
         b.n_tokens = n
         embd = None
+        if embd_only:
+            for j in range(n * embd_only):
+                b.embd[j] = 0.01
         if self.embd_width:  # tokens and hidden states in one batch (a draft head's input): fixed values
             embd = (ctypes.c_float * (n * self.embd_width))(*([0.01] * (n * self.embd_width)))
             b.embd = ctypes.cast(embd, ctypes.POINTER(ctypes.c_float))
         for i in range(n):
-            b.token[i] = int(tokens[i])
+            if not embd_only:
+                b.token[i] = int(tokens[i])
             b.pos[i] = int(pos[i])
             b.n_seq_id[i] = len(seq_ids[i])
             for j, s in enumerate(seq_ids[i]):
@@ -537,12 +542,16 @@ class Run:
         L.llama_batch_free(b)
         return ret, lines
 
-    def decode(self, tokens, pos, seq_ids, logits=None) -> int:
+    def decode(self, tokens, pos, seq_ids, logits=None, embd: int = 0) -> int:
+        """llama_decode; ``embd``: a batch of embeddings of that row width instead of token ids (``tokens`` are then
+        recorded as 0 placeholders: DFlash's KV-injection batch of target features)."""
         n = len(tokens)
         assert len(pos) == n and len(seq_ids) == n
         if logits is None:
             logits = [0] * (n - 1) + [1]
-        ret, lines = self._run_batch(L.llama_decode, tokens, pos, seq_ids, logits)
+        if embd:
+            tokens = [0] * n
+        ret, lines = self._run_batch(L.llama_decode, tokens, pos, seq_ids, logits, embd_only=embd)
         graphs = None
         if self.capture is not None:
             if self.capture.error is not None:
@@ -558,6 +567,8 @@ class Run:
             "logits": [int(bool(x)) for x in logits],
             "ret": ret,
         }
+        if embd:
+            op["embd"] = int(embd)
         if graphs is not None and (ret == 0 or graphs["shift"] or graphs["ubatches"]):
             import capture
 

@@ -624,6 +624,38 @@ def s_assistant(r, tok):
     r.decode_seq(0, tok(2))
 
 
+def s_dflash(r, tok):
+    """DFlash's two batch kinds on its plain KV cache: KV-injection batches (target features, no token ids: K/V
+    stored, no mask) and noise blocks of tokens (non-causal attention over the cache), each block removed again
+    (seq_rm) before the next injection, as the speculative loop does; a second sequence, artefacts, restores."""
+    n_seq = r.n_seq_max
+    width = r.hp["n_embd_inp_enc"]
+    hist: dict[int, list[int]] = {}
+    for s in range(n_seq):
+        n = 6 - s
+        r.decode([0] * n, list(range(n)), [[s]] * n, embd=width)
+        hist[s] = tok(n)  # what a session stores with the positions the features stand for
+    for _ in range(2):
+        p0 = r.pos_max(0) + 1
+        r.decode_seq(0, tok(4))  # the noise block
+        r.seq_rm(0, p0, -1)
+        n = 3
+        r.decode([0] * n, list(range(p0, p0 + n)), [[0]] * n, embd=width)
+        hist[0] += tok(n)
+    if n_seq > 1:
+        p0, p1 = r.pos_max(0) + 1, r.pos_max(1) + 1
+        r.decode(tok(4), [p0, p1, p0 + 1, p1 + 1], [[0], [1], [0], [1]], [0, 0, 1, 1])
+        r.seq_rm(0, p0, -1)
+        r.seq_rm(1, p1, -1)
+    r.save_all(hist)
+    r.seq_rm(0, -1, -1)
+    r.load_seq(r.latest("seq", 0), 0)
+    r.clear()
+    r.set_state_data(r.latest("state"))
+    r.decode_seq(0, tok(2))
+    r.save_state_data()
+
+
 def s_init_refused(r, tok):
     # nothing to do: the context was refused
     pass
@@ -1082,6 +1114,17 @@ CASES: list[Case] = [
         kv_unified=False,
         flash_attn=True,
         other_model="gemma4",
+    ),
+    # ---- dflash: a block-diffusion draft (default memory: a plain KV cache without hyper-connections)
+    Case(
+        "dflash-kv-injection",
+        "dflash",
+        "dflash (own token_embd and output, no ctx_other; non-causal; plain KV cache): KV-injection batches of "
+        "target features (embd batches: K/V stored, no KQ mask) and noise blocks of tokens removed again, two "
+        "sequences, artefacts, sequence and whole-state restores.",
+        ["arch", "dflash", "embd-batch", "non-causal", "multi-seq", "seq-rm", "seq-restore", "state-load"],
+        s_dflash,
+        n_seq_max=2,
     ),
     Case(
         "qwen2vl-mrope",

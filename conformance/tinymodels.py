@@ -937,6 +937,40 @@ def build_gemma4_assistant(out: Path) -> TinyModel:
     return b.finish(out, "gemma4-assistant-tiny", meta, hp)
 
 
+# ---------------------------------------------------------------- dflash (a block-diffusion draft, default memory)
+
+
+def build_dflash(out: Path) -> TinyModel:
+    """A DFlash draft (no hyper-connections: llama.cpp's default path builds a plain KV cache): 2 layers, n_embd
+    32, 2 query heads of dim 16 over 1 KV head, q/k norms, rope neox, target_layers [1, 2] (a KV-injection batch
+    carries 2 x 32 target features per token), its own token_embd and output (so no ctx_other), non-causal."""
+    d = _Dims(n_layer=2, n_embd=32, n_head=2, n_head_kv=1, hd=16, n_ff=32)
+    target_layers = [1, 2]
+    b = _Builder("dflash", seed=1025)
+    b.mat("token_embd.weight", N_VOCAB, d.n_embd)
+    b.mat("fc.weight", d.n_embd, len(target_layers) * d.n_embd)
+    b.vec("enc.output_norm.weight", d.n_embd, 1.0)
+    b.vec("output_norm.weight", d.n_embd, 1.0)
+    b.mat("output.weight", N_VOCAB, d.n_embd)
+    for i in range(d.n_layer):
+        p = f"blk.{i}."
+        b.vec(p + "attn_norm.weight", d.n_embd, 1.0)
+        _attn_proj(b, p, d, d.n_head_kv)
+        b.vec(p + "attn_q_norm.weight", d.hd, 1.0)
+        b.vec(p + "attn_k_norm.weight", d.hd, 1.0)
+        _ffn(b, p, d)
+
+    def meta(w):
+        _common_meta(w, d)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_rope_freq_base(10000.0)
+        w.add_causal_attention(False)
+        w.add_array("dflash.target_layers", target_layers)
+
+    hp = _attn_hparams("dflash", d, rope_type="neox", causal_attn=False, n_embd_inp_enc=len(target_layers) * d.n_embd)
+    return b.finish(out, "dflash-tiny", meta, hp)
+
+
 BUILDERS = {
     "llama": build_llama,
     "mamba": build_mamba,
@@ -958,4 +992,5 @@ BUILDERS = {
     "stablelm-rot32": build_stablelm_rot32,
     "minimax-m3": build_minimax_m3,
     "gemma4-assistant": build_gemma4_assistant,
+    "dflash": build_dflash,
 }

@@ -85,6 +85,7 @@ class CaseHParams(TypedDict):
     indexer_local_blocks: NotRequired[int]
     n_layer_nextn: NotRequired[int]
     n_embd_out: NotRequired[int]  # gemma4-assistant
+    n_embd_inp_enc: NotRequired[int]  # dflash
     swa_layers: list[bool]
     recurrent_layers: list[bool]
     n_embd_r: int
@@ -272,6 +273,7 @@ class TraceOp(TypedDict):
     tokens: NotRequired[list[int] | None]  # and save / state_load / seq_restore (None: not recorded)
     pos: NotRequired[list[int]]
     seq_ids: NotRequired[list[list[int]]]
+    embd: NotRequired[int]  # decode: an embeddings batch of this row width (tokens are 0 placeholders)
     logits: NotRequired[list[int]]
     graph: NotRequired[Graph]
     # sequence operations

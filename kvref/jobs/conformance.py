@@ -584,10 +584,15 @@ def _decode(
 
     n_vocab = hp.n_vocab
     tokens = cast("list[int]", op["tokens"])  # a decode's tokens are recorded
-    if any(t < 0 or (n_vocab and t >= n_vocab) for t in tokens):
+    width = op.get("embd")
+    if not width and any(t < 0 or (n_vocab and t >= n_vocab) for t in tokens):
         return -1  # llama_batch_allocr::init: invalid token id
     try:
-        batch = Batch(tokens=tokens, pos=op.get("pos"), seq_ids=op["seq_ids"], logits=op.get("logits"))
+        if width:  # an embeddings batch (the tokens are placeholders): the values never reach the memory
+            embd = np.zeros((len(tokens), width), np.float32)
+            batch = Batch(embd=embd, pos=op.get("pos"), seq_ids=op["seq_ids"], logits=op.get("logits"))
+        else:
+            batch = Batch(tokens=tokens, pos=op.get("pos"), seq_ids=op["seq_ids"], logits=op.get("logits"))
         if on_ubatch is None:
             mem.decode(batch, n_ubatch)
         else:

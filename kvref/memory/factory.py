@@ -312,7 +312,10 @@ def create_memory(
                 return -1
 
         n_trunk = hparams.n_layer_trunk()
-        if hparams.n_layer_nextn > 0 and n_trunk > 0 and hparams.router_layer < 0:
+        hc_dflash = arch == "dflash" and hparams.dsv4_hc_mult > 0  # DSpark stages: an iSWA cache, no filter
+        if hc_dflash and hparams.swa_type == SWAType.NONE:
+            raise KVRefError("dflash with hyper-connections needs a sliding window (llama.cpp asserts swa_type)")
+        if hparams.n_layer_nextn > 0 and n_trunk > 0 and hparams.router_layer < 0 and not hc_dflash:
 
             def layer_filter(il: int) -> bool:
                 return il < n_trunk  # the trunk context never attends the MTP blocks
