@@ -73,6 +73,8 @@ MODELS: dict[str, tuple[str, dict]] = {
     "minimax-m3": ("minimax-m3", dict(n_seq_max=2)),
     "minimax-m3-fa-ms": ("minimax-m3", dict(n_seq_max=2, kv_unified=False, flash_attn=True)),
     "minimax-m3-fa-1": ("minimax-m3", dict(n_seq_max=1, flash_attn=True)),
+    # dflash's default memory (plain KV cache, non-causal); the plans decode tokens (no KV-injection batches)
+    "dflash": ("dflash", dict(n_seq_max=2)),
     # a draft context over gemma4's (ctx_other): about half of the ops go to the target ("ctx": "other")
     "gemma4-assistant": ("gemma4-assistant", dict(n_seq_max=2, other_model="gemma4")),
     "gemma4-assistant-fa-ms": (

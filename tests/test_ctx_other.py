@@ -67,3 +67,38 @@ def test_draft_sequence_ops_do_nothing_but_clear_empties_the_target():
     assert target.state_write() == before
     draft.clear()  # llama_kv_cache::clear is not guarded: the shared cells are reset
     assert target.seq_pos_max(0) == -1 and draft.seq_pos_max(0) == -1
+
+
+# ---- dflash (a draft whose memory create_memory builds on its own: src/llama-model.cpp, case LLM_ARCH_DFLASH)
+
+
+def _dflash_hp():
+    return C.hparams_from_case(load_case("dflash-kv-injection"))
+
+
+@pytest.mark.skipif(not (ROOT / "golden" / "dflash-kv-injection").is_dir(), reason="no dflash golden")
+def test_dflash_without_hyper_connections_takes_the_default_path():
+    from kvref.memory.kv_cache import KVCache
+
+    case = load_case("dflash-kv-injection")
+    mem = C.create_memory_for(case, _dflash_hp())
+    assert type(mem) is KVCache and mem.get_layer_ids() == [0, 1]
+    C.check_memory_shape(case, mem)
+
+
+@pytest.mark.skipif(not (ROOT / "golden" / "dflash-kv-injection").is_dir(), reason="no dflash golden")
+def test_dflash_with_hyper_connections_is_an_unfiltered_iswa_cache():
+    import dataclasses
+
+    from kvref.hparams import SWAType
+    from kvref.memory.kv_cache_iswa import KVCacheISWA
+
+    # DSpark: every stage a sliding-window layer; the NextN count does not filter (no trunk filter on this path)
+    hp = dataclasses.replace(
+        _dflash_hp(), dsv4_hc_mult=4, swa_type=SWAType.STANDARD, n_swa=8, swa_layers=True, n_layer_nextn=1
+    )
+    mem = create_memory(hp, n_ctx=256)
+    assert isinstance(mem, KVCacheISWA)
+    assert mem.base.get_layer_ids() == [] and mem.swa.get_layer_ids() == [0, 1]
+    with pytest.raises(KVRefError, match="sliding window"):  # GGML_ASSERT(hparams.swa_type != NONE)
+        create_memory(dataclasses.replace(_dflash_hp(), dsv4_hc_mult=4), n_ctx=256)
