@@ -256,7 +256,9 @@ def _readings_of(
         variants = list(dict.fromkeys((False, n, e) for _, n, e in variants))
     # a memoryless context ("none") must be asked for: in "auto" it would make every state cut right after
     # its arch string a valid reading
-    layouts = [name for name in LAYOUTS if name != "none"] if layout == "auto" else [layout]
+    # "none" is never inferred from readings (only when nothing else parses, see load); "msa" reads as "iswa" (the
+    # same sections) and is named from the arch string
+    layouts = [name for name in LAYOUTS if name not in ("none", "msa")] if layout == "auto" else [layout]
     # blobs of the current format carry the io_magic prefix; asked for a seq_state, assume it (a corrupt magic
     # is then reported as such) unless the bytes are being guessed (kind "auto") and do not start with it
     headers = [True] if kind != "seq_state" or auto_kind is False else [magic]
@@ -1071,6 +1073,19 @@ def load(
                     offset=0,
                 )
         best.readings = failures
+        if layout == "auto" and best.offset == len(buf):
+            # every memory reading stops where its first section would start, at the end: a state without a
+            # memory section (a draft context over another context's cache, gemma4-assistant with ctx_other,
+            # writes none; so does a context without memory)
+            try:
+                empty = load(buf, kind, "none", ext_size=ext_size, n_stream_field=n_stream_field, has_v=has_v,
+                             outputs=outputs, ple=ple, n_state_layers=n_state_layers, seq_header=seq_header)  # fmt: skip
+            except FormatError:
+                raise best from None
+            empty.note = (
+                "no memory section (read as layout none): a context without memory or a draft over another's cache"
+            )
+            return empty
         raise best
     which = "; ".join(describe(c) for c, _ in found.values())
     raise FormatError(
