@@ -1078,8 +1078,18 @@ def load(
             # memory section (a draft context over another context's cache, gemma4-assistant with ctx_other,
             # writes none; so does a context without memory)
             try:
-                empty = load(buf, kind, "none", ext_size=ext_size, n_stream_field=n_stream_field, has_v=has_v,
-                             outputs=outputs, ple=ple, n_state_layers=n_state_layers, seq_header=seq_header)  # fmt: skip
+                empty: StateObject = load(
+                    buf,
+                    kind,
+                    "none",
+                    ext_size=ext_size,
+                    n_stream_field=n_stream_field,
+                    has_v=has_v,
+                    outputs=outputs,
+                    ple=ple,
+                    n_state_layers=n_state_layers,
+                    seq_header=seq_header,
+                )
             except FormatError:
                 raise best from None
             empty.note = (
