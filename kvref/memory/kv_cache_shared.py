@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
-from ..args import as_state_args
+from ..args import as_int, as_state_args
 from ..errors import KVRefError
 from ..ggml.types import GGMLType
 from ..hparams import HParams, SWAType
@@ -97,8 +97,8 @@ class SharedKVCache(KVCache):
 
     # --- sequence operations: nothing while ``other`` is set --------------------------------------------------
     def check_op(self, op: str, *args: object) -> tuple[int, ...]:
-        """llama.cpp returns before checking anything: every argument is accepted (as an int)."""
-        return tuple(int(a) for a in args)  # type: ignore[call-overload]
+        """llama.cpp returns before checking anything: every argument is accepted (an int, as the C API takes)."""
+        return tuple(as_int(a, f"{op} argument {i}") for i, a in enumerate(args))
 
     def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
         """Nothing removed; true (llama_kv_cache::seq_rm with ``other``)."""
