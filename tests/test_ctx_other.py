@@ -102,3 +102,16 @@ def test_dflash_with_hyper_connections_is_an_unfiltered_iswa_cache():
     assert mem.base.get_layer_ids() == [] and mem.swa.get_layer_ids() == [0, 1]
     with pytest.raises(KVRefError, match="sliding window"):  # GGML_ASSERT(hparams.swa_type != NONE)
         create_memory(dataclasses.replace(_dflash_hp(), dsv4_hc_mult=4), n_ctx=256)
+
+
+def test_inspect_reads_the_drafts_empty_state():
+    """llama.cpp wrote the draft's session as header, tokens and the arch string only (32 bytes): it reads as
+    layout none, noted."""
+    from kvref.jobs.cli import main
+
+    f = ROOT / "golden" / CID / "01-session.ggsn"
+    assert f.stat().st_size == 32
+    obj = kvref.state.load(f)
+    assert obj.memory.layout == "none" and obj.memory.sections == [] and obj.arch == "gemma4-assistant"
+    assert "no memory section" in (obj.note or "")
+    assert main(["inspect", str(f)]) == 0
