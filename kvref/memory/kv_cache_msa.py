@@ -28,15 +28,24 @@ from ..errors import KVRefError, NoSlotError
 from ..ggml.types import GGMLType
 from ..hparams import HParams, SWAType, is_masked_swa
 from ..profile import DEFAULT, Profile, resolve
-from .base import ContextParams, PairedMemory, decode_batch, over_n_batch, read_parts, store_rows
-from .batch import UBatch
+from .base import (
+    ContextParams,
+    PairedMemory,
+    check_decode,
+    decode_batch,
+    decode_seq_bound,
+    over_n_batch,
+    read_parts,
+    store_rows,
+)
+from .batch import BatchAllocr, UBatch
 from .kv_cache import KVCache, YarnParams
 from .slots import SlotInfo
 
 if TYPE_CHECKING:
     from typing_extensions import Buffer, Unpack
 
-    from .batch import Batch, BatchAllocr
+    from .batch import Batch
 
 MSA_POS_PAD = 256  # llama_kv_cache_msa_context::get_n_pos pads to at least this
 MSA_LOCAL_BIAS = np.float32(1e30)  # what the local-force bias puts on a token's own (and preceding local) blocks
@@ -210,7 +219,10 @@ class KVCacheMSA(PairedMemory[MSASlot, MSASlot]):
         """What llama_decode does to the memory (`decode_batch`); ``k`` / ``v`` rows go to the base cache. The
         common one-stream step is planned in both caches and written only when both plans hold (as
         `kvref.memory.kv_cache_iswa.KVCacheISWA.decode`)."""
-        if balloc is None and not embd_all and self.base.n_stream == 1 and not over_n_batch(self.cparams, batch):
+        if self.msa_enabled() and batch.n_tokens > 1:
+            # a batch graph of MSA may abort in llama.cpp: checked on the ubatches before anything changes
+            balloc = self._check_msa_batch(batch, n_ubatch, balloc, embd_all)
+        elif balloc is None and not embd_all and self.base.n_stream == 1 and not over_n_batch(self.cparams, batch):
             step = self._decode_single(batch, n_ubatch)
             if step is not None:
                 ub, slot = step
@@ -218,6 +230,42 @@ class KVCacheMSA(PairedMemory[MSASlot, MSASlot]):
                     store_rows(self, ub, slot, k, v, on_ubatch)
                 return [(ub, slot)]
         return decode_batch(self, batch, n_ubatch, k=k, v=v, balloc=balloc, embd_all=embd_all, on_ubatch=on_ubatch)
+
+    def _check_msa_batch(self, batch: Batch, n_ubatch: int, balloc: BatchAllocr | None, embd_all: bool) -> BatchAllocr:
+        """What llama.cpp's MSA batch graph (a ubatch of more than one token per stream) aborts on, refused before
+        the memory changes: its cell -> position block map (set_input_cell_pos, C division) is a row index of a
+        GET_ROWS, so a cell of the stream's sequence at a position <= -indexer_block_size (block < 0) fails
+        ``GGML_ASSERT(i01 >= 0 && i01 < ne01)`` (ggml-cpu ops.cpp). The batch is validated and split as decode does
+        (its errors first, in llama.cpp's order); the allocator is returned for decode to use."""
+        if balloc is None:
+            balloc = BatchAllocr(self.hparams.n_pos_per_embd())
+        n_seq_max = decode_seq_bound(self.profile, self.kv_unified, self._decode_n_seq_max())
+        balloc.init(batch, memory=self, n_seq_max=n_seq_max, output_all=embd_all)
+        check_decode(self, balloc)
+        several = self.get_n_stream() != 1
+        ubatches = balloc.split_whole("equal" if several else "simple", n_ubatch, sequential=several) or []
+        balloc.split_reset()
+        blk = self.hparams.indexer_block_size
+        lowest: dict[int, int] = {}  # per sequence, its lowest position among the cells and the tokens so far
+        for ub in ubatches:
+            pos = np.asarray(ub.pos[: ub.n_tokens]).astype(np.int64)
+            for i in range(ub.n_tokens):
+                s = int(ub.seq_id[i][0])
+                if s not in lowest:
+                    cpos, has = self._seq_cells(s)
+                    lowest[s] = int(cpos[has].min()) if has.any() else 0
+                lowest[s] = min(lowest[s], int(pos[i]))
+            n_stream = len({int(self.base.seq_to_stream[int(ub.seq_id[i][0])]) for i in range(ub.n_tokens)})
+            if ub.n_tokens // max(n_stream, 1) <= 1:
+                continue  # a decode graph (one token per stream): no cell -> block map
+            for s in self._stream_seqs(ub, n_stream):
+                if -(-lowest[s] // blk) < 0:  # C division toward zero: pos / blk < 0
+                    raise KVRefError(
+                        f"sequence {s} holds position {lowest[s]} <= -{blk} (indexer_block_size): the MSA batch "
+                        "graph's cell -> block map gets a negative row index and llama.cpp aborts "
+                        "(GGML_ASSERT(i01 >= 0 && i01 < ne01) in ggml-cpu's get_rows)"
+                    )
+        return balloc
 
     def _decode_single(self, batch: Batch, n_ubatch: int) -> tuple[UBatch, MSASlot] | None:
         """The common step in both caches (see `KVCacheISWA._decode_single`); None, with nothing changed, when
@@ -270,11 +318,12 @@ class KVCacheMSA(PairedMemory[MSASlot, MSASlot]):
         return [int(ub.seq_id[s * n_tps][0]) for s in range(n_stream)]
 
     def _seq_cells(self, seq_id: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.bool_]]:
-        """The positions of the base cells of ``seq_id``'s stream, and which of them hold ``seq_id``."""
+        """The positions of the base cells of ``seq_id``'s stream, and which of them hold ``seq_id`` (not empty: a
+        cell at a negative position other than -1 is used, as llama_kv_cells::is_empty says)."""
         cells = self.base.get_cells(seq_id)
         pos = np.asarray(cells.pos)
         has = (np.asarray(cells.seq)[:, seq_id >> 6] & np.uint64(1 << (seq_id & 63))) != 0
-        return pos, has & (pos >= 0)
+        return pos, has & (pos != -1)
 
     def pos_slot(self, ub: UBatch, n_stream: int) -> npt.NDArray[np.int32]:
         """set_input_pos_slot: per stream of the ubatch, position -> the last cell holding it (0 where none);
@@ -283,7 +332,7 @@ class KVCacheMSA(PairedMemory[MSASlot, MSASlot]):
         out = np.zeros((n_stream, n_ps), np.int32)
         for s, seq_id in enumerate(self._stream_seqs(ub, n_stream)):
             pos, has = self._seq_cells(seq_id)
-            cells = np.flatnonzero(has & (pos < n_ps))
+            cells = np.flatnonzero(has & (pos >= 0) & (pos < n_ps))  # llama.cpp skips p0 < 0 and p0 >= n_pos
             out[s, pos[cells]] = cells  # ascending cells: the last one of a position wins, as llama.cpp's loop
         return out
 
@@ -308,7 +357,7 @@ class KVCacheMSA(PairedMemory[MSASlot, MSASlot]):
         for seq_id in sorted({int(ub.seq_id[i][0]) for i in range(ub.n_tokens)}):
             toks = np.array([i for i in range(ub.n_tokens) if int(ub.seq_id[i][0]) == seq_id], np.int64)
             pos, has = self._seq_cells(seq_id)
-            p0 = np.unique(pos[has & (pos < n_ps)]).astype(np.int64)
+            p0 = np.unique(pos[has & (pos >= 0) & (pos < n_ps)]).astype(np.int64)
             p1 = ub_pos[toks].astype(np.int64)
             ok = p0[None, :] <= p1[:, None]
             if self.swa_type != SWAType.NONE:
@@ -326,7 +375,8 @@ class KVCacheMSA(PairedMemory[MSASlot, MSASlot]):
         blk, local = self.hparams.indexer_block_size, self.hparams.indexer_local_blocks
         nblk = self.n_ps() // blk
         out = np.zeros((ub.n_tokens, nblk), np.float32)
-        big = np.asarray(ub.pos[: ub.n_tokens]).astype(np.int64) // blk
+        p = np.asarray(ub.pos[: ub.n_tokens]).astype(np.int64)
+        big = np.sign(p) * (np.abs(p) // blk)  # C division (toward zero): positions -blk < p < 0 are block 0
         for l_ in range(local):
             b = big - l_
             ok = (b >= 0) & (b < nblk)
