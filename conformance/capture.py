@@ -18,7 +18,16 @@ T5 position buckets    GET_ROWS of ``*attn_rel_b.weight``     src[1] (a 1-D view
 DSA MLA mask           FILL of ``attn_inp_kq_mask``           src[0] (its soft-max reads the top-k mask)
 DSA indexer mask       LIGHTNING_INDEXER                      src[3] (``kq_mask_lid``, f16)
 DSA indexer indices    SET_ROWS of ``indexer_k-<il>`` rows    src[1] (``k_idxs_lid``)
+MSA indexer row idxs   SET_ROWS into an indexer cache_k_l<il> src[1] (``k_idxs_idx``: the cache's rows are
+                       (rows ``idx_width`` wide)                      ``idx_width`` wide, the base cache's are not)
+MSA pos_mask           ``msa_bs-<il>`` (POOL_2D) -> its ADD       src[1] (``kq_mask_msa_pos``)
+MSA pos_slot_i         the GET_ROWS that ADD's MUL_MAT reads   src[1] (``msa_pos_slot``)
+MSA local bias         ADD of ``msa_bs-<il>``                  src[1] (``kq_mask_msa_bias``)
+MSA cell_blk (batch)   GET_ROWS of ``msa_block_mask-<il>``     src[1] (``msa_cell_blk``)
+MSA pos_slot_f         GET_ROWS of another input (decode)      src[0] (``msa_pos_slot_f``)
 =====================  =====================================  ==========
+
+(MSA: MiniMax-M3's llm_graph_input_msa, read through views and reshapes to the input itself.)
 
 With ``rows=True`` (the attention-rotation cases) the K and V rows a decode stores are read too, before and
 after llama.cpp's Hadamard rotation: through each ``MUL_MAT`` with the hint ``GGML_HINT_SRC0_IS_HADAMARD`` whose
@@ -30,8 +39,9 @@ MUL_MAT nodes.
 
 The base and the SWA mask (and the two caches' indices) carry the same names; the layer index of the
 consumer tells them apart (the caller maps it with the model's SWA layers). Every graph of a model starts
-with the token-embedding lookup (GET_ROWS of ``token_embd.weight``), which is how the ubatches of one
-llama_decode are told apart; a K-shift graph has no such node and runs before them.
+with the token-embedding lookup (GET_ROWS of ``token_embd.weight``; DFlash's KV-injection graph with the MUL_MAT of
+``fc.weight``), which is how the ubatches of one llama_decode are told apart; a K-shift graph has no such node and
+runs before them.
 
 Older releases (the legacy goldens) differ in what there is to read. Before llama.cpp's ``ggml_set_rows``
 (0.2.90, and 0.3.12, where it is opt-in through ``LLAMA_SET_ROWS`` and off) K and V are written with a CPY into
@@ -153,6 +163,7 @@ OP_ADD = _OP_IDS["ADD"]
 OP_CONCAT = _OP_IDS.get("CONCAT", -1)
 OP_EXP = _OP_IDS.get("EXP", -1)
 OP_LIGHTNING_INDEXER = _OP_IDS.get("LIGHTNING_INDEXER", -1)  # glm5-next's fused k-pool indexer (2026)
+OP_ADD = _OP_IDS["ADD"]
 GGML_HINT_SRC0_IS_HADAMARD = 1  # ggml.h
 GGML_TENSOR_FLAG_INPUT = 1  # ggml.h enum ggml_tensor_flag
 _ROWS_RE = re.compile(r"^([KV])cur-(\d+)")
@@ -233,6 +244,27 @@ def _is_input(p: Any) -> bool:
     return bool(p) and bool(p.contents.flags & GGML_TENSOR_FLAG_INPUT)
 
 
+def _root(p: Any) -> Any:
+    """The tensor a (chain of) view(s) / reshape(s) ``p`` looks at."""
+    while p and p.contents.view_src:
+        p = p.contents.view_src
+    return p
+
+
+def _through_views(p: Any, op: int, depth: int = 4) -> Any:
+    """Follow views and reshapes from ``p`` (through their source) to the first tensor of ``op``, or None."""
+    while p and depth > 0:
+        if p.contents.op == op:
+            return p
+        p = p.contents.view_src if p.contents.view_src else None
+        depth -= 1
+    return None
+
+
+def _is_input(p: Any) -> bool:
+    return bool(p) and bool(p.contents.flags & GGML_TENSOR_FLAG_INPUT)
+
+
 def read_tensor(t: Any) -> np.ndarray:
     """The tensor's data as a NumPy array in ggml order reversed: shape (ne3, ne2, ne1, ne0), strides nb."""
     dt = _DTYPES.get(t.type)
@@ -292,8 +324,11 @@ class Capture:
 
     ``swa_layer(il)`` says whether layer il's attention reads the SWA cache (of an iSWA memory)."""
 
-    def __init__(self, swa_layer: Any, rows: bool = False) -> None:
+    def __init__(self, swa_layer: Any, rows: bool = False, idx_width: int = 0) -> None:
         self.swa_layer = swa_layer
+        # MSA (minimax-m3): the indexer key cache's row width; its SET_ROWS indices are k_idxs_idx
+        self.idx_width = idx_width
+        self._msa_pos_mask: int | None = None  # the address of this ubatch's pos_mask input (once seen)
         self.want_rows = rows
         # rows=True: per decode, ("k" | "v", layer, ubatch, pre-rotation f32, post-rotation f32) in graph order
         self.rows: list[tuple[str, int, int, np.ndarray, np.ndarray]] = []
@@ -328,6 +363,8 @@ class Capture:
         op = t.op
         if op == OP_GET_ROWS and t.src[0] and _name(t.src[0].contents) == "token_embd.weight":
             return ("graph",)
+        if op == OP_MUL_MAT and t.src[0] and _name(t.src[0].contents) == "fc.weight":
+            return ("graph",)  # DFlash's KV-injection graph starts with its feature fusion (no token embedding)
         if op == OP_GET_ROWS and t.src[0] and t.src[1] and "attn_rel_b" in _name(t.src[0].contents):
             m = _BLK_RE.search(_name(t.src[0].contents))
             return ("pos_bucket", int(m.group(1)) if m else -1, 1)
@@ -406,6 +443,8 @@ class Capture:
             # the DSA indexer cache's tensors carry the MLA cache's names: its rows are the indexer keys
             if t.src[0] and _name(t.src[0].contents).startswith("indexer_k"):
                 return ("k_idxs_lid", c[1], 1)
+            if self.idx_width and c[0] == "k" and int(_root(t.view_src).contents.ne[0]) == self.idx_width:
+                return ("k_idxs_idx", c[1], 1)
             return (f"{c[0]}_idxs", c[1], 1)
         if op == OP_LIGHTNING_INDEXER and t.src[3]:
             # ggml_lightning_indexer(q, k = the indexer cache's K, weights, mask): the indexer KQ mask (f16)
@@ -415,6 +454,10 @@ class Capture:
             # the DSA attention (build_attn of llm_graph_input_attn_k_dsa) reads the MLA mask here first (its
             # soft-max / flash attention gets the mask with the top-k keys unmasked); the layer is not named
             return ("kq_mask", -1, 0)
+        if self.idx_width:
+            msa = self._classify_msa(t)
+            if msa is not None:
+                return msa
         if self.want_rows and _is_hadamard(t) and t.src[1]:
             m = _ROWS_RE.search(_name(t.src[1].contents))
             if m:
@@ -435,6 +478,37 @@ class Capture:
                 return ("pos", int(m.group(1)) if m else -1, 1)
         return None
 
+    def _classify_msa(self, t: Any) -> tuple | None:
+        """MiniMax-M3's llm_graph_input_msa inputs (see the module docstring): ("msa", layer, [(name, input), ...])."""
+        name = _name(t)
+        m = _LAYER_RE.search(name)
+        if name.startswith("msa_bs-") and t.src[0]:
+            sc = t.src[0].contents  # the block pooling reads the scores plus pos_mask
+            out = []
+            if sc.op == OP_ADD and _is_input(_root(sc.src[1])):
+                out.append(("kq_mask_msa_pos", _root(sc.src[1])))
+            mm = _through_views(sc.src[0], OP_MUL_MAT)
+            gr = _through_views(mm.contents.src[0], OP_GET_ROWS) if mm else None
+            if gr and _is_input(_root(gr.contents.src[1])):
+                out.append(("msa_pos_slot", _root(gr.contents.src[1])))
+            return ("msa", int(m.group(1)) if m else -1, out) if out else None
+        bias = t.op == OP_ADD and t.src[0] and _name(t.src[0].contents).startswith("msa_bs-")
+        if bias and _is_input(_root(t.src[1])):
+            il = _LAYER_RE.search(_name(t.src[0].contents))
+            return ("msa", int(il.group(1)) if il else -1, [("kq_mask_msa_bias", _root(t.src[1]))])
+        if t.op == OP_GET_ROWS and t.src[0] and t.src[1]:
+            if "msa_block_mask" in _name(t.src[0].contents) and _is_input(_root(t.src[1])):
+                return ("msa", -1, [("msa_cell_blk", _root(t.src[1]))])
+            src = _root(t.src[0])
+            if (
+                _is_input(src)
+                and src.contents.type == 0
+                and self._msa_pos_mask is not None
+                and ctypes.addressof(src.contents) != self._msa_pos_mask
+            ):
+                return ("msa", -1, [("msa_pos_slot_f", src)])
+        return None
+
     def _swa(self, kind: str, il: int) -> bool:
         # the positions are one input for every layer
         return kind != "pos" and il >= 0 and bool(self.swa_layer(il))
@@ -448,7 +522,20 @@ class Capture:
             if what[0] == "graph":
                 self.ubatches.append({"inputs": []})
                 self._seen = set()
+                self._msa_pos_mask = None
                 return False
+            if what[0] == "msa":
+                if not self.ubatches:
+                    return False
+                todo = [(name, leaf) for name, leaf in what[2] if (name, False) not in self._seen]
+                if not todo:
+                    return False
+                for name, leaf in todo:
+                    self._seen.add((name, False))
+                    if name == "kq_mask_msa_pos":
+                        self._msa_pos_mask = ctypes.addressof(leaf.contents)
+                self._want[ptr] = ("msa", what[1], todo)
+                return True
             if what[0] == "rows":
                 if not self.ubatches:
                     return False
@@ -472,6 +559,18 @@ class Capture:
             return True
         what = self._want.pop(ptr, None)
         if what is None:
+            return True
+        if what[0] == "msa":
+            for name, leaf in what[2]:
+                lt = leaf.contents
+                data = read_tensor(lt)
+                ent: dict = {"tensor": name, "layer": what[1], "swa": False, "type": TYPE_NAMES[lt.type]}
+                if name.startswith("kq_mask"):
+                    ent["shape"] = [int(data.shape[0]), int(data.shape[2]), int(data.shape[3])]
+                    ent["mask"] = data[:, 0]
+                else:
+                    ent["data"] = data.reshape(-1)
+                self.ubatches[-1]["inputs"].append(ent)
             return True
         if what[0] in ("rows", "shift_rows"):
             pre, post = read_tensor(t.src[1].contents), read_tensor(t)
@@ -513,6 +612,15 @@ class Capture:
         return True
 
 
+_INPUT_ORDER = ("kq_mask", "k_idxs", "v_idxs", "pos", "pos_bucket", *LID_INPUTS)
+
+
+def _input_rank(d: dict) -> tuple:
+    """The order of a ubatch's inputs in case.json: base before SWA, the common inputs, then others by name."""
+    t = d["tensor"]
+    return (d["swa"], _INPUT_ORDER.index(t) if t in _INPUT_ORDER else len(_INPUT_ORDER), t)
+
+
 def encode(graphs: dict) -> dict:
     """The JSON form of ``Capture.take()`` (see case.schema.json, op_decode.graph)."""
     shifts = []
@@ -528,9 +636,7 @@ def encode(graphs: dict) -> dict:
             else:
                 d["data"] = encode_ints(e["data"])
             ins.append(d)
-        names = ("kq_mask", "k_idxs", "v_idxs", "pos", "pos_bucket", *LID_INPUTS)
-        ins.sort(key=lambda d: (d["swa"], names.index(d["tensor"]) if d["tensor"] in names else len(names),
-                                d["tensor"]))  # fmt: skip
+        ins.sort(key=_input_rank)
         ubs.append({"inputs": ins})
     out: dict = {"ubatches": ubs}
     if shifts:

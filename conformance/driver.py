@@ -262,6 +262,8 @@ DSA_ARCHS = ("glm-dsa", "deepseek32", "hy_v4", "dots3note")
 
 
 def memory_kind(hp: dict, ctx_type: str = "default") -> str:
+    if hp["arch"] == "minimax-m3":
+        return "msa"  # llama_kv_cache_msa
     if hp["arch"] in DSA_ARCHS:
         if ctx_type == "mtp" and hp.get("n_layer_nextn", 0) > 0 and hp["arch"] != "hy_v4":
             return "kv"
@@ -304,6 +306,8 @@ def sections_for(kind: str, flags: int) -> list[str]:
     if kind == "hybrid_idx":
         # the indexer section is a suffix, skipped (as the attention one) under PARTIAL_ONLY
         return ["recurrent"] if partial else ["kv_attn", "recurrent", "kv_idx"]
+    if kind == "msa":
+        return ["kv_base", "kv_idx"]  # llama_kv_cache_msa hands the flags to both caches, which ignore them
     if kind == "hybrid_iswa":
         # llama_memory_hybrid_iswa hands the flags to both parts: the iSWA cache drops its base
         return ["kv_swa", "recurrent"] if partial else ["kv_base", "kv_swa", "recurrent"]
@@ -362,13 +366,31 @@ ROWS_FILE = "rows.npz"  # a case's K/V rows before and after the attention rotat
 
 
 class Run:
-    def __init__(self, case_dir: Path, model_path: Path, hp: dict, cparams: dict, capture_rows: bool = False):
+    def __init__(
+        self,
+        case_dir: Path,
+        model_path: Path,
+        hp: dict,
+        cparams: dict,
+        capture_rows: bool = False,
+        other: Run | None = None,
+        tag: str | None = None,
+    ):
+        """``other``: the Run of the context this one reads (llama_context_params.ctx_other: gemma4-assistant's
+        target); its ops then go to this Run's trace marked ``"ctx": "other"``. ``tag``: that mark, for the other
+        Run itself (its artefacts are named ``<tag>-NN-...``)."""
         init_backend()
         self.dir = case_dir
         self.hp = hp
         ctx_type = cparams.get("ctx_type", "default")
         self.kind = memory_kind(hp, ctx_type)
         self.trace: list[dict] = []
+        self.other = other
+        self.tag = tag
+        # a draft context over another context's cache writes no memory section of its own
+        self.shares_other = other is not None and hp["arch"] == "gemma4-assistant"
+        # gemma4-assistant decodes a batch of tokens and the target's hidden states (embedding_length_out wide)
+        self.embd_width = int(hp.get("n_embd_out") or 0) if hp["arch"] == "gemma4-assistant" else 0
         self.n_saves = 0
         self.latest_files: dict = {}
         self.cp = dict(cparams)
@@ -379,7 +401,14 @@ class Run:
             import capture
 
             swa_cache = self.kind in ("iswa", "hybrid_iswa", "dsa_iswa")
-            self.capture = capture.Capture(lambda il: swa_cache and bool(hp["swa_layers"][il]), rows=capture_rows)
+            swa_flags = hp["swa_layers"]
+            if other is not None and cparams["flash_attn"]:
+                # a shared cache's FLASH_ATTN_EXT reads the target's cache_k_l<il>: the layer is the target's
+                swa_flags = other.hp["swa_layers"]
+            idx_width = int(hp.get("indexer_head_size") or 0) if self.kind == "msa" else 0
+            self.capture = capture.Capture(
+                lambda il: swa_cache and bool(swa_flags[il]), rows=capture_rows, idx_width=idx_width
+            )
         # op index -> [(k | v, layer, ubatch, pre, post)]: written to ROWS_FILE by close()
         self.rows: dict[int, list] = {}
 
@@ -438,6 +467,8 @@ class Run:
         p.embeddings = False
         if self.capture is not None:
             self.capture.install(p)
+        if other is not None:
+            p.ctx_other = other.ctx
         self.ctx = L.llama_init_from_model(self.model, p)
         lines = _take_log()
         op = {"op": "init", "ret": bool(self.ctx)}
@@ -460,6 +491,9 @@ class Run:
         }
         op["observed"] = self._observe()
         self.trace.append(op)
+        if other is not None:
+            self.other_init = other.trace[0] if other.trace else None
+            other.trace = self.trace  # one trace: the other context's ops marked "ctx": "other"
 
     # -------------------------------------------------------------- helpers
 
@@ -500,19 +534,30 @@ class Run:
             if errs:
                 op["errors"] = errs
         op["observed"] = self._observe()
+        if self.tag is not None:
+            op["ctx"] = self.tag
         self.trace.append(op)
         return op
 
     # -------------------------------------------------------------- decode
 
-    def _run_batch(self, call, tokens, pos, seq_ids, logits) -> tuple[int, list[str]]:
+    def _run_batch(self, call, tokens, pos, seq_ids, logits, embd_only: int = 0) -> tuple[int, list[str]]:
         """``call(ctx, batch)`` (llama_decode / llama_encode) on a llama_batch of these entries; returns its
-        result and what llama.cpp logged meanwhile (the capture's previous graphs are dropped first)."""
+        result and what llama.cpp logged meanwhile (the capture's previous graphs are dropped first).
+        ``embd_only``: an embeddings batch of that row width (no token ids: ``tokens`` are not sent)."""
         n = len(tokens)
-        b = L.llama_batch_init(n, 0, max(max(len(s) for s in seq_ids), 1))
+        b = L.llama_batch_init(n, embd_only, max(max(len(s) for s in seq_ids), 1))
         b.n_tokens = n
+        embd = None
+        if embd_only:
+            for j in range(n * embd_only):
+                b.embd[j] = 0.01
+        if self.embd_width:  # tokens and hidden states in one batch (a draft head's input): fixed values
+            embd = (ctypes.c_float * (n * self.embd_width))(*([0.01] * (n * self.embd_width)))
+            b.embd = ctypes.cast(embd, ctypes.POINTER(ctypes.c_float))
         for i in range(n):
-            b.token[i] = int(tokens[i])
+            if not embd_only:
+                b.token[i] = int(tokens[i])
             b.pos[i] = int(pos[i])
             b.n_seq_id[i] = len(seq_ids[i])
             for j, s in enumerate(seq_ids[i]):
@@ -523,15 +568,21 @@ class Run:
             self.capture.take()
         ret = int(call(self.ctx, b))
         lines = _take_log()
+        if embd is not None:
+            b.embd = None  # Python's buffer: llama_batch_free must not free it
         L.llama_batch_free(b)
         return ret, lines
 
-    def decode(self, tokens, pos, seq_ids, logits=None) -> int:
+    def decode(self, tokens, pos, seq_ids, logits=None, embd: int = 0) -> int:
+        """llama_decode; ``embd``: a batch of embeddings of that row width instead of token ids (``tokens`` are then
+        recorded as 0 placeholders: DFlash's KV-injection batch of target features)."""
         n = len(tokens)
         assert len(pos) == n and len(seq_ids) == n
         if logits is None:
             logits = [0] * (n - 1) + [1]
-        ret, lines = self._run_batch(L.llama_decode, tokens, pos, seq_ids, logits)
+        if embd:
+            tokens = [0] * n
+        ret, lines = self._run_batch(L.llama_decode, tokens, pos, seq_ids, logits, embd_only=embd)
         graphs = None
         if self.capture is not None:
             if self.capture.error is not None:
@@ -547,6 +598,8 @@ class Run:
             "logits": [int(bool(x)) for x in logits],
             "ret": ret,
         }
+        if embd:
+            op["embd"] = int(embd)
         if graphs is not None and (ret == 0 or graphs["shift"] or graphs["ubatches"]):
             import capture
 
@@ -657,6 +710,8 @@ class Run:
         if flags:
             tag += f"-flags{flags}"
         name = f"{self.n_saves:02d}-{tag}.{ext}"
+        if self.tag is not None:
+            name = f"{self.tag}-{name}"
         self.latest_files[(kind, seq_id, flags)] = name
         return name, self.dir / name
 
@@ -667,6 +722,8 @@ class Run:
     def _describe(self, op: dict, path: Path, seq_id, flags: int, whole: bool):
         op["layout"] = self.kind
         op["sections"] = sections_for(self.kind, flags)
+        if self.shares_other:  # llama_kv_cache with mem_other: state_write writes nothing
+            op["layout"], op["sections"] = "none", []
         op["cell_ext"] = bool(self.hp["has_cell_ext"]) and PRODUCER["cell_ext_size"] > 0
         if whole:
             op["output_block"] = PRODUCER["output_block"]
@@ -871,7 +928,10 @@ class Run:
     def apply(self, op: dict):
         """Perform ``op``, given in case.json's vocabulary with the fields a trace op has before llama.cpp
         answers (no ``ret`` / ``observed`` / ``graph``; a save names no ``file``: the recorder does), and record
-        it; returns what the llama.cpp call returned. ``init`` is the constructor, not an op to apply."""
+        it; returns what the llama.cpp call returned. ``init`` is the constructor, not an op to apply. An op marked
+        ``"ctx": "other"`` goes to the Run of the ctx_other context."""
+        if op.get("ctx") == "other" and self.other is not None:
+            return self.other.apply({k: v for k, v in op.items() if k != "ctx"})
         return _APPLY[op["op"]](self, op)
 
 

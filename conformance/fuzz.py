@@ -83,6 +83,19 @@ MODELS: dict[str, tuple[str, dict]] = {
     # the same with glm5-next's k-pool indexer (K-only MLA cache, KDA recurrent layers)
     "glm5-next": ("glm5-next", dict(n_seq_max=3)),
     "glm5-next-ms": ("glm5-next", dict(n_seq_max=2, kv_unified=False)),
+    # llama_kv_cache_msa (minimax-m3): dense attention (FA off), MSA over one stream per sequence (FA on, the MSA
+    # graph inputs captured), and the unified dense fallback
+    "minimax-m3": ("minimax-m3", dict(n_seq_max=2)),
+    "minimax-m3-fa-ms": ("minimax-m3", dict(n_seq_max=2, kv_unified=False, flash_attn=True)),
+    "minimax-m3-fa-1": ("minimax-m3", dict(n_seq_max=1, flash_attn=True)),
+    # dflash's default memory (plain KV cache, non-causal); the plans decode tokens (no KV-injection batches)
+    "dflash": ("dflash", dict(n_seq_max=2)),
+    # a draft context over gemma4's (ctx_other): about half of the ops go to the target ("ctx": "other")
+    "gemma4-assistant": ("gemma4-assistant", dict(n_seq_max=2, other_model="gemma4")),
+    "gemma4-assistant-fa-ms": (
+        "gemma4-assistant",
+        dict(n_seq_max=2, kv_unified=False, flash_attn=True, other_model="gemma4"),
+    ),
 }
 N_VOCAB = 128
 UBATCHES = (3, 5, 8, 16, 32, 256)
@@ -239,15 +252,26 @@ def make_plan(model: str, seed: int, n_ops: tuple[int, int] = (20, 60), edges: b
             else:
                 ops.append({"op": "state_load", "kind": kind})
     if edges:
-        ops = insert_edges(ops, model, seed, n_seq, cp, mrope)
+        # llama.cpp sizes minimax-m3's MSA graph (flash attention on) by the largest position in the cache: a position
+        # near INT32_MAX asks for a compute buffer of ~100 GB and the decode fails with -2, an allocation failure that
+        # depends on the host (kvref models no allocation failure): those setups get no such positions
+        huge_pos = not (arch == "minimax-m3" and cp["flash_attn"])
+        ops = insert_edges(ops, model, seed, n_seq, cp, mrope, huge_pos)
+    if extra.get("other_model"):
+        for op in ops:  # the target context gets about half of the ops (a restore takes that context's saves)
+            if rng.random() < 0.5:
+                op["ctx"] = "other"
     return {"model": model, "seed": seed, "arch": arch, "cparams": cp, "ops": ops}
 
 
-def insert_edges(ops: list[dict], model: str, seed: int, n_seq: int, cp: dict, mrope: bool) -> list[dict]:
+def insert_edges(
+    ops: list[dict], model: str, seed: int, n_seq: int, cp: dict, mrope: bool, huge_pos: bool = True
+) -> list[dict]:
     """``ops`` with a few edge operations inserted at random places (conformance/edges.py's arguments: ids past every
     bound, negative, reversed and int32-wide ranges, deltas past the position range, divisors <= 1, decodes at -1 and
     over n_batch, saves and restores of edge ids). Their own random stream: the ops drawn before keep their draws.
-    Where llama.cpp dies in one, the trace records ``"ret": "aborts"`` and goes on (`run_child`)."""
+    Where llama.cpp dies in one, the trace records ``"ret": "aborts"`` and goes on (`run_child`). Without
+    ``huge_pos`` no edge op moves a position past 2**20 (a decode at INT32_MAX becomes one below, a big delta 3)."""
     import edges as E
 
     rng = random.Random(f"{model}:{seed}:edges")
@@ -269,7 +293,10 @@ def insert_edges(ops: list[dict], model: str, seed: int, n_seq: int, cp: dict, m
         if k == "seq_keep":
             return {"op": "seq_keep", "seq_id": seq(0.3)}
         if k == "seq_add" and not mrope:
-            return {"op": "seq_add", "seq_id": seq(0.3), "p0": p0, "p1": p1, "delta": rng.choice(E.DELTAS)}
+            delta = rng.choice(E.DELTAS)
+            if not huge_pos and delta >= 2**20:
+                delta = 3  # far above becomes small (below the range stays: it frees cells)
+            return {"op": "seq_add", "seq_id": seq(0.3), "p0": p0, "p1": p1, "delta": delta}
         if k == "seq_div" and not mrope:
             return {"op": "seq_div", "seq_id": seq(0.3), "p0": p0, "p1": p1, "d": rng.choice(E.DIVISORS)}
         if k == "seq_pos":
@@ -280,6 +307,8 @@ def insert_edges(ops: list[dict], model: str, seed: int, n_seq: int, cp: dict, m
                 s, n = rng.randrange(n_seq), cp["n_batch"] + rng.randint(1, 4)
                 toks = [rng.randrange(4, N_VOCAB) for _ in range(n)]
                 return {"op": "decode", "tokens": toks, "seq_ids": [[s]] * n, "logits": [0] * (n - 1) + [1]}
+            if how == "int32_max" and not huge_pos:
+                how = "below"
             pos = {"minus1": [-1, 0], "below": [-2], "int32_max": [E.I32_MAX]}[how]
             s = rng.randrange(n_seq)
             return {"op": "decode", "tokens": [rng.randrange(4, N_VOCAB) for _ in pos], "pos": pos,
@@ -353,14 +382,15 @@ def resolve(r, op: dict, saved: dict[str, dict]) -> list[dict]:
         p = max(r.pos_max(op["after"]) + 1, 0)
         return [{**o, "pos": [_llama_pos(p + x) for x in o["pos"]]}]
     if k in ("state_load", "seq_restore") and "file" not in o:
-        src = saved.get(o["kind"])
+        src = saved.get(o["kind"] if "ctx" not in o else f"{o['ctx']}:{o['kind']}")  # that context's last save
         if src is None:
             return []  # nothing of this kind saved yet
         o["file"] = src["file"]
         if o["kind"] == "seq_data":
             o["flags"] = src.get("flags", 0)
         if op.get("rm_first"):
-            return [{"op": "seq_rm", "seq_id": o["dest_seq_id"], "p0": -1, "p1": -1}, o]
+            ctx = {"ctx": o["ctx"]} if "ctx" in o else {}
+            return [{"op": "seq_rm", "seq_id": o["dest_seq_id"], "p0": -1, "p1": -1, **ctx}, o]
     return [o]
 
 
@@ -402,7 +432,7 @@ def execute(
         for k, op in enumerate(ops):
             perform(f"{i}.{k}", op)
             if op["op"] == "save" and r.trace[-1]["ret"] not in ("aborts", 0):  # 0 bytes: no artefact
-                saved[op["kind"]] = r.trace[-1]
+                saved[op["kind"] if "ctx" not in op else f"{op['ctx']}:{op['kind']}"] = r.trace[-1]
         mark(i)
         done += 1
         if check_every and done % check_every == 0:
@@ -433,6 +463,9 @@ def child_main(a) -> int:
     m = tinymodels.BUILDERS[plan["arch"]](model_dir)
     m.committed = plan["arch"] in generate.COMMITTED_MODELS
     cp = plan["cparams"]
+    models = {plan["arch"]: m}
+    if cp.get("other_model"):  # the ctx_other context's model (gemma4-assistant's target)
+        models[cp["other_model"]] = tinymodels.BUILDERS[cp["other_model"]](model_dir)
     owner: list[int] = []
 
     def script(r, _tok):
@@ -452,7 +485,7 @@ def child_main(a) -> int:
         )
     covers = plan.get("covers", ["fuzz"])
     case = generate.Case(cid, plan["arch"], desc.strip(), covers, script, **{k: v for k, v in cp.items()})
-    doc = generate.run_case(case, m, vers, golden_dir=out.parent)
+    doc = generate.run_case(case, m, vers, golden_dir=out.parent, models=models)
     if a.meta_out:
         Path(a.meta_out).write_text(json.dumps({"owner": owner, "n_plan": len(plan["ops"])}))
     print(f"{cid}: {len(doc['trace'])} ops, {sum(op['op'] == 'save' for op in doc['trace'])} saves")

@@ -73,6 +73,7 @@ COMMITTED_MODELS = (
     "hy_v4",
     "hy_v4-full",
     "qwen4exp",
+    "minimax-m3",
 )
 
 
@@ -100,6 +101,9 @@ class Case:
     ctx_type: str = "default"  # llama_context_params.ctx_type ("mtp": a draft context of the NextN blocks)
     capture_rows: bool = False  # also record the K/V rows before/after the attention rotation (driver.ROWS_FILE)
     ctx_type: str = "default"  # llama_context_params.ctx_type: "mtp" for a NextN draft context
+    # the model of ctx_other (gemma4-assistant's target), run with the same context parameters; its ops are
+    # in the trace marked "ctx": "other", its model and context under case.json's "other"
+    other_model: str | None = None
 
     def cparams(self) -> dict:
         extra = {} if self.ctx_type == "default" else {"ctx_type": self.ctx_type}
@@ -572,6 +576,127 @@ def s_rot_kshift(r, tok):
     r.save_all(hist)
 
 
+def s_msa(r, tok):
+    """minimax-m3 (llama_kv_cache_msa): prompts in batches (graphs with cell_blk) and one-token decodes (graphs
+    with pos_slot_f) crossing an indexer block, a second sequence (a seq_cp, then diverging), every artefact, a
+    partial seq_rm and a K-shift (seq_add) applied by the next decode, a sequence file restored into another
+    sequence, a whole-state restore, and the artefacts again."""
+    n_seq = r.n_seq_max
+    hist = {0: tok(11)}
+    r.decode_seq(0, hist[0])
+    for _ in range(2):
+        t = tok(1)
+        hist[0] += t
+        r.decode_seq(0, t)
+    if n_seq > 1:
+        r.seq_cp(0, 1, -1, -1)
+        hist[1] = hist[0] + tok(6)
+        r.decode_seq(1, hist[1][len(hist[0]) :])
+        t = tok(1)
+        hist[1] += t
+        r.decode_seq(1, t)
+        # both sequences in one batch: two tokens each (a batch graph over two streams), then one each (decode)
+        for n in (2, 1):
+            a, b = tok(n), tok(n)
+            p0, p1 = r.pos_max(0) + 1, r.pos_max(1) + 1
+            toks = [x for pair in zip(a, b, strict=True) for x in pair]
+            pos = [p for i in range(n) for p in (p0 + i, p1 + i)]
+            r.decode(toks, pos, [[0], [1]] * n, [0] * (2 * n - 2) + [1, 1])
+            hist[0] += a
+            hist[1] += b
+    r.save_all(hist)
+    r.seq_rm(0, 3, 6)
+    r.seq_add(0, 6, -1, -3)
+    t = tok(5)
+    r.decode_seq(0, t)
+    hist[0] = hist[0][:3] + hist[0][6:] + t
+    last = n_seq - 1
+    r.seq_rm(last, -1, -1)
+    r.load_seq(r.latest("seq", 0), last)
+    t = tok(1)
+    r.decode_seq(last, t)
+    r.save_all({0: hist[0]})
+    r.clear()
+    r.set_state_data(r.latest("state"))
+    t = tok(3)
+    r.decode_seq(0, t)
+    r.save_state_data()
+
+
+def s_assistant(r, tok):
+    """gemma4-assistant reading gemma4-tiny's cache (ctx_other): the target decodes prompts (its ops are marked
+    "ctx": "other"), the draft decodes tokens and hidden states continuing them, several times at the same
+    positions (it never stores a cell: every layer and cell is the target's, its masks read the target's cells), one
+    batch in two ubatches; the draft's sequence ops do nothing (seq_rm returns true), its saves hold no memory
+    section and restore nothing; a target seq_rm + seq_add (its K-shift pending while the draft decodes: the draft
+    applies nothing); the draft's clear, which resets the target's cells (llama_kv_cache::clear is not guarded)."""
+    t = r.other
+    n_seq = r.n_seq_max
+    hist = {0: tok(9)}
+    t.decode_seq(0, hist[0])
+    if n_seq > 1:
+        hist[1] = tok(5)
+        t.decode_seq(1, hist[1])
+    for _ in range(2):
+        r.decode_seq(0, tok(3))  # draft positions after the target's: the same ones every time
+    r.decode_seq(0, tok(1))
+    if n_seq > 1:
+        r.decode(tok(2), [r.pos_max(0) + 1, r.pos_max(1) + 1], [[0], [1]], [1, 1])
+    t.decode_seq(0, tok(2))
+    r.seq_rm(0, 2, 4)
+    r.seq_cp(0, 1, -1, -1)
+    r.seq_add(0, 4, -1, 3)
+    r.seq_keep(0)
+    r.seq_rm(5, -1, -1)
+    t.save_all(hist)
+    r.save_all({0: []})
+    t.seq_rm(0, 3, 6)
+    t.seq_add(0, 6, -1, -3)
+    r.decode_seq(0, tok(2))  # the target's shift is pending: the draft's update applies nothing
+    t.decode_seq(0, tok(1))  # the target applies it
+    r.decode_seq(0, tok(1))
+    r.load_seq(r.latest("seq", 0), 0)
+    r.set_state_data(r.latest("state"))
+    r.save_state_data()
+    t.save_state_data()
+    r.clear()  # resets the shared cells: the target's
+    t.save_state_data()
+    t.set_state_data(t.latest("state"))
+    r.decode_seq(0, tok(2))
+
+
+def s_dflash(r, tok):
+    """DFlash's two batch kinds on its plain KV cache: KV-injection batches (target features, no token ids: K/V
+    stored, no mask) and noise blocks of tokens (non-causal attention over the cache), each block removed again
+    (seq_rm) before the next injection, as the speculative loop does; a second sequence, artefacts, restores."""
+    n_seq = r.n_seq_max
+    width = r.hp["n_embd_inp_enc"]
+    hist: dict[int, list[int]] = {}
+    for s in range(n_seq):
+        n = 6 - s
+        r.decode([0] * n, list(range(n)), [[s]] * n, embd=width)
+        hist[s] = tok(n)  # what a session stores with the positions the features stand for
+    for _ in range(2):
+        p0 = r.pos_max(0) + 1
+        r.decode_seq(0, tok(4))  # the noise block
+        r.seq_rm(0, p0, -1)
+        n = 3
+        r.decode([0] * n, list(range(p0, p0 + n)), [[0]] * n, embd=width)
+        hist[0] += tok(n)
+    if n_seq > 1:
+        p0, p1 = r.pos_max(0) + 1, r.pos_max(1) + 1
+        r.decode(tok(4), [p0, p1, p0 + 1, p1 + 1], [[0], [1], [0], [1]], [0, 0, 1, 1])
+        r.seq_rm(0, p0, -1)
+        r.seq_rm(1, p1, -1)
+    r.save_all(hist)
+    r.seq_rm(0, -1, -1)
+    r.load_seq(r.latest("seq", 0), 0)
+    r.clear()
+    r.set_state_data(r.latest("state"))
+    r.decode_seq(0, tok(2))
+    r.save_state_data()
+
+
 def s_init_refused(r, tok):
     # nothing to do: the context was refused
     pass
@@ -1037,6 +1162,84 @@ CASES: list[Case] = [
         type_v="f16",
         capture_rows=True,
     ),
+    # ---- minimax-m3: llama_kv_cache_msa (base KV cache + MSA indexer key cache)
+    Case(
+        "minimax-m3-msa",
+        "minimax-m3",
+        "minimax-m3 (llama_kv_cache_msa: base KV cache over 3 layers, indexer key cache of 8-wide keys over the 2 "
+        "sparse layers), flash attention off: the model runs dense attention (no MSA inputs, the indexer keys stay "
+        "zero); one sequence, seq_rm + seq_add K-shift, sequence and whole-state restores; state = base then "
+        "indexer section.",
+        ["arch", "msa", "v_trans", "k-shift", "seq-rm", "seq-restore", "state-load"],
+        s_msa,
+    ),
+    Case(
+        "minimax-m3-msa-fa",
+        "minimax-m3",
+        "The minimax-m3-msa operations with flash attention on and one sequence: the graph runs MSA, so every "
+        "decode also reads the indexer cache's row indices (k_idxs_idx) and llm_graph_input_msa's pos -> cell "
+        "maps, position mask, local-force bias and cell -> block map, all captured.",
+        ["arch", "msa", "flash-attn", "k-shift", "seq-rm", "seq-restore", "state-load"],
+        s_msa,
+        flash_attn=True,
+    ),
+    Case(
+        "minimax-m3-msa-fa-streams",
+        "minimax-m3",
+        "The minimax-m3-msa operations with flash attention on, two sequences in two streams (kv_unified false): "
+        "MSA runs per stream; a seq_cp across streams, a batch per stream, a sequence file restored into the "
+        "other stream.",
+        ["arch", "msa", "flash-attn", "multi-stream", "seq-cp", "k-shift", "seq-rm", "seq-restore"],
+        s_msa,
+        n_seq_max=2,
+        kv_unified=False,
+        flash_attn=True,
+    ),
+    Case(
+        "minimax-m3-msa-fa-unified",
+        "minimax-m3",
+        "The minimax-m3-msa operations with flash attention on, two sequences in one unified cache: the graph falls "
+        "back to dense attention (no MSA inputs), both caches still placed alike.",
+        ["arch", "msa", "flash-attn", "multi-seq", "seq-cp", "k-shift", "seq-rm", "seq-restore"],
+        s_msa,
+        n_seq_max=2,
+        flash_attn=True,
+    ),
+    # ---- gemma4-assistant: a draft context over gemma4's cache (ctx_other)
+    Case(
+        "gemma4-assistant-ctx-other",
+        "gemma4-assistant",
+        "gemma4-assistant (2 NextN layers: SWA, full) over a gemma4-tiny context (ctx_other): llama.cpp builds a "
+        "llama_kv_cache_iswa whose layers are the target's last SWA / full layers and whose cells are the "
+        "target's; draft decodes place nothing and their KQ masks read the target's cells; draft sequence ops do "
+        "nothing; draft saves hold no memory section; the draft's clear empties the target's cells.",
+        ["arch", "ctx-other", "iswa", "seq-rm", "k-shift", "clear", "state-load", "seq-restore"],
+        s_assistant,
+        other_model="gemma4",
+    ),
+    Case(
+        "gemma4-assistant-ctx-other-fa-ms",
+        "gemma4-assistant",
+        "The gemma4-assistant-ctx-other operations with flash attention on and two sequences in two streams (both "
+        "contexts kv_unified false): a draft batch over both streams.",
+        ["arch", "ctx-other", "iswa", "flash-attn", "multi-stream", "seq-rm", "k-shift", "clear"],
+        s_assistant,
+        n_seq_max=2,
+        kv_unified=False,
+        flash_attn=True,
+        other_model="gemma4",
+    ),
+    # ---- dflash: a block-diffusion draft (default memory: a plain KV cache without hyper-connections)
+    Case(
+        "dflash-kv-injection",
+        "dflash",
+        "dflash (own token_embd and output, no ctx_other; non-causal; plain KV cache): KV-injection batches of "
+        "target features (embd batches: K/V stored, no KQ mask) and noise blocks of tokens removed again, two "
+        "sequences, artefacts, sequence and whole-state restores.",
+        ["arch", "dflash", "embd-batch", "non-causal", "multi-seq", "seq-rm", "seq-restore", "state-load"],
+        s_dflash,
+        n_seq_max=2,
+    ),
     Case(
         "qwen2vl-mrope",
         "qwen2vl",
@@ -1450,7 +1653,7 @@ def memory_block(case: Case, hp: dict, octx: dict | None) -> dict:
         sizes = [c["cells"] for c in octx["memory_log"]["caches"]]
         assert sorted(sizes) == sorted(expect), (case.id, sizes, expect)
         return mem
-    if kind in ("kv", "iswa", "hybrid", "hybrid_iswa", "hybrid_idx"):
+    if kind in ("kv", "iswa", "hybrid", "hybrid_iswa", "hybrid_idx", "msa"):
         mem["kv_size"] = n_ctx_seq
     if kind in ("iswa", "hybrid_iswa"):
         # llama_kv_cache_iswa: the SWA cache holds n_swa tokens per sequence (all of them when
@@ -1470,19 +1673,33 @@ def memory_block(case: Case, hp: dict, octx: dict | None) -> dict:
         expect = [mem["kv_size"], mem["kv_size_swa"]] + ([mem["rs_size"]] if kind == "hybrid_iswa" else [])
     if kind == "hybrid_idx":
         expect.append(mem["kv_size"])  # the indexer cache: as many cells as the attention cache
+    if kind == "msa":
+        expect = [mem["kv_size"], mem["kv_size"]]  # llama_kv_cache_msa: the base and the indexer cache, same size
     assert sorted(sizes) == sorted(expect), (case.id, sizes, expect)
     return mem
 
 
-def run_case(case: Case, m: tinymodels.TinyModel, vers: dict, golden_dir: Path | None = None) -> dict:
-    """Run the case in llama.cpp and write golden_dir/<case-id>/ (default conformance/golden/)."""
+def run_case(
+    case: Case,
+    m: tinymodels.TinyModel,
+    vers: dict,
+    golden_dir: Path | None = None,
+    models: dict[str, tinymodels.TinyModel] | None = None,
+) -> dict:
+    """Run the case in llama.cpp and write golden_dir/<case-id>/ (default conformance/golden/); ``models`` (the
+    built tiny models by key) gives a case's ``other_model``."""
     legacy = vers["llama_cpp_python"] != CURRENT_PRODUCER
     cid = f"legacy-{vers['llama_cpp_python']}-{case.id}" if legacy else case.id
     cdir = (HERE / "golden" if golden_dir is None else Path(golden_dir)) / cid
     if cdir.exists():
         shutil.rmtree(cdir)
     cdir.mkdir(parents=True)
-    r = driver.Run(cdir, m.path, m.hparams, case.cparams(), capture_rows=case.capture_rows)
+    ro = mo = None
+    if case.other_model is not None:
+        assert models is not None, f"{case.id}: run_case needs the models for its other_model"
+        mo = models[case.other_model]
+        ro = driver.Run(cdir, mo.path, mo.hparams, case.cparams(), tag="other")
+    r = driver.Run(cdir, m.path, m.hparams, case.cparams(), capture_rows=case.capture_rows, other=ro)
     try:
         if r.ctx is not None:
             case.script(r, Tokens(case.id))
@@ -1490,6 +1707,8 @@ def run_case(case: Case, m: tinymodels.TinyModel, vers: dict, golden_dir: Path |
             assert case.script is s_init_refused, f"{case.id}: context refused"
     finally:
         r.close()
+        if ro is not None:
+            ro.close()
     doc = {
         "schema_version": SCHEMA_VERSION,
         "id": cid,
@@ -1502,23 +1721,36 @@ def run_case(case: Case, m: tinymodels.TinyModel, vers: dict, golden_dir: Path |
         + case.description,
         "covers": case.covers,
         "producer": vers,
-        "model": {
-            "file": m.path.name,
-            "committed": m.committed,
-            "path": f"models/{m.path.name}" if m.committed else None,
-            "sha256": m.sha256,
-            "size": m.size,
-            "builder": f"tinymodels.{tinymodels.BUILDERS[case.model].__name__}",
-            "hparams": m.hparams,
-        },
+        "model": _model_doc(case.model, m),
         "context": case.cparams(),
         "observed_context": r.observed_ctx,
         "observed_model": r.observed_model,
         "memory": memory_block(case, m.hparams, r.observed_ctx),
         "trace": r.trace,
     }
+    if ro is not None and mo is not None:
+        doc["other"] = {
+            "model": _model_doc(case.other_model, mo),
+            "context": case.cparams(),
+            "init": r.other_init,
+            "observed_context": ro.observed_ctx,
+            "observed_model": ro.observed_model,
+            "memory": memory_block(case, mo.hparams, ro.observed_ctx),
+        }
     (cdir / "case.json").write_text(dump_case(doc))
     return doc
+
+
+def _model_doc(key: str, m: tinymodels.TinyModel) -> dict:
+    return {
+        "file": m.path.name,
+        "committed": m.committed,
+        "path": f"models/{m.path.name}" if m.committed else None,
+        "sha256": m.sha256,
+        "size": m.size,
+        "builder": f"tinymodels.{tinymodels.BUILDERS[key].__name__}",
+        "hparams": m.hparams,
+    }
 
 
 def dump_case(doc: dict) -> str:
@@ -1596,7 +1828,7 @@ def main(argv=None) -> int:
     if a.crashes:
         return 0
     for c in cases:
-        doc = run_case(c, models[c.model], vers)
+        doc = run_case(c, models[c.model], vers, models=models)
         n_art = sum(1 for op in doc["trace"] if op["op"] == "save")
         print(f"{c.id:32s} {len(doc['trace']):3d} ops {n_art:3d} artefacts")
     if not a.k and not legacy:

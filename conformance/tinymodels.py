@@ -1330,6 +1330,168 @@ def build_glm5_next(out: Path) -> TinyModel:
     return b.finish(out, "glm5-next-tiny", meta, hp)
 
 
+# ---------------------------------------------------------------- minimax-m3 (llama_kv_cache_msa)
+
+
+def build_minimax_m3(out: Path) -> TinyModel:
+    """3 layers (1 leading dense, 2 sparse MSA layers with an indexer and MoE FFNs), n_embd 32, 4 query heads of
+    dim 16 over 2 KV heads, partial rotary (8 dims, neox), per-head q/k norms; the MSA indexer: 2 heads (one per
+    KV head, as llama.cpp asserts) of key length 8, top-k 2 blocks of 4 positions, 1 local block. llama.cpp builds
+    llama_kv_cache_msa: the base cache over every layer, the indexer key cache (1 head of 8) over layers >= 1."""
+    d = _Dims(n_layer=3, n_embd=32, n_head=4, n_head_kv=2, hd=16, n_ff=32)
+    n_dense, n_expert, n_ff_exp = 1, 2, 16
+    idx_heads, idx_len, n_rot = 2, 8, 8
+    b = _Builder("minimax-m3", seed=1023)
+    b.mat("token_embd.weight", N_VOCAB, d.n_embd)
+    b.vec("output_norm.weight", d.n_embd, 1.0)
+    b.mat("output.weight", N_VOCAB, d.n_embd)
+    for i in range(d.n_layer):
+        p = f"blk.{i}."
+        b.vec(p + "attn_norm.weight", d.n_embd, 1.0)
+        _attn_proj(b, p, d, d.n_head_kv)
+        b.vec(p + "attn_q_norm.weight", d.hd, 1.0)
+        b.vec(p + "attn_k_norm.weight", d.hd, 1.0)
+        if i < n_dense:
+            _ffn(b, p, d)
+            continue
+        b.vec(p + "ffn_norm.weight", d.n_embd, 1.0)
+        b.mat(p + "ffn_gate_inp.weight", n_expert, d.n_embd, dtype=np.float32)
+        b.vec(p + "exp_probs_b.bias", n_expert, 0.0)
+        b.mat(p + "ffn_gate_exps.weight", n_expert, n_ff_exp, d.n_embd)
+        b.mat(p + "ffn_down_exps.weight", n_expert, d.n_embd, n_ff_exp)
+        b.mat(p + "ffn_up_exps.weight", n_expert, n_ff_exp, d.n_embd)
+        b.mat(p + "ffn_gate_shexp.weight", n_ff_exp, d.n_embd)
+        b.mat(p + "ffn_down_shexp.weight", d.n_embd, n_ff_exp)
+        b.mat(p + "ffn_up_shexp.weight", n_ff_exp, d.n_embd)
+        b.mat(p + "indexer.q_proj.weight", idx_heads * idx_len, d.n_embd)
+        b.mat(p + "indexer.k_proj.weight", idx_len, d.n_embd)
+        b.vec(p + "indexer.q_norm.weight", idx_len, 1.0)
+        b.vec(p + "indexer.k_norm.weight", idx_len, 1.0)
+
+    def meta(w):
+        _common_meta(w, d)
+        w.add_rope_dimension_count(n_rot)
+        w.add_rope_freq_base(10000.0)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_leading_dense_block_count(n_dense)
+        w.add_expert_count(n_expert)
+        w.add_expert_used_count(1)
+        w.add_expert_feed_forward_length(n_ff_exp)
+        w.add_expert_shared_count(1)
+        w.add_expert_weights_scale(1.0)
+        w.add_expert_weights_norm(True)
+        w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID)
+        w.add_indexer_head_count(idx_heads)
+        w.add_indexer_key_length(idx_len)
+        w.add_indexer_top_k(2)
+        w.add_uint32("minimax-m3.attention.indexer.block_size", 4)
+        w.add_uint32("minimax-m3.attention.indexer.local_blocks", 1)
+
+    hp = _attn_hparams(
+        "minimax-m3",
+        d,
+        rope_type="neox",
+        n_layer_dense_lead=n_dense,
+        indexer_head_size=idx_len,
+        indexer_block_size=4,
+        indexer_local_blocks=1,
+    )
+    hp["n_rot"] = n_rot
+    return b.finish(out, "minimax-m3-tiny", meta, hp)
+
+
+# ---------------------------------------------------------------- gemma4-assistant (a draft reading gemma4's cache)
+
+
+def build_gemma4_assistant(out: Path) -> TinyModel:
+    """The draft head of gemma4-tiny: 2 layers, both NextN blocks (nextn_predict_layers 2: n_layer() is 0),
+    sliding_window_pattern [SWA, full], n_embd 16, 2 query heads of dim 16 over 1 KV head (gemma4-tiny's K/V
+    shape), window 4, embedding_length_out 32 (the target's hidden size, the decode batch's embd width). It has
+    no K/V projections: llama.cpp's context needs ctx_other (a gemma4-tiny context) and builds a
+    llama_kv_cache_iswa whose layers are shared with the target's last SWA / full layer and whose cells are the
+    target's."""
+    n_embd, n_embd_out, hd, n_head, n_ff = 16, 32, 16, 2, 16
+    pattern = [True, False]
+    d = _Dims(n_layer=2, n_embd=n_embd, n_head=n_head, n_head_kv=1, hd=hd, n_ff=n_ff)
+    b = _Builder("gemma4-assistant", seed=1024)
+    b.mat("token_embd.weight", N_VOCAB, n_embd)
+    b.vec("output_norm.weight", n_embd, 1.0)
+    b.mat("nextn.post_projection.weight", n_embd_out, n_embd)
+    b.vec("rope_freqs.weight", hd // 2, 1.0)
+    for i in range(d.n_layer):
+        p = f"blk.{i}."
+        if i == 0:
+            b.mat("nextn.pre_projection.weight", n_embd, 2 * n_embd_out)
+        b.vec(p + "attn_norm.weight", n_embd, 1.0)
+        b.mat(p + "attn_q.weight", n_head * hd, n_embd)
+        b.mat(p + "attn_output.weight", n_embd, n_head * hd)
+        b.vec(p + "attn_q_norm.weight", hd, 1.0)
+        b.vec(p + "post_attention_norm.weight", n_embd, 1.0)
+        b.vec(p + "layer_output_scale.weight", 1, 1.0)
+        _ffn(b, p, d)
+        b.vec(p + "post_ffw_norm.weight", n_embd, 1.0)
+
+    def meta(w):
+        _common_meta(w, d)
+        w.add_uint32("gemma4-assistant.embedding_length_out", n_embd_out)
+        w.add_uint32("gemma4-assistant.nextn_predict_layers", d.n_layer)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_sliding_window(4)
+        w.add_sliding_window_pattern(pattern)
+        w.add_key_length_swa(hd)
+        w.add_value_length_swa(hd)
+        w.add_rope_freq_base(1000000.0)
+        w.add_rope_freq_base_swa(10000.0)
+
+    hp = _attn_hparams(
+        "gemma4-assistant",
+        d,
+        rope_type="neox",
+        freq_base=1000000.0,
+        n_swa=4,
+        swa_type="standard",
+        swa_layers=pattern,
+        rope_freq_base_swa=10000.0,
+        n_layer_nextn=d.n_layer,
+        n_embd_out=n_embd_out,
+    )
+    return b.finish(out, "gemma4-assistant-tiny", meta, hp)
+
+
+# ---------------------------------------------------------------- dflash (a block-diffusion draft, default memory)
+
+
+def build_dflash(out: Path) -> TinyModel:
+    """A DFlash draft (no hyper-connections: llama.cpp's default path builds a plain KV cache): 2 layers, n_embd
+    32, 2 query heads of dim 16 over 1 KV head, q/k norms, rope neox, target_layers [1, 2] (a KV-injection batch
+    carries 2 x 32 target features per token), its own token_embd and output (so no ctx_other), non-causal."""
+    d = _Dims(n_layer=2, n_embd=32, n_head=2, n_head_kv=1, hd=16, n_ff=32)
+    target_layers = [1, 2]
+    b = _Builder("dflash", seed=1025)
+    b.mat("token_embd.weight", N_VOCAB, d.n_embd)
+    b.mat("fc.weight", d.n_embd, len(target_layers) * d.n_embd)
+    b.vec("enc.output_norm.weight", d.n_embd, 1.0)
+    b.vec("output_norm.weight", d.n_embd, 1.0)
+    b.mat("output.weight", N_VOCAB, d.n_embd)
+    for i in range(d.n_layer):
+        p = f"blk.{i}."
+        b.vec(p + "attn_norm.weight", d.n_embd, 1.0)
+        _attn_proj(b, p, d, d.n_head_kv)
+        b.vec(p + "attn_q_norm.weight", d.hd, 1.0)
+        b.vec(p + "attn_k_norm.weight", d.hd, 1.0)
+        _ffn(b, p, d)
+
+    def meta(w):
+        _common_meta(w, d)
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_rope_freq_base(10000.0)
+        w.add_causal_attention(False)
+        w.add_array("dflash.target_layers", target_layers)
+
+    hp = _attn_hparams("dflash", d, rope_type="neox", causal_attn=False, n_embd_inp_enc=len(target_layers) * d.n_embd)
+    return b.finish(out, "dflash-tiny", meta, hp)
+
+
 BUILDERS = {
     "hy_v4": build_hy_v4,
     "hy_v4-full": build_hy_v4_full,
@@ -1356,4 +1518,7 @@ BUILDERS = {
     "stablelm-rot32": build_stablelm_rot32,
     "qwen4exp": build_qwen4exp,
     "glm5-next": build_glm5_next,
+    "minimax-m3": build_minimax_m3,
+    "gemma4-assistant": build_gemma4_assistant,
+    "dflash": build_dflash,
 }

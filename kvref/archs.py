@@ -55,8 +55,7 @@ NO_MEMORY_ARCHS = frozenset({
 
 # archs with a memory kvref does not model (MSA/DSA indexer caches, DeepSeek-V4 compressed caches, ...)
 UNSUPPORTED_ARCHS = frozenset({
-    "minimax-m3", "deepseek4", "dflash",
-    "gemma4-assistant",
+    "deepseek4",
 })  # fmt: skip
 
 

@@ -160,6 +160,10 @@ class HParams:
     dsv4_compress_ratios: tuple[int, ...] = ()
     router_layer: int = -1  # >= 0: n_layer_nextn counts a router layer, not MTP blocks (granite-switch)
     dsv4_hc_mult: int = 0  # hyper-connection count (DeepSeek-V4, qwen4exp)
+    # MiniMax-M3 sparse attention (MSA): the leading dense layers have no indexer; the indexer's position blocks
+    n_layer_dense_lead: int = 0
+    indexer_block_size: int = 0
+    indexer_local_blocks: int = 0
     # per-layer n-gram embeddings (PLE, qwen4exp); ple_n_heads = (ple_ngram_size - 1) * heads per n-gram
     ple_ngram_size: int = 0
     ple_conv_kernel: int = 0
@@ -401,8 +405,10 @@ class HParams:
         """Which memory llama_model::create_memory builds for the plain archs kvref models.
 
         ``"recurrent"``, ``"hybrid"``, ``"hybrid_iswa"`` (hybrid with SWA), ``"hybrid_idx"`` (glm5-next, qwen4exp
-        with an indexer), ``"iswa"`` or ``"kv"``.
+        with an indexer), ``"iswa"``, ``"msa"`` (minimax-m3) or ``"kv"``.
         """
+        if self.arch == "minimax-m3":
+            return "msa"
         if self.is_recurrent_arch():
             return "recurrent"
         if self.arch == "glm5-next" or (
@@ -570,6 +576,11 @@ class HParamsArgs(TypedDict, total=False):
     indexer_kpool: int
     indexer_kpool_select_tail: bool
     n_embd_head_kda: int
+    # minimax-m3 (MSA)
+    indexer_head_size: int
+    n_layer_dense_lead: int
+    indexer_block_size: int
+    indexer_local_blocks: int
 
 
 class _GGUFValue:
@@ -1119,6 +1130,13 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
                 raise HParamsError(f"array length {len(arr)} for key {m.key('attention.sliding_window_pattern')} "
                                    f"exceeds max {LLAMA_MAX_LAYERS}")  # fmt: skip
             swa_layers = tuple(bool(x) for x in arr[:n_layer]) + (False,) * max(0, n_layer - len(arr))
+    elif arch == "minimax-m3":  # llama_model_minimax_m3::load_arch_hparams: the MSA indexer cache's keys
+        kw["n_layer_dense_lead"] = m.get_int("leading_dense_block_count", 0)
+        kw["indexer_head_size"] = m.get_int("attention.indexer.key_length")
+        kw["indexer_block_size"] = m.get_int("attention.indexer.block_size")
+        kw["indexer_local_blocks"] = m.get_int("attention.indexer.local_blocks")
+        if kw["indexer_block_size"] == 0:
+            raise HParamsError(f"key {m.key('attention.indexer.block_size')} = 0 (llama.cpp asserts it is > 0)")
 
     kw["swa_layers"] = swa_layers
     kw["recurrent_layers"] = recr

@@ -94,6 +94,8 @@ def test_memory_log_layer_counts(cid):
         ]
     elif kind == "hybrid":
         assert [c["layers"] for c in kv] == [sum(hp.attn_layer_filter(il) for il in range(n))]
+    elif kind == "msa":  # llama_kv_cache_msa: the base cache (every layer), then the indexer cache (sparse layers)
+        assert [c["layers"] for c in kv] == [n, sum(il >= hp.n_layer_dense_lead for il in range(n))]
     elif kind == "hybrid_iswa":  # the iSWA part of the attention layers: base (may be empty), then SWA
         attn = [il for il in range(n) if hp.attn_layer_filter(il)]
         assert [c["layers"] for c in kv] == [sum(not hp.is_swa(il) for il in attn), sum(hp.is_swa(il) for il in attn)]

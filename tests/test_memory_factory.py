@@ -9,13 +9,14 @@ from recurrent_helpers import jamba_hparams, mamba_hparams
 
 import kvref
 from kvref.errors import ArgumentError, KVRefError
-from kvref.memory.factory import Memory, context_params, create_memory
+from kvref.memory.factory import UNSUPPORTED_ARCHS, Memory, context_params, create_memory
 from kvref.memory.hybrid import HybridMemory
 from kvref.memory.hybrid_idx import HybridIdxMemory
 from kvref.memory.kv_cache import KVCache
 from kvref.memory.kv_cache_dsa import KVCacheDSA
 from kvref.memory.kv_cache_dsa_iswa import KVCacheDSAISWA
 from kvref.memory.kv_cache_iswa import KVCacheISWA, swa_cache_size
+from kvref.memory.kv_cache_msa import KVCacheMSA
 from kvref.memory.recurrent import RecurrentMemory
 
 KIND = {
@@ -27,6 +28,7 @@ KIND = {
     "dsa": KVCacheDSA,
     "dsa_iswa": KVCacheDSAISWA,
     "hybrid_idx": HybridIdxMemory,
+    "msa": KVCacheMSA,
 }
 
 
@@ -43,6 +45,8 @@ def caches(mem) -> list:
         return [*caches(mem.dsa), mem.swa]
     if isinstance(mem, HybridIdxMemory):  # the indexer cache is created after the recurrent memory
         return [*caches(mem.attn), mem.recr, *([] if mem.idx is None else [mem.idx])]
+    if isinstance(mem, KVCacheMSA):  # the base cache, then the indexer cache
+        return [mem.base, mem.idx]
     if isinstance(mem, HybridMemory):
         return [*caches(mem.attn), mem.recr]
     return [mem]
@@ -73,7 +77,10 @@ def test_factory_builds_what_llama_cpp_built(case_id):
         "llama_memory_recurrent": "RecurrentMemory",
         "llama_kv_cache (recurrent)": "RecurrentMemory",  # 2024 (0.2.90): the recurrent states lived in the KV cache
     }
-    assert [type(c).__name__ for c in got] == [module[c["module"]] for c in logged]
+    # a llama_kv_cache over another context's cells (kvref's SharedKVCache) is a llama_kv_cache in the log
+    assert [("KVCache" if isinstance(c, KVCache) else type(c).__name__) for c in got] == [
+        module[c["module"]] for c in logged
+    ]
     for c, log in zip(got, logged, strict=True):
         if isinstance(c, RecurrentMemory):
             # llama.cpp logs the model's layer count here (hparams.n_layer(): without MTP blocks), not the layers
@@ -220,9 +227,10 @@ def test_hybrid_with_swa_uses_an_iswa_attention_cache():
 def test_no_memory_and_unsupported_archs():
     enc = kvref.HParams(arch="bert", n_layer=2, n_embd=64, n_head=2, causal_attn=False, n_ctx_train=512)
     assert create_memory(enc, 512) is None
-    other = kvref.HParams(arch="dflash", n_layer=2, n_embd=64, n_head=2, n_ctx_train=512)
-    with pytest.raises(KVRefError, match="dflash"):
-        create_memory(other, 512)
+    for arch in sorted(UNSUPPORTED_ARCHS):  # each names the llama.cpp abort that keeps it out
+        other = kvref.HParams(arch=arch, n_layer=2, n_embd=64, n_head=2, n_ctx_train=512)
+        with pytest.raises(KVRefError, match=arch):
+            create_memory(other, 512)
 
 
 def test_mtp_draft_context_holds_only_the_nextn_layers():

@@ -93,6 +93,13 @@ class CaseHParams(TypedDict):
     dsv4_hc_mult: NotRequired[int]
     n_embd_head_kda: NotRequired[int]
     indexer_kpool_select_tail: NotRequired[bool]
+    n_layer_dense_lead: NotRequired[int]  # minimax-m3
+    indexer_head_size: NotRequired[int]
+    indexer_block_size: NotRequired[int]
+    indexer_local_blocks: NotRequired[int]
+    n_layer_nextn: NotRequired[int]
+    n_embd_out: NotRequired[int]  # gemma4-assistant
+    n_embd_inp_enc: NotRequired[int]  # dflash
     swa_layers: list[bool]
     recurrent_layers: list[bool]
     n_embd_r: int
@@ -275,10 +282,12 @@ class TraceOp(TypedDict):
     abort: NotRequired[OpAbort]  # with "ret": "aborts"
     errors: NotRequired[list[str]]
     observed: NotRequired[Observed]
+    ctx: NotRequired[str]  # "other": the op ran in the case's ctx_other context (CaseOther)
     # decode, encode
     tokens: NotRequired[list[int] | None]  # and save / state_load / seq_restore (None: not recorded)
     pos: NotRequired[list[int]]
     seq_ids: NotRequired[list[list[int]]]
+    embd: NotRequired[int]  # decode: an embeddings batch of this row width (tokens are 0 placeholders)
     logits: NotRequired[list[int]]
     graph: NotRequired[Graph]
     # sequence operations
@@ -326,6 +335,18 @@ class Case(TypedDict):
     observed_model: ObservedModel
     memory: CaseMemory
     trace: list[TraceOp]
+    other: NotRequired[CaseOther]  # the ctx_other context (gemma4-assistant's target)
+
+
+class CaseOther(TypedDict):
+    """The context a case's context reads (llama_context_params.ctx_other), created first, same parameters."""
+
+    model: CaseModel
+    context: CaseContext
+    init: NotRequired[TraceOp]
+    observed_context: ObservedContext | None
+    observed_model: ObservedModel
+    memory: CaseMemory
 
 
 # ---------------------------------------------------------------------------------------------- invalid/
@@ -419,6 +440,7 @@ __all__ = [
     "CaseHParams",
     "CaseMemory",
     "CaseModel",
+    "CaseOther",
     "CaseResultJSON",
     "CheckResultJSON",
     "ConformanceJSON",

@@ -32,6 +32,7 @@ SECTION_LABELS: dict[str, tuple[str, ...]] = {
     "hybrid_idx": ("attention KV", "recurrent", "indexer KV"),
     "dsa": ("MLA KV (latent K)", "lightning-indexer KV"),
     "dsa_iswa": ("MLA KV (latent K)", "lightning-indexer KV", "SWA attention KV"),
+    "msa": ("attention KV (every layer)", "MSA indexer keys (sparse layers)"),
     "none": (),
 }
 

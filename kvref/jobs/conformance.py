@@ -224,10 +224,11 @@ def hparams_from_case(case: Case) -> HParams:
     # (and what set_causal false, ALiBi and T5's position buckets do to the graph inputs)
     for name in ("wkv_head_size", "token_shift_count", "n_shortconv_l_cache", "rope_freq_base_swa",
                  "non_causal_type", "f_max_alibi_bias", "n_rel_attn_bkts", "n_layer_kv_from_start",
-                 # MLA and the indexer caches (DSA, llama_memory_hybrid_idx: glm5-next's k-pool, qwen4exp's QSA)
+                 # MLA and the indexer caches (DSA, llama_memory_hybrid_idx: glm5-next's k-pool, qwen4exp's QSA;
+                 # minimax-m3's MSA)
                  "n_layer_nextn", "n_embd_head_k_swa", "n_embd_head_v_swa", "n_embd_head_k_mla", "n_embd_head_v_mla",
                  "n_lora_kv", "indexer_head_size", "indexer_top_k", "indexer_kpool", "indexer_kpool_select_tail",
-                 "n_embd_head_kda"):  # fmt: skip
+                 "n_embd_head_kda", "n_layer_dense_lead", "indexer_block_size", "indexer_local_blocks"):  # fmt: skip
         if h.get(name) is not None:
             kw[name] = h[name]
     for name in ("indexer_full_layers", "dsv4_compress_ratios"):
@@ -293,16 +294,31 @@ def compat_for(case: Case) -> Profile:
         return for_llama_cpp_python(producer.get("llama_cpp_python") if producer else None)
 
 
+def other_case(case: Case) -> Case:
+    """The case as seen from its ctx_other context (case.json's ``other``: a draft context's target): its model,
+    context, observations and memory in the places a case has them (the trace stays the case's)."""
+    other = case["other"]
+    out: dict[str, object] = {k: v for k, v in case.items() if k != "other"}
+    out.update(model=other["model"], context=other["context"], observed_context=other["observed_context"],
+               observed_model=other["observed_model"], memory=other["memory"])  # fmt: skip
+    return cast("Case", out)
+
+
 def create_memory_for(case: Case, hp: HParams) -> AnyMemory | None:
-    """The memory create_memory builds for the case's context, reproducing its producer's llama.cpp."""
+    """The memory create_memory builds for the case's context, reproducing its producer's llama.cpp (with the memory of
+    its ctx_other context first, when the case has one: case.json's ``other``)."""
     from ..memory.factory import create_memory
 
+    mem_other = None
+    if "other" in case:
+        oc = other_case(case)
+        mem_other = create_memory_for(oc, hparams_from_case(oc))
     c = case["context"]
     mem = create_memory(
         hp, n_ctx=c["n_ctx"], n_seq_max=c["n_seq_max"], kv_unified=c["kv_unified"], flash_attn=c["flash_attn"],
         type_k=c["type_k"], type_v=c["type_v"], swa_full=c.get("swa_full", False), n_ubatch=c["n_ubatch"],
         n_batch=c["n_batch"], n_rs_seq=c.get("n_rs_seq", 0), compat=compat_for(case),
-        ctx_type=c.get("ctx_type", "default"),
+        ctx_type=c.get("ctx_type", "default"), mem_other=mem_other,
     )  # fmt: skip
     return cast("AnyMemory | None", mem)  # create_memory builds one of them
 
@@ -311,14 +327,17 @@ def check_memory_shape(case: Case, mem: AnyMemory) -> None:
     """The memory kvref built has the kind and sizes llama.cpp logged."""
     want = case["memory"]
     kind = {"KVCache": "kv", "KVCacheISWA": "iswa", "RecurrentMemory": "recurrent", "HybridMemory": "hybrid",
-            "KVCacheDSA": "dsa", "KVCacheDSAISWA": "dsa_iswa", "HybridIdxMemory": "hybrid_idx"}  # fmt: skip
+            "KVCacheDSA": "dsa", "KVCacheDSAISWA": "dsa_iswa", "HybridIdxMemory": "hybrid_idx", "KVCacheMSA": "msa",
+            "KVCacheISWAShared": "iswa"}  # fmt: skip
     got = kind.get(type(mem).__name__, type(mem).__name__)
     if got == "hybrid":
         got = getattr(mem, "kind", got)  # "hybrid" or "hybrid_iswa"
     if got != want["type"]:
         raise CheckFailed(f"kvref built a {got} memory, llama.cpp a {want['type']} one")
     leaves = leaf_parts(mem, 0)
-    kv = [cast("KVCache", leaf) for leaf in leaves if type(leaf).__name__ == "KVCache"]
+    if not leaves:  # a memory whose state is empty (over another context's cells): its caches still have a shape
+        leaves = list(getattr(mem, "parts", []))
+    kv = [cast("KVCache", leaf) for leaf in leaves if type(leaf).__name__ in ("KVCache", "SharedKVCache")]
     for cache in kv:
         if cache.n_stream != want["n_stream"]:
             raise CheckFailed(f"n_stream {cache.n_stream}, llama.cpp {want['n_stream']}")
@@ -573,10 +592,15 @@ def _decode(
 
     n_vocab = hp.n_vocab
     tokens = cast("list[int]", op["tokens"])  # a decode's tokens are recorded
-    if any(t < 0 or (n_vocab and t >= n_vocab) for t in tokens):
+    width = op.get("embd")
+    if not width and any(t < 0 or (n_vocab and t >= n_vocab) for t in tokens):
         return -1  # llama_batch_allocr::init: invalid token id
     try:
-        batch = Batch(tokens=tokens, pos=op.get("pos"), seq_ids=op["seq_ids"], logits=op.get("logits"))
+        if width:  # an embeddings batch (the tokens are placeholders): the values never reach the memory
+            embd = np.zeros((len(tokens), width), np.float32)
+            batch = Batch(embd=embd, pos=op.get("pos"), seq_ids=op["seq_ids"], logits=op.get("logits"))
+        else:
+            batch = Batch(tokens=tokens, pos=op.get("pos"), seq_ids=op["seq_ids"], logits=op.get("logits"))
         if on_ubatch is None:
             mem.decode(batch, n_ubatch)
         else:
@@ -725,6 +749,8 @@ def replay_trace(
     """
     hp = hparams_from_case(case) if hp is None else hp
     trace = case["trace"]
+    other_mem = cast("AnyMemory", getattr(mem, "other", mem))  # the memory of ctx_other, when mem reads one
+    other_hp = hparams_from_case(other_case(case)) if "other" in case else hp
     observed = cast("ObservedContext", case["observed_context"])  # the context was created: it was observed
     n_seq = observed["n_seq_max"]
     n_ubatch = observed["n_ubatch"]
@@ -736,6 +762,8 @@ def replay_trace(
     corrupt: str | None = None
     refused = skipped = 0
     for k, op in enumerate(trace[1:], start=1):
+        # an op of ctx_other's context (a draft context's target: "ctx": "other") goes to that context's memory
+        mem_op, hp_op = (other_mem, other_hp) if op.get("ctx") == "other" else (mem, hp)
         kind = op["op"]
         where = f"op {k} ({kind}{' ' + op['file'] if op.get('file') else ''})"
         if corrupt is not None:
@@ -745,18 +773,24 @@ def replay_trace(
                 skipped += 1
                 continue
         if op.get("ret") == ABORTS:
-            _replay_abort(mem, op, where, arts, n_ubatch)
+            _replay_abort(mem_op, op, where, arts, n_ubatch)
         elif kind == "decode" and graph is not None and "graph" in op:
-            shifts = expected_shifts(mem)
+            shifts = expected_shifts(mem_op)
             placed: Placed = []
 
             def on_ubatch(
-                ub: UBatch, slot: AnySlot, g: Graph = op["graph"], out: Placed = placed, c: bool | None = causal
+                ub: UBatch,
+                slot: AnySlot,
+                g: Graph = op["graph"],
+                out: Placed = placed,
+                c: bool | None = causal,
+                m: AnyMemory = mem_op,
+                h: HParams = hp_op,
             ) -> None:
-                out.append((ub, slot, graph_inputs(mem, ub, slot, g, hp, c)))
+                out.append((ub, slot, graph_inputs(m, ub, slot, g, h, c)))
                 carried.placed(ub, slot)
 
-            ret = _decode(mem, op, hp, n_ubatch, on_ubatch)
+            ret = _decode(mem_op, op, hp_op, n_ubatch, on_ubatch)
             if ret == CORRUPTS and op["ret"] == 0:
                 corrupt, refused = where, refused + 1
                 continue
@@ -766,37 +800,37 @@ def replay_trace(
                 f"{case['id']}: {where}", op["graph"], shifts if ret != -1 else [], placed, graph, kq_mask_pad(case)
             )
         elif kind == "decode":
-            ret = _decode(mem, op, hp, n_ubatch, carried.placed if carried.active else None)
+            ret = _decode(mem_op, op, hp_op, n_ubatch, carried.placed if carried.active else None)
             if ret == CORRUPTS and op["ret"] == 0:
                 corrupt, refused = where, refused + 1
                 continue
             if ret != op["ret"]:
                 raise CheckFailed(f"{where}: decode returned {ret}, llama.cpp {op['ret']}")
         elif kind == "seq_rm":
-            ret = mem.seq_rm(op["seq_id"], op["p0"], op["p1"])
+            ret = mem_op.seq_rm(op["seq_id"], op["p0"], op["p1"])
             if ret != op["ret"]:
                 raise CheckFailed(f"{where}: seq_rm returned {ret}, llama.cpp {op['ret']}")
         elif kind == "seq_cp":
-            mem.seq_cp(op["seq_id_src"], op["seq_id_dst"], op["p0"], op["p1"])
+            mem_op.seq_cp(op["seq_id_src"], op["seq_id_dst"], op["p0"], op["p1"])
             kv = carried.mem  # the memory itself when active (a plain KV cache)
             if kv is not None and kv.get_stream(op["seq_id_src"]) != kv.get_stream(op["seq_id_dst"]):
                 carried.reset(kv.get_stream(op["seq_id_dst"]))
         elif kind == "seq_keep":
-            mem.seq_keep(op["seq_id"])
+            mem_op.seq_keep(op["seq_id"])
         elif kind == "seq_add":
-            mem.seq_add(op["seq_id"], op["p0"], op["p1"], op["delta"])
+            mem_op.seq_add(op["seq_id"], op["p0"], op["p1"], op["delta"])
         elif kind == "seq_div":
             try:
-                mem.seq_div(op["seq_id"], op["p0"], op["p1"], op["d"])
+                mem_op.seq_div(op["seq_id"], op["p0"], op["p1"], op["d"])
             except CorruptionError:
                 corrupt, refused = where, refused + 1
                 continue
         elif kind == "clear":
-            mem.clear(op.get("data", True))
+            mem_op.clear(op.get("data", True))
             carried.reset()
         elif kind == "encode":
             # llama_encode: the encoder's one ubatch (split_simple of the whole batch); the memory is untouched
-            ret, placed = _encode(op, hp, n_seq, graph is not None and "graph" in op)
+            ret, placed = _encode(op, hp_op, n_seq, graph is not None and "graph" in op)
             if ret != op["ret"]:
                 raise CheckFailed(f"{where}: encode returned {ret}, llama.cpp {op['ret']}")
             if graph is not None and "graph" in op:
@@ -804,18 +838,18 @@ def replay_trace(
         elif kind == "set_causal":
             causal = bool(op["causal"])  # a context setting: only the masks of later decodes change
         elif kind in ("seq_pos_min", "seq_pos_max"):
-            ret = getattr(mem, kind)(op["seq_id"])
+            ret = getattr(mem_op, kind)(op["seq_id"])
             if ret != op["ret"]:
                 raise CheckFailed(f"{where}: {kind}({op['seq_id']}) returned {ret}, llama.cpp {op['ret']}")
         elif kind == "save" and op["ret"] == 0:
             # llama_state_seq_get_data(_ext) caught an exception (a sequence id its memory cannot hold): 0 bytes
-            _refuses(mem, where, "wrote a state where llama.cpp wrote 0 bytes", partial(_save_call, mem, op))
+            _refuses(mem_op, where, "wrote a state where llama.cpp wrote 0 bytes", partial(_save_call, mem_op, op))
         elif kind == "save":
             seq_id, flags = op.get("seq_id", -1), op.get("flags", 0)
             if seq_id is None:
                 seq_id = -1
             theirs = memory_sections(arts.get(op["file"]))
-            leaves = leaf_parts(mem, flags)
+            leaves = leaf_parts(mem_op, flags)
             mine = [s for leaf in leaves for s in leaf.state_sections(seq_id, flags)]
             compare_cells(mine, theirs, where)
             carried.compare_and_mark(where, seq_id, theirs)
@@ -836,20 +870,23 @@ def replay_trace(
                 data = section_bytes(memory_sections(arts.get(op["file"])))
                 seq_id = op.get("dest_seq_id", -1) if kind == "seq_restore" else -1
                 try:
-                    mem.state_read(data, seq_id, op.get("flags", 0), atomic=False)
+                    nread = mem_op.state_read(data, seq_id, op.get("flags", 0), atomic=False)
                 except KVRefError:
                     pass
                 else:
-                    raise CheckFailed(f"{where}: kvref restored what llama.cpp refused ({op.get('errors')})")
+                    # llama_state_seq_* report a sequence restore that read 0 bytes as failed (a memory over another
+                    # context's cells reads nothing), changing nothing
+                    if not (kind == "seq_restore" and nread == 0):
+                        raise CheckFailed(f"{where}: kvref restored what llama.cpp refused ({op.get('errors')})")
             else:
                 data = section_bytes(memory_sections(arts.get(op["file"])))
                 seq_id = op.get("dest_seq_id", -1) if kind == "seq_restore" else -1
-                mem.state_read(data, seq_id, op.get("flags", 0), atomic=False)
+                mem_op.state_read(data, seq_id, op.get("flags", 0), atomic=False)
                 restores += 1
         else:
             raise Unsupported(f"{where}: not an op of the trace vocabulary (TRACE_OPS after init)")
         if "observed" in op:
-            got = _observe(mem, n_seq)
+            got = _observe(mem_op, n_seq)
             if got != op["observed"]:
                 raise CheckFailed(f"{where}: observed {got}, llama.cpp {op['observed']}")
     return {"ops": len(trace), "saves": saves, "restores": restores, "carried_rows": carried.compared,
@@ -1013,6 +1050,8 @@ def expected_shifts(mem: AnyMemory) -> list[tuple[bool, npt.NDArray[np.int32]]]:
     attention cache with a pending shift and at least one roped layer (llama.cpp builds no ROPE otherwise)."""
     out = []
     for swa, cache in _attention_caches(mem):
+        if getattr(cache, "other", None) is not None:
+            continue  # a cache over another context's cells applies no shift (that context does)
         hp = cache.hparams
         roped = int(hp.rope_type) != -1 and any(hp.has_rope(il) for il in cache.get_layer_ids())
         if roped and cache.get_has_shift():
@@ -1175,6 +1214,8 @@ def check_restore(root: Path, case: Case, arts: Artefacts) -> str:
     n_seq = cast("ObservedContext", case["observed_context"])["n_seq_max"]  # artefacts: the context was created
     n = 0
     for file, op in arts.saves.items():
+        c = other_case(case) if op.get("ctx") == "other" else case  # an artefact of ctx_other's context
+        h = hparams_from_case(c) if c is not case else hp
         theirs = memory_sections(arts.get(file))
         data = section_bytes(theirs)
         flags = op.get("flags", 0) or 0
@@ -1186,10 +1227,10 @@ def check_restore(root: Path, case: Case, arts: Artefacts) -> str:
             continue
         targets = [seq_id] if seq_id == -1 else [seq_id] + ([(seq_id + 1) % n_seq] if n_seq > 1 else [])
         for dest in targets:
-            mem = cast("AnyMemory", create_memory_for(case, hp))  # a case with artefacts has a memory
+            mem = cast("AnyMemory", create_memory_for(c, h))  # a case with artefacts has a memory
             mem.state_read(data, dest, flags, atomic=False)
             want = theirs if dest == seq_id else relabel(theirs, dest, lambda s: s)
-            if dest == -1 and compat_for(case).whole_restore_clear == "per_stream":
+            if dest == -1 and compat_for(c).whole_restore_clear == "per_stream":
                 want = last_stream_only(want)
             got = mem.state_sections(dest, flags)
             a, b = section_bytes(got), section_bytes(want)

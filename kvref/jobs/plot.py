@@ -38,6 +38,7 @@ _LABELS = {
     "hybrid_idx": ("attention KV", "recurrent", "indexer KV"),
     "dsa": ("MLA KV (latent K)", "lightning-indexer KV"),
     "dsa_iswa": ("MLA KV (latent K)", "lightning-indexer KV", "SWA attention KV"),
+    "msa": ("attention KV", "MSA indexer keys"),
 }
 INSTALL = "kvref plot needs matplotlib: pip install 'kvref[plot]' (or pip install matplotlib)"
 

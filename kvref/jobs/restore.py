@@ -60,6 +60,8 @@ def memory_layout(hp: HParams) -> tuple[str, str | None]:
         return "dsa", None
     if hp.arch == "dots3note":
         return "dsa_iswa", "kv"
+    if hp.arch == "minimax-m3":
+        return "msa", None  # llama_kv_cache_msa: base, then the indexer keys; the flags change nothing
     if hp.is_recurrent_arch():
         return "recurrent", None
     if hp.memory_kind() == "hybrid_idx":

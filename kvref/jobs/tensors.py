@@ -162,6 +162,8 @@ def _model_leaves(hp: HParams, layout: str) -> list[LeafMemory] | None:
     from .restore import PARTIAL_ONLY, leaf_caches, memory_layout
 
     full, partial = memory_layout(hp)
+    if full == "msa" and layout == "iswa":
+        layout = "msa"  # the same two KV sections: a file without an arch string reads as iswa
     flags = PARTIAL_ONLY if layout == partial and layout != full else 0
     if layout not in (full, partial):
         return None
@@ -295,12 +297,13 @@ def _section_shapes(
         shape = _KVShape()
         if leaves is not None and hp is not None:
             leaf = cast("KVCache", leaves[i])  # the model's memory has a KV cache where the file has a KV section
+            lhp = leaf.hparams  # the cache's own (an MSA indexer cache has one head of the indexer key length)
             shape.il = [layer.il for layer in leaf.layers]
-            shape.head_k = [hp.n_embd_head_k_l(il) for il in shape.il]
-            shape.head_v = [hp.n_embd_head_v_l(il) for il in shape.il]
-            hk0, hv0 = hp.n_embd_head_k_l(0), hp.n_embd_head_v_l(0)
+            shape.head_k = [lhp.n_embd_head_k_l(il) for il in shape.il]
+            shape.head_v = [lhp.n_embd_head_v_l(il) for il in shape.il]
+            hk0, hv0 = lhp.n_embd_head_k_l(0), lhp.n_embd_head_v_l(0)
             hk_all = rot.shared_head_size(shape.head_k)
-            hv_all = 0 if hp.is_mla() else rot.shared_head_size(shape.head_v)
+            hv_all = 0 if lhp.is_mla() else rot.shared_head_size(shape.head_v)
         elif head_dim is not None:
             n = 0 if data is None else len(data.k)
             shape.head_k = shape.head_v = [int(head_dim)] * n

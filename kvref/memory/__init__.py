@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what the type checker sees as kvref.memory.<name>
     from .factory import (
+        CONTEXT_TYPES,
         LLAMA_STATE_SEQ_FLAGS_NONE,
         LLAMA_STATE_SEQ_FLAGS_ON_DEVICE,
         LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY,

@@ -368,12 +368,18 @@ def one_call_batch(batch: Batch, n_ubatch: object, cparams: ContextParams | None
 
 def check_decode(memory: Decodable[_P, _S], balloc: BatchAllocr) -> None:
     """What llama_decode refuses by dying (or by corrupting its cells) after the batch validated, before the memory
-    changes: more tokens than the context's n_batch (GGML_ASSERT: ArgumentError), and a token at position -1 for an
+    changes: more tokens than the context's n_batch (GGML_ASSERT: ArgumentError), more than its n_ubatch for a model
+    without causal attention (GGML_ASSERT: ArgumentError), and a token at position -1 for an
     attention cache (it would sit in a cell that reads as empty yet stays used, in its sequence: CorruptionError)."""
     n_tokens = balloc.get_n_tokens()
     cparams = memory.cparams
     if cparams is not None and n_tokens > cparams.n_batch:
         raise ArgumentError(f"a batch of {n_tokens} tokens is more than n_batch = {cparams.n_batch} (llama.cpp aborts)")
+    if cparams is not None and not memory.hparams.causal_attn and n_tokens > cparams.n_ubatch:
+        # the context's causal_attn is the model's until llama_set_causal_attn (which kvref's memory does not see)
+        raise ArgumentError(f"a batch of {n_tokens} tokens is more than n_ubatch = {cparams.n_ubatch} for a model "
+                            "without causal attention (llama.cpp aborts: non-causal attention requires n_ubatch >= "
+                            "n_tokens)")  # fmt: skip
     if memory.kind != "recurrent" and bool((np.asarray(balloc.pos[:n_tokens]) == -1).any()):
         raise CorruptionError("a token at position -1 would leave a cell that reads as empty but stays used and in its "
                               "sequence (llama.cpp decodes it so)")  # fmt: skip

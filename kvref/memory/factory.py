@@ -32,6 +32,8 @@ from .hybrid import HybridMemory
 from .hybrid_idx import HybridIdxMemory
 from .kv_cache import KVCache
 from .kv_cache_iswa import KVCacheISWA
+from .kv_cache_msa import KVCacheMSA
+from .kv_cache_shared import shared_iswa
 from .recurrent import RecurrentMemory
 
 if TYPE_CHECKING:
@@ -39,11 +41,12 @@ if TYPE_CHECKING:
     from .kv_cache_dsa import DSASlot
     from .kv_cache_dsa_iswa import DSAISWASlot
     from .kv_cache_iswa import ISWASlot
+    from .kv_cache_msa import MSASlot
     from .recurrent import RecurrentSlot
     from .slots import SlotInfo
 
     # what the decode of the memory create_memory builds places each ubatch in (`Memory`'s type parameter)
-    _Slot: TypeAlias = "SlotInfo | ISWASlot | HybridSlot | RecurrentSlot | DSASlot | DSAISWASlot"
+    _Slot: TypeAlias = "SlotInfo | ISWASlot | HybridSlot | RecurrentSlot | DSASlot | DSAISWASlot | MSASlot"
 
 # llama_context_type: the default context, and a draft context of the model's MTP (NextN) blocks
 CONTEXT_TYPES = ("default", "mtp")
@@ -256,7 +259,23 @@ def create_memory(
         return _create_dsa(hparams, cp, ctx_type, type_k, type_v, n_pad, profile)
     # the dense MTP heads of these hybrids use a plain attention cache of their nextn layers
     mtp_dense = ctx_type == "mtp" and arch in MTP_DENSE_HYBRID_ARCHS
-    if hparams.is_recurrent_arch():
+    if arch == "minimax-m3":
+        # llama_kv_cache_msa: the base cache over every layer, the indexer key cache over the sparse layers
+        mem = KVCacheMSA(
+            hparams,
+            type_k=type_k,
+            type_v=type_v,
+            v_trans=v_trans,
+            kv_unified=cp.kv_unified,
+            kv_size=cp.n_ctx_seq,
+            n_seq_max=cp.n_seq_max,
+            n_pad=n_pad,
+            n_swa=hparams.n_swa,
+            swa_type=hparams.swa_type,
+            compat=profile,
+            cparams=cp,
+        )
+    elif hparams.is_recurrent_arch():
         mem = RecurrentMemory(
             hparams,
             type_r="f32",
@@ -315,17 +334,40 @@ def create_memory(
                 return -1
 
         n_trunk = hparams.n_layer_trunk()
-        if mtp_dense or (hparams.n_layer_nextn > 0 and n_trunk > 0 and hparams.router_layer < 0 and ctx_type == "mtp"):
+        hc_dflash = arch == "dflash" and hparams.dsv4_hc_mult > 0  # DSpark stages: an iSWA cache, no filter
+        if hc_dflash and hparams.swa_type == SWAType.NONE:
+            raise KVRefError("dflash with hyper-connections needs a sliding window (llama.cpp asserts swa_type)")
+        nextn = hparams.n_layer_nextn > 0 and n_trunk > 0 and hparams.router_layer < 0 and not hc_dflash
+        if mtp_dense or (nextn and ctx_type == "mtp"):
 
             def layer_filter(il: int) -> bool:
                 return il >= n_trunk  # a draft context holds only the MTP blocks
 
-        elif hparams.n_layer_nextn > 0 and n_trunk > 0 and hparams.router_layer < 0:
+        elif nextn:
 
             def layer_filter(il: int) -> bool:
                 return il < n_trunk  # the trunk context never attends the MTP blocks
 
-        if hparams.swa_type != SWAType.NONE:
+        if arch == "gemma4-assistant":
+            # llama_context requires ctx_other; create_memory hands its memory (mem_other) and a layer_share
+            # callback to llama_kv_cache_iswa: every layer and every cell is the target context's
+            if hparams.swa_type == SWAType.NONE:
+                raise KVRefError("gemma4-assistant without a sliding window: llama.cpp asserts is_swa_any()")
+            mem = shared_iswa(
+                hparams,
+                mem_other,
+                type_k=type_k,
+                type_v=type_v,
+                v_trans=v_trans,
+                swa_full=cp.swa_full,
+                kv_unified=cp.kv_unified,
+                n_seq_max=cp.n_seq_max,
+                n_pad=n_pad,
+                layer_filter=layer_filter,
+                compat=profile,
+                cparams=cp,
+            )
+        elif hparams.swa_type != SWAType.NONE:
             mem = KVCacheISWA(
                 hparams,
                 type_k=type_k,

@@ -39,6 +39,7 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "hybrid_idx": ("kv", "recurrent", "kv"),  # llama_memory_hybrid_idx: the indexer cache is a suffix
     "dsa": ("kv", "kv"),  # llama_kv_cache_dsa: MLA, then the lightning-indexer keys (reads as "iswa": never guessed)
     "dsa_iswa": ("kv", "kv", "kv"),  # llama_kv_cache_dsa_iswa: MLA, indexer, then SWA
+    "msa": ("kv", "kv"),  # llama_kv_cache_msa: base, then the indexer key cache (auto-detection reads it as iswa)
 }
 
 # The field vocabulary shared with the conformance suite's invalid-input manifest.

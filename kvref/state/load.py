@@ -256,8 +256,9 @@ def _readings_of(
         variants = list(dict.fromkeys((False, n, e) for _, n, e in variants))
     # a memoryless context ("none") must be asked for: in "auto" it would make every state cut right after
     # its arch string a valid reading
-    # nor is "dsa", whose two KV sections read exactly as "iswa"'s (only the model tells them apart)
-    layouts = [name for name in LAYOUTS if name not in ("none", "dsa")] if layout == "auto" else [layout]
+    # "none" is never inferred from readings (only when nothing else parses, see load); "dsa" and "msa" read as
+    # "iswa" (the same two KV sections) and are named from the arch string or the model
+    layouts = [name for name in LAYOUTS if name not in ("none", "dsa", "msa")] if layout == "auto" else [layout]
     # blobs of the current format carry the io_magic prefix; asked for a seq_state, assume it (a corrupt magic
     # is then reported as such) unless the bytes are being guessed (kind "auto") and do not start with it
     headers = [True] if kind != "seq_state" or auto_kind is False else [magic]
@@ -1069,6 +1070,8 @@ def load(
             )
         if layout == "auto" and c["layout"] == "iswa" and getattr(obj, "arch", None) in _DSA_ARCHS:
             obj.memory.layout = "dsa"  # the same bytes as an iSWA memory's: the arch string says which
+        if layout == "auto" and obj.memory.layout == "iswa" and getattr(obj, "arch", None) == "minimax-m3":
+            obj.memory.layout = "msa"  # the same two KV sections: llama_kv_cache_msa's base and indexer caches
         return obj
     if not found:
         assert best is not None
@@ -1093,6 +1096,29 @@ def load(
                     offset=0,
                 )
         best.readings = failures
+        if layout == "auto" and best.offset == len(buf):
+            # every memory reading stops where its first section would start, at the end: a state without a
+            # memory section (a draft context over another context's cache, gemma4-assistant with ctx_other,
+            # writes none; so does a context without memory)
+            try:
+                empty: StateObject = load(
+                    buf,
+                    kind,
+                    "none",
+                    ext_size=ext_size,
+                    n_stream_field=n_stream_field,
+                    has_v=has_v,
+                    outputs=outputs,
+                    ple=ple,
+                    n_state_layers=n_state_layers,
+                    seq_header=seq_header,
+                )
+            except FormatError:
+                raise best from None
+            empty.note = (
+                "no memory section (read as layout none): a context without memory or a draft over another's cache"
+            )
+            return empty
         raise best
     which = "; ".join(describe(c) for c, _ in found.values())
     raise FormatError(
