@@ -55,7 +55,7 @@ NO_MEMORY_ARCHS = frozenset({
 
 # archs with a memory kvref does not model (MSA/DSA indexer caches, DeepSeek-V4 compressed caches, ...)
 UNSUPPORTED_ARCHS = frozenset({
-    "minimax-m3", "glm-dsa", "deepseek32", "glm5-next", "hy_v4", "dots3note", "deepseek4", "dflash",
+    "minimax-m3", "glm-dsa", "deepseek32", "glm5-next", "hy_v4", "dots3note", "dflash",
     "gemma4-assistant",
 })  # fmt: skip
 

@@ -29,6 +29,7 @@ from .base import (
 )
 from .hybrid import HybridMemory
 from .kv_cache import KVCache
+from .kv_cache_dsv4 import KVCacheDSV4
 from .kv_cache_iswa import KVCacheISWA
 from .recurrent import RecurrentMemory
 
@@ -239,6 +240,8 @@ def create_memory(
     v_trans = not cp.flash_attn
 
     mem: Memory[_Slot]
+    if arch == "deepseek4":
+        return _deepseek4(hparams, cp, ctx_type, type_k, type_v, v_trans, profile)
     if hparams.is_recurrent_arch():
         mem = RecurrentMemory(
             hparams,
@@ -333,6 +336,32 @@ def create_memory(
                 cparams=cp,
             )
     return mem
+
+
+def _deepseek4(
+    hparams: HParams,
+    cp: ContextParams,
+    ctx_type: str,
+    type_k: GGMLType | int | str,
+    type_v: GGMLType | int | str,
+    v_trans: bool,
+    profile: Profile,
+) -> Memory[_Slot]:
+    """create_memory's LLM_ARCH_DEEPSEEK4 case: llama_kv_cache_dsv4 (`KVCacheDSV4`: never unified, ``n_pad`` 1),
+    or for an MTP draft context a llama_kv_cache_iswa over the MTP blocks (layers from ``n_layer_trunk()`` on)."""
+    if hparams.swa_type == SWAType.NONE:
+        raise KVRefError("deepseek4 needs a sliding window (create_memory asserts swa_type != NONE)")
+    if ctx_type == "mtp":
+        n_trunk = hparams.n_layer_trunk()
+        return KVCacheISWA(
+            hparams, type_k=type_k, type_v=type_v, v_trans=v_trans, swa_full=cp.swa_full, kv_unified=cp.kv_unified,
+            kv_size=cp.n_ctx_seq, n_seq_max=cp.n_seq_max, n_ubatch=cp.n_ubatch, n_pad=1,
+            layer_filter=lambda il: il >= n_trunk, compat=profile, cparams=cp,
+        )  # fmt: skip
+    return KVCacheDSV4(  # type: ignore[return-value]
+        hparams, type_k=type_k, type_v=type_v, v_trans=v_trans, swa_full=cp.swa_full, kv_size=cp.n_ctx_seq,
+        n_seq_max=cp.n_seq_max, n_ubatch=cp.n_ubatch, n_pad=1, n_rs_seq=cp.n_rs_seq, compat=profile, cparams=cp,
+    )  # fmt: skip
 
 
 __all__ = [
