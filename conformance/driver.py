@@ -256,7 +256,9 @@ def sha256(path: Path) -> str:
 # ------------------------------------------------------------------ memory description
 
 
-def memory_kind(hp: dict) -> str:
+def memory_kind(hp: dict, ctx_type: str = "default") -> str:
+    if hp.get("dsv4_compress_ratios"):  # deepseek4: llama_kv_cache_dsv4, an iSWA cache in an MTP context
+        return "iswa" if ctx_type == "mtp" else "dsv4"
     if any(hp["recurrent_layers"]):
         if all(hp["recurrent_layers"]):
             return "recurrent"
@@ -286,6 +288,10 @@ def sections_for(kind: str, flags: int) -> list[str]:
     if kind == "hybrid_iswa":
         # llama_memory_hybrid_iswa hands the flags to both parts: the iSWA cache drops its base
         return ["kv_swa", "recurrent"] if partial else ["kv_base", "kv_swa", "recurrent"]
+    if kind == "dsv4":
+        # llama_kv_cache_dsv4: its header, the raw iSWA sections, the compressed K caches (not when partial), the
+        # compressor states (kvref.state.dsv4)
+        return ["dsv4"]
     raise ValueError(kind)
 
 
@@ -345,7 +351,7 @@ class Run:
         init_backend()
         self.dir = case_dir
         self.hp = hp
-        self.kind = memory_kind(hp)
+        self.kind = memory_kind(hp, cparams.get("ctx_type", "default"))
         self.trace: list[dict] = []
         self.n_saves = 0
         self.latest_files: dict = {}
@@ -364,6 +370,8 @@ class Run:
         mp = L.llama_model_default_params()
         mp.n_gpu_layers = 0
         mp.use_mmap = True
+        if cparams.get("ctx_type", "default") == "mtp":
+            mp.load_mtp = True  # a draft context of the MTP blocks needs their tensors
         _take_log()
         self.model = L.llama_model_load_from_file(str(model_path).encode(), mp)
         if not self.model:
@@ -391,6 +399,8 @@ class Run:
         if hasattr(p, "n_rs_seq"):
             p.n_rs_seq = cparams["n_rs_seq"]
         p.n_threads = cparams["n_threads"]
+        if cparams.get("ctx_type", "default") == "mtp":
+            p.ctx_type = L.LLAMA_CONTEXT_TYPE_MTP
         p.n_threads_batch = cparams["n_threads"]
         if hasattr(p, "flash_attn_type"):
             on, off = L.LLAMA_FLASH_ATTN_TYPE_ENABLED, L.LLAMA_FLASH_ATTN_TYPE_DISABLED

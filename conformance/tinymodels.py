@@ -821,7 +821,7 @@ def build_deepseek4(out: Path) -> TinyModel:
     ratios = [0, 4, 128, 0]
     d = _Dims(n_layer=n_trunk + n_nextn, n_embd=64, n_head=2, n_head_kv=1, hd=64, n_ff=32)
     n_rot, n_swa, q_lora, o_groups, o_lora, hc = 16, 8, 32, 2, 16, 4
-    idx_heads, idx_hd, idx_top_k = 2, 64, 4  # the indexer K rotation needs a head of 64+
+    idx_heads, idx_hd, idx_top_k = 2, 128, 4  # 64+ (its K rotation), not the K head size (all caches would rotate)
     n_expert, n_used, n_ff_exp = 2, 1, 16
     hc_dim, hc_mix = hc * d.n_embd, (2 + hc) * hc
     b = _Builder("deepseek4", seed=1023)

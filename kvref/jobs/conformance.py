@@ -223,7 +223,8 @@ def hparams_from_case(case: Case) -> HParams:
     # what decides the recurrent row widths of RWKV and LFM2, and the SWA layers' rope base
     # (and what set_causal false, ALiBi and T5's position buckets do to the graph inputs)
     for name in ("wkv_head_size", "token_shift_count", "n_shortconv_l_cache", "rope_freq_base_swa",
-                 "non_causal_type", "f_max_alibi_bias", "n_rel_attn_bkts", "n_layer_kv_from_start"):  # fmt: skip
+                 "non_causal_type", "f_max_alibi_bias", "n_rel_attn_bkts", "n_layer_kv_from_start",
+                 "n_layer_nextn", "indexer_head_size", "dsv4_hc_mult", "dsv4_compress_ratios"):  # fmt: skip
         if h.get(name) is not None:
             kw[name] = h[name]
     sections = h.get("rope_sections")
