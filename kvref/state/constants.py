@@ -37,6 +37,7 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "hybrid": ("kv", "recurrent"),  # llama_memory_hybrid: attention, then recurrent
     "hybrid_iswa": ("kv", "kv", "recurrent"),  # llama_memory_hybrid_iswa
     "hybrid_idx": ("kv", "recurrent", "kv"),  # llama_memory_hybrid_idx: the indexer cache is a suffix
+    "dsv4": ("dsv4",),  # llama_kv_cache_dsv4: header, raw iSWA sections, compressed K caches, compressor states
 }
 
 # The field vocabulary shared with the conformance suite's invalid-input manifest.

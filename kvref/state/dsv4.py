@@ -246,3 +246,73 @@ __all__ = [
     "TensorStreams",
     "reader",
 ]
+
+
+@dataclass(eq=False)
+class DSV4Section:
+    """The whole DSV4 memory section as kvref.state objects: the header, the raw iSWA's KV sections (base then
+    SWA; the SWA one only when partial), the compressed K caches (none when partial), the compressor states."""
+
+    header: DSV4Header
+    raw: list  # list[KVSection]
+    k_caches: list[KCacheSection]
+    states: list[CompStateSection]
+
+    kind = "dsv4"
+
+    @property
+    def partial(self) -> bool:
+        return self.header.partial
+
+    def tail_bytes(self) -> bytes:
+        """The bytes after the raw sections (compressed caches, then states)."""
+        return b"".join([k.to_bytes() for k in self.k_caches] + [s.to_bytes() for s in self.states])
+
+
+def read_tail(buf: memoryview, offset: int, partial: bool) -> tuple[list[KCacheSection], list[CompStateSection], int]:
+    """The compressed caches (unless ``partial``) and the compressor states from ``offset``; returns them and the
+    offset after them."""
+    r = _Reader(buf, offset)
+    ks = [] if partial else [KCacheSection.read(r, name) for name, _ in COMP_PARTS]
+    ss = [CompStateSection.read(r, name) for name, _ in COMP_PARTS]
+    return ks, ss, r.pos
+
+
+def skip_tail(buf: memoryview, offset: int, end: int, partial: bool) -> int | None:
+    """Where the compressed caches and states from ``offset`` end, walking only their headers (None: they do not
+    fit or do not parse): the loader's sniff."""
+
+    def u32(at: int) -> int | None:
+        return struct.unpack_from("<I", buf, at)[0] if at + 4 <= end else None
+
+    def tensor(at: int, ns: int) -> int | None:
+        if at + 28 > end:
+            return None
+        _t, _ne0, rows, rs = struct.unpack_from("<iQQQ", buf, at)
+        n = rows * rs * ns
+        return at + 28 + n if n <= end - at - 28 else None
+
+    at: int | None = offset
+    for _ in range(0 if partial else 3):
+        if at is None or u32(at) not in (1, DSV4_K_CACHE_STATE_VER):
+            return None
+        ns, n_layer = u32(at + 8), u32(at + 12)
+        if ns is None or n_layer is None:
+            return None
+        at += 16
+        for _ in range(n_layer):
+            at = None if at is None else tensor(at + 4, ns)
+    for _ in range(3):
+        if at is None or u32(at) != DSV4_COMP_STATE_VER:
+            return None
+        ns, n_layer = u32(at + 16), u32(at + 20)
+        if ns is None or n_layer is None:
+            return None
+        at += 24
+        for _ in range(n_layer):
+            at = None if at is None else tensor(at + 4, ns)
+            at = None if at is None else tensor(at, ns)
+    return at
+
+
+__all__ += ["DSV4Section", "read_tail", "skip_tail"]
