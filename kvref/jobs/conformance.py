@@ -304,7 +304,8 @@ def create_memory_for(case: Case, hp: HParams) -> AnyMemory | None:
 def check_memory_shape(case: Case, mem: AnyMemory) -> None:
     """The memory kvref built has the kind and sizes llama.cpp logged."""
     want = case["memory"]
-    kind = {"KVCache": "kv", "KVCacheISWA": "iswa", "RecurrentMemory": "recurrent", "HybridMemory": "hybrid"}
+    kind = {"KVCache": "kv", "KVCacheISWA": "iswa", "RecurrentMemory": "recurrent", "HybridMemory": "hybrid",
+            "KVCacheDSV4": "dsv4"}  # fmt: skip
     got = kind.get(type(mem).__name__, type(mem).__name__)
     if got == "hybrid":
         got = getattr(mem, "kind", got)  # "hybrid" or "hybrid_iswa"
@@ -312,6 +313,8 @@ def check_memory_shape(case: Case, mem: AnyMemory) -> None:
         raise CheckFailed(f"kvref built a {got} memory, llama.cpp a {want['type']} one")
     leaves = leaf_parts(mem, 0)
     kv = [cast("KVCache", leaf) for leaf in leaves if type(leaf).__name__ == "KVCache"]
+    if got == "dsv4":  # llama_kv_cache_dsv4 builds its raw iSWA caches, then the CSA, HCA and indexer caches
+        kv = [*leaf_parts(mem.raw, 0), *mem.comp_caches]  # type: ignore[union-attr]
     for cache in kv:
         if cache.n_stream != want["n_stream"]:
             raise CheckFailed(f"n_stream {cache.n_stream}, llama.cpp {want['n_stream']}")
@@ -332,6 +335,8 @@ def check_memory_shape(case: Case, mem: AnyMemory) -> None:
     sizes: dict[Literal["kv_size", "kv_size_swa"], int | None] = {
         "kv_size": kv[0].get_size() if kv else None, "kv_size_swa": kv[-1].get_size() if len(kv) > 1 else None,
     }  # fmt: skip
+    if got == "dsv4":
+        sizes["kv_size_swa"] = kv[1].get_size()
     for name, got_size in sizes.items():
         if want.get(name) is not None and got_size != want[name]:
             raise CheckFailed(f"{name} {got_size} cells, llama.cpp {want[name]}")
@@ -497,10 +502,14 @@ def relabel(sections: Sequence[AnySection], dest: int, n_stream_of: Callable[[An
     def cells(c: Cells) -> Cells:
         return Cells(c.pos, np.full_like(c.seq_id, dest), c.seq_start, c.ext, c.ext_size)
 
+    from ..state.dsv4 import DSV4Section
+
     out: list[AnySection] = []
     for sec in sections:
         sec = copy.copy(sec)
-        if isinstance(sec, KVSection):
+        if isinstance(sec, DSV4Section):  # its raw iSWA sections; the compressed parts carry no sequence id
+            sec.raw = relabel(sec.raw, dest, n_stream_of)
+        elif isinstance(sec, KVSection):
             full = [st for st in sec.streams if st.cells is not None]
             streams = [KVStream(None, None) for _ in sec.streams]
             target = dest if len(sec.streams) > 1 else 0
@@ -805,6 +814,10 @@ def replay_trace(
             if seq_id is None:
                 seq_id = -1
             theirs = memory_sections(arts.get(op["file"]))
+            if getattr(mem, "kind", None) == "dsv4":
+                _dsv4_save(mem, theirs, seq_id, flags, where)
+                saves += 1
+                continue
             leaves = leaf_parts(mem, flags)
             mine = [s for leaf in leaves for s in leaf.state_sections(seq_id, flags)]
             compare_cells(mine, theirs, where)
@@ -844,6 +857,35 @@ def replay_trace(
                 raise CheckFailed(f"{where}: observed {got}, llama.cpp {op['observed']}")
     return {"ops": len(trace), "saves": saves, "restores": restores, "carried_rows": carried.compared,
             "corrupting": refused, "not_compared": skipped}  # fmt: skip
+
+
+def _dsv4_save(mem: AnyMemory, theirs: Sequence[AnySection], seq_id: int, flags: int, where: str) -> None:
+    """A save of llama_kv_cache_dsv4 (kvref.memory.kv_cache_dsv4): the raw iSWA's cell tables, the compressed caches'
+    row counts, streams and layers and the compressor states' shapes must be llama.cpp's; then llama.cpp's rows
+    (raw K, compressed rows, compressor states: graph outputs) are copied in and the bytes must be equal."""
+    from ..memory.kv_cache_dsv4 import KVCacheDSV4
+    from ..state.dsv4 import DSV4Section
+
+    dsv4 = cast("KVCacheDSV4", mem)
+    sec = cast("DSV4Section", theirs[0])
+    mine = dsv4.state_sections(seq_id, flags)[0]
+    if mine.header.mode != sec.header.mode:
+        raise CheckFailed(f"{where}: DSV4 mode {mine.header.mode}, llama.cpp {sec.header.mode}")
+    compare_cells(mine.raw, sec.raw, where)
+    for a, b in zip(mine.k_caches, sec.k_caches, strict=True):
+        got, want = (a.n_rows, a.n_stream, [il for il, _ in a.layers]), (b.n_rows, b.n_stream, [il for il, _ in b.layers])
+        if got != want:
+            raise CheckFailed(f"{where}: {a.name} K cache (rows, streams, layers) {got}, llama.cpp {want}")
+    for x, y in zip(mine.states, sec.states, strict=True):
+        got, want = (x.state_size, x.n_embd_state, x.n_stream), (y.state_size, y.n_embd_state, y.n_stream)
+        if got != want:
+            raise CheckFailed(f"{where}: {x.name} state (size, width, streams) {got}, llama.cpp {want}")
+    leaves = leaf_parts(cast("AnyMemory", dsv4.raw), flags)
+    inject_rows(leaves, mine.raw, sec.raw, seq_id)
+    dsv4.copy_rows_from(sec, seq_id)
+    a, b = dsv4.state_write(seq_id, flags), section_bytes(theirs)
+    if a != b:
+        raise CheckFailed(f"{where}: memory bytes after copying llama.cpp's rows: {first_difference(a, b)}")
 
 
 def _snapshot(mem: AnyMemory) -> tuple[bytes, list[tuple[int, int]]]:

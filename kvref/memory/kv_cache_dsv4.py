@@ -94,6 +94,15 @@ def k_only(hp: HParams, head: int | None = None, **extra: object) -> HParams:
     return dataclasses.replace(hp, **kw)  # type: ignore[arg-type]
 
 
+class IndexerKVCache(KVCache):
+    """The lightning indexer's K cache: llama_kv_cache always rotates the K of a DeepSeek indexer cache (its head
+    size is the model's ``indexer_head_size``), whatever its type."""
+
+    @property
+    def attn_rot_k(self) -> bool:
+        return self.profile.attn_rotation
+
+
 class CompState:
     """llama_dsv4_comp_state: the compressor's running state of the layers ``filter`` keeps.
 
@@ -364,7 +373,8 @@ class KVCacheDSV4:
         self.hparams_lid = k_only(hp, n_head, n_head_kv=1, rope_type=2)  # LLAMA_ROPE_TYPE_NEOX
 
         def comp_cache(h: HParams, ratio: int, f: Callable[[int], bool]) -> KVCache:
-            return KVCache(
+            cls = IndexerKVCache if h is self.hparams_lid else KVCache
+            return cls(
                 h, type_k=type_k, type_v=type_v, v_trans=v_trans, kv_unified=False,
                 kv_size=_pad(comp_size(kv_size, ratio), 256), n_seq_max=n_seq_max, n_pad=n_pad,
                 n_swa=0, swa_type=SWAType.NONE, layer_filter=f, compat=self.profile,
@@ -634,32 +644,51 @@ class KVCacheDSV4:
             sec.layers.append((layer.il, _st.TensorStreams(int(c.type_k), n_embd, n_rows, rs, data)))
         return sec
 
-    def state_sections(self, seq_id: int = -1, flags: int = 0, *, copy: bool = True) -> list[object]:
-        """What ``state_write`` serializes, in order: the `kvref.state.dsv4.DSV4Header`, the raw iSWA's KV sections,
-        the compressed caches' `KCacheSection` objects (unless partial) and the `CompStateSection` objects."""
+    def state_sections(self, seq_id: int = -1, flags: int = 0, *, copy: bool = True) -> list[_st.DSV4Section]:
+        """What ``state_write`` serializes: one `kvref.state.dsv4.DSV4Section` (the header, the raw iSWA's KV
+        sections, the compressed caches' rows unless partial, the compressor states)."""
         seq_id, flags = as_state_args(seq_id, flags)
         partial = bool(flags & LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
-        out: list[object] = [_st.DSV4Header(mode=_st.DSV4_STATE_MODE_PARTIAL if partial else _st.DSV4_STATE_MODE_FULL)]
-        out.extend(self.raw.state_sections(seq_id, flags, copy=copy))
-        if not partial:
-            for c, (name, ratio) in zip(self.comp_caches, _st.COMP_PARTS, strict=True):
-                out.append(self._k_section(c, name, ratio, seq_id))
-        for s in self.comp_states:
-            out.append(s.section(seq_id, self.rs_idx))
-        return out
+        head = _st.DSV4Header(mode=_st.DSV4_STATE_MODE_PARTIAL if partial else _st.DSV4_STATE_MODE_FULL)
+        raw = self.raw.state_sections(seq_id, flags, copy=copy)
+        ks = [] if partial else [
+            self._k_section(c, name, ratio, seq_id) for c, (name, ratio) in zip(self.comp_caches, _st.COMP_PARTS,
+                                                                                 strict=True)
+        ]  # fmt: skip
+        ss = [s.section(seq_id, self.rs_idx) for s in self.comp_states]
+        if copy:
+            for k in ks:
+                for _, t in k.layers:
+                    t.data = t.data.copy()
+            for c in ss:
+                for _, kv, sc in c.layers:
+                    kv.data, sc.data = kv.data.copy(), sc.data.copy()
+        return [_st.DSV4Section(head, list(raw), ks, ss)]
 
     def state_write(self, seq_id: int = -1, flags: int = 0) -> bytes:
         """The bytes of llama_kv_cache_dsv4::state_write."""
-        seq_id, flags = as_state_args(seq_id, flags)
-        partial = bool(flags & LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY)
-        parts = [_st.DSV4Header(mode=_st.DSV4_STATE_MODE_PARTIAL if partial else _st.DSV4_STATE_MODE_FULL).to_bytes()]
-        parts.append(self.raw.state_write(seq_id, flags))
-        if not partial:
-            for c, (name, ratio) in zip(self.comp_caches, _st.COMP_PARTS, strict=True):
-                parts.append(self._k_section(c, name, ratio, seq_id).to_bytes())
-        for s in self.comp_states:
-            parts.append(s.section(seq_id, self.rs_idx).to_bytes())
-        return b"".join(parts)
+        from ..state import section_bytes
+
+        return section_bytes(*self.state_sections(seq_id, flags, copy=False))  # type: ignore[arg-type]
+
+    def copy_rows_from(self, sec: _st.DSV4Section, seq_id: int) -> None:
+        """Put a saved section's compressed rows and compressor states where this memory's save of ``seq_id``
+        (-1: all) reads them (the conformance replay: those rows are graph outputs kvref does not compute)."""
+        for c, k in zip(self.comp_caches, sec.k_caches, strict=False):  # none when partial
+            n_stream = c.get_n_stream()
+            s0 = (seq_id if n_stream > 1 else 0) if seq_id >= 0 else 0
+            for il, t in k.layers if k.n_rows else ():
+                layer = c.layers[c.map_layer_ids[il]]
+                layer.k[s0 : s0 + k.n_stream, : k.n_rows] = t.data.reshape(k.n_stream, k.n_rows, -1)
+        for st, cs in zip(self.comp_states, sec.states, strict=True):
+            ns = cs.n_stream
+            s0 = (seq_id if st.n_stream > 1 else 0) if seq_id >= 0 else 0
+            planes = [
+                self.rs_idx[seq_id if seq_id >= 0 else s0 + s] * st.n_stream + s0 + s for s in range(ns)
+            ]
+            for il, kv, sc in cs.layers:
+                st.kv[il][planes] = kv.data.view(np.float32).reshape(ns, st.state_size, st.n_embd_state)
+                st.score[il][planes] = sc.data.view(np.float32).reshape(ns, st.state_size, st.n_embd_state)
 
     def state_size(self, seq_id: int = -1, flags: int = 0) -> int:
         """The byte count of ``state_write(seq_id, flags)``."""
@@ -738,7 +767,7 @@ class KVCacheDSV4:
         n_rows, ns = sec.n_rows, sec.n_stream
 
         def write() -> None:
-            for il, t in sec.layers:
+            for il, t in sec.layers if n_rows else ():
                 layer = c.layers[c.map_layer_ids[il]]
                 layer.k[s0 : s0 + ns, :n_rows] = t.data.reshape(ns, n_rows, -1)
 
