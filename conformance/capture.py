@@ -15,6 +15,9 @@ token positions        ROPE fed by ``inp_pos``                src[1]
 K-shift                ROPE over a view of cache_k_l<il>      src[1]
 T5 position buckets    GET_ROWS of ``*attn_rel_b.weight``     src[1] (a 1-D view of ``pos_bucket_enc`` /
                                                               ``pos_bucket_dec``: the view's source is read)
+deepseek4 inputs       any node reading ``dsv4_<cache>_<field>``  that src (llm_graph_input_dsv4: recorded as
+                                                              ``dsv4_<cache>_<field>``, the masks as
+                                                              ``kq_mask_dsv4_<cache>``)
 =====================  =====================================  ==========
 
 With ``rows=True`` (the attention-rotation cases) the K and V rows a decode stores are read too, before and
@@ -272,6 +275,13 @@ class Capture:
         op = t.op
         if op == OP_GET_ROWS and t.src[0] and _name(t.src[0].contents) == "token_embd.weight":
             return ("graph",)
+        for i in range(GGML_MAX_SRC):  # deepseek4's compression inputs (llm_graph_input_dsv4), named dsv4_*
+            p = t.src[i]
+            if not p:
+                break
+            n = _name(p.contents)
+            if n.startswith("dsv4_") and p.contents.flags & GGML_TENSOR_FLAG_INPUT:
+                return ("kq_mask_" + n[: -len("_kq_mask")] if n.endswith("_kq_mask") else n, -1, i)
         if op == OP_GET_ROWS and t.src[0] and t.src[1] and "attn_rel_b" in _name(t.src[0].contents):
             m = _BLK_RE.search(_name(t.src[0].contents))
             return ("pos_bucket", int(m.group(1)) if m else -1, 1)
@@ -369,7 +379,7 @@ class Capture:
             self.shifts.append({"swa": swa, "layer": il, "data": data})
             return True
         ent: dict = {"tensor": kind, "layer": il, "swa": swa, "type": TYPE_NAMES[s.type]}
-        if kind == "kq_mask":
+        if kind.startswith("kq_mask"):
             if data.shape[1] != 1:
                 raise ValueError(f"kq mask of layer {il}: ne[2] = {data.shape[1]}, expected 1")
             ent["shape"] = list(data.shape)
@@ -390,12 +400,13 @@ def encode(graphs: dict) -> dict:
         ins = []
         for e in u["inputs"]:
             d = {k: e[k] for k in ("tensor", "layer", "swa", "type")}
-            if e["tensor"] == "kq_mask":
+            if e["tensor"].startswith("kq_mask"):
                 d.update(encode_mask(e["mask"]))
             else:
                 d["data"] = encode_ints(e["data"])
             ins.append(d)
-        ins.sort(key=lambda d: (d["swa"], ("kq_mask", "k_idxs", "v_idxs", "pos", "pos_bucket").index(d["tensor"])))
+        order = ("kq_mask", "k_idxs", "v_idxs", "pos", "pos_bucket")
+        ins.sort(key=lambda d: (d["swa"], order.index(d["tensor"]) if d["tensor"] in order else len(order), d["tensor"]))
         ubs.append({"inputs": ins})
     out: dict = {"ubatches": ubs}
     if shifts:

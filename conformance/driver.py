@@ -362,7 +362,7 @@ class Run:
         if CAPTURE_GRAPHS:
             import capture
 
-            swa_cache = self.kind in ("iswa", "hybrid_iswa")
+            swa_cache = self.kind in ("iswa", "hybrid_iswa", "dsv4")  # dsv4: the raw attention reads the SWA cache
             self.capture = capture.Capture(lambda il: swa_cache and bool(hp["swa_layers"][il]), rows=capture_rows)
         # op index -> [(k | v, layer, ubatch, pre, post)]: written to ROWS_FILE by close()
         self.rows: dict[int, list] = {}

@@ -806,23 +806,30 @@ class KVCacheDSV4:
         )  # fmt: skip
 
     def graph_input(
-        self, tensor: str, ub: UBatch, slot: object, *, swa: bool, f16: bool, causal: bool
+        self, tensor: str, ub: UBatch, slot: object, *, swa: bool, f16: bool, causal: bool | None
     ) -> npt.NDArray[np.generic] | None:
-        """The DSV4 graph inputs (llm_graph_input_dsv4::set_input): ``dsv4_<csa|hca|lid>_<field>`` for a plan's
-        index vectors and ``dsv4_<name>_kq_mask`` (``(n_stream, n_tokens / n_stream, n_kv)``: 0 for the first
-        ``n_visible`` rows of each token, -inf after; f16 where llama.cpp makes it f16); None for other names."""
-        if not tensor.startswith("dsv4_") or not isinstance(slot, DSV4Slot):
+        """The DSV4 graph inputs (llm_graph_input_dsv4::set_input), as conformance/capture.py names them:
+        ``dsv4_<csa|hca|lid>_state_<field>`` (a compression plan's index vector) and ``kq_mask_dsv4_<cache>`` (its
+        mask, ``(n_stream, n_tokens / n_stream, n_kv)``: 0 for the first ``n_visible`` rows of each token, -inf
+        after; f16 where llama.cpp makes it f16); None for other names (the raw SWA cache's ``kq_mask`` and
+        ``k_idxs`` are the attention cache's, `attention_cache`)."""
+        if not isinstance(slot, DSV4Slot):
             return None
-        name, _, fld = tensor[5:].partition("_")
+        is_mask = tensor.startswith("kq_mask_dsv4_")
+        if not (is_mask or tensor.startswith("dsv4_")):
+            return None
+        name = tensor[len("kq_mask_dsv4_") :] if is_mask else tensor[5:8]
         if name not in ("csa", "hca", "lid"):
             return None
         plan = self.comp_plan(name, slot)
-        if fld == "kq_mask":
+        if is_mask:
             n = len(plan.n_visible)
-            mask = np.where(np.arange(plan.n_kv)[None, :] < plan.n_visible[:, None], 0.0, -np.inf).astype(np.float32)
+            cols = np.arange(plan.n_kv)[None, :]
+            mask = np.where(cols < plan.n_visible[:, None], np.float32(0), np.float32(-np.inf)).astype(np.float32)
             mask = mask.reshape(plan.n_stream, n // plan.n_stream, plan.n_kv)
             return mask.astype(np.float16) if f16 else mask
-        if fld in CompPlan._fields and fld not in ("n_visible", "n_stream", "n_kv"):
+        fld = tensor[9:]
+        if fld in CompPlan._fields and fld.startswith("state_"):
             return np.asarray(getattr(plan, fld))
         return None
 
