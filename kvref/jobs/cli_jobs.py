@@ -30,6 +30,7 @@ SECTION_LABELS: dict[str, tuple[str, ...]] = {
     "hybrid": ("attention KV (attention layers)", "recurrent (recurrent layers)"),
     "hybrid_iswa": ("base attention KV", "SWA attention KV", "recurrent"),
     "hybrid_idx": ("attention KV", "recurrent", "indexer KV"),
+    "dsv4": (),  # its parts label themselves (kvref.state.summary)
     "none": (),
 }
 
@@ -70,6 +71,8 @@ def enrich_summary(
     summary["eras"] = [{"era": e, "llama_cpp_python": ERAS[e].releases} for e in eras]
     labels = SECTION_LABELS.get(obj.memory.layout, ())
     for i, sec in enumerate(summary.get("sections", [])):
+        if "label" in sec:  # a section that labels itself (the parts of a DSV4 section)
+            continue
         sec["label"] = labels[i] if i < len(labels) else sec["kind"]
         if sec["kind"] == "kv":
             note = rotation_note(cast("KVSection", obj.memory.sections[i]), eras)  # the summary's kind
