@@ -68,6 +68,11 @@ MODELS: dict[str, tuple[str, dict]] = {
     # llama.cpp 0.3.36 aborts in the first decode after a shift (GGML_ASSERT(buffer) in ggml-backend.cpp: its iSWA
     # base cache has no layer, so the K-shift input gets no buffer): recorded as "aborts", the trace goes on
     "lfm2-swa": ("lfm2-swa", dict(n_seq_max=2)),
+    # deepseek4: llama_kv_cache_dsv4 (a stream per sequence whatever kv_unified says), with compressor-state
+    # rollback, and the MTP draft context's iSWA cache
+    "deepseek4": ("deepseek4", dict(n_seq_max=2, flash_attn=True)),
+    "deepseek4-rs": ("deepseek4", dict(n_seq_max=1, n_rs_seq=2, flash_attn=True)),
+    "deepseek4-mtp": ("deepseek4", dict(n_seq_max=2, flash_attn=True, ctx_type="mtp")),
 }
 N_VOCAB = 128
 UBATCHES = (3, 5, 8, 16, 32, 256)
@@ -112,7 +117,7 @@ def make_plan(model: str, seed: int, n_ops: tuple[int, int] = (20, 60), edges: b
     )
     cp.update(extra)
     mrope = arch == "qwen2vl"
-    layered = arch in ("gemma2", "jamba")  # PARTIAL_ONLY means something
+    layered = arch in ("gemma2", "jamba", "deepseek4")  # PARTIAL_ONLY means something
 
     def seq(neg=False):
         return rng.randrange(-1 if neg else 0, n_seq)

@@ -387,6 +387,8 @@ class KVCacheDSV4:
         self.csa_state = CompState("csa", hp, n_seq_max, 4, 8, 2 * head, self.n_rs_seq, is_csa)
         self.hca_state = CompState("hca", hp, n_seq_max, 128, 128, head, self.n_rs_seq, is_hca)
         self.lid_state = CompState("lid", hp, n_seq_max, 4, 8, 2 * n_head, self.n_rs_seq, is_csa)
+        self._failed_after_raw: Callable[[], None] | None = None  # what a failed restore leaves (state_read)
+        self._raw_failed = False
 
     # --- parts and sizes -------------------------------------------------------------------------------
 
@@ -706,11 +708,17 @@ class KVCacheDSV4:
     def _stage(
         self, mv: memoryview, seq_id: int, flags: int, offset: int
     ) -> tuple[Callable[[], None], int, Callable[[], None] | None]:
+        self._failed_after_raw = None
+        self._raw_failed = False
         r = _st.reader(mv, offset)
         head = _st.DSV4Header.read(r)
         if head.partial != bool(flags & LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY):
             raise FormatError("DSV4 state flags mismatch", field="dsv4_mode", offset=offset + 8)
-        commit_raw, end = self.raw.stage_state(mv, seq_id, flags, r.pos)
+        try:
+            commit_raw, end = self.raw.stage_state(mv, seq_id, flags, r.pos)
+        except KVRefError:
+            self._raw_failed = True
+            raise
         r.pos = end
         stage: list[Callable[[], None]] = []
         try:
@@ -731,6 +739,9 @@ class KVCacheDSV4:
 
             self._failed_after_raw = after_raw
             raise
+        if seq_id >= self.n_seq_max:
+            # GGML_ASSERT(seq_id < n_seq_max) once every part is read (llama.cpp dies with the raw part restored)
+            raise SequenceError(f"seq_id {seq_id} is outside [0, {self.n_seq_max}) (llama.cpp asserts)")
         partial = head.partial
 
         def commit() -> None:
@@ -779,15 +790,16 @@ class KVCacheDSV4:
         it with the raw part restored and the sequence's compressed rows and states cleared."""
         seq_id, flags = as_state_args(seq_id, flags)
         mv = as_buffer(data)
-        self._failed_after_raw: Callable[[], None] | None = None
         try:
             commit, end, _ = self._stage(mv, seq_id, flags, 0)
-        except KVRefError as exc:
+        except SequenceError:
+            raise  # an abort: nothing changes
+        except KVRefError:
             if not atomic:
                 if self._failed_after_raw is not None:
                     self._failed_after_raw()
-                elif not isinstance(exc, FormatError) or not (exc.field or "").startswith("dsv4_"):
-                    self.raw.state_read(mv[12:], seq_id, flags, atomic=False)  # re-raises as the raw part fails
+                elif self._raw_failed:
+                    self.raw.state_read(mv[12:], seq_id, flags, atomic=False)  # fails again, as llama.cpp leaves it
             raise
         if end != len(mv):
             raise FormatError(f"{len(mv) - end} trailing bytes after the memory sections", field="trailing", offset=end)
