@@ -406,7 +406,8 @@ def encode(graphs: dict) -> dict:
                 d["data"] = encode_ints(e["data"])
             ins.append(d)
         order = ("kq_mask", "k_idxs", "v_idxs", "pos", "pos_bucket")
-        ins.sort(key=lambda d: (d["swa"], order.index(d["tensor"]) if d["tensor"] in order else len(order), d["tensor"]))
+        ins.sort(key=lambda d: (d["swa"], order.index(d["tensor"]) if d["tensor"] in order else len(order),
+                                d["tensor"]))  # fmt: skip
         ubs.append({"inputs": ins})
     out: dict = {"ubatches": ubs}
     if shifts:

@@ -815,8 +815,8 @@ def build_stablelm_rot32(out: Path) -> TinyModel:
 def build_deepseek4(out: Path) -> TinyModel:
     """DeepSeek-V4: 3 trunk layers with compress ratios [0, 4, 128] (raw SWA only, CSA + lightning indexer, HCA)
     and 1 MTP block (ratio 0), n_embd 64, 2 query heads of dim 64 over one K-only head (rope over the last 16
-    dims), window 8, hyper-connections x4 (the graph asserts 4), 2 experts (1 used) + 1 shared, no hash layers; the MTP context builds
-    an iSWA cache over the MTP block."""
+    dims), window 8, hyper-connections x4 (the graph asserts 4), 2 experts (1 used) + 1 shared, no hash layers;
+    the MTP context builds an iSWA cache over the MTP block."""
     n_trunk, n_nextn = 3, 1
     ratios = [0, 4, 128, 0]
     d = _Dims(n_layer=n_trunk + n_nextn, n_embd=64, n_head=2, n_head_kv=1, hd=64, n_ff=32)

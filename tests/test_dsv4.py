@@ -54,7 +54,7 @@ def test_from_gguf_reads_what_llama_cpp_loaded(model: Path) -> None:
     assert hp.is_hybrid_arch() == om["is_hybrid"]
 
 
-@pytest.mark.parametrize("cid", DSV4_CASES + ["deepseek4-mtp-iswa"])
+@pytest.mark.parametrize("cid", [*DSV4_CASES, "deepseek4-mtp-iswa"])
 def test_create_memory_builds_llama_cpps_caches(model: Path, cid: str) -> None:
     """Kinds, streams, sizes and attention-rotation flags of every cache, as llama.cpp logged them."""
     case = load_case(cid)

@@ -79,6 +79,10 @@ class CaseHParams(TypedDict):
     f_max_alibi_bias: NotRequired[float]
     n_rel_attn_bkts: NotRequired[int]
     n_layer_kv_from_start: NotRequired[int]
+    n_layer_nextn: NotRequired[int]
+    indexer_head_size: NotRequired[int]
+    dsv4_hc_mult: NotRequired[int]
+    dsv4_compress_ratios: NotRequired[list[int]]
     swa_layers: list[bool]
     recurrent_layers: list[bool]
     n_embd_r: int

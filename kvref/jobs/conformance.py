@@ -314,7 +314,7 @@ def check_memory_shape(case: Case, mem: AnyMemory) -> None:
     leaves = leaf_parts(mem, 0)
     kv = [cast("KVCache", leaf) for leaf in leaves if type(leaf).__name__ == "KVCache"]
     if got == "dsv4":  # llama_kv_cache_dsv4 builds its raw iSWA caches, then the CSA, HCA and indexer caches
-        kv = [*leaf_parts(mem.raw, 0), *mem.comp_caches]  # type: ignore[union-attr]
+        kv = [cast("KVCache", c) for c in (*leaf_parts(mem.raw, 0), *mem.comp_caches)]  # type: ignore[union-attr]
     for cache in kv:
         if cache.n_stream != want["n_stream"]:
             raise CheckFailed(f"n_stream {cache.n_stream}, llama.cpp {want['n_stream']}")
@@ -872,14 +872,15 @@ def _dsv4_save(mem: AnyMemory, theirs: Sequence[AnySection], seq_id: int, flags:
     if mine.header.mode != sec.header.mode:
         raise CheckFailed(f"{where}: DSV4 mode {mine.header.mode}, llama.cpp {sec.header.mode}")
     compare_cells(mine.raw, sec.raw, where)
-    for a, b in zip(mine.k_caches, sec.k_caches, strict=True):
-        got, want = (a.n_rows, a.n_stream, [il for il, _ in a.layers]), (b.n_rows, b.n_stream, [il for il, _ in b.layers])
+    for ka, kb in zip(mine.k_caches, sec.k_caches, strict=True):
+        got = (ka.n_rows, ka.n_stream, [il for il, _ in ka.layers])
+        want = (kb.n_rows, kb.n_stream, [il for il, _ in kb.layers])
         if got != want:
-            raise CheckFailed(f"{where}: {a.name} K cache (rows, streams, layers) {got}, llama.cpp {want}")
+            raise CheckFailed(f"{where}: {ka.name} K cache (rows, streams, layers) {got}, llama.cpp {want}")
     for x, y in zip(mine.states, sec.states, strict=True):
-        got, want = (x.state_size, x.n_embd_state, x.n_stream), (y.state_size, y.n_embd_state, y.n_stream)
-        if got != want:
-            raise CheckFailed(f"{where}: {x.name} state (size, width, streams) {got}, llama.cpp {want}")
+        shape, want_shape = (x.state_size, x.n_embd_state, x.n_stream), (y.state_size, y.n_embd_state, y.n_stream)
+        if shape != want_shape:
+            raise CheckFailed(f"{where}: {x.name} state (size, width, streams) {shape}, llama.cpp {want_shape}")
     leaves = leaf_parts(cast("AnyMemory", dsv4.raw), flags)
     inject_rows(leaves, mine.raw, sec.raw, seq_id)
     dsv4.copy_rows_from(sec, seq_id)

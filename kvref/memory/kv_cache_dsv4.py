@@ -45,12 +45,13 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
+from functools import partial
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
 
-from ..args import as_buffer, as_int, as_range, as_seq_id, as_state_args
+from ..args import as_buffer, as_range, as_seq_id, as_state_args
 from ..constants import LLAMA_MAX_SEQ
 from ..errors import ArgumentError, FormatError, KVRefError, NoSlotError, SequenceError
 from ..ggml.types import GGMLType, row_size
@@ -685,9 +686,7 @@ class KVCacheDSV4:
         for st, cs in zip(self.comp_states, sec.states, strict=True):
             ns = cs.n_stream
             s0 = (seq_id if st.n_stream > 1 else 0) if seq_id >= 0 else 0
-            planes = [
-                self.rs_idx[seq_id if seq_id >= 0 else s0 + s] * st.n_stream + s0 + s for s in range(ns)
-            ]
+            planes = [self.rs_idx[seq_id if seq_id >= 0 else s0 + s] * st.n_stream + s0 + s for s in range(ns)]
             for il, kv, sc in cs.layers:
                 st.kv[il][planes] = kv.data.view(np.float32).reshape(ns, st.state_size, st.n_embd_state)
                 st.score[il][planes] = sc.data.view(np.float32).reshape(ns, st.state_size, st.n_embd_state)
@@ -729,7 +728,7 @@ class KVCacheDSV4:
             for s in self.comp_states:
                 csec = _st.CompStateSection.read(r, s.name)
                 s0 = s.check_section(csec, seq_id)
-                stage.append(lambda s=s, csec=csec, s0=s0: s.restore(csec, s0))
+                stage.append(partial(s.restore, csec, s0))
         except KVRefError:
             # llama.cpp restored the raw part and cleared the compressed part before the failing read
             def after_raw() -> None:
@@ -742,11 +741,11 @@ class KVCacheDSV4:
         if seq_id >= self.n_seq_max:
             # GGML_ASSERT(seq_id < n_seq_max) once every part is read (llama.cpp dies with the raw part restored)
             raise SequenceError(f"seq_id {seq_id} is outside [0, {self.n_seq_max}) (llama.cpp asserts)")
-        partial = head.partial
+        is_partial = head.partial
 
         def commit() -> None:
             commit_raw()
-            if not partial:
+            if not is_partial:
                 self._clear_compressed(seq_id)
             for f in stage:
                 f()
@@ -819,7 +818,7 @@ class KVCacheDSV4:
 
     def graph_input(
         self, tensor: str, ub: UBatch, slot: object, *, swa: bool, f16: bool, causal: bool | None
-    ) -> npt.NDArray[np.generic] | None:
+    ) -> npt.NDArray[np.int32 | np.int64 | np.float32 | np.float16] | None:
         """The DSV4 graph inputs (llm_graph_input_dsv4::set_input), as conformance/capture.py names them:
         ``dsv4_<csa|hca|lid>_state_<field>`` (a compression plan's index vector) and ``kq_mask_dsv4_<cache>`` (its
         mask, ``(n_stream, n_tokens / n_stream, n_kv)``: 0 for the first ``n_visible`` rows of each token, -inf
@@ -837,12 +836,18 @@ class KVCacheDSV4:
         if is_mask:
             n = len(plan.n_visible)
             cols = np.arange(plan.n_kv)[None, :]
-            mask = np.where(cols < plan.n_visible[:, None], np.float32(0), np.float32(-np.inf)).astype(np.float32)
-            mask = mask.reshape(plan.n_stream, n // plan.n_stream, plan.n_kv)
-            return mask.astype(np.float16) if f16 else mask
+            flat = np.where(cols < plan.n_visible[:, None], np.float32(0), np.float32(-np.inf))
+            mask: npt.NDArray[np.float32] = flat.astype(np.float32).reshape(
+                plan.n_stream, n // plan.n_stream, plan.n_kv
+            )
+            if f16:
+                half: npt.NDArray[np.float16] = mask.astype(np.float16)
+                return half
+            return mask
         fld = tensor[9:]
         if fld in CompPlan._fields and fld.startswith("state_"):
-            return np.asarray(getattr(plan, fld))
+            vec: npt.NDArray[np.int32 | np.int64] = getattr(plan, fld)
+            return vec
         return None
 
     @property
@@ -1031,4 +1036,4 @@ def build_comp_plan(
     )
 
 
-__all__ = ["DSV4Slot", "CompPlan", "CompState", "KVCacheDSV4", "build_comp_plan", "comp_size", "raw_write_ubatch"]
+__all__ = ["CompPlan", "CompState", "DSV4Slot", "KVCacheDSV4", "build_comp_plan", "comp_size", "raw_write_ubatch"]

@@ -22,13 +22,13 @@ from .codec import Reader, ScalarT, Sink, Writer, join_bytes
 from .dsl import Env, Record, Struct
 from .dsv4 import DSV4Section
 from .sections import (
-    write_dsv4,
     KV_SECTION,
     RECURRENT_SECTION,
     KVSection,
     LayerRows,
     RecurrentSection,
     TransposedRows,
+    write_dsv4,
 )
 from .specs import KVLayerSpec, KVSpec, RecurrentLayerSpec, RecurrentSpec
 

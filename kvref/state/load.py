@@ -28,8 +28,8 @@ from ..archs import HYBRID_ARCHS, RECURRENT_ARCHS
 from ..constants import LLAMA_MAX_LAYERS, LLAMA_MAX_SEQ
 from ..errors import ArgumentError, FormatError
 from .constants import LAYOUTS, SEQ_VERSIONS, SESSION_VERSIONS, Magic
-from .dsv4 import DSV4_STATE_MAGIC, DSV4Section, skip_tail
 from .dsl import _MAX_DIM, List, Record, Str, Struct, Switch, read_root
+from .dsv4 import DSV4_STATE_MAGIC, DSV4Section, skip_tail
 from .files import (
     STATE,
     STRUCTS,

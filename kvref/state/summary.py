@@ -12,9 +12,9 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import FormatError
+from ..ggml.types import type_name
 from .cells import Cells
 from .constants import Magic
-from ..ggml.types import type_name
 from .dsv4 import DSV4Section
 from .sections import KVSection, LayerRows, MemorySections, RecurrentSection, TransposedRows
 
