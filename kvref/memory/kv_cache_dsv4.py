@@ -585,6 +585,7 @@ class KVCacheDSV4:
             for ub in ubatches:
                 if self.n_seq_max <= 1 and ub.n_seqs_unq > 1:
                     raise KVRefError("DSV4 single compressed stream cannot serve multiple sequences (llama.cpp throws)")
+                self._check_comp_rows(ub)
             rs = tuple(self.rs_idx)
             out = []
             for ub, raw_ub, slot in zip(ubatches, raws, slots, strict=True):
@@ -598,6 +599,35 @@ class KVCacheDSV4:
                                 self.rs_idx[s] = 0
             return out
         raise NoSlotError("the batch does not fit in the DSV4 raw caches (failed to prepare)")
+
+    def _check_comp_rows(self, ub: UBatch) -> None:
+        """A token completing a compressed block (``(pos + 1) % ratio == 0``, int32 arithmetic) writes row
+        ``pos / ratio`` of its stream: past the cache's rows the graph's set_rows asserts (GGML_ASSERT(i1 >= 0 &&
+        i1 < ne1) in ggml-cpu), after the memory was prepared. Refused here, before anything changes."""
+        pos = np.asarray(ub.pos[: ub.n_tokens], dtype=np.int32)
+        with np.errstate(over="ignore"):
+            nxt = pos + np.int32(1)  # wraps like llama.cpp's int32 sum (INT32_MAX + 1 completes a block)
+        for c, ratio in ((self.lid, DSV4_CSA_RATIO), (self.hca, DSV4_HCA_RATIO)):
+            # the plan's mask width, pad(max visible rows, 256), past the cache's rows: the CSA layers' indexer
+            # asserts building the graph (GGML_ASSERT(n_lid <= indexer_k->ne[2]) in src/models/deepseek4.cpp);
+            # for HCA (a wider mask than its K view) inferred, not seen: the indexer asserts first in the model
+            if c.layers and len(nxt) and _pad(max(int(np.max(nxt)) // ratio, 1), 256) > c.get_size():
+                raise KVRefError(
+                    f"position {int(np.max(pos))} sees {int(np.max(nxt)) // ratio} compressed rows, more than the "
+                    f"{c.get_size()} of the ratio-{ratio} cache: llama.cpp's graph asserts (GGML_ASSERT(n_lid <= "
+                    "indexer_k->ne[2]))"
+                )
+        for c, ratio in ((self.csa, DSV4_CSA_RATIO), (self.hca, DSV4_HCA_RATIO)):
+            if not c.layers:
+                continue
+            done = np.fmod(nxt, ratio) == 0  # C's remainder
+            rows = pos[done].astype(np.int64) // ratio
+            if rows.size and int(rows.max()) >= c.get_size():
+                p = int(pos[done][int(np.argmax(rows))])
+                raise KVRefError(
+                    f"position {p} completes compressed row {p // ratio} of a {c.get_size()}-row cache (ratio "
+                    f"{ratio}): llama.cpp's graph asserts (GGML_ASSERT(i1 >= 0 && i1 < ne1) in ggml set_rows)"
+                )
 
     def _decode_n_seq_max(self) -> int:
         return self.n_seq_max
