@@ -184,3 +184,30 @@ def test_inspect_labels_every_part(capsys: pytest.CaptureFixture[str]) -> None:
     # seq 0 at position 21 when saved: (21 + 1) // 4 = 5 CSA / indexer rows, no HCA row yet
     assert [s["n_rows"] for s in doc["sections"][2:5]] == [5, 0, 5]
     assert np.all([s["n_stream"] == 1 for s in doc["sections"][2:]])
+
+
+@pytest.mark.parametrize("pos", [1027, 2000, 2**31 - 1])
+def test_positions_past_the_compressed_rows_are_refused(model: Path, pos: int) -> None:
+    """llama.cpp 0.3.36 dies decoding them (fuzz campaign, n_ctx 256: 256 CSA / indexer rows): 1027 and 2000 see more
+    than 256 rows (GGML_ASSERT(n_lid <= indexer_k->ne[2]) in src/models/deepseek4.cpp), INT32_MAX completes row
+    536870911 (GGML_ASSERT(i1 >= 0 && i1 < ne1) in ggml-cpu's set_rows); 1023 (row 255) decodes."""
+    mem = _mem(model, n_seq_max=1)
+    _decode(mem, 0, 3)
+    before = mem.state_write()
+    with pytest.raises(kvref.errors.KVRefError, match="asserts"):
+        mem.decode(kvref.Batch(tokens=[5], pos=[pos], seq_ids=[[0]]))
+    assert mem.state_write() == before
+    mem.seq_rm(0, -1, -1)
+    mem.decode(kvref.Batch(tokens=[5], pos=[1023], seq_ids=[[0]]))
+    assert mem.seq_pos_max(0) == 1023
+
+
+def test_a_restore_into_a_sequence_past_n_seq_max_is_refused(model: Path) -> None:
+    """n_seq_max 1: the section reads, then GGML_ASSERT((uint32_t) seq_id < n_seq_max) kills llama.cpp (fuzz)."""
+    mem = _mem(model, n_seq_max=1)
+    _decode(mem, 0, 5)
+    blob = mem.state_write(0, 1)
+    before = mem.state_write()
+    with pytest.raises(SequenceError, match="asserts"):
+        mem.state_read(blob, 255, 1, atomic=False)
+    assert mem.state_write() == before
