@@ -191,8 +191,8 @@ def test_positions_past_the_compressed_rows_are_refused(model: Path, pos: int) -
     """llama.cpp 0.3.36 dies decoding them (fuzz campaign, n_ctx 256: 256 CSA / indexer rows): 1027 and 2000 see more
     than 256 rows (GGML_ASSERT(n_lid <= indexer_k->ne[2]) in src/models/deepseek4.cpp), INT32_MAX completes row
     536870911 (GGML_ASSERT(i1 >= 0 && i1 < ne1) in ggml-cpu's set_rows); 1023 (row 255) decodes."""
-    mem = _mem(model, n_seq_max=1)
-    _decode(mem, 0, 3)
+    mem = _mem(model)
+    _decode(mem, 1, 3)
     before = mem.state_write()
     with pytest.raises(kvref.errors.KVRefError, match="asserts"):
         mem.decode(kvref.Batch(tokens=[5], pos=[pos], seq_ids=[[0]]))
