@@ -381,8 +381,11 @@ class HParams:
     def memory_kind(self) -> str:
         """Which memory llama_model::create_memory builds for the plain archs kvref models.
 
-        ``"recurrent"``, ``"hybrid"``, ``"hybrid_iswa"`` (hybrid with SWA), ``"iswa"`` or ``"kv"``.
+        ``"recurrent"``, ``"hybrid"``, ``"hybrid_iswa"`` (hybrid with SWA), ``"iswa"``, ``"kv"``, or ``"dsv4"``
+        (deepseek4: llama_kv_cache_dsv4).
         """
+        if self.arch == "deepseek4":
+            return "dsv4"
         if self.is_recurrent_arch():
             return "recurrent"
         if self.is_hybrid_arch():

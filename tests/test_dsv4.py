@@ -211,3 +211,19 @@ def test_a_restore_into_a_sequence_past_n_seq_max_is_refused(model: Path) -> Non
     with pytest.raises(SequenceError, match="asserts"):
         mem.state_read(blob, 255, 1, atomic=False)
     assert mem.state_write() == before
+
+
+def test_jobs_restore_and_check_read_a_dsv4_state_and_the_others_refuse(model: Path) -> None:
+    from kvref.errors import NotYetImplemented
+    from kvref.jobs import check, convert, tensors
+
+    f = ROOT / "golden" / "deepseek4-dsv4-multiseq" / "04-seqdata-seq0.bin"
+    r = kvref.restore(f, model=model)
+    assert isinstance(r.memory, KVCacheDSV4)
+    assert r.memory.seq_pos_max(0) == 21  # what llama.cpp observed when it saved (case.json)
+    ok = check.check_file(f, model, n_seq_max=2, flash_attn=True)
+    assert ok.ok, ok.reason
+    with pytest.raises(NotYetImplemented):
+        convert.convert(f)
+    with pytest.raises(NotYetImplemented):
+        tensors.state_tensors(f)

@@ -55,6 +55,8 @@ def memory_layout(hp: HParams) -> tuple[str, str | None]:
     """The layout a model's memory writes (``kvref.state.LAYOUTS`` name), and the layout of its partial state
     (LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY; None when the flag changes nothing)."""
     swa = hp.swa_type != SWAType.NONE
+    if hp.arch == "deepseek4":
+        return "dsv4", "dsv4"  # llama_kv_cache_dsv4: one section either way (its mode word says partial)
     if hp.is_recurrent_arch():
         return "recurrent", None
     if hp.is_hybrid_arch():
@@ -465,7 +467,7 @@ def _memory_bytes(source: StateSource, old: Sections, new: Sections) -> memoryvi
 
     if not new or not _unchanged(old, new) or isinstance(source, state.StateObject):
         return None
-    offsets = old[0].offsets  # where the loaded sections start in the file
+    offsets = getattr(old[0], "offsets", None)  # where the loaded sections start in the file (a DSV4 section: None)
     if not offsets:
         return None
     start = min(offsets.values())

@@ -223,7 +223,7 @@ def matching_eras(obj: StateObject) -> list[str]:
             continue
         if exts == {0} and e.ext_size and is_mrope_arch(getattr(obj, "arch", None)):
             continue  # an M-RoPE cache of this era writes an ext
-        if (ple or obj.memory.layout == "hybrid_idx") and e.name != CURRENT:
+        if (ple or obj.memory.layout in ("hybrid_idx", "dsv4")) and e.name != CURRENT:
             continue
         if obj.memory.layout in ("iswa", "hybrid_iswa") and _key(e.last) < _key(FIRST_ISWA_RELEASE):
             continue  # no SWA cache before 0.3.10
@@ -328,6 +328,10 @@ def convert_sections(
     e = era(target)
     if mem.layout == "hybrid_idx" and e.name != CURRENT:
         raise ConversionError(f"the hybrid_idx memory exists only in the {CURRENT} layout, not in {e.name}")
+    if mem.layout == "dsv4":  # llama_kv_cache_dsv4 exists only in the current layout: nothing to convert
+        if e.name != CURRENT:
+            raise ConversionError(f"the dsv4 memory exists only in the {CURRENT} layout, not in {e.name}")
+        return mem
     if mem.layout in ("iswa", "hybrid_iswa") and _key(e.last) < _key(FIRST_ISWA_RELEASE):
         raise ConversionError(
             f"the {e.name} layout ({e.releases}) has no sliding-window cache: llama.cpp before "
