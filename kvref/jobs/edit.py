@@ -136,7 +136,7 @@ def _holding(cells: Cells, seq: int) -> Indices:
 def sequences(mem: MemorySections) -> list[int]:
     """The sequence ids a state's cells hold, ascending."""
     out: set[int] = set()
-    for sec in mem.sections:
+    for sec in [*mem.kv_sections, *mem.recurrent_sections]:  # a DSV4 section's raw sections among the KV ones
         tables = [st.cells for st in sec.streams] if isinstance(sec, KVSection) else [sec.cells]
         for c in tables:
             if c is not None:

@@ -259,6 +259,8 @@ def _kv_seq_ids(mem: MemorySections) -> bool:
 def _seq_cells(mem: MemorySections, seq_id: int | None) -> MemorySections:
     """A sequence save's KV cells with the one id ``seq_id`` each (None: with no id, as in 2024). Only streams
     whose cells are the other way change: a stream whose cells already list ids keeps them."""
+    if mem.layout == "dsv4":  # the current layout only: its cells already list the id
+        return mem
     out: list[KVSection | RecurrentSection] = []
     for sec in mem.sections:
         if isinstance(sec, RecurrentSection):
