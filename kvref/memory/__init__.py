@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:  # what the type checker sees as kvref.memory.<name>
     from .factory import (
+        CONTEXT_TYPES,
         LLAMA_STATE_SEQ_FLAGS_NONE,
         LLAMA_STATE_SEQ_FLAGS_ON_DEVICE,
         LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY,
@@ -29,6 +30,7 @@ if TYPE_CHECKING:  # what the type checker sees as kvref.memory.<name>
 # kvref.memory.factory.__all__ (a test keeps the two equal); listed here so that looking up a submodule of this
 # package while it is still importing never imports the factory
 __all__ = [
+    "CONTEXT_TYPES",
     "LLAMA_STATE_SEQ_FLAGS_NONE",
     "LLAMA_STATE_SEQ_FLAGS_ON_DEVICE",
     "LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY",
