@@ -539,6 +539,8 @@ class _Sniff:
                         if first[0] == "kv":
                             key = ("kv", at, r0[3], r0[4], r0[5], scope)
                             end = _once(ends, key, partial(self._kv_section, at, r0[3], r0[4], r0[5], scope))
+                        elif first[0] == "dsv4":
+                            end = self._dsv4_section(at, r0[3], r0[4], r0[5], scope)
                         else:
                             last = bool(first[3])
                             key = ("rec", at, r0[6], r0[7], scope, last)
