@@ -12,6 +12,7 @@ from kvref.errors import KVRefError
 from kvref.memory.factory import Memory, context_params, create_memory
 from kvref.memory.hybrid import HybridMemory
 from kvref.memory.kv_cache import KVCache
+from kvref.memory.kv_cache_dsv4 import KVCacheDSV4
 from kvref.memory.kv_cache_iswa import KVCacheISWA, swa_cache_size
 from kvref.memory.recurrent import RecurrentMemory
 
@@ -21,6 +22,7 @@ KIND = {
     "recurrent": RecurrentMemory,
     "hybrid": HybridMemory,
     "hybrid_iswa": HybridMemory,
+    "dsv4": KVCacheDSV4,
 }
 
 
@@ -33,6 +35,8 @@ def caches(mem) -> list:
         return [mem.base, mem.swa]
     if isinstance(mem, HybridMemory):
         return [*caches(mem.attn), mem.recr]
+    if isinstance(mem, KVCacheDSV4):  # its raw iSWA caches, then the CSA, HCA and indexer caches
+        return [*caches(mem.raw), *mem.comp_caches]
     return [mem]
 
 
@@ -61,7 +65,10 @@ def test_factory_builds_what_llama_cpp_built(case_id):
         "llama_memory_recurrent": "RecurrentMemory",
         "llama_kv_cache (recurrent)": "RecurrentMemory",  # 2024 (0.2.90): the recurrent states lived in the KV cache
     }
-    assert [type(c).__name__ for c in got] == [module[c["module"]] for c in logged]
+    # (a KVCache subclass is a llama_kv_cache: DSV4's indexer cache, which always rotates K)
+    assert ["KVCache" if isinstance(c, KVCache) else type(c).__name__ for c in got] == [
+        module[c["module"]] for c in logged
+    ]
     for c, log in zip(got, logged, strict=True):
         if isinstance(c, RecurrentMemory):
             # llama.cpp logs the model's layer count here, not the layers with state
@@ -73,7 +80,8 @@ def test_factory_builds_what_llama_cpp_built(case_id):
     if want.get("kv_size") is not None:
         assert got[0].get_size() == want["kv_size"]
     if want.get("kv_size_swa") is not None:
-        assert (mem.attn if isinstance(mem, HybridMemory) else mem).swa.get_size() == want["kv_size_swa"]
+        owner = mem.attn if isinstance(mem, HybridMemory) else mem.raw if isinstance(mem, KVCacheDSV4) else mem
+        assert owner.swa.get_size() == want["kv_size_swa"]
     if want.get("rs_size") is not None:
         assert got[-1].size == want["rs_size"]
     if want.get("v_trans") is not None:
