@@ -576,11 +576,13 @@ def s_dsv4_multiseq(r, tok):
     t = tok(2)
     hist[1] += t
     r.decode_seq(1, t)
-    r.save_all(hist)
+    r.save_state_data()
+    r.save_seq_data(1)
     r.seq_rm(1, -1, -1)
     r.load_seq(r.latest("seq", 0), 1)
     r.seq_keep(1)
-    r.save_all({1: hist[0]}, session_tokens=hist[0])
+    r.save_seq(1, hist[0])
+    r.save_seq_data(1)
 
 
 def s_dsv4_rollback(r, tok):
@@ -594,7 +596,7 @@ def s_dsv4_rollback(r, tok):
     t = tok(3)
     hist[0] = hist[0][:13] + t
     r.decode_seq(0, t)
-    r.save_all(hist)
+    r.save_seq_data(0)
 
 
 def s_dsv4_mtp(r, tok):
