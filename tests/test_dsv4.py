@@ -227,3 +227,19 @@ def test_jobs_restore_and_check_read_a_dsv4_state_and_the_others_refuse(model: P
         convert.convert(f, seq_map={0: 1})
     with pytest.raises(NotYetImplemented):
         tensors.state_tensors(f)
+
+
+def test_save_memory_writes_the_sequence_file_llama_cpp_wrote(model: Path, tmp_path: Path) -> None:
+    case = load_case("deepseek4-dsv4-single-seq")
+    op = next(o for o in C.save_ops(case).values() if o["kind"] == "seq")
+    f = ROOT / "golden" / case["id"] / op["file"]
+    mem = C.create_memory_for(case, _hp(model))
+    assert isinstance(mem, KVCacheDSV4)
+    sec = state.load(f).memory.sections
+    mem.state_read(state.section_bytes(*sec), 0)
+    out = tmp_path / "seq0.ggsq"
+    kvref.save_memory(mem, out, kind="seq", seq_id=0, tokens=op["tokens"])
+    assert out.read_bytes() == f.read_bytes()
+    n = mem.state_size(0)
+    buf = bytearray(n)
+    assert mem.state_write_into(buf, 0) == n and bytes(buf) == mem.state_write(0)

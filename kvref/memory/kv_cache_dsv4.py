@@ -46,7 +46,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from functools import partial
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, BinaryIO, NamedTuple
 
 import numpy as np
 import numpy.typing as npt
@@ -723,7 +723,16 @@ class KVCacheDSV4:
 
     def state_size(self, seq_id: int = -1, flags: int = 0) -> int:
         """The byte count of ``state_write(seq_id, flags)``."""
-        return len(self.state_write(seq_id, flags))
+        from ..state.cache_api import sections_size
+
+        return sections_size(*self.state_sections(seq_id, flags, copy=False))  # type: ignore[arg-type]
+
+    def state_write_into(self, dst: Buffer | BinaryIO, seq_id: int = -1, flags: int = 0) -> int:
+        """``state_write`` into a writable buffer of at least ``state_size()`` bytes, or a binary file; returns the
+        byte count."""
+        from ..state.cache_api import write_sections_into
+
+        return write_sections_into(dst, *self.state_sections(seq_id, flags, copy=False))  # type: ignore[arg-type]
 
     def stage_state(
         self, data: Buffer, seq_id: int = -1, flags: int = 0, offset: int = 0
