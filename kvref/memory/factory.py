@@ -196,6 +196,7 @@ def create_memory(
     Mirrors llama_model::create_memory after llama_context's parameter resolution (`context_params`):
 
     - encoder-only and diffusion archs (NO_MEMORY_ARCHS) get no memory;
+    - deepseek4: `KVCacheDSV4` (llama_kv_cache_dsv4), or in an MTP context a KVCacheISWA over the MTP blocks;
     - recurrent archs: RecurrentMemory, f32 R and S, ``max(1, n_seq_max)`` cells;
     - hybrid archs: HybridMemory (attention KVCache over ``hparams.attn_layer_filter``, recurrent over
       ``hparams.recr_layer_filter``, attention ``n_pad = 1``); with SWA the attention part is a KVCacheISWA

@@ -39,6 +39,15 @@ The state (kvref.state.dsv4): the DSV4 header, the raw iSWA sections, then (unle
 compressed K caches (every row of every stream; for a sequence, the ``(pos_max + 1) // ratio`` rows written
 so far of its stream), then the three compressor states (for a sequence, its ``rs_idx`` plane). Reading
 clears the sequence's compressed rows and states first and resets ``rs_idx``.
+
+The graph inputs (llm_graph_input_dsv4 / _dsv4_raw, `KVCacheDSV4.graph_input`): the raw SWA cache's KQ mask and
+K row indices (the attention cache, `attention_cache(swa=True)`), and per compressed cache its plan's index vectors
+(``dsv4_<csa|hca|lid>_state_*``) and mask (``kq_mask_dsv4_<cache>``).
+
+Where llama.cpp dies, kvref raises and changes nothing: ``seq_cp`` of a partial range, ``seq_keep`` / a whole
+``seq_rm`` of an id past ``n_seq_max``, a restore into such an id, a decode whose positions need compressed rows past
+the caches' (the graph's asserts), and what llama.cpp throws while preparing a ubatch (coupled sequences of unequal
+lengths, non-contiguous CSA positions).
 """
 
 from __future__ import annotations
