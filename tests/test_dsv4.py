@@ -243,3 +243,15 @@ def test_save_memory_writes_the_sequence_file_llama_cpp_wrote(model: Path, tmp_p
     n = mem.state_size(0)
     buf = bytearray(n)
     assert mem.state_write_into(buf, 0) == n and bytes(buf) == mem.state_write(0)
+
+
+def test_the_loaders_sniff_confirms_a_dsv4_sections_cell_tables() -> None:
+    """`kvref.state.load` checks the cell tables its sniff assumed uniform against where the parser read them: a
+    DSV4 section's are its raw KV sections' (a fuzz trace of deepseek4-rs met it)."""
+    import importlib
+
+    load_mod = importlib.import_module("kvref.state.load")
+    obj = state.load(ROOT / "golden" / "deepseek4-dsv4-multiseq" / "04-seqdata-seq0.bin")
+    tables = load_mod._tables_read([obj])
+    n_cells = sorted(t[2] for t in tables)
+    assert n_cells == [8, 22]  # seq 0 at position 21: 22 base cells, the last 8 in the SWA cache (window 8)

@@ -901,7 +901,9 @@ def _tables_read(objs: list[StateObject]) -> dict[Table, int]:
     """Where each cell table the parser read ends: ("cells", offset, cell_count, ext_size) -> end offset."""
     out: dict[Table, int] = {}
     for obj in objs:
-        for sec in obj.memory.sections:
+        # a DSV4 section's cell tables are its raw KV sections'
+        secs: list[KVSection | RecurrentSection] = [*obj.memory.kv_sections, *obj.memory.recurrent_sections]
+        for sec in secs:
             parts = sec.streams if isinstance(sec, KVSection) else [sec]
             for part in parts:
                 cells, at = part.cells, part.offsets.get("cells")
