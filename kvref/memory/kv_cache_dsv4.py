@@ -68,7 +68,7 @@ from ..hparams import HParams, SWAType
 from ..profile import DEFAULT, Profile, resolve
 from ..state import dsv4 as _st
 from .base import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, ContextParams, decode_batch
-from .batch import UBatch
+from .batch import BatchAllocr, UBatch
 from .kv_cache import KVCache
 from .kv_cache_iswa import ISWASlot, KVCacheISWA
 from .slots import SlotInfo
@@ -76,7 +76,7 @@ from .slots import SlotInfo
 if TYPE_CHECKING:
     from typing_extensions import Buffer
 
-    from .batch import Batch, BatchAllocr
+    from .batch import Batch
 
 DSV4_CSA_RATIO = 4
 DSV4_HCA_RATIO = 128
@@ -661,8 +661,28 @@ class KVCacheDSV4:
         embd_all: bool = False,
         on_ubatch: Callable[[UBatch, DSV4Slot], None] | None = None,
     ) -> list[tuple[UBatch, DSV4Slot]]:
-        """What llama_decode does to the memory (`decode_batch`)."""
+        """What llama_decode does to the memory (`decode_batch`). Where llama.cpp's graph dies on positions that need
+        compressed rows past the caches' (`_check_comp_rows`), the memory must be left as it was, so the batch's
+        positions are checked once it validates, before the memory update and the ubatches' preparation change
+        anything (the SWA cache's purge); kvref then refuses such a batch even where it would not fit (llama.cpp
+        returns 1 there)."""
+        if balloc is None and self._may_abort(batch):
+            probe = BatchAllocr(self.hparams.n_pos_per_embd())
+            probe.init(batch, memory=self, n_seq_max=self._decode_n_seq_max(), output_all=embd_all)
+            probe.split_reset()
+            self._check_comp_rows(probe.split_simple(probe.get_n_tokens()))
         return decode_batch(self, batch, n_ubatch, k=k, v=v, balloc=balloc, embd_all=embd_all, on_ubatch=on_ubatch)
+
+    def _may_abort(self, batch: Batch) -> bool:
+        """Could a position of ``batch`` need a compressed row past the caches' (a bound: given positions, or the
+        highest stored position plus the batch's tokens)?"""
+        if batch.pos is not None:
+            pos = np.asarray(batch.pos).reshape(-1)
+            top = int(pos.max()) if pos.size else -1
+        else:
+            top = max(self.seq_pos_max(s) for s in range(self.n_seq_max)) + int(batch.n_tokens) + 1
+        limits = [c.get_size() * r - 1 for c, r in ((self.csa, 4), (self.lid, 4), (self.hca, 128)) if c.layers]
+        return bool(limits) and top >= min(limits)
 
     # --- state ---------------------------------------------------------------------------------------------
 
