@@ -255,3 +255,15 @@ def test_the_loaders_sniff_confirms_a_dsv4_sections_cell_tables() -> None:
     tables = load_mod._tables_read([obj])
     n_cells = sorted(t[2] for t in tables)
     assert n_cells == [8, 22]  # seq 0 at position 21: 22 base cells, the last 8 in the SWA cache (window 8)
+
+
+def test_the_first_decode_after_a_shift_is_refused(model: Path) -> None:
+    """llama.cpp 0.3.36 dies in it (GGML_ASSERT(buffer) in ggml-backend.cpp: the K-shift input of the raw iSWA's base
+    cache, which has no layer, gets no buffer; checked with the tiny model: 10 tokens, seq_add(0, 0, -1, 2), 1 token)."""
+    mem = _mem(model, n_seq_max=1)
+    _decode(mem, 0, 10)
+    mem.seq_add(0, 0, -1, 2)
+    before = mem.state_write()
+    with pytest.raises(kvref.errors.KShiftError):
+        _decode(mem, 0, 1)
+    assert mem.state_write() == before
