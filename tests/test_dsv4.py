@@ -259,7 +259,7 @@ def test_the_loaders_sniff_confirms_a_dsv4_sections_cell_tables() -> None:
 
 def test_the_first_decode_after_a_shift_is_refused(model: Path) -> None:
     """llama.cpp 0.3.36 dies in it (GGML_ASSERT(buffer) in ggml-backend.cpp: the K-shift input of the raw iSWA's base
-    cache, which has no layer, gets no buffer; checked with the tiny model: 10 tokens, seq_add(0, 0, -1, 2), 1 token)."""
+    cache, which has no layer, gets no buffer; seen with the tiny model: 10 tokens, seq_add(0, 0, -1, 2), 1 token)."""
     mem = _mem(model, n_seq_max=1)
     _decode(mem, 0, 10)
     mem.seq_add(0, 0, -1, 2)
