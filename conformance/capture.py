@@ -25,6 +25,9 @@ MSA pos_slot_i         the GET_ROWS that ADD's MUL_MAT reads   src[1] (``msa_pos
 MSA local bias         ADD of ``msa_bs-<il>``                  src[1] (``kq_mask_msa_bias``)
 MSA cell_blk (batch)   GET_ROWS of ``msa_block_mask-<il>``     src[1] (``msa_cell_blk``)
 MSA pos_slot_f         GET_ROWS of another input (decode)      src[0] (``msa_pos_slot_f``)
+deepseek4 inputs       any node reading ``dsv4_<cache>_<field>``  that src (llm_graph_input_dsv4: recorded as
+                                                              ``dsv4_<cache>_<field>``, the masks as
+                                                              ``kq_mask_dsv4_<cache>``)
 =====================  =====================================  ==========
 
 (MSA: MiniMax-M3's llm_graph_input_msa, read through views and reshapes to the input itself.)
@@ -365,6 +368,13 @@ class Capture:
             return ("graph",)
         if op == OP_MUL_MAT and t.src[0] and _name(t.src[0].contents) == "fc.weight":
             return ("graph",)  # DFlash's KV-injection graph starts with its feature fusion (no token embedding)
+        for i in range(GGML_MAX_SRC):  # deepseek4's compression inputs (llm_graph_input_dsv4), named dsv4_*
+            p = t.src[i]
+            if not p:
+                break
+            n = _name(p.contents)
+            if n.startswith("dsv4_") and p.contents.flags & GGML_TENSOR_FLAG_INPUT:
+                return ("kq_mask_" + n[: -len("_kq_mask")] if n.endswith("_kq_mask") else n, -1, i)
         if op == OP_GET_ROWS and t.src[0] and t.src[1] and "attn_rel_b" in _name(t.src[0].contents):
             m = _BLK_RE.search(_name(t.src[0].contents))
             return ("pos_bucket", int(m.group(1)) if m else -1, 1)

@@ -262,6 +262,9 @@ DSA_ARCHS = ("glm-dsa", "deepseek32", "hy_v4", "dots3note")
 
 
 def memory_kind(hp: dict, ctx_type: str = "default") -> str:
+    if hp.get("dsv4_compress_ratios") and hp["arch"] == "deepseek4":
+        # llama_kv_cache_dsv4, an iSWA cache in an MTP context
+        return "iswa" if ctx_type == "mtp" else "dsv4"
     if hp["arch"] == "minimax-m3":
         return "msa"  # llama_kv_cache_msa
     if hp["arch"] in DSA_ARCHS:
@@ -311,6 +314,10 @@ def sections_for(kind: str, flags: int) -> list[str]:
     if kind == "hybrid_iswa":
         # llama_memory_hybrid_iswa hands the flags to both parts: the iSWA cache drops its base
         return ["kv_swa", "recurrent"] if partial else ["kv_base", "kv_swa", "recurrent"]
+    if kind == "dsv4":
+        # llama_kv_cache_dsv4: its header, the raw iSWA sections, the compressed K caches (not when partial), the
+        # compressor states (kvref.state.dsv4)
+        return ["dsv4"]
     raise ValueError(kind)
 
 
@@ -400,7 +407,8 @@ class Run:
         if CAPTURE_GRAPHS:
             import capture
 
-            swa_cache = self.kind in ("iswa", "hybrid_iswa", "dsa_iswa")
+            # dsv4: the raw attention reads the SWA cache
+            swa_cache = self.kind in ("iswa", "hybrid_iswa", "dsa_iswa", "dsv4")
             swa_flags = hp["swa_layers"]
             if other is not None and cparams["flash_attn"]:
                 # a shared cache's FLASH_ATTN_EXT reads the target's cache_k_l<il>: the layer is the target's
@@ -420,6 +428,8 @@ class Run:
         mp.use_mmap = True
         if ctx_type == "mtp":
             mp.load_mtp = True  # an MTP draft context runs the NextN blocks, which load_mtp false skips
+        if cparams.get("ctx_type", "default") == "mtp":
+            mp.load_mtp = True  # a draft context of the MTP blocks needs their tensors
         _take_log()
         self.model = L.llama_model_load_from_file(str(model_path).encode(), mp)
         if not self.model:
@@ -447,6 +457,8 @@ class Run:
         if hasattr(p, "n_rs_seq"):
             p.n_rs_seq = cparams["n_rs_seq"]
         p.n_threads = cparams["n_threads"]
+        if cparams.get("ctx_type", "default") == "mtp":
+            p.ctx_type = L.LLAMA_CONTEXT_TYPE_MTP
         p.n_threads_batch = cparams["n_threads"]
         if hasattr(p, "flash_attn_type"):
             on, off = L.LLAMA_FLASH_ATTN_TYPE_ENABLED, L.LLAMA_FLASH_ATTN_TYPE_DISABLED

@@ -96,6 +96,11 @@ MODELS: dict[str, tuple[str, dict]] = {
         "gemma4-assistant",
         dict(n_seq_max=2, kv_unified=False, flash_attn=True, other_model="gemma4"),
     ),
+    # deepseek4: llama_kv_cache_dsv4 (a stream per sequence whatever kv_unified says), with compressor-state
+    # rollback, and the MTP draft context's iSWA cache
+    "deepseek4": ("deepseek4", dict(n_seq_max=2, flash_attn=True)),
+    "deepseek4-rs": ("deepseek4", dict(n_seq_max=1, n_rs_seq=2, flash_attn=True)),
+    "deepseek4-mtp": ("deepseek4", dict(n_seq_max=2, flash_attn=True, ctx_type="mtp")),
 }
 N_VOCAB = 128
 UBATCHES = (3, 5, 8, 16, 32, 256)
@@ -140,7 +145,8 @@ def make_plan(model: str, seed: int, n_ops: tuple[int, int] = (20, 60), edges: b
     )
     cp.update(extra)
     mrope = arch in ("qwen2vl", "qwen4exp")
-    layered = arch in ("gemma2", "jamba", "dots3note", "qwen4exp", "glm5-next")  # PARTIAL_ONLY means something
+    # PARTIAL_ONLY means something
+    layered = arch in ("gemma2", "jamba", "dots3note", "qwen4exp", "glm5-next", "deepseek4")
 
     def seq(neg=False):
         return rng.randrange(-1 if neg else 0, n_seq)

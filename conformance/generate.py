@@ -104,29 +104,26 @@ class Case:
     # the model of ctx_other (gemma4-assistant's target), run with the same context parameters; its ops are
     # in the trace marked "ctx": "other", its model and context under case.json's "other"
     other_model: str | None = None
+    ctx_type: str = "default"  # llama_context_params.ctx_type: "mtp" for a draft context of the MTP blocks
 
     def cparams(self) -> dict:
         extra = {} if self.ctx_type == "default" else {"ctx_type": self.ctx_type}
-        return (
-            extra
-            | {
-                k: getattr(self, k)
-                for k in (
-                    "n_ctx",
-                    "n_batch",
-                    "n_ubatch",
-                    "n_seq_max",
-                    "kv_unified",
-                    "flash_attn",
-                    "type_k",
-                    "type_v",
-                    "swa_full",
-                    "n_rs_seq",
-                    "n_threads",
-                )
-            }
-            | ({"ctx_type": self.ctx_type} if self.ctx_type != "default" else {})
-        )
+        return extra | {
+            k: getattr(self, k)
+            for k in (
+                "n_ctx",
+                "n_batch",
+                "n_ubatch",
+                "n_seq_max",
+                "kv_unified",
+                "flash_attn",
+                "type_k",
+                "type_v",
+                "swa_full",
+                "n_rs_seq",
+                "n_threads",
+            )
+        }
 
 
 class Tokens:
@@ -695,6 +692,82 @@ def s_dflash(r, tok):
     r.set_state_data(r.latest("state"))
     r.decode_seq(0, tok(2))
     r.save_state_data()
+
+
+def s_dsv4_single(r, tok):
+    # deepseek4 (llama_kv_cache_dsv4), one sequence: 140 tokens in ubatches of 64 complete 35 CSA / indexer rows and
+    # one HCA row (ratio 128); then single tokens, every save kind (PARTIAL_ONLY: the raw SWA section and the
+    # compressor states only), restores, and the sequence operations DSV4 refuses or does differently
+    hist = {0: tok(140)}
+    r.decode_seq(0, hist[0][:100])
+    r.decode_seq(0, hist[0][100:])
+    for _ in range(3):
+        t = tok(1)
+        hist[0] += t
+        r.decode_seq(0, t)
+    r.save_all(hist, seq_data_flags=(0, FLAGS_PARTIAL_ONLY))
+    r.seq_rm(0, 3, 7)  # a bounded range: refused (false)
+    r.seq_rm(0, 200, -1)  # past the end: true, nothing removed
+    r.seq_rm(0, 130, -1)  # inside the sequence without rollback room: false
+    r.clear()
+    r.load_session(r.latest("session"))
+    r.clear()
+    r.set_state_data(r.latest("state"))
+    r.seq_rm(0, -1, -1)
+    r.load_seq(r.latest("seq", 0), 0)
+    t = tok(1)
+    hist[0] += t
+    r.decode_seq(0, t)
+    r.save_all(hist)
+
+
+def s_dsv4_multiseq(r, tok):
+    # two sequences, a stream each (DSV4 never unifies): separate and joint decodes, seq_cp of a whole sequence
+    # (the compressor states copied at the next update), seq_keep, restores into the other sequence
+    hist = {0: tok(21), 1: tok(9)}
+    r.decode_seq(0, hist[0])
+    r.decode_seq(1, hist[1])
+    t0, t1 = tok(1), tok(1)
+    hist[0] += t0
+    hist[1] += t1
+    r.decode(t0 + t1, [r.pos_max(0) + 1, r.pos_max(1) + 1], [[0], [1]], [1, 1])
+    r.save_all(hist, seq_data_flags=(0, FLAGS_PARTIAL_ONLY))
+    r.seq_cp(0, 1, -1, -1)
+    hist[1] = list(hist[0])
+    t = tok(2)
+    hist[1] += t
+    r.decode_seq(1, t)
+    r.save_state_data()
+    r.save_seq_data(1)
+    r.seq_rm(1, -1, -1)
+    r.load_seq(r.latest("seq", 0), 1)
+    r.seq_keep(1)
+    r.save_seq(1, hist[0])
+    r.save_seq_data(1)
+
+
+def s_dsv4_rollback(r, tok):
+    # n_rs_seq 2: removing the last 1..2 positions arms a rollback of the compressor state (once); a sequence save
+    # writes the snapshot plane; the next decode of the sequence consumes it
+    hist = {0: tok(14)}
+    r.decode_seq(0, hist[0])
+    r.seq_rm(0, 13, -1)  # the last token: rollback 1
+    r.seq_rm(0, 12, -1)  # a second pending rollback: false
+    r.save_all({0: hist[0][:13]})
+    t = tok(3)
+    hist[0] = hist[0][:13] + t
+    r.decode_seq(0, t)
+    r.save_seq_data(0)
+
+
+def s_dsv4_mtp(r, tok):
+    # the MTP draft context of deepseek4: a llama_kv_cache_iswa over the MTP block only
+    hist = {0: tok(10)}
+    r.decode_seq(0, hist[0])
+    r.seq_cp(0, 1, -1, -1)
+    hist[1] = hist[0] + tok(2)
+    r.decode_seq(1, hist[1][10:])
+    r.save_all(hist, seq_data_flags=(0, FLAGS_PARTIAL_ONLY))
 
 
 def s_init_refused(r, tok):
@@ -1399,6 +1472,48 @@ CASES: list[Case] = [
         s_context_shift,
         swa_full=True,
     ),
+    Case(
+        "deepseek4-dsv4-single-seq",
+        "deepseek4",
+        "deepseek4 (llama_kv_cache_dsv4: raw SWA cache over 4 layers, CSA + indexer caches over layer 1, HCA over "
+        "layer 2, their compressor states), one sequence of 143 tokens: every save kind with PARTIAL_ONLY, the "
+        "seq_rm DSV4 refuses, whole and sequence restores.",
+        ["arch", "dsv4", "single-seq", "seq-rm-refused", "partial-only", "state-load", "seq-restore", "flash-attn"],
+        s_dsv4_single,
+        n_ubatch=64,
+        flash_attn=True,
+    ),
+    Case(
+        "deepseek4-dsv4-multiseq",
+        "deepseek4",
+        "deepseek4 with two sequences (a stream each, kv_unified ignored): joint decode, whole-sequence seq_cp with "
+        "the compressor states copied at the next update, seq_keep, a sequence file restored into the other one.",
+        ["arch", "dsv4", "multi-seq", "seq-cp", "seq-keep", "seq-restore", "partial-only", "flash-attn"],
+        s_dsv4_multiseq,
+        n_seq_max=2,
+        flash_attn=True,
+    ),
+    Case(
+        "deepseek4-dsv4-rollback",
+        "deepseek4",
+        "deepseek4 with n_rs_seq 2: a tail seq_rm of the last position arms a compressor-state rollback (a second "
+        "one is refused), a sequence save writes the rollback plane, the next decode consumes it.",
+        ["arch", "dsv4", "rollback", "seq-rm"],
+        s_dsv4_rollback,
+        n_rs_seq=2,
+        flash_attn=True,
+    ),
+    Case(
+        "deepseek4-mtp-iswa",
+        "deepseek4",
+        "The MTP draft context of deepseek4 (ctx_type mtp): a llama_kv_cache_iswa over the MTP block only (layer "
+        "3, window 8; the base cache has no layer); seq_cp, PARTIAL_ONLY saves.",
+        ["arch", "mtp", "iswa", "seq-cp", "partial-only"],
+        s_dsv4_mtp,
+        n_seq_max=2,
+        flash_attn=True,
+        ctx_type="mtp",
+    ),
 ]
 
 
@@ -1617,6 +1732,14 @@ def _pad(x: int, n: int) -> int:
 def memory_block(case: Case, hp: dict, octx: dict | None) -> dict:
     """The memory llama.cpp builds for this case, with the cache sizes it reported."""
     kind = driver.memory_kind(hp, case.ctx_type)
+    if kind == "dsv4":
+        # llama_kv_cache_dsv4: every part keeps a stream per sequence; the raw iSWA's sizes (the compressed caches
+        # and compressor states follow from them, kvref.memory.kv_cache_dsv4)
+        log = (octx or {}).get("memory_log", {})
+        return {
+            "type": kind, "v_trans": not case.flash_attn, "n_stream": case.n_seq_max, "cell_ext": False,
+            "kv_size": log.get("kv_size_base"), "kv_size_swa": log.get("kv_size_swa"), "rs_size": None,
+        }  # fmt: skip
     mem = {
         "type": kind,
         "v_trans": (not case.flash_attn) if kind != "recurrent" else None,

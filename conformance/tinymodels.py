@@ -1492,6 +1492,118 @@ def build_dflash(out: Path) -> TinyModel:
     return b.finish(out, "dflash-tiny", meta, hp)
 
 
+# ---------------------------------------------------------------- deepseek4 (llama_kv_cache_dsv4)
+
+
+def build_deepseek4(out: Path) -> TinyModel:
+    """DeepSeek-V4: 3 trunk layers with compress ratios [0, 4, 128] (raw SWA only, CSA + lightning indexer, HCA)
+    and 1 MTP block (ratio 0), n_embd 64, 2 query heads of dim 64 over one K-only head (rope over the last 16
+    dims), window 8, hyper-connections x4 (the graph asserts 4), 2 experts (1 used) + 1 shared, no hash layers;
+    the MTP context builds an iSWA cache over the MTP block."""
+    n_trunk, n_nextn = 3, 1
+    ratios = [0, 4, 128, 0]
+    d = _Dims(n_layer=n_trunk + n_nextn, n_embd=64, n_head=2, n_head_kv=1, hd=64, n_ff=32)
+    n_rot, n_swa, q_lora, o_groups, o_lora, hc = 16, 8, 32, 2, 16, 4
+    idx_heads, idx_hd, idx_top_k = 2, 128, 4  # 64+ (its K rotation), not the K head size (all caches would rotate)
+    n_expert, n_used, n_ff_exp = 2, 1, 16
+    hc_dim, hc_mix = hc * d.n_embd, (2 + hc) * hc
+    b = _Builder("deepseek4", seed=1023)
+    b.mat("token_embd.weight", N_VOCAB, d.n_embd)
+    b.vec("output_norm.weight", d.n_embd, 1.0)
+    b.mat("output.weight", N_VOCAB, d.n_embd)
+    b.raw("output_hc_fn.weight", (b.rng.standard_normal((hc, hc_dim)) * 0.05).astype(np.float32))
+    b.vec("output_hc_base.weight", hc)
+    b.vec("output_hc_scale.weight", 1, 1.0)
+    f32 = np.float32
+    for i in range(d.n_layer):
+        p = f"blk.{i}."
+        b.vec(p + "attn_norm.weight", d.n_embd, 1.0)
+        b.vec(p + "attn_sinks.weight", d.n_head)
+        b.mat(p + "attn_q_a.weight", q_lora, d.n_embd)
+        b.vec(p + "attn_q_a_norm.weight", q_lora, 1.0)
+        b.mat(p + "attn_q_b.weight", d.n_head * d.hd, q_lora)
+        b.mat(p + "attn_kv.weight", d.hd, d.n_embd)
+        b.vec(p + "attn_kv_a_norm.weight", d.hd, 1.0)
+        b.mat(p + "attn_output_a.weight", o_lora * o_groups, d.n_head * d.hd // o_groups)
+        b.mat(p + "attn_output_b.weight", d.n_embd, o_groups * o_lora)
+        for n in ("attn", "ffn"):
+            b.mat(p + f"hc_{n}_fn.weight", hc_mix, hc_dim, dtype=f32)
+            b.vec(p + f"hc_{n}_base.weight", hc_mix)
+            b.vec(p + f"hc_{n}_scale.weight", 3, 1.0)
+        ratio = ratios[i]
+        if ratio:
+            coff = 2 if ratio == 4 else 1
+            b.mat(p + "attn_compressor_kv.weight", coff * d.hd, d.n_embd)
+            b.mat(p + "attn_compressor_gate.weight", coff * d.hd, d.n_embd)
+            b.mat(p + "attn_compressor_ape.weight", ratio, coff * d.hd, dtype=f32)
+            b.vec(p + "attn_compressor_norm.weight", d.hd, 1.0)
+            if ratio == 4:
+                b.mat(p + "indexer.proj.weight", idx_heads, d.n_embd)
+                b.mat(p + "indexer.attn_q_b.weight", idx_heads * idx_hd, q_lora)
+                b.mat(p + "indexer_compressor_kv.weight", 2 * idx_hd, d.n_embd)
+                b.mat(p + "indexer_compressor_gate.weight", 2 * idx_hd, d.n_embd)
+                b.mat(p + "indexer_compressor_ape.weight", ratio, 2 * idx_hd, dtype=f32)
+                b.vec(p + "indexer_compressor_norm.weight", idx_hd, 1.0)
+        b.mat(p + "ffn_gate_inp.weight", n_expert, d.n_embd, dtype=f32)
+        b.vec(p + "exp_probs_b.bias", n_expert, 0.0)
+        b.vec(p + "ffn_norm.weight", d.n_embd, 1.0)
+        b.mat(p + "ffn_gate_exps.weight", n_expert, n_ff_exp, d.n_embd)
+        b.mat(p + "ffn_down_exps.weight", n_expert, d.n_embd, n_ff_exp)
+        b.mat(p + "ffn_up_exps.weight", n_expert, n_ff_exp, d.n_embd)
+        b.mat(p + "ffn_gate_shexp.weight", n_ff_exp, d.n_embd)
+        b.mat(p + "ffn_down_shexp.weight", d.n_embd, n_ff_exp)
+        b.mat(p + "ffn_up_shexp.weight", n_ff_exp, d.n_embd)
+        if i >= n_trunk:
+            b.mat(p + "nextn.eh_proj.weight", d.n_embd, 2 * d.n_embd)
+            b.vec(p + "nextn.enorm.weight", d.n_embd, 1.0)
+            b.vec(p + "nextn.hnorm.weight", d.n_embd, 1.0)
+
+    def meta(w):
+        _common_meta(w, d)
+        a = "deepseek4"
+        w.add_layer_norm_rms_eps(1e-6)
+        w.add_rope_dimension_count(n_rot)
+        w.add_rope_freq_base(10000.0)
+        w.add_sliding_window(n_swa)
+        w.add_uint32(f"{a}.attention.q_lora_rank", q_lora)
+        w.add_uint32(f"{a}.nextn_predict_layers", n_nextn)
+        w.add_uint32(f"{a}.expert_count", n_expert)
+        w.add_uint32(f"{a}.expert_used_count", n_used)
+        w.add_uint32(f"{a}.expert_feed_forward_length", n_ff_exp)
+        w.add_uint32(f"{a}.expert_shared_count", 1)
+        w.add_float32(f"{a}.expert_weights_scale", 1.0)
+        w.add_bool(f"{a}.expert_weights_norm", True)
+        w.add_uint32(f"{a}.expert_gating_func", 4)  # sqrtsoftplus
+        w.add_float32(f"{a}.swiglu_clamp_exp", 10.0)
+        w.add_uint32(f"{a}.attention.indexer.head_count", idx_heads)
+        w.add_uint32(f"{a}.attention.indexer.key_length", idx_hd)
+        w.add_uint32(f"{a}.attention.indexer.top_k", idx_top_k)
+        w.add_uint32(f"{a}.attention.output_group_count", o_groups)
+        w.add_uint32(f"{a}.attention.output_lora_rank", o_lora)
+        w.add_float32(f"{a}.attention.compress_rope_freq_base", 160000.0)
+        w.add_array(f"{a}.attention.compress_ratios", ratios)
+        w.add_uint32(f"{a}.hyper_connection.count", hc)
+        w.add_uint32(f"{a}.hyper_connection.sinkhorn_iterations", 2)
+        w.add_float32(f"{a}.hyper_connection.epsilon", 1e-6)
+        w.add_uint32(f"{a}.hash_layer_count", 0)
+
+    hp = _attn_hparams(
+        "deepseek4",
+        d,
+        rope_type="norm",
+        n_swa=n_swa,
+        swa_type="standard",
+        swa_layers=[True] * d.n_layer,
+        non_causal_type=2,
+        n_layer_nextn=n_nextn,
+        indexer_head_size=idx_hd,
+        dsv4_hc_mult=hc,
+        dsv4_compress_ratios=ratios,
+    )
+    hp["n_rot"] = n_rot
+    return b.finish(out, "deepseek4-tiny", meta, hp)
+
+
 BUILDERS = {
     "hy_v4": build_hy_v4,
     "hy_v4-full": build_hy_v4_full,
@@ -1521,4 +1633,5 @@ BUILDERS = {
     "minimax-m3": build_minimax_m3,
     "gemma4-assistant": build_gemma4_assistant,
     "dflash": build_dflash,
+    "deepseek4": build_deepseek4,
 }

@@ -53,10 +53,9 @@ NO_MEMORY_ARCHS = frozenset({
     "wavtokenizer-dec", "modern-bert", "gemma-embedding", "dream", "llada", "llada-moe", "rnd1",
 })  # fmt: skip
 
-# archs with a memory kvref does not model (MSA/DSA indexer caches, DeepSeek-V4 compressed caches, ...)
-UNSUPPORTED_ARCHS = frozenset({
-    "deepseek4",
-})  # fmt: skip
+# archs with a memory kvref does not model: none (every memory llama.cpp 0.3.36's create_memory builds is modelled;
+# the paths llama.cpp itself aborts on are refused where they are reached)
+UNSUPPORTED_ARCHS: frozenset[str] = frozenset()
 
 
 __all__ = ["ARCH_ROPE_TYPE", "HYBRID_ARCHS", "NO_MEMORY_ARCHS", "RECURRENT_ARCHS", "UNSUPPORTED_ARCHS"]

@@ -164,6 +164,7 @@ class HParams:
     n_layer_dense_lead: int = 0
     indexer_block_size: int = 0
     indexer_local_blocks: int = 0
+    dsv4_compress_ratios: Sequence[int] = ()  # DeepSeek-V4: per layer 0 (raw only), 4 (CSA + indexer) or 128 (HCA)
     # per-layer n-gram embeddings (PLE, qwen4exp); ple_n_heads = (ple_ngram_size - 1) * heads per n-gram
     ple_ngram_size: int = 0
     ple_conv_kernel: int = 0
@@ -189,6 +190,7 @@ class HParams:
         self.rope_layers = _per_layer("rope_layers", self.rope_layers, n, bool)
         self.ple_layers = _per_layer("ple_layers", self.ple_layers, n, bool)
         self.indexer_full_layers = _per_layer("indexer_full_layers", self.indexer_full_layers, n, bool)
+        self.dsv4_compress_ratios = tuple(int(x) for x in self.dsv4_compress_ratios)
         self.dsv4_compress_ratios = tuple(int(x) for x in self.dsv4_compress_ratios)
         for il in range(n):
             if self.n_head_l(il) < 0 or self.n_head_kv_l(il) < 0:
@@ -405,10 +407,12 @@ class HParams:
         """Which memory llama_model::create_memory builds for the plain archs kvref models.
 
         ``"recurrent"``, ``"hybrid"``, ``"hybrid_iswa"`` (hybrid with SWA), ``"hybrid_idx"`` (glm5-next, qwen4exp
-        with an indexer), ``"iswa"``, ``"msa"`` (minimax-m3) or ``"kv"``.
+        with an indexer), ``"iswa"``, ``"msa"`` (minimax-m3), ``"dsv4"`` (deepseek4: llama_kv_cache_dsv4) or ``"kv"``.
         """
         if self.arch == "minimax-m3":
             return "msa"
+        if self.arch == "deepseek4":
+            return "dsv4"
         if self.is_recurrent_arch():
             return "recurrent"
         if self.arch == "glm5-next" or (
@@ -467,7 +471,7 @@ GENERIC_ARCHS = frozenset(_GENERIC.split())
 SPECIAL_ARCHS = frozenset({
     "gemma2", "gemma3", "mamba", "mamba2", "jamba", "falcon-h1", "granitehybrid", "lfm2", "nemotron_h",
     "qwen2vl", "qwen3vl", "qwen3vlmoe", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7", "bloom", "refact", "mpt",
-    "jais", "jina-bert-v2", "llama4", "glm-dsa", "deepseek32", "dots3note", "hy_v4", "qwen4exp",
+    "jais", "jina-bert-v2", "llama4", "glm-dsa", "deepseek32", "dots3note", "hy_v4", "qwen4exp", "deepseek4",
 })  # fmt: skip
 SUPPORTED_ARCHS = GENERIC_ARCHS | SPECIAL_ARCHS
 
@@ -509,6 +513,8 @@ def _arch_required(arch: str) -> tuple[str, ...]:
                   "hyper_connection.magnitude"),
         "qwen4exp": (rms, sections, *ssm, group, "hyper_connection.count", "hyper_connection.low_rank",
                      "attention.indexer.head_count", "attention.indexer.key_length", "attention.indexer.top_k"),
+        "deepseek4": (rms, K.Attention.SLIDING_WINDOW, "attention.indexer.key_length", "attention.compress_ratios",
+                      "hyper_connection.count"),
     }
     # fmt: on
     return table.get(arch, ())
@@ -581,6 +587,9 @@ class HParamsArgs(TypedDict, total=False):
     n_layer_dense_lead: int
     indexer_block_size: int
     indexer_local_blocks: int
+    indexer_head_size: int
+    dsv4_hc_mult: int
+    dsv4_compress_ratios: Sequence[int]
 
 
 class _GGUFValue:
@@ -1111,6 +1120,20 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
     elif arch in ("rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7"):
         kw["wkv_head_size"] = m.get_int(K.WKV.HEAD_SIZE)
         kw["token_shift_count"] = m.get_int(K.LLM.TOKEN_SHIFT_COUNT, 2)
+    elif arch == "deepseek4":
+        # llama_model_deepseek4::load_arch_hparams: every layer (the MTP blocks too) attends through a standard
+        # window, non-causal SWA_FULL, the indexer key length and the per-layer compress ratios
+        # (llama.cpp also drops n_layer_nextn when the first MTP block's nextn.eh_proj tensor is missing: not read)
+        kw["swa_type"], kw["n_swa"] = SWAType.STANDARD, m.get_int(K.Attention.SLIDING_WINDOW)
+        swa_layers = True
+        kw["non_causal_type"] = 2
+        kw["indexer_head_size"] = m.get_int("attention.indexer.key_length")
+        kw["dsv4_hc_mult"] = m.get_int("hyper_connection.count")
+        ratios = m.get_arr("attention.compress_ratios") or []
+        if len(ratios) < n_layer:
+            raise HParamsError("DeepSeek-V4 compress_ratios is shorter than block_count "
+                               f"(key {m.key('attention.compress_ratios')})")  # fmt: skip
+        kw["dsv4_compress_ratios"] = tuple(int(x) for x in ratios[:n_layer])
     elif arch in ("bloom", "refact", "jina-bert-v2"):
         f_max_alibi_bias = 8.0  # hard-coded in llama.cpp for these archs
     elif arch in ("mpt", "jais"):

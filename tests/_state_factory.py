@@ -24,6 +24,7 @@ from kvref.state import (
     StateBlob,
     TransposedRows,
 )
+from kvref.state import dsv4 as D
 from kvref.state.constants import LAYOUTS
 
 N_EMBD = 64  # elements per K/V row: two q8_0/q4_0 blocks, 128 f16 bytes
@@ -99,13 +100,30 @@ def recurrent_section(
     return RecurrentSection(cells(rng, n, 0, seq_mode, recurrent=True), s_trans, n_layer, r, s)
 
 
+def dsv4_section(rng: np.random.Generator, seq_mode: bool = False, partial: bool = False) -> D.DSV4Section:
+    """A llama_kv_cache_dsv4 section: K-only raw iSWA sections, then (unless partial) 3 compressed K caches, then 3
+    compressor states."""
+    ns = 1 if seq_mode else 2
+    raw = [kv_section(rng, n_stream=ns, has_v=False, seq_mode=seq_mode) for _ in range(1 if partial else 2)]
+
+    def block(t: int, ne0: int, n: int, rsize: int) -> D.TensorStreams:
+        return D.TensorStreams(t, ne0, n, rsize, rng.integers(0, 256, (ns, n * rsize), dtype=np.uint8))
+
+    ks = [] if partial else [D.KCacheSection(name, 2, 3, ns, [(1, block(1, 8, 3, 16))]) for name, _ in D.COMP_PARTS]
+    ss = [D.CompStateSection(name, 1, r, 2, 4, ns, [(1, block(0, 4, 2, 16), block(0, 4, 2, 16))])
+          for name, r in D.COMP_PARTS]  # fmt: skip
+    return D.DSV4Section(D.DSV4Header(mode=int(partial)), raw, ks, ss)
+
+
 def memory(rng: np.random.Generator, layout: str, seq_mode: bool = False, **kw: Any) -> MemorySections:
     kv_kw = {k: kw[k] for k in ("ext_size", "v_trans", "has_v", "n_stream_field", "k_type") if k in kw}
     rec_kw = {k: kw[k] for k in ("s_trans", "ple") if k in kw}
     hybrid = "recurrent" in LAYOUTS[layout] and "kv" in LAYOUTS[layout]
     sections: list[Any] = []
     for i, kind in enumerate(LAYOUTS[layout]):
-        if kind == "kv" and layout == "hybrid_idx" and i == 2:
+        if kind == "dsv4":
+            sections.append(dsv4_section(rng, seq_mode, bool(kw.get("partial"))))
+        elif kind == "kv" and layout == "hybrid_idx" and i == 2:
             # llama_memory_hybrid_idx's indexer cache: no V, a cell ext only with PLE (its hparams have no RoPE)
             idx_kw = dict(kv_kw, has_v=False, ext_size=kv_kw.get("ext_size", 0) if rec_kw.get("ple") else 0)
             sections.append(kv_section(rng, seq_mode=seq_mode, **idx_kw))
@@ -148,7 +166,7 @@ def load_options(kind: str, layout: str, *, outputs: bool = False, **kw: Any) ->
         "layout": layout,
         "ext_size": kw.get("ext_size", 0),
         "n_stream_field": kw.get("n_stream_field", True),
-        "has_v": kw.get("has_v", True),
+        "has_v": kw.get("has_v", layout != "dsv4"),  # a DSV4 raw cache is K-only
         "ple": kw.get("ple", False),
     }
     if kind in ("session", "state"):
@@ -176,6 +194,7 @@ CASES: list[tuple[str, str, dict[str, Any]]] = [
     ("session", "kv", {"k_type": GGMLType.Q4_0}),
     ("session", "kv", {"n_stream_field": False, "outputs": True}),
     ("session", "iswa", {"outputs": True}),
+    ("seq_state", "dsv4", {"partial": True}),
     ("seq", "kv", {"n_stream_field": False, "version": 2}),
     ("seq", "iswa", {"ext_size": 8, "version": 2}),
     ("state", "recurrent", {"s_trans": 1}),

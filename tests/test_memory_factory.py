@@ -15,6 +15,7 @@ from kvref.memory.hybrid_idx import HybridIdxMemory
 from kvref.memory.kv_cache import KVCache
 from kvref.memory.kv_cache_dsa import KVCacheDSA
 from kvref.memory.kv_cache_dsa_iswa import KVCacheDSAISWA
+from kvref.memory.kv_cache_dsv4 import KVCacheDSV4
 from kvref.memory.kv_cache_iswa import KVCacheISWA, swa_cache_size
 from kvref.memory.kv_cache_msa import KVCacheMSA
 from kvref.memory.recurrent import RecurrentMemory
@@ -29,6 +30,7 @@ KIND = {
     "dsa_iswa": KVCacheDSAISWA,
     "hybrid_idx": HybridIdxMemory,
     "msa": KVCacheMSA,
+    "dsv4": KVCacheDSV4,
 }
 
 
@@ -49,6 +51,8 @@ def caches(mem) -> list:
         return [mem.base, mem.idx]
     if isinstance(mem, HybridMemory):
         return [*caches(mem.attn), mem.recr]
+    if isinstance(mem, KVCacheDSV4):  # its raw iSWA caches, then the CSA, HCA and indexer caches
+        return [*caches(mem.raw), *mem.comp_caches]
     return [mem]
 
 
@@ -77,8 +81,9 @@ def test_factory_builds_what_llama_cpp_built(case_id):
         "llama_memory_recurrent": "RecurrentMemory",
         "llama_kv_cache (recurrent)": "RecurrentMemory",  # 2024 (0.2.90): the recurrent states lived in the KV cache
     }
-    # a llama_kv_cache over another context's cells (kvref's SharedKVCache) is a llama_kv_cache in the log
-    assert [("KVCache" if isinstance(c, KVCache) else type(c).__name__) for c in got] == [
+    # a KVCache subclass is a llama_kv_cache in the log: kvref's SharedKVCache (a llama_kv_cache over another
+    # context's cells) and DSV4's indexer cache (which always rotates K)
+    assert ["KVCache" if isinstance(c, KVCache) else type(c).__name__ for c in got] == [
         module[c["module"]] for c in logged
     ]
     for c, log in zip(got, logged, strict=True):
@@ -93,7 +98,8 @@ def test_factory_builds_what_llama_cpp_built(case_id):
     if want.get("kv_size") is not None:
         assert got[0].get_size() == want["kv_size"]
     if want.get("kv_size_swa") is not None:
-        assert (mem.attn if isinstance(mem, HybridMemory) else mem).swa.get_size() == want["kv_size_swa"]
+        owner = mem.attn if isinstance(mem, HybridMemory) else mem.raw if isinstance(mem, KVCacheDSV4) else mem
+        assert owner.swa.get_size() == want["kv_size_swa"]
     if want.get("rs_size") is not None:
         assert next(c for c in got if isinstance(c, RecurrentMemory)).size == want["rs_size"]
     if want.get("v_trans") is not None:

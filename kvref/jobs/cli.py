@@ -121,6 +121,15 @@ def _print_summary(s: StateSummary) -> None:
                     line = _rows_line("K", layer["k"]) + ("   " + _rows_line("V", layer["v"]) if "v" in layer else "")
                     model = f" (model layer {layer['il']})" if "il" in layer else ""
                     print(f"    layer {layer['layer']:>3}{model}: {line}")
+        elif sec["kind"] == "dsv4_k":
+            n = cli_jobs.plural(sec["n_stream"], "stream")
+            print(f"section {i}: {sec['label']}, {sec['n_rows']} rows per stream, {n}")
+            for layer in sec["layers"]:
+                print(f"  model layer {layer['il']:>3}: K {layer['type']:>6} row {layer['row_size']:>6} B")
+        elif sec["kind"] == "dsv4_state":
+            n = cli_jobs.plural(sec["n_stream"], "stream")
+            print(f"section {i}: {sec['label']}, {sec['state_size']} x {sec['n_embd_state']} f32 kv + score, {n}, "
+                  f"model layers {sec['layers']}")  # fmt: skip
         else:
             print(
                 f"section {i}: {sec.get('label', 'recurrent')}, s_trans {sec['s_trans']}, "

@@ -33,6 +33,7 @@ SECTION_LABELS: dict[str, tuple[str, ...]] = {
     "dsa": ("MLA KV (latent K)", "lightning-indexer KV"),
     "dsa_iswa": ("MLA KV (latent K)", "lightning-indexer KV", "SWA attention KV"),
     "msa": ("attention KV (every layer)", "MSA indexer keys (sparse layers)"),
+    "dsv4": (),  # its parts label themselves (kvref.state.summary)
     "none": (),
 }
 
@@ -73,6 +74,8 @@ def enrich_summary(
     summary["eras"] = [{"era": e, "llama_cpp_python": ERAS[e].releases} for e in eras]
     labels = SECTION_LABELS.get(obj.memory.layout, ())
     for i, sec in enumerate(summary.get("sections", [])):
+        if "label" in sec:  # a section that labels itself (the parts of a DSV4 section)
+            continue
         sec["label"] = labels[i] if i < len(labels) else sec["kind"]
         if sec["kind"] == "kv":
             note = rotation_note(cast("KVSection", obj.memory.sections[i]), eras)  # the summary's kind

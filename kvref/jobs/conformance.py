@@ -225,10 +225,11 @@ def hparams_from_case(case: Case) -> HParams:
     for name in ("wkv_head_size", "token_shift_count", "n_shortconv_l_cache", "rope_freq_base_swa",
                  "non_causal_type", "f_max_alibi_bias", "n_rel_attn_bkts", "n_layer_kv_from_start",
                  # MLA and the indexer caches (DSA, llama_memory_hybrid_idx: glm5-next's k-pool, qwen4exp's QSA;
-                 # minimax-m3's MSA)
+                 # minimax-m3's MSA; deepseek4's compressed caches)
                  "n_layer_nextn", "n_embd_head_k_swa", "n_embd_head_v_swa", "n_embd_head_k_mla", "n_embd_head_v_mla",
                  "n_lora_kv", "indexer_head_size", "indexer_top_k", "indexer_kpool", "indexer_kpool_select_tail",
-                 "n_embd_head_kda", "n_layer_dense_lead", "indexer_block_size", "indexer_local_blocks"):  # fmt: skip
+                 "n_embd_head_kda", "n_layer_dense_lead", "indexer_block_size", "indexer_local_blocks",
+                 "dsv4_hc_mult"):  # fmt: skip
         if h.get(name) is not None:
             kw[name] = h[name]
     for name in ("indexer_full_layers", "dsv4_compress_ratios"):
@@ -328,7 +329,7 @@ def check_memory_shape(case: Case, mem: AnyMemory) -> None:
     want = case["memory"]
     kind = {"KVCache": "kv", "KVCacheISWA": "iswa", "RecurrentMemory": "recurrent", "HybridMemory": "hybrid",
             "KVCacheDSA": "dsa", "KVCacheDSAISWA": "dsa_iswa", "HybridIdxMemory": "hybrid_idx", "KVCacheMSA": "msa",
-            "KVCacheISWAShared": "iswa"}  # fmt: skip
+            "KVCacheISWAShared": "iswa", "KVCacheDSV4": "dsv4"}  # fmt: skip
     got = kind.get(type(mem).__name__, type(mem).__name__)
     if got == "hybrid":
         got = getattr(mem, "kind", got)  # "hybrid" or "hybrid_iswa"
@@ -338,6 +339,8 @@ def check_memory_shape(case: Case, mem: AnyMemory) -> None:
     if not leaves:  # a memory whose state is empty (over another context's cells): its caches still have a shape
         leaves = list(getattr(mem, "parts", []))
     kv = [cast("KVCache", leaf) for leaf in leaves if type(leaf).__name__ in ("KVCache", "SharedKVCache")]
+    if got == "dsv4":  # llama_kv_cache_dsv4 builds its raw iSWA caches, then the CSA, HCA and indexer caches
+        kv = [cast("KVCache", c) for c in (*leaf_parts(mem.raw, 0), *mem.comp_caches)]  # type: ignore[union-attr]
     for cache in kv:
         if cache.n_stream != want["n_stream"]:
             raise CheckFailed(f"n_stream {cache.n_stream}, llama.cpp {want['n_stream']}")
@@ -358,6 +361,8 @@ def check_memory_shape(case: Case, mem: AnyMemory) -> None:
     sizes: dict[Literal["kv_size", "kv_size_swa"], int | None] = {
         "kv_size": kv[0].get_size() if kv else None, "kv_size_swa": kv[-1].get_size() if len(kv) > 1 else None,
     }  # fmt: skip
+    if got == "dsv4":
+        sizes["kv_size_swa"] = kv[1].get_size()
     for name, got_size in sizes.items():
         if want.get(name) is not None and got_size != want[name]:
             raise CheckFailed(f"{name} {got_size} cells, llama.cpp {want[name]}")
@@ -526,10 +531,14 @@ def relabel(sections: Sequence[AnySection], dest: int, n_stream_of: Callable[[An
     def cells(c: Cells) -> Cells:
         return Cells(c.pos, np.full_like(c.seq_id, dest), c.seq_start, c.ext, c.ext_size)
 
+    from ..state.dsv4 import DSV4Section
+
     out: list[AnySection] = []
     for sec in sections:
         sec = copy.copy(sec)
-        if isinstance(sec, KVSection):
+        if isinstance(sec, DSV4Section):  # its raw iSWA sections; the compressed parts carry no sequence id
+            sec.raw = relabel(sec.raw, dest, n_stream_of)
+        elif isinstance(sec, KVSection):
             full = [st for st in sec.streams if st.cells is not None]
             streams = [KVStream(None, None) for _ in sec.streams]
             target = dest if len(sec.streams) > 1 else 0
@@ -849,6 +858,10 @@ def replay_trace(
             if seq_id is None:
                 seq_id = -1
             theirs = memory_sections(arts.get(op["file"]))
+            if getattr(mem_op, "kind", None) == "dsv4":
+                _dsv4_save(mem_op, theirs, seq_id, flags, where)
+                saves += 1
+                continue
             leaves = leaf_parts(mem_op, flags)
             mine = [s for leaf in leaves for s in leaf.state_sections(seq_id, flags)]
             compare_cells(mine, theirs, where)
@@ -891,6 +904,36 @@ def replay_trace(
                 raise CheckFailed(f"{where}: observed {got}, llama.cpp {op['observed']}")
     return {"ops": len(trace), "saves": saves, "restores": restores, "carried_rows": carried.compared,
             "corrupting": refused, "not_compared": skipped}  # fmt: skip
+
+
+def _dsv4_save(mem: AnyMemory, theirs: Sequence[AnySection], seq_id: int, flags: int, where: str) -> None:
+    """A save of llama_kv_cache_dsv4 (kvref.memory.kv_cache_dsv4): the raw iSWA's cell tables, the compressed caches'
+    row counts, streams and layers and the compressor states' shapes must be llama.cpp's; then llama.cpp's rows
+    (raw K, compressed rows, compressor states: graph outputs) are copied in and the bytes must be equal."""
+    from ..memory.kv_cache_dsv4 import KVCacheDSV4
+    from ..state.dsv4 import DSV4Section
+
+    dsv4 = cast("KVCacheDSV4", mem)
+    sec = cast("DSV4Section", theirs[0])
+    mine = dsv4.state_sections(seq_id, flags)[0]
+    if mine.header.mode != sec.header.mode:
+        raise CheckFailed(f"{where}: DSV4 mode {mine.header.mode}, llama.cpp {sec.header.mode}")
+    compare_cells(mine.raw, sec.raw, where)
+    for ka, kb in zip(mine.k_caches, sec.k_caches, strict=True):
+        got = (ka.n_rows, ka.n_stream, [il for il, _ in ka.layers])
+        want = (kb.n_rows, kb.n_stream, [il for il, _ in kb.layers])
+        if got != want:
+            raise CheckFailed(f"{where}: {ka.name} K cache (rows, streams, layers) {got}, llama.cpp {want}")
+    for x, y in zip(mine.states, sec.states, strict=True):
+        shape, want_shape = (x.state_size, x.n_embd_state, x.n_stream), (y.state_size, y.n_embd_state, y.n_stream)
+        if shape != want_shape:
+            raise CheckFailed(f"{where}: {x.name} state (size, width, streams) {shape}, llama.cpp {want_shape}")
+    leaves = leaf_parts(cast("AnyMemory", dsv4.raw), flags)
+    inject_rows(leaves, mine.raw, sec.raw, seq_id)
+    dsv4.copy_rows_from(sec, seq_id)
+    a, b = dsv4.state_write(seq_id, flags), section_bytes(theirs)
+    if a != b:
+        raise CheckFailed(f"{where}: memory bytes after copying llama.cpp's rows: {first_difference(a, b)}")
 
 
 def _snapshot(mem: AnyMemory) -> tuple[bytes, list[tuple[int, int]]]:

@@ -141,6 +141,12 @@ def convert(
     if merge and seq is not None:
         raise ArgumentError("merge= and seq= exclude each other: extract first, then merge")
     obj = _load(src, model)
+    edits = seq is not None or merge or seq_map or streams or n_stream or type_k or type_v
+    if obj.memory.layout == "dsv4" and edits:
+        raise NotYetImplemented(
+            "convert does not cut, merge, remap, restream or retype a DSV4 (deepseek4) state yet (compressed caches, "
+            "compressor states); it rewrites its container only"
+        )
     the_arch = _arch(arch, model, obj)
     src_rotates = _era_rotates(obj)  # the era of the input, before any container change
     if merge:

@@ -136,7 +136,8 @@ def _holding(cells: Cells, seq: int) -> Indices:
 def sequences(mem: MemorySections) -> list[int]:
     """The sequence ids a state's cells hold, ascending."""
     out: set[int] = set()
-    for sec in mem.sections:
+    secs: list[KVSection | RecurrentSection] = [*mem.kv_sections, *mem.recurrent_sections]
+    for sec in secs:  # a DSV4 section's raw sections among the KV ones
         tables = [st.cells for st in sec.streams] if isinstance(sec, KVSection) else [sec.cells]
         for c in tables:
             if c is not None:

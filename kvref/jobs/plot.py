@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import KVRefError
+from ..state.dsv4 import DSV4Section
 
 if TYPE_CHECKING:
     from matplotlib.patches import Patch
@@ -39,6 +40,7 @@ _LABELS = {
     "dsa": ("MLA KV (latent K)", "lightning-indexer KV"),
     "dsa_iswa": ("MLA KV (latent K)", "lightning-indexer KV", "SWA attention KV"),
     "msa": ("attention KV", "MSA indexer keys"),
+    "dsv4": ("DSV4 raw base attention KV", "DSV4 raw SWA attention KV"),
 }
 INSTALL = "kvref plot needs matplotlib: pip install 'kvref[plot]' (or pip install matplotlib)"
 
@@ -75,7 +77,14 @@ def state_panels(obj: StateObject, hparams: HParams | None = None) -> list[Panel
     """The panels of a loaded state; ``hparams`` marks the SWA window of an SWA section."""
     labels = _LABELS.get(obj.memory.layout, ())
     out = []
-    for si, sec in enumerate(obj.memory.sections):
+    sections: list[KVSection | RecurrentSection] = []
+    for sec in obj.memory.sections:  # a DSV4 section: the cells of its raw iSWA sections (the rest has none)
+        if isinstance(sec, DSV4Section):
+            sections.extend(sec.raw)
+            labels = labels[1:] if sec.partial else labels  # partial: the SWA section only
+        else:
+            sections.append(sec)
+    for si, sec in enumerate(sections):
         label = labels[si] if si < len(labels) else sec.kind
         swa = hparams if hparams is not None and "SWA" in label and hparams.n_swa > 0 else None
         n_swa = int(swa.n_swa) if swa is not None else 0

@@ -62,6 +62,8 @@ def memory_layout(hp: HParams) -> tuple[str, str | None]:
         return "dsa_iswa", "kv"
     if hp.arch == "minimax-m3":
         return "msa", None  # llama_kv_cache_msa: base, then the indexer keys; the flags change nothing
+    if hp.arch == "deepseek4":
+        return "dsv4", "dsv4"  # llama_kv_cache_dsv4: one section either way (its mode word says partial)
     if hp.is_recurrent_arch():
         return "recurrent", None
     if hp.memory_kind() == "hybrid_idx":
@@ -476,7 +478,7 @@ def _memory_bytes(source: StateSource, old: Sections, new: Sections) -> memoryvi
 
     if not new or not _unchanged(old, new) or isinstance(source, state.StateObject):
         return None
-    offsets = old[0].offsets  # where the loaded sections start in the file
+    offsets = getattr(old[0], "offsets", None)  # where the loaded sections start in the file (a DSV4 section: None)
     if not offsets:
         return None
     start = min(offsets.values())

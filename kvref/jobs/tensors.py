@@ -44,7 +44,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import FormatError, KVRefError
+from ..errors import FormatError, KVRefError, NotYetImplemented
 from ..ggml import rotation as rot
 from ..ggml.quant import dequantize, quantize
 from ..ggml.types import GGMLType, traits, type_name
@@ -387,6 +387,9 @@ def state_tensors(
 
     if not isinstance(obj, state.StateObject):
         obj = state.load(obj)
+    if obj.memory.layout == "dsv4":
+        raise NotYetImplemented("tensors / export do not handle a DSV4 (deepseek4) state yet (raw K, compressed K "
+                                "rows, compressor states); inspect, check and restore read it")  # fmt: skip
     hp = _hparams(hparams, model)
     leaves = _fitting_leaves(obj, hp) if hp is not None else None
     shapes = _section_shapes(obj, hp, head_dim, rotated, leaves)
@@ -411,6 +414,8 @@ def memory_tensors(mem: AnyMemory, *, unrotate: bool = True) -> Tensors:
     from ..memory.kv_state import written_cells
     from .restore import leaf_caches
 
+    if getattr(mem, "kind", "") == "dsv4":
+        raise NotYetImplemented("tensors / export do not handle a DSV4 (deepseek4) memory yet")
     out = Tensors()
     for si, leaf in enumerate(leaf_caches(mem)):
         (sec,) = leaf.state_sections(-1)

@@ -31,6 +31,7 @@ from .base import (
 from .hybrid import HybridMemory
 from .hybrid_idx import HybridIdxMemory
 from .kv_cache import KVCache
+from .kv_cache_dsv4 import KVCacheDSV4
 from .kv_cache_iswa import KVCacheISWA
 from .kv_cache_msa import KVCacheMSA
 from .kv_cache_shared import shared_iswa
@@ -211,6 +212,7 @@ def create_memory(
     Mirrors llama_model::create_memory after llama_context's parameter resolution (`context_params`):
 
     - encoder-only and diffusion archs (NO_MEMORY_ARCHS) get no memory;
+    - deepseek4: `KVCacheDSV4` (llama_kv_cache_dsv4), or in an MTP context a KVCacheISWA over the MTP blocks;
     - recurrent archs: RecurrentMemory, f32 R and S, ``max(1, n_seq_max)`` cells;
     - hybrid archs: HybridMemory (attention KVCache over ``hparams.attn_layer_filter``, recurrent over
       ``hparams.recr_layer_filter``, attention ``n_pad = 1``); with SWA the attention part is a KVCacheISWA
@@ -257,6 +259,8 @@ def create_memory(
     mem: Memory[_Slot]
     if arch in DSA_ARCHS:
         return _create_dsa(hparams, cp, ctx_type, type_k, type_v, n_pad, profile)
+    if arch == "deepseek4":
+        return _deepseek4(hparams, cp, ctx_type, type_k, type_v, v_trans, profile)
     # the dense MTP heads of these hybrids use a plain attention cache of their nextn layers
     mtp_dense = ctx_type == "mtp" and arch in MTP_DENSE_HYBRID_ARCHS
     if arch == "minimax-m3":
@@ -541,6 +545,32 @@ def _hybrid_idx(
         compat=profile,
         cparams=cp,
     )
+
+
+def _deepseek4(
+    hparams: HParams,
+    cp: ContextParams,
+    ctx_type: str,
+    type_k: GGMLType | int | str,
+    type_v: GGMLType | int | str,
+    v_trans: bool,
+    profile: Profile,
+) -> Memory[_Slot]:
+    """create_memory's LLM_ARCH_DEEPSEEK4 case: llama_kv_cache_dsv4 (`KVCacheDSV4`: never unified, ``n_pad`` 1),
+    or for an MTP draft context a llama_kv_cache_iswa over the MTP blocks (layers from ``n_layer_trunk()`` on)."""
+    if hparams.swa_type == SWAType.NONE:
+        raise KVRefError("deepseek4 needs a sliding window (create_memory asserts swa_type != NONE)")
+    if ctx_type == "mtp":
+        n_trunk = hparams.n_layer_trunk()
+        return KVCacheISWA(
+            hparams, type_k=type_k, type_v=type_v, v_trans=v_trans, swa_full=cp.swa_full, kv_unified=cp.kv_unified,
+            kv_size=cp.n_ctx_seq, n_seq_max=cp.n_seq_max, n_ubatch=cp.n_ubatch, n_pad=1,
+            layer_filter=lambda il: il >= n_trunk, compat=profile, cparams=cp,
+        )  # fmt: skip
+    return KVCacheDSV4(  # type: ignore[return-value]
+        hparams, type_k=type_k, type_v=type_v, v_trans=v_trans, swa_full=cp.swa_full, kv_size=cp.n_ctx_seq,
+        n_seq_max=cp.n_seq_max, n_ubatch=cp.n_ubatch, n_pad=1, n_rs_seq=cp.n_rs_seq, compat=profile, cparams=cp,
+    )  # fmt: skip
 
 
 __all__ = [

@@ -20,6 +20,7 @@ from . import mismatch
 from .cells import Cells
 from .codec import Reader, ScalarT, Sink, Writer, join_bytes
 from .dsl import Env, Record, Struct
+from .dsv4 import DSV4Section
 from .sections import (
     KV_SECTION,
     RECURRENT_SECTION,
@@ -27,6 +28,7 @@ from .sections import (
     LayerRows,
     RecurrentSection,
     TransposedRows,
+    write_dsv4,
 )
 from .specs import KVLayerSpec, KVSpec, RecurrentLayerSpec, RecurrentSpec
 
@@ -207,6 +209,9 @@ def read_sections(
 def write_section(sec: KVSection | RecurrentSection, f: Sink) -> int:
     """Stream a section (what the memory's state_write produces) to ``f``; returns the byte count."""
     w = Writer(f)
+    if isinstance(sec, DSV4Section):  # llama_kv_cache_dsv4's whole section (kvref.state.dsv4)
+        write_dsv4(w, sec, Env(ext_size=0))
+        return w.n
     struct = KV_SECTION if isinstance(sec, KVSection) else RECURRENT_SECTION
     struct.write(w, sec, Env(ext_size=0))
     return w.n

@@ -40,6 +40,7 @@ LAYOUTS: dict[str, tuple[str, ...]] = {
     "dsa": ("kv", "kv"),  # llama_kv_cache_dsa: MLA, then the lightning-indexer keys (reads as "iswa": never guessed)
     "dsa_iswa": ("kv", "kv", "kv"),  # llama_kv_cache_dsa_iswa: MLA, indexer, then SWA
     "msa": ("kv", "kv"),  # llama_kv_cache_msa: base, then the indexer key cache (auto-detection reads it as iswa)
+    "dsv4": ("dsv4",),  # llama_kv_cache_dsv4: header, raw iSWA sections, compressed K caches, compressor states
 }
 
 # The field vocabulary shared with the conformance suite's invalid-input manifest.

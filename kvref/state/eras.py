@@ -259,6 +259,8 @@ def _kv_seq_ids(mem: MemorySections) -> bool:
 def _seq_cells(mem: MemorySections, seq_id: int | None) -> MemorySections:
     """A sequence save's KV cells with the one id ``seq_id`` each (None: with no id, as in 2024). Only streams
     whose cells are the other way change: a stream whose cells already list ids keeps them."""
+    if mem.layout == "dsv4":  # the current layout only: its cells already list the id
+        return mem
     out: list[KVSection | RecurrentSection] = []
     for sec in mem.sections:
         if isinstance(sec, RecurrentSection):
@@ -316,7 +318,7 @@ def _ext_cells(cells: Cells, want: int, where: str, target: Era) -> Cells:
 
 
 # memories only the newest layout has (llama_memory_hybrid_idx, llama_kv_cache_dsa / _dsa_iswa: October 2026)
-_CURRENT_ONLY = ("hybrid_idx", "dsa", "dsa_iswa")
+_CURRENT_ONLY = ("hybrid_idx", "dsa", "dsa_iswa", "dsv4")
 
 
 def convert_sections(
@@ -332,6 +334,8 @@ def convert_sections(
     e = era(target)
     if mem.layout in _CURRENT_ONLY and e.name != CURRENT:
         raise ConversionError(f"the {mem.layout} memory exists only in the {CURRENT} layout, not in {e.name}")
+    if mem.layout == "dsv4":  # nothing to convert within the current layout
+        return mem
     if mem.layout in ("iswa", "hybrid_iswa") and _key(e.last) < _key(FIRST_ISWA_RELEASE):
         raise ConversionError(
             f"the {e.name} layout ({e.releases}) has no sliding-window cache: llama.cpp before "

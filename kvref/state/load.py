@@ -29,6 +29,7 @@ from ..constants import LLAMA_MAX_LAYERS, LLAMA_MAX_SEQ
 from ..errors import ArgumentError, FormatError
 from .constants import LAYOUTS, SEQ_VERSIONS, SESSION_VERSIONS, Magic
 from .dsl import _MAX_DIM, List, Record, Str, Struct, Switch, read_root
+from .dsv4 import DSV4_STATE_MAGIC, DSV4Section, skip_tail
 from .files import (
     STATE,
     STRUCTS,
@@ -215,6 +216,8 @@ def _groups(readings: Sequence[Reading]) -> Groups:
             first = ("none",)
         elif parts[0] == "kv":
             first = ("kv", r[3], r[4], r[5])
+        elif parts[0] == "dsv4":
+            first = ("dsv4", r[3], r[4], r[5])
         else:
             first = ("rec", r[6], r[7], len(parts) == 1)
         out.setdefault((r[0], r[2], r[8]), {}).setdefault(first, []).append(r)
@@ -280,6 +283,8 @@ def _readings_of(
             exts = (0,)
         asked_v = opts["has_v"]
         has_vs = [asked_v] if asked_v is not None else ([True, False] if "kv" in kinds else [True])
+        if "dsv4" in kinds:
+            has_vs = [False]  # llama_kv_cache_dsv4's raw caches are K-only
         n_state: NState = opts["n_state_layers"]
         if n_state is None and "recurrent" in kinds:
             n_state = "scan"
@@ -319,6 +324,8 @@ def _signature(obj: StateObject) -> tuple[object, ...]:
             sig.append(("kv", s.has_n_stream, tuple(_stream_sig(st) for st in s.streams)))
         elif isinstance(s, RecurrentSection):
             sig.append(("rec", s.cell_count, len(s.r), tuple(x.p_data is not None for x in s.r)))
+        elif isinstance(s, DSV4Section):
+            sig.append(("dsv4", s.header.mode, tuple(tuple(_stream_sig(st) for st in r.streams) for r in s.raw)))
     return tuple(sig)
 
 
@@ -330,6 +337,8 @@ def _stream_sig(st: KVStream) -> tuple[int, ...]:
 
 def _family(layout: str) -> str:
     kinds = LAYOUTS[layout]
+    if "dsv4" in kinds:
+        return "dsv4"
     if "recurrent" not in kinds:
         return "attention"
     return "recurrent" if len(kinds) == 1 else "hybrid"
@@ -349,6 +358,8 @@ def _arch_family(buf: memoryview, kind: str) -> str | None:
     if n is None or not 0 < n <= 64 or len(buf) < at + 4 + n:
         return None
     arch = bytes(buf[at + 4 : at + 4 + n]).decode("latin-1")
+    if arch == "deepseek4":
+        return "dsv4"
     return "recurrent" if arch in RECURRENT_ARCHS else "hybrid" if arch in HYBRID_ARCHS else "attention"
 
 
@@ -358,6 +369,8 @@ def _by_arch(found: Found) -> Found:
     if arch is None:
         return found
     want = "recurrent" if arch in RECURRENT_ARCHS else "hybrid" if arch in HYBRID_ARCHS else "attention"
+    if arch == "deepseek4":
+        want = "dsv4"
     kept = {k: v for k, v in found.items() if _family(v[0]["layout"]) == want}
     return kept or found
 
@@ -532,6 +545,8 @@ class _Sniff:
                         if first[0] == "kv":
                             key = ("kv", at, r0[3], r0[4], r0[5], scope)
                             end = _once(ends, key, partial(self._kv_section, at, r0[3], r0[4], r0[5], scope))
+                        elif first[0] == "dsv4":
+                            end = self._dsv4_section(at, r0[3], r0[4], r0[5], scope)
                         else:
                             last = bool(first[3])
                             key = ("rec", at, r0[6], r0[7], scope, last)
@@ -574,7 +589,9 @@ class _Sniff:
         parts = LAYOUTS[layout]
         last_i = len(parts) - 1
         for i, part in enumerate(parts):
-            if part == "kv":
+            if part == "dsv4":
+                got = self._dsv4_section(at, n_stream_field, ext, has_v, scope)
+            elif part == "kv":
                 # llama_memory_hybrid_idx's indexer section: no V, a cell ext only with PLE (sections.py)
                 x, v = (ext if ple else 0, False) if layout == "hybrid_idx" and i == 2 else (ext, has_v)
                 key = ("kv", at, n_stream_field, x, v, scope)
@@ -632,6 +649,18 @@ class _Sniff:
                 at = None if at is None else self._array(at, self._u64(at), 8)  # logits_size, logits
                 at = None if at is None else self._array(at, self._u64(at), 8)  # embd_size, embeddings
         return at
+
+    def _dsv4_section(self, at: int, n_stream_field: bool, ext: int, has_v: bool, scope: bool) -> int | None:
+        """A DSV4 section (kvref.state.dsv4): its header, one or two KV sections, the compressed parts."""
+        if self._u32(at) != DSV4_STATE_MAGIC or self._u32(at + 4) != 1:
+            return None
+        mode = self._u32(at + 8)
+        if mode not in (0, 1):
+            return None
+        got: int | None = at + 12
+        for _ in range(1 if mode else 2):
+            got = None if got is None else self._kv_section(got, n_stream_field, ext, has_v, scope)
+        return None if got is None else skip_tail(self.buf, got, self.end, bool(mode))
 
     def _kv_section(self, at: int, n_stream_field: bool, ext: int, has_v: bool, scope: bool) -> int | None:
         n_stream = 1
@@ -895,7 +924,9 @@ def _tables_read(objs: list[StateObject]) -> dict[Table, int]:
     """Where each cell table the parser read ends: ("cells", offset, cell_count, ext_size) -> end offset."""
     out: dict[Table, int] = {}
     for obj in objs:
-        for sec in obj.memory.sections:
+        # a DSV4 section's cell tables are its raw KV sections'
+        secs: list[KVSection | RecurrentSection] = [*obj.memory.kv_sections, *obj.memory.recurrent_sections]
+        for sec in secs:
             parts = sec.streams if isinstance(sec, KVSection) else [sec]
             for part in parts:
                 cells, at = part.cells, part.offsets.get("cells")

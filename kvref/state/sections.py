@@ -39,6 +39,7 @@ from .cells import Cells, CellTable
 from .codec import Reader, Writer
 from .constants import LAYOUTS
 from .dsl import I32, U32, U64, Env, Field, List, Param, Record, Rows, Struct, Switch, When, env_flag, env_int
+from .dsv4 import DSV4Section
 from .specs import KVLayerSpec, KVSpec
 
 Check = Callable[[int, Env], str | None]
@@ -192,8 +193,14 @@ class MemorySections:
 
     @property
     def kv_sections(self) -> list[KVSection]:
-        """The attention KV sections, in write order."""
-        return [s for s in self.sections if isinstance(s, KVSection)]
+        """The attention KV sections, in write order (a DSV4 section's raw iSWA sections included)."""
+        out: list[KVSection] = []
+        for s in self.sections:
+            if isinstance(s, KVSection):
+                out.append(s)
+            elif isinstance(s, DSV4Section):
+                out.extend(s.raw)
+        return out
 
     @property
     def recurrent_sections(self) -> list[RecurrentSection]:
@@ -644,6 +651,9 @@ class MemoryField(Field[object]):
                 finally:
                     env.update(saved)
                 continue
+            if k == "dsv4":
+                sections.append(read_dsv4(r, env))  # type: ignore[arg-type]
+                continue
             sections.append(_SECTION_STRUCTS[k].read(r, env))
         return MemorySections(layout, sections)
 
@@ -654,7 +664,32 @@ class MemoryField(Field[object]):
         if LAYOUTS.get(mem.layout) != kinds:
             raise FormatError(f"layout {mem.layout!r} does not match sections {kinds}", field="layout", offset=w.n)
         for s in mem.sections:
+            if isinstance(s, DSV4Section):
+                write_dsv4(w, s, env)
+                continue
             _SECTION_STRUCTS[s.kind].write(w, s, env)
+
+
+def read_dsv4(r: Reader, env: Env) -> DSV4Section:
+    """A DSV4 memory section (kvref.state.dsv4): its header, the raw iSWA's KV sections read like any other (K
+    only), then the compressed caches and compressor states."""
+    from .dsv4 import DSV4Header, read_tail, reader
+
+    buf = r.buf[: r.end]
+    rr = reader(buf, r.pos)
+    head = DSV4Header.read(rr)
+    r.pos = rr.pos
+    raw = [KV_SECTION.read(r, env) for _ in range(1 if head.partial else 2)]
+    ks, ss, r.pos = read_tail(buf, r.pos, head.partial)
+    return DSV4Section(head, raw, ks, ss)
+
+
+def write_dsv4(w: Writer, sec: DSV4Section, env: Env) -> None:
+    """The bytes `read_dsv4` reads."""
+    w.raw(sec.header.to_bytes())
+    for s in sec.raw:
+        KV_SECTION.write(w, s, env)
+    w.raw(sec.tail_bytes())
 
 
 MEMORY = MemoryField()

@@ -12,8 +12,10 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import FormatError
+from ..ggml.types import type_name
 from .cells import Cells
 from .constants import Magic
+from .dsv4 import DSV4Section
 from .sections import KVSection, LayerRows, MemorySections, RecurrentSection, TransposedRows
 
 Json: TypeAlias = "bool | int | float | str | list[Json] | dict[str, Json] | None"
@@ -178,7 +180,32 @@ def summarize(obj: Container) -> Summary:
     out["layout"] = obj.memory.layout
     if obj.note:
         out["note"] = obj.note
-    out["sections"] = [_kv(s) if isinstance(s, KVSection) else _recurrent(s) for s in obj.memory.sections]
+    sections: list[Json] = []
+    for sec in obj.memory.sections:
+        if isinstance(sec, DSV4Section):
+            sections.extend(_dsv4(sec))
+        else:
+            sections.append(_kv(sec) if isinstance(sec, KVSection) else _recurrent(sec))
+    out["sections"] = sections
+    return out
+
+
+def _dsv4(sec: DSV4Section) -> list[Summary]:
+    """A DSV4 section as the sections it holds: the raw iSWA's KV sections, each compressed K cache (kind
+    ``dsv4_k``), each compressor state (kind ``dsv4_state``), labelled."""
+    out: list[Summary] = []
+    names = ["raw SWA attention KV"] if sec.partial else ["raw base attention KV (no layer)", "raw SWA attention KV"]
+    for name, r in zip(names, sec.raw, strict=True):
+        out.append({**_kv(r), "label": f"DSV4 {name}"})
+    what = {"csa": "CSA (ratio 4)", "hca": "HCA (ratio 128)", "lid": "lightning-indexer (ratio 4)"}
+    for k in sec.k_caches:
+        layers: list[Json] = [{"il": il, "type": type_name(t.type), "row_size": t.row_size} for il, t in k.layers]
+        out.append({"kind": "dsv4_k", "label": f"DSV4 {what[k.name]} compressed K", "n_rows": k.n_rows,
+                    "n_stream": k.n_stream, "layers": layers})  # fmt: skip
+    for c in sec.states:
+        out.append({"kind": "dsv4_state", "label": f"DSV4 {what[c.name]} compressor state", "ratio": c.ratio,
+                    "state_size": c.state_size, "n_embd_state": c.n_embd_state, "n_stream": c.n_stream,
+                    "layers": [il for il, _, _ in c.layers]})  # fmt: skip
     return out
 
 
