@@ -157,6 +157,7 @@ class HParams:
     # block ratio
     indexer_kpool: int = 0
     indexer_kpool_select_tail: bool = True  # glm5-next: the incomplete tail is selected too (llama.cpp's default)
+    # per layer: qwen4exp's QSA block ratio (0: dense); DeepSeek-V4's 0 (raw only), 4 (CSA + indexer) or 128 (HCA)
     dsv4_compress_ratios: tuple[int, ...] = ()
     router_layer: int = -1  # >= 0: n_layer_nextn counts a router layer, not MTP blocks (granite-switch)
     dsv4_hc_mult: int = 0  # hyper-connection count (DeepSeek-V4, qwen4exp)
@@ -164,7 +165,6 @@ class HParams:
     n_layer_dense_lead: int = 0
     indexer_block_size: int = 0
     indexer_local_blocks: int = 0
-    dsv4_compress_ratios: Sequence[int] = ()  # DeepSeek-V4: per layer 0 (raw only), 4 (CSA + indexer) or 128 (HCA)
     # per-layer n-gram embeddings (PLE, qwen4exp); ple_n_heads = (ple_ngram_size - 1) * heads per n-gram
     ple_ngram_size: int = 0
     ple_conv_kernel: int = 0
@@ -583,13 +583,9 @@ class HParamsArgs(TypedDict, total=False):
     indexer_kpool_select_tail: bool
     n_embd_head_kda: int
     # minimax-m3 (MSA)
-    indexer_head_size: int
     n_layer_dense_lead: int
     indexer_block_size: int
     indexer_local_blocks: int
-    indexer_head_size: int
-    dsv4_hc_mult: int
-    dsv4_compress_ratios: Sequence[int]
 
 
 class _GGUFValue:
@@ -1109,9 +1105,9 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
             raise HParamsError("qwen4exp with PLE layers: kvref.HParams.from_gguf does not read the PLE keys")
         sec = m.get_key_or_arr(K.Rope.DIMENSION_SECTIONS, 4, required=True)
         rope_sections = tuple(int(x) for x in (sec if isinstance(sec, tuple) else (sec,) * 4))
-        arr = m.get_key_or_arr("attention.recurrent_layers", n_layer)
-        if arr is not None:
-            recr = tuple(bool(arr[il] if isinstance(arr, tuple) else arr) for il in range(n_layer))
+        recr_arr = m.get_key_or_arr("attention.recurrent_layers", n_layer)
+        if recr_arr is not None:
+            recr = tuple(bool(recr_arr[il] if isinstance(recr_arr, tuple) else recr_arr) for il in range(n_layer))
         else:
             interval = m.get_int("full_attention_interval", 4)
             if interval == 0:
@@ -1129,11 +1125,11 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
         kw["non_causal_type"] = 2
         kw["indexer_head_size"] = m.get_int("attention.indexer.key_length")
         kw["dsv4_hc_mult"] = m.get_int("hyper_connection.count")
-        ratios = m.get_arr("attention.compress_ratios") or []
-        if len(ratios) < n_layer:
+        comp = m.get_arr("attention.compress_ratios") or []
+        if len(comp) < n_layer:
             raise HParamsError("DeepSeek-V4 compress_ratios is shorter than block_count "
                                f"(key {m.key('attention.compress_ratios')})")  # fmt: skip
-        kw["dsv4_compress_ratios"] = tuple(int(x) for x in ratios[:n_layer])
+        kw["dsv4_compress_ratios"] = tuple(int(x) for x in comp[:n_layer])
     elif arch in ("bloom", "refact", "jina-bert-v2"):
         f_max_alibi_bias = 8.0  # hard-coded in llama.cpp for these archs
     elif arch in ("mpt", "jais"):

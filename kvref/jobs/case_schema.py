@@ -94,16 +94,10 @@ class CaseHParams(TypedDict):
     n_embd_head_kda: NotRequired[int]
     indexer_kpool_select_tail: NotRequired[bool]
     n_layer_dense_lead: NotRequired[int]  # minimax-m3
-    indexer_head_size: NotRequired[int]
     indexer_block_size: NotRequired[int]
     indexer_local_blocks: NotRequired[int]
-    n_layer_nextn: NotRequired[int]
     n_embd_out: NotRequired[int]  # gemma4-assistant
     n_embd_inp_enc: NotRequired[int]  # dflash
-    n_layer_nextn: NotRequired[int]
-    indexer_head_size: NotRequired[int]
-    dsv4_hc_mult: NotRequired[int]
-    dsv4_compress_ratios: NotRequired[list[int]]
     swa_layers: list[bool]
     recurrent_layers: list[bool]
     n_embd_r: int

@@ -232,9 +232,10 @@ def hparams_from_case(case: Case) -> HParams:
                  "dsv4_hc_mult"):  # fmt: skip
         if h.get(name) is not None:
             kw[name] = h[name]
-    for name in ("indexer_full_layers", "dsv4_compress_ratios"):
-        if h.get(name) is not None:
-            kw[name] = tuple(h[name])
+    if h.get("indexer_full_layers") is not None:
+        kw["indexer_full_layers"] = tuple(h["indexer_full_layers"])
+    if h.get("dsv4_compress_ratios") is not None:
+        kw["dsv4_compress_ratios"] = tuple(h["dsv4_compress_ratios"])
     sections = h.get("rope_sections")
     if sections:
         kw["rope_sections"] = tuple(sections)
