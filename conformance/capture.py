@@ -327,8 +327,10 @@ class Capture:
 
     ``swa_layer(il)`` says whether layer il's attention reads the SWA cache (of an iSWA memory)."""
 
-    def __init__(self, swa_layer: Any, rows: bool = False, idx_width: int = 0) -> None:
+    def __init__(self, swa_layer: Any, rows: bool = False, idx_width: int = 0, kpool: bool = False) -> None:
         self.swa_layer = swa_layer
+        # llama_memory_hybrid_idx: its lightning indexer reads the k-pool mask (a DSA indexer reads kq_mask_lid)
+        self.kpool = kpool
         # MSA (minimax-m3): the indexer key cache's row width; its SET_ROWS indices are k_idxs_idx
         self.idx_width = idx_width
         self._msa_pos_mask: int | None = None  # the address of this ubatch's pos_mask input (once seen)
@@ -415,10 +417,10 @@ class Capture:
             if _is_input(t.src[0]) and t.src[0].contents.type == 26:
                 m = _LAYER_RE.search(_name(t.src[1].contents))
                 return ("kpool_pool_idxs", int(m.group(1)) if m else -1, 0)  # the selected pools' member cells
-        if op == OP_LIGHTNING_INDEXER and t.src[3] and _is_input(t.src[3]):
+        if op == OP_LIGHTNING_INDEXER and self.kpool and t.src[3] and _is_input(t.src[3]):
             m = _LAYER_RE.search(_name(t))
             return ("kq_mask_kpool_pool", int(m.group(1)) if m else -1, 3)
-        if op == OP_ADD and _name(t).startswith("indexer_score-") and _is_input(t.src[1]):
+        if op == OP_ADD and self.kpool and _name(t).startswith("indexer_score-") and _is_input(t.src[1]):
             m = _LAYER_RE.search(_name(t))
             return ("kq_mask_kpool_pool", int(m.group(1)) if m else -1, 1)  # the unfused k-pool score
         if op == OP_CONCAT and _is_input(t.src[1]) and t.src[1].contents.type == 26:

@@ -415,7 +415,10 @@ class Run:
                 swa_flags = other.hp["swa_layers"]
             idx_width = int(hp.get("indexer_head_size") or 0) if self.kind == "msa" else 0
             self.capture = capture.Capture(
-                lambda il: swa_cache and bool(swa_flags[il]), rows=capture_rows, idx_width=idx_width
+                lambda il: swa_cache and bool(swa_flags[il]),
+                rows=capture_rows,
+                idx_width=idx_width,
+                kpool=self.kind == "hybrid_idx",
             )
         # op index -> [(k | v, layer, ubatch, pre, post)]: written to ROWS_FILE by close()
         self.rows: dict[int, list] = {}
