@@ -12,7 +12,7 @@ resolved while the plan runs (PLAN_KEYS), from llama.cpp's own seq_pos_max, so a
 a valid plan: that is how failures are minimised (--keep).
 
     python conformance/fuzz.py --models all --seeds 0-39            # fuzz; report mismatches
-    python conformance/fuzz.py --models every --seeds 0-19 --minimise   # CI's live campaign (.ci/run)
+    python conformance/fuzz.py --models every --seeds 0-11 --minimise   # CI's live campaign (.ci/run)
     python conformance/fuzz.py --models every --seeds 0-999 --minimise  # a long campaign (hours)
     python conformance/fuzz.py --models llama,mamba --seeds 0-9 --minimise
     python conformance/fuzz.py --model llama --seed 7 --case-out conformance/golden/fuzz-llama-seed7
