@@ -23,16 +23,23 @@ EXPECTED = C.load_expected_failures(ROOT) if GOLDEN.is_dir() else {}
 
 
 def tiny_model(name: str) -> Path:
-    """conformance/models/<name>.gguf, built with conformance/tinymodels.py when missing."""
+    """conformance/models/<name>.gguf when committed, else built with conformance/tinymodels.py into the
+    conformance model cache (generate.py's default, $XDG_CACHE_HOME/kvref-conformance): never into the checkout,
+    whose models/ is what the GGUF reader's tests walk."""
     p = ROOT / "models" / f"{name}.gguf"
-    if not p.exists():
-        import sys
+    if p.exists():
+        return p
+    import os
+    import sys
 
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kvref-conformance"
+    p = cache / f"{name}.gguf"
+    if not p.exists():
         sys.path.insert(0, str(ROOT))
         import tinymodels  # type: ignore[import-not-found]
 
-        p.parent.mkdir(exist_ok=True)
-        tinymodels.BUILDERS[name.removesuffix("-tiny")](p.parent)
+        cache.mkdir(parents=True, exist_ok=True)
+        tinymodels.BUILDERS[name.removesuffix("-tiny")](cache)
     return p
 
 
