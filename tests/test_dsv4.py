@@ -267,3 +267,22 @@ def test_the_first_decode_after_a_shift_is_refused(model: Path) -> None:
     with pytest.raises(kvref.errors.KShiftError):
         _decode(mem, 0, 1)
     assert mem.state_write() == before
+
+
+def test_diff_names_the_compressed_part_that_differs():
+    # a DSV4 section's compressed K rows and compressor states have no cells: diff compares each as a whole
+    from kvref.jobs.diff import diff
+
+    path = ROOT / "golden" / "deepseek4-dsv4-single-seq" / "01-session.ggsn"
+    raw = bytearray(path.read_bytes())
+    obj = state.load(bytes(raw))
+    hca = obj.memory.sections[0].k_caches[1]
+    assert hca.name == "hca"
+    t = hca.layers[0][1]
+    assert t.rows * t.row_size > 0
+    # the block: i32 type, u64 ne0, u64 rows, u64 row size (28 bytes), then the rows (docs/state-format.md)
+    raw[t.offset + 28] ^= 0x01
+    got = diff(path.read_bytes(), bytes(raw))
+    assert [(d.what, d.section) for d in got.differences] == [("hca K rows", 0)]
+    assert got.first_byte == t.offset + 28
+    assert diff(path, path).differences == []

@@ -19,6 +19,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..state import KVSection, RecurrentSection, TransposedRows
+from ..state.dsv4 import CompStateSection, DSV4Section, KCacheSection
 
 if TYPE_CHECKING:
     from ..state import Cells, KVStream, LayerRows, RecurrentLayer, StateObject
@@ -384,6 +385,37 @@ def _header(res: DiffResult, a: StateObject, b: StateObject) -> None:
                 res.add(Difference(f"outputs.{name}", f"{xa.size} values", f"{xb.size} values"))
 
 
+def _compare_kv(res: DiffResult, k: int, x: KVSection, y: KVSection) -> None:
+    """Compare two KV sections stream by stream."""
+    if x.has_n_stream != y.has_n_stream:
+        res.add(Difference("n_stream field", x.has_n_stream, y.has_n_stream, k))
+    if x.n_stream != y.n_stream:
+        res.add(Difference("n_stream", x.n_stream, y.n_stream, k))
+        return
+    for s, (p, q) in enumerate(zip(x.streams, y.streams, strict=True)):
+        if p.data is not None and q.data is not None and p.data.v_trans != q.data.v_trans:
+            res.add(Difference("v_trans", p.data.v_trans, q.data.v_trans, k, s))
+            continue
+        _compare_table(res, k, s, x, y, p, q)
+
+
+def _compare_dsv4(res: DiffResult, k: int, x: DSV4Section, y: DSV4Section) -> None:
+    """Compare two DSV4 sections: the raw iSWA's KV sections cell by cell, the compressed K caches and the compressor
+    states as wholes (their rows are per compressed position, not per cell)."""
+    if x.partial != y.partial:
+        res.add(Difference("partial", x.partial, y.partial, k))
+        return
+    for p, q in zip(x.raw, y.raw, strict=True):
+        _compare_kv(res, k, p, q)
+    parts: list[tuple[str, KCacheSection | CompStateSection, KCacheSection | CompStateSection]] = [
+        *(("K rows", p, q) for p, q in zip(x.k_caches, y.k_caches, strict=True)),
+        *(("compressor state", p, q) for p, q in zip(x.states, y.states, strict=True)),
+    ]
+    for what, p, q in parts:
+        if p.to_bytes() != q.to_bytes():
+            res.add(Difference(f"{p.name} {what}", section=k))
+
+
 def diff(a: StateSource, b: StateSource, *, model: ModelSource | None = None) -> DiffResult:
     """Compare two states (paths, bytes or loaded state objects); see `DiffResult`. ``model`` (a GGUF path or
     HParams) is what a session of version 5 .. 7 needs to be read."""
@@ -399,18 +431,10 @@ def diff(a: StateSource, b: StateSource, *, model: ModelSource | None = None) ->
     for k, (x, y) in enumerate(zip(ma.sections, mb.sections, strict=False)):
         if x.kind != y.kind:
             res.add(Difference("section kind", x.kind, y.kind, k))
-            continue
-        if isinstance(x, KVSection) and isinstance(y, KVSection):
-            if x.has_n_stream != y.has_n_stream:
-                res.add(Difference("n_stream field", x.has_n_stream, y.has_n_stream, k))
-            if x.n_stream != y.n_stream:
-                res.add(Difference("n_stream", x.n_stream, y.n_stream, k))
-                continue
-            for s, (p, q) in enumerate(zip(x.streams, y.streams, strict=True)):
-                if p.data is not None and q.data is not None and p.data.v_trans != q.data.v_trans:
-                    res.add(Difference("v_trans", p.data.v_trans, q.data.v_trans, k, s))
-                    continue
-                _compare_table(res, k, s, x, y, p, q)
+        elif isinstance(x, KVSection) and isinstance(y, KVSection):
+            _compare_kv(res, k, x, y)
+        elif isinstance(x, DSV4Section) and isinstance(y, DSV4Section):
+            _compare_dsv4(res, k, x, y)
         else:  # two recurrent sections (of one kind, not both KV)
             _compare_table(res, k, None, x, y, cast("RecurrentSection", x), cast("RecurrentSection", y))
     if len(ma.sections) != len(mb.sections):
