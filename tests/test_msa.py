@@ -112,3 +112,13 @@ def test_msa_inputs_follow_llama_cpp_rules():
     assert cb.tolist()[:6] == [0, 0, 0, 0, 1, 1]
     assert mem.graph_input("k_idxs_idx", ub, slot, swa=False, f16=False, causal=True).tolist() == list(range(6))
     assert mem.graph_input("kq_mask", ub, slot, swa=False, f16=False, causal=True) is None  # the base cache's
+
+
+def test_an_msa_state_is_not_converted_to_an_older_layout():
+    # minimax-m3 exists only in llama.cpp 0.3.36 (the 2026-10 layout): no older llama.cpp could load the file
+    from kvref.errors import ConversionError
+    from kvref.state.eras import to_era
+
+    obj = kvref.state.load(ROOT / "golden" / "minimax-m3-msa" / "01-session.ggsn")
+    with pytest.raises(ConversionError, match="msa memory exists only in the 2026-10 layout"):
+        to_era(obj, "2026-08")

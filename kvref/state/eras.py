@@ -317,8 +317,9 @@ def _ext_cells(cells: Cells, want: int, where: str, target: Era) -> Cells:
     return Cells(cells.pos, cells.seq_id, cells.seq_start, np.ascontiguousarray(new, np.int32), want)
 
 
-# memories only the newest layout has (llama_memory_hybrid_idx, llama_kv_cache_dsa / _dsa_iswa: October 2026)
-_CURRENT_ONLY = ("hybrid_idx", "dsa", "dsa_iswa", "dsv4")
+# memories only the newest layout has (llama_memory_hybrid_idx, llama_kv_cache_dsa / _dsa_iswa / _msa / _dsv4:
+# October 2026): an older llama.cpp has none of their archs
+_CURRENT_ONLY = ("hybrid_idx", "dsa", "dsa_iswa", "msa", "dsv4")
 
 
 def convert_sections(
