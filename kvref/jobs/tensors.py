@@ -55,8 +55,8 @@ if TYPE_CHECKING:
     from ..memory.kv_cache import KVCache
     from ..memory.kv_cache_dsv4 import KVCacheDSV4
     from ..memory.recurrent import RecurrentMemory
-    from ..state.dsv4 import DSV4Section
     from ..state import KVSection, LayerRows, RecurrentSection, StateObject, TransposedRows
+    from ..state.dsv4 import DSV4Section
     from ._types import AnyMemory, LeafMemory, ModelSource, StateSource
     from .progress import Progress
 
@@ -429,8 +429,6 @@ def state_tensors(
         obj = state.load(obj)
     hp = _hparams(hparams, model)
     if obj.memory.layout == "dsv4":
-        from ..state.dsv4 import DSV4Section
-
         (dsec,) = obj.memory.sections
         era_rot = _era_rotates(obj) if rotated is None else rotated
         return _dsv4_tensors(cast("DSV4Section", dsec), _dsv4_model(hp), head_dim, era_rot, unrotate, None, progress)
@@ -461,8 +459,8 @@ def memory_tensors(mem: AnyMemory, *, unrotate: bool = True) -> Tensors:
         dsv4 = cast("KVCacheDSV4", mem)
         (dsec,) = dsv4.state_sections(-1)
         raw = [dsv4.raw.swa] if dsec.partial else [dsv4.raw.base, dsv4.raw.swa]
-        idx = [[written_cells(c, s, -1).astype(np.int64) for s in range(c.n_stream)] for c in raw]
-        return _dsv4_tensors(dsec, dsv4, None, dsv4.profile.attn_rotation, unrotate, idx)
+        raw_idx = [[written_cells(c, s, -1).astype(np.int64) for s in range(c.n_stream)] for c in raw]
+        return _dsv4_tensors(dsec, dsv4, None, dsv4.profile.attn_rotation, unrotate, raw_idx)
     out = Tensors()
     for si, leaf in enumerate(leaf_caches(mem)):
         (sec,) = leaf.state_sections(-1)
@@ -515,8 +513,8 @@ def _dsv4_tensors(
         if raw_caches:
             cache = raw_caches[ri]
             if n and n != len(cache.layers):
-                raise KVRefError(f"the model does not fit this state: raw section {ri} holds {n} layers, the "
-                                 f"model's {len(cache.layers)}. Give the model that wrote it (--model), or none")  # fmt: skip
+                raise KVRefError(f"the model does not fit this state: raw section {ri} holds {n} layers, the model's "
+                                 f"{len(cache.layers)}. Give the model that wrote it (--model), or none")  # fmt: skip
             lhp = cache.hparams
             shape.il = [layer.il for layer in cache.layers]
             shape.head_k = shape.head_v = [lhp.n_embd_head_k_l(il) for il in shape.il]
@@ -535,14 +533,14 @@ def _dsv4_tensors(
     ratios = dict(COMP_PARTS)
     comp = [] if mem is None else mem.comp_caches
     for ki, ks in enumerate(sec.k_caches):
-        cache = comp[ki] if comp else None
+        ccache = comp[ki] if comp else None
         for li, (il, t) in enumerate(ks.layers):
             x = dequantize(np.asarray(t.data).reshape(ks.n_stream * t.rows, t.row_size), t.type) if t.rows else (
                 np.zeros((0, t.ne0), np.float32))  # fmt: skip
             x = x.reshape(ks.n_stream, t.rows, t.ne0)
-            if cache is not None:
-                head: int | None = cache.hparams.n_embd_head_k_l(il)
-                h_all = rot.shared_head_size([cache.hparams.n_embd_head_k_l(layer.il) for layer in cache.layers])
+            if ccache is not None:
+                head: int | None = ccache.hparams.n_embd_head_k_l(il)
+                h_all = rot.shared_head_size([ccache.hparams.n_embd_head_k_l(layer.il) for layer in ccache.layers])
             elif ks.name == "lid":
                 head = h_all = int(t.ne0)  # one head of the indexer key length
             else:
