@@ -191,3 +191,21 @@ def test_dsv4_memory_tensors_match_the_state() -> None:
         assert (x.part, x.stream, x.il) == (y.part, y.stream, y.il) and np.array_equal(x.k, y.k)
     for p, q in zip(got.comp_states, want.comp_states, strict=True):
         assert np.array_equal(p.kv, q.kv) and np.array_equal(p.score, q.score)
+
+
+def test_dsv4_export_cli_npz(tmp_path: Path) -> None:
+    """``kvref export`` writes a DSV4 state's arrays with their metadata (types, rotation undone per tensor)."""
+    from kvref.jobs.cli import main
+
+    path = GOLD / "deepseek4-dsv4-single-seq" / "05-seqdata-seq0-flags1.bin"  # partial: raw SWA and the states
+    out = tmp_path / "x.npz"
+    assert main(["export", str(path), str(out), "--no-unrotate"]) == 0
+    with np.load(out) as z:
+        meta = json.loads(str(z["__kvref__"]))
+        names = set(z.files)
+        assert meta["layout"] == "dsv4" and meta["unrotate"] is False
+        assert "kv.0.s0.l3.k" in names and not any(n.startswith(("kv.1.", "dsv4.csa.", "dsv4.lid.")) for n in names)
+        assert {"dsv4.csa_state.1.s0.l0.kv", "dsv4.hca_state.2.s0.l0.score", "dsv4.lid_state.3.s0.l0.kv"} <= names
+        assert meta["tensors"]["dsv4.hca_state.2.s0.l0.score"]["type"] == "f32"
+        assert meta["tensors"]["kv.0.s0.l0.k"] == {"type": "f16", "unrotated": False}
+        assert z["dsv4.hca_state.2.s0.l0.kv"].shape == (128, 64)

@@ -8,6 +8,10 @@
         t.pos, t.seq_ids(i), t.il          # the cells' positions and sequence ids; the model layer
     for t in ts.recurrent:                 # one RecurrentTensors per recurrent layer with state
         t.r, t.s                           # model shape when known (see `recurrent_shapes`), else flat rows
+    for t in ts.compressed:                # DSV4: one per compressed K cache (csa, hca, lid), layer and stream
+        t.part, t.il, t.ratio, t.k, t.row  # (n_rows, n_head_kv, head_dim); row r: tokens [r * ratio, (r+1) * ratio)
+    for t in ts.comp_states:               # DSV4: one per compressor state, layer and stream
+        t.kv, t.score                      # f32 (state_size, n_embd_state)
     ts = kvref.jobs.tensors.memory_tensors(mem) # the same from a memory (its used cells; ``t.cells`` their indices)
 
 Quantized rows are dequantized (`kvref.ggml.quant`). When llama.cpp rotated them (`kvref.ggml.rotation`: a
@@ -16,6 +20,12 @@ a head size multiple of 64, from llama-cpp-python 0.3.36 on; a memory knows, a f
 applied to its era), the rotation is undone unless ``unrotate=False``. A state file does not record the head
 size either: pass ``hparams=`` (or ``model=`` a GGUF path), or ``head_dim=``; without them K/V come as
 ``(n_cells, 1, n_embd_gqa)`` and a file whose rows may be rotated is refused unless ``unrotate=False``.
+
+A DeepSeek-V4 state (kvref.state.dsv4) gives its raw iSWA sections as K-only ``kv`` entries (``v`` None; sections
+numbered as ``kvref inspect`` lists the parts: raw base 0, raw SWA 1, the compressed caches 2-4, the states 5-7; a
+partial save has raw SWA 0 and the states 1-3). A sequence save's compressed caches and states hold one stream, 0.
+The lightning indexer's K (``lid``) is rotated by llama.cpp whatever its type (era permitting): undone unless
+``unrotate=False``; its layout needs no head size (one head).
 
 Layers are numbered by their position in the section (``layer``); ``il`` is the model layer when the model is
 known (from the memory llama.cpp would build for it).
