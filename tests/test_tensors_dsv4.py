@@ -209,3 +209,19 @@ def test_dsv4_export_cli_npz(tmp_path: Path) -> None:
         assert meta["tensors"]["dsv4.hca_state.2.s0.l0.score"]["type"] == "f32"
         assert meta["tensors"]["kv.0.s0.l0.k"] == {"type": "f16", "unrotated": False}
         assert z["dsv4.hca_state.2.s0.l0.kv"].shape == (128, 64)
+
+
+@pytest.mark.parametrize("name", ["02-state.bin", "05-seqdata-seq0-flags1.bin"])
+def test_dsv4_section_layer_ids(name: str) -> None:
+    """The model layers of each part `kvref inspect` lists (the raw base cache has none: every layer is SWA)."""
+    d = GOLD / "deepseek4-dsv4-single-seq"
+    info = json.loads((d / "case.json").read_text())
+    hp = hparams_from_case(info)
+    ratios = info["model"]["hparams"]["dsv4_compress_ratios"]
+    csa = [il for il, r in enumerate(ratios) if r == 4]
+    hca = [il for il, r in enumerate(ratios) if r == 128]
+    obj = kvref.state.load(d / name)
+    raw = [[], list(range(hp.n_layer))] if "flags1" not in name else [list(range(hp.n_layer))]
+    comp = [] if "flags1" in name else [csa, hca, csa]
+    assert tensors.section_layer_ids(obj, hp) == raw + comp + [csa, hca, csa]
+    assert len(tensors.section_layer_ids(obj, hp)) == len(kvref.state.summarize(obj)["sections"])

@@ -321,6 +321,18 @@ def section_layer_ids(obj: StateObject, hp: HParams) -> list[list[int]]:
     for ``hp`` holds them (a KVRefError when the model could not have written the state)."""
     from ..memory.kv_cache import KVCache
 
+    if obj.memory.layout == "dsv4":  # the parts as `kvref inspect` lists them (kvref.state.summary)
+        dsec = cast("DSV4Section", obj.memory.sections[0])
+        mem = _dsv4_model(hp)
+        assert mem is not None
+        raw = [mem.raw.swa] if dsec.partial else [mem.raw.base, mem.raw.swa]
+        ks = [[layer.il for layer in c.layers] for c in mem.comp_caches[: len(dsec.k_caches)]]
+        states = [list(st.layer_ids) for st in mem.comp_states]
+        got = [[il for il, _ in k.layers] for k in dsec.k_caches] + [[il for il, _, _ in c.layers] for c in dsec.states]
+        if got != ks + states:
+            raise KVRefError(f"the model does not fit this state: its compressed layers are {ks + states}, the "
+                             f"file's {got}. Give the model that wrote it (--model), or none")  # fmt: skip
+        return [[layer.il for layer in c.layers] for c in raw] + ks + states
     leaves = _fitting_leaves(obj, hp)
     return [[layer.il for layer in leaf.layers] if isinstance(leaf, KVCache) else list(leaf.layers) for leaf in leaves]
 
