@@ -213,7 +213,7 @@ def test_a_restore_into_a_sequence_past_n_seq_max_is_refused(model: Path) -> Non
     assert mem.state_write() == before
 
 
-def test_jobs_restore_and_check_read_a_dsv4_state_and_the_others_refuse(model: Path) -> None:
+def test_jobs_restore_check_and_tensors_read_a_dsv4_state_and_convert_refuses(model: Path) -> None:
     from kvref.errors import NotYetImplemented
     from kvref.jobs import check, convert, tensors
 
@@ -225,8 +225,27 @@ def test_jobs_restore_and_check_read_a_dsv4_state_and_the_others_refuse(model: P
     assert ok.ok, ok.reason
     with pytest.raises(NotYetImplemented):
         convert.convert(f, seq_map={0: 1})
-    with pytest.raises(NotYetImplemented):
-        tensors.state_tensors(f)
+    ts = tensors.state_tensors(f, model=model)  # tensors / export read it (tests/test_tensors_dsv4.py)
+    assert [t.part for t in ts.compressed] == ["csa", "hca", "lid"] and len(ts.comp_states) == 3
+
+
+def test_inspect_and_export_with_the_model_label_every_part(model: Path, capsys: pytest.CaptureFixture[str],
+                                                            tmp_path: Path) -> None:  # fmt: skip
+    """``kvref inspect --model``: the raw SWA layers get their model layer, the compressed parts keep the layers the
+    file records (no note: the model fits); ``kvref export --model`` names every part."""
+    from kvref.jobs.cli import main
+
+    f = ROOT / "golden" / "deepseek4-dsv4-multiseq" / "02-state.bin"
+    assert main(["inspect", "--json", "--model", str(model), str(f)]) == 0
+    s = json.loads(capsys.readouterr().out)
+    assert "note" not in s
+    swa = s["sections"][1]
+    assert [layer["il"] for st in swa["streams"] for layer in st.get("layers", [])][:4] == [0, 1, 2, 3]
+    assert main(["export", "--model", str(model), str(f), str(tmp_path / "x.npz")]) == 0
+    with np.load(tmp_path / "x.npz") as z:
+        assert list(z["kv.1.s0.layer"]) == [0, 1, 2, 3]
+        assert {"dsv4.csa.2.s1.l0.k", "dsv4.hca.3.s1.l0.k", "dsv4.lid.4.s1.l0.k"} <= set(z.files)
+        assert list(z["dsv4.hca.3.layer"]) == [2] and list(z["dsv4.lid_state.7.layer"]) == [1]
 
 
 def test_save_memory_writes_the_sequence_file_llama_cpp_wrote(model: Path, tmp_path: Path) -> None:

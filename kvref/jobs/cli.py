@@ -160,7 +160,7 @@ def _label_model_layers(summary: StateSummary, obj: StateObject, model: str) -> 
             for st in sec["streams"]:
                 for layer in st.get("layers", []):
                     layer["il"] = il[layer["layer"]]
-        else:
+        elif sec["kind"] == "recurrent":  # a DSV4 section's compressed parts record their layers themselves
             for rl in sec["layers"]:
                 rl["il"] = il[rl["index"]]
 

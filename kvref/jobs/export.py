@@ -12,9 +12,20 @@ Tensors are float32, dequantized, and un-rotated unless ``unrotate=False`` (`kvr
 ``kv.{sec}.s{stream}.layer``       int32 ``(n_layers,)``: the model layer of each ``l{layer}`` (-1: unknown)
 ``rs.{sec}.l{layer}.r`` / ``.s``   R and S (model shape when known, see `kvref.jobs.tensors`, else flat rows)
 ``rs.{sec}.pos`` / ``.seq_id`` / ``.seq_start`` / ``.seq_mask`` / ``.layer``   as above, for the recurrent cells
+``dsv4.{part}.{sec}.s{stream}.l{layer}.k``  a DSV4 compressed K cache (``part`` csa, hca or lid, the lightning
+                                   indexer): ``(n_rows, n_head_kv, head_dim)``, row ``r`` the compression of
+                                   tokens ``[r * ratio, (r + 1) * ratio)`` (lid: one head of indexer_head_size)
+``dsv4.{part}.{sec}.s{stream}.row``  int32 ``(n_rows,)``: the compressed row index
+``dsv4.{part}.{sec}.layer``        int32: the model layer of each ``l{layer}`` (the file records it)
+``dsv4.{part}_state.{sec}.s{stream}.l{layer}.kv`` / ``.score``  a DSV4 compressor state's f32 planes,
+                                   ``(state_size, n_embd_state)``
+``dsv4.{part}_state.{sec}.layer``  int32: the model layer of each ``l{layer}``
 ============================== ============================================================================
 
-``sec`` is the section's index in the state (iSWA: 0 base, 1 SWA; hybrid: 0 attention, 1 recurrent), ``stream``
+``sec`` is the section's index in the state (iSWA: 0 base, 1 SWA; hybrid: 0 attention, 1 recurrent; DSV4: its
+parts as ``kvref inspect`` lists them: the raw K-only ``kv`` sections 0 base and 1 SWA, then 2-4 the CSA, HCA and
+lid compressed K caches, 5-7 their compressor states; a partial save has only the raw SWA ``kv.0`` and the states
+1-3), ``stream``
 the KV stream, ``layer`` the position of the layer in the section. A ``.safetensors`` file also carries the
 metadata key ``kvref`` (JSON: layout, the types, and whether the rotation was undone per tensor); a ``.npz``
 file carries the same JSON as the array ``__kvref__`` (a 0-d string).
@@ -112,6 +123,20 @@ def export_arrays(
         meta["tensors"][f"{base}.l{rt.layer}.r"] = {"type": rt.type_r}
         meta["tensors"][f"{base}.l{rt.layer}.s"] = {"type": rt.type_s}
         cells(base, rt)
+    for ct in ts.compressed:
+        base = f"dsv4.{ct.part}.{ct.section}"
+        arrays[f"{base}.s{ct.stream}.l{ct.layer}.k"] = ct.k
+        meta["tensors"][f"{base}.s{ct.stream}.l{ct.layer}.k"] = {"type": ct.type_k, "unrotated": ct.unrotated_k}
+        arrays[f"{base}.s{ct.stream}.row"] = ct.row
+        if ct.stream == 0:
+            layers.setdefault(f"{base}.layer", []).append(ct.il)
+    for st in ts.comp_states:
+        base = f"dsv4.{st.part}_state.{st.section}"
+        for plane, x in (("kv", st.kv), ("score", st.score)):
+            arrays[f"{base}.s{st.stream}.l{st.layer}.{plane}"] = x
+            meta["tensors"][f"{base}.s{st.stream}.l{st.layer}.{plane}"] = {"type": "f32"}
+        if st.stream == 0:
+            layers.setdefault(f"{base}.layer", []).append(st.il)
     for name, ils in layers.items():
         arrays[name] = np.asarray(ils, np.int32)
     return {k: np.ascontiguousarray(v) for k, v in arrays.items()}, meta

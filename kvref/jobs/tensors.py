@@ -8,6 +8,10 @@
         t.pos, t.seq_ids(i), t.il          # the cells' positions and sequence ids; the model layer
     for t in ts.recurrent:                 # one RecurrentTensors per recurrent layer with state
         t.r, t.s                           # model shape when known (see `recurrent_shapes`), else flat rows
+    for t in ts.compressed:                # DSV4: one per compressed K cache (csa, hca, lid), layer and stream
+        t.part, t.il, t.ratio, t.k, t.row  # (n_rows, n_head_kv, head_dim); row r: tokens [r * ratio, (r+1) * ratio)
+    for t in ts.comp_states:               # DSV4: one per compressor state, layer and stream
+        t.kv, t.score                      # f32 (state_size, n_embd_state)
     ts = kvref.jobs.tensors.memory_tensors(mem) # the same from a memory (its used cells; ``t.cells`` their indices)
 
 Quantized rows are dequantized (`kvref.ggml.quant`). When llama.cpp rotated them (`kvref.ggml.rotation`: a
@@ -16,6 +20,12 @@ a head size multiple of 64, from llama-cpp-python 0.3.36 on; a memory knows, a f
 applied to its era), the rotation is undone unless ``unrotate=False``. A state file does not record the head
 size either: pass ``hparams=`` (or ``model=`` a GGUF path), or ``head_dim=``; without them K/V come as
 ``(n_cells, 1, n_embd_gqa)`` and a file whose rows may be rotated is refused unless ``unrotate=False``.
+
+A DeepSeek-V4 state (kvref.state.dsv4) gives its raw iSWA sections as K-only ``kv`` entries (``v`` None; sections
+numbered as ``kvref inspect`` lists the parts: raw base 0, raw SWA 1, the compressed caches 2-4, the states 5-7; a
+partial save has raw SWA 0 and the states 1-3). A sequence save's compressed caches and states hold one stream, 0.
+The lightning indexer's K (``lid``) is rotated by llama.cpp whatever its type (era permitting): undone unless
+``unrotate=False``; its layout needs no head size (one head).
 
 Layers are numbered by their position in the section (``layer``); ``il`` is the model layer when the model is
 known (from the memory llama.cpp would build for it).
@@ -44,7 +54,7 @@ from typing import TYPE_CHECKING, cast
 import numpy as np
 import numpy.typing as npt
 
-from ..errors import FormatError, KVRefError, NotYetImplemented
+from ..errors import FormatError, KVRefError
 from ..ggml import rotation as rot
 from ..ggml.quant import dequantize, quantize
 from ..ggml.types import GGMLType, traits, type_name
@@ -53,8 +63,10 @@ from ..profile import value_at
 if TYPE_CHECKING:
     from ..hparams import HParams
     from ..memory.kv_cache import KVCache
+    from ..memory.kv_cache_dsv4 import KVCacheDSV4
     from ..memory.recurrent import RecurrentMemory
     from ..state import KVSection, LayerRows, RecurrentSection, StateObject, TransposedRows
+    from ..state.dsv4 import DSV4Section
     from ._types import AnyMemory, LeafMemory, ModelSource, StateSource
     from .progress import Progress
 
@@ -109,15 +121,53 @@ class RecurrentTensors:
 
 
 @dataclass
+class CompressedKTensors:
+    """One layer of one stream of a DSV4 compressed K cache (``part`` "csa", "hca" or "lid", the lightning
+    indexer), float32. Row ``r`` is the compression of the tokens ``[r * ratio, (r + 1) * ratio)``."""
+
+    section: int
+    part: str
+    stream: int
+    layer: int
+    il: int  # the model layer (the file records it)
+    ratio: int
+    k: F32  # (n_rows, n_head_kv, head_dim): csa / hca the layer's K heads, lid one head of indexer_head_size
+    row: npt.NDArray[np.int32]  # (n_rows,): the compressed row index
+    type_k: str
+    unrotated_k: bool = False
+
+
+@dataclass
+class CompStateTensors:
+    """One layer of one stream of a DSV4 compressor state (``part`` "csa", "hca" or "lid"): its f32 ``kv`` and
+    ``score`` planes, ``(state_size, n_embd_state)`` each."""
+
+    section: int
+    part: str
+    stream: int
+    layer: int
+    il: int
+    ratio: int
+    kv: F32
+    score: F32
+
+
+@dataclass
 class Tensors:
-    """Every tensor of a state or memory: ``kv`` and ``recurrent`` entries in write order."""
+    """Every tensor of a state or memory: ``kv`` and ``recurrent`` entries in write order; a DSV4 state's raw
+    K-only sections are ``kv`` entries (``v`` None), its compressed K caches ``compressed`` and its compressor
+    states ``comp_states``."""
 
     kv: list[KVTensors] = field(default_factory=list)
     recurrent: list[RecurrentTensors] = field(default_factory=list)
+    compressed: list[CompressedKTensors] = field(default_factory=list)
+    comp_states: list[CompStateTensors] = field(default_factory=list)
 
-    def __iter__(self) -> Iterator[KVTensors | RecurrentTensors]:
+    def __iter__(self) -> Iterator[KVTensors | RecurrentTensors | CompressedKTensors | CompStateTensors]:
         yield from self.kv
         yield from self.recurrent
+        yield from self.compressed
+        yield from self.comp_states
 
 
 # ------------------------------------------------------------------------------------------- model facts
@@ -271,6 +321,18 @@ def section_layer_ids(obj: StateObject, hp: HParams) -> list[list[int]]:
     for ``hp`` holds them (a KVRefError when the model could not have written the state)."""
     from ..memory.kv_cache import KVCache
 
+    if obj.memory.layout == "dsv4":  # the parts as `kvref inspect` lists them (kvref.state.summary)
+        dsec = cast("DSV4Section", obj.memory.sections[0])
+        mem = _dsv4_model(hp)
+        assert mem is not None
+        raw = [mem.raw.swa] if dsec.partial else [mem.raw.base, mem.raw.swa]
+        ks = [[layer.il for layer in c.layers] for c in mem.comp_caches[: len(dsec.k_caches)]]
+        states = [list(st.layer_ids) for st in mem.comp_states]
+        got = [[il for il, _ in k.layers] for k in dsec.k_caches] + [[il for il, _, _ in c.layers] for c in dsec.states]
+        if got != ks + states:
+            raise KVRefError(f"the model does not fit this state: its compressed layers are {ks + states}, the "
+                             f"file's {got}. Give the model that wrote it (--model), or none")  # fmt: skip
+        return [[layer.il for layer in c.layers] for c in raw] + ks + states
     leaves = _fitting_leaves(obj, hp)
     return [[layer.il for layer in leaf.layers] if isinstance(leaf, KVCache) else list(leaf.layers) for leaf in leaves]
 
@@ -387,10 +449,11 @@ def state_tensors(
 
     if not isinstance(obj, state.StateObject):
         obj = state.load(obj)
-    if obj.memory.layout == "dsv4":
-        raise NotYetImplemented("tensors / export do not handle a DSV4 (deepseek4) state yet (raw K, compressed K "
-                                "rows, compressor states); inspect, check and restore read it")  # fmt: skip
     hp = _hparams(hparams, model)
+    if obj.memory.layout == "dsv4":
+        (dsec,) = obj.memory.sections
+        era_rot = _era_rotates(obj) if rotated is None else rotated
+        return _dsv4_tensors(cast("DSV4Section", dsec), _dsv4_model(hp), head_dim, era_rot, unrotate, None, progress)
     leaves = _fitting_leaves(obj, hp) if hp is not None else None
     shapes = _section_shapes(obj, hp, head_dim, rotated, leaves)
     out = Tensors()
@@ -415,7 +478,11 @@ def memory_tensors(mem: AnyMemory, *, unrotate: bool = True) -> Tensors:
     from .restore import leaf_caches
 
     if getattr(mem, "kind", "") == "dsv4":
-        raise NotYetImplemented("tensors / export do not handle a DSV4 (deepseek4) memory yet")
+        dsv4 = cast("KVCacheDSV4", mem)
+        (dsec,) = dsv4.state_sections(-1)
+        raw = [dsv4.raw.swa] if dsec.partial else [dsv4.raw.base, dsv4.raw.swa]
+        raw_idx = [[written_cells(c, s, -1).astype(np.int64) for s in range(c.n_stream)] for c in raw]
+        return _dsv4_tensors(dsec, dsv4, None, dsv4.profile.attn_rotation, unrotate, raw_idx)
     out = Tensors()
     for si, leaf in enumerate(leaf_caches(mem)):
         (sec,) = leaf.state_sections(-1)
@@ -431,6 +498,111 @@ def memory_tensors(mem: AnyMemory, *, unrotate: bool = True) -> Tensors:
     return out
 
 
+# ------------------------------------------------------------------------------------------- DSV4
+def _dsv4_model(hp: HParams | None) -> KVCacheDSV4 | None:
+    """The llama_kv_cache_dsv4 ``hp``'s model builds (its parts' layers and head sizes), None without a model."""
+    if hp is None:
+        return None
+    from ..memory.factory import create_memory
+    from ..memory.kv_cache_dsv4 import KVCacheDSV4
+
+    if hp.arch != "deepseek4":
+        raise KVRefError(f"the model does not fit this state: the file holds a dsv4 memory, a {hp.arch!r} model "
+                         "builds another. Give the model that wrote it (--model), or none")  # fmt: skip
+    mem = create_memory(hp, n_ctx=256, n_seq_max=1, flash_attn=True, type_k="f16", type_v="f16")
+    if not isinstance(mem, KVCacheDSV4):  # pragma: no cover - create_memory builds one for deepseek4
+        raise KVRefError("the model's memory is not a llama_kv_cache_dsv4")
+    return mem
+
+
+def _dsv4_tensors(
+    sec: DSV4Section, mem: KVCacheDSV4 | None, head_dim: int | None, era_rot: bool, unrotate: bool,
+    cells_idx: list[list[npt.NDArray[np.int64]]] | None, progress: Progress | None = None,
+) -> Tensors:  # fmt: skip
+    """The tensors of a DSV4 section (kvref.state.dsv4), numbered as `kvref inspect` lists its parts: the raw
+    iSWA KV sections (base then SWA; SWA only when partial), the compressed K caches (none when partial), the
+    compressor states. ``mem``: the model's memory (layer ids, head sizes), or None (``head_dim`` for the raw
+    and CSA / HCA K heads, else flat rows)."""
+    from ..state.dsv4 import COMP_PARTS
+
+    out = Tensors()
+    si = 0
+    raw_caches = [] if mem is None else ([mem.raw.swa] if sec.partial else [mem.raw.base, mem.raw.swa])
+    for ri, rsec in enumerate(sec.raw):
+        shape = _KVShape()
+        data = next((st.data for st in rsec.streams if st.data is not None and st.data.k), None)
+        n = 0 if data is None else len(data.k)
+        if raw_caches:
+            cache = raw_caches[ri]
+            if n and n != len(cache.layers):
+                raise KVRefError(f"the model does not fit this state: raw section {ri} holds {n} layers, the model's "
+                                 f"{len(cache.layers)}. Give the model that wrote it (--model), or none")  # fmt: skip
+            lhp = cache.hparams
+            shape.il = [layer.il for layer in cache.layers]
+            shape.head_k = shape.head_v = [lhp.n_embd_head_k_l(il) for il in shape.il]
+            h_all, h0 = rot.shared_head_size(shape.head_k), lhp.n_embd_head_k_l(0)
+        elif head_dim is not None:
+            shape.head_k = shape.head_v = [int(head_dim)] * n
+            h_all = h0 = int(head_dim)
+        else:
+            h_all = h0 = 0
+        if h_all and data is not None:
+            shape.heads = (h_all, h0, 0, 0)
+            shape.rot_k = era_rot and rot.attn_rot(data.k[0].type, h_all, h0, disabled=False)
+        idx = None if cells_idx is None else cells_idx[ri]
+        out.kv.extend(_kv_entries(rsec, si, shape, unrotate, idx, progress))
+        si += 1
+    ratios = dict(COMP_PARTS)
+    comp = [] if mem is None else mem.comp_caches
+    for ki, ks in enumerate(sec.k_caches):
+        ccache = comp[ki] if comp else None
+        for li, (il, t) in enumerate(ks.layers):
+            x = dequantize(np.asarray(t.data).reshape(ks.n_stream * t.rows, t.row_size), t.type) if t.rows else (
+                np.zeros((0, t.ne0), np.float32))  # fmt: skip
+            x = x.reshape(ks.n_stream, t.rows, t.ne0)
+            if ccache is not None:
+                head: int | None = ccache.hparams.n_embd_head_k_l(il)
+                h_all = rot.shared_head_size([ccache.hparams.n_embd_head_k_l(layer.il) for layer in ccache.layers])
+            elif ks.name == "lid":
+                head = h_all = int(t.ne0)  # one head of the indexer key length
+            else:
+                head = None if head_dim is None else int(head_dim)
+                h_all = head or 0
+            if ks.name == "lid":  # llama.cpp always rotates a DeepSeek indexer cache's K, whatever its type
+                rotated: bool | None = era_rot
+            elif head is None:
+                rotated = None
+            else:
+                rotated = era_rot and rot.attn_rot(t.type, h_all, head, disabled=False)
+            for s in range(ks.n_stream):
+                k = x[s]
+                nk = rot.k_rot_size(h_all) if h_all and h_all > 0 else None
+                if ks.name == "lid" and unrotate and rotated and nk is not None and not traits(t.type).is_quantized:
+                    k, uk = rot.rotate(k, nk), True
+                else:
+                    k, uk = _maybe_unrotate(k, t.type, head, rotated, nk, "K", unrotate)
+                out.compressed.append(CompressedKTensors(
+                    si, ks.name, s, li, int(il), ratios[ks.name], _heads(np.ascontiguousarray(k), head),
+                    np.arange(t.rows, dtype=np.int32), type_name(t.type), uk,
+                ))  # fmt: skip
+                if progress is not None:
+                    progress.update(k.nbytes)
+        si += 1
+    for cs in sec.states:
+        for li, (il, kv, sc) in enumerate(cs.layers):
+            planes = [
+                np.asarray(p.data).view(np.float32).reshape(cs.n_stream, p.rows, p.ne0) if p.rows
+                else np.zeros((cs.n_stream, 0, p.ne0), np.float32)
+                for p in (kv, sc)
+            ]  # fmt: skip
+            for s in range(cs.n_stream):
+                out.comp_states.append(CompStateTensors(
+                    si, cs.name, s, li, int(il), cs.ratio, planes[0][s].copy(), planes[1][s].copy(),
+                ))  # fmt: skip
+        si += 1
+    return out
+
+
 # ------------------------------------------------------------------------------------------- arrays -> rows
 def encode_rows(x: npt.ArrayLike, t: GGMLType | int | str, *, rotate_n: int | None = None) -> npt.NDArray[np.uint8]:
     """Float rows ``(n_cells, n_embd)`` (or ``(n_cells, n_head, head_dim)``) -> raw rows of type ``t``, rotated
@@ -443,6 +615,8 @@ def encode_rows(x: npt.ArrayLike, t: GGMLType | int | str, *, rotate_n: int | No
 
 
 __all__ = [
+    "CompStateTensors",
+    "CompressedKTensors",
     "KVTensors",
     "RecurrentTensors",
     "Tensors",
