@@ -387,3 +387,27 @@ def test_an_mla_model_refuses_different_k_and_v_types():
     with pytest.raises(KVRefError, match="different K"):
         create_memory(mla("glm-dsa", indexer_full_layers=True), 256, type_k="q8_0", type_v="f16")
     assert create_memory(mla("glm-dsa", indexer_full_layers=True), 256, type_k="bf16", type_v="bf16")
+
+
+def test_export_undoes_the_forced_rotation_of_f16_indexer_keys():
+    # llama.cpp rotates a DeepSeek lightning indexer's K whatever its type (f16 here): with the model, tensors /
+    # export give the keys as computed; the MLA section's f16 latent K is never rotated
+    import numpy as np
+
+    from kvref import state
+    from kvref.ggml import rotation
+    from kvref.jobs.tensors import state_tensors
+
+    path = GOLDEN / "glm-dsa-single-seq" / "01-session.ggsn"
+    obj = state.load(path)
+    got = state_tensors(obj, model=GOLDEN.parent / "models" / "glm-dsa-tiny.gguf")
+    lid = [e for e in got.kv if e.section == 1]
+    mla = [e for e in got.kv if e.section == 0]
+    assert lid and all(e.unrotated_k for e in lid) and not any(e.unrotated_k for e in mla)
+    for j, e in enumerate(lid):  # the section's layers, in order
+        stored = obj.memory.sections[1].streams[0].data.k[j]
+        rows = np.frombuffer(bytes(stored.data), np.float16).astype(np.float32).reshape(e.k.shape[0], -1)
+        n = rows.shape[1]  # one indexer head: the rotation block is the head
+        np.testing.assert_allclose(rotation.rotate(e.k.reshape(len(rows), n), n), rows, rtol=0, atol=2e-3)
+    plain = state_tensors(obj, model=GOLDEN.parent / "models" / "glm-dsa-tiny.gguf", unrotate=False)
+    assert not any(e.unrotated_k for e in plain.kv)

@@ -15,9 +15,9 @@
     ts = kvref.jobs.tensors.memory_tensors(mem) # the same from a memory (its used cells; ``t.cells`` their indices)
 
 Quantized rows are dequantized (`kvref.ggml.quant`). When llama.cpp rotated them (`kvref.ggml.rotation`: a
-quantized type,
-a head size multiple of 64, from llama-cpp-python 0.3.36 on; a memory knows, a file does not and the rule is
-applied to its era), the rotation is undone unless ``unrotate=False``. A state file does not record the head
+quantized type, a head size multiple of 64, from llama-cpp-python 0.3.36 on; a memory knows, a file does not and
+the rule is applied to its era; a DSA indexer's K of deepseek32 / glm-dsa / dots3note whatever its type, known
+with the model), the rotation is undone unless ``unrotate=False``. A state file does not record the head
 size either: pass ``hparams=`` (or ``model=`` a GGUF path), or ``head_dim=``; without them K/V come as
 ``(n_cells, 1, n_embd_gqa)`` and a file whose rows may be rotated is refused unless ``unrotate=False``.
 
@@ -212,8 +212,8 @@ def _model_leaves(hp: HParams, layout: str) -> list[LeafMemory] | None:
     from .restore import PARTIAL_ONLY, leaf_caches, memory_layout
 
     full, partial = memory_layout(hp)
-    if full == "msa" and layout == "iswa":
-        layout = "msa"  # the same two KV sections: a file without an arch string reads as iswa
+    if full in ("msa", "dsa") and layout == "iswa":
+        layout = full  # the same two KV sections: a file without an arch string reads as iswa
     flags = PARTIAL_ONLY if layout == partial and layout != full else 0
     if layout not in (full, partial):
         return None
@@ -260,7 +260,7 @@ def _heads(x: F32, head: int | None) -> F32:
 
 def _maybe_unrotate(x: F32, t: int, head: int | None, rotated: bool | None, n_rot: int | None,
                     what: str, unrotate: bool) -> tuple[F32, bool]:  # fmt: skip
-    if not unrotate or not traits(t).is_quantized:
+    if not unrotate or (not traits(t).is_quantized and not rotated):  # a DSA indexer's f16 K may be rotated
         return x, False
     if rotated is None:
         if x.shape[1] % 64:
@@ -357,8 +357,10 @@ def _section_shapes(
         kv = cast("KVSection", sec)
         data = next((st.data for st in kv.streams if st.data is not None and st.data.k), None)
         shape = _KVShape()
+        forced_k = False  # llama.cpp rotates a DeepSeek lightning indexer's K whatever its type
         if leaves is not None and hp is not None:
             leaf = cast("KVCache", leaves[i])  # the model's memory has a KV cache where the file has a KV section
+            forced_k = leaf.attn_rot_k  # an f16 cache (_model_leaves): rotated only when forced
             lhp = leaf.hparams  # the cache's own (an MSA indexer cache has one head of the indexer key length)
             shape.il = [layer.il for layer in leaf.layers]
             shape.head_k = [lhp.n_embd_head_k_l(il) for il in shape.il]
@@ -375,7 +377,7 @@ def _section_shapes(
             continue
         shape.heads = (hk_all, hk0, hv_all, hv0)
         if data is not None:
-            shape.rot_k = bool(era_rot) and rot.attn_rot(data.k[0].type, hk_all, hk0, disabled=False)
+            shape.rot_k = bool(era_rot) and (forced_k or rot.attn_rot(data.k[0].type, hk_all, hk0, disabled=False))
             if data.v:
                 shape.rot_v = bool(era_rot) and rot.attn_rot(data.v[0].type, hv_all, hv0, disabled=False)
         out.append(shape)
