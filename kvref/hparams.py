@@ -472,6 +472,7 @@ SPECIAL_ARCHS = frozenset({
     "gemma2", "gemma3", "mamba", "mamba2", "jamba", "falcon-h1", "granitehybrid", "lfm2", "nemotron_h",
     "qwen2vl", "qwen3vl", "qwen3vlmoe", "rwkv6", "rwkv6qwen2", "rwkv7", "arwkv7", "bloom", "refact", "mpt",
     "jais", "jina-bert-v2", "llama4", "glm-dsa", "deepseek32", "dots3note", "hy_v4", "qwen4exp", "deepseek4",
+    "glm5-next", "gemma4-assistant", "dflash", "gemma4",
 })  # fmt: skip
 SUPPORTED_ARCHS = GENERIC_ARCHS | SPECIAL_ARCHS
 
@@ -491,6 +492,14 @@ def _arch_required(arch: str) -> tuple[str, ...]:
     mla = ("attention.q_lora_rank", "attention.kv_lora_rank")
     indexer = ("attention.indexer.head_count", "attention.indexer.key_length", "attention.indexer.top_k")
     dsa_moe = (rms, "expert_feed_forward_length", "expert_shared_count")
+    hc = ("hyper_connection.count", "hyper_connection.sinkhorn_iterations", "hyper_connection.epsilon")
+    # gemma4 / gemma4-assistant: the pattern array, the window and the SWA head sizes
+    gemma4_swa = (
+        "attention.sliding_window_pattern",
+        K.Attention.SLIDING_WINDOW,
+        "attention.key_length_swa",
+        "attention.value_length_swa",
+    )
     # fmt: off
     table: dict[str, tuple[str, ...]] = {
         "llama": (rms,), "qwen2": (rms,), "gemma2": (rms,), "gemma3": (rms,),
@@ -515,6 +524,12 @@ def _arch_required(arch: str) -> tuple[str, ...]:
                      "attention.indexer.head_count", "attention.indexer.key_length", "attention.indexer.top_k"),
         "deepseek4": (rms, K.Attention.SLIDING_WINDOW, "attention.indexer.key_length", "attention.compress_ratios",
                       "hyper_connection.count"),
+        "glm5-next": (rms, "attention.key_length_mla", "attention.value_length_mla", *mla, K.SSM.CONV_KERNEL,
+                      "kda.head_dim", "expert_feed_forward_length", "expert_shared_count", *indexer,
+                      "attention.indexer.kpool", *hc),
+        "gemma4-assistant": (gemma4_swa[0], gemma4_swa[1], rms, *gemma4_swa[2:]),
+        "gemma4": (gemma4_swa[0], gemma4_swa[1], rms, "embedding_length_per_layer_input", *gemma4_swa[2:]),
+        "dflash": (rms,),
     }
     # fmt: on
     return table.get(arch, ())
@@ -1002,6 +1017,7 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
     rope_sections: tuple[int, ...] = (0, 0, 0, 0)
     f_max_alibi_bias = 0.0
     base_swa = scale_swa = None
+    rope_type: RopeType | None = None  # the arch's rope type when llama_model_rope_type decides it from the hparams
 
     def load_swa_pattern(n_pattern: int, dense_first: bool = False) -> tuple[bool, ...]:
         # an explicit per-layer array wins; else every n-th layer is dense (key may override n)
@@ -1157,6 +1173,57 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
         if kw["indexer_block_size"] == 0:
             raise HParamsError(f"key {m.key('attention.indexer.block_size')} = 0 (llama.cpp asserts it is > 0)")
 
+    elif arch == "glm5-next":
+        # llama_model_glm5_next::load_arch_hparams: KDA (recurrent) layers are those without KV heads, the NextN block
+        # included; the MLA cache holds the compressed latent (V head size = kv_lora_rank); the k-pool indexer
+        # (every trunk layer owns one unless the types key says otherwise); mHC with exactly 4 connections
+        kw["n_lora_kv"] = m.get_int("attention.kv_lora_rank")
+        kw["n_embd_head_v"] = kw["n_lora_kv"]
+        kw["ssm_d_conv"] = m.get_int(K.SSM.CONV_KERNEL)
+        kw["n_embd_head_kda"] = m.get_int("kda.head_dim")
+        recr = tuple(per_layer(n_head_kv, il) == 0 for il in range(n_layer))
+        kw["indexer_head_size"] = m.get_int("attention.indexer.key_length")
+        kw["indexer_top_k"] = top_k = m.get_int("attention.indexer.top_k")
+        kw["indexer_kpool"] = kpool = m.get_int("attention.indexer.kpool")
+        kw["indexer_kpool_select_tail"] = m.get_bool("attention.indexer.kpool_select_tail", True)
+        if not (kpool > 1 and top_k % kpool == 0):
+            raise HParamsError(f"glm5-next: key {m.key('attention.indexer.kpool')} = {kpool} must be > 1 and divide "
+                               f"{m.key('attention.indexer.top_k')} = {top_k} (llama.cpp asserts)")  # fmt: skip
+        full = [True] * n_layer
+        types = m.get_key_or_arr("attention.indexer.types", n_trunk)
+        if types is not None:
+            full[:n_trunk] = [bool(x) for x in (types if isinstance(types, tuple) else (types,) * n_trunk)]
+        kw["indexer_full_layers"] = tuple(full)
+        kw["dsv4_hc_mult"] = hc = m.get_int("hyper_connection.count")
+        if hc != 4:
+            raise HParamsError(f"glm5-next: key {m.key('hyper_connection.count')} = {hc}: llama.cpp asserts mHC "
+                               "with exactly 4 connections")  # fmt: skip
+    elif arch in ("gemma4", "gemma4-assistant"):
+        # load_arch_hparams of gemma4 / gemma4-assistant: a standard window over the layers of the required pattern
+        # array, the SWA rope base (llama_hparams' default 10000); gemma4's trailing shared-KV layers own no KV and
+        # its non-causal attention is bidirectional on the SWA layers only
+        kw["swa_type"], kw["n_swa"] = SWAType.STANDARD, m.get_int(K.Attention.SLIDING_WINDOW)
+        swa_layers = _required_flags(m, "attention.sliding_window_pattern", n_layer)
+        base_swa, scale_swa = m.get_float("rope.freq_base_swa", 10000.0), 1.0
+        n_shared = m.get_int("attention.shared_kv_layers", 0)
+        if arch == "gemma4":
+            kw["n_layer_kv_from_start"] = n_layer - n_shared
+            kw["non_causal_type"] = 1  # LLAMA_NON_CAUSAL_TYPE_SWA_ONLY
+    elif arch == "dflash":
+        rope_type = _load_dflash(m, kw, n_layer)
+        if kw.get("swa_type", SWAType.NONE) != SWAType.NONE:
+            # a single rope: the SWA layers rotate with the main base and scale
+            base_swa, scale_swa = kw["rope_freq_base"], kw["rope_freq_scale"]
+            if kw["dsv4_hc_mult"] > 0:
+                swa_layers = True  # DSpark: every stage is windowed
+            else:
+                swa_layers = _required_flags(m, "attention.sliding_window_pattern", n_layer)
+        sections = m.get_key_or_arr(K.Rope.DIMENSION_SECTIONS, 4)
+        if sections is not None:
+            rope_sections = tuple(int(x) for x in (sections if isinstance(sections, tuple) else (sections,) * 4))
+            if any(rope_sections):
+                rope_type = RopeType.MROPE  # drafts for M-RoPE targets follow the target's temporal dim
+
     kw["swa_layers"] = swa_layers
     kw["recurrent_layers"] = recr
     kw["rope_sections"] = rope_sections
@@ -1167,6 +1234,8 @@ def _load_gguf(cls: type[HParams], path: str | os.PathLike[str]) -> HParams:
     if arch in _ARCH_ROPE_IF_MROPE:
         use_mrope = rope_sections[0] > 0 and rope_sections[1] > 0
         kw["rope_type"] = RopeType.MROPE if use_mrope else _ARCH_ROPE_IF_MROPE[arch]
+    elif rope_type is not None:
+        kw["rope_type"] = rope_type
     else:
         kw["rope_type"] = ARCH_ROPE_TYPE[arch]
     hp = cls(**kw)
@@ -1222,6 +1291,63 @@ def _load_dsa(m: _GGUFMeta, kw: HParamsArgs, n_layer: int, n_trunk: int) -> None
     if not (kw.get("n_embd_head_k_mla") and kw.get("n_embd_head_v_mla")):
         raise HParamsError(f"{arch} requires MLA (keys {m.key('attention.key_length_mla')}, "
                            f"{m.key('attention.value_length_mla')})")  # fmt: skip
+
+
+def _required_flags(m: _GGUFMeta, suffix: str, n_layer: int) -> tuple[bool, ...]:
+    """A required per-layer flag array (llama.cpp's get_arr into an all-zero std::array): copied over ``n_layer``
+    false flags; a missing key or a scalar is an HParamsError naming the key."""
+    arr = m.get_arr(suffix)
+    if arr is None:
+        raise HParamsError(f"array key not found in model: {m.key(suffix)}")
+    if len(arr) > LLAMA_MAX_LAYERS:
+        raise HParamsError(f"array length {len(arr)} for key {m.key(suffix)} exceeds max {LLAMA_MAX_LAYERS}")
+    return tuple(bool(x) for x in arr[:n_layer]) + (False,) * max(0, n_layer - len(arr))
+
+
+# the DSpark (DeepSeek-V4 backbone) draft's keys, all required once hyper_connection.count is > 0
+_DFLASH_HC_REQUIRED = (
+    "attention.q_lora_rank", "attention.sliding_window", "expert_feed_forward_length", "expert_shared_count",
+    "expert_weights_scale", "expert_weights_norm", "expert_gating_func", "swiglu_clamp_exp",
+    "attention.output_group_count", "attention.output_lora_rank", "hyper_connection.sinkhorn_iterations",
+    "hyper_connection.epsilon",
+)  # fmt: skip
+
+
+def _load_dflash(m: _GGUFMeta, kw: HParamsArgs, n_layer: int) -> RopeType:
+    """llama_model_dflash::load_arch_hparams: the hidden activation, the required target layers, then either a
+    DSpark draft (hyper-connections: uncompressed windowed DSV4 stages) or an optional window with its pattern.
+    Sets the window in ``kw`` and returns llama_model_rope_type's choice before the M-RoPE sections."""
+    act = m.get_str("hidden_activation", "silu")
+    if act not in ("silu", "gelu", "gelu_pytorch_tanh"):
+        raise HParamsError(f"unsupported DFlash hidden activation: {act} (key {m.key('hidden_activation')})")
+    if m.get_arr("target_layers") is None:
+        raise HParamsError(f"DFlash model requires 'target_layers' in GGUF metadata (key {m.key('target_layers')})")
+    kw["dsv4_hc_mult"] = hc = m.get_int("hyper_connection.count", 0)
+    if hc > 0:
+        for suffix in _DFLASH_HC_REQUIRED:
+            if not m.has(suffix):
+                raise HParamsError(f"key not found in model: {m.key(suffix)}")
+        if m.get_int("attention.output_group_count") == 0:
+            raise HParamsError(f"key {m.key('attention.output_group_count')} = 0 (llama.cpp asserts it is > 0)")
+        if m.get_int("expert_gating_func") != 4:  # LLAMA_EXPERT_GATING_FUNC_TYPE_SQRT_SOFTPLUS
+            raise HParamsError(f"DSpark DSV4 draft expects sqrtsoftplus MoE scoring (key "
+                               f"{m.key('expert_gating_func')})")  # fmt: skip
+        ratios = m.get_arr("attention.compress_ratios") or []
+        if len(ratios) > LLAMA_MAX_LAYERS:
+            raise HParamsError(f"array length {len(ratios)} for key {m.key('attention.compress_ratios')} exceeds max "
+                               f"{LLAMA_MAX_LAYERS}")  # fmt: skip
+        if any(int(x) != 0 for x in ratios[:n_layer]):
+            raise HParamsError("DSpark DSV4 draft expects uncompressed attention on all stages "
+                               f"(key {m.key('attention.compress_ratios')})")  # fmt: skip
+        n_swa = m.get_int("attention.sliding_window")
+        if n_swa == 0:
+            raise HParamsError(f"key {m.key('attention.sliding_window')} = 0 (llama.cpp asserts it is > 0)")
+        kw["swa_type"], kw["n_swa"] = SWAType.STANDARD, n_swa
+        return RopeType.NORM  # DeepSeek-V4's normal RoPE
+    n_swa = m.get_int("attention.sliding_window", 0)
+    if n_swa > 0:
+        kw["swa_type"], kw["n_swa"] = SWAType.STANDARD, n_swa
+    return RopeType.NEOX  # legacy DFlash backbones
 
 
 def _check_attention_widths(hp: HParams, m: _GGUFMeta) -> None:
