@@ -230,3 +230,23 @@ def test_dflash_window_and_dspark(tmp_path: Path) -> None:
         HParams.from_gguf(_rewrite(tmp_path, "dflash-tiny", **{**dspark, "expert_gating_func": 2}))
     with pytest.raises(HParamsError, match="uncompressed attention"):
         HParams.from_gguf(_rewrite(tmp_path, "dflash-tiny", **{**dspark, "attention.compress_ratios": [0, 4]}))
+
+
+@pytest.mark.parametrize(
+    ("case_id", "artefact"),
+    [("glm5-next-hybrid-idx", "02-state.bin"), ("dflash-kv-injection", "02-state.bin"),
+     ("gemma4-non-causal-swa-only", "02-state.bin"), ("gemma4-assistant-ctx-other", "other-02-state.bin")],
+)  # fmt: skip
+def test_check_with_the_model(case_id: str, artefact: str) -> None:
+    # kvref check --model: the golden's state loads into the context its case.json describes
+    from golden import ROOT
+
+    from kvref.jobs.check import check_file
+
+    case = load_case(case_id)
+    ctx = (other_case(case) if artefact.startswith("other-") else case)["context"]
+    model = (other_case(case) if artefact.startswith("other-") else case)["model"]["file"].removesuffix(".gguf")
+    got = check_file(ROOT / "golden" / case_id / artefact, tiny_model(model), n_ctx=ctx["n_ctx"],
+                     n_seq_max=ctx["n_seq_max"], kv_unified=ctx["kv_unified"], flash_attn=ctx["flash_attn"],
+                     type_k=ctx["type_k"], type_v=ctx["type_v"], swa_full=ctx.get("swa_full", False))  # fmt: skip
+    assert got.ok, got.reason
