@@ -177,22 +177,24 @@ def kpool_build_state(lay: KPoolLayout, ub: UBatch, kpool: int, stale_from: list
         first = _lower_bound(len(ends), ends_before)
         for k in range(first, len(sq.pools)):
             st.new[start[s] + k] = True
+    # every pool a token falls in: per sequence, the last pool starting at or before the token (the pools' first
+    # positions ascend), if the token lies before its int32 end
     pos = np.asarray(ub.pos)
-    for i in range(int(ub.n_tokens)):
-        p = int(pos[i])
-        for s in ub.seq_id[i]:
-            sq = lay.seqs[s]
-            firsts = [sq.cells[j][0] for j in sq.pools]
-
-            def starts_after(m: int, firsts: list[int] = firsts, p: int = p) -> bool:
-                return p < firsts[m]
-
-            k = _upper_bound(len(firsts), starts_after)
-            if k == 0:
-                continue
-            k -= 1
-            if p < _i32(firsts[k] + kpool):
-                st.new[start[s] + k] = True
+    tok = np.fromiter((i for i, ids in enumerate(ub.seq_id) for _ in ids), np.int64)
+    sid = np.fromiter((s for ids in ub.seq_id for s in ids), np.int64)
+    new = np.asarray(st.new, bool)
+    for s in np.unique(sid).tolist():
+        sq = lay.seqs[s]
+        if not sq.pools:
+            continue
+        firsts = np.asarray(sq.cells, np.int64).reshape(-1, 2)[np.asarray(sq.pools, np.int64), 0]
+        p = pos[tok[sid == s]].astype(np.int64)
+        k = np.searchsorted(firsts, p, side="right") - 1
+        inside = k >= 0
+        k, p = k[inside], p[inside]
+        ends = (firsts[k] + kpool + 2**31) % 2**32 - 2**31
+        new[start[s] + k[p < ends]] = True
+    st.new = new.tolist()
     return st
 
 
