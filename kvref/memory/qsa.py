@@ -13,17 +13,18 @@ list heads them). For each stream of the ubatch:
   visible (the incomplete tail), 0 where the block competes on score.
 
 ``n_blocks = ceil(n_kv / ratio)``. When a stream of one sequence holds cells repeating a position under M-RoPE,
-the cells are ranked in (pos, y, x) order (libstdc++'s ``std::sort``, `std_sort`, decides the ties) and the rank
-takes the position's place; a block's positions are then those of its slot-0 cell.
+the cells are ranked in (pos, y, x) order (libstdc++'s ``std::sort`` decides the ties: ``rank_order`` of the twins
+``_qsa_py`` / ``_qsa_c``) and the rank takes the position's place; a block's positions are then those of its slot-0
+cell.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from .._backend import select
 from ..constants import LLAMA_MAX_SEQ
 from ..errors import KVRefError
 
@@ -36,111 +37,7 @@ if TYPE_CHECKING:
     from .slots import SlotInfo
 
 BIG = np.float32(1e9)  # "always visible", finite so that it never meets a -inf
-_S_THRESHOLD = 16  # libstdc++'s introsort threshold
-
-
-def std_sort(a: list[int], less: Callable[[int, int], bool]) -> None:
-    """libstdc++'s ``std::sort`` (bits/stl_algo.h: introsort, median-of-three pivot, heap sort past the depth limit,
-    final insertion sort), in place. Its order of equivalent elements is what llama.cpp's build gets: the QSA ranked
-    layout sorts cells whose keys may tie."""
-    n = len(a)
-    if n > 1:
-        _introsort_loop(a, 0, n, 2 * (n.bit_length() - 1), less)
-        _final_insertion_sort(a, 0, n, less)
-
-
-def _introsort_loop(a: list[int], first: int, last: int, depth: int, less: Callable[[int, int], bool]) -> None:
-    while last - first > _S_THRESHOLD:
-        if depth == 0:
-            _heap_sort(a, first, last, less)
-            return
-        depth -= 1
-        cut = _partition_pivot(a, first, last, less)
-        _introsort_loop(a, cut, last, depth, less)
-        last = cut
-
-
-def _partition_pivot(a: list[int], first: int, last: int, less: Callable[[int, int], bool]) -> int:
-    mid = first + (last - first) // 2
-    x, y, z = first + 1, mid, last - 1  # __move_median_to_first
-    if less(a[x], a[y]):
-        m = y if less(a[y], a[z]) else (z if less(a[x], a[z]) else x)
-    else:
-        m = x if less(a[x], a[z]) else (z if less(a[y], a[z]) else y)
-    a[first], a[m] = a[m], a[first]
-    lo, hi, pivot = first + 1, last, a[first]  # __unguarded_partition
-    while True:
-        while less(a[lo], pivot):
-            lo += 1
-        hi -= 1
-        while less(pivot, a[hi]):
-            hi -= 1
-        if not lo < hi:
-            return lo
-        a[lo], a[hi] = a[hi], a[lo]
-        lo += 1
-
-
-def _linear_insert(a: list[int], last: int, less: Callable[[int, int], bool]) -> None:
-    val = a[last]
-    nxt = last - 1
-    while less(val, a[nxt]):
-        a[last] = a[nxt]
-        last = nxt
-        nxt -= 1
-    a[last] = val
-
-
-def _insertion_sort(a: list[int], first: int, last: int, less: Callable[[int, int], bool]) -> None:
-    for i in range(first + 1, last):
-        if less(a[i], a[first]):
-            val = a[i]
-            a[first + 1 : i + 1] = a[first:i]
-            a[first] = val
-        else:
-            _linear_insert(a, i, less)
-
-
-def _final_insertion_sort(a: list[int], first: int, last: int, less: Callable[[int, int], bool]) -> None:
-    if last - first > _S_THRESHOLD:
-        _insertion_sort(a, first, first + _S_THRESHOLD, less)
-        for i in range(first + _S_THRESHOLD, last):
-            _linear_insert(a, i, less)
-    else:
-        _insertion_sort(a, first, last, less)
-
-
-def _adjust_heap(a: list[int], first: int, hole: int, n: int, val: int, less: Callable[[int, int], bool]) -> None:
-    top = hole
-    child = hole
-    while child < (n - 1) // 2:
-        child = 2 * (child + 1)
-        if less(a[first + child], a[first + child - 1]):
-            child -= 1
-        a[first + hole] = a[first + child]
-        hole = child
-    if n % 2 == 0 and child == (n - 2) // 2:
-        child = 2 * (child + 1)
-        a[first + hole] = a[first + child - 1]
-        hole = child - 1
-    parent = (hole - 1) // 2  # __push_heap
-    while hole > top and less(a[first + parent], val):
-        a[first + hole] = a[first + parent]
-        hole = parent
-        parent = (hole - 1) // 2
-    a[first + hole] = val
-
-
-def _heap_sort(a: list[int], first: int, last: int, less: Callable[[int, int], bool]) -> None:
-    n = last - first  # __partial_sort(first, last, last): make_heap, then sort_heap
-    if n >= 2:
-        for parent in range((n - 2) // 2, -1, -1):
-            _adjust_heap(a, first, parent, n, a[first + parent], less)
-    while last - first > 1:
-        last -= 1
-        val = a[last]
-        a[last] = a[first]
-        _adjust_heap(a, first, 0, last - first, val, less)
+_twin = select("memory.qsa")
 
 
 class _Groups(NamedTuple):
@@ -273,14 +170,9 @@ def qsa_inputs(
         ranked = bool(grp.dup and ub.is_pos_2d() and one_seq)
         if ranked:
             # M-RoPE repeats one position across an image: rank the cells in the mask's order (pos, y, x)
-            order = np.flatnonzero(cpos >= 0).tolist()
-            key = {j: (int(cpos[j]), int(ext[j, 1]), int(ext[j, 0])) for j in order}
-
-            def less(a: int, b: int, key: dict[int, tuple[int, int, int]] = key) -> bool:
-                return key[a] < key[b]
-
-            std_sort(order, less)  # the ties' order is libstdc++'s
-            o = np.asarray(order, np.int64)
+            used = np.flatnonzero(cpos >= 0).astype(np.int64)
+            o = _twin.rank_order(used, cpos[used].astype(np.int64), ext[used, 1].astype(np.int64),
+                                 ext[used, 0].astype(np.int64))  # fmt: skip
             rank = np.full(n_kv, -1, np.int64)
             rank[o] = np.arange(len(o))
             pos = rank
