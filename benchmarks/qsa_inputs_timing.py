@@ -5,7 +5,9 @@
 
 Workloads (an indexer cache of 4096 cells, ratio 4, causal): a 1-token decode step after 3583 cells of two
 sequences, and a 512-token ubatch ending at 3584 cells; each with the per-block bias (``blk_bias``, what
-qwen4exp's graph takes) and the per-cell bias. Times are the best of a few repeats; the machine may be busy.
+qwen4exp's graph takes) and the per-cell bias. Then the ranked layout's order (``rank_order``, libstdc++'s std::sort
+of 4096 cells of M-RoPE images: 64 x 64 cells per position, many equal keys) with each twin and their ratio.
+Times are the best of a few repeats; the machine may be busy.
 """
 
 from __future__ import annotations
@@ -84,6 +86,37 @@ def main() -> None:
                 t2 = best(other, mem, ub, slot, blk_bias)
                 row += f"  other: {t2 * 1e3:9.3f} ms  other/this: {t2 / t:7.1f}x  same: {same}"
             print(row, flush=True)
+    rank_twins()
+
+
+def rank_twins() -> None:
+    from kvref._backend import _load_compiled
+    from kvref.memory import _qsa_py
+
+    rng = np.random.default_rng(0)
+    n = N_CELLS
+    cells = np.arange(n, dtype=np.int64)
+    pos = np.repeat(np.arange(n // 64), 64).astype(np.int64)
+    y = rng.integers(0, 8, n).astype(np.int64)
+    x = rng.integers(0, 8, n).astype(np.int64)
+    times = {}
+    for name, mod in (("python", _qsa_py), ("cython", _load_compiled("memory.qsa"))):
+        if mod is None:
+            print("rank_order: the Cython twin is not built")
+            return
+        times[name] = best_call(lambda mod=mod: mod.rank_order(cells, pos, y, x))
+    print(
+        f"rank_order, {n} cells       python: {times['python'] * 1e3:9.3f} ms  cython: {times['cython'] * 1e3:9.3f} ms"
+        f"  python/cython: {times['python'] / times['cython']:7.1f}x",
+        flush=True,
+    )
+
+
+def best_call(call: object) -> float:
+    n = 1
+    while timeit.timeit(call, number=n) < 0.2 and n < 100000:  # type: ignore[arg-type]
+        n *= 4
+    return min(timeit.repeat(call, number=n, repeat=3)) / n  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":
