@@ -122,22 +122,33 @@ class KPoolLayout:
                 sq.shared = False
                 sq.pos_min = sp[0][0] if sp else 0
                 n_kept = 0
-            if unified and not sq.shared:
-                sq.shared = any(cells.seq_count(c) > 1 for _, c in sq.cells[n_kept:])
-            j, cs = sq.j_next, sq.cells
-            while j + kpool <= len(cs):
-                p0 = cs[j][0]
-                if (p0 - sq.pos_min) % kpool != 0:
-                    j += 1
-                    continue
-                if all(cs[j + k][0] == _i32(p0 + k) for k in range(1, kpool)):
-                    sq.pools.append(j)
-                    j += kpool
-                else:
-                    j += 1
-            sq.j_next = j
+            arr = np.asarray(sq.cells, np.int64).reshape(-1, 2)
+            if unified and not sq.shared and len(arr) > n_kept:
+                w = np.asarray(cells.seq)[arr[n_kept:, 1]]  # a cell with more than one sequence bit
+                sq.shared = bool(((w & (w - np.uint64(1))) != 0).any() or ((w != 0).sum(axis=1) > 1).any())
+            sq.j_next = self._scan(sq, arr[:, 0], kpool)
             self.n_pool_real += len(sq.pools)
             self.cache_safe = self.cache_safe and not sq.shared
+
+    @staticmethod
+    def _scan(sq: KPoolSeq, cpos: npt.NDArray[np.int64], kpool: int) -> int:
+        """The pool scan from ``sq.j_next``: a cell starts a pool when its position is aligned on ``kpool`` from
+        the sequence's first and the next ``kpool - 1`` cells hold the next positions (int32 arithmetic); the scan
+        then skips the pool's cells, else the next cell. Returns where it stopped, having appended the pools."""
+        j0, n = sq.j_next, len(cpos)
+        if j0 + kpool > n:
+            return j0
+        starts = np.arange(j0, n - kpool + 1)
+        p0 = cpos[starts]
+        ok = (p0 - sq.pos_min) % kpool == 0  # Python's modulo, as the scalar scan
+        for k in range(1, kpool):
+            ok &= cpos[starts + k] == (p0 + k + 2**31) % 2**32 - 2**31
+        j = j0
+        for c in starts[ok].tolist():  # the greedy walk, over the candidates only
+            if c >= j:
+                sq.pools.append(c)
+                j = c + kpool
+        return max(j, n - kpool + 1)
 
 
 @dataclass
