@@ -4,8 +4,8 @@
 built and the Python twin otherwise, with one warning saying why unless the package was installed without
 extensions on purpose (``KVREF_PUREPYTHON=1 pip install .``); ``cython`` fails loudly when the extension is
 missing; ``python`` always takes the Python twin. Only the selector modules (``kvref/memory/cells.py``,
-``kvref/memory/mask_kernels.py``, ``kvref/memory/slot_kernels.py``, and ``kvref/hparams.py`` for its GGUF walk)
-call `select`.
+``kvref/memory/mask_kernels.py``, ``kvref/memory/slot_kernels.py``, ``kvref/memory/qsa.py``, and ``kvref/hparams.py``
+for its GGUF walk) call `select`.
 A twin is named by its stem under ``kvref``: ``"memory.cells"`` is ``kvref.memory._cells_c`` / ``_cells_py``.
 """
 

@@ -122,22 +122,33 @@ class KPoolLayout:
                 sq.shared = False
                 sq.pos_min = sp[0][0] if sp else 0
                 n_kept = 0
-            if unified and not sq.shared:
-                sq.shared = any(cells.seq_count(c) > 1 for _, c in sq.cells[n_kept:])
-            j, cs = sq.j_next, sq.cells
-            while j + kpool <= len(cs):
-                p0 = cs[j][0]
-                if (p0 - sq.pos_min) % kpool != 0:
-                    j += 1
-                    continue
-                if all(cs[j + k][0] == _i32(p0 + k) for k in range(1, kpool)):
-                    sq.pools.append(j)
-                    j += kpool
-                else:
-                    j += 1
-            sq.j_next = j
+            arr = np.asarray(sq.cells, np.int64).reshape(-1, 2)
+            if unified and not sq.shared and len(arr) > n_kept:
+                w = np.asarray(cells.seq)[arr[n_kept:, 1]]  # a cell with more than one sequence bit
+                sq.shared = bool(((w & (w - np.uint64(1))) != 0).any() or ((w != 0).sum(axis=1) > 1).any())
+            sq.j_next = self._scan(sq, arr[:, 0], kpool)
             self.n_pool_real += len(sq.pools)
             self.cache_safe = self.cache_safe and not sq.shared
+
+    @staticmethod
+    def _scan(sq: KPoolSeq, cpos: npt.NDArray[np.int64], kpool: int) -> int:
+        """The pool scan from ``sq.j_next``: a cell starts a pool when its position is aligned on ``kpool`` from
+        the sequence's first and the next ``kpool - 1`` cells hold the next positions (int32 arithmetic); the scan
+        then skips the pool's cells, else the next cell. Returns where it stopped, having appended the pools."""
+        j0, n = sq.j_next, len(cpos)
+        if j0 + kpool > n:
+            return j0
+        starts = np.arange(j0, n - kpool + 1)
+        p0 = cpos[starts]
+        ok = (p0 - sq.pos_min) % kpool == 0  # Python's modulo, as the scalar scan
+        for k in range(1, kpool):
+            ok &= cpos[starts + k] == (p0 + k + 2**31) % 2**32 - 2**31
+        j = j0
+        for c in starts[ok].tolist():  # the greedy walk, over the candidates only
+            if c >= j:
+                sq.pools.append(c)
+                j = c + kpool
+        return max(j, n - kpool + 1)
 
 
 @dataclass
@@ -177,22 +188,24 @@ def kpool_build_state(lay: KPoolLayout, ub: UBatch, kpool: int, stale_from: list
         first = _lower_bound(len(ends), ends_before)
         for k in range(first, len(sq.pools)):
             st.new[start[s] + k] = True
+    # every pool a token falls in: per sequence, the last pool starting at or before the token (the pools' first
+    # positions ascend), if the token lies before its int32 end
     pos = np.asarray(ub.pos)
-    for i in range(int(ub.n_tokens)):
-        p = int(pos[i])
-        for s in ub.seq_id[i]:
-            sq = lay.seqs[s]
-            firsts = [sq.cells[j][0] for j in sq.pools]
-
-            def starts_after(m: int, firsts: list[int] = firsts, p: int = p) -> bool:
-                return p < firsts[m]
-
-            k = _upper_bound(len(firsts), starts_after)
-            if k == 0:
-                continue
-            k -= 1
-            if p < _i32(firsts[k] + kpool):
-                st.new[start[s] + k] = True
+    tok = np.fromiter((i for i, ids in enumerate(ub.seq_id) for _ in ids), np.int64)
+    sid = np.fromiter((s for ids in ub.seq_id for s in ids), np.int64)
+    new = np.asarray(st.new, bool)
+    for s in np.unique(sid).tolist():
+        sq = lay.seqs[s]
+        if not sq.pools:
+            continue
+        firsts = np.asarray(sq.cells, np.int64).reshape(-1, 2)[np.asarray(sq.pools, np.int64), 0]
+        p = pos[tok[sid == s]].astype(np.int64)
+        k = np.searchsorted(firsts, p, side="right") - 1
+        inside = k >= 0
+        k, p = k[inside], p[inside]
+        ends = (firsts[k] + kpool + 2**31) % 2**32 - 2**31
+        new[start[s] + k[p < ends]] = True
+    st.new = new.tolist()
     return st
 
 
@@ -211,8 +224,9 @@ def kpool_inputs(
     n_new_g = max(n_new, 1)
     pos = np.asarray(ub.pos)
 
-    def gcell(sq: KPoolSeq, cell: int) -> int:
-        return sq.strm * kv_size + cell
+    def cells_of(sq: KPoolSeq) -> npt.NDArray[np.int64]:
+        """(n, 2): the sequence's (pos, cell) pairs, by position."""
+        return np.asarray(sq.cells, np.int64).reshape(-1, 2)
 
     def find(sq: KPoolSeq, p: int) -> int | None:
         k = bisect.bisect_left(sq.cells, (p, 0))
@@ -223,68 +237,85 @@ def kpool_inputs(
     c0 = find(sq0, int(pos[0]))
     if c0 is None:
         raise KVRefError("set_input_kpool: the ubatch's first token has no cell in the layout (llama.cpp asserts)")
-    dummy = gcell(sq0, c0)
+    dummy = sq0.strm * kv_size + c0
     sentinel = dummy if gather else n_kv
     n_top = n_sel // kpool
     if not (n_sel % kpool == 0 or n_sel % kpool == kpool - 1):
         raise KVRefError(f"set_input_kpool: n_sel {n_sel} with k-pool {kpool} (llama.cpp asserts)")
 
+    # the pools, sequence by sequence (each sequence's pools at once: members are kpool consecutive cells)
     pcell = np.zeros(n_pool, np.int64)
     pidx = np.zeros((n_pool, kpool), np.int64)
     nidx = np.zeros((n_new_g, kpool), np.int64)
     nrep = np.zeros(n_new_g, np.int64)
+    new = np.asarray(st.new, bool)
     seq_start = [0] * LLAMA_MAX_SEQ
-    pool_end: list[int] = []
-    i_new = 0
+    seq_cells: dict[int, npt.NDArray[np.int64]] = {}
+    ends: list[npt.NDArray[np.int64]] = []
+    n_real = i_new = 0
     for s in range(LLAMA_MAX_SEQ):
         sq = lay.seqs[s]
-        seq_start[s] = len(pool_end)
-        inert = not gather and n_stream_kv > 1 and s not in seq_in_ub
-        for j in sq.pools:
-            ip = len(pool_end)
-            if ip + 1 >= n_pool:
-                raise KVRefError("set_input_kpool: more pools than the padded count (llama.cpp asserts)")
-            rep = sq.cells[j + kpool - 1][1]
-            pcell[ip] = gcell(sq, rep)
-            members = [c for _, c in sq.cells[j : j + kpool]]
-            if inert:
-                pidx[ip] = sentinel
-            else:
-                pidx[ip] = [gcell(sq, c) if gather else c for c in members]
-            if st.new[ip]:
-                nidx[i_new] = [gcell(sq, c) for c in members]
-                nrep[i_new] = gcell(sq, rep)
-                i_new += 1
-            pool_end.append(sq.cells[j + kpool - 1][0])
+        seq_start[s] = n_real
+        if not sq.pools:
+            continue
+        cs = seq_cells[s] = cells_of(sq)
+        m = len(sq.pools)
+        if n_real + m >= n_pool:
+            raise KVRefError("set_input_kpool: more pools than the padded count (llama.cpp asserts)")
+        at = np.asarray(sq.pools, np.int64)[:, None] + np.arange(kpool)
+        members = cs[at, 1]  # (m, kpool) stream-local cells
+        g_members = sq.strm * kv_size + members
+        sl = slice(n_real, n_real + m)
+        pcell[sl] = g_members[:, -1]
+        if not gather and n_stream_kv > 1 and s not in seq_in_ub:
+            pidx[sl] = sentinel  # inert: another stream's sequence
+        else:
+            pidx[sl] = g_members if gather else members
+        fresh = new[sl]
+        k_new = int(fresh.sum())
+        nidx[i_new : i_new + k_new] = g_members[fresh]
+        nrep[i_new : i_new + k_new] = g_members[fresh, -1]
+        i_new += k_new
+        ends.append(cs[at[:, -1], 0])
+        n_real += m
     if n_new == 0:
         nidx[0] = dummy
         nrep[0] = dummy
-    n_real = len(pool_end)
+    pool_end = np.concatenate(ends) if ends else np.zeros(0, np.int64)
     pcell[n_real:] = dummy
     pidx[n_real:] = sentinel
 
+    # per token, sequence by sequence: the visible pools (those ending at or before it) and its tail cells
     mask = np.full((n_tokens, n_pool), -np.inf, np.float32)
     gm = np.full((n_tokens, n_sel), -np.inf, np.float32)
-    tidx = np.zeros((n_tokens, kpool - 1), np.int64)
-    for i in range(n_tokens):
-        s, p = ub.seq_id[i][0], int(pos[i])
+    tidx = np.full((n_tokens, kpool - 1), sentinel, np.int64)
+    seq_of = np.fromiter((ids[0] for ids in ub.seq_id), np.int64, n_tokens)
+    tok_pos = pos[:n_tokens].astype(np.int64)
+    cols = np.arange(n_pool)
+    gcols = np.arange(n_sel)
+    for s in np.unique(seq_of).tolist():
         sq = lay.seqs[s]
+        rows = np.flatnonzero(seq_of == s)
+        p = tok_pos[rows]
         p0 = seq_start[s]
-        nv = bisect.bisect_right(pool_end, p, p0, p0 + len(sq.pools)) - p0
-        mask[i, p0 : p0 + nv] = 0.0
-        nvc = min(nv, n_top)
-        gm[i, : nvc * kpool] = 0.0
-        v = _i32(p - sq.pos_min + 1)
-        n_tail = (abs(v) % kpool * (1 if v >= 0 else -1)) & 0xFFFFFFFF  # C's remainder, as uint32
-        for k in range(kpool - 1):
-            cell, real = sentinel, False
-            if k < n_tail:
-                c = find(sq, p - k)
-                if c is not None:
-                    cell, real = (gcell(sq, c) if gather else c), True
-            tidx[i, k] = cell
+        nv = np.searchsorted(pool_end[p0 : p0 + len(sq.pools)], p, side="right")
+        mask[rows] = np.where((cols >= p0) & (cols < p0 + nv[:, None]), np.float32(0.0), np.float32(-np.inf))
+        nvc = np.minimum(nv, n_top)
+        gm[rows] = np.where(gcols < (nvc * kpool)[:, None], np.float32(0.0), gm[rows])
+        v = (p - sq.pos_min + 1 + 2**31) % 2**32 - 2**31  # int32 arithmetic
+        n_tail = (np.abs(v) % kpool * np.where(v >= 0, 1, -1)) & 0xFFFFFFFF  # C's remainder, as uint32
+        cs = seq_cells[s] if s in seq_cells else cells_of(sq)
+        for k in range(kpool - 1):  # kpool - 1 tail slots, each for all the sequence's tokens at once
+            want = p - k
+            at = np.searchsorted(cs[:, 0], want, side="left")
+            ok = at < len(cs)
+            hit = np.zeros(len(rows), bool)
+            hit[ok] = cs[at[ok], 0] == want[ok]
+            real = hit & (k < n_tail)
+            c = cs[np.minimum(at, max(len(cs) - 1, 0)), 1] if len(cs) else np.zeros(len(rows), np.int64)
+            tidx[rows, k] = np.where(real, sq.strm * kv_size + c if gather else c, sentinel)
             if n_sel % kpool:
-                gm[i, n_top * kpool + k] = 0.0 if real else -np.inf
+                gm[rows, n_top * kpool + k] = np.where(real, np.float32(0.0), np.float32(-np.inf))
     out: dict[str, npt.NDArray[np.generic[object]]] = {
         "pool_cells": pcell.astype(np.int32),
         "pool_idxs": pidx.astype(np.int32).reshape(-1),

@@ -249,13 +249,13 @@ class KVCacheMSA(PairedMemory[MSASlot, MSASlot]):
         lowest: dict[int, int] = {}  # per sequence, its lowest position among the cells and the tokens so far
         for ub in ubatches:
             pos = np.asarray(ub.pos[: ub.n_tokens]).astype(np.int64)
-            for i in range(ub.n_tokens):
-                s = int(ub.seq_id[i][0])
+            seq_of = self._token_seqs(ub)
+            for s in np.unique(seq_of).tolist():
                 if s not in lowest:
                     cpos, has = self._seq_cells(s)
                     lowest[s] = int(cpos[has].min()) if has.any() else 0
-                lowest[s] = min(lowest[s], int(pos[i]))
-            n_stream = len({int(self.base.seq_to_stream[int(ub.seq_id[i][0])]) for i in range(ub.n_tokens)})
+                lowest[s] = min(lowest[s], int(pos[seq_of == s].min()))
+            n_stream = int(np.unique(np.asarray(self.base.seq_to_stream)[seq_of]).size)
             if ub.n_tokens // max(n_stream, 1) <= 1:
                 continue  # a decode graph (one token per stream): no cell -> block map
             for s in self._stream_seqs(ub, n_stream):
@@ -317,6 +317,11 @@ class KVCacheMSA(PairedMemory[MSASlot, MSASlot]):
         n_tps = ub.n_tokens // n_stream
         return [int(ub.seq_id[s * n_tps][0]) for s in range(n_stream)]
 
+    @staticmethod
+    def _token_seqs(ub: UBatch) -> npt.NDArray[np.int64]:
+        """Each token's first sequence (``ubatch->seq_id[i][0]``), (n_tokens,)."""
+        return np.fromiter((ids[0] for ids in ub.seq_id[: ub.n_tokens]), np.int64, ub.n_tokens)
+
     def _seq_cells(self, seq_id: int) -> tuple[npt.NDArray[np.int32], npt.NDArray[np.bool_]]:
         """The positions of the base cells of ``seq_id``'s stream, and which of them hold ``seq_id`` (not empty: a
         cell at a negative position other than -1 is used, as llama_kv_cells::is_empty says)."""
@@ -354,8 +359,9 @@ class KVCacheMSA(PairedMemory[MSASlot, MSASlot]):
         n_ps = self.n_ps()
         out = np.full((ub.n_tokens, n_ps), -np.inf, np.float32)
         ub_pos = np.asarray(ub.pos[: ub.n_tokens])
-        for seq_id in sorted({int(ub.seq_id[i][0]) for i in range(ub.n_tokens)}):
-            toks = np.array([i for i in range(ub.n_tokens) if int(ub.seq_id[i][0]) == seq_id], np.int64)
+        seq_of = self._token_seqs(ub)
+        for seq_id in np.unique(seq_of).tolist():
+            toks = np.flatnonzero(seq_of == seq_id)
             pos, has = self._seq_cells(seq_id)
             p0 = np.unique(pos[has & (pos >= 0) & (pos < n_ps)]).astype(np.int64)
             p1 = ub_pos[toks].astype(np.int64)

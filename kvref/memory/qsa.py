@@ -13,17 +13,18 @@ list heads them). For each stream of the ubatch:
   visible (the incomplete tail), 0 where the block competes on score.
 
 ``n_blocks = ceil(n_kv / ratio)``. When a stream of one sequence holds cells repeating a position under M-RoPE,
-the cells are ranked in (pos, y, x) order (libstdc++'s ``std::sort``, `std_sort`, decides the ties) and the rank
-takes the position's place; a block's positions are then those of its slot-0 cell.
+the cells are ranked in (pos, y, x) order (libstdc++'s ``std::sort`` decides the ties: ``rank_order`` of the twins
+``_qsa_py`` / ``_qsa_c``) and the rank takes the position's place; a block's positions are then those of its slot-0
+cell.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 
+from .._backend import select
 from ..constants import LLAMA_MAX_SEQ
 from ..errors import KVRefError
 
@@ -36,155 +37,73 @@ if TYPE_CHECKING:
     from .slots import SlotInfo
 
 BIG = np.float32(1e9)  # "always visible", finite so that it never meets a -inf
-_S_THRESHOLD = 16  # libstdc++'s introsort threshold
+_twin = select("memory.qsa")
 
 
-def std_sort(a: list[int], less: Callable[[int, int], bool]) -> None:
-    """libstdc++'s ``std::sort`` (bits/stl_algo.h: introsort, median-of-three pivot, heap sort past the depth limit,
-    final insertion sort), in place. Its order of equivalent elements is what llama.cpp's build gets: the QSA ranked
-    layout sorts cells whose keys may tie."""
-    n = len(a)
-    if n > 1:
-        _introsort_loop(a, 0, n, 2 * (n.bit_length() - 1), less)
-        _final_insertion_sort(a, 0, n, less)
+class _Groups(NamedTuple):
+    """group_cells' result for one stream (g: a group, numbered in creation order)."""
 
-
-def _introsort_loop(a: list[int], first: int, last: int, depth: int, less: Callable[[int, int], bool]) -> None:
-    while last - first > _S_THRESHOLD:
-        if depth == 0:
-            _heap_sort(a, first, last, less)
-            return
-        depth -= 1
-        cut = _partition_pivot(a, first, last, less)
-        _introsort_loop(a, cut, last, depth, less)
-        last = cut
-
-
-def _partition_pivot(a: list[int], first: int, last: int, less: Callable[[int, int], bool]) -> int:
-    mid = first + (last - first) // 2
-    x, y, z = first + 1, mid, last - 1  # __move_median_to_first
-    if less(a[x], a[y]):
-        m = y if less(a[y], a[z]) else (z if less(a[x], a[z]) else x)
-    else:
-        m = x if less(a[x], a[z]) else (z if less(a[y], a[z]) else y)
-    a[first], a[m] = a[m], a[first]
-    lo, hi, pivot = first + 1, last, a[first]  # __unguarded_partition
-    while True:
-        while less(a[lo], pivot):
-            lo += 1
-        hi -= 1
-        while less(pivot, a[hi]):
-            hi -= 1
-        if not lo < hi:
-            return lo
-        a[lo], a[hi] = a[hi], a[lo]
-        lo += 1
-
-
-def _linear_insert(a: list[int], last: int, less: Callable[[int, int], bool]) -> None:
-    val = a[last]
-    nxt = last - 1
-    while less(val, a[nxt]):
-        a[last] = a[nxt]
-        last = nxt
-        nxt -= 1
-    a[last] = val
-
-
-def _insertion_sort(a: list[int], first: int, last: int, less: Callable[[int, int], bool]) -> None:
-    for i in range(first + 1, last):
-        if less(a[i], a[first]):
-            val = a[i]
-            a[first + 1 : i + 1] = a[first:i]
-            a[first] = val
-        else:
-            _linear_insert(a, i, less)
-
-
-def _final_insertion_sort(a: list[int], first: int, last: int, less: Callable[[int, int], bool]) -> None:
-    if last - first > _S_THRESHOLD:
-        _insertion_sort(a, first, first + _S_THRESHOLD, less)
-        for i in range(first + _S_THRESHOLD, last):
-            _linear_insert(a, i, less)
-    else:
-        _insertion_sort(a, first, last, less)
-
-
-def _adjust_heap(a: list[int], first: int, hole: int, n: int, val: int, less: Callable[[int, int], bool]) -> None:
-    top = hole
-    child = hole
-    while child < (n - 1) // 2:
-        child = 2 * (child + 1)
-        if less(a[first + child], a[first + child - 1]):
-            child -= 1
-        a[first + hole] = a[first + child]
-        hole = child
-    if n % 2 == 0 and child == (n - 2) // 2:
-        child = 2 * (child + 1)
-        a[first + hole] = a[first + child - 1]
-        hole = child - 1
-    parent = (hole - 1) // 2  # __push_heap
-    while hole > top and less(a[first + parent], val):
-        a[first + hole] = a[first + parent]
-        hole = parent
-        parent = (hole - 1) // 2
-    a[first + hole] = val
-
-
-def _heap_sort(a: list[int], first: int, last: int, less: Callable[[int, int], bool]) -> None:
-    n = last - first  # __partial_sort(first, last, last): make_heap, then sort_heap
-    if n >= 2:
-        for parent in range((n - 2) // 2, -1, -1):
-            _adjust_heap(a, first, parent, n, a[first + parent], less)
-    while last - first > 1:
-        last -= 1
-        val = a[last]
-        a[last] = a[first]
-        _adjust_heap(a, first, 0, last - first, val, less)
-
-
-_Groups = tuple[dict[int, list[int]], list[int], list[int], list[int], "npt.NDArray[np.int64]", bool, bool]
+    g_first: npt.NDArray[np.int64]  # the group's first cell
+    g_full: npt.NDArray[np.bool_]  # all ``r`` slots filled
+    g_pb: npt.NDArray[np.int64]  # the group's bucket
+    g_slot0: npt.NDArray[np.int64]  # its last cell in slot 0, -1 when none
+    cell_grp: npt.NDArray[np.int64]  # each cell's group, -1 for none
+    dup: bool  # a slot of a group repeats
+    oor: bool  # a cell lies past the window
 
 
 def _group(
-    cells: KVCells, cpos: npt.NDArray[np.int32], pos: npt.NDArray[np.int64], r: int, n_blocks: int, one_seq: bool
-) -> _Groups:
-    """group_cells: per bucket ``pos // r`` a list of groups (newest first; one per sequence set unless the stream
-    holds one sequence), each with its first cell, slot bits and slot-0 cell; each cell's group; whether a slot
-    repeats (dup) and whether a cell lies past the window (oor). ``pos``: the cells' positions or ranks."""
-    heads: dict[int, list[int]] = {}
-    g_first: list[int] = []
-    g_slots: list[int] = []
-    g_slot0: list[int] = []
-    g_seqs: list[tuple[int, ...]] = []
-    cell_grp = np.full(len(cpos), -1, np.int64)
-    dup = oor = False
-    for j in np.flatnonzero(cpos >= 0).tolist():
-        p = int(pos[j])
-        pb = p // r
-        if pb >= n_blocks:
-            oor = True
-            continue
-        seqs = () if one_seq else tuple(cells.seq_get_all(j))
-        g = -1
-        for c in heads.get(pb, ()):
-            if one_seq or g_seqs[c] == seqs:
-                g = c
-                break
-        if g < 0:
-            g = len(g_first)
-            g_first.append(j)
-            g_slots.append(0)
-            g_slot0.append(-1)
-            g_seqs.append(seqs)
-            heads.setdefault(pb, []).insert(0, g)
-        bit = 1 << (p % r)
-        dup = dup or bool(g_slots[g] & bit)
-        cell_grp[j] = g
-        g_slots[g] |= bit
-        if p % r == 0:
-            g_slot0[g] = j
-    return heads, g_first, g_slots, g_slot0, cell_grp, dup, oor
+    cseq: npt.NDArray[np.uint64], cpos: npt.NDArray[np.int32], pos: npt.NDArray[np.int64], r: int, n_blocks: int,
+    one_seq: bool,
+) -> _Groups:  # fmt: skip
+    """group_cells: walking the used cells in order, a cell joins the group of its bucket ``pos // r`` and its
+    sequence set (any set when the stream holds one sequence), opening one when there is none; the group records
+    its first cell, its slot bits ``1 << pos % r`` and its slot-0 cell. ``pos``: the cells' positions or ranks;
+    ``cseq``: their (n_kv, 4) sequence bit sets. Vectorised: a group is a distinct (bucket, set) key, numbered by
+    the cell where it first occurs."""
+    n_kv = len(cpos)
+    cell_grp = np.full(n_kv, -1, np.int64)
+    used = np.flatnonzero(cpos >= 0)
+    p = pos[used]
+    pb = p // r
+    oor = bool((pb >= n_blocks).any())
+    keep = pb < n_blocks
+    used, p, pb = used[keep], p[keep], pb[keep]
+    key = pb.astype(np.uint64)[:, None]
+    if not one_seq:
+        key = np.concatenate([key, cseq[used]], axis=1)
+    _, first, inv = np.unique(key, axis=0, return_index=True, return_inverse=True)
+    inv = inv.reshape(-1)
+    made = np.argsort(first, kind="stable")  # creation order: by the cell that opens the group
+    g_of_key = np.empty(len(first), np.int64)
+    g_of_key[made] = np.arange(len(first))
+    g = g_of_key[inv]
+    n_g = len(first)
+    g_first = used[first[made]].astype(np.int64)
+    g_pb = pb[first[made]].astype(np.int64)
+    slot = p % r
+    filled = np.zeros((n_g, r), np.int64)
+    np.add.at(filled, (g, slot), 1)
+    g_full: npt.NDArray[np.bool_] = np.asarray((filled > 0).all(axis=1))
+    g_slot0 = np.full(n_g, -1, np.int64)
+    at0 = slot == 0
+    np.maximum.at(g_slot0, g[at0], used[at0])
+    cell_grp[used] = g
+    return _Groups(g_first, g_full, g_pb, g_slot0, cell_grp, bool((filled > 1).any()), oor)
+
+
+def _one_seq(cells: KVCells) -> bool:
+    """At most one sequence holds a cell of the stream (llama.cpp counts the sequences whose seq_pos is not empty)."""
+    return int((np.asarray(cells.seq_pos_min_many(range(LLAMA_MAX_SEQ))) >= 0).sum()) <= 1
+
+
+def _has_seq(cseq: npt.NDArray[np.uint64], seqs: npt.NDArray[np.int64]) -> npt.NDArray[np.bool_]:
+    """(len(seqs), n): cell j belongs to sequence seqs[t] (worked out once per distinct sequence)."""
+    uniq, inv = np.unique(seqs, return_inverse=True)
+    words = cseq[:, uniq >> 6].T  # (n_uniq, n)
+    bits = ((words >> (uniq & 63).astype(np.uint64)[:, None]) & np.uint64(1)).astype(bool)
+    got: npt.NDArray[np.bool_] = bits[inv.reshape(-1)]
+    return got
 
 
 def qsa_aborts(idx: KVCache, ub: UBatch, sinfo: SlotInfo, ratio: int) -> str | None:
@@ -203,14 +122,8 @@ def qsa_aborts(idx: KVCache, ub: UBatch, sinfo: SlotInfo, ratio: int) -> str | N
         inside = valid & (cpos // r < n_blocks)
         if not (valid & ~inside).any():
             continue
-        n_present = 0
-        for sq in range(LLAMA_MAX_SEQ):
-            if cells.seq_pos_min(sq) >= 0:
-                n_present += 1
-                if n_present == 2:
-                    break
         p_in = cpos[inside]
-        if ub.is_pos_2d() and n_present <= 1 and np.unique(p_in).size < p_in.size:
+        if ub.is_pos_2d() and _one_seq(cells) and np.unique(p_in).size < p_in.size:
             continue  # ranked
         return "qsa: cell position runs past the cell window (GGML_ASSERT in llama_memory_hybrid_idx::set_input_qsa)"
     return None
@@ -234,7 +147,6 @@ def qsa_inputs(
     if n_tokens % n_ns:
         raise KVRefError(f"{n_tokens} tokens do not divide over {n_ns} streams (llama.cpp asserts)")
     n_tps = n_tokens // n_ns
-    full = (1 << r) - 1
 
     cell_blk = np.zeros((n_ns, n_kv), np.int32)
     blk_cells = np.zeros((n_ns, r * n_blocks), np.int32)
@@ -242,92 +154,79 @@ def qsa_inputs(
     bias = np.full((n_ns, n_tps, n_blocks if blk_bias else n_kv), -np.inf, np.float32)
     pos_all = np.asarray(ub.pos)
 
+    seq0 = np.fromiter((sq[0] for sq in ub.seq_id), np.int64, n_tokens)
+
     for s in range(n_ns):
         cells = idx.get_cells(ub.seq_id[s * n_tps][0])
-        one_seq = sum(1 for sq in range(LLAMA_MAX_SEQ) if cells.seq_pos_min(sq) >= 0) <= 1
+        one_seq = _one_seq(cells)
         cpos = np.asarray(cells.pos)[:n_kv]
+        cseq = np.asarray(cells.seq)[:n_kv]
+        ext = np.asarray(cells.ext)[:n_kv]
         # what places a cell: its position, or its rank in (pos, y, x) order (the ranked layout)
         pos: npt.NDArray[np.int64] = cpos.astype(np.int64)
-        order: list[int] = []
-        ext = np.asarray(cells.ext)
+        q = pos_all[s * n_tps : (s + 1) * n_tps].astype(np.int64)  # each token's place on that line
 
-        heads, g_first, g_slots, g_slot0, cell_grp, dup, oor = _group(cells, cpos, pos, r, n_blocks, one_seq)
-        ranked = bool(dup and ub.is_pos_2d() and one_seq)
+        grp = _group(cseq, cpos, pos, r, n_blocks, one_seq)
+        ranked = bool(grp.dup and ub.is_pos_2d() and one_seq)
         if ranked:
             # M-RoPE repeats one position across an image: rank the cells in the mask's order (pos, y, x)
-            order = np.flatnonzero(cpos >= 0).tolist()
-            key = {j: (int(cpos[j]), int(ext[j, 1]), int(ext[j, 0])) for j in order}
-
-            def less(a: int, b: int, key: dict[int, tuple[int, int, int]] = key) -> bool:
-                return key[a] < key[b]
-
-            std_sort(order, less)
+            used = np.flatnonzero(cpos >= 0).astype(np.int64)
+            o = _twin.rank_order(used, cpos[used].astype(np.int64), ext[used, 1].astype(np.int64),
+                                 ext[used, 0].astype(np.int64))  # fmt: skip
             rank = np.full(n_kv, -1, np.int64)
-            rank[np.asarray(order, np.int64)] = np.arange(len(order))
+            rank[o] = np.arange(len(o))
             pos = rank
-            heads, g_first, g_slots, g_slot0, cell_grp, dup, oor = _group(cells, cpos, pos, r, n_blocks, one_seq)
-        if blk_bias and oor:
+            grp = _group(cseq, cpos, pos, r, n_blocks, one_seq)
+            # a query's place among the ranked cells: the last cell at or before it in (pos, y, x) order
+            kt = np.dtype([("p", np.int64), ("y", np.int64), ("x", np.int64)])
+            ck = np.empty(len(o), kt)
+            ck["p"], ck["y"], ck["x"] = cpos[o], ext[o, 1], ext[o, 0]
+            qk = np.empty(n_tps, kt)
+            i0 = s * n_tps
+            qk["p"] = q
+            qk["y"] = pos_all[n_tokens + i0 : n_tokens + i0 + n_tps]
+            qk["x"] = pos_all[2 * n_tokens + i0 : 2 * n_tokens + i0 + n_tps]
+            q = np.searchsorted(ck, qk, side="right").astype(np.int64) - 1
+        if blk_bias and grp.oor:
             raise KVRefError("qsa: cell position runs past the cell window (llama.cpp asserts)")
 
-        g_bid = [-1] * len(g_first)
-        bid_idx: list[int] = []
-        bid_cell: list[int] = []
-        bid_slot0: list[int] = []
-        for pb in range(n_blocks):
-            for g in heads.get(pb, ()):
-                if g_slots[g] != full:
-                    continue
-                g_bid[g] = len(bid_idx)
-                bid_idx.append(pb * r)
-                bid_cell.append(g_first[g])
-                bid_slot0.append(g_slot0[g])
-        n_bid = len(bid_idx)
-        blk_pos[:, s, :n_bid] = np.asarray(bid_idx, np.int32)
+        # blocks: the full groups, by bucket, the groups of one bucket newest first
+        n_g = len(grp.g_first)
+        full_g = np.flatnonzero(grp.g_full)
+        full_g = full_g[np.lexsort((-full_g, grp.g_pb[full_g]))]
+        n_bid = len(full_g)
+        g_bid = np.full(n_g + 1, -1, np.int64)  # index -1 (the last): no group
+        g_bid[full_g] = np.arange(n_bid)
+        bid_idx = grp.g_pb[full_g] * r
+        bid_cell = grp.g_first[full_g]
+        blk_pos[:, s, :n_bid] = bid_idx.astype(np.int32)
         if ranked:
-            for b, c in enumerate(bid_slot0):
-                p_c = int(cpos[c])
-                blk_pos[:, s, b] = (p_c, int(ext[c, 1]), int(ext[c, 0]), p_c)
+            c = grp.g_slot0[full_g]
+            blk_pos[:, s, :n_bid] = np.stack([cpos[c], ext[c, 1], ext[c, 0], cpos[c]]).astype(np.int32)
 
         have_dead = n_bid < n_blocks
         dead = n_bid if have_dead else n_blocks - 1
-        bid_of = np.asarray([*g_bid, -1], np.int64)  # index -1: no group
-        blk_of = bid_of[cell_grp]
+        blk_of = g_bid[grp.cell_grp]
         cell_blk[s] = np.where(blk_of < 0, dead, blk_of)
         inb = np.flatnonzero(blk_of >= 0)
         blk_cells[s, blk_of[inb] * r + pos[inb] % r] = inb
 
-        for ii in range(n_tps):
-            i = s * n_tps + ii
-            seq = ub.seq_id[i][0]
-            q = int(pos_all[i])
-            if ranked:
-                # the query's place among the ranked cells: the last cell at or before it in (pos, y, x) order
-                qk = (q, int(pos_all[i + n_tokens]), int(pos_all[i + 2 * n_tokens]))
-                lo, hi = 0, len(order)
-                while lo < hi:
-                    mid = (lo + hi) // 2
-                    c = order[mid]
-                    if (int(cpos[c]), int(ext[c, 1]), int(ext[c, 0])) <= qk:
-                        lo = mid + 1
-                    else:
-                        hi = mid
-                q = lo - 1
-            tail_start = (q + 1) // r * r
-            row = bias[s, ii]
-            if blk_bias:
-                for b in range(n_bid):
-                    if cells.seq_has(bid_cell[b], seq):
-                        row[b] = BIG if (causal and bid_idx[b] >= tail_start) else 0.0
-                if have_dead:
-                    row[dead] = BIG
-                continue
-            mine = np.asarray([p >= 0 and cells.seq_has(j, seq) for j, p in enumerate(pos.tolist())], bool)
-            if not causal:
-                row[mine] = np.where(blk_of[mine] < 0, BIG, 0.0)
-            else:
-                vis = mine & (pos <= q)
-                row[vis & (pos >= tail_start)] = BIG
-                row[vis & (pos < tail_start) & (blk_of >= 0)] = 0.0
+        has = _has_seq(cseq, seq0[s * n_tps : (s + 1) * n_tps])  # (n_tps, n_kv)
+        tail_start = ((q + 1) // r * r)[:, None]
+        rows = bias[s]
+        if blk_bias:
+            val = np.where(causal & (bid_idx[None, :] >= tail_start), BIG, np.float32(0.0))
+            rows[:, :n_bid] = np.where(has[:, bid_cell], val, rows[:, :n_bid])
+            if have_dead:
+                rows[:, dead] = BIG
+            continue
+        mine = has & (pos >= 0)[None, :]
+        if not causal:
+            rows[mine] = np.broadcast_to(np.where(blk_of < 0, BIG, np.float32(0.0)), mine.shape)[mine]
+        else:
+            vis = mine & (pos[None, :] <= q[:, None])
+            rows[vis & (pos[None, :] >= tail_start)] = BIG
+            rows[vis & (pos[None, :] < tail_start) & (blk_of >= 0)[None, :]] = 0.0
     return {"cell_blk": cell_blk, "blk_cells": blk_cells, "blk_pos": blk_pos.reshape(-1), "bias": bias}
 
 
