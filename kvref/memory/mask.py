@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import numpy.typing as npt
 
+from ..constants import POS_MAX
 from ..errors import ArgumentError, ArgumentTypeError, KVRefError
 from . import mask_kernels as _kernels
 from .mask_kernels import (
@@ -149,7 +150,39 @@ def fill_kq_mask(
         non_causal_type=int(hp.non_causal_type if non_causal_type is None else non_causal_type),
         alibi=bool(hp.use_alibi if alibi is None else alibi),
     )
+    if n_tokens > 1 and not (hp.use_alibi if alibi is None else alibi):
+        _stale_wrapped_cells(mask, kv, pos[:n_tokens], tok_seq, kv.n_swa if n_swa is None else n_swa)
     return mask
+
+
+def _stale_wrapped_cells(
+    mask: MaskArray, kv: KVCache, pos: npt.NDArray[np.int32], tok_seq: npt.NDArray[np.int32], n_swa: int
+) -> None:
+    """What llama.cpp's row reuse leaves in the mask near INT32_MAX. set_input_kq_mask computes the first token of
+    each sequence (per stream) in full and copies its row to the sequence's later tokens, recomputing only the cells
+    it recorded: those with ``p0 + (int32)(n_swa + 32) >= the sequence's lowest position in the ubatch``, an int32
+    sum. Where that sum wraps (a cell within n_swa + 32 of INT32_MAX) the cell is not recorded, and the later tokens
+    keep the first token's value for it. Everywhere else the copy equals the row computed afresh."""
+    n_stream, n_tps, n_kv = mask.shape
+    w = (int(n_swa) + 32 + 2**31) % 2**32 - 2**31  # (int32_t)(n_swa + 32)
+    cells = [kv.cells(s) for s in range(kv.n_stream)]
+    if w <= 0 or not any(n_kv and int(np.max(c.pos[:n_kv])) > POS_MAX - w for c in cells):
+        return  # no sum can wrap: the common case, one comparison per stream
+    seq_min: dict[int, int] = {}
+    for p, sq in zip(pos.tolist(), tok_seq.tolist(), strict=True):
+        seq_min[sq] = min(seq_min.get(sq, p), p)
+    for s in range(n_stream):
+        first: dict[int, int] = {}
+        for ii in range(n_tps):
+            sq = int(tok_seq[s * n_tps + ii])
+            if sq not in first:
+                first[sq] = ii
+                continue
+            c = cells[int(kv.seq_to_stream[sq]) if kv.n_stream > 1 else 0]
+            p0 = c.pos[:n_kv].astype(np.int64)
+            has = (c.seq[:n_kv, sq >> 6] >> np.uint64(sq & 63)) & np.uint64(1)
+            stale = (p0 + w > POS_MAX) & (p0 + w >= seq_min[sq]) & (has != 0)
+            mask[s, ii, stale] = mask[s, first[sq], stale]
 
 
 def fill_pos_bucket(
