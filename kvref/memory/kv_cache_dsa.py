@@ -13,7 +13,7 @@ sequence again (llama_kv_cache_dsa::state_read's state_clear).
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -24,13 +24,14 @@ from ..errors import NoSlotError
 from ..ggml.types import GGMLType
 from ..hparams import HParams, RopeType, SWAType
 from ..profile import DEFAULT, Profile, resolve
-from .base import ContextParams, PairedMemory, read_parts
+from .base import ContextParams, read_parts
 from .batch import UBatch
-from .kv_cache import KVCache, YarnParams
+from .cache_pair import CachePair
+from .kv_cache import KVCache
 from .slots import SlotInfo
 
 if TYPE_CHECKING:
-    from typing_extensions import Buffer, Unpack
+    from typing_extensions import Buffer
 
     from .batch import BatchAllocr
 
@@ -54,7 +55,7 @@ def lid_hparams(hparams: HParams) -> HParams:
     return dataclasses.replace(hparams, n_head_kv=1, n_embd_head_k=hparams.indexer_head_size, rope_type=RopeType.NEOX)
 
 
-class KVCacheDSA(PairedMemory[DSASlot, DSASlot]):
+class KVCacheDSA(CachePair[DSASlot, DSASlot]):
     """llama_kv_cache_dsa. ``kv_size`` cells in both caches (llama.cpp passes ``n_ctx_seq``); ``filter_mla`` /
     ``filter_lid`` choose the layers of each (None: every layer)."""
 
@@ -108,6 +109,9 @@ class KVCacheDSA(PairedMemory[DSASlot, DSASlot]):
     def _pair(self) -> list[KVCache]:
         return [self.mla, self.lid]
 
+    def _slot(self, *slots: object) -> DSASlot:
+        return DSASlot(*slots)  # type: ignore[arg-type]  # one slot per cache, in the parts' order
+
     def get_mla(self) -> KVCache:
         """The MLA (latent K) cache (llama_kv_cache_dsa::get_mla)."""
         return self.mla
@@ -123,38 +127,11 @@ class KVCacheDSA(PairedMemory[DSASlot, DSASlot]):
         inputs are `graph_input`'s ``kq_mask_lid`` / ``k_idxs_lid``)."""
         return self.mla.attention_cache(None if sinfo is None else sinfo.mla, swa=swa)
 
-    def total_size(self) -> int:
-        """Backing-buffer bytes of both caches (see KVCache.total_size)."""
-        return self.mla.total_size() + self.lid.total_size()
-
-    def size_k_bytes(self) -> int:
-        """Bytes of the K tensors of both caches."""
-        return self.mla.size_k_bytes() + self.lid.size_k_bytes()
-
-    def size_v_bytes(self) -> int:
-        """Bytes of the V tensors of both caches (0: MLA stores no V)."""
-        return self.mla.size_v_bytes() + self.lid.size_v_bytes()
-
     def get_size(self) -> int:
         """Cells per stream (both caches have the same)."""
         return self.mla.get_size()
 
-    def get_n_stream(self) -> int:
-        """The number of streams of each cache (both have the same)."""
-        return self.mla.get_n_stream()
-
-    def get_can_shift(self) -> bool:
-        """True when both caches can shift and have the same size (llama_kv_cache_dsa::get_can_shift)."""
-        return self.mla.get_can_shift() and self.lid.get_can_shift() and self.mla.get_size() == self.lid.get_size()
-
     # --- sequence operations -------------------------------------------------------------------------------
-
-    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
-        """seq_rm on both caches (always both); True when both succeed."""
-        seq_id, p0, p1 = self.check_op("seq_rm", seq_id, p0, p1)
-        res_mla = self.mla.seq_rm(seq_id, p0, p1)
-        res_lid = self.lid.seq_rm(seq_id, p0, p1)
-        return bool(res_mla and res_lid)
 
     def seq_pos_min(self, seq_id: int) -> int:
         """Like llama_kv_cache_dsa::seq_pos_min: the MLA cache's."""
@@ -165,22 +142,6 @@ class KVCacheDSA(PairedMemory[DSASlot, DSASlot]):
         return self.mla.seq_pos_max(seq_id)
 
     # --- batches -------------------------------------------------------------------------------------------
-
-    def update(self, **kw: Unpack[YarnParams]) -> bool:
-        """init_update on both caches (each shifts and copies streams on its own), MLA first."""
-        res_mla = self.mla.update(**kw)
-        res_lid = self.lid.update(**kw)
-        return res_mla or res_lid
-
-    def prepare(self, ubatches: Sequence[UBatch]) -> list[DSASlot]:
-        """Slots in both caches (MLA, then indexer), or [] when either cannot place the ubatches."""
-        sm = self.mla.prepare(ubatches)
-        if not sm:
-            return []
-        sl = self.lid.prepare(ubatches)
-        if not sl:
-            return []
-        return [DSASlot(m, i) for m, i in zip(sm, sl, strict=True)]
 
     def init_batch(self, balloc: BatchAllocr, n_ubatch: int, embd_all: bool = False) -> list[tuple[UBatch, DSASlot]]:
         """llama_kv_cache_dsa::init_batch: a simple split with one stream, else an equal sequential split; the split

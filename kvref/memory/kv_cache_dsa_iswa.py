@@ -12,7 +12,7 @@ the DSA part restored.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
 from ..args import as_state_args
@@ -20,15 +20,16 @@ from ..errors import NoSlotError
 from ..ggml.types import GGMLType
 from ..hparams import HParams, SWAType
 from ..profile import DEFAULT, Profile, resolve
-from .base import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, ContextParams, PairedMemory, read_parts
+from .base import LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY, ContextParams, read_parts
 from .batch import UBatch
-from .kv_cache import KVCache, YarnParams
+from .cache_pair import CachePair
+from .kv_cache import KVCache
 from .kv_cache_dsa import LID_INPUTS, DSASlot, GraphInput, KVCacheDSA, lid_input
 from .kv_cache_iswa import swa_cache_size
 from .slots import SlotInfo
 
 if TYPE_CHECKING:
-    from typing_extensions import Buffer, Unpack
+    from typing_extensions import Buffer
 
     from .base import MemoryPart
     from .batch import BatchAllocr
@@ -41,7 +42,7 @@ class DSAISWASlot(NamedTuple):
     swa: SlotInfo
 
 
-class KVCacheDSAISWA(PairedMemory[DSAISWASlot, DSAISWASlot]):
+class KVCacheDSAISWA(CachePair[DSAISWASlot, DSAISWASlot]):
     """llama_kv_cache_dsa_iswa. ``kv_size`` is the DSA caches' size (llama.cpp passes ``n_ctx_seq``); ``filter_mla``
     is chained with "not SWA" for the DSA pair and "SWA" for the SWA cache; ``filter_lid`` is the indexer cache's."""
 
@@ -121,6 +122,9 @@ class KVCacheDSAISWA(PairedMemory[DSAISWASlot, DSAISWASlot]):
     def _pair(self) -> list[MemoryPart[object]]:
         return [self.dsa, self.swa]
 
+    def _slot(self, *slots: object) -> DSAISWASlot:
+        return DSAISWASlot(*slots)  # type: ignore[arg-type]  # one slot per cache, in the parts' order
+
     def get_dsa(self) -> KVCacheDSA:
         """The DSA pair over the full-attention layers (llama_kv_cache_dsa_iswa::get_dsa)."""
         return self.dsa
@@ -140,34 +144,7 @@ class KVCacheDSAISWA(PairedMemory[DSAISWASlot, DSAISWASlot]):
             return self.swa, None if sinfo is None else sinfo.swa
         return self.dsa.attention_cache(None if sinfo is None else sinfo.dsa)
 
-    def total_size(self) -> int:
-        """Backing-buffer bytes of the three caches."""
-        return self.dsa.total_size() + self.swa.total_size()
-
-    def size_k_bytes(self) -> int:
-        """Bytes of the K tensors of the three caches."""
-        return self.dsa.size_k_bytes() + self.swa.size_k_bytes()
-
-    def size_v_bytes(self) -> int:
-        """Bytes of the V tensors (0 for MLA caches)."""
-        return self.dsa.size_v_bytes() + self.swa.size_v_bytes()
-
-    def get_n_stream(self) -> int:
-        """The number of streams of each cache (all have the same)."""
-        return self.swa.get_n_stream()
-
-    def get_can_shift(self) -> bool:
-        """True when every cache can shift and the MLA and SWA caches have the same size."""
-        return self.dsa.get_can_shift() and self.swa.get_can_shift() and self.dsa.mla.get_size() == self.swa.get_size()
-
     # --- sequence operations -------------------------------------------------------------------------------
-
-    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
-        """seq_rm on the DSA pair and the SWA cache (always all); True when all succeed."""
-        seq_id, p0, p1 = self.check_op("seq_rm", seq_id, p0, p1)
-        res_dsa = self.dsa.seq_rm(seq_id, p0, p1)
-        res_swa = self.swa.seq_rm(seq_id, p0, p1)
-        return bool(res_dsa and res_swa)
 
     def seq_pos_min(self, seq_id: int) -> int:
         """Like llama_kv_cache_dsa_iswa::seq_pos_min: the SWA cache's."""
@@ -178,22 +155,6 @@ class KVCacheDSAISWA(PairedMemory[DSAISWASlot, DSAISWASlot]):
         return self.swa.seq_pos_max(seq_id)
 
     # --- batches -------------------------------------------------------------------------------------------
-
-    def update(self, **kw: Unpack[YarnParams]) -> bool:
-        """init_update on the DSA pair, then the SWA cache."""
-        res_dsa = self.dsa.update(**kw)
-        res_swa = self.swa.update(**kw)
-        return res_dsa or res_swa
-
-    def prepare(self, ubatches: Sequence[UBatch]) -> list[DSAISWASlot]:
-        """Slots in the MLA, indexer and SWA caches in turn, or [] when one cannot place the ubatches."""
-        sd = self.dsa.prepare(ubatches)
-        if not sd:
-            return []
-        ss = self.swa.prepare(ubatches)
-        if not ss:
-            return []
-        return [DSAISWASlot(d, s) for d, s in zip(sd, ss, strict=True)]
 
     def init_batch(
         self, balloc: BatchAllocr, n_ubatch: int, embd_all: bool = False

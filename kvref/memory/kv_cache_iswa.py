@@ -7,7 +7,7 @@ operations go to both; the state is the base section followed by the SWA section
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -21,18 +21,18 @@ from ..profile import DEFAULT, Profile, resolve
 from .base import (
     LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY,
     ContextParams,
-    PairedMemory,
     decode_batch,
     over_n_batch,
     read_parts,
     store_rows,
 )
 from .batch import UBatch
-from .kv_cache import KVCache, YarnParams
+from .cache_pair import CachePair
+from .kv_cache import KVCache
 from .slots import SlotInfo
 
 if TYPE_CHECKING:
-    from typing_extensions import Buffer, Unpack
+    from typing_extensions import Buffer
 
     from .batch import Batch, BatchAllocr
 
@@ -58,7 +58,7 @@ def swa_cache_size(
     return (want + n_pad - 1) // n_pad * n_pad
 
 
-class KVCacheISWA(PairedMemory[ISWASlot, ISWASlot]):
+class KVCacheISWA(CachePair[ISWASlot, ISWASlot]):
     """llama_kv_cache_iswa. ``kv_size`` is the base size (llama.cpp passes ``n_ctx_seq``)."""
 
     kind = "iswa"
@@ -137,6 +137,9 @@ class KVCacheISWA(PairedMemory[ISWASlot, ISWASlot]):
     def _pair(self) -> list[KVCache]:
         return [self.base, self.swa]
 
+    def _slot(self, *slots: object) -> ISWASlot:
+        return ISWASlot(*slots)  # type: ignore[arg-type]  # one slot per cache, in the parts' order
+
     # --- sizes ---------------------------------------------------------------------------------------------
 
     def attention_cache(self, sinfo: ISWASlot | None = None, *, swa: bool = False) -> tuple[KVCache, SlotInfo | None]:
@@ -154,35 +157,7 @@ class KVCacheISWA(PairedMemory[ISWASlot, ISWASlot]):
         """The sliding-window cache (llama_kv_cache_iswa::get_swa)."""
         return self.swa
 
-    def total_size(self) -> int:
-        """Backing-buffer bytes of both caches (see KVCache.total_size)."""
-        return self.base.total_size() + self.swa.total_size()
-
-    def size_k_bytes(self) -> int:
-        """Bytes of the K tensors of both caches."""
-        return self.base.size_k_bytes() + self.swa.size_k_bytes()
-
-    def size_v_bytes(self) -> int:
-        """Bytes of the V tensors of both caches."""
-        return self.base.size_v_bytes() + self.swa.size_v_bytes()
-
-    def get_n_stream(self) -> int:
-        """The number of streams of each cache (both have the same)."""
-        return self.base.get_n_stream()
-
-    def get_can_shift(self) -> bool:
-        """True when both caches can shift and have the same size (the K-shift graph is shared)."""
-        # a shift needs both caches to allow it and the same size (the shift graph is shared)
-        return self.base.get_can_shift() and self.swa.get_can_shift() and self.base.get_size() == self.swa.get_size()
-
     # --- sequence operations -------------------------------------------------------------------------------
-
-    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
-        """seq_rm on both caches (always both, as llama.cpp); True when both succeed."""
-        seq_id, p0, p1 = self.check_op("seq_rm", seq_id, p0, p1)
-        res_base = self.base.seq_rm(seq_id, p0, p1)  # both are always called (bitwise and in llama.cpp)
-        res_swa = self.swa.seq_rm(seq_id, p0, p1)
-        return bool(res_base and res_swa)
 
     def seq_pos_min(self, seq_id: int) -> int:
         """Like llama_kv_cache_iswa::seq_pos_min: the SWA cache's, whose range is the memory's."""
@@ -194,22 +169,6 @@ class KVCacheISWA(PairedMemory[ISWASlot, ISWASlot]):
         return self.swa.seq_pos_max(seq_id)
 
     # --- batches -------------------------------------------------------------------------------------------
-
-    def update(self, **kw: Unpack[YarnParams]) -> bool:
-        """init_update on both caches (K-shift, stream copies)."""
-        res_base = self.base.update(**kw)
-        res_swa = self.swa.update(**kw)
-        return res_base or res_swa
-
-    def prepare(self, ubatches: Sequence[UBatch]) -> list[ISWASlot]:
-        """Slots in both caches, or [] when either cannot place the ubatches (cells restored)."""
-        sb = self.base.prepare(ubatches)
-        if not sb:
-            return []
-        ss = self.swa.prepare(ubatches)
-        if not ss:
-            return []
-        return [ISWASlot(b, s) for b, s in zip(sb, ss, strict=True)]
 
     def init_batch(self, balloc: BatchAllocr, n_ubatch: int, embd_all: bool = False) -> list[tuple[UBatch, ISWASlot]]:
         """llama_kv_cache_iswa::init_batch: a simple split first (one stream only), then an equal split

@@ -17,7 +17,7 @@ position <-> cell maps of llm_graph_input_msa (src/models/minimax-m3.cpp), compu
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -30,7 +30,6 @@ from ..hparams import HParams, SWAType, is_masked_swa
 from ..profile import DEFAULT, Profile, resolve
 from .base import (
     ContextParams,
-    PairedMemory,
     check_decode,
     decode_batch,
     decode_seq_bound,
@@ -39,11 +38,12 @@ from .base import (
     store_rows,
 )
 from .batch import BatchAllocr, UBatch
-from .kv_cache import KVCache, YarnParams
+from .cache_pair import CachePair
+from .kv_cache import KVCache
 from .slots import SlotInfo
 
 if TYPE_CHECKING:
-    from typing_extensions import Buffer, Unpack
+    from typing_extensions import Buffer
 
     from .batch import Batch
 
@@ -64,7 +64,7 @@ def indexer_hparams(hparams: HParams) -> HParams:
     return dataclasses.replace(hparams, n_head_kv=1, n_embd_head_k=hparams.indexer_head_size)
 
 
-class KVCacheMSA(PairedMemory[MSASlot, MSASlot]):
+class KVCacheMSA(CachePair[MSASlot, MSASlot]):
     """llama_kv_cache_msa. ``kv_size`` is the size of both caches (llama.cpp passes ``n_ctx_seq``)."""
 
     kind = "msa"
@@ -119,6 +119,9 @@ class KVCacheMSA(PairedMemory[MSASlot, MSASlot]):
     def _pair(self) -> list[KVCache]:
         return [self.base, self.idx]
 
+    def _slot(self, *slots: object) -> MSASlot:
+        return MSASlot(*slots)  # type: ignore[arg-type]  # one slot per cache, in the parts' order
+
     # --- sizes ---------------------------------------------------------------------------------------------
 
     def attention_cache(self, sinfo: MSASlot | None = None, *, swa: bool = False) -> tuple[KVCache, SlotInfo | None]:
@@ -135,34 +138,7 @@ class KVCacheMSA(PairedMemory[MSASlot, MSASlot]):
         """The indexer key cache (llama_kv_cache_msa::get_idx)."""
         return self.idx
 
-    def total_size(self) -> int:
-        """Backing-buffer bytes of both caches (see KVCache.total_size)."""
-        return self.base.total_size() + self.idx.total_size()
-
-    def size_k_bytes(self) -> int:
-        """Bytes of the K tensors of both caches."""
-        return self.base.size_k_bytes() + self.idx.size_k_bytes()
-
-    def size_v_bytes(self) -> int:
-        """Bytes of the V tensors of both caches (the indexer cache's are allocated, never written)."""
-        return self.base.size_v_bytes() + self.idx.size_v_bytes()
-
-    def get_n_stream(self) -> int:
-        """The number of streams of each cache (both have the same)."""
-        return self.base.get_n_stream()
-
-    def get_can_shift(self) -> bool:
-        """Like llama_kv_cache_msa::get_can_shift: both caches can shift and have the same size."""
-        return self.base.get_can_shift() and self.idx.get_can_shift() and self.base.get_size() == self.idx.get_size()
-
     # --- sequence operations -------------------------------------------------------------------------------
-
-    def seq_rm(self, seq_id: int, p0: int = -1, p1: int = -1) -> bool:
-        """seq_rm on both caches (always both, as llama.cpp); True when both succeed."""
-        seq_id, p0, p1 = self.check_op("seq_rm", seq_id, p0, p1)
-        res_base = self.base.seq_rm(seq_id, p0, p1)
-        res_idx = self.idx.seq_rm(seq_id, p0, p1)
-        return bool(res_base and res_idx)
 
     def seq_pos_min(self, seq_id: int) -> int:
         """Like llama_kv_cache_msa::seq_pos_min: the base cache's."""
@@ -173,22 +149,6 @@ class KVCacheMSA(PairedMemory[MSASlot, MSASlot]):
         return self.base.seq_pos_max(seq_id)
 
     # --- batches -------------------------------------------------------------------------------------------
-
-    def update(self, **kw: Unpack[YarnParams]) -> bool:
-        """init_update on both caches (K-shift, stream copies)."""
-        res_base = self.base.update(**kw)
-        res_idx = self.idx.update(**kw)
-        return res_base or res_idx
-
-    def prepare(self, ubatches: Sequence[UBatch]) -> list[MSASlot]:
-        """Slots in both caches, or [] when either cannot place the ubatches (cells restored)."""
-        sb = self.base.prepare(ubatches)
-        if not sb:
-            return []
-        si = self.idx.prepare(ubatches)
-        if not si:
-            return []
-        return [MSASlot(b, i) for b, i in zip(sb, si, strict=True)]
 
     def init_batch(self, balloc: BatchAllocr, n_ubatch: int, embd_all: bool = False) -> list[tuple[UBatch, MSASlot]]:
         """llama_kv_cache_msa::init_batch: one split only, simple with one stream, else equal (sequential); it
